@@ -1,0 +1,27 @@
+# The two commands of the README. Each creates .venv if missing and installs the
+# project into it (torch pinned to the CPU build 2.13.0 first, so pip does not pull
+# a multi-GB CUDA build).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+export FP8RL_DATA_DIR ?= $(abspath ../shared/data)
+
+.PHONY: run test venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/fp8rl run
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
