@@ -1,0 +1,226 @@
+"""The DuckDB catalog: an in-memory connection with one view per table.
+
+``connect(root)`` — ``root`` is one run directory or a folder of them — returns
+an in-memory DuckDB connection where each table of ``storage.schemas`` is a
+view over the *live* Parquet parts of every selected run, so runs compare in
+one query::
+
+    con = connect("runs/")
+    con.sql("SELECT run_id, step, clipfrac_lower FROM steps ORDER BY run_id, step").fetchall()
+
+Views, per table ``t``:
+
+- ``t_variants``: every row, all variants (a re-run written as variant
+  'whatif' sits beside 'main');
+- ``t``: the campaign itself, ``WHERE variant = 'main'`` — queries written
+  before any re-run keep their meaning after one.
+
+Plus ``ledger`` / ``ledger_variants`` (from ``ledger.jsonl``), ``runs`` (one
+row per run directory) and ``catalog_problems`` (files skipped, with why).
+
+How the views are built:
+
+- live files are chosen from the file names (newest write per table, run,
+  step, stage, variant; see ``storage.layout``), so nothing is read to plan;
+- each file's Parquet header and footer magic are checked (a few bytes); a
+  truncated or foreign file is skipped and listed in ``catalog_problems``
+  instead of failing every query on that table (``fp8rl doctor`` names it);
+- ``run_id`` and ``step`` (BIGINT) are read from the files, which carry them
+  (self-describing even when copied alone); the ``run=/step=`` hive path is
+  what listing and ``runs=`` use, so DuckDB's own hive parsing is off (it
+  would add a duplicate ``run`` column);
+- ``read_parquet([...], union_by_name=true)`` unions evolving schemas; the
+  table's schema is unioned in as an empty typed relation, so every contract
+  column exists with its type even in a run that has no such file yet (a run
+  with no eval gives an empty ``eval_scores``, not an error);
+- ``token_stats`` adds the derived columns (ratios, over/under-clipped) as expressions;
+  ``steps`` folds the rows written by different stages of one step into one.
+
+Nothing is locked or cached: a campaign may write while queries run. A file
+that is set aside between listing and reading (a retried stage) makes DuckDB
+raise an I/O error; :func:`query` then re-lists the files and retries.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from storage.layout import RunLayout, find_runs, live_parts, scan_parts
+from storage.ledger import Ledger
+from storage.schemas import MAIN_VARIANT, STORED_TABLES, TABLES, TableSpec
+
+_SOURCE = "_catalog_source"
+_PROBLEMS = "catalog_problems"
+_KEYS = ("run_id", "step", "variant")
+
+
+def _sql_str(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def quick_parquet_check(path: Path) -> str | None:
+    """A cheap validity check: None if the file looks like complete Parquet, else why not.
+
+    Reads 12 bytes: the leading and trailing 'PAR1' magic and the footer length.
+    A file cut short by a crash or a partial copy loses its footer and fails here.
+    """
+    try:
+        size = path.stat().st_size
+        if size < 12:
+            return f"truncated Parquet ({size} bytes)"
+        with open(path, "rb") as f:
+            head = f.read(4)
+            f.seek(size - 8)
+            tail = f.read(8)
+    except OSError as err:
+        return f"unreadable ({err.strerror or err})"
+    if head != b"PAR1":
+        return "not a Parquet file (bad leading magic)"
+    footer_len, magic = struct.unpack("<I4s", tail)
+    if magic != b"PAR1" or footer_len + 12 > size:
+        return "truncated Parquet (no valid footer)"
+    return None
+
+
+def connect(root: str | Path, *, runs: Iterable[str] | None = None, threads: int | None = None) -> duckdb.DuckDBPyConnection:
+    """Open an in-memory DuckDB connection with the views of the runs under ``root``.
+
+    ``runs``: only these run ids (UnknownRun lists the available ones).
+    Raises NotARunDirectory if ``root`` holds no run directory.
+    """
+    con = duckdb.connect(":memory:")
+    if threads is not None:
+        con.execute(f"SET threads = {int(threads)}")
+    runs = list(runs) if runs else None
+    find_runs(root, runs)  # fail early, before creating anything
+    con.execute(f"CREATE TABLE {_SOURCE} (root VARCHAR, run VARCHAR)")
+    rows = [(str(Path(root).resolve()), r) for r in (runs or [None])]
+    con.executemany(f"INSERT INTO {_SOURCE} VALUES (?, ?)", rows)
+    refresh(con)
+    return con
+
+
+def _source(con: duckdb.DuckDBPyConnection) -> tuple[str, list[str] | None]:
+    rows = con.sql(f"SELECT root, run FROM {_SOURCE}").fetchall()
+    runs = [r for _, r in rows if r is not None]
+    return rows[0][0], (runs or None)
+
+
+def _create_from_arrow(con: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> None:
+    con.register("_arrow_in", table)
+    try:
+        con.execute(f"CREATE OR REPLACE TABLE {name} AS SELECT * FROM _arrow_in")
+    finally:
+        con.unregister("_arrow_in")
+
+
+def _view_sql(spec: TableSpec, files: list[str]) -> str:
+    empty = f"_schema_{spec.name}"
+    if files:
+        listing = "[" + ", ".join(_sql_str(f) for f in files) + "]"
+        scan = f"read_parquet({listing}, union_by_name = true, hive_partitioning = false)"
+        base = f"SELECT * FROM {empty} UNION ALL BY NAME SELECT * FROM {scan}"
+    else:
+        base = f"SELECT * FROM {empty}"
+    if spec.derived:
+        exprs = ", ".join(f"{expr} AS {name}" for name, expr, _ in spec.derived)
+        base = f"SELECT *, {exprs} FROM ({base})"
+    if spec.merge_rows:
+        keys = ", ".join(_KEYS)
+        base = f"SELECT {keys}, any_value(COLUMNS(* EXCLUDE ({keys}))) FROM ({base}) GROUP BY {keys}"
+    return base
+
+
+def _live_files(spec: TableSpec, infos: list, problems: list[tuple[str, str]]) -> list[str]:
+    files: list[str] = []
+    for info in infos:
+        parts = scan_parts(RunLayout(info.path), spec.name, info.run_id)
+        for p in parts:
+            if p.name is None:
+                problems.append((str(p.path), "file name not written by fp8rl storage; ignored"))
+        live, _ = live_parts(parts)
+        for p in live:
+            why = quick_parquet_check(p.path)
+            if why is None:
+                files.append(str(p.path))
+            elif os.path.exists(p.path):
+                problems.append((str(p.path), f"{why}; skipped (run `fp8rl doctor`)"))
+    return files
+
+
+def refresh(con: duckdb.DuckDBPyConnection, *, retries: int = 5) -> list[tuple[str, str]]:
+    """(Re)build the views from the files now on disk; returns the problems found.
+
+    Creating a view reads the listed files' schemas; if a concurrent writer
+    sets one aside meanwhile, the table is listed again (up to ``retries`` times).
+    """
+    root, runs = _source(con)
+    infos = find_runs(root, runs)
+    problems: list[tuple[str, str]] = []
+    for name in STORED_TABLES:
+        spec = TABLES[name]
+        _create_from_arrow(con, f"_schema_{name}", spec.schema().empty_table())
+        for attempt in range(retries + 1):
+            found: list[tuple[str, str]] = []
+            files = _live_files(spec, infos, found)
+            try:
+                con.execute(f"CREATE OR REPLACE VIEW {name}_variants AS {_view_sql(spec, files)}")
+                con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {name}_variants WHERE variant = '{MAIN_VARIANT}'")
+                break
+            except duckdb.IOException:
+                if attempt == retries or all(os.path.exists(f) for f in files):
+                    raise
+        problems += found
+
+    ledgers = [Ledger(info.path).to_arrow(variant=None) for info in infos]
+    _create_from_arrow(con, "_ledger_rows", pa.concat_tables(ledgers) if ledgers else TABLES["ledger"].schema().empty_table())
+    con.execute("CREATE OR REPLACE VIEW ledger_variants AS SELECT * FROM _ledger_rows")
+    con.execute(f"CREATE OR REPLACE VIEW ledger AS SELECT * FROM ledger_variants WHERE variant = '{MAIN_VARIANT}'")
+
+    run_rows = pa.Table.from_pylist(
+        [{"run_id": i.run_id, "path": str(i.path), "config_hash": i.config_hash, "created_at": i.created_at,
+          "schema_version": i.schema_version} for i in infos],
+        schema=pa.schema([("run_id", pa.string()), ("path", pa.string()), ("config_hash", pa.string()),
+                          ("created_at", pa.string()), ("schema_version", pa.int32())]),
+    )
+    _create_from_arrow(con, "runs", run_rows)
+    _create_from_arrow(con, _PROBLEMS, pa.table({"path": pa.array([p for p, _ in problems], pa.string()),
+                                                 "problem": pa.array([w for _, w in problems], pa.string())}))
+    return problems
+
+
+def problems(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
+    """Files the views skipped: (path, why)."""
+    return con.sql(f"SELECT path, problem FROM {_PROBLEMS}").fetchall()
+
+
+def set_params(con: duckdb.DuckDBPyConnection, params: Mapping[str, Any]) -> None:
+    """``SET VARIABLE name = value`` for each param (named queries read them with getvariable)."""
+    for name, value in params.items():
+        if not str(name).isidentifier():
+            raise ValueError(f"parameter name {name!r} is not an identifier")
+        con.execute(f"SET VARIABLE {name} = ?", [value])
+
+
+def query(con: duckdb.DuckDBPyConnection, sql: str, *, retries: int = 3) -> pa.Table:
+    """Run ``sql`` and return the result as an arrow table.
+
+    A file set aside by a concurrent writer between listing and reading gives
+    DuckDB an I/O error; the views are then rebuilt and the query retried.
+    """
+    for attempt in range(retries + 1):
+        try:
+            rel = con.sql(sql)
+            return rel.to_arrow_table() if rel is not None else pa.table({})
+        except duckdb.IOException:
+            if attempt == retries:
+                raise
+            refresh(con)
+    raise AssertionError("unreachable")

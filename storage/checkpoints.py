@@ -1,0 +1,336 @@
+"""Checkpoints: everything needed to continue a campaign bit-for-bit from a step.
+
+``checkpoints/step_<n>/`` holds::
+
+    model/            model.save_pretrained (safetensors + config.json) and the
+                      tokenizer if given: ``AutoModelForCausalLM.from_pretrained(model/)`` loads it
+    optimizer.pt      optimizer.state_dict() (torch.save; loaded with weights_only=True)
+    rng.json          python, numpy (legacy global) and torch (CPU, CUDA) RNG states
+    state.json        step, sampler position, calibrator state, config, metrics, extra
+    manifest.json     every other file's size and sha256; written last
+
+Atomicity: everything is written into ``checkpoints/.tmp-step_<n>-<hex>/``,
+fsynced, and the folder renamed to ``step_<n>``. A checkpoint is *complete* iff
+its folder has that name and its manifest verifies; ``latest_complete`` skips
+any other (half-written, truncated, bit-rotted). Re-checkpointing a step sets
+the old folder aside under ``superseded/``.
+
+Retention (``apply_retention``) keeps the last k complete checkpoints plus the
+best one by a metric recorded in ``state.json``, and deletes the rest: unlike
+table parts, old checkpoints are large and reproducible from the ledger.
+
+torch is imported inside the functions that need it so that the catalog and
+``fp8rl doctor`` stay quick to start.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from storage.errors import CheckpointError
+from storage.layout import RunLayout
+
+MANIFEST, STATE, RNG, OPTIMIZER, MODEL_DIR = "manifest.json", "state.json", "rng.json", "optimizer.pt", "model"
+CHECKPOINT_FORMAT = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class Checkpoint:
+    """What ``load_checkpoint`` restored (the model and optimizer are loaded in place)."""
+
+    path: Path
+    step: int
+    model_dir: Path | None
+    sampler_state: Any = None
+    calibrator_state: dict | None = None
+    config: dict | None = None
+    metrics: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+    created_at: str = ""
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray) or (hasattr(x, "detach") and hasattr(x, "tolist")):
+        return x.tolist()
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"{type(x).__name__} is not JSON-serializable; pass plain numbers, lists, dicts")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def capture_rng_state() -> dict:
+    """Global RNG states of python ``random``, numpy (legacy) and torch (CPU + CUDA), JSON-able."""
+    import torch
+
+    py = random.getstate()
+    npst = np.random.get_state()
+    state = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Inverse of :func:`capture_rng_state` (CUDA states only where CUDA is present)."""
+    import torch
+
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(
+            [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]]
+        )
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    optimizer: Any = None,
+    sampler_state: Any = None,
+    calibrator_state: dict | None = None,
+    config: dict | None = None,
+    metrics: dict | None = None,
+    extra: dict | None = None,
+    rng_state: dict | bool = True,
+) -> Path:
+    """Write ``checkpoints/step_<step>/`` atomically and return its path.
+
+    ``model``: a transformers ``PreTrainedModel`` (saved with ``save_pretrained``,
+    safetensors). ``optimizer``: a torch optimizer (its ``state_dict()``) or a
+    state dict. ``rng_state``: True captures the global RNGs now, a dict is
+    stored as given, False stores none. The other arguments must be JSON-able.
+    """
+    import torch
+
+    layout = RunLayout(Path(run_dir))
+    layout.checkpoints.mkdir(parents=True, exist_ok=True)
+    final = layout.checkpoint_dir(step)
+    tmp = layout.checkpoints / f".tmp-step_{int(step)}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        if model is not None:
+            model.save_pretrained(tmp / MODEL_DIR)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / MODEL_DIR)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer, tmp / OPTIMIZER)
+        if rng_state:
+            rng = capture_rng_state() if rng_state is True else rng_state
+            (tmp / RNG).write_text(json.dumps(rng))
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "step": int(step),
+            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "sampler_state": sampler_state,
+            "calibrator_state": calibrator_state,
+            "config": config,
+            "metrics": metrics or {},
+            "extra": extra or {},
+        }
+        (tmp / STATE).write_text(json.dumps(state, indent=1, default=_jsonable))
+        files = {}
+        for p in sorted(tmp.rglob("*")):
+            if p.is_file():
+                _fsync(p)
+                files[p.relative_to(tmp).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+        manifest = {"format": CHECKPOINT_FORMAT, "step": int(step), "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _fsync(tmp / MANIFEST)
+        _fsync(tmp)
+        if final.exists():
+            aside = layout.superseded_path(final)
+            if aside.exists():
+                aside = aside.with_name(f"{aside.name}-{secrets.token_hex(4)}")
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(final, aside)
+        os.replace(tmp, final)
+        _fsync(layout.checkpoints)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def verify_checkpoint(path: str | Path, *, hashes: bool = True) -> list[str]:
+    """Problems of a checkpoint folder against its manifest ([] = complete).
+
+    ``hashes=False`` checks presence and sizes only (fast for large models).
+    """
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        return [f"{path}: no {MANIFEST} (checkpoint incomplete)"]
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        return [f"{mpath}: unreadable manifest ({err})"]
+    problems = []
+    for rel, meta in files.items():
+        p = path / rel
+        if not p.is_file():
+            problems.append(f"{p}: missing")
+        elif p.stat().st_size != meta["size"]:
+            problems.append(f"{p}: size {p.stat().st_size} != {meta['size']} in manifest")
+        elif hashes and _sha256(p) != meta["sha256"]:
+            problems.append(f"{p}: sha256 does not match the manifest")
+    return problems
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every ``step_<n>`` folder, complete or not, by step."""
+    base = RunLayout(Path(run_dir)).checkpoints
+    if not base.is_dir():
+        return []
+    out = [(int(m.group(1)), d) for d in base.iterdir() if d.is_dir() and (m := _STEP_DIR.match(d.name))]
+    return sorted(out)
+
+
+def latest_complete(run_dir: str | Path, *, at_most: int | None = None, hashes: bool = True) -> Path | None:
+    """Newest complete checkpoint (manifest verifies), optionally of a step <= ``at_most``."""
+    for step, path in reversed(list_checkpoints(run_dir)):
+        if at_most is not None and step > at_most:
+            continue
+        if not verify_checkpoint(path, hashes=hashes):
+            return path
+    return None
+
+
+def load_model_weights(model: Any, model_dir: str | Path, *, map_location: str = "cpu") -> None:
+    """Load the safetensors of ``model_dir`` into ``model`` in place.
+
+    Keys missing from the files are accepted only for tied parameters (e.g.
+    lm_head sharing the embedding), which ``save_pretrained`` does not store.
+    """
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors weights")
+    sd = {}
+    for f in files:
+        sd.update(load_file(str(f), device=map_location))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if unexpected:
+        raise CheckpointError(f"{model_dir}: weights not in the model: {', '.join(sorted(unexpected)[:5])}")
+    own = model.state_dict()
+    loaded_ptrs = {own[k].data_ptr() for k in sd if k in own}
+    untied = [k for k in missing if own[k].data_ptr() not in loaded_ptrs]
+    if untied:
+        raise CheckpointError(f"{model_dir}: weights missing for {', '.join(sorted(untied)[:5])}")
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    model: Any = None,
+    optimizer: Any = None,
+    restore_rng: bool = True,
+    map_location: str = "cpu",
+    hashes: bool = False,
+) -> Checkpoint:
+    """Restore a checkpoint folder: weights into ``model``, state into ``optimizer``, the RNGs.
+
+    The manifest is verified first (sizes; ``hashes=True`` for sha256 too) and
+    a mismatch raises :class:`CheckpointError` naming the files.
+    """
+    import torch
+
+    path = Path(path)
+    problems = verify_checkpoint(path, hashes=hashes)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {problems[0]}"
+                              + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+    state = json.loads((path / STATE).read_text())
+    model_dir = path / MODEL_DIR if (path / MODEL_DIR).is_dir() else None
+    if model is not None:
+        if model_dir is None:
+            raise CheckpointError(f"{path}: holds no model weights")
+        load_model_weights(model, model_dir, map_location=map_location)
+    if optimizer is not None:
+        if not (path / OPTIMIZER).is_file():
+            raise CheckpointError(f"{path}: holds no optimizer state")
+        optimizer.load_state_dict(torch.load(path / OPTIMIZER, map_location=map_location, weights_only=True))
+    if restore_rng and (path / RNG).is_file():
+        restore_rng_state(json.loads((path / RNG).read_text()))
+    return Checkpoint(
+        path=path,
+        step=int(state["step"]),
+        model_dir=model_dir,
+        sampler_state=state.get("sampler_state"),
+        calibrator_state=state.get("calibrator_state"),
+        config=state.get("config"),
+        metrics=state.get("metrics") or {},
+        extra=state.get("extra") or {},
+        created_at=state.get("created_at", ""),
+    )
+
+
+def apply_retention(
+    run_dir: str | Path, *, keep_last: int, best_metric: str | None = None, higher_is_better: bool = True
+) -> list[Path]:
+    """Delete complete checkpoints except the last ``keep_last`` and the best by ``best_metric``.
+
+    The best is read from each checkpoint's ``state.json`` metrics; ones
+    without the metric never count as best. Incomplete folders are left for
+    ``fp8rl doctor`` to report. Returns the deleted folders.
+    """
+    if keep_last < 0:
+        raise ValueError(f"keep_last must be >= 0, got {keep_last}")
+    complete = [(s, p) for s, p in list_checkpoints(run_dir) if not verify_checkpoint(p, hashes=False)]
+    keep = {p for _, p in complete[len(complete) - keep_last:]} if keep_last else set()
+    if best_metric is not None:
+        scored = []
+        for s, p in complete:
+            value = json.loads((p / STATE).read_text()).get("metrics", {}).get(best_metric)
+            if isinstance(value, (int, float)) and value == value:
+                scored.append((value if higher_is_better else -value, s, p))
+        if scored:
+            keep.add(max(scored)[2])
+    removed = []
+    for _, p in complete:
+        if p not in keep:
+            shutil.rmtree(p)
+            removed.append(p)
+    return removed

@@ -1,0 +1,176 @@
+"""``fp8rl doctor``: check a run directory's files and say, by name, what is wrong.
+
+Checks, per run:
+
+- ``run.json`` parses and its schema version is readable;
+- every Parquet part under ``tables/``: its footer parses, it says which table
+  and schema version it holds (readable by this code), its ``run_id`` / ``step``
+  statistics match its partition path, its name is one the writer produces;
+  with ``deep=True`` every page is also decompressed and decoded;
+- two live candidates for one (table, step, stage, variant) (a writer died
+  between rename and set-aside: harmless, reported as a warning);
+- leftover ``tmp/*.tmp`` files and ``checkpoints/.tmp-*`` folders (interrupted
+  writes: harmless, safe to delete);
+- ``ledger.jsonl``: lines that do not parse (a torn last line is a warning, a
+  bad line in the middle an error), finished records whose outputs are neither
+  live nor set aside;
+- every ``checkpoints/step_<n>/`` against its manifest (sizes and sha256).
+
+Errors make ``fp8rl doctor`` exit 1; warnings alone do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from storage.checkpoints import list_checkpoints, verify_checkpoint
+from storage.errors import NotARunDirectory, SchemaVersionError, StorageError
+from storage.layout import Part, RunLayout, is_run_dir, live_parts, parse_part_name, read_run_info
+from storage.ledger import DONE, Ledger
+from storage.schemas import META_TABLE, META_VERSION, STORED_TABLES, check_schema_version
+
+ERROR, WARNING = "error", "warning"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding: severity, the file or folder concerned, and what is wrong."""
+
+    severity: str
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.path}: {self.message}"
+
+
+def _check_parquet(path: Path, table: str, run_id: str, step: int, deep: bool) -> list[Problem]:
+    out: list[Problem] = []
+    try:
+        pf = pq.ParquetFile(path)
+        meta = pf.metadata
+    except Exception as err:  # pyarrow raises several types for damaged files
+        return [Problem(ERROR, str(path), f"unreadable Parquet ({type(err).__name__}: {str(err).splitlines()[0]})")]
+    kv = pf.schema_arrow.metadata or {}
+    if kv.get(META_TABLE, b"").decode() not in ("", table):
+        out.append(Problem(ERROR, str(path), f"holds table {kv[META_TABLE].decode()!r}, not {table!r}"))
+    try:
+        check_schema_version(kv.get(META_VERSION, b"").decode() or None, "file")
+    except SchemaVersionError as err:
+        out.append(Problem(ERROR, str(path), str(err).removeprefix("file: ")))
+    names = pf.schema_arrow.names
+    for col, want in (("run_id", run_id), ("step", step)):
+        if col not in names:
+            out.append(Problem(ERROR, str(path), f"no {col} column"))
+            continue
+        idx = names.index(col)
+        for rg in range(meta.num_row_groups):
+            st = meta.row_group(rg).column(idx).statistics
+            if st is not None and st.has_min_max and (st.min != want or st.max != want):
+                out.append(Problem(ERROR, str(path), f"{col} {st.min!r}..{st.max!r} does not match its path ({want!r})"))
+                break
+    if deep:
+        try:
+            for rg in range(meta.num_row_groups):
+                pf.read_row_group(rg)
+        except Exception as err:
+            out.append(Problem(ERROR, str(path), f"corrupt data pages ({type(err).__name__}: {str(err).splitlines()[0]})"))
+    return out
+
+
+def _check_tables(layout: RunLayout, run_id: str, deep: bool) -> tuple[list[Problem], set[str]]:
+    out: list[Problem] = []
+    known: set[str] = set()
+    if not layout.tables.is_dir():
+        return out, known
+    for table_dir in sorted(p for p in layout.tables.iterdir() if p.is_dir()):
+        table = table_dir.name
+        if table not in STORED_TABLES:
+            out.append(Problem(WARNING, str(table_dir), f"unknown table; known: {', '.join(STORED_TABLES)}"))
+            continue
+        for f in sorted(table_dir.rglob("*")):
+            if f.is_dir():
+                continue
+            known.add(layout.relative(f))
+            rel = f.relative_to(table_dir).parts
+            if len(rel) != 3 or not rel[0].startswith("run=") or not rel[1].startswith("step="):
+                out.append(Problem(WARNING, str(f), "not in the <table>/run=<id>/step=<n>/ layout; ignored by queries"))
+                continue
+            if rel[0] != f"run={run_id}":
+                out.append(Problem(WARNING, str(f), f"partition {rel[0]} is not this run's ({run_id}); ignored by queries"))
+                continue
+            if not f.name.endswith(".parquet"):
+                out.append(Problem(WARNING, str(f), "not a .parquet file; ignored by queries"))
+                continue
+            if parse_part_name(f.name) is None:
+                out.append(Problem(WARNING, str(f), "file name not written by fp8rl storage; ignored by queries"))
+            try:
+                step = int(rel[1][5:])
+            except ValueError:
+                out.append(Problem(WARNING, str(f), f"bad step partition {rel[1]!r}; ignored by queries"))
+                continue
+            out += _check_parquet(f, table, run_id, step, deep)
+        parts = [Part(f, table, run_id, int(f.parent.name[5:]), parse_part_name(f.name))
+                 for f in table_dir.glob(f"run={run_id}/step=*/*.parquet") if f.parent.name[5:].isdigit()]
+        for p in live_parts(parts)[1]:
+            out.append(Problem(WARNING, str(p.path), "older write of the same stage output still present "
+                                                     "(interrupted set-aside); ignored by queries"))
+    return out, known
+
+
+def _check_ledger(layout: RunLayout, live_files: set[str]) -> list[Problem]:
+    out: list[Problem] = []
+    ledger = Ledger(layout.root)
+    events, bad = ledger.events()
+    if bad:
+        n_lines = ledger.path.read_bytes().rstrip(b"\n").count(b"\n") + 1
+        for line in bad:
+            torn = line == n_lines
+            out.append(Problem(WARNING if torn else ERROR, f"{ledger.path}:{line}",
+                               "torn last record (crash while appending); ignored" if torn else "unparseable record"))
+    for r in ledger.records(variant=None):
+        if r.status != DONE:
+            continue
+        for rel in r.outputs:
+            if rel not in live_files and not (layout.root / rel).exists() and not (layout.superseded / rel).exists():
+                out.append(Problem(ERROR, str(layout.root / rel),
+                                   f"output of {r.stage} step {r.step} attempt {r.attempt} ({r.variant}) is missing"))
+    return out
+
+
+def check_run(run_dir: str | Path, *, deep: bool = False) -> list[Problem]:
+    """All problems of one run directory (empty list = healthy)."""
+    layout = RunLayout(Path(run_dir))
+    try:
+        info = read_run_info(layout.root)
+    except StorageError as err:
+        return [Problem(ERROR, str(layout.run_json), str(err))]
+    out, files = _check_tables(layout, info.run_id, deep)
+    if layout.tmp.is_dir():
+        for f in sorted(layout.tmp.iterdir()):
+            out.append(Problem(WARNING, str(f), "leftover temporary file of an interrupted write; safe to delete"))
+    out += _check_ledger(layout, files)
+    if layout.checkpoints.is_dir():
+        for d in sorted(layout.checkpoints.glob(".tmp-*")):
+            out.append(Problem(WARNING, str(d), "leftover half-written checkpoint; safe to delete"))
+    for _, path in list_checkpoints(layout.root):
+        for msg in verify_checkpoint(path, hashes=True):
+            where, _, what = msg.partition(": ")
+            out.append(Problem(ERROR, where, what))
+    return out
+
+
+def check(root: str | Path, *, deep: bool = False) -> list[Problem]:
+    """Problems of every run under ``root`` (a run directory or a folder of them)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise NotARunDirectory(f"{root}: no such directory")
+    if is_run_dir(root):
+        return check_run(root, deep=deep)
+    run_dirs = sorted(p for p in root.iterdir() if is_run_dir(p))
+    if not run_dirs:
+        raise NotARunDirectory(f"{root}: not a run directory (no run.json) and holds none")
+    return [problem for d in run_dirs for problem in check_run(d, deep=deep)]

@@ -1,0 +1,277 @@
+"""The stage ledger: which stage of which step started, finished or failed.
+
+Resume trusts the ledger, not Prefect's cache. It is an append-only JSON-lines
+file, ``RUN_DIR/ledger.jsonl``, one event per line::
+
+    {"event": "start",  "run_id": ..., "step": 3, "stage": "train", "attempt": 0, "variant": "main", "at": "...", "host": ..., "pid": ...}
+    {"event": "finish", ..., "outputs": ["tables/steps/run=r/step=3/part-....parquet"], "info": {...}}
+    {"event": "fail",   ..., "error": "RuntimeError: ..."}
+    {"event": "set_aside", "from_step": 3, "stages": ["train", "calibrate"], "variant": "main", "at": "..."}
+
+Durability: each event is one ``write()`` on an ``O_APPEND`` descriptor
+followed by ``fsync``, so it is on disk before the stage goes on. A crash can at
+worst tear the *last* line; readers skip lines that do not parse, and the next
+append starts on a fresh line, so one torn record never corrupts the next.
+
+Folding: events of one (step, stage, attempt, variant) fold into a record
+whose status is 'running' (start seen, no outcome: in progress or crashed),
+'done' or 'failed'. The *current* record of a (step, stage, variant) is the
+one touched last. ``set_aside`` events hide earlier records from a point on
+(``resume --from``); they stay in the file as history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from storage.layout import RunLayout, read_run_info
+from storage.schemas import LEDGER, MAIN_VARIANT, STAGE_NAME, VARIANT_NAME, check_name
+
+RUNNING, DONE, FAILED = "running", "done", "failed"
+
+
+@dataclass
+class StageRecord:
+    """The folded state of one (step, stage, attempt, variant)."""
+
+    run_id: str
+    step: int
+    stage: str
+    attempt: int
+    variant: str
+    status: str = RUNNING
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    outputs: list[str] = field(default_factory=list)
+    error: str | None = None
+    info: dict = field(default_factory=dict)
+    host: str | None = None
+    pid: int | None = None
+    seq: int = 0  # line number of the last event touching it
+
+    @property
+    def seconds(self) -> float | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return (self.finished_at - self.started_at).total_seconds()
+
+
+@dataclass
+class StageRun:
+    """Handle yielded by :meth:`Ledger.stage`: add the outputs and info to record."""
+
+    outputs: list[str] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _parse_time(value: str | None) -> datetime | None:
+    return datetime.fromisoformat(value) if value else None
+
+
+class Ledger:
+    """Append and query the stage ledger of one run directory."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.layout = RunLayout(Path(run_dir))
+        self.run_id = read_run_info(self.layout.root).run_id
+        self.path = self.layout.ledger
+
+    # -- writing -------------------------------------------------------------------------
+
+    def _append(self, event: dict[str, Any]) -> None:
+        line = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode()
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line  # a torn last line: start ours on a fresh one
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _event(self, kind: str, step: int, stage: str, attempt: int, variant: str, **extra: Any) -> None:
+        check_name("stage", stage, STAGE_NAME)
+        check_name("variant", variant, VARIANT_NAME)
+        if int(step) < 0 or int(attempt) < 0:
+            raise ValueError(f"step and attempt must be >= 0, got step={step}, attempt={attempt}")
+        self._append({"event": kind, "run_id": self.run_id, "step": int(step), "stage": stage,
+                      "attempt": int(attempt), "variant": variant, "at": _now().isoformat(), **extra})
+
+    def start(self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT) -> None:
+        self._event("start", step, stage, attempt, variant, host=socket.gethostname(), pid=os.getpid())
+
+    def finish(self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT,
+               outputs: Iterable[str | Path] = (), info: dict | None = None) -> None:
+        """Mark done. ``outputs``: files written (absolute or relative to the run dir)."""
+        rel = [self.layout.relative(p) if Path(p).is_absolute() else Path(p).as_posix() for p in outputs]
+        self._event("finish", step, stage, attempt, variant, outputs=rel, info=info or {})
+
+    def fail(self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT,
+             error: str | BaseException = "") -> None:
+        if isinstance(error, BaseException):
+            error = f"{type(error).__name__}: {error}"
+        self._event("fail", step, stage, attempt, variant, error=str(error).splitlines()[0] if error else "")
+
+    @contextmanager
+    def stage(self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT) -> Iterator[StageRun]:
+        """``with ledger.stage(3, "train") as run: ...; run.outputs.append(path)``.
+
+        Records start, then finish (with the outputs) or fail (and re-raises).
+        """
+        self.start(step, stage, attempt=attempt, variant=variant)
+        run = StageRun()
+        try:
+            yield run
+        except BaseException as err:
+            self.fail(step, stage, attempt=attempt, variant=variant, error=err)
+            raise
+        self.finish(step, stage, attempt=attempt, variant=variant, outputs=run.outputs, info=run.info)
+
+    def set_aside(self, *, from_step: int, stages: Iterable[str] | None = None, variant: str | None = MAIN_VARIANT) -> int:
+        """Hide records of steps > ``from_step``, and of ``from_step`` for ``stages`` (all if None).
+
+        For ``resume --from STAGE --step N``: pass N and the stages from STAGE
+        on. ``variant=None`` affects every variant. Returns how many records were hidden.
+        """
+        stages = None if stages is None else sorted(set(stages))
+        hidden = [r for r in self.records(variant=variant) if _after(r, from_step, stages)]
+        self._append({"event": "set_aside", "run_id": self.run_id, "from_step": int(from_step),
+                      "stages": stages, "variant": variant, "at": _now().isoformat()})
+        return len(hidden)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def events(self) -> tuple[list[dict], list[int]]:
+        """All parseable events in order, and the line numbers (1-based) that did not parse."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return [], []
+        events, bad = [], []
+        for i, line in enumerate(raw.split(b"\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                ev = json.loads(line)
+                if not isinstance(ev, dict) or "event" not in ev:
+                    raise ValueError("not an event")
+            except ValueError:
+                bad.append(i)
+                continue
+            ev["_seq"] = i
+            events.append(ev)
+        return events, bad
+
+    def records(self, *, variant: str | None = MAIN_VARIANT, include_set_aside: bool = False) -> list[StageRecord]:
+        """Folded records in the order they were last touched (``variant=None``: all)."""
+        recs: dict[tuple, StageRecord] = {}
+        hidden: list[StageRecord] = []
+        for ev in self.events()[0]:
+            kind = ev["event"]
+            if kind == "set_aside":
+                for key, r in list(recs.items()):
+                    if (ev.get("variant") in (None, r.variant)) and _after(r, ev["from_step"], ev.get("stages")):
+                        hidden.append(recs.pop(key))
+                continue
+            try:
+                key = (int(ev["step"]), ev["stage"], int(ev["attempt"]), ev.get("variant", MAIN_VARIANT))
+            except (KeyError, TypeError, ValueError):
+                continue
+            r = recs.get(key)
+            if r is None:
+                r = recs[key] = StageRecord(ev.get("run_id", self.run_id), *key)
+            r.seq = ev["_seq"]
+            at = _parse_time(ev.get("at"))
+            if kind == "start":
+                r.status, r.started_at, r.host, r.pid = RUNNING, at, ev.get("host"), ev.get("pid")
+                r.finished_at, r.error = None, None
+            elif kind in ("finish", "fail"):
+                r.status, r.finished_at = (DONE if kind == "finish" else FAILED), at
+                r.outputs = list(ev.get("outputs") or [])
+                r.error = ev.get("error")
+                r.info = dict(ev.get("info") or {})
+        out = list(recs.values()) + (hidden if include_set_aside else [])
+        if variant is not None:
+            out = [r for r in out if r.variant == variant]
+        return sorted(out, key=lambda r: r.seq)
+
+    def current(self, *, variant: str = MAIN_VARIANT) -> dict[tuple[int, str], StageRecord]:
+        """(step, stage) -> the record of its most recently touched attempt."""
+        cur: dict[tuple[int, str], StageRecord] = {}
+        for r in self.records(variant=variant):  # in seq order: later wins
+            cur[(r.step, r.stage)] = r
+        return cur
+
+    def status(self, step: int, stage: str, *, variant: str = MAIN_VARIANT) -> str | None:
+        r = self.current(variant=variant).get((int(step), stage))
+        return None if r is None else r.status
+
+    def done_stages(self, step: int, *, variant: str = MAIN_VARIANT) -> set[str]:
+        """Stages of ``step`` whose current attempt finished."""
+        return {s for (n, s), r in self.current(variant=variant).items() if n == step and r.status == DONE}
+
+    def next_attempt(self, step: int, stage: str, *, variant: str = MAIN_VARIANT) -> int:
+        """1 + the highest attempt recorded for (step, stage) (set-aside ones included), or 0."""
+        attempts = [r.attempt for r in self.records(variant=variant, include_set_aside=True)
+                    if r.step == step and r.stage == stage]
+        return max(attempts) + 1 if attempts else 0
+
+    def last_finished(self, *, variant: str = MAIN_VARIANT) -> tuple[int, str] | None:
+        """(step, stage) of the most recently finished stage of the highest step with one."""
+        done = [r for r in self.current(variant=variant).values() if r.status == DONE]
+        if not done:
+            return None
+        best = max(done, key=lambda r: (r.step, r.seq))
+        return best.step, best.stage
+
+    def last_complete_step(self, required: Iterable[str] | Callable[[int], Iterable[str]], *,
+                           first_step: int = 0, variant: str = MAIN_VARIANT) -> int | None:
+        """Highest n such that every step first_step..n has all its required stages done.
+
+        ``required`` is a set of stage names or a function step -> stage names
+        (calibrate only every K steps, evaluate every E). None if step
+        ``first_step`` itself is incomplete.
+        """
+        need = required if callable(required) else (lambda _s, _r=set(required): _r)
+        done: dict[int, set[str]] = {}
+        for (n, s), r in self.current(variant=variant).items():
+            if r.status == DONE:
+                done.setdefault(n, set()).add(s)
+        last = None
+        for n in range(first_step, max(done, default=first_step - 1) + 1):
+            if not set(need(n)) <= done.get(n, set()):
+                break
+            last = n
+        return last
+
+    def to_arrow(self, *, variant: str | None = None) -> pa.Table:
+        """Live records as a table with the ``ledger`` schema (for the catalog)."""
+        rows = [
+            {"run_id": r.run_id, "step": r.step, "variant": r.variant, "stage": r.stage, "attempt": r.attempt,
+             "status": r.status, "started_at": r.started_at, "finished_at": r.finished_at, "seconds": r.seconds,
+             "outputs": r.outputs, "error": r.error, "host": r.host, "pid": r.pid}
+            for r in self.records(variant=variant)
+        ]
+        return pa.Table.from_pylist(rows, schema=LEDGER.schema())
+
+
+def _after(r: StageRecord, from_step: int, stages: Iterable[str] | None) -> bool:
+    if r.step > from_step:
+        return True
+    return r.step == from_step and (stages is None or r.stage in set(stages))
+

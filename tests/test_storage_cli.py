@@ -1,0 +1,188 @@
+"""`fp8rl query` and `fp8rl doctor`: outputs, named queries, and one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from flows.cli_storage import register
+from storage.layout import create_run
+from storage.ledger import Ledger
+from storage.queries import get_query, list_queries
+from storage.writer import TableWriter
+
+NAMED = ("calibration-history", "clip-shares-by-sign", "overclip-origin", "entropy-bins", "eval-best-average")
+
+
+@pytest.fixture(scope="module")
+def app() -> typer.Typer:
+    a = typer.Typer(pretty_exceptions_enable=False)
+
+    @a.callback()
+    def _root() -> None:
+        """test app"""
+
+    register(a)
+    return a
+
+
+def invoke(app: typer.Typer, *args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory) -> Path:
+    """Two small runs with every table the named queries read."""
+    root = tmp_path_factory.mktemp("runs")
+    rng = np.random.default_rng(0)
+    for rid, gain in (("fp8", 0.10), ("bf16", 0.20)):
+        run = create_run(root, rid).root
+        w, led = TableWriter(run), Ledger(run)
+        for step in range(4):
+            n = 400
+            logp = -rng.exponential(1.0, n).astype(np.float32)
+            w.write("token_stats", step, {
+                "sample_id": np.repeat(np.arange(8), n // 8), "position": np.tile(np.arange(n // 8), 8),
+                "advantage": np.repeat(rng.normal(size=8), n // 8), "logp_fp8": logp,
+                "old_logp_fp8": logp + rng.normal(0, 0.2, n), "logp_bf16": logp + rng.normal(0, 0.01, n),
+                "old_logp_bf16": logp + rng.normal(0, 0.2, n), "entropy": rng.exponential(1.0, n),
+                "lower_bound": 0.8, "upper_bound": 1.28, "standard_lower": 0.8, "standard_upper": 1.28}, stage="train")
+            w.write("steps", step, {"reward_mean": step / 10, "clipfrac": 0.1}, stage="train")
+            w.write("bounds", step, {"mode": "calibrated", "alpha": 0.02, "lower": 0.8 - step / 100, "upper": 1.28}, stage="calibrate")
+            w.write("eval_scores", step, [
+                {"benchmark": b, "metric": "avg@k", "k": 4, "value": base + gain * (step == 2)}
+                for b, base in (("aime24", 0.1), ("math500", 0.5))], stage="evaluate")
+            with led.stage(step, "train"):
+                pass
+    return root
+
+
+def test_list_shows_every_named_query(app) -> None:
+    result = invoke(app, "query", "--list")
+    assert result.exit_code == 0
+    for name in NAMED:
+        assert name in result.output
+    assert "--param bin_width=0.25" in result.output
+    assert {q.name for q in list_queries()} == set(NAMED)
+    assert all(q.description for q in list_queries())
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_named_queries_run(app, campaign: Path, name: str) -> None:
+    result = invoke(app, "query", campaign, "--named", name, "--format", "json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert rows and {"run_id"} <= set(rows[0])
+
+
+def test_eval_best_average_values(app, campaign: Path) -> None:
+    rows = json.loads(invoke(app, "query", campaign, "-n", "eval-best-average", "-f", "json").stdout)
+    assert [(r["run_id"], r["best_step"]) for r in rows] == [("bf16", 2), ("fp8", 2)]
+    assert rows[0]["gain"] == pytest.approx(0.20) and rows[1]["best_average"] == pytest.approx(0.40)
+    assert rows[1]["initial_step"] == 0 and rows[1]["benchmarks"] == 2
+
+
+def test_clip_shares_match_the_definition(app, campaign: Path) -> None:
+    rows = json.loads(invoke(app, "query", campaign, "-n", "clip-shares-by-sign", "-f", "json", "--run", "fp8").stdout)
+    tbl = pq.read_table(next((campaign / "fp8" / "tables" / "token_stats" / "run=fp8" / "step=0").iterdir())).to_pydict()
+    a = np.array(tbl["advantage"])
+    r8 = np.exp(np.clip(np.array(tbl["logp_fp8"]) - np.array(tbl["old_logp_fp8"]), -20, 20))
+    assert rows[0]["step"] == 0 and len(rows) == 4
+    assert rows[0]["lower_clip_share"] == pytest.approx(np.mean((a < 0) & (r8 < 0.8)))
+    assert rows[0]["upper_clip_share"] == pytest.approx(np.mean((a > 0) & (r8 > 1.28)))
+
+
+def test_params_and_output_formats(app, campaign: Path, tmp_path: Path) -> None:
+    coarse = invoke(app, "query", campaign, "-n", "entropy-bins", "-p", "bin_width=1.0", "-f", "csv", "--run", "fp8")
+    assert coarse.exit_code == 0 and coarse.stdout.startswith('"run_id","entropy_from"')
+    fine = invoke(app, "query", campaign, "-n", "entropy-bins", "-f", "csv", "--run", "fp8")
+    assert len(fine.stdout.splitlines()) > len(coarse.stdout.splitlines())
+    table = invoke(app, "query", campaign, "SELECT run_id, step, reward_mean FROM steps ORDER BY 1, 2")
+    assert table.exit_code == 0 and "(8 rows)" in table.stdout and "reward_mean" in table.stdout.splitlines()[0]
+    short = invoke(app, "query", campaign, "SELECT * FROM steps", "--max-rows", "3")
+    assert "first 3 shown" in short.stdout
+    for suffix in ("parquet", "csv", "json"):
+        out = tmp_path / f"ledger.{suffix}"
+        res = invoke(app, "query", campaign, "SELECT * FROM ledger", "--out", out)
+        assert res.exit_code == 0 and out.stat().st_size > 0
+    assert pq.read_table(tmp_path / "ledger.parquet").num_rows == 8
+    assert len(json.loads((tmp_path / "ledger.json").read_text())) == 8
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["{tmp}", "SELECT 1"], "not a run directory"),
+        (["{tmp}/missing", "SELECT 1"], "no such directory"),
+        (["{root}", "--run", "nope", "SELECT 1"], "unknown run id 'nope'"),
+        (["{root}", "SELEC * FROM steps"], "SQL syntax error"),
+        (["{root}", "SELECT * FROM stepz"], "stepz does not exist"),
+        (["{root}", "SELECT no_such_column FROM steps"], "no_such_column"),
+        (["{root}", "--named", "nope"], "unknown named query 'nope'; known: calibration-history"),
+        (["{root}", "-n", "entropy-bins", "-p", "bins=3"], "has no parameter 'bins'"),
+        (["{root}", "SELECT 1", "--format", "xml"], "--format 'xml'"),
+        (["{root}", "SELECT 1", "--out", "x.txt"], "extension must be one of"),
+        (["{root}"], "missing SQL"),
+        ([], "missing ROOT"),
+    ],
+)
+def test_user_errors_are_one_line_exit_2(app, campaign: Path, tmp_path: Path, args: list[str], message: str) -> None:
+    args = [a.format(tmp=tmp_path, root=campaign) for a in args]
+    result = invoke(app, "query", *args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert "Traceback" not in result.output
+
+
+def test_doctor_healthy_then_truncated_file_named(app, tmp_path: Path) -> None:
+    run = create_run(tmp_path, "r").root
+    w = TableWriter(run)
+    w.write("steps", 0, {"reward_mean": 1.0}, stage="train")
+    path = w.write("scores", 0, {"sample_id": np.arange(100), "reward": np.ones(100)}, stage="score")
+    assert invoke(app, "doctor", run).exit_code == 0
+    data = path.read_bytes()
+    path.write_bytes(data[:-40])
+    result = invoke(app, "doctor", run)
+    assert result.exit_code == 1
+    assert str(path) in result.stderr and "unreadable Parquet" in result.stderr
+    # an unrelated query still works, the broken table's query warns and skips the file
+    ok = invoke(app, "query", run, "SELECT count(*) AS n FROM steps", "-f", "json")
+    assert ok.exit_code == 0 and json.loads(ok.stdout) == [{"n": 1}]
+    skipped = invoke(app, "query", run, "SELECT count(*) AS n FROM scores", "-f", "json")
+    assert skipped.exit_code == 0 and json.loads(skipped.stdout) == [{"n": 0}]
+    assert f"warning: {path}: truncated Parquet" in skipped.stderr
+
+
+def test_doctor_errors(app, tmp_path: Path) -> None:
+    result = invoke(app, "doctor", tmp_path / "nope")
+    assert result.exit_code == 2 and result.stderr.startswith("error: ")
+    run = create_run(tmp_path, "r").root
+    Ledger(run).finish(0, "train", outputs=["tables/steps/run=r/step=0/part-train-0-00-main.parquet"])
+    (run / "checkpoints" / "step_3").mkdir()
+    result = invoke(app, "doctor", tmp_path)
+    assert result.exit_code == 1
+    assert "output of train step 0 attempt 0 (main) is missing" in result.stderr
+    assert "step_3" in result.stderr and "no manifest.json" in result.stderr
+
+
+def test_shipped_query_headers_document_themselves() -> None:
+    for name in NAMED:
+        q = get_query(name)
+        assert q.notes, name  # free-text explanation of the columns
+        assert q.sql.lstrip().startswith("-- name: " + name)
+
+
+def test_main_cli_app_has_the_commands() -> None:
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["query", "--list"])
+    assert result.exit_code == 0 and "calibration-history" in result.output
+    result = CliRunner().invoke(app, ["doctor", "--help"])
+    assert result.exit_code == 0

@@ -1,0 +1,134 @@
+"""The stage ledger: folding events, resume questions, torn lines, set-aside, the SQL view."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from storage.catalog import connect
+from storage.layout import create_run
+from storage.ledger import DONE, FAILED, RUNNING, Ledger
+from storage.writer import TableWriter, set_aside_from
+
+
+@pytest.fixture()
+def run_dir(tmp_path: Path) -> Path:
+    return create_run(tmp_path, "r1").root
+
+
+def _complete(led: Ledger, step: int, stages: list[str]) -> None:
+    for s in stages:
+        led.start(step, s)
+        led.finish(step, s)
+
+
+def test_fold_start_finish_fail_and_retries(run_dir: Path) -> None:
+    led = Ledger(run_dir)
+    led.start(0, "rollout")
+    led.finish(0, "rollout", outputs=[run_dir / "tables" / "x.parquet"], info={"rows": 8})
+    led.start(0, "score")
+    led.fail(0, "score", error=RuntimeError("verifier timed out\nsecond line"))
+    led.start(0, "score", attempt=1)
+    recs = {(r.stage, r.attempt): r for r in led.records()}
+    assert recs[("rollout", 0)].status == DONE and recs[("rollout", 0)].outputs == ["tables/x.parquet"]
+    assert recs[("rollout", 0)].seconds >= 0 and recs[("rollout", 0)].info == {"rows": 8}
+    assert recs[("score", 0)].status == FAILED and recs[("score", 0)].error == "RuntimeError: verifier timed out"
+    assert recs[("score", 1)].status == RUNNING and recs[("score", 1)].finished_at is None
+    assert led.status(0, "score") == RUNNING  # the current attempt
+    assert led.done_stages(0) == {"rollout"}
+    assert led.next_attempt(0, "score") == 2 and led.next_attempt(0, "train") == 0
+    led.finish(0, "score", attempt=1)
+    assert led.done_stages(0) == {"rollout", "score"}
+
+
+def test_stage_context_manager_records_failure_and_reraises(run_dir: Path) -> None:
+    led = Ledger(run_dir)
+    with led.stage(2, "train") as rec:
+        rec.outputs.append("tables/steps/a.parquet")
+    with pytest.raises(ValueError, match="boom"):
+        with led.stage(2, "calibrate"):
+            raise ValueError("boom")
+    assert led.status(2, "train") == DONE and led.status(2, "calibrate") == FAILED
+    assert led.current()[(2, "train")].outputs == ["tables/steps/a.parquet"]
+
+
+def test_last_finished_and_last_complete_step(run_dir: Path) -> None:
+    led = Ledger(run_dir)
+    assert led.last_finished() is None and led.last_complete_step({"train"}) is None
+    required = lambda step: {"rollout", "score", "train"} | ({"calibrate"} if step % 2 == 0 else set())  # noqa: E731
+    _complete(led, 0, ["rollout", "score", "train", "calibrate"])
+    _complete(led, 1, ["rollout", "score", "train"])
+    _complete(led, 2, ["rollout", "score", "train"])  # calibrate of step 2 missing
+    _complete(led, 3, ["rollout"])
+    assert led.last_complete_step(required) == 1
+    assert led.last_complete_step({"rollout", "score", "train"}) == 2
+    assert led.last_finished() == (3, "rollout")
+
+
+def test_torn_last_line_is_skipped_and_next_append_is_clean(run_dir: Path) -> None:
+    led = Ledger(run_dir)
+    _complete(led, 0, ["rollout"])
+    with open(led.path, "ab") as f:
+        f.write(b'{"event": "finish", "run_id": "r1", "st')  # crash mid-append
+    events, bad = led.events()
+    assert len(events) == 2 and bad == [3]
+    _complete(led, 1, ["rollout"])
+    events, bad = led.events()
+    assert len(events) == 4 and bad == [3]
+    assert led.done_stages(1) == {"rollout"}
+
+
+def test_set_aside_hides_records_from_a_point(run_dir: Path) -> None:
+    led = Ledger(run_dir)
+    for step in range(3):
+        _complete(led, step, ["rollout", "score", "train"])
+    assert led.set_aside(from_step=1, stages=["train"]) == 4  # train of step 1 + the 3 stages of step 2
+    assert led.done_stages(1) == {"rollout", "score"}
+    assert led.done_stages(2) == set()
+    assert led.done_stages(0) == {"rollout", "score", "train"}
+    assert led.next_attempt(1, "train") == 1  # set-aside attempts still count
+    _complete(led, 1, ["train"])  # records after the marker are live again
+    assert led.done_stages(1) == {"rollout", "score", "train"}
+    hidden = [r for r in led.records(include_set_aside=True) if r.step == 2]
+    assert len(hidden) == 3
+
+
+def test_set_aside_from_moves_tables_checkpoints_and_ledger(run_dir: Path) -> None:
+    led, w = Ledger(run_dir), TableWriter(run_dir)
+    for step in range(3):
+        w.write("steps", step, {"reward_mean": step}, stage="train")
+        w.write("bounds", step, {"mode": "calibrated"}, stage="calibrate")
+        _complete(led, step, ["train", "calibrate", "checkpoint"])
+        (run_dir / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    result = set_aside_from(run_dir, step=1, stages_at_step=["calibrate", "checkpoint"])
+    assert len(result.files) == 3  # bounds of step 1; steps and bounds of step 2
+    assert [p.name for p in result.checkpoints] == ["step_1", "step_2"]
+    assert all((run_dir / "superseded" / "checkpoints" / p.name).is_dir() for p in result.checkpoints)
+    assert led.done_stages(1) == {"train"}
+    con = connect(run_dir)
+    assert con.sql("SELECT step FROM steps ORDER BY 1").fetchall() == [(0,), (1,)]
+    assert con.sql("SELECT step FROM bounds ORDER BY 1").fetchall() == [(0,)]
+
+
+def test_ledger_view_has_contract_columns_and_variants(run_dir: Path) -> None:
+    led = Ledger(run_dir)
+    _complete(led, 0, ["rollout"])
+    led.start(0, "calibrate", variant="whatif")
+    led.fail(0, "calibrate", variant="whatif", error="nope")
+    con = connect(run_dir)
+    rows = con.sql("SELECT run_id, step, stage, attempt, status, started_at IS NOT NULL, finished_at IS NOT NULL "
+                   "FROM ledger").fetchall()
+    assert rows == [("r1", 0, "rollout", 0, "done", True, True)]
+    assert con.sql("SELECT variant, status, error FROM ledger_variants WHERE stage = 'calibrate'").fetchall() == [
+        ("whatif", "failed", "nope")]
+    types = dict((r[0], r[1]) for r in con.sql("DESCRIBE ledger").fetchall())
+    assert types["step"] == "BIGINT" and types["started_at"] == "TIMESTAMP WITH TIME ZONE"
+
+
+def test_bad_names_are_rejected(run_dir: Path) -> None:
+    led = Ledger(run_dir)
+    with pytest.raises(ValueError, match="bad stage"):
+        led.start(0, "two words")
+    with pytest.raises(ValueError, match="step and attempt"):
+        led.start(-1, "train")
