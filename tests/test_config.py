@@ -1,0 +1,80 @@
+"""Config loading: presets validate, typos and wrong types name the key and the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flows.configuration import CONFIG_DIR, ConfigError, config_from_dict, dump_config, load_config
+from fp8rl_core.config import CampaignConfig
+
+PRESETS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_validates_and_round_trips(name):
+    cfg = load_config(name)
+    again = config_from_dict(__import__("yaml").safe_load(dump_config(cfg)))
+    assert again == cfg
+
+
+def test_paper_presets_carry_the_paper_values():
+    c = load_config("qwen3-8b-grpo-deepscaler")
+    assert (c.rollout.prompts_per_step, c.algorithm.lr, c.algorithm.tis_cap) == (256, 1e-6, 2.0)
+    assert (c.calibration.interval, c.evaluation.interval, c.steps) == (20, 25, 500)
+    d = load_config("qwen3-14b-dapo")
+    assert d.algorithm.dynamic_sampling and d.algorithm.overlong_shaping and d.steps == 200
+    assert (d.algorithm.eps_low, d.algorithm.eps_high) == (0.2, 0.28)
+    assert d.evaluation.benchmarks[0].name == "aime24" and d.evaluation.benchmarks[0].k == 32
+
+
+def test_unknown_key_names_key_and_file(tmp_path: Path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("calibration:\n  intervl: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert "calibration.intervl: unknown key" in str(e.value) and str(p) in str(e.value)
+
+
+def test_wrong_type_names_key(tmp_path: Path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("rollout:\n  samples_per_prompt: many\n")
+    with pytest.raises(ConfigError, match=r"rollout\.samples_per_prompt"):
+        load_config(p)
+
+
+def test_set_overrides_apply_and_are_typed():
+    cfg = load_config("tiny-cpu", ["calibration.interval=7", "algorithm.lr=3e-4", "precision.train=fp8_rowwise"])
+    assert cfg.calibration.interval == 7 and cfg.algorithm.lr == 3e-4 and cfg.precision.train == "fp8_rowwise"
+
+
+def test_set_override_typo_is_an_error():
+    with pytest.raises(ConfigError, match=r"calibration\.intervl: unknown key"):
+        load_config("tiny-cpu", ["calibration.intervl=7"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config("tiny-cpu", ["calibration.interval"])
+
+
+def test_cross_field_checks():
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        config_from_dict({"algorithm": {"ppo_mini_batch_size": 100, "micro_batch_size": 30}})
+    with pytest.raises(ConfigError, match="lower_min"):
+        config_from_dict({"calibration": {"lower_min": 0.9, "lower_max": 0.7}})
+    with pytest.raises(ConfigError, match="unknown key"):
+        config_from_dict({"precison": {"train": "bf16"}})
+
+
+def test_unknown_precision_lists_choices():
+    with pytest.raises(ConfigError, match="fp8_tensorwise"):
+        config_from_dict({"precision": {"train": "fp8_columnwise"}})
+
+
+def test_initial_bounds_default_to_the_epsilons():
+    cfg = CampaignConfig()
+    assert cfg.initial_bounds() == pytest.approx((0.8, 1.28))
+
+
+def test_missing_preset_is_a_clear_error():
+    with pytest.raises(ConfigError, match="config not found"):
+        load_config("no-such-preset")
