@@ -1,0 +1,530 @@
+"""Calibrated Clipping: ratio clip bounds that undo FP8 ratio noise.
+
+Source: Chen et al. 2026, "Towards Full Pipeline FP8 Reinforcement Learning for
+LLMs", section 4; the exact rules are DESIGN.md section 2 (the contract).
+
+Why. FP8 noise in both pi_theta and pi_old compounds in the ratio r = pi/pi_old,
+widening its spread. The PPO gradient of a negative-advantage token vanishes
+below ``L = 1 - eps_low``, so a wider spread silences many more "bad" tokens than
+BF16 would; they stop being penalised and training later collapses. Every K
+steps the train stage runs BF16 shadow passes, giving a reference ratio r16 next
+to the FP8 ratio r8 of every token, and this module picks FP8 bounds (L, H) that
+reproduce BF16's behaviour at (1 - eps_low, 1 + eps_high).
+
+Contribution of gradient-carrying tokens, for bounds (L, H) and dual clip c::
+
+    Pos(r; L, H) = sum_{A>0, r<=H} r * A          (non-decreasing in H)
+    Neg(r; L, H) = sum_{A<0, L<=r<=c} r * |A|     (non-increasing in L)
+    balance = Pos / Neg                            (Neg = 0 -> +inf)
+
+Rule (mode ``calibrated``), over the n negative-advantage tokens:
+
+1. ``alpha`` = share of them with ``r16 < 1 - eps_low``; ``k = round(alpha n)``
+   (= that count). Sort their r8: v1 <= ... <= vn. ``L = v1`` if k = 0,
+   ``(vk + vk+1)/2`` if 0 < k < n, ``vn + 1e-6`` if k = n: FP8 clips the same
+   *number* of tokens as BF16 (ties aside).
+2. ``target = balance(r16; 1 - eps_low, 1 + eps_high)``; raw ``H`` = the
+   smallest grid point of [upper_min, upper_max] (step upper_step) with
+   ``balance(r8; L, H) >= target``, ``upper_max`` if none.
+3. ``new = prev + clamp(raw - prev, -max_delta, max_delta)``, then clamp L to
+   [lower_min, lower_max] and H to [upper_min, upper_max]. ``prev`` starts at the
+   initial bounds (``config.initial_*`` or ``1 - eps_low, 1 + eps_high``).
+
+Cost. Rule 1 needs only v_k and v_k+1: one O(n) selection (``torch.kthvalue``)
+and one pass for the next value, not a full sort. Everything else is a count or
+a contribution sum at a few bounds, and one pass answers all the bounds of a
+token set at once: ``bucketize`` the ratios into the sorted bounds (O(n log G)),
+``index_add`` counts and float64 contributions into G + 1 bins, prefix-sum the
+bins. For H this yields Pos at every grid point: the numbers of "one sort +
+cumsum + searchsorted" without the sort (about 10x cheaper on CPU), never a
+re-sum per grid point. Work runs on compacted copies of the A<0 and A>0 tokens.
+Since sums over different bin layouts add in different orders, ``balance >=
+target`` is tested with a relative slack of ``BALANCE_RTOL`` = 1e-9.
+
+Comparisons against a bound happen in the ratios' dtype (a Python bound is
+rounded to it), exactly as in ``fp8rl_core.losses``; raw bounds are nudged up by
+one ulp where rounding would otherwise change which tokens they clip.
+
+Comparison modes (``CLIP_MODES``): ``standard`` (fixed ``1 - eps_low``,
+``1 + eps_high``, statistics only), ``relaxed_lower`` (rule 1 and smoothing for
+L, H fixed at ``1 + eps_high``: the paper's ablation) and ``bapo``. BAPO (Xi et
+al. 2025) targets a positive share ``rho = Pos / (Pos + Neg) >= rho0`` from FP8
+ratios alone. Our rule, following BAPO's algorithm: start at
+``(bapo_lower_min, bapo_upper_min)``; while rho < rho0, raise H by one
+``bapo_upper_step`` (while below ``bapo_upper_max``) and raise L by one
+``bapo_lower_step`` (while below ``bapo_lower_max``) in the same iteration --
+a higher H admits more positive tokens, a higher L excludes more low-ratio
+negative tokens -- and stop at the first point that reaches rho0 or when neither
+can move. No smoothing (BAPO re-picks every time). ``rho >= rho0`` is
+``balance >= rho0 / (1 - rho0)``.
+
+Degenerate inputs: non-finite r8, r16 or A and masked-out tokens are dropped
+(non-finite ones counted in ``n_nonfinite``). With no negative-advantage token L
+and H have no information: the raw bounds stay at ``previous``. With negatives
+but no positive token Pos is 0 for every H, so H stays at ``previous`` (the
+literal rule would jump to ``upper_min``). Undefined shares are NaN.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Callable, Sequence
+
+import torch
+
+from fp8rl_core.config import CalibrationConfig
+from fp8rl_core.registry import Registry
+
+__all__ = [
+    "CLIP_MODES",
+    "CalibrationResult",
+    "CalibrationTokens",
+    "CalibratorState",
+    "ModeContext",
+    "balance",
+    "calibrate",
+    "initial_bounds",
+    "pos_neg_contrib",
+]
+
+BALANCE_RTOL = 1e-9
+_INF = float("inf")
+_NAN = float("nan")
+
+
+def _ratio(pos: float, neg: float) -> float:
+    return _INF if neg == 0 else pos / neg
+
+
+def _share(count: int, n: int) -> float:
+    return count / n if n else _NAN
+
+
+def _grid(lo: float, hi: float, step: float) -> list[float]:
+    """Grid lo, lo+step, ... <= hi, with hi appended if the steps miss it."""
+    n = int(math.floor((hi - lo) / step + 1e-9))
+    pts = [round(lo + j * step, 12) for j in range(n + 1)]
+    if pts[-1] < hi - 1e-12:
+        pts.append(hi)
+    return pts
+
+
+def _work_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    dt = torch.promote_types(a.dtype, b.dtype)
+    return dt if dt in (torch.float32, torch.float64) else torch.float32  # bf16/fp16 ratios: upcast
+
+
+# --------------------------------------------------------------------------- token sets
+
+
+class CalibrationTokens:
+    """Compacted valid tokens of one calibration, split by advantage sign.
+
+    ``r8n, r16n, absn``: ``[n_neg]`` FP8 ratio, BF16 ratio and |A| of the A<0
+    tokens; ``r8p, r16p, ap``: ``[n_pos]`` the same for A>0 (one float dtype).
+    Zero-advantage tokens carry no gradient and are only counted. Statistics are
+    memoised per (token set, bound): ``calibrate`` asks for a bound repeatedly.
+    """
+
+    def __init__(
+        self, r8: torch.Tensor, r16: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, dual_clip: float = 3.0
+    ) -> None:
+        if not (r8.shape == r16.shape == adv.shape == mask.shape):
+            raise ValueError(
+                "calibrate needs r_fp8, r_bf16, advantages and mask of one shape, got "
+                f"{tuple(r8.shape)}, {tuple(r16.shape)}, {tuple(adv.shape)}, {tuple(mask.shape)}"
+            )
+        dt = _work_dtype(r8, r16)
+        r8, r16 = r8.reshape(-1).to(dt), r16.reshape(-1).to(dt)
+        adv = adv.reshape(-1).to(dt)
+        m = mask.reshape(-1).bool()
+        self.n_masked = int(torch.count_nonzero(m))
+        # A sum is finite only if every term is (inf/NaN propagate); a finite
+        # overflow merely sends us down the exact path. Saves 3 full passes.
+        if bool(torch.isfinite(r8.sum() + r16.sum() + adv.sum())):
+            valid = m
+            self.n_tokens = self.n_masked
+        else:
+            valid = m & torch.isfinite(r8)
+            valid &= torch.isfinite(r16)
+            valid &= torch.isfinite(adv)
+            self.n_tokens = int(torch.count_nonzero(valid))
+        self.n_nonfinite = self.n_masked - self.n_tokens
+        neg_idx = torch.nonzero(valid & (adv < 0)).squeeze(1)  # one nonzero per sign, then cheap gathers
+        pos_idx = torch.nonzero(valid & (adv > 0)).squeeze(1)
+        self.dtype = dt
+        self.dual_clip = dual_clip
+        self.r8n, self.r16n = r8.index_select(0, neg_idx), r16.index_select(0, neg_idx)
+        self.absn = adv.index_select(0, neg_idx).neg_()
+        self.r8p, self.r16p, self.ap = r8.index_select(0, pos_idx), r16.index_select(0, pos_idx), adv.index_select(0, pos_idx)
+        self.n_neg, self.n_pos = int(neg_idx.numel()), int(pos_idx.numel())
+        self._memo: dict[str, dict[float, tuple[int, float]]] = {}
+
+    def _bound(self, x: float) -> float:
+        """``x`` as the ratios' dtype will see it."""
+        return float(torch.tensor(x, dtype=self.dtype))
+
+    def _arrays(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ratios, |A|) of ``key``: "n8", "n16" (A<0; FP8, BF16) or "p8", "p16" (A>0)."""
+        return {
+            "n8": (self.r8n, self.absn), "n16": (self.r16n, self.absn), "p8": (self.r8p, self.ap), "p16": (self.r16p, self.ap)
+        }[key]
+
+    def _side(self, key: str, bounds: Sequence[float]) -> list[tuple[int, float]]:
+        """Per bound: (count, contribution). One pass answers every bound not yet seen.
+
+        Lower side (keys "n*"), bound L: ``(#{r < L}, Neg = sum r|A| over L <= r <= c)``.
+        Upper side (keys "p*"), bound H: ``(#{r > H}, Pos = sum r A over r <= H)``.
+        The pass: bucketize r into the sorted bounds (plus c), count and sum the
+        float64 contributions per bin, then prefix sums over the (few) bins.
+        """
+        lower = key.startswith("n")
+        memo = self._memo.setdefault(key, {})
+        rounded = [self._bound(b) for b in bounds]
+        missing = sorted(set(rounded) - set(memo))
+        if missing:
+            r, a = self._arrays(key)
+            vals = missing
+            if lower:  # r <= c  <=>  r < nextafter(c)
+                c = torch.tensor(self._bound(self.dual_clip), dtype=self.dtype)
+                c_next = float(torch.nextafter(c, torch.tensor(_INF, dtype=self.dtype)))
+                vals = sorted(set(missing) | {c_next})
+            g = torch.tensor(vals, dtype=self.dtype, device=r.device)
+            # lower: idx = #{g <= r}, so r < g[j] <=> idx <= j; upper: idx = #{g < r}, so r <= g[j] <=> idx <= j
+            idx = torch.bucketize(r, g, right=lower)
+            nb = len(vals) + 1
+            ones = torch.ones(1, dtype=torch.int64, device=r.device).expand(r.numel())  # no n-sized allocation
+            cnt = torch.zeros(nb, dtype=torch.int64, device=r.device).index_add_(0, idx, ones).tolist()
+            # product in the ratios' dtype (as the loss computes it), accumulated in float64
+            sums = torch.zeros(nb, dtype=torch.float64, device=r.device)
+            sums = sums.index_add_(0, idx, (r * a).to(torch.float64)).tolist()
+            cum_cnt = list(itertools.accumulate(cnt))
+            if lower:
+                jc = vals.index(c_next)
+                for j, v in enumerate(vals):
+                    memo[v] = (cum_cnt[j], math.fsum(sums[j + 1 : jc + 1]) if j < jc else 0.0)
+            else:
+                cum_sum = list(itertools.accumulate(sums))
+                for j, v in enumerate(vals):
+                    memo[v] = (r.numel() - cum_cnt[j], cum_sum[j])
+        return [memo[v] for v in rounded]
+
+    def prefetch(self, key: str, bounds: Sequence[float]) -> None:
+        """Compute the statistics of several bounds in one pass (later calls hit the memo)."""
+        self._side(key, bounds)
+
+    def neg_contrib(self, key: str, lower: float) -> float:
+        """Neg = sum r*|A| over A<0 with lower <= r <= dual_clip; key "n8" (FP8) or "n16" (BF16)."""
+        return self._side(key, [lower])[0][1]
+
+    def pos_contrib(self, key: str, upper: float) -> float:
+        """Pos = sum r*A over A>0 with r <= upper; key "p8" (FP8) or "p16" (BF16)."""
+        return self._side(key, [upper])[0][1]
+
+    def count_below(self, key: str, bound: float) -> int:
+        """#{r < bound} of the A<0 tokens ("n8", "n16")."""
+        return self._side(key, [bound])[0][0]
+
+    def count_above(self, key: str, bound: float) -> int:
+        """#{r > bound} of the A>0 tokens ("p8", "p16")."""
+        return self._side(key, [bound])[0][0]
+
+    def curve(self, key: str, grid: Sequence[float]) -> torch.Tensor:
+        """``[G]`` float64 contributions (Pos for "p*", Neg for "n*") at every grid point, one pass."""
+        return torch.tensor([c for _, c in self._side(key, grid)], dtype=torch.float64)
+
+    def quantile_lower(self, k: int) -> float:
+        """Raw L of the sorted-quantile rule: FP8 clips exactly the k lowest r8 (ties aside)."""
+        n = self.n_neg
+        if n == 0:
+            raise ValueError("quantile_lower needs at least one negative-advantage token")
+        if k <= 0:
+            return float(self.r8n.min())
+        if k >= n:
+            vn = float(self.r8n.max())
+            return self._strictly_above(vn, vn + 1e-6)
+        vk = float(torch.kthvalue(self.r8n, k).values)
+        if int(torch.count_nonzero(self.r8n <= vk)) > k:
+            vk1 = vk  # a tie straddles the cut
+        else:  # v_{k+1} is the smallest value above v_k: one pass instead of a second selection
+            vk1 = float(torch.where(self.r8n > vk, self.r8n, _INF).amin())
+        if vk == vk1:
+            return vk
+        return self._strictly_above(vk, (vk + vk1) / 2)
+
+    def _strictly_above(self, v: float, candidate: float) -> float:
+        """``candidate`` if the dtype still sees it above ``v``, else the next value above ``v``."""
+        if self._bound(candidate) > v:
+            return candidate
+        t = torch.tensor(v, dtype=self.dtype)
+        return float(torch.nextafter(t, torch.tensor(_INF, dtype=self.dtype)))
+
+
+@dataclass(frozen=True)
+class ModeContext:
+    """Everything a clip mode may use besides the tokens (all Python scalars)."""
+
+    eps_low: float
+    eps_high: float
+    dual_clip: float
+    config: CalibrationConfig
+    previous: tuple[float, float]
+    k_bf16: int  # negatives that BF16 clips at 1 - eps_low
+    target_balance: float
+
+
+ClipMode = Callable[[CalibrationTokens, ModeContext], tuple[float, float, float, float, str]]
+"""``(tokens, ctx) -> (raw_lower, raw_upper, lower, upper, status)``."""
+CLIP_MODES: Registry[ClipMode] = Registry("clip mode")
+
+
+def _smooth(prev: float, raw: float, max_delta: float, lo: float, hi: float) -> float:
+    new = prev + min(max(raw - prev, -max_delta), max_delta)
+    return min(max(new, lo), hi)
+
+
+def _search_upper(tok: CalibrationTokens, lower: float, ctx: ModeContext) -> float:
+    """Smallest grid H with balance(r8; lower, H) >= target, upper_max if none."""
+    cfg = ctx.config
+    grid = _grid(cfg.upper_min, cfg.upper_max, cfg.upper_step)
+    neg8 = tok.neg_contrib("n8", lower)
+    if neg8 == 0:
+        return grid[0]  # balance is +inf for every H
+    if math.isinf(ctx.target_balance):
+        return cfg.upper_max
+    # the smoothed H is raw H (a grid point) or prev +- max_delta: compute those in the same pass
+    prev_h, d = ctx.previous[1], cfg.max_delta
+    tok.prefetch("p8", [*grid, prev_h, *(_smooth(prev_h, x, d, cfg.upper_min, cfg.upper_max) for x in (prev_h - d, prev_h + d))])
+    ok = tok.curve("p8", grid) >= ctx.target_balance * neg8 * (1 - BALANCE_RTOL)
+    hit = torch.nonzero(ok)
+    return grid[int(hit[0])] if hit.numel() else cfg.upper_max
+
+
+def _calibrated_raw(tok: CalibrationTokens, ctx: ModeContext, move_upper: bool) -> tuple[float, float, str]:
+    prev_l, prev_h = ctx.previous
+    if tok.n_neg == 0:
+        return prev_l, prev_h, "empty" if tok.n_tokens == 0 else "no_negative_tokens"
+    raw_l = tok.quantile_lower(ctx.k_bf16)
+    cfg = ctx.config
+    # one pass over the FP8 negatives for every lower bound calibrate reports
+    tok.prefetch("n8", [raw_l, prev_l, _smooth(prev_l, raw_l, cfg.max_delta, cfg.lower_min, cfg.lower_max)])
+    if not move_upper:
+        return raw_l, 1.0 + ctx.eps_high, "ok"
+    if tok.n_pos == 0:
+        return raw_l, prev_h, "no_positive_tokens"
+    return raw_l, _search_upper(tok, raw_l, ctx), "ok"
+
+
+@CLIP_MODES.register("calibrated")
+def _mode_calibrated(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, float, float, str]:
+    cfg = ctx.config
+    raw_l, raw_h, status = _calibrated_raw(tok, ctx, move_upper=True)
+    lower = _smooth(ctx.previous[0], raw_l, cfg.max_delta, cfg.lower_min, cfg.lower_max)
+    upper = _smooth(ctx.previous[1], raw_h, cfg.max_delta, cfg.upper_min, cfg.upper_max)
+    return raw_l, raw_h, lower, upper, status
+
+
+@CLIP_MODES.register("relaxed_lower")
+def _mode_relaxed_lower(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, float, float, str]:
+    cfg = ctx.config
+    raw_l, _, status = _calibrated_raw(tok, ctx, move_upper=False)
+    upper = 1.0 + ctx.eps_high
+    lower = _smooth(ctx.previous[0], raw_l, cfg.max_delta, cfg.lower_min, cfg.lower_max)
+    return raw_l, upper, lower, upper, status
+
+
+@CLIP_MODES.register("standard")
+def _mode_standard(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, float, float, str]:
+    lower, upper = 1.0 - ctx.eps_low, 1.0 + ctx.eps_high
+    return lower, upper, lower, upper, "empty" if tok.n_tokens == 0 else "ok"
+
+
+@CLIP_MODES.register("bapo")
+def _mode_bapo(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, float, float, str]:
+    cfg = ctx.config
+    lgrid = _grid(cfg.bapo_lower_min, cfg.bapo_lower_max, cfg.bapo_lower_step)
+    hgrid = _grid(cfg.bapo_upper_min, cfg.bapo_upper_max, cfg.bapo_upper_step)
+    steps = max(len(lgrid), len(hgrid))
+    li = torch.clamp(torch.arange(steps), max=len(lgrid) - 1)  # path of (L_t, H_t)
+    hi = torch.clamp(torch.arange(steps), max=len(hgrid) - 1)
+    pos, neg = tok.curve("p8", hgrid)[hi], tok.curve("n8", lgrid)[li]  # [steps] each
+    need = cfg.bapo_rho0 / (1.0 - cfg.bapo_rho0)
+    ok = (neg == 0) | (pos >= need * neg * (1 - BALANCE_RTOL))
+    hit = torch.nonzero(ok)
+    t = int(hit[0]) if hit.numel() else steps - 1
+    lower, upper = lgrid[int(li[t])], hgrid[int(hi[t])]
+    return lower, upper, lower, upper, "empty" if tok.n_tokens == 0 else "ok"
+
+
+# --------------------------------------------------------------------------- state and result
+
+
+def initial_bounds(*, eps_low: float, eps_high: float, config: CalibrationConfig) -> tuple[float, float]:
+    """(L, H) before the first calibration: ``config.initial_*`` or ``1 -/+ eps``."""
+    lo = config.initial_lower if config.initial_lower is not None else 1.0 - eps_low
+    hi = config.initial_upper if config.initial_upper is not None else 1.0 + eps_high
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class CalibratorState:
+    """Bounds in force between calibrations; saved in checkpoints (``to_dict``)."""
+
+    lower: float
+    upper: float
+    n_calibrations: int = 0
+    last_step: int | None = None
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        return self.lower, self.upper
+
+    @classmethod
+    def initial(cls, *, eps_low: float, eps_high: float, config: CalibrationConfig) -> "CalibratorState":
+        lo, hi = initial_bounds(eps_low=eps_low, eps_high=eps_high, config=config)
+        return cls(lower=lo, upper=hi)
+
+    def updated(self, result: "CalibrationResult", step: int) -> "CalibratorState":
+        """The state after applying ``result`` at ``step``."""
+        return CalibratorState(result.lower, result.upper, self.n_calibrations + 1, step)
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CalibratorState":
+        names = {f.name for f in fields(cls)}
+        unknown, missing = set(d) - names, {"lower", "upper"} - set(d)
+        if unknown or missing:
+            raise ValueError(f"CalibratorState.from_dict: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+        last = d.get("last_step")
+        return cls(float(d["lower"]), float(d["upper"]), int(d.get("n_calibrations", 0)), None if last is None else int(last))
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """Outcome of one calibration (one row of the ``bounds`` table via ``to_dict``).
+
+    ``lower``/``upper`` are the smoothed, clamped bounds to use from the next
+    step; ``raw_*`` the unsmoothed rule output; ``previous_*`` the bounds in
+    force before. Balances: ``target`` = BF16 at the standard bounds,
+    ``before`` = FP8 at previous, ``after`` = FP8 at raw, ``applied`` = FP8 at
+    (lower, upper). ``lower_clip_share_*`` are shares of the negative-advantage
+    tokens (so ``lower_clip_share_bf16 == alpha``), ``upper_clip_share_*`` of
+    the positive ones. ``n_tokens`` counts the valid, finite tokens used.
+    """
+
+    mode: str
+    lower: float
+    upper: float
+    raw_lower: float
+    raw_upper: float
+    previous_lower: float
+    previous_upper: float
+    alpha: float
+    target_balance: float
+    balance_before: float
+    balance_after: float
+    balance_applied: float
+    lower_clip_share_bf16: float
+    lower_clip_share_fp8_before: float
+    lower_clip_share_fp8_after: float
+    lower_clip_share_fp8_applied: float
+    upper_clip_share_bf16: float
+    upper_clip_share_fp8_before: float
+    upper_clip_share_fp8_after: float
+    n_tokens: int
+    n_negative: int
+    n_positive: int
+    n_nonfinite: int
+    status: str
+
+    def to_dict(self) -> dict[str, float | int | str]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def _resolve_previous(previous, eps_low: float, eps_high: float, config: CalibrationConfig) -> tuple[float, float]:
+    if previous is None:
+        return initial_bounds(eps_low=eps_low, eps_high=eps_high, config=config)
+    if isinstance(previous, CalibratorState):
+        return previous.bounds
+    lo, hi = previous
+    return float(lo), float(hi)
+
+
+def calibrate(
+    r_fp8: torch.Tensor,
+    r_bf16: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    config: CalibrationConfig,
+    previous: tuple[float, float] | CalibratorState | None = None,
+    dual_clip: float = 3.0,
+) -> CalibrationResult:
+    """Choose the clip bounds for the next steps (mode ``config.mode``).
+
+    Args:
+        r_fp8, r_bf16: ``[N]`` (any shape, flattened) float32/float64 importance
+            ratios of the training forward (FP8) and of the BF16 shadow pass, on
+            all tokens of the calibration step's mini-batches.
+        advantages: ``[N]`` per-token advantages; ``mask``: ``[N]`` bool/0-1.
+        eps_low, eps_high: the standard PPO epsilons (BF16 reference bounds).
+        config: the ``CalibrationConfig``; its ``mode`` picks a ``CLIP_MODES`` entry.
+        previous: bounds in force, as ``(L, H)`` or a ``CalibratorState``;
+            None = ``initial_bounds``.
+        dual_clip: c of the loss (``algorithm.dual_clip``); Neg ignores r > c.
+    Returns:
+        A ``CalibrationResult`` of Python scalars.
+    """
+    mode_fn = CLIP_MODES.get(config.mode)
+    prev = _resolve_previous(previous, eps_low, eps_high, config)
+    tok = CalibrationTokens(r_fp8, r_bf16, advantages, mask, dual_clip)
+    std_l, std_h = 1.0 - eps_low, 1.0 + eps_high
+    k16 = tok.count_below("n16", std_l)
+    target = _ratio(tok.pos_contrib("p16", std_h), tok.neg_contrib("n16", std_l))
+    ctx = ModeContext(eps_low, eps_high, dual_clip, config, prev, k16, target)
+    raw_l, raw_h, lower, upper, status = mode_fn(tok, ctx)
+    tok.prefetch("n8", [prev[0], raw_l, lower])  # at most one more pass per side
+    tok.prefetch("p8", [prev[1], raw_h, upper])
+
+    def fp8_balance(lo: float, hi: float) -> float:
+        return _ratio(tok.pos_contrib("p8", hi), tok.neg_contrib("n8", lo))
+
+    nn, npos = tok.n_neg, tok.n_pos
+    return CalibrationResult(
+        mode=config.mode, lower=lower, upper=upper, raw_lower=raw_l, raw_upper=raw_h,
+        previous_lower=prev[0], previous_upper=prev[1], alpha=_share(k16, nn), target_balance=target,
+        balance_before=fp8_balance(*prev), balance_after=fp8_balance(raw_l, raw_h), balance_applied=fp8_balance(lower, upper),
+        lower_clip_share_bf16=_share(k16, nn),
+        lower_clip_share_fp8_before=_share(tok.count_below("n8", prev[0]), nn),
+        lower_clip_share_fp8_after=_share(tok.count_below("n8", raw_l), nn),
+        lower_clip_share_fp8_applied=_share(tok.count_below("n8", lower), nn),
+        upper_clip_share_bf16=_share(tok.count_above("p16", std_h), npos),
+        upper_clip_share_fp8_before=_share(tok.count_above("p8", prev[1]), npos),
+        upper_clip_share_fp8_after=_share(tok.count_above("p8", raw_h), npos),
+        n_tokens=tok.n_tokens, n_negative=nn, n_positive=npos, n_nonfinite=tok.n_nonfinite, status=status,
+    )
+
+
+def pos_neg_contrib(
+    r: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, lower: float, upper: float, dual_clip: float = 3.0
+) -> tuple[float, float]:
+    """``(Pos, Neg)`` of DESIGN.md section 2 for ratios ``r`` ``[N]`` (any shape),
+    advantages and mask of the same shape; non-finite tokens are ignored."""
+    tok = CalibrationTokens(r, r, advantages, mask, dual_clip)
+    return tok.pos_contrib("p8", upper), tok.neg_contrib("n8", lower)
+
+
+def balance(
+    r: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, lower: float, upper: float, dual_clip: float = 3.0
+) -> float:
+    """``Pos / Neg`` (+inf when Neg = 0); arguments as ``pos_neg_contrib``."""
+    return _ratio(*pos_neg_contrib(r, advantages, mask, lower, upper, dual_clip))
