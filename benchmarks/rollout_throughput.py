@@ -1,0 +1,175 @@
+"""Rollout throughput: the transformers engine against a bare ``model.generate`` loop.
+
+Question answered: does the engine's sampling loop (which also returns the
+log-prob of every sampled token) add overhead over transformers' own generation
+on the same model, batch and lengths? Goal: engine tokens/s / bare tokens/s
+>= 0.9. It also reports what FP8 W8A8 emulation costs on CPU (time ratio
+against the bf16 engine) — emulation quantizes and dequantizes in software, so
+it is expected to be slower than bf16 here; the speed-up of FP8 rollout is a GPU
+(vLLM) matter.
+
+Both sides run on the engine's inference copy of the tiny Qwen3 policy under
+the same BF16 autocast, with ``P * n`` sequences left-padded in chunks of
+``generation_batch_size``, true sampling (``temperature=1``, ``top_p=1``,
+``top_k=0``) and the same ``max_new_tokens``; tokens are counted the same way
+(response tokens through the first EOS). With the untrained policy few rows stop
+early, so the engine's dropping of finished rows barely matters here; on a
+trained policy with short answers it is an extra gain. Runs are interleaved (the order rotates every round) and repeated,
+and medians are reported, because the CPUs are shared and timings are noisy.
+Ratios are given per wall second and per CPU second of this process (the latter
+is far less sensitive to other jobs on the machine; one thread by default so
+that it is not inflated by idle OpenMP spinning).
+
+    python benchmarks/rollout_throughput.py --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from fp8rl_core.config import ModelConfig, PrecisionConfig, RolloutConfig
+from fp8rl_core.precision import autocast_context
+from fp8rl_core.tiny_model import build_tiny_model
+from stages.engines import TransformersEngine, make_engine
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+def random_prompts(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of BOS + uniform-random tokens, lengths uniform in [lo, hi]."""
+    rng = random.Random(seed)
+    return [[BOS] + [rng.randrange(4, vocab) for _ in range(rng.randint(lo, hi) - 1)] for _ in range(count)]
+
+
+def bare_generate_tokens(
+    model: torch.nn.Module, prompts: list[list[int]], *, n: int, max_new_tokens: int, batch: int, seed: int
+) -> int:
+    """``model.generate`` over the same expanded, left-padded chunks; returns response tokens."""
+    torch.manual_seed(seed)
+    rows = [p for p in sorted(prompts, key=len) for _ in range(n)]
+    total = 0
+    with torch.inference_mode(), autocast_context("bf16"):
+        for lo in range(0, len(rows), batch):
+            part = rows[lo : lo + batch]
+            width = max(len(p) for p in part)
+            ids = torch.full((len(part), width), PAD, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, p in enumerate(part):
+                ids[r, width - len(p) :] = torch.tensor(p)
+                mask[r, width - len(p) :] = 1
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=PAD,
+                eos_token_id=EOS,
+            )
+            new = out[:, width:]  # [B, <= max_new_tokens]
+            is_eos = new == EOS
+            lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, new.shape[1])
+            total += int(lengths.sum())
+    return total
+
+
+def timed(fn: Callable[[], int]) -> tuple[float, float, int]:
+    """``(wall seconds, process CPU seconds, tokens)`` of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    tokens = fn()
+    return time.perf_counter() - wall, time.process_time() - cpu, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=64, help="prompts per call (P)")
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--batch", type=int, default=512, help="generation_batch_size (sequences per chunk)")
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=(8, 32), metavar=("MIN", "MAX"))
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds; medians are reported")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--copy-dtype", choices=("float32", "bfloat16"), default="float32", help="engine inference-copy dtype")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the FP8 emulation variants")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    policy = build_tiny_model(ModelConfig())
+    prompts = random_prompts(args.prompts, *args.prompt_len, vocab=policy.config.vocab_size, seed=args.seed)
+    rollout_cfg = RolloutConfig(generation_batch_size=args.batch, max_new_tokens=args.max_new_tokens)
+
+    def engine(mode: str) -> TransformersEngine:
+        return make_engine(
+            "transformers",
+            model=policy,
+            tokenizer=None,
+            precision=PrecisionConfig(rollout=mode),
+            config=rollout_cfg,
+            copy_dtype=getattr(torch, args.copy_dtype),
+        )
+
+    bf16 = engine("bf16")
+    gen_args = dict(n=args.n, temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens)
+    variants: dict[str, Callable[[], int]] = {
+        "engine bf16": lambda: bf16.generate(prompts, seed=args.seed, **gen_args).generated_tokens,
+        "bare generate bf16": lambda: bare_generate_tokens(
+            bf16.model, prompts, n=args.n, max_new_tokens=args.max_new_tokens, batch=args.batch, seed=args.seed
+        ),
+    }
+    if not args.no_fp8:
+        for mode in ("fp8_per_tensor", "fp8_per_block"):
+            eng = engine(mode)
+            variants[f"engine {mode}"] = lambda eng=eng: eng.generate(prompts, seed=args.seed, **gen_args).generated_tokens
+
+    names = list(variants)
+    for name in names:  # warm-up
+        variants[name]()
+    walls: dict[str, list[float]] = {k: [] for k in names}
+    cpus: dict[str, list[float]] = {k: [] for k in names}
+    tokens: dict[str, list[int]] = {k: [] for k in names}
+    for r in range(args.repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            wall, cpu, tok = timed(variants[name])
+            walls[name].append(wall)
+            cpus[name].append(cpu)
+            tokens[name].append(tok)
+
+    print(
+        f"P={args.prompts} n={args.n} (N={args.prompts * args.n} sequences) max_new_tokens={args.max_new_tokens} "
+        f"batch={args.batch} prompt_len={tuple(args.prompt_len)} threads={args.threads} repeats={args.repeats} "
+        f"copy_dtype={args.copy_dtype}"
+    )
+    for name in names:
+        print(
+            f"  {name:22s} median {statistics.median(t / w for t, w in zip(tokens[name], walls[name])):8.0f} tok/s wall"
+            f"  {statistics.median(t / c for t, c in zip(tokens[name], cpus[name])):8.0f} tok/s CPU"
+            f"   median wall {statistics.median(walls[name]):6.2f} s   tokens/run {statistics.median(tokens[name]):.0f}"
+        )
+
+    def paired(a: str, b: str, seconds: dict[str, list[float]]) -> str:
+        """Median over rounds of (tokens/s of a) / (tokens/s of b), measured back to back."""
+        ratios = sorted(
+            (ta / sa) / (tb / sb) for ta, sa, tb, sb in zip(tokens[a], seconds[a], tokens[b], seconds[b])
+        )
+        return f"{statistics.median(ratios):.2f} (rounds {ratios[0]:.2f}..{ratios[-1]:.2f})"
+
+    def report(label: str, a: str, b: str) -> None:
+        print(f"{label}: per CPU second {paired(a, b, cpus)}; per wall second {paired(a, b, walls)}")
+
+    report("engine / bare generate tokens/s, bf16 (goal >= 0.9)", "engine bf16", "bare generate bf16")
+    for mode in ("fp8_per_tensor", "fp8_per_block"):
+        if f"engine {mode}" in variants:
+            report(f"{mode} emulation / bf16 time per token", "engine bf16", f"engine {mode}")
+
+
+if __name__ == "__main__":
+    main()

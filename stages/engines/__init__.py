@@ -1,0 +1,36 @@
+"""Rollout engines behind one interface (:class:`RolloutEngine`), built by name.
+
+``make_engine("transformers", model=..., tokenizer=..., precision=..., config=...)``
+gives the CPU / small-GPU engine; ``"vllm"`` the vLLM adapter (GPU; ``vllm`` is
+imported only when that engine is constructed).
+"""
+
+from stages.engines.base import (
+    ENGINES,
+    FinishReason,
+    LogprobsMode,
+    RolloutBatch,
+    RolloutEngine,
+    RolloutSample,
+    make_engine,
+    register_engine,
+    truncate_at_eos,
+    validate_generate_args,
+)
+from stages.engines.hf_engine import TransformersEngine
+from stages.engines.vllm_engine import VLLMEngine
+
+__all__ = [
+    "ENGINES",
+    "FinishReason",
+    "LogprobsMode",
+    "RolloutBatch",
+    "RolloutEngine",
+    "RolloutSample",
+    "TransformersEngine",
+    "VLLMEngine",
+    "make_engine",
+    "register_engine",
+    "truncate_at_eos",
+    "validate_generate_args",
+]

@@ -1,0 +1,232 @@
+"""The rollout-engine interface: what the RL loop asks of a generator.
+
+One step of GRPO/DAPO needs, from whatever generates the samples:
+
+1. ``generate`` — ``n`` samples for each of ``P`` prompts, returned in *group
+   layout*: the ``n`` samples of prompt 0, then the ``n`` of prompt 1, …
+   (``P * n`` in all), each with its response token ids (up to and including the
+   first EOS), the log-probability of every sampled token under the sampling
+   distribution, and why it stopped (``"stop"``: EOS; ``"length"``: the
+   ``max_new_tokens`` cap);
+2. ``load_weights`` — take the trainer's new policy before the next rollout
+   (FP8 rollout layers are re-quantized from the new master weights);
+3. ``sleep`` / ``wake_up`` — free accelerator memory while the trainer runs
+   (meaningful for a colocated vLLM engine; no-ops for the transformers one);
+4. ``close``.
+
+**What ``response_logprobs`` are.** For a sampled token ``y_t`` the engine
+returns ``log q(y_t | x, y_<t)`` where ``q`` is the distribution it *sampled
+from*, in its own precision (bf16, or FP8 W8A8 for an FP8 rollout). With the
+default ``logprobs_mode="processed"`` that is vLLM's ``processed_logprobs``:
+``log_softmax(logits / T)`` after top-p truncation (tokens outside the nucleus
+get ``-inf`` and the rest are renormalised). With ``"raw"`` it is vLLM's
+``raw_logprobs``: ``log_softmax(logits)``, ignoring temperature and top-p. For
+``T = 1`` and ``top_p = 1`` — the RL setting — both equal the teacher-forced
+log-prob a trainer recomputes, which is what truncated importance sampling
+(TIS, DESIGN.md section 2) compares against. ``T = 0`` means greedy decoding;
+its log-probs are ``log_softmax(logits)`` of the argmax token.
+
+Engines are built by name through :data:`ENGINES` (``make_engine("transformers",
+...)``); an unknown name is an error listing the registered ones.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from fp8rl_core.registry import Registry
+
+if TYPE_CHECKING:
+    from fp8rl_core.config import PrecisionConfig, RolloutConfig
+
+FinishReason = Literal["stop", "length"]
+LogprobsMode = Literal["processed", "raw"]
+LOGPROBS_MODES: tuple[str, ...] = ("processed", "raw")
+
+
+@dataclass(frozen=True)
+class RolloutSample:
+    """One generated response.
+
+    ``response_ids`` holds the generated tokens only (no prompt, no padding),
+    ending with the EOS token when ``finish_reason == "stop"``;
+    ``response_logprobs[t]`` is the log-prob of ``response_ids[t]`` (same length).
+    """
+
+    prompt_index: int
+    sample_index: int
+    response_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        if len(self.response_ids) != len(self.response_logprobs):
+            raise ValueError(
+                f"sample ({self.prompt_index}, {self.sample_index}): {len(self.response_ids)} response ids "
+                f"but {len(self.response_logprobs)} log-probs"
+            )
+        if self.finish_reason not in ("stop", "length"):
+            raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """The ``P * n`` samples of one ``generate`` call, in group layout.
+
+    ``samples[p * n + i]`` is sample ``i`` of prompt ``p``. ``generated_tokens``
+    counts response tokens (EOS included, padding excluded); ``tokens_per_second``
+    divides it by the wall time of the whole call.
+    """
+
+    samples: list[RolloutSample]
+    num_prompts: int
+    n: int
+    wall_seconds: float
+    engine: str
+    precision: str
+    generated_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if len(self.samples) != self.num_prompts * self.n:
+            raise ValueError(f"expected {self.num_prompts} * {self.n} samples, got {len(self.samples)}")
+        for k, s in enumerate(self.samples):
+            if (s.prompt_index, s.sample_index) != divmod(k, self.n):
+                raise ValueError(
+                    f"samples are not in group layout: position {k} holds (prompt {s.prompt_index}, "
+                    f"sample {s.sample_index}), expected {divmod(k, self.n)}"
+                )
+        object.__setattr__(self, "generated_tokens", sum(len(s.response_ids) for s in self.samples))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.wall_seconds if self.wall_seconds > 0 else float("inf")
+
+    def group(self, prompt_index: int) -> list[RolloutSample]:
+        """The ``n`` samples of one prompt."""
+        return self.samples[prompt_index * self.n : (prompt_index + 1) * self.n]
+
+    def response_tensors(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-padded ``(ids [N, L] int64, logprobs [N, L] float32, mask [N, L] bool)``.
+
+        ``N = P * n`` in group layout, ``L`` = the longest response; padded
+        positions hold ``pad_id`` / ``0.0`` / ``False``.
+        """
+        n_rows = len(self.samples)
+        width = max((len(s.response_ids) for s in self.samples), default=0)
+        ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
+        logp = torch.zeros((n_rows, width), dtype=torch.float32)
+        mask = torch.zeros((n_rows, width), dtype=torch.bool)
+        for r, s in enumerate(self.samples):
+            k = len(s.response_ids)
+            ids[r, :k] = torch.tensor(s.response_ids, dtype=torch.long)
+            logp[r, :k] = torch.tensor(s.response_logprobs, dtype=torch.float32)
+            mask[r, :k] = True
+        return ids, logp, mask
+
+
+def validate_generate_args(
+    prompt_ids: list[list[int]], *, n: int, temperature: float, top_p: float, max_new_tokens: int
+) -> None:
+    """Reject malformed ``generate`` arguments with a message naming the culprit."""
+    if not prompt_ids:
+        raise ValueError("generate: prompt_ids is empty; pass at least one prompt")
+    for i, p in enumerate(prompt_ids):
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
+    if n < 1:
+        raise ValueError(f"generate: n must be >= 1, got {n}")
+    if temperature < 0:
+        raise ValueError(f"generate: temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"generate: top_p must be in (0, 1], got {top_p}")
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+def truncate_at_eos(token_ids: list[int], eos_ids: frozenset[int]) -> tuple[list[int], FinishReason]:
+    """Cut ``token_ids`` after the first EOS (kept). Returns ``(kept_ids, finish_reason)``."""
+    for t, tok in enumerate(token_ids):
+        if tok in eos_ids:
+            return token_ids[: t + 1], "stop"
+    return list(token_ids), "length"
+
+
+class RolloutEngine(abc.ABC):
+    """Generates grouped samples from the current policy; see the module docstring.
+
+    Subclasses are constructed with keyword arguments ``model`` (the trainer's
+    policy, an ``nn.Module``), ``tokenizer``, ``precision``
+    (:class:`~fp8rl_core.config.PrecisionConfig`; its ``rollout`` field selects
+    bf16 / ``fp8_per_tensor`` / ``fp8_per_block``) and ``config``
+    (:class:`~fp8rl_core.config.RolloutConfig`), plus engine-specific options.
+    """
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int,
+    ) -> RolloutBatch:
+        """``n`` samples per prompt in group layout (``[P * n]``); deterministic given ``seed``."""
+
+    @abc.abstractmethod
+    def load_weights(self, train_model: torch.nn.Module) -> None:
+        """Refresh the rollout policy from the trainer's current weights."""
+
+    def sleep(self) -> None:
+        """Release accelerator memory until :meth:`wake_up` (no-op by default)."""
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep` (no-op by default)."""
+
+    def close(self) -> None:
+        """Release every resource; the engine is unusable afterwards."""
+
+    def __enter__(self) -> "RolloutEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine")
+"""Engine classes by name: ``"transformers"`` and ``"vllm"``."""
+
+
+def register_engine(name: str):
+    """Class decorator: ``@register_engine("transformers")``; sets ``cls.name``."""
+    register = ENGINES.register(name)
+
+    def deco(cls: type[RolloutEngine]) -> type[RolloutEngine]:
+        cls.name = name
+        return register(cls)
+
+    return deco
+
+
+def make_engine(
+    name: str,
+    *,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    precision: "PrecisionConfig",
+    config: "RolloutConfig",
+    **options: Any,
+) -> RolloutEngine:
+    """Build the engine registered under ``name`` (``config.engine`` in a campaign).
+
+    ``options`` go to the engine class (e.g. ``logprobs_mode``, or vLLM's
+    ``model_path``); an unknown name raises ``KeyError`` listing the valid ones.
+    """
+    return ENGINES.get(name)(model=model, tokenizer=tokenizer, precision=precision, config=config, **options)
