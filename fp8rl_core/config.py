@@ -185,7 +185,7 @@ class CheckpointConfig(_Frozen):
 
 
 class StorageConfig(_Frozen):
-    runs_root: str = Field("runs", description="Folder holding run directories (Parquet tables live under <runs_root>/tables).")
+    runs_root: str = Field("runs", description="Folder holding run directories (each run's Parquet tables live under <run dir>/tables).")
     row_group_size: int = Field(1_000_000, ge=1, description="Parquet row-group size (rows).")
 
 

@@ -1,0 +1,50 @@
+"""Prefect's environment for fp8rl, set before Prefect is imported.
+
+Without ``PREFECT_API_URL`` a flow runs on Prefect's temporary local server; we
+keep its state under the user's cache (``~/.cache/fp8rl/prefect``) rather than
+``~/.prefect``, turn analytics off, and quiet the temporary server's own logger
+(at shutdown it otherwise prints tracebacks of cancelled background flushes,
+which are harmless). With ``PREFECT_API_URL`` set, everything reports to that
+server and only the analytics default is touched. Explicit user settings win.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def configure_prefect_env(*, quiet: bool = True) -> None:
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if not os.environ.get("PREFECT_API_URL"):
+        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fp8rl" / "prefect"
+        os.environ.setdefault("PREFECT_HOME", str(cache))
+        os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
+    if quiet:
+        # our own progress lines are the console display; Prefect's per-task INFO
+        # lines still reach the server's run logs.
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+
+def quiet_third_party() -> None:
+    """Silence progress bars and import-time warnings of libraries a run uses.
+
+    transformers prints a progress bar for every ``save_pretrained`` /
+    ``from_pretrained`` (each checkpoint, each engine refresh), and torchao warns
+    once about Triton on CPU machines; neither is actionable for a user.
+    """
+    import logging
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in ("torchao", "torchao.kernel.intmm", "torch._dynamo"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        pass

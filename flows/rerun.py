@@ -1,0 +1,115 @@
+"""Re-run one stage over a step range from persisted inputs, as a new version.
+
+``fp8rl rerun RUN --stage calibrate --steps 1:40 --set calibration.max_delta=0.1``
+recomputes the bounds of every calibration step in the range from the persisted
+``token_stats`` with other hyperparameters and writes them under a new
+``variant``, next to the original (``variant = 'main'``), so the two compare in
+one SQL query. ``score`` re-grades persisted rollouts (e.g. after a verifier
+fix); ``evaluate`` re-evaluates the checkpoints in the range. The campaign's own
+outputs are never touched.
+
+The what-if calibration chains its own calibrator state: it starts from the
+bounds the campaign had in force at the first step of the range (read from the
+campaign's ``bounds`` history) and feeds each result into the next.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fp8rl_core.calibration import CalibratorState
+from fp8rl_core.config import CampaignConfig
+from stages.context import MAIN, is_calibration_step
+from storage.ledger import Ledger
+from storage.writer import TableWriter
+
+
+class _Ctx:
+    """The slice of RunContext that score/calibrate need (no policy, no engine)."""
+
+    def __init__(self, cfg: CampaignConfig, run_dir: Path, variant: str) -> None:
+        from stages.prompts import make_source
+        from storage.layout import RunLayout
+
+        self.cfg, self.run_dir, self.variant, self.input_variant = cfg, run_dir, variant, MAIN
+        self.writer, self.ledger = TableWriter(run_dir), Ledger(run_dir)
+        self.layout = RunLayout(run_dir)
+        self.run_id = self.writer.run_id
+        self.attempt = 0
+        self.timings: dict = {}
+        self.source = make_source(cfg.task)
+        self.calibrator = CalibratorState.initial(eps_low=cfg.algorithm.eps_low, eps_high=cfg.algorithm.eps_high,
+                                                  config=cfg.calibration)
+        self.sampler_after_rollout: dict = {}
+
+    def record_time(self, step: int, stage: str, seconds: float) -> None:
+        self.timings.setdefault(step, {})[f"{stage}_seconds"] = seconds
+
+
+def _bounds_in_force(ctx: _Ctx, step: int) -> CalibratorState | None:
+    """The campaign's calibrator state after its last calibration before ``step``."""
+    from stages.io import read_step
+
+    state = None
+    for s in range(1, step):
+        try:
+            t = read_step(ctx, "bounds", s)  # reads the campaign's own ('main') bounds
+        except FileNotFoundError:
+            continue
+        n = 1 if state is None else state.n_calibrations + 1
+        state = CalibratorState(float(t.column("lower")[0].as_py()), float(t.column("upper")[0].as_py()), n, s)
+    return state
+
+
+def rerun_stage(run_dir: Path, cfg: CampaignConfig, stage: str, steps: range, *, variant: str) -> int:
+    """Recompute ``stage`` for ``steps`` into ``variant``; returns how many steps were written."""
+    if variant == MAIN:
+        raise ValueError("a re-run must not write the campaign's own variant 'main'")
+    ctx = _Ctx(cfg, run_dir, variant)
+    written = 0
+    if stage == "score":
+        from stages.score import run_score
+
+        if cfg.algorithm.dynamic_sampling:
+            raise ValueError("re-scoring a DAPO run would need new refill rollouts; re-score with dynamic_sampling off")
+        for s in steps:
+            if s >= 1 and "rollout" in ctx.ledger.done_stages(s):
+                with ctx.ledger.stage(s, "score", variant=variant) as rec:
+                    rec.outputs.extend(run_score(ctx, s)["outputs"])
+                written += 1
+    elif stage == "calibrate":
+        from stages.calibrate import run_calibrate
+
+        prev = _bounds_in_force(ctx, steps.start)
+        if prev is not None:
+            ctx.calibrator = prev
+        for s in steps:
+            if is_calibration_step(cfg, s) and "train" in ctx.ledger.done_stages(s):
+                with ctx.ledger.stage(s, "calibrate", variant=variant) as rec:
+                    rec.outputs.extend(run_calibrate(ctx, s)["outputs"])
+                written += 1
+    elif stage == "evaluate":
+        written = _rerun_evaluate(run_dir, cfg, steps, variant)
+    else:
+        raise ValueError(f"unknown stage {stage!r}; valid: score, calibrate, evaluate")
+    return written
+
+
+def _rerun_evaluate(run_dir: Path, cfg: CampaignConfig, steps: range, variant: str) -> int:
+    from stages.checkpoint import restore
+    from stages.context import open_context
+    from stages.evaluate import run_evaluate
+    from storage.checkpoints import list_checkpoints
+
+    ctx = open_context(cfg, run_dir, variant=variant)
+    written = 0
+    try:
+        for s, path in list_checkpoints(run_dir):
+            if s in steps:
+                restore(ctx, path)
+                with ctx.ledger.stage(s, "evaluate", variant=variant) as rec:
+                    rec.outputs.extend(run_evaluate(ctx, s)["outputs"])
+                written += 1
+    finally:
+        ctx.close()
+    return written

@@ -1,0 +1,60 @@
+"""Calibrate stage: re-derive the FP8 clip bounds from the step's shadow-pass tokens.
+
+Reads the calibration step's ``token_stats`` (every token, with FP8 and BF16
+log-probs of π_θ and π_old), forms r8 and r16 exactly as the loss does
+(``exp(clamp(Δlogp, −20, 20))``), calls :func:`fp8rl_core.calibration.calibrate`
+in the configured mode, writes one ``bounds`` row, and moves the calibrator
+state forward: the new (L, H) are in force from step t+1.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from fp8rl_core.calibration import calibrate
+from stages.context import RunContext
+from stages.io import read_step
+
+
+def _ratio(logp: np.ndarray, old: np.ndarray) -> torch.Tensor:
+    d = torch.from_numpy(logp.astype(np.float32)) - torch.from_numpy(old.astype(np.float32))
+    return torch.exp(d.clamp(-20.0, 20.0))
+
+
+def run_calibrate(ctx: RunContext, step: int) -> dict:
+    """Calibrate on ``step``'s tokens; write ``bounds``; update ``ctx.calibrator``."""
+    t0 = time.perf_counter()
+    cfg = ctx.cfg
+    tok = read_step(ctx, "token_stats", step)
+    if tok.column("logp_bf16").null_count == tok.num_rows:
+        raise RuntimeError(f"step {step}: token_stats has no BF16 shadow log-probs; calibration needs a shadow step")
+    col = {name: tok.column(name).to_numpy(zero_copy_only=False) for name in
+           ("logp_fp8", "old_logp_fp8", "logp_bf16", "old_logp_bf16", "advantage")}
+    r8 = _ratio(col["logp_fp8"], col["old_logp_fp8"])
+    r16 = _ratio(col["logp_bf16"], col["old_logp_bf16"])
+    adv = torch.from_numpy(col["advantage"].astype(np.float32))
+    mask = torch.ones_like(adv, dtype=torch.bool)
+    res = calibrate(r8, r16, adv, mask, eps_low=cfg.algorithm.eps_low, eps_high=cfg.algorithm.eps_high,
+                    config=cfg.calibration, previous=ctx.calibrator, dual_clip=cfg.algorithm.dual_clip)
+    row = {
+        "mode": [res.mode], "alpha": [res.alpha], "raw_lower": [res.raw_lower], "raw_upper": [res.raw_upper],
+        "lower": [res.lower], "upper": [res.upper], "target_balance": [res.target_balance],
+        "balance_before": [res.balance_before], "balance_after": [res.balance_after],
+        "balance_applied": [res.balance_applied],
+        "previous_lower": [res.previous_lower], "previous_upper": [res.previous_upper],
+        "clipfrac_lower_before": [res.lower_clip_share_fp8_before], "clipfrac_lower_after": [res.lower_clip_share_fp8_after],
+        "clipfrac_lower_applied": [res.lower_clip_share_fp8_applied], "clipfrac_lower_bf16": [res.lower_clip_share_bf16],
+        "clipfrac_upper_before": [res.upper_clip_share_fp8_before], "clipfrac_upper_after": [res.upper_clip_share_fp8_after],
+        "clipfrac_upper_bf16": [res.upper_clip_share_bf16],
+        "tokens": [res.n_tokens], "negative_tokens": [res.n_negative], "nonfinite_tokens": [res.n_nonfinite],
+        "status": [res.status],
+    }
+    path = ctx.writer.write("bounds", step, row, stage="calibrate", attempt=ctx.attempt, variant=ctx.variant)
+    ctx.calibrator = ctx.calibrator.updated(res, step)
+    seconds = time.perf_counter() - t0
+    ctx.record_time(step, "calibrate", seconds)
+    return {"outputs": [str(path)], "lower": res.lower, "upper": res.upper, "alpha": res.alpha,
+            "calibrator": ctx.calibrator.to_dict(), "seconds": seconds}

@@ -1,0 +1,94 @@
+"""Evaluate stage: k samples per problem per benchmark, graded, into ``evals`` and ``eval_scores``.
+
+Generation goes through the campaign's rollout engine (so evaluation sees the
+rollout precision the campaign trains with), seeded by ``(seed, step, benchmark)``.
+Metrics per benchmark: avg@k (mean accuracy over the k samples), pass@k (the
+unbiased estimator), maj@k (majority vote over extracted answers). The tiny
+default evaluates on the synthetic test split, disjoint from training by
+construction.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+
+from fp8rl_core.config import BenchmarkEval, CampaignConfig
+from stages.context import RunContext, step_seed
+from stages.prompts import PromptItem, data_dir
+
+
+def eval_problems(cfg: CampaignConfig, bench: BenchmarkEval) -> tuple[list[PromptItem], str]:
+    """(problems, verifier name) of a benchmark entry of the config."""
+    from stages.benchmarks import load_benchmark, render_prompt, verifier_for
+
+    problems = load_benchmark(bench.name, data_dir(cfg.task), bench.limit, task=cfg.task)
+    items = [PromptItem(q.id, render_prompt(q), q.answer, bench.name) for q in problems]
+    verifier = verifier_for(problems[0]) if len(problems) else "math"
+    return items, verifier
+
+
+def check_benchmarks(cfg: CampaignConfig) -> None:
+    """Load every configured benchmark once, so a missing file fails before a run starts."""
+    for bench in cfg.evaluation.benchmarks:
+        eval_problems(cfg, bench)
+
+
+def evaluate_benchmark(ctx: RunContext, step: int, bench: BenchmarkEval, salt: int) -> tuple[pa.Table, list[dict]]:
+    from fp8rl_core.eval_metrics import avg_at_k, maj_at_k, pass_at_k
+    from stages.grading import grade_batch
+    from stages.rollout import sync_engine
+
+    items, verifier = eval_problems(ctx.cfg, bench)
+    prompt_ids = [ctx.tokenizer(it.prompt, add_special_tokens=True)["input_ids"] for it in items]
+    sync_engine(ctx)
+    batch = ctx.engine.generate(
+        prompt_ids, n=bench.k, temperature=bench.temperature, top_p=bench.top_p,
+        max_new_tokens=bench.max_new_tokens, seed=step_seed(ctx.cfg.seed, step, 1000 + salt),
+    )
+    responses = ctx.tokenizer.batch_decode([s.response_ids for s in batch.samples], skip_special_tokens=True)
+    golds = [items[s.prompt_index].answer for s in batch.samples]
+    ids = [f"{bench.name}:{items[s.prompt_index].prompt_id}#{s.sample_index}" for s in batch.samples]
+    graded = grade_batch(ids, responses, golds, verifier=verifier)
+    scores = [1.0 if g.correct else 0.0 for g in graded]
+    predicted = [g.extracted for g in graded]
+    rows = pa.table({
+        "benchmark": [bench.name] * len(responses),
+        "problem_id": [items[s.prompt_index].prompt_id for s in batch.samples],
+        "sample_index": pa.array([s.sample_index for s in batch.samples], pa.int16()),
+        "correct": [sc >= 1.0 for sc in scores],
+        "score": pa.array(scores, pa.float32()),
+        "predicted_answer": predicted,
+        "response": responses,
+        "response_length": pa.array([len(s.response_ids) for s in batch.samples], pa.int32()),
+        "finish_reason": [s.finish_reason for s in batch.samples],
+        "temperature": pa.array([bench.temperature] * len(responses), pa.float32()),
+    })
+    k = bench.k
+    correct = [[scores[p * k + i] >= 1.0 for i in range(k)] for p in range(len(items))]
+    answers = [[predicted[p * k + i] for i in range(k)] for p in range(len(items))]
+    metric_rows = [
+        {"benchmark": bench.name, "metric": f"avg@{k}", "k": k, "value": avg_at_k(correct), "n_problems": len(items)},
+        {"benchmark": bench.name, "metric": f"pass@{k}", "k": k, "value": pass_at_k(correct, k), "n_problems": len(items)},
+        {"benchmark": bench.name, "metric": f"maj@{k}", "k": k, "value": maj_at_k(answers, correct), "n_problems": len(items)},
+    ]
+    return rows, metric_rows
+
+
+def run_evaluate(ctx: RunContext, step: int) -> dict:
+    """Evaluate every configured benchmark at ``step``; write ``evals`` and ``eval_scores``."""
+    t0 = time.perf_counter()
+    all_rows, all_metrics = [], []
+    for i, bench in enumerate(ctx.cfg.evaluation.benchmarks):
+        rows, metrics = evaluate_benchmark(ctx, step, bench, i)
+        all_rows.append(rows)
+        all_metrics.extend(metrics)
+    outputs = [
+        str(ctx.writer.write("evals", step, pa.concat_tables(all_rows), stage="evaluate", attempt=ctx.attempt, variant=ctx.variant)),
+        str(ctx.writer.write("eval_scores", step, pa.Table.from_pylist(all_metrics), stage="evaluate", attempt=ctx.attempt, variant=ctx.variant)),
+    ]
+    seconds = time.perf_counter() - t0
+    ctx.record_time(step, "evaluate", seconds)
+    scores = {f"{m['benchmark']}/{m['metric']}": float(m["value"]) for m in all_metrics}
+    return {"outputs": outputs, "scores": scores, "seconds": seconds}

@@ -1,0 +1,124 @@
+"""Training prompts: where they come from and which ones a step gets.
+
+A :class:`PromptSource` maps an index to a problem (prompt text, gold answer,
+id). Prompt sampling is a pure function of ``(seed, epoch, position)``: each
+epoch is a seeded permutation of the source, and the :class:`SamplerState`
+(epoch, position) is persisted with every rollout and checkpoint, so a resumed
+campaign draws exactly the prompts an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from fp8rl_core.config import TaskConfig
+from fp8rl_core import task as synthetic
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    prompt_id: str
+    prompt: str
+    answer: str
+    dataset: str
+
+
+@dataclass(frozen=True)
+class SamplerState:
+    """Where the next prompt comes from: ``permutation(seed, epoch)[position]``."""
+
+    epoch: int = 0
+    position: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SamplerState":
+        return cls(**d) if d else cls()
+
+
+class PromptSource:
+    """Indexable training problems plus the name of the verifier that grades them."""
+
+    dataset: str = "?"
+    verifier: str = "math"
+
+    def __len__(self) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> PromptItem:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class SyntheticSource(PromptSource):
+    verifier = "synthetic"
+
+    def __init__(self, cfg: TaskConfig) -> None:
+        self.cfg = cfg
+        self.dataset = f"synthetic-d{cfg.difficulty}"
+
+    def __len__(self) -> int:
+        return self.cfg.train_size
+
+    def __getitem__(self, index: int) -> PromptItem:
+        p = synthetic.make_problem(index, "train", self.cfg.difficulty, self.cfg.seed)
+        return PromptItem(p.id, p.prompt, p.answer, self.dataset)
+
+
+class ListSource(PromptSource):
+    verifier = "math"
+
+    def __init__(self, items: list[PromptItem], dataset: str) -> None:
+        if not items:
+            raise ValueError(f"training set {dataset!r} is empty")
+        self.items, self.dataset = items, dataset
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> PromptItem:
+        return self.items[index]
+
+
+def data_dir(cfg: TaskConfig) -> Path | None:
+    d = cfg.data_dir or os.environ.get("FP8RL_DATA_DIR")
+    return Path(d) if d else None
+
+
+def make_source(cfg: TaskConfig) -> PromptSource:
+    """The training prompts of a task config (a missing file is a clear error)."""
+    if cfg.kind == "synthetic":
+        return SyntheticSource(cfg)
+    from stages.benchmarks import load_train_prompts, render_prompt
+
+    problems = load_train_prompts(cfg.kind, cfg.path, data_dir(cfg))
+    items = [PromptItem(q.id, render_prompt(q), q.answer, cfg.kind) for q in problems]
+    return ListSource(items, cfg.kind)
+
+
+@lru_cache(maxsize=4)
+def _permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    # Not hash(): str hashing is randomized per process, and resume needs the same stream.
+    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch * 7_919 + 17) % (2**62))
+    return torch.randperm(n, generator=g)
+
+
+def draw_prompts(source: PromptSource, state: SamplerState, count: int, seed: int) -> tuple[list[PromptItem], SamplerState]:
+    """The next ``count`` prompts and the sampler state after them."""
+    n = len(source)
+    out: list[PromptItem] = []
+    epoch, pos = state.epoch, state.position
+    while len(out) < count:
+        if pos >= n:
+            epoch, pos = epoch + 1, 0
+        perm = _permutation(n, seed, epoch)
+        take = min(count - len(out), n - pos)
+        out.extend(source[int(i)] for i in perm[pos : pos + take])
+        pos += take
+    return out, SamplerState(epoch, pos)

@@ -1,0 +1,157 @@
+"""Train stage: the step's policy update, ``token_stats`` and the ``steps`` row.
+
+Reads the step's ``rollouts`` and ``scores`` (kept samples only), builds padded
+tensors, runs :func:`stages.train_core.policy_update` with the clip bounds in
+force (from the calibrator state) and the BF16 shadow passes on calibration
+steps, then writes
+
+* ``token_stats``: every token on calibration steps (r8 and r16 both known),
+  a seeded sample of ``algorithm.token_stats_sample`` of the tokens otherwise;
+* ``steps``: every scalar of the step (loss, entropy, clip shares by sign,
+  dual-clip share, ppo_kl, grad norm, lr, bounds, TIS stats, rollout-vs-train
+  mismatch, reward, length, garbled share, NMAEs, tokens/s, stage timings).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from fp8rl_core.diagnostics import entropy_binned_clip_shares, is_garbled, noise_amplification
+from stages.context import RunContext, is_calibration_step, step_seed
+from stages.io import read_step
+from stages.train_core import TrainBatch, UpdateResult, policy_update
+
+ENTROPY_BIN_EDGES = (0.0, 0.1, 0.5, 1.0, 2.0, float("inf"))
+
+
+def build_batch(rows: pa.Table, scores: pa.Table, pad_id: int) -> TrainBatch:
+    """Padded ``[N, T]`` tensors of the kept samples, in sample order."""
+    kept = np.asarray(scores.column("kept").to_numpy(zero_copy_only=False), dtype=bool)
+    by_id = {int(s): i for i, s in enumerate(rows.column("sample_id").to_pylist())}
+    score_ids = scores.column("sample_id").to_pylist()
+    adv_all = scores.column("advantage").to_numpy()
+    sel = [(by_id[int(sid)], float(adv_all[j]), int(sid)) for j, sid in enumerate(score_ids) if kept[j]]
+    prompts = rows.column("prompt_token_ids").to_pylist()
+    responses = rows.column("response_token_ids").to_pylist()
+    rlogp = rows.column("rollout_logp").to_pylist()
+    n = len(sel)
+    width = max((len(prompts[i]) + len(responses[i]) for i, _, _ in sel), default=1)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    am = torch.zeros((n, width), dtype=torch.long)
+    rmask = torch.zeros((n, width), dtype=torch.float32)
+    rlp = torch.zeros((n, width), dtype=torch.float32)
+    for r, (i, _, _) in enumerate(sel):
+        p, y = prompts[i], responses[i]
+        lp, ly = len(p), len(y)
+        ids[r, : lp + ly] = torch.tensor(p + y, dtype=torch.long)
+        am[r, : lp + ly] = 1
+        rmask[r, lp : lp + ly] = 1.0
+        rlp[r, lp : lp + ly] = torch.tensor(rlogp[i], dtype=torch.float32)
+    adv = torch.tensor([a for _, a, _ in sel], dtype=torch.float32)
+    sids = torch.tensor([s for _, _, s in sel], dtype=torch.long)
+    return TrainBatch(ids, am, rmask, rlp, adv, sids)
+
+
+def token_rows(batch: TrainBatch, res: UpdateResult, *, bounds, standard, sample: float, seed: int) -> pa.Table:
+    """``token_stats`` rows: all valid tokens, or a seeded ``sample`` share of them."""
+    mask = batch.response_mask > 0  # [N, T]
+    if sample < 1.0:
+        g = torch.Generator().manual_seed(seed)
+        mask = mask & (torch.rand(mask.shape, generator=g) < sample)
+    rows_i, cols_i = mask.nonzero(as_tuple=True)
+    first = (batch.response_mask > 0).float().argmax(dim=1)  # first response column per row
+    n = rows_i.numel()
+
+    def f32(t: torch.Tensor | None) -> pa.Array:
+        if t is None:
+            return pa.nulls(n, pa.float32())
+        return pa.array(t[rows_i, cols_i].float().numpy(), pa.float32())
+
+    lo, hi = bounds
+    return pa.table({
+        "sample_id": pa.array(batch.sample_ids[rows_i].numpy().astype(np.int32)),
+        "position": pa.array((cols_i - first[rows_i]).numpy().astype(np.int32)),
+        "epoch": pa.array(np.zeros(n, np.int16)),
+        "minibatch": pa.array(res.minibatch[rows_i].numpy().astype(np.int16)),
+        "advantage": pa.array(batch.advantages[rows_i].numpy(), pa.float32()),
+        "logp_fp8": f32(res.logp_fp8), "old_logp_fp8": f32(res.old_logp_fp8),
+        "logp_bf16": f32(res.logp_bf16), "old_logp_bf16": f32(res.old_logp_bf16),
+        "entropy": f32(res.entropy),
+        "lower_bound": pa.array(np.full(n, lo, np.float32)), "upper_bound": pa.array(np.full(n, hi, np.float32)),
+        "standard_lower": pa.array(np.full(n, standard[0], np.float32)),
+        "standard_upper": pa.array(np.full(n, standard[1], np.float32)),
+    })
+
+
+def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard) -> dict[str, float]:
+    """Probability/ratio NMAE, noise amplification, over/under-clipped shares, entropy bins."""
+    if res.logp_bf16 is None:
+        return {}
+    mask = batch.response_mask > 0
+    out = {k: float(v) for k, v in noise_amplification(res.logp_fp8, res.logp_bf16, res.old_logp_fp8, res.old_logp_bf16, mask).items()}
+    r8 = torch.exp((res.logp_fp8 - res.old_logp_fp8).clamp(-20, 20))
+    r16 = torch.exp((res.logp_bf16 - res.old_logp_bf16).clamp(-20, 20))
+    adv = batch.advantages[:, None].expand_as(r8)
+    neg = mask & (adv < 0)
+    n_valid = max(int(mask.sum()), 1)
+    over = neg & (r16 >= standard[0]) & (r8 < bounds[0])
+    under = neg & (r16 < standard[0]) & (r8 >= bounds[0])
+    out["overclipped_share"] = float(over.sum()) / n_valid
+    out["underclipped_share"] = float(under.sum()) / n_valid
+    n_neg = max(int(neg.sum()), 1)
+    out["lower_clip_share_neg_fp8"] = float((neg & (r8 < bounds[0])).sum()) / n_neg
+    out["lower_clip_share_neg_bf16"] = float((neg & (r16 < standard[0])).sum()) / n_neg
+    bins = entropy_binned_clip_shares(res.entropy, r8, adv, mask, edges=ENTROPY_BIN_EDGES, lower=bounds[0], upper=bounds[1])
+    for i, b in enumerate(bins):
+        out[f"clipfrac_lower_entropy_bin{i}"] = b["clipfrac_lower"]
+        out[f"clipfrac_upper_entropy_bin{i}"] = b["clipfrac_upper"]
+    return out
+
+
+def run_train(ctx: RunContext, step: int) -> dict:
+    """Update the policy on ``step``'s batch; write ``token_stats`` and ``steps``."""
+    t0 = time.perf_counter()
+    cfg = ctx.cfg
+    rows = read_step(ctx, "rollouts", step)
+    scores = read_step(ctx, "scores", step)
+    batch = build_batch(rows, scores, ctx.tokenizer.pad_token_id)
+    shadow = is_calibration_step(cfg, step)
+    bounds = ctx.calibrator.bounds
+    standard = (1.0 - cfg.algorithm.eps_low, 1.0 + cfg.algorithm.eps_high)
+    if batch.size == 0:
+        raise RuntimeError(f"step {step}: no kept samples to train on (all groups dropped by dynamic sampling)")
+    res = policy_update(
+        ctx.policy, ctx.optimizer, ctx.scheduler, batch, cfg, bounds=bounds, shadow=shadow,
+        seed=step_seed(cfg.seed, step, 7),
+    )
+    ctx.policy_version = step
+    tok = token_rows(batch, res, bounds=bounds, standard=standard,
+                     sample=1.0 if shadow else cfg.algorithm.token_stats_sample, seed=step_seed(cfg.seed, step, 8))
+    outputs = [str(ctx.writer.write("token_stats", step, tok, stage="train", attempt=ctx.attempt, variant=ctx.variant))]
+    train_seconds = time.perf_counter() - t0
+    timings = dict(ctx.timings.get(step, {}))
+    timings["train_seconds"] = train_seconds
+    scores_all = scores.to_pydict()
+    responses = rows.column("response").to_pylist()
+    n_valid = float(batch.response_mask.sum())
+    m = dict(res.metrics)
+    m.update(shadow_metrics(batch, res, bounds, standard))
+    m.update({
+        "reward_mean": float(np.mean(scores_all["reward"])), "accuracy": float(np.mean(scores_all["correct"])),
+        "response_length_mean": float(np.mean(rows.column("response_length").to_numpy())),
+        "garbled_share": float(np.mean([is_garbled(r) for r in responses])) if responses else 0.0,
+        "kept_share": float(np.mean(scores_all["kept"])), "shadow": float(shadow),
+        "pg_loss": m.get("loss", 0.0), "learning_rate": m.get("lr", 0.0),
+        "train_tokens_per_second": n_valid / max(res.timings.get("update_s", train_seconds), 1e-9),
+        **{k: float(v) for k, v in res.timings.items()},
+        **timings,
+    })
+    m["step_seconds"] = sum(v for k, v in timings.items() if k.endswith("_seconds"))
+    steps_row = {k: [float(v)] for k, v in m.items() if isinstance(v, (int, float))}
+    outputs.append(str(ctx.writer.write("steps", step, steps_row, stage="train", attempt=ctx.attempt, variant=ctx.variant)))
+    ctx.record_time(step, "train", train_seconds)
+    return {"outputs": outputs, "metrics": m, "seconds": train_seconds}

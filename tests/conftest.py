@@ -1,0 +1,57 @@
+"""Shared test set-up: an isolated Prefect home, a session bootstrap cache, the micro campaign.
+
+Prefect settings must be in the environment before Prefect is imported, so they
+are set at collection time. The micro campaign is the tiny default shrunk to
+seconds per step: a barely-bootstrapped model (its accuracy is not the point
+here), 8 prompts x 4 samples, two mini-batches of two micro-batches.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_SESSION_TMP = Path(tempfile.mkdtemp(prefix="fp8rl-tests-"))
+os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect"))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
+os.environ.setdefault("FP8RL_BOOTSTRAP_CACHE", str(_SESSION_TMP / "bootstrap"))
+
+MICRO_OVERRIDES = [
+    "steps=3",
+    "bootstrap.steps=40",
+    "rollout.prompts_per_step=8",
+    "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=12",
+    "algorithm.ppo_mini_batch_size=16",
+    "algorithm.micro_batch_size=8",
+    "algorithm.token_stats_sample=0.5",
+    "calibration.interval=2",
+    "evaluation.interval=2",
+    "evaluation.benchmarks=[{name: synthetic, k: 2, limit: 24, max_new_tokens: 12}]",
+    "checkpoint.interval=2",
+    "checkpoint.keep_last=3",
+]
+
+
+def micro_config(*extra: str):
+    from flows.configuration import load_config
+
+    return load_config("tiny-cpu", MICRO_OVERRIDES + list(extra))
+
+
+@pytest.fixture(scope="session")
+def session_tmp() -> Path:
+    return _SESSION_TMP
+
+
+@pytest.fixture
+def data_dir() -> Path:
+    d = os.environ.get("FP8RL_DATA_DIR")
+    if not d or not Path(d).is_dir():
+        pytest.skip("benchmark data folder absent: set FP8RL_DATA_DIR (../shared/data)")
+    return Path(d)

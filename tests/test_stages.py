@@ -1,0 +1,185 @@
+"""Stages on the tiny model, without Prefect: every precision mode runs a full step.
+
+Checks of issue 6: one step in each precision mode writes every table; on a
+calibration step r8 and r16 exist for every token; with bf16 everywhere the
+shadow pass reproduces the training log-probs and the first mini-batch's ratios
+are 1; the engine's log-probs of its own samples match the trainer's
+recomputation (TIS basis); a non-finite loss skips the update.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import micro_config
+from flows.configuration import dump_config
+from stages.calibrate import run_calibrate
+from stages.checkpoint import restore, run_checkpoint
+from stages.context import open_context
+from stages.evaluate import run_evaluate
+from stages.io import read_step
+from stages.rollout import run_rollout
+from stages.score import run_score
+from stages.train import run_train
+from storage.catalog import connect, query
+from storage.layout import create_run
+
+MODES = {
+    "bf16": ["precision.train=bf16", "precision.rollout=bf16"],
+    "fp8-rollout-bf16-train": ["precision.train=bf16", "precision.rollout=fp8_per_tensor"],
+    "fp8-tensorwise": ["precision.train=fp8_tensorwise", "precision.rollout=fp8_per_tensor"],
+    "fp8-rowwise": ["precision.train=fp8_rowwise", "precision.rollout=fp8_per_tensor"],
+    "fp8-blockwise": ["precision.train=fp8_blockwise", "precision.rollout=fp8_per_block"],
+}
+
+
+def _context(tmp_path, *overrides):
+    cfg = micro_config(*overrides)
+    create_run(tmp_path, "r", config=dump_config(cfg))
+    return open_context(cfg, tmp_path / "r")
+
+
+def _full_step(ctx, step=1):
+    run_rollout(ctx, step)
+    run_score(ctx, step)
+    out = run_train(ctx, step)
+    run_calibrate(ctx, step)
+    run_evaluate(ctx, step)
+    run_checkpoint(ctx, step, metrics={})
+    return out
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_one_full_step_in_each_precision_mode_writes_every_table(tmp_path, mode):
+    ctx = _context(tmp_path, *MODES[mode])
+    try:
+        out = _full_step(ctx)
+    finally:
+        ctx.close()
+    con = connect(tmp_path / "r")
+    for table in ("rollouts", "scores", "token_stats", "steps", "bounds", "evals", "eval_scores"):
+        n = query(con, f"SELECT count(*) AS n FROM {table}").column("n")[0].as_py()
+        assert n > 0, f"{mode}: {table} is empty"
+    # a calibration step has both ratios for every valid token
+    t = query(con, "SELECT count(*) AS n, count(ratio_fp8) AS r8, count(ratio_bf16) AS r16 FROM token_stats").to_pylist()[0]
+    assert t["n"] == t["r8"] == t["r16"]
+    valid = float(read_step(ctx, "scores", 1).num_rows)
+    assert valid == 32
+    m = out["metrics"]
+    assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["skipped_updates"] == 0
+    assert abs(m["clipfrac"] - (m["clipfrac_lower"] + m["clipfrac_upper"])) < 1e-9
+
+
+def test_bf16_shadow_reproduces_training_logprobs(tmp_path):
+    ctx = _context(tmp_path, *MODES["bf16"])
+    try:
+        run_rollout(ctx, 1)
+        run_score(ctx, 1)
+        run_train(ctx, 1)
+    finally:
+        ctx.close()
+    tok = read_step(ctx, "token_stats", 1).to_pandas()
+    lp8, lp16 = tok["logp_fp8"].to_numpy(np.float64), tok["logp_bf16"].to_numpy(np.float64)
+    old8, old16 = tok["old_logp_fp8"].to_numpy(np.float64), tok["old_logp_bf16"].to_numpy(np.float64)
+    nmae = np.abs(np.exp(lp8) - np.exp(lp16)).sum() / np.abs(np.exp(lp16)).sum()
+    assert nmae < 1e-6
+    first = tok["minibatch"].to_numpy() == 0
+    r8 = np.exp(lp8[first] - old8[first])
+    assert np.abs(r8 - 1).max() < 1e-6
+    assert np.abs(np.exp(old8 - old16) - 1).max() < 1e-6
+
+
+def test_fp8_first_minibatch_ratio_noise_is_measured_not_hidden(tmp_path):
+    """In FP8, r8 of the first mini-batch deviates from 1 by the batch-composition noise
+    of dynamic scales; r16 does not. The size is reported in the issue note."""
+    ctx = _context(tmp_path, *MODES["fp8-tensorwise"])
+    try:
+        run_rollout(ctx, 1)
+        run_score(ctx, 1)
+        run_train(ctx, 1)
+    finally:
+        ctx.close()
+    tok = read_step(ctx, "token_stats", 1).to_pandas()
+    first = tok["minibatch"].to_numpy() == 0
+    r16 = np.exp(tok["logp_bf16"].to_numpy(np.float64)[first] - tok["old_logp_bf16"].to_numpy(np.float64)[first])
+    r8 = np.exp(tok["logp_fp8"].to_numpy(np.float64)[first] - tok["old_logp_fp8"].to_numpy(np.float64)[first])
+    assert np.abs(r16 - 1).max() < 1e-6
+    assert np.isfinite(r8).all() and np.abs(r8 - 1).max() < 0.5
+
+
+def test_engine_logprobs_match_trainer_recomputation(tmp_path):
+    ctx = _context(tmp_path, *MODES["bf16"])
+    try:
+        run_rollout(ctx, 1)
+        run_score(ctx, 1)
+        out = run_train(ctx, 1)
+    finally:
+        ctx.close()
+    # mean |rollout logp - recomputed old logp| over valid tokens, same (bf16) precision
+    assert out["metrics"]["rollout_train_logp_abs_diff"] < 0.02
+
+
+def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch):
+    import stages.train_core as tc
+
+    ctx = _context(tmp_path, *MODES["bf16"])
+    try:
+        run_rollout(ctx, 1)
+        run_score(ctx, 1)
+        before = {k: v.clone() for k, v in ctx.policy.state_dict().items()}
+        real = tc.POLICY_LOSSES.get("ppo")
+
+        def nan_loss(*a, **k):
+            loss, m = real(*a, **k)
+            return loss * float("nan"), m
+
+        monkeypatch.setattr(tc.POLICY_LOSSES, "get", lambda name: nan_loss)
+        out = run_train(ctx, 1)
+    finally:
+        ctx.close()
+    assert out["metrics"]["skipped_updates"] == out["metrics"]["updates"] > 0
+    for k, v in ctx.policy.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_same_seed_gives_identical_step_metrics(tmp_path):
+    results = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        d.mkdir()
+        ctx = _context(d, *MODES["fp8-tensorwise"])
+        try:
+            for step in (1, 2):
+                run_rollout(ctx, step)
+                run_score(ctx, step)
+                m = run_train(ctx, step)["metrics"]
+        finally:
+            ctx.close()
+        results.append({k: v for k, v in m.items() if not k.endswith(("_seconds", "_s", "per_second"))})
+    assert results[0] == pytest.approx(results[1], nan_ok=True, rel=0, abs=0)
+
+
+def test_checkpoint_restore_round_trips_the_training_state(tmp_path):
+    ctx = _context(tmp_path, *MODES["fp8-tensorwise"])
+    try:
+        run_rollout(ctx, 1)
+        run_score(ctx, 1)
+        run_train(ctx, 1)
+        run_calibrate(ctx, 1)
+        path = run_checkpoint(ctx, 1)["outputs"][0]
+        weights = {k: v.clone() for k, v in ctx.policy.state_dict().items()}
+        sampler, calib = ctx.sampler, ctx.calibrator
+    finally:
+        ctx.close()
+    fresh = open_context(ctx.cfg, tmp_path / "r")
+    try:
+        assert restore(fresh, path) == 1
+        for k, v in fresh.policy.state_dict().items():
+            assert torch.equal(v, weights[k]), k
+        assert fresh.sampler == sampler and fresh.calibrator == calib and fresh.policy_version == 1
+    finally:
+        fresh.close()
