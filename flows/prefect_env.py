@@ -18,8 +18,12 @@ def configure_prefect_env(*, quiet: bool = True) -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if not os.environ.get("PREFECT_API_URL"):
+        os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
         cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fp8rl" / "prefect"
         os.environ.setdefault("PREFECT_HOME", str(cache))
+    if os.environ.get("PREFECT_HOME"):
+        # Prefect creates its home without parents=True, then times out on its server
+        Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
     if quiet:
         # our own progress lines are the console display; Prefect's per-task INFO

@@ -69,9 +69,9 @@ def evaluate_benchmark(ctx: RunContext, step: int, bench: BenchmarkEval, salt: i
     correct = [[scores[p * k + i] >= 1.0 for i in range(k)] for p in range(len(items))]
     answers = [[predicted[p * k + i] for i in range(k)] for p in range(len(items))]
     metric_rows = [
-        {"benchmark": bench.name, "metric": f"avg@{k}", "k": k, "value": avg_at_k(correct), "n_problems": len(items)},
-        {"benchmark": bench.name, "metric": f"pass@{k}", "k": k, "value": pass_at_k(correct, k), "n_problems": len(items)},
-        {"benchmark": bench.name, "metric": f"maj@{k}", "k": k, "value": maj_at_k(answers, correct), "n_problems": len(items)},
+        {"benchmark": bench.name, "metric": "avg@k", "k": k, "value": avg_at_k(correct), "n_problems": len(items)},
+        {"benchmark": bench.name, "metric": "pass@k", "k": k, "value": pass_at_k(correct, k), "n_problems": len(items)},
+        {"benchmark": bench.name, "metric": "maj@k", "k": k, "value": maj_at_k(answers, correct), "n_problems": len(items)},
     ]
     return rows, metric_rows
 
@@ -90,5 +90,5 @@ def run_evaluate(ctx: RunContext, step: int) -> dict:
     ]
     seconds = time.perf_counter() - t0
     ctx.record_time(step, "evaluate", seconds)
-    scores = {f"{m['benchmark']}/{m['metric']}": float(m["value"]) for m in all_metrics}
+    scores = {f"{m['benchmark']}/{m['metric'][:-1]}{m['k']}": float(m["value"]) for m in all_metrics}
     return {"outputs": outputs, "scores": scores, "seconds": seconds}

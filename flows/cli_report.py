@@ -1,0 +1,93 @@
+"""``fp8rl report`` and ``fp8rl sweep``: look at campaigns, and run a matrix of them.
+
+    fp8rl report runs/tiny-cpu-20260101-120000            # -> runs/tiny-cpu-.../report/index.html
+    fp8rl report runs/a runs/b --out reports/a-vs-b       # runs overlaid
+    fp8rl sweep configs/sweeps/paper-tiny.yaml            # -> runs/sweeps/paper-tiny/{table.md,report/}
+    fp8rl sweep configs/sweeps/paper-tiny.yaml --dry-run  # the cells and their state; runs nothing
+
+User errors (no run there, a bad sweep file, a sweep directory holding runs of
+another config) print one line ``error: ...`` and exit 2; a sweep with a
+failed cell exits 1 after running the others. Heavy imports (matplotlib,
+Prefect) happen only when a command runs.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def report_command(
+    roots: list[Path] = typer.Argument(..., help="Run directories, or folders of run directories; their runs are overlaid."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", "-o", help="Output folder (default: ROOT/report for one root, ./report-<time> for several)."),
+) -> None:
+    """Build an HTML report (figures + the SQL behind each, comparison table) of one or more runs."""
+    from flows.report import build_report
+    from flows.report_figures import paper_table_markdown
+    from storage.errors import StorageError
+
+    if out is None:
+        out = roots[0] / "report" if len(roots) == 1 else Path(f"report-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    try:
+        rep = build_report(roots, out)
+    except StorageError as err:
+        raise _fail(str(err))
+    empty = [f.figure.name for f in rep.figures if f.png is None]
+    drawn = len(rep.figures) - len(empty)
+    typer.echo(f"{len(rep.runs)} run(s), {drawn} figure(s) with data" + (f"; no data: {', '.join(empty)}" if empty else ""))
+    typer.echo(paper_table_markdown(rep.table.to_pylist(), ["run_id"]))
+    for path, why in rep.problems:
+        typer.echo(f"warning: {path}: {why}", err=True)
+    typer.echo(f"wrote {rep.index} in {rep.seconds:.1f} s")
+
+
+def sweep_command(
+    sweep_file: Path = typer.Argument(..., help="Sweep YAML (see configs/sweeps/paper-tiny.yaml)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Sweep directory (default: <runs_root>/sweeps/<name>)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List the cells and their state (new, partial, finished); "
+                                                          "run nothing."),
+    fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop at the first failed cell (default: run the others)."),
+    report: bool = typer.Option(True, "--report/--no-report", help="Build the sweep's HTML report at the end."),
+) -> None:
+    """Run a matrix of campaigns (precision x clip mode x seed); re-running skips finished cells."""
+    from flows.configuration import ConfigError
+    from storage.errors import StorageError
+
+    try:
+        if dry_run:
+            from flows.sweep import cell_state, default_sweep_dir, load_sweep
+
+            spec, cells = load_sweep(sweep_file)
+            sweep_dir = out or default_sweep_dir(spec, cells)
+            typer.echo(f"sweep {spec.name}: {len(cells)} cell(s) in {sweep_dir}")
+            if spec.description:
+                typer.echo(f"  {spec.description}")
+            for c in cells:
+                cfg = c.config
+                typer.echo(f"  {c.id:<36} {cell_state(sweep_dir, c):<9} train={cfg.precision.train} "
+                           f"rollout={cfg.precision.rollout} clip={cfg.calibration.mode} seed={cfg.seed} steps={cfg.steps}")
+            return
+        from flows.sweep import sweep_flow
+
+        summary = sweep_flow(str(sweep_file), None if out is None else str(out), fail_fast=fail_fast, report=report)
+    except (ConfigError, StorageError) as err:
+        raise _fail(str(err))
+    if summary["failed"]:
+        typer.echo(f"{len(summary['failed'])} cell(s) failed: {', '.join(summary['failed'])}; "
+                   f"fix and re-run `fp8rl sweep {sweep_file}` (finished cells are skipped)", err=True)
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``report`` and ``sweep`` to the ``fp8rl`` app."""
+    app.command("report")(report_command)
+    app.command("sweep")(sweep_command)

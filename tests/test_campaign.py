@@ -1,0 +1,138 @@
+"""The campaign end to end through the CLI and Prefect (issue 7's checks).
+
+One uninterrupted micro campaign is the reference (with an injected transient
+rollout failure, which Prefect retries and the ledger records). Two more runs
+are killed with SIGKILL — during the train stage, and during a rollout — and
+finished with ``fp8rl resume``: their final weights and every table must equal
+the reference's (timings aside), with no duplicate or missing rows.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import MICRO_OVERRIDES
+from storage.catalog import connect, query
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (table, ordering key) of every table compared between runs
+TABLES = {
+    "rollouts": "step, sample_id",
+    "scores": "step, sample_id",
+    "token_stats": "step, sample_id, position",
+    "steps": "step",
+    "bounds": "step",
+    "evals": "step, benchmark, problem_id, sample_index",
+    "eval_scores": "step, benchmark, metric",
+}
+TIMING = ("_seconds", "_s", "per_second")
+
+
+def _cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run the CLI in its own process group, output to files (not pipes): after a
+    SIGKILL, children such as Prefect's temporary server would hold pipes open."""
+    import tempfile
+
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_FAULT")}
+    full_env.update(env or {})
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=full_env,
+                                stdout=out, stderr=err, text=True, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # orphans of a killed run
+            except ProcessLookupError:
+                pass
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(proc.args, code, out.read(), err.read())
+
+
+def _sets() -> list[str]:
+    out = []
+    for o in MICRO_OVERRIDES:
+        out += ["--set", o]
+    return out
+
+
+def _table(run_dir: Path, table: str):
+    con = connect(run_dir)
+    t = query(con, f"SELECT * FROM {table} ORDER BY {TABLES[table]}")
+    keep = [c for c in t.column_names if not c.endswith(TIMING) and c != "run_id"]
+    nan_free = lambda v: None if isinstance(v, float) and v != v else v  # noqa: E731 (NaN != NaN)
+    return [{k: nan_free(v) for k, v in row.items()} for row in t.select(keep).to_pylist()]
+
+
+def _weights(run_dir: Path) -> dict:
+    ck = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name[5:]))[-1]
+    return load_file(str(next((ck / "model").glob("*.safetensors"))))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("ref") / "run"
+    marker = d.parent / "fault-marker"
+    r = _cli("run", "tiny-cpu", "--run-dir", str(d), *_sets(),
+             env={"FP8RL_FAULT": "rollout@1=transient", "FP8RL_FAULT_MARKER": str(marker)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert marker.exists(), "the transient fault was never injected"
+    (d.parent / "output.txt").write_text(r.stdout + "\n---stderr---\n" + r.stderr)
+    return d
+
+
+def test_a_normal_run_prints_progress_and_no_tracebacks(reference):
+    out = (reference.parent / "output.txt").read_text()
+    assert "Traceback" not in out and "lock" not in out.lower()
+    assert "step    3/3" in out and "eval at step 0" in out and "fp8rl report" in out
+
+
+def test_transient_rollout_failure_is_retried_and_recorded(reference):
+    con = connect(reference)
+    rows = query(con, "SELECT attempt, status FROM ledger WHERE step = 1 AND stage = 'rollout' ORDER BY attempt").to_pylist()
+    assert rows == [{"attempt": 0, "status": "failed"}, {"attempt": 1, "status": "done"}]
+
+
+def test_every_step_has_every_stage_once(reference):
+    con = connect(reference)
+    dup = query(con, "SELECT step, sample_id, count(*) AS n FROM rollouts GROUP BY ALL HAVING n > 1")
+    assert dup.num_rows == 0
+    steps = query(con, "SELECT step FROM steps ORDER BY step").column("step").to_pylist()
+    assert steps == [1, 2, 3]
+
+
+@pytest.mark.parametrize("fault", ["train@2:mb1=kill", "rollout@3=kill"])
+def test_sigkill_then_resume_equals_the_uninterrupted_run(reference, tmp_path, fault):
+    d = tmp_path / "run"
+    r = _cli("run", "tiny-cpu", "--run-dir", str(d), *_sets(), env={"FP8RL_FAULT": fault})
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr[-3000:])
+    r = _cli("resume", str(d))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    for table in TABLES:
+        assert _table(d, table) == _table(reference, table), f"{table} differs after resume ({fault})"
+    ref_w, got_w = _weights(reference), _weights(d)
+    assert ref_w.keys() == got_w.keys()
+    for k in ref_w:
+        assert (ref_w[k] == got_w[k]).all(), k
+
+
+def test_resume_from_a_stage_sets_aside_later_outputs(reference, tmp_path):
+    import shutil
+
+    d = tmp_path / "run"
+    shutil.copytree(reference, d)
+    r = _cli("resume", str(d), "--from", "calibrate", "--step", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert any((d / "superseded").rglob("*.parquet"))
+    assert _table(d, "bounds") == _table(reference, "bounds")

@@ -1,0 +1,237 @@
+"""`fp8rl sweep`: the sweep file's schema, the cells, and resume after an interruption.
+
+The campaign is injected: :class:`FakeCampaign` writes what a campaign leaves
+in its run directory — ledger records for every stage of every step, one
+``steps`` row and ``eval_scores`` per evaluation — in milliseconds, and can
+stop dead in a chosen cell (a ``KeyboardInterrupt`` after some steps: the
+sweep stops at once, as after Ctrl-C or a kill) or fail there.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from flows.cli_report import register
+from flows.configuration import ConfigError, load_config
+from flows.sweep import CELLS_DIR, FINISHED, NEW, PARTIAL, cell_state, load_sweep, run_sweep_file
+from stages.context import is_calibration_step, is_checkpoint_step, is_eval_step
+from storage.ledger import Ledger
+from storage.writer import TableWriter
+
+SWEEP = """\
+name: mini
+base: tiny-cpu
+overrides: {steps: 3, calibration.interval: 2, evaluation: {interval: 2}}
+axes:
+  precision:
+    bf16: {precision.train: bf16, precision.rollout: bf16}
+    fp8: {precision.train: fp8_tensorwise}
+  clip:
+    standard: {calibration.mode: standard}
+    calibrated: {calibration.mode: calibrated}
+seeds: [0]
+exclude:
+  - {precision: bf16, clip: calibrated}
+"""
+CELLS = ["bf16.standard.s0", "fp8.standard.s0", "fp8.calibrated.s0"]
+
+
+class FakeCampaign:
+    """Stands in for ``campaign_flow``: records calls, writes ledger and metrics.
+
+    ``interrupt_in`` / ``fail_in``: cell id where it stops after ``after_steps``
+    steps with a KeyboardInterrupt (the sweep must stop) or a RuntimeError
+    (the sweep must go on to the next cell).
+    """
+
+    def __init__(self, interrupt_in: str | None = None, fail_in: str | None = None, after_steps: int = 1) -> None:
+        self.calls: list[tuple[str, bool]] = []
+        self.interrupt_in, self.fail_in, self.after_steps = interrupt_in, fail_in, after_steps
+
+    def __call__(self, run_dir: str, resume: bool) -> dict:
+        cell = Path(run_dir).name
+        self.calls.append((cell, resume))
+        cfg = load_config(Path(run_dir) / "config.yaml")
+        ledger, writer = Ledger(run_dir), TableWriter(run_dir, durable=False)
+        for step in range(cfg.steps + 1):
+            if cell in (self.interrupt_in, self.fail_in) and step > self.after_steps:
+                if cell == self.interrupt_in:
+                    raise KeyboardInterrupt
+                raise RuntimeError(f"injected failure at step {step}")
+            done = ledger.done_stages(step)
+            stages = ([] if step == 0 else ["rollout", "score", "train"])
+            stages += ["calibrate"] if is_calibration_step(cfg, step) else []
+            stages += ["evaluate"] if is_eval_step(cfg, step) else []
+            stages += ["checkpoint"] if is_checkpoint_step(cfg, step) else []
+            for stage in stages:
+                if stage in done:
+                    continue
+                with ledger.stage(step, stage):
+                    if stage == "train":
+                        row = {"entropy_mean": 0.5 + 0.1 * step, "response_length_mean": 10.0}
+                        writer.write("steps", step, row, stage="train")
+                    if stage == "evaluate":
+                        acc = 0.3 + 0.05 * step + (0.1 if cfg.calibration.mode == "calibrated" else 0.0)
+                        writer.write("eval_scores", step, [{"benchmark": "synthetic", "metric": "avg@k", "k": 1, "value": acc}],
+                                     stage="evaluate")
+        return {"run_dir": run_dir, "last_step": cfg.steps, "final_metrics": {}, "last_eval": {}}
+
+
+@pytest.fixture
+def sweep_file(tmp_path: Path) -> Path:
+    path = tmp_path / "mini.yaml"
+    path.write_text(SWEEP)
+    return path
+
+
+def _run(sweep_file: Path, out: Path, campaign: FakeCampaign) -> dict:
+    return run_sweep_file(sweep_file, out, campaign=campaign, report=False, echo=lambda _line: None)
+
+
+def test_cells_are_the_product_minus_excluded(sweep_file: Path) -> None:
+    spec, cells = load_sweep(sweep_file)
+    assert [c.id for c in cells] == CELLS
+    fp8_cal = cells[2].config
+    assert (fp8_cal.precision.train, fp8_cal.precision.rollout, fp8_cal.calibration.mode) == \
+        ("fp8_tensorwise", "fp8_per_tensor", "calibrated")
+    assert cells[0].config.precision.rollout == "bf16"
+    # common overrides, dotted and nested, merge into the preset rather than replace sections
+    assert fp8_cal.steps == 3 and fp8_cal.evaluation.interval == 2 and fp8_cal.evaluation.benchmarks
+    assert fp8_cal.calibration.interval == 2 and fp8_cal.rollout.max_new_tokens == 24
+
+
+def test_interrupted_sweep_resumes_and_skips_finished_cells(sweep_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    first = FakeCampaign(interrupt_in="fp8.standard.s0", after_steps=1)
+    with pytest.raises(KeyboardInterrupt):
+        _run(sweep_file, out, first)
+    assert first.calls == [("bf16.standard.s0", False), ("fp8.standard.s0", False)]
+    _, cells = load_sweep(sweep_file)
+    assert [cell_state(out, c) for c in cells] == [FINISHED, PARTIAL, NEW]
+    assert (out / CELLS_DIR / "bf16.standard.s0.json").is_file()
+    assert not (out / CELLS_DIR / "fp8.standard.s0.json").exists()
+
+    second = FakeCampaign()
+    summary = _run(sweep_file, out, second)
+    assert second.calls == [("fp8.standard.s0", True), ("fp8.calibrated.s0", False)]  # finished cell not re-run
+    assert summary["cells"] == {"bf16.standard.s0": "skipped", "fp8.standard.s0": "done", "fp8.calibrated.s0": "done"}
+    assert summary["failed"] == [] and summary["unfinished"] == []
+    # the interrupted cell resumed from its ledger: steps 0-1 were not redone
+    train_records = [r for r in Ledger(out / "fp8.standard.s0").records() if r.stage == "train"]
+    assert sorted(r.step for r in train_records) == [1, 2, 3]
+
+    third = FakeCampaign()
+    assert set(_run(sweep_file, out, third)["cells"].values()) == {"skipped"} and third.calls == []
+
+    rows = list(csv.DictReader((out / "table.csv").open()))
+    assert [r["cell"] for r in rows] == CELLS and {r["status"] for r in rows} == {"finished"}
+    assert {r["precision"] for r in rows} == {"bf16", "fp8"} and rows[2]["clip"] == "calibrated"
+    assert float(rows[2]["best_eval_average"]) == pytest.approx(0.3 + 0.05 * 3 + 0.1)
+    assert float(rows[0]["final_entropy"]) == pytest.approx(0.8) and float(rows[0]["peak_entropy"]) == pytest.approx(0.8)
+    md = (out / "table.md").read_text()
+    assert "| precision | clip | best eval %" in md and "| fp8 | calibrated | 55.0 |" in md
+
+
+def test_finished_by_ledger_when_the_marker_is_missing(sweep_file: Path, tmp_path: Path) -> None:
+    """Killed between the campaign's end and the marker: the ledger says finished, nothing re-runs."""
+    out = tmp_path / "sweep"
+    _run(sweep_file, out, FakeCampaign())
+    marker = out / CELLS_DIR / "fp8.calibrated.s0.json"
+    marker.unlink()
+    again = FakeCampaign()
+    assert _run(sweep_file, out, again)["cells"]["fp8.calibrated.s0"] == "skipped"
+    assert again.calls == [] and marker.is_file()
+
+
+def test_a_failed_cell_does_not_stop_the_others(sweep_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    summary = _run(sweep_file, out, FakeCampaign(fail_in="bf16.standard.s0", after_steps=2))
+    assert summary["failed"] == ["bf16.standard.s0"]
+    assert summary["cells"]["fp8.calibrated.s0"] == "done"
+    rows = list(csv.DictReader((out / "table.csv").open()))
+    assert rows[0]["status"] == "failed" and "| status |" in (out / "table.md").read_text()
+    retry = FakeCampaign()
+    assert not _run(sweep_file, out, retry)["failed"] and retry.calls == [("bf16.standard.s0", True)]
+
+
+def test_fail_fast_stops_at_the_first_failure(sweep_file: Path, tmp_path: Path) -> None:
+    fake = FakeCampaign(fail_in="bf16.standard.s0")
+    summary = run_sweep_file(sweep_file, tmp_path / "s", campaign=fake, fail_fast=True, report=False, echo=lambda _l: None)
+    assert fake.calls == [("bf16.standard.s0", False)]
+    assert summary["unfinished"] == ["fp8.standard.s0", "fp8.calibrated.s0"]
+
+
+def test_a_changed_sweep_file_does_not_mix_configs(sweep_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    _run(sweep_file, out, FakeCampaign())
+    sweep_file.write_text(SWEEP.replace("steps: 3", "steps: 4"))
+    fake = FakeCampaign()
+    with pytest.raises(ConfigError, match=r"cell bf16\.standard\.s0: .* another config"):
+        _run(sweep_file, out, fake)
+    assert fake.calls == []  # checked before any cell runs
+
+
+def test_seeds_multiply_cells_and_average(tmp_path: Path) -> None:
+    path = tmp_path / "seeds.yaml"
+    path.write_text(SWEEP.replace("seeds: [0]", "seeds: [0, 1]"))
+    out = tmp_path / "sweep"
+    _run(path, out, FakeCampaign())
+    rows = list(csv.DictReader((out / "table.csv").open()))
+    assert [r["cell"] for r in rows][:2] == ["bf16.standard.s0", "bf16.standard.s1"] and len(rows) == 6
+    assert load_config(out / "bf16.standard.s1" / "config.yaml").seed == 1
+    assert "### Mean over seeds" in (out / "table.md").read_text()
+
+
+@pytest.mark.parametrize("text, message", [
+    (SWEEP + "axis: {}\n", r"mini\.yaml: axis: unknown key"),
+    (SWEEP.replace("calibration.mode: calibrated", "calibration.mod: calibrated"),
+     r"cell fp8\.calibrated\.s0: calibration\.mod: unknown key"),
+    (SWEEP.replace("precision.train: bf16,", "precision.train: bf8,"),
+     r"cell bf16\.standard\.s0: precision\.train: Input should be"),
+    (SWEEP.replace("{precision: bf16, clip: calibrated}", "{precision: bf16, clip: calibratd}"),
+     r"exclude\.0\.clip: unknown label 'calibratd'; labels: standard, calibrated"),
+    (SWEEP.replace("{precision: bf16, clip: calibrated}", "{precison: bf16}"), r"exclude\.0\.precison: unknown axis"),
+    (SWEEP.replace("  precision:\n", "  prec.ision:\n"), r"axes: axis name 'prec\.ision' must match"),
+    (SWEEP.replace("seeds: [0]", "seeds: [1, 1]"), r"seeds: seeds repeat"),
+    (SWEEP.replace("base: tiny-cpu", "base: no-such-preset"), r"config not found: no-such-preset"),
+])
+def test_bad_sweep_files_name_the_key(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "mini.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(path)
+
+
+def test_paper_tiny_sweep() -> None:
+    spec, cells = load_sweep(Path(__file__).resolve().parent.parent / "configs" / "sweeps" / "paper-tiny.yaml")
+    got = {(c.config.precision.train, c.config.precision.rollout, c.config.calibration.mode) for c in cells}
+    assert len(cells) == len(got) == 10
+    assert got == {
+        ("bf16", "bf16", "standard"), ("bf16", "fp8_per_tensor", "standard"),
+        *{(t, r, m) for t, r in (("fp8_tensorwise", "fp8_per_tensor"), ("fp8_rowwise", "fp8_per_tensor"),
+                                 ("fp8_blockwise", "fp8_per_block")) for m in ("standard", "calibrated")},
+        ("fp8_tensorwise", "fp8_per_tensor", "relaxed_lower"), ("fp8_tensorwise", "fp8_per_tensor", "bapo"),
+    }
+
+
+def test_cli_dry_run_lists_cells_and_runs_nothing(sweep_file: Path, tmp_path: Path) -> None:
+    app = typer.Typer(pretty_exceptions_enable=False)
+
+    @app.callback()
+    def _root() -> None:
+        """test app"""
+
+    register(app)
+    out = tmp_path / "sweep"
+    res = CliRunner().invoke(app, ["sweep", str(sweep_file), "--out", str(out), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert all(c in res.output for c in CELLS) and "clip=calibrated" in res.output and not out.exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(SWEEP + "axis: {}\n")
+    res = CliRunner().invoke(app, ["sweep", str(bad), "--dry-run"])
+    assert res.exit_code == 2 and res.output.startswith("error: ") and "axis: unknown key" in res.output
