@@ -1,0 +1,532 @@
+"""Emulated FP8 linear layers: training (three FP8 matmuls) and W8A8 inference.
+
+Training (``Fp8TrainingLinear``): a drop-in ``nn.Linear`` subclass whose
+forward, grad-input and grad-weight matmuls all take FP8-rounded operands, as
+described in ``fp8rl_core.fp8``. Recipes follow torchao's
+(``Float8LinearConfig.from_recipe_name``) and DeepSeek-V3:
+
+==========  ===========================  ==========================  =============
+recipe      activation / weight          grad_output                 scales
+==========  ===========================  ==========================  =============
+tensorwise  e4m3, one scale per tensor   e5m2, one scale per tensor  opt. pow-of-2
+rowwise     e4m3, per row along the      e4m3, per row / per column  pow-of-2
+            contraction dim
+blockwise   e4m3, x: 1x128 tiles,        e4m3, 1x128 tiles (dgrad),  opt. pow-of-2
+            W: 128x128 blocks            128x1 tiles (wgrad)
+==========  ===========================  ==========================  =============
+
+How the emulation stays cheap and exact. FP8 values are exact in BF16, so each
+operand is rounded to the FP8 grid (float32 arithmetic, bit-exact with a real
+cast) and stored as BF16; a BF16 matmul accumulates in float32, just like the
+FP8 tensor cores. Per-tensor and per-row scales sit on dims the matmul does not
+contract, so they are applied to the *output* (``out * (1/s_a) * (1/s_b)``);
+when scales are powers of two they are folded into the operand instead (exact).
+Blockwise scales vary along the contraction dim, so blockwise operands are
+dequantized before the matmul: exact for power-of-two scales, otherwise each
+operand carries one extra BF16 rounding (relative 2**-9, far below FP8's 2**-4).
+Tensorwise keeps the rounded activation from the forward for the grad-weight
+matmul (the same tensor scale quantizes it in both), so it is rounded once.
+
+Against torchao's ``emulate=True`` path (the test oracle): rowwise is bit-identical,
+forward and gradients, through a whole model. Tensorwise applies its non-power-of-two
+scale to the BF16 matmul output, where torchao multiplies float32 dequantized
+operands, so each output carries one extra BF16 rounding (a CPU has no BF16 GEMM
+with float32 output in eager PyTorch; a float32 matmul would cost ~1.5x the step).
+
+Speed: torchao's emulation costs 1.9-2.7x a BF16 train step on the CPU; this one
+1.1-1.3x. The rounding walks each operand in L2-sized chunks on the calling thread
+(``_round_chunked``, ``_on_calling_thread``), so its ~8 elementwise passes run at
+cache speed and never wait at an OpenMP barrier.
+
+Inference (``Fp8RolloutLinear``): W8A8 like vLLM's online FP8. The weight is
+quantized once per weight sync (``refresh_weight``), not per forward; the
+activation is quantized dynamically per token (``fp8_per_tensor`` scheme: one
+weight scale, per-token activation scales) or in 1x128 tiles against 128x128
+weight blocks (``fp8_per_block``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+import torch
+from torch import nn
+
+from fp8rl_core.fp8 import E4M3, E5M2, FP8Format, amax_to_qscale
+
+# Scaling-group layouts of a 2-D operand [R, C]
+Layout = Literal["tensor", "row", "col", "tile_row", "tile_col", "block"]
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """FP8 numerics of one training linear: formats per operand, granularity, scales."""
+
+    granularity: Literal["tensorwise", "rowwise", "blockwise"]
+    input_format: FP8Format = E4M3
+    weight_format: FP8Format = E4M3
+    grad_format: FP8Format = E4M3
+    round_scales_to_power_of_2: bool = False
+    block: int = 128  # tile edge for blockwise (1 x block activation tiles, block x block weight blocks)
+
+    @staticmethod
+    def named(granularity: str, *, round_scales_to_power_of_2: bool = False) -> "Fp8Recipe":
+        """The recipe of a granularity (tensorwise / rowwise / blockwise), as torchao defines them."""
+        if granularity == "tensorwise":
+            return Fp8Recipe("tensorwise", E4M3, E4M3, E5M2, round_scales_to_power_of_2)
+        if granularity == "rowwise":  # torchao's rowwise recipe always rounds scales to powers of 2
+            return Fp8Recipe("rowwise", E4M3, E4M3, E4M3, True)
+        if granularity == "blockwise":
+            return Fp8Recipe("blockwise", E4M3, E4M3, E4M3, round_scales_to_power_of_2)
+        raise ValueError(f"unknown FP8 granularity {granularity!r}; valid: tensorwise, rowwise, blockwise")
+
+
+# ---------------------------------------------------------------------------
+# One operand: round to the FP8 grid, return (values for the matmul, post-scale)
+# ---------------------------------------------------------------------------
+
+
+# Elements per chunk of the rounding loop: 128K float32 (512 KiB, plus an int32 scratch of
+# the same size) stays in a core's L2, so the elementwise passes run at cache speed rather
+# than DRAM speed (a rowwise train step: 1.13x BF16 with these chunks, 1.67x with
+# whole-tensor passes, one thread).
+_CHUNK_ELEMS = 1 << 17
+
+
+@contextlib.contextmanager
+def _on_calling_thread(device: torch.device) -> Iterator[None]:
+    """Run the rounding passes on the calling thread only (CPU).
+
+    They are short, cache-bound elementwise passes: an OpenMP fork/join per pass
+    costs more than it saves, and on a shared CPU one preempted worker stalls
+    every barrier (measured with 2 threads under load: rowwise train step 2.0x
+    BF16 with parallel passes, 1.0x without). OpenMP's thread count is a
+    per-calling-thread setting, restored on exit.
+    """
+    n = torch.get_num_threads()
+    if device.type != "cpu" or n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _grouped(t: torch.Tensor, layout: Layout, block: int) -> torch.Tensor:
+    """t [R, C] viewed with its scaling groups as dims (zero-padded to whole tiles).
+
+    tensor/row/col: [R, C]; tile_row (1 x b): [R, 1, C/b, b]; tile_col (b x 1):
+    [R/b, b, C, 1]; block (b x b): [R/b, b, C/b, b].
+    """
+    if layout in ("tensor", "row", "col"):
+        return t
+    r, c = t.shape
+    pr = (-r) % block if layout in ("tile_col", "block") else 0
+    pc = (-c) % block if layout in ("tile_row", "block") else 0
+    if pr or pc:
+        t = nn.functional.pad(t, (0, pc, 0, pr))
+    r, c = t.shape
+    if layout == "tile_row":
+        return t.reshape(r, 1, c // block, block)
+    if layout == "tile_col":
+        return t.reshape(r // block, block, c, 1)
+    return t.reshape(r // block, block, c // block, block)
+
+
+# Dims of the grouped view that one scaling group spans (see _grouped)
+_GROUP_DIMS = {"tensor": None, "col": None, "row": (1,), "tile_row": (3,), "tile_col": (1,), "block": (1, 3)}
+
+
+def _prepass_amax(g: torch.Tensor, layout: Layout, rows: int, scratch: torch.Tensor) -> torch.Tensor:
+    """amax of groups that span chunks: the whole tensor ([]) or each column ([1, C])."""
+    if layout == "tensor":
+        lo, hi = torch.aminmax(g)  # a full reduction is fast; dim-wise aminmax is not (~20x slower)
+        return torch.maximum(-lo, hi)
+    amax = None
+    for r0 in range(0, g.shape[0], rows):
+        n = min(rows, g.shape[0] - r0)
+        y = scratch[:n].copy_(g[r0 : r0 + n])
+        a = y.abs_().amax(dim=0, keepdim=True)  # [1, C]
+        amax = a if amax is None else torch.maximum(amax, a, out=amax)
+    return amax
+
+
+def _round_in_place_(
+    y: torch.Tensor, qscale: torch.Tensor, fmt: FP8Format, *, pow2: bool, dequantize: bool, bits: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y (float32) <- FP8-rounded ``y * qscale``, divided back by qscale if ``dequantize``.
+
+    The grid rounding of ``fp8.round_to_fp8_grid_`` (magic add). With power-of-two
+    scales and dequantization, rounding ``y * qscale`` and dividing by qscale is
+    rounding y on the grid scaled by ``1 / qscale`` (exact), so the multiply and
+    the divide are skipped: two passes fewer. ``bits``: optional int32 scratch like y.
+    """
+    factor = 1.5 * 2.0 ** (23 - fmt.mantissa_bits)
+    scaled_grid = pow2 and dequantize
+    if not scaled_grid:
+        y.mul_(qscale)
+    exponent_bits = y.view(torch.int32)
+    magic = (torch.bitwise_and(exponent_bits, 0x7F800000, out=bits) if bits is not None
+             else torch.bitwise_and(exponent_bits, 0x7F800000)).view(torch.float32)  # 2**floor(log2|y|)
+    if scaled_grid:
+        torch.maximum(magic, fmt.min_normal / qscale, out=magic)
+    else:
+        magic.clamp_min_(fmt.min_normal)
+    magic.mul_(factor)
+    y.add_(magic).sub_(magic)
+    if dequantize and not scaled_grid:
+        y.div_(qscale)
+    return y
+
+
+def _round_chunked(
+    g: torch.Tensor, layout: Layout, fmt: FP8Format, *, pow2: bool, dequantize: bool, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8-round the grouped view g group by group; returns (values in out_dtype, qscale).
+
+    Walks the leading dim in cache-sized chunks with two reused float32
+    buffers, so the 6-8 elementwise passes (and the per-group amax) run at cache
+    speed. No clamp to +-fp8_max: with dynamic scales |g * qscale| <= fp8_max up
+    to one float32 ulp, which the grid rounding maps to fp8_max anyway (tested).
+    qscale: [] (tensor), [1, C] (col), or g's shape with group dims reduced to 1.
+    """
+    chunk = _CHUNK_ELEMS if g.device.type == "cpu" else _CHUNK_ELEMS * 64  # GPUs: few, large launches
+    rows = max(1, min(g.shape[0], chunk // max(1, g[0].numel())))
+    if rows == g.shape[0]:
+        return _round_whole(g, layout, fmt, pow2=pow2, dequantize=dequantize, out_dtype=out_dtype)
+    out = torch.empty(g.shape, dtype=out_dtype, device=g.device)
+    y_buf = torch.empty((rows, *g.shape[1:]), dtype=torch.float32, device=g.device)
+    bits_buf = torch.empty(y_buf.shape, dtype=torch.int32, device=g.device)
+    group_dims = _GROUP_DIMS[layout]
+    qscale = None
+    if group_dims is None:
+        qscale = amax_to_qscale(_prepass_amax(g, layout, rows, y_buf), fmt, round_scales_to_power_of_2=pow2)
+    else:
+        scale_shape = list(g.shape)
+        for d in group_dims:
+            scale_shape[d] = 1
+        qscale_all = torch.empty(scale_shape, dtype=torch.float32, device=g.device)
+    for r0 in range(0, g.shape[0], rows):
+        n = min(rows, g.shape[0] - r0)
+        y, bits = y_buf[:n], bits_buf[:n]
+        y.copy_(g[r0 : r0 + n])
+        if group_dims is None:
+            qs = qscale
+        else:  # groups live inside the chunk: amax while it is in cache
+            amax = torch.abs(y, out=bits.view(torch.float32)).amax(dim=group_dims, keepdim=True)
+            qs = qscale_all[r0 : r0 + n]
+            qs.copy_(amax_to_qscale(amax, fmt, round_scales_to_power_of_2=pow2))
+        _round_in_place_(y, qs, fmt, pow2=pow2, dequantize=dequantize, bits=bits)
+        out[r0 : r0 + n].copy_(y)
+    return out, (qscale if group_dims is None else qscale_all)
+
+
+def _round_whole(
+    g: torch.Tensor, layout: Layout, fmt: FP8Format, *, pow2: bool, dequantize: bool, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_round_chunked`` for an operand that fits one chunk (decode steps, weights): the
+    same arithmetic with no buffers or slicing, since per-op overhead dominates there."""
+    y = g.to(torch.float32, copy=True)
+    group_dims = _GROUP_DIMS[layout]
+    if layout == "tensor":
+        lo, hi = torch.aminmax(y)
+        amax = torch.maximum(-lo, hi)
+    else:
+        amax = y.abs().amax(dim=group_dims or (0,), keepdim=True)
+    qscale = amax_to_qscale(amax, fmt, round_scales_to_power_of_2=pow2)
+    _round_in_place_(y, qscale, fmt, pow2=pow2, dequantize=dequantize)
+    return y.to(out_dtype), qscale
+
+
+def quantize_operand(
+    t: torch.Tensor,
+    fmt: FP8Format,
+    layout: Layout,
+    *,
+    pow2: bool,
+    compute_dtype: torch.dtype,
+    block: int = 128,
+    dequantize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Round a 2-D operand t [R, C] to FP8 and prepare it for a ``compute_dtype`` matmul.
+
+    Returns ``(values [R, C] in compute_dtype, post)``. If ``post`` is None the
+    values are already dequantized; otherwise they are the raw FP8 values and
+    ``post`` (float32: [], [R, 1] or [1, C]) is the dequantization scale to apply
+    to the matmul output along this operand's non-contracted dim.
+    Bit-equal to ``fp8.fake_quantize`` on the same groups (tested).
+    """
+    g = _grouped(t, layout, block)
+    tiled = g.dim() == 4
+    # pow2: dividing by the scale is exact, so dequantized values stay exact in BF16
+    dequant = tiled or pow2 or dequantize
+    with _on_calling_thread(t.device):
+        y, qscale = _round_chunked(g, layout, fmt, pow2=pow2, dequantize=dequant, out_dtype=compute_dtype)
+    if tiled:
+        y = y.reshape(y.shape[0] * y.shape[1], y.shape[2] * y.shape[3])[: t.shape[0], : t.shape[1]]
+    return y, (None if dequant else qscale.reciprocal())
+
+
+def _scale_output_(out: torch.Tensor, post_a: torch.Tensor | None, post_b: torch.Tensor | None) -> torch.Tensor:
+    """out [R, C] *= post_a ([R, 1] or None) * post_b ([1, C] or None), in float32, in place.
+
+    An in-place mixed-dtype multiply (BF16 tensor, float32 scale) is an unvectorized
+    slow path on CPU, so each cache-sized row chunk is upcast, scaled and written back.
+    """
+    rows = max(1, _CHUNK_ELEMS // max(1, out.shape[1]))
+    if rows >= out.shape[0]:  # one chunk (decode steps): fewest ops
+        y = out.float()
+        y = y.mul_(post_a) if post_b is None else (y.mul_(post_b) if post_a is None else y.mul_(post_a).mul_(post_b))
+        return out.copy_(y)
+    buf = torch.empty((rows, out.shape[1]), dtype=torch.float32, device=out.device)
+    with _on_calling_thread(out.device):
+        for r0 in range(0, out.shape[0], rows):
+            n = min(rows, out.shape[0] - r0)
+            y = buf[:n].copy_(out[r0 : r0 + n])
+            if post_a is not None:
+                y.mul_(post_a[r0 : r0 + n] if post_a.shape[0] > 1 else post_a)
+            if post_b is not None:
+                y.mul_(post_b)
+            out[r0 : r0 + n].copy_(y)
+    return out
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, post_a: torch.Tensor | None, post_b: torch.Tensor | None) -> torch.Tensor:
+    """a [R, K] @ b [K, C], then the dequantization scales of the two operands: post_a of
+    a's rows ([] or [R, 1]), post_b of b's columns ([] or [1, C]); None = already applied."""
+    out = torch.mm(a, b)
+    if post_a is None and post_b is None:
+        return out
+    if post_a is not None and post_b is not None and (post_a.dim() == 0 or post_b.dim() == 0):
+        post_a, post_b = post_a * post_b, None  # fold the scalar in: one rounding of the output
+    elif post_a is None:
+        post_a, post_b = post_b, None
+    if post_b is None and post_a.dim() == 0:
+        return out.mul_(post_a)  # a 0-dim scale takes the fast scalar path
+    if out.dtype == torch.float32:
+        return out.mul_(post_a) if post_b is None else out.mul_(post_a).mul_(post_b)
+    if post_b is None and post_a.shape[0] == 1:  # a column scale [1, C]
+        post_a, post_b = None, post_a
+    return _scale_output_(out, post_a, post_b)
+
+
+def _t(p: torch.Tensor | None) -> torch.Tensor | None:
+    return None if p is None or p.dim() == 0 else p.t()
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """y = x @ W.T + b with all three matmuls in emulated FP8 (see module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, compute_dtype: torch.dtype):
+        # x: [*, K] (any float dtype), weight: [N, K] (master, fp32), bias: [N] or None
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)  # [M, K]
+        r, b = recipe, recipe.block
+        q = dict(pow2=r.round_scales_to_power_of_2, compute_dtype=compute_dtype, block=b)
+        with torch.autocast(x.device.type, enabled=False):  # dtypes are chosen explicitly here
+            if r.granularity == "tensorwise":
+                xv, xp = quantize_operand(x2, r.input_format, "tensor", **q)
+                wv, wp = quantize_operand(weight, r.weight_format, "tensor", **q)
+                out = _mm(xv, wv.t(), xp, wp)  # [M, N]
+                ctx.save_for_backward(xv, wv, xp, wp)  # same scale in backward: reuse the rounded tensors
+            elif r.granularity == "rowwise":
+                xv, xp = quantize_operand(x2, r.input_format, "row", **q)  # per row over K
+                wv, wp = quantize_operand(weight, r.weight_format, "row", **q)  # per output channel over K
+                out = _mm(xv, wv.t(), xp, _t(wp))
+                ctx.save_for_backward(x2, weight)
+            else:
+                xv, _ = quantize_operand(x2, r.input_format, "tile_row", **q)  # 1 x 128 tiles
+                wv, _ = quantize_operand(weight, r.weight_format, "block", **q)  # 128 x 128 blocks
+                out = torch.mm(xv, wv.t())
+                ctx.save_for_backward(x2, wv)  # 128x128 blocks serve dgrad as they are
+            if bias is not None:
+                out = out.add_(bias.to(out.dtype))
+        ctx.recipe, ctx.compute_dtype, ctx.x_shape, ctx.has_bias = recipe, compute_dtype, x.shape, bias is not None
+        return out.reshape(*x.shape[:-1], out.shape[-1])  # [*, N]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        r, cd = ctx.recipe, ctx.compute_dtype
+        q = dict(pow2=r.round_scales_to_power_of_2, compute_dtype=cd, block=r.block)
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [M, N]
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = grad_w = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            if r.granularity == "tensorwise":
+                xv, wv, xp, wp = ctx.saved_tensors
+                gv, gp = quantize_operand(g2, r.grad_format, "tensor", **q)
+                if need_x:
+                    grad_x = _mm(gv, wv, gp, wp)  # [M, K]
+                if need_w:
+                    grad_w = _mm(gv.t(), xv, gp, xp)  # [N, K]
+            elif r.granularity == "rowwise":
+                x2, weight = ctx.saved_tensors
+                if need_x:
+                    gv, gp = quantize_operand(g2, r.grad_format, "row", **q)  # per row over N
+                    wv, wp = quantize_operand(weight, r.weight_format, "col", **q)  # per input channel over N
+                    grad_x = _mm(gv, wv, gp, wp)
+                if need_w:
+                    gv, gp = quantize_operand(g2, r.grad_format, "col", **q)  # per output channel over M
+                    xv, xp = quantize_operand(x2, r.input_format, "col", **q)  # per input channel over M
+                    grad_w = _mm(gv.t(), xv, _t(gp), xp)
+            else:
+                x2, wv = ctx.saved_tensors
+                if need_x:
+                    gv, _ = quantize_operand(g2, r.grad_format, "tile_row", **q)  # 1 x 128 tiles over N
+                    grad_x = torch.mm(gv, wv)
+                if need_w:
+                    gv, _ = quantize_operand(g2, r.grad_format, "tile_col", **q)  # 128 x 1 tiles over M
+                    xv, _ = quantize_operand(x2, r.input_format, "tile_col", **q)
+                    grad_w = torch.mm(gv.t(), xv)
+        if grad_x is not None:
+            grad_x = grad_x.reshape(ctx.x_shape)
+        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype under autocast (BF16: what nn.Linear would output), else x's own dtype."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class Fp8TrainingLinear(nn.Linear):
+    """``nn.Linear`` training with emulated FP8 matmuls; same parameters, same state_dict keys."""
+
+    recipe: Fp8Recipe
+
+    @classmethod
+    def from_linear(cls, mod: nn.Linear, recipe: Fp8Recipe) -> "Fp8TrainingLinear":
+        """Wrap ``mod``'s own parameters (no copy: optimizers and ties keep working)."""
+        with torch.device("meta"):
+            new = cls(mod.in_features, mod.out_features, bias=False)
+        new.weight = mod.weight
+        new.bias = mod.bias
+        new.recipe = recipe
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [*, K] -> [*, N]
+        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self.recipe, _compute_dtype(x))
+
+    def extra_repr(self) -> str:
+        r = self.recipe
+        return (
+            f"{super().extra_repr()}, fp8={r.granularity} (x:{r.input_format.name} w:{r.weight_format.name} "
+            f"grad:{r.grad_format.name}, pow2_scales={r.round_scales_to_power_of_2})"
+        )
+
+
+# ---------------------------------------------------------------------------
+# W8A8 inference
+# ---------------------------------------------------------------------------
+
+
+class SharedInputCache:
+    """One-slot cache of a quantized activation, shared by the W8A8 linears of one model.
+
+    Sibling projections read the same input tensor object one after another (q/k/v
+    of attention, gate/up of the MLP); the first quantizes it, the others reuse the
+    result, so a decoder layer quantizes 4 activations instead of 7. Keyed on the
+    tensor's identity (held, so it cannot be recycled), its version counter where
+    it has one, and the quantization settings.
+    """
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.x: torch.Tensor | None = None
+        self.key: tuple = ()
+        self.value: tuple = ()
+
+    @staticmethod
+    def _version(x: torch.Tensor) -> int | None:
+        try:
+            return x._version
+        except RuntimeError:  # inference tensors have no version counter (and cannot be modified)
+            return None
+
+    def get(self, x: torch.Tensor, settings: tuple) -> tuple | None:
+        if self.x is x and self.key == (self._version(x), *settings):
+            return self.value
+        return None
+
+    def put(self, x: torch.Tensor, settings: tuple, value: tuple) -> None:
+        self.x, self.key, self.value = x, (self._version(x), *settings), value
+
+
+class Fp8RolloutLinear(nn.Module):
+    """Inference linear with vLLM-style online FP8 W8A8 numerics (e4m3).
+
+    scheme ``"per_tensor"``: weight one scale, activations one scale per token;
+    ``"per_block"``: weight 128x128 blocks, activations 1x128 tiles. The FP8
+    weight is built by ``refresh_weight`` from a high-precision weight, once per
+    sync (stored in the copy's dtype; a BF16 view for autocast is cached on first
+    use). Like ``nn.Linear``, it computes in the autocast dtype when autocast is
+    on, else in its weight dtype. Not trainable; not in the state_dict.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, scheme: str, block: int = 128) -> None:
+        super().__init__()
+        if scheme not in ("per_tensor", "per_block"):
+            raise ValueError(f"unknown W8A8 scheme {scheme!r}; valid: per_tensor, per_block")
+        self.in_features, self.out_features, self.scheme, self.block = in_features, out_features, scheme, block
+        self.register_buffer("weight_values", torch.empty(0), persistent=False)  # [N, K] FP8 values (per_block: dequantized)
+        self.register_buffer("weight_post", torch.empty(0), persistent=False)  # [] dequant scale (per_tensor)
+        self.register_buffer("bias", None, persistent=False)  # [N]
+        self._by_dtype: dict[torch.dtype, torch.Tensor] = {}
+        self.input_cache: SharedInputCache | None = None  # set by precision.convert_for_rollout
+
+    @torch.no_grad()
+    def refresh_weight(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Quantize ``weight`` [N, K] (master precision) for the next forwards; ``bias`` [N] kept in ``dtype``."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
+        layout = "tensor" if self.scheme == "per_tensor" else "block"
+        values, post = quantize_operand(weight.detach(), E4M3, layout, pow2=False, compute_dtype=dtype, block=self.block)
+        self.weight_values = values
+        self.weight_post = post if post is not None else torch.empty(0, device=values.device)
+        self.bias = None if bias is None else bias.detach().to(dtype)
+        self._by_dtype = {dtype: values}
+        if self.input_cache is not None:
+            self.input_cache.clear()
+
+    def _weight_as(self, dtype: torch.dtype) -> torch.Tensor:
+        w = self._by_dtype.get(dtype)
+        if w is None or w.device != self.weight_values.device:  # first use of this dtype since the sync (or a move)
+            w = self._by_dtype[dtype] = self.weight_values.to(dtype)
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [*, K] -> [*, N]
+        if self.weight_values.numel() == 0:
+            raise RuntimeError("Fp8RolloutLinear used before refresh_weight(); call sync_rollout_weights first")
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        else:
+            dtype = self.weight_values.dtype
+        w = self._weight_as(dtype)
+        settings = (self.scheme, self.block, dtype, self.in_features)
+        cached = self.input_cache.get(x, settings) if self.input_cache is not None else None
+        if cached is None:
+            x2 = x.reshape(-1, self.in_features)  # [M, K]
+            layout = "row" if self.scheme == "per_tensor" else "tile_row"  # per token / 1 x 128 tiles
+            cached = quantize_operand(x2, E4M3, layout, pow2=False, compute_dtype=dtype, block=self.block)
+            if self.input_cache is not None:
+                self.input_cache.put(x, settings, cached)
+        xv, xp = cached
+        if self.scheme == "per_tensor":
+            out = _mm(xv, w.t(), xp, self.weight_post)
+        else:
+            out = torch.mm(xv, w.t())
+        if self.bias is not None:
+            out = out.add_(self.bias.to(dtype))
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8=fp8_{self.scheme}"

@@ -1,0 +1,86 @@
+"""Bootstrap stage: reproducible for a seed, cached by config hash (measured),
+atomic, and — full size, marked slow — lands in the RL band."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fp8rl_core.config import BootstrapConfig, ModelConfig, TaskConfig
+from fp8rl_core.tiny_model import load_policy
+from stages.bootstrap import BASE_BAND, EVAL_SIZE, NoisyTeacher, bootstrap, config_hash, read_meta
+
+TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64)
+SHORT = BootstrapConfig(steps=15, batch_size=16, warmup_steps=5, threads=1)
+TASK = TaskConfig(difficulty=1)
+
+
+def _weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_reproducible_cached_and_atomic(tmp_path):
+    t0 = time.perf_counter()
+    first = bootstrap(TINY, TASK, SHORT, tmp_path / "a", eval_size=200)
+    cold = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    again = bootstrap(TINY, TASK, SHORT, tmp_path / "a", eval_size=200)
+    warm = time.perf_counter() - t1
+    assert again == first
+    assert warm < 0.1 and warm < cold / 10, (cold, warm)  # a cache hit does not train
+    print(f"bootstrap cold {cold:.2f}s, cached {warm * 1000:.1f}ms")
+
+    other_root = bootstrap(TINY, TASK, SHORT, tmp_path / "b", eval_size=200)  # same config, fresh cache
+    wa, wb = _weights(first), _weights(other_root)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    meta = read_meta(first)
+    assert meta["config_hash"] == config_hash(TINY, TASK, SHORT, NoisyTeacher(**meta["teacher"]))
+    assert 0.0 <= meta["base_accuracy_sampled"] <= 1.0 and 0.0 <= meta["base_accuracy_greedy"] <= 1.0
+    assert not [p for p in (tmp_path / "a").iterdir() if p.name.startswith(".tmp")]  # nothing half-written left
+
+    model, tok = load_policy(first)
+    assert model.dtype == torch.float32 and tok.eos_token_id == 2
+
+
+def test_hash_covers_what_shapes_the_weights():
+    t = NoisyTeacher()
+    base = config_hash(TINY, TASK, SHORT, t)
+    assert config_hash(TINY, TASK, SHORT.model_copy(update={"threads": 2}), t) == base
+    assert config_hash(TINY, TASK.model_copy(update={"train_size": 10}), SHORT, t) == base
+    assert config_hash(TINY, TASK, SHORT.model_copy(update={"seed": 1}), t) != base
+    assert config_hash(TINY, TASK.model_copy(update={"difficulty": 2}), SHORT, t) != base
+    assert config_hash(TINY.model_copy(update={"seed": 3}), TASK, SHORT, t) != base
+    assert config_hash(TINY, TASK, SHORT, NoisyTeacher(carry_drop=0.3)) != base
+    assert config_hash(TINY, TASK, SHORT, NoisyTeacher(noisy_steps=5)) != base
+    assert config_hash(TINY, TASK, SHORT, NoisyTeacher(switch_loss=0.1)) != base
+
+
+def test_teacher_validation():
+    with pytest.raises(ValueError, match="mode"):
+        NoisyTeacher(carry_drop=0.6)
+    with pytest.raises(ValueError, match="switch_loss"):
+        NoisyTeacher(switch_loss=0.0)
+
+
+def test_real_checkpoint_is_not_bootstrapped(tmp_path):
+    with pytest.raises(ValueError, match="model.path"):
+        bootstrap(ModelConfig(path="Qwen/Qwen3-0.6B"), TASK, SHORT, tmp_path)
+
+
+@pytest.mark.slow
+def test_default_bootstrap_reaches_the_rl_band(tmp_path):
+    """The default tiny model, bootstrapped with the recommended step cap, lands
+    in the band that leaves RL headroom (sampled accuracy inside BASE_BAND) and
+    still knows the procedure (greedy at least as good as sampled)."""
+    path = bootstrap(ModelConfig(), TaskConfig(), BootstrapConfig(steps=1400), tmp_path)
+    meta = read_meta(path)
+    print({k: meta[k] for k in ("base_accuracy_sampled", "base_accuracy_greedy", "train_seconds", "seconds_per_step")})
+    assert meta["eval_size"] == EVAL_SIZE
+    lo, hi = BASE_BAND
+    assert lo <= meta["base_accuracy_sampled"] <= hi
+    assert meta["switch_step"] < meta["total_steps"]  # the exact phase ended by learning, not by its cap
+    assert meta["base_accuracy_greedy"] >= meta["base_accuracy_sampled"] - 0.03
