@@ -22,7 +22,8 @@ app = typer.Typer(
 
 # Modules contributing commands, in help order.
 _COMMAND_MODULES = (
-    "flows.cli_campaign",  # run, resume, rerun, deploy
+    "flows.cli_campaign",  # run, resume, rerun
+    "flows.cli_deploy",  # deploy
     "flows.cli_storage",  # query, doctor
     "flows.cli_report",  # report, sweep
     "flows.cli_world",  # bootstrap, benchmarks
