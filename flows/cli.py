@@ -12,6 +12,10 @@ import sys
 
 import typer
 
+from fp8rl_core.precision import silence_torchao_import_noise
+
+silence_torchao_import_noise()  # before transformers imports torchao
+
 app = typer.Typer(
     name="fp8rl",
     help="FP8 end-to-end RL (GRPO/DAPO) with Calibrated Clipping: run, resume, query, report.",

@@ -92,10 +92,12 @@ def base_model_dir(cfg: CampaignConfig, runs_root: Path) -> Path:
     """The policy's starting weights: ``model.path`` or the (cached) bootstrapped tiny model."""
     if cfg.model.path is not None:
         return Path(cfg.model.path)
-    from stages.bootstrap import bootstrap
+    from stages.bootstrap import NoisyTeacher, bootstrap
 
+    b = cfg.bootstrap
+    teacher = NoisyTeacher(carry_drop=b.carry_drop, noisy_steps=b.noisy_steps, switch_loss=b.switch_loss)
     cache = os.environ.get("FP8RL_BOOTSTRAP_CACHE") or str(Path(runs_root) / ".bootstrap-cache")
-    return Path(bootstrap(cfg.model, cfg.task, cfg.bootstrap, cache))
+    return Path(bootstrap(cfg.model, cfg.task, cfg.bootstrap, cache, teacher=teacher))
 
 
 def open_context(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN) -> RunContext:

@@ -24,6 +24,7 @@ os.environ.setdefault("FP8RL_BOOTSTRAP_CACHE", str(_SESSION_TMP / "bootstrap"))
 MICRO_OVERRIDES = [
     "steps=3",
     "bootstrap.steps=40",
+    "bootstrap.noisy_steps=10",
     "rollout.prompts_per_step=8",
     "rollout.samples_per_prompt=4",
     "rollout.max_new_tokens=12",
