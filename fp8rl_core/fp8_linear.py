@@ -36,7 +36,8 @@ with float32 output in eager PyTorch; a float32 matmul would cost ~1.5x the step
 Speed: torchao's emulation costs 1.9-2.7x a BF16 train step on the CPU; this one
 1.1-1.3x. The rounding walks each operand in L2-sized chunks on the calling thread
 (``_round_chunked``, ``_on_calling_thread``), so its ~8 elementwise passes run at
-cache speed and never wait at an OpenMP barrier.
+cache speed and never wait at an OpenMP barrier; and sibling projections that read
+one activation (q/k/v, gate/up) round it once (``SharedInputCache``).
 
 Inference (``Fp8RolloutLinear``): W8A8 like vLLM's online FP8. The weight is
 quantized once per weight sync (``refresh_weight``), not per forward; the
@@ -314,6 +315,46 @@ def _mm(a: torch.Tensor, b: torch.Tensor, post_a: torch.Tensor | None, post_b: t
     return _scale_output_(out, post_a, post_b)
 
 
+class SharedInputCache:
+    """One-slot cache of a quantized operand, shared by the FP8 linears of one model.
+
+    Sibling projections read the same activation one after another (q/k/v of
+    attention, gate/up of the MLP), in the forward and again in the backward; the
+    first quantizes it, the others reuse the result: a decoder layer rounds 4
+    activations instead of 7. The key is the data (storage pointer, shape, strides,
+    version counter where the tensor has one) plus the quantization settings; the
+    slot holds the tensor, so its memory cannot be recycled under the same key.
+    """
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.held: torch.Tensor | None = None
+        self.key: tuple = ()
+        self.value: tuple = ()
+
+    @staticmethod
+    def _key(t: torch.Tensor, settings: tuple) -> tuple:
+        try:
+            version = t._version
+        except RuntimeError:  # inference tensors have no version counter (and cannot be modified)
+            version = None
+        return (t.data_ptr(), tuple(t.shape), t.stride(), version, *settings)
+
+    def quantize(self, t: torch.Tensor, fmt: FP8Format, layout: Layout, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``quantize_operand(t, fmt, layout, **kw)``, reusing the previous result for the same data."""
+        key = self._key(t, (fmt.dtype, layout, *sorted(kw.items())))
+        if self.held is None or key != self.key:
+            value = quantize_operand(t, fmt, layout, **kw)
+            self.held, self.key, self.value = t.detach(), key, value  # detached: keep the storage, not the graph
+        return self.value
+
+
+def _quantize(cache: SharedInputCache | None, t: torch.Tensor, fmt: FP8Format, layout: Layout, **kw):
+    return cache.quantize(t, fmt, layout, **kw) if cache is not None else quantize_operand(t, fmt, layout, **kw)
+
+
 def _t(p: torch.Tensor | None) -> torch.Tensor | None:
     return None if p is None or p.dim() == 0 else p.t()
 
@@ -322,7 +363,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     """y = x @ W.T + b with all three matmuls in emulated FP8 (see module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, compute_dtype: torch.dtype):
+    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, compute_dtype: torch.dtype, cache: SharedInputCache | None):
         # x: [*, K] (any float dtype), weight: [N, K] (master, fp32), bias: [N] or None
         k = x.shape[-1]
         x2 = x.reshape(-1, k)  # [M, K]
@@ -330,23 +371,24 @@ class _Fp8LinearFunction(torch.autograd.Function):
         q = dict(pow2=r.round_scales_to_power_of_2, compute_dtype=compute_dtype, block=b)
         with torch.autocast(x.device.type, enabled=False):  # dtypes are chosen explicitly here
             if r.granularity == "tensorwise":
-                xv, xp = quantize_operand(x2, r.input_format, "tensor", **q)
+                xv, xp = _quantize(cache, x2, r.input_format, "tensor", **q)
                 wv, wp = quantize_operand(weight, r.weight_format, "tensor", **q)
                 out = _mm(xv, wv.t(), xp, wp)  # [M, N]
                 ctx.save_for_backward(xv, wv, xp, wp)  # same scale in backward: reuse the rounded tensors
             elif r.granularity == "rowwise":
-                xv, xp = quantize_operand(x2, r.input_format, "row", **q)  # per row over K
+                xv, xp = _quantize(cache, x2, r.input_format, "row", **q)  # per row over K
                 wv, wp = quantize_operand(weight, r.weight_format, "row", **q)  # per output channel over K
                 out = _mm(xv, wv.t(), xp, _t(wp))
                 ctx.save_for_backward(x2, weight)
             else:
-                xv, _ = quantize_operand(x2, r.input_format, "tile_row", **q)  # 1 x 128 tiles
+                xv, _ = _quantize(cache, x2, r.input_format, "tile_row", **q)  # 1 x 128 tiles
                 wv, _ = quantize_operand(weight, r.weight_format, "block", **q)  # 128 x 128 blocks
                 out = torch.mm(xv, wv.t())
                 ctx.save_for_backward(x2, wv)  # 128x128 blocks serve dgrad as they are
             if bias is not None:
                 out = out.add_(bias.to(out.dtype))
         ctx.recipe, ctx.compute_dtype, ctx.x_shape, ctx.has_bias = recipe, compute_dtype, x.shape, bias is not None
+        ctx.cache = cache
         return out.reshape(*x.shape[:-1], out.shape[-1])  # [*, N]
 
     @staticmethod
@@ -372,7 +414,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     grad_x = _mm(gv, wv, gp, wp)
                 if need_w:
                     gv, gp = quantize_operand(g2, r.grad_format, "col", **q)  # per output channel over M
-                    xv, xp = quantize_operand(x2, r.input_format, "col", **q)  # per input channel over M
+                    xv, xp = _quantize(ctx.cache, x2, r.input_format, "col", **q)  # per input channel over M
                     grad_w = _mm(gv.t(), xv, _t(gp), xp)
             else:
                 x2, wv = ctx.saved_tensors
@@ -381,12 +423,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     grad_x = torch.mm(gv, wv)
                 if need_w:
                     gv, _ = quantize_operand(g2, r.grad_format, "tile_col", **q)  # 128 x 1 tiles over M
-                    xv, _ = quantize_operand(x2, r.input_format, "tile_col", **q)
+                    xv, _ = _quantize(ctx.cache, x2, r.input_format, "tile_col", **q)
                     grad_w = torch.mm(gv.t(), xv)
         if grad_x is not None:
             grad_x = grad_x.reshape(ctx.x_shape)
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -409,10 +451,12 @@ class Fp8TrainingLinear(nn.Linear):
         new.weight = mod.weight
         new.bias = mod.bias
         new.recipe = recipe
+        new.input_cache = None  # set by precision.convert_for_training: shared by a model's linears
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [*, K] -> [*, N]
-        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self.recipe, _compute_dtype(x))
+        cache = getattr(self, "input_cache", None)
+        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self.recipe, _compute_dtype(x), cache)
 
     def extra_repr(self) -> str:
         r = self.recipe
@@ -425,40 +469,6 @@ class Fp8TrainingLinear(nn.Linear):
 # ---------------------------------------------------------------------------
 # W8A8 inference
 # ---------------------------------------------------------------------------
-
-
-class SharedInputCache:
-    """One-slot cache of a quantized activation, shared by the W8A8 linears of one model.
-
-    Sibling projections read the same input tensor object one after another (q/k/v
-    of attention, gate/up of the MLP); the first quantizes it, the others reuse the
-    result, so a decoder layer quantizes 4 activations instead of 7. Keyed on the
-    tensor's identity (held, so it cannot be recycled), its version counter where
-    it has one, and the quantization settings.
-    """
-
-    def __init__(self) -> None:
-        self.clear()
-
-    def clear(self) -> None:
-        self.x: torch.Tensor | None = None
-        self.key: tuple = ()
-        self.value: tuple = ()
-
-    @staticmethod
-    def _version(x: torch.Tensor) -> int | None:
-        try:
-            return x._version
-        except RuntimeError:  # inference tensors have no version counter (and cannot be modified)
-            return None
-
-    def get(self, x: torch.Tensor, settings: tuple) -> tuple | None:
-        if self.x is x and self.key == (self._version(x), *settings):
-            return self.value
-        return None
-
-    def put(self, x: torch.Tensor, settings: tuple, value: tuple) -> None:
-        self.x, self.key, self.value = x, (self._version(x), *settings), value
 
 
 class Fp8RolloutLinear(nn.Module):
@@ -511,15 +521,9 @@ class Fp8RolloutLinear(nn.Module):
         else:
             dtype = self.weight_values.dtype
         w = self._weight_as(dtype)
-        settings = (self.scheme, self.block, dtype, self.in_features)
-        cached = self.input_cache.get(x, settings) if self.input_cache is not None else None
-        if cached is None:
-            x2 = x.reshape(-1, self.in_features)  # [M, K]
-            layout = "row" if self.scheme == "per_tensor" else "tile_row"  # per token / 1 x 128 tiles
-            cached = quantize_operand(x2, E4M3, layout, pow2=False, compute_dtype=dtype, block=self.block)
-            if self.input_cache is not None:
-                self.input_cache.put(x, settings, cached)
-        xv, xp = cached
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        layout = "row" if self.scheme == "per_tensor" else "tile_row"  # per token / 1 x 128 tiles
+        xv, xp = _quantize(self.input_cache, x2, E4M3, layout, pow2=False, compute_dtype=dtype, block=self.block)
         if self.scheme == "per_tensor":
             out = _mm(xv, w.t(), xp, self.weight_post)
         else:

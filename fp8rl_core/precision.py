@@ -241,6 +241,12 @@ def _train_bf16(req: _TrainRequest) -> ConversionReport:
     return ConversionReport(req.mode, "none", False, (), (), tuple(keep))
 
 
+def _emulated(lin: nn.Linear, recipe: Fp8Recipe, cache: SharedInputCache) -> Fp8TrainingLinear:
+    new = Fp8TrainingLinear.from_linear(lin, recipe)
+    new.input_cache = cache  # one per model: sibling projections quantize their shared input once
+    return new
+
+
 def _resolve_emulate(req: _TrainRequest, min_capability: tuple[int, int]) -> bool:
     cap = _cuda_capability(req.device)
     has_hw = cap is not None and cap >= min_capability
@@ -262,7 +268,8 @@ def _train_scaled(req: _TrainRequest, granularity: str) -> ConversionReport:
     use_torchao = req.backend == "torchao" or (req.backend == "auto" and not emulate)
     if not use_torchao:
         recipe = Fp8Recipe.named(granularity, round_scales_to_power_of_2=req.round_scales_to_power_of_2)
-        converted, skipped = _swap(found, lambda lin: Fp8TrainingLinear.from_linear(lin, recipe), reason)
+        cache = SharedInputCache()
+        converted, skipped = _swap(found, lambda lin: _emulated(lin, recipe, cache), reason)
         return ConversionReport(req.mode, "fp8rl-emulated", emulate, converted, skipped, tuple(keep))
     float8 = quiet_import_torchao_float8()
     config = float8.Float8LinearConfig.from_recipe_name(granularity)
@@ -295,7 +302,8 @@ def _train_blockwise(req: _TrainRequest) -> ConversionReport:
         raise ValueError("torchao's blockwise FP8 prototype has no emulation; use backend='auto' or 'emulated'")
     if emulate or req.backend == "emulated":
         recipe = Fp8Recipe.named("blockwise", round_scales_to_power_of_2=req.round_scales_to_power_of_2)
-        converted, skipped = _swap(found, lambda lin: Fp8TrainingLinear.from_linear(lin, recipe), reason)
+        cache = SharedInputCache()
+        converted, skipped = _swap(found, lambda lin: _emulated(lin, recipe, cache), reason)
         return ConversionReport(req.mode, "fp8rl-emulated", True, converted, skipped, tuple(keep))
     quiet_import_torchao_float8()
     try:

@@ -30,13 +30,14 @@ easy copy the model learns early.
 (the classic pupil's slip: the carry is forgotten, the column digit is written
 anyway and the rest of the work follows faithfully) with probability
 ``carry_drop``. A policy cloned from such a teacher samples the right answer only
-when it keeps every carry, about ``E[(1 - carry_drop) ** n_carries]`` of the time,
-while its greedy answer — the mode, when ``carry_drop < 0.5`` — is right. RL from
-the verifier's reward has to learn "always carry": a single behaviour, shared by
-every column and every problem, that the base policy already knows. This is the
-setting RL is known to be good at (selecting a procedure the base model already
-samples), and the gain is large and fast; see the task's note in the report of
-issue 5 for the measurements.
+when it keeps every carry, about ``E[(1 - carry_drop) ** n_carries]`` of the time
+(:func:`expected_sampled_accuracy`), while keeping the carry stays its mode when
+``carry_drop < 0.5`` (at 0.45 the clone's greedy accuracy was 52-72 % for a
+sampled 43-48 %, measured). RL from the verifier's reward has to learn "always
+carry": a single behaviour, shared by every column and every problem, that the
+base policy already knows — the setting RL is good at (selecting a procedure
+the base model already samples), so the gain is large and fast (+30 points in
+5 GRPO steps of 64x8, +45 in 20; ``stages.bootstrap`` has the recipe).
 
 **Splits** are disjoint by construction: a hash of ``(difficulty, operands)``
 assigns each operand tuple to ``test`` (1 in :data:`TEST_SHARE_DENOM`) or
@@ -45,8 +46,9 @@ those of the other split. The split does not depend on the seed, so problems of
 one seed's train split never appear in another seed's test split either.
 
 Difficulty levels (:data:`LEVELS`): 0 = two 2-digit operands, 1 = two 3-digit
-operands, 2 = three 3-digit operands (column carries up to 2), 3 = three 4-digit
-operands.
+operands (the measured default), 2 = three 3-digit operands (column carries up
+to 2), 3 = three 4-digit operands. Levels 2 and 3 are generated and verified
+but their bootstrap was not tuned.
 """
 
 from __future__ import annotations

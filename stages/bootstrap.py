@@ -6,9 +6,11 @@ synthetic task's worked solutions (``fp8rl_core.task``) in two phases
 (:class:`NoisyTeacher`):
 
 1. *exact teacher*, until the running training loss drops below
-   ``switch_loss`` (the model has learned column addition; the learning jump
-   comes between step 300 and 700 depending on the seeds) or until
-   ``steps - noisy_steps`` steps;
+   ``switch_loss`` (the model has learned column addition) or until
+   ``steps - noisy_steps`` steps. Where the learning jump comes depends on the
+   seeds and on ``lr``: at 1e-3 it came at steps 341/421/466 for three seeds;
+   at 3e-3 at 556 for one seed and after 1150 for another (6e-3 was slower
+   still), so use ``bootstrap.lr = 1e-3``;
 2. *noisy teacher*, ``noisy_steps`` more steps: every carry of a demonstration
    is dropped with probability ``carry_drop`` and the rest of the work follows.
    Within ~50 steps the clone adopts the slip: sampled at temperature 1 it is
@@ -72,9 +74,9 @@ class NoisyTeacher:
 
     The exact teacher writes until the running (EMA 0.9) training loss drops
     below ``switch_loss`` — the model has learned column addition; the jump
-    comes anywhere between step 300 and 700 depending on the seeds, so a fixed
-    switch step either wastes time or switches before the jump (measured: a
-    switch at 700 caught one seed mid-jump, 6 % final accuracy). Then a teacher
+    moves by hundreds of steps between seeds, so a fixed switch step either
+    wastes time or switches before the jump (measured: a fixed switch at 700
+    caught one seed on its plateau, 6 % final accuracy). Then a teacher
     that drops each carry with probability ``carry_drop`` (< 0.5, so the
     clone's mode keeps carrying) writes for ``noisy_steps`` more steps."""
 

@@ -73,10 +73,10 @@ def test_real_checkpoint_is_not_bootstrapped(tmp_path):
 
 @pytest.mark.slow
 def test_default_bootstrap_reaches_the_rl_band(tmp_path):
-    """The default tiny model, bootstrapped with the recommended step cap, lands
+    """The default tiny model, bootstrapped with the recommended lr and step cap, lands
     in the band that leaves RL headroom (sampled accuracy inside BASE_BAND) and
     still knows the procedure (greedy at least as good as sampled)."""
-    path = bootstrap(ModelConfig(), TaskConfig(), BootstrapConfig(steps=1400), tmp_path)
+    path = bootstrap(ModelConfig(), TaskConfig(), BootstrapConfig(steps=1200, lr=1e-3), tmp_path)
     meta = read_meta(path)
     print({k: meta[k] for k in ("base_accuracy_sampled", "base_accuracy_greedy", "train_seconds", "seconds_per_step")})
     assert meta["eval_size"] == EVAL_SIZE

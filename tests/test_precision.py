@@ -253,3 +253,31 @@ def test_rollout_quantizes_shared_inputs_once(base_model, monkeypatch):
                 m.input_cache = None
         uncached = rollout(input_ids=ids).logits
     assert len(calls) == 8 + 2 * LINEARS_PER_LAYER and torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("mode", FP8_MODES)
+def test_training_quantizes_shared_inputs_once(base_model, mode, monkeypatch):
+    """Same logits and gradients with the shared-input cache as without; fewer roundings."""
+    import fp8rl_core.fp8_linear as fl
+
+    calls = []
+    real = fl.quantize_operand
+    monkeypatch.setattr(fl, "quantize_operand", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = toy_batch(seed=6)
+    runs = []
+    for use_cache in (True, False):
+        model = copy.deepcopy(base_model)
+        convert_for_training(model, mode)
+        if not use_cache:
+            for m in model.modules():
+                if isinstance(m, Fp8TrainingLinear):
+                    m.input_cache = None
+        calls.clear()
+        with autocast_context(mode):
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        runs.append((out.logits, [p.grad for p in model.parameters()], len(calls)))
+    (lc, gc, nc), (lu, gu, nu) = runs
+    assert torch.equal(lc, lu) and all(torch.equal(a, b) for a, b in zip(gc, gu))
+    saved = 2 * 3 * (2 if mode != "fp8_tensorwise" else 1)  # per layer: 3 sibling reads fwd (+3 bwd)
+    assert nu - nc == saved, (nu, nc)
