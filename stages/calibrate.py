@@ -15,13 +15,13 @@ import numpy as np
 import torch
 
 from fp8rl_core.calibration import calibrate
+from fp8rl_core.losses import importance_ratio
 from stages.context import RunContext
 from stages.io import read_step
 
 
 def _ratio(logp: np.ndarray, old: np.ndarray) -> torch.Tensor:
-    d = torch.from_numpy(logp.astype(np.float32)) - torch.from_numpy(old.astype(np.float32))
-    return torch.exp(d.clamp(-20.0, 20.0))
+    return importance_ratio(torch.from_numpy(logp.astype(np.float32)), torch.from_numpy(old.astype(np.float32)))
 
 
 def run_calibrate(ctx: RunContext, step: int) -> dict:

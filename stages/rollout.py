@@ -66,7 +66,8 @@ def run_rollout(ctx: RunContext, step: int, *, round_: int = 0, first_sample_id:
     if round_ == 0:
         ctx.sampler_after_rollout[step] = after
     seconds = time.perf_counter() - t0
-    ctx.timings.setdefault(step, {})["rollout_seconds"] = ctx.timings.get(step, {}).get("rollout_seconds", 0.0) * (round_ > 0) + seconds
+    if round_ == 0:  # refill rounds are timed (and added) by the score stage that asks for them
+        ctx.record_time(step, "rollout", seconds)
     return {
         "outputs": [str(path)],
         "samples": rows.num_rows,

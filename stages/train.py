@@ -20,7 +20,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from fp8rl_core.diagnostics import entropy_binned_clip_shares, is_garbled, noise_amplification
+from fp8rl_core.diagnostics import (
+    entropy_binned_clip_shares, is_garbled, noise_amplification, over_clipped_mask, under_clipped_mask,
+)
+from fp8rl_core.losses import importance_ratio
 from stages.context import RunContext, is_calibration_step, step_seed
 from stages.io import read_step
 from stages.train_core import TrainBatch, UpdateResult, policy_update
@@ -93,13 +96,14 @@ def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard) -> di
         return {}
     mask = batch.response_mask > 0
     out = {k: float(v) for k, v in noise_amplification(res.logp_fp8, res.logp_bf16, res.old_logp_fp8, res.old_logp_bf16, mask).items()}
-    r8 = torch.exp((res.logp_fp8 - res.old_logp_fp8).clamp(-20, 20))
-    r16 = torch.exp((res.logp_bf16 - res.old_logp_bf16).clamp(-20, 20))
+    r8 = importance_ratio(res.logp_fp8, res.old_logp_fp8)
+    r16 = importance_ratio(res.logp_bf16, res.old_logp_bf16)
     adv = batch.advantages[:, None].expand_as(r8)
     neg = mask & (adv < 0)
     n_valid = max(int(mask.sum()), 1)
-    over = neg & (r16 >= standard[0]) & (r8 < bounds[0])
-    under = neg & (r16 < standard[0]) & (r8 >= bounds[0])
+    eps_low = 1.0 - standard[0]
+    over = over_clipped_mask(r8, r16, adv, mask, eps_low=eps_low, lower=bounds[0])
+    under = under_clipped_mask(r8, r16, adv, mask, eps_low=eps_low, lower=bounds[0])
     out["overclipped_share"] = float(over.sum()) / n_valid
     out["underclipped_share"] = float(under.sum()) / n_valid
     n_neg = max(int(neg.sum()), 1)

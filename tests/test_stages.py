@@ -43,6 +43,17 @@ def _context(tmp_path, *overrides):
     return open_context(cfg, tmp_path / "r")
 
 
+def _first_step_tokens(ctx):
+    """Rollout, score and train step 1, close the context, return its token_stats."""
+    try:
+        run_rollout(ctx, 1)
+        run_score(ctx, 1)
+        run_train(ctx, 1)
+    finally:
+        ctx.close()
+    return read_step(ctx, "token_stats", 1).to_pandas()
+
+
 def _full_step(ctx, step=1):
     run_rollout(ctx, step)
     run_score(ctx, step)
@@ -76,13 +87,7 @@ def test_one_full_step_in_each_precision_mode_writes_every_table(tmp_path, mode)
 
 def test_bf16_shadow_reproduces_training_logprobs(tmp_path):
     ctx = _context(tmp_path, *MODES["bf16"])
-    try:
-        run_rollout(ctx, 1)
-        run_score(ctx, 1)
-        run_train(ctx, 1)
-    finally:
-        ctx.close()
-    tok = read_step(ctx, "token_stats", 1).to_pandas()
+    tok = _first_step_tokens(ctx)
     lp8, lp16 = tok["logp_fp8"].to_numpy(np.float64), tok["logp_bf16"].to_numpy(np.float64)
     old8, old16 = tok["old_logp_fp8"].to_numpy(np.float64), tok["old_logp_bf16"].to_numpy(np.float64)
     nmae = np.abs(np.exp(lp8) - np.exp(lp16)).sum() / np.abs(np.exp(lp16)).sum()
@@ -97,13 +102,7 @@ def test_fp8_first_minibatch_ratio_noise_is_measured_not_hidden(tmp_path):
     """In FP8, r8 of the first mini-batch deviates from 1 by the batch-composition noise
     of dynamic scales; r16 does not. The size is reported in the issue note."""
     ctx = _context(tmp_path, *MODES["fp8-tensorwise"])
-    try:
-        run_rollout(ctx, 1)
-        run_score(ctx, 1)
-        run_train(ctx, 1)
-    finally:
-        ctx.close()
-    tok = read_step(ctx, "token_stats", 1).to_pandas()
+    tok = _first_step_tokens(ctx)
     first = tok["minibatch"].to_numpy() == 0
     r16 = np.exp(tok["logp_bf16"].to_numpy(np.float64)[first] - tok["old_logp_bf16"].to_numpy(np.float64)[first])
     r8 = np.exp(tok["logp_fp8"].to_numpy(np.float64)[first] - tok["old_logp_fp8"].to_numpy(np.float64)[first])
