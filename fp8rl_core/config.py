@@ -209,6 +209,7 @@ class CampaignConfig(_Frozen):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    device: str = Field("auto", description="Where policy, batches and optimizer live: auto (CUDA when present), cpu, cuda, cuda:N.")
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "CampaignConfig":

@@ -12,34 +12,36 @@ import time
 from pathlib import Path
 
 from fp8rl_core.calibration import CalibratorState
-from stages.context import RunContext
+from stages.context import RunEnv, TrainState
 from stages.prompts import SamplerState
 from storage.checkpoints import apply_retention, load_checkpoint, save_checkpoint
 
 
-def run_checkpoint(ctx: RunContext, step: int, *, metrics: dict | None = None) -> dict:
+def run_checkpoint(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
+                   metrics: dict | None = None) -> tuple[dict, TrainState]:
+    """Save ``state`` (and the process RNG) as ``checkpoints/step_<step>``; apply retention."""
     t0 = time.perf_counter()
-    cfg = ctx.cfg
+    cfg = env.cfg
     path = save_checkpoint(
-        ctx.run_dir, step, model=ctx.policy, tokenizer=ctx.tokenizer, optimizer=ctx.optimizer,
-        sampler_state=ctx.sampler.to_dict(), calibrator_state=ctx.calibrator.to_dict(),
+        env.run_dir, step, model=state.policy, tokenizer=env.tokenizer, optimizer=state.optimizer,
+        sampler_state=state.sampler.to_dict(), calibrator_state=state.calibrator.to_dict(),
         config=cfg.model_dump(mode="json"), metrics=metrics or {},
-        extra={"scheduler": ctx.scheduler.state_dict(), "policy_version": ctx.policy_version},
+        extra={"scheduler": state.scheduler.state_dict(), "policy_version": state.policy_version},
     )
-    removed = apply_retention(ctx.run_dir, keep_last=cfg.checkpoint.keep_last, best_metric=cfg.checkpoint.keep_best_metric)
+    removed = apply_retention(env.run_dir, keep_last=cfg.checkpoint.keep_last, best_metric=cfg.checkpoint.keep_best_metric)
     seconds = time.perf_counter() - t0
-    ctx.record_time(step, "checkpoint", seconds)
-    return {"outputs": [str(path)], "removed": [str(p) for p in removed], "seconds": seconds}
+    return {"outputs": [str(path)], "removed": [str(p) for p in removed], "seconds": seconds}, state
 
 
-def restore(ctx: RunContext, path: str | Path) -> int:
-    """Load a checkpoint into the context (weights, optimizer, schedule, RNG, sampler, calibrator)."""
-    ck = load_checkpoint(path, model=ctx.policy, optimizer=ctx.optimizer, restore_rng=True)
+def restore(env: RunEnv, state: TrainState, path: str | Path) -> tuple[int, TrainState]:
+    """Load a checkpoint into ``state``'s policy and optimizer (in place) and return
+    ``(step, state)`` with the checkpoint's schedule, sampler, calibrator and policy version."""
+    ck = load_checkpoint(path, model=state.policy, optimizer=state.optimizer, restore_rng=True)
     sched = ck.extra.get("scheduler")
     if sched:
-        ctx.scheduler.load_state_dict(sched)
-    ctx.sampler = SamplerState.from_dict(ck.sampler_state)
-    if ck.calibrator_state:
-        ctx.calibrator = CalibratorState.from_dict(ck.calibrator_state)
-    ctx.policy_version = int(ck.extra.get("policy_version", ck.step))
-    return ck.step
+        state.scheduler.load_state_dict(sched)
+    calibrator = CalibratorState.from_dict(ck.calibrator_state) if ck.calibrator_state else state.calibrator
+    return ck.step, state.replace(
+        sampler=SamplerState.from_dict(ck.sampler_state), calibrator=calibrator,
+        policy_version=int(ck.extra.get("policy_version", ck.step)),
+    )

@@ -375,6 +375,10 @@ def policy_update(
         if math.isfinite(mb_loss) and math.isfinite(grad_norm):
             optimizer.step()
             scheduler.step()
+            if collective.world_size > 1:
+                from stages.distributed import after_optimizer_step
+
+                after_optimizer_step(model)
         else:
             skipped += 1
             optimizer.zero_grad(set_to_none=True)
