@@ -24,7 +24,7 @@ from fp8rl_core.fp8_linear import KernelShapeError, set_strict_shapes
 from fp8rl_core.logprobs import position_ids_from_mask
 from fp8rl_core.precision import convert_for_training
 from fp8rl_core.tiny_model import build_tiny_model
-from stages.train_core import TrainBatch, make_optimizer, padded_width, policy_update, token_multiple
+from stages.train_core import TrainBatch, make_optimizer, policy_update
 
 SMALL = ModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=256)
 
@@ -90,6 +90,8 @@ def test_every_train_forward_runs_under_its_devices_autocast_with_position_ids()
 
 
 def test_token_multiples_of_each_mode():
+    from stages.train_core import padded_width, token_multiple
+
     assert token_multiple("bf16") == 1
     assert token_multiple("fp8_tensorwise") == token_multiple("fp8_rowwise") == 16
     assert token_multiple("fp8_blockwise") == 128
