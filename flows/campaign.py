@@ -230,48 +230,113 @@ def _eval_scores_from(summary: dict) -> dict:
     return {k: float(v) for k, v in (summary.get("scores") or {}).items() if isinstance(v, (int, float))}
 
 
+def _broadcast(env: RunEnv, obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (identity in one process)."""
+    if env.world_size == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj if env.is_main else None]
+    dist.broadcast_object_list(box, src=0, group=env.group)
+    return box[0]
+
+
+def _on_main(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, TrainState]:
+    """A stage rank 0 alone runs (generation, grading, calibration, evaluation) as a Prefect
+    task; the state it moves (sampler, calibrator) is broadcast so all ranks continue alike.
+    If it fails, rank 0 exits and torchrun stops every rank: failure acts on all together."""
+    out = task_obj(env, state, step, **kw) if env.is_main else ({}, state)
+    if env.world_size == 1:
+        return out
+    summary, sampler, calibrator = _broadcast(env, (out[0], out[1].sampler, out[1].calibrator))
+    return summary, state.replace(sampler=sampler, calibrator=calibrator)
+
+
+def _on_all(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, TrainState]:
+    """A collective stage (train, checkpoint): rank 0 runs it as a Prefect task (ledger, no
+    retries: a retry on one rank would deadlock the others), the others as the bare stage."""
+    if env.is_main:
+        return task_obj(env, state, step, **kw)
+    return task_obj.stage_fn(env, state, step, attempt=0, **kw)
+
+
+class _StateView:
+    """What ``engine.load_weights`` reads of a policy: its (gathered, full) state dict."""
+
+    def __init__(self, state: dict) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict:
+        return self._state
+
+
+def _sync_engine(env: RunEnv, state: TrainState, synced: dict) -> None:
+    """Under FSDP2: gather the full policy (a collective) and load it into rank 0's engine."""
+    if env.world_size == 1 or synced.get("version") == state.policy_version:
+        return
+    from stages.distributed import full_model_state
+
+    full = full_model_state(state.policy)
+    if env.is_main:
+        env.engine.load_weights(_StateView(full))
+        env.engine._fp8rl_version = state.policy_version
+    synced["version"] = state.policy_version
+
+
 def run_step(env: RunEnv, state: TrainState, step: int, progress: Progress,
-             last_eval: dict | None = None) -> tuple[dict, TrainState, dict]:
+             last_eval: dict | None = None, synced: dict | None = None) -> tuple[dict, TrainState, dict]:
     """All stages of one step; returns ``(train summary, new state, latest eval scores)``.
 
     Stages the ledger marks done are not redone, except train/calibrate/checkpoint,
     which replay after a restore (weights must be rebuilt); a done rollout or score
-    gives back the sampler position it recorded."""
+    gives back the sampler position it recorded. Every rank runs this loop; rank 0
+    reads the ledger and tells the others."""
     from stages.prompts import SamplerState
 
     cfg = env.cfg
-    done = env.ledger.done_stages(step, variant=env.variant)
+    synced = {} if synced is None else synced
+    done, info = None, {}
+    if env.is_main:
+        done = env.ledger.done_stages(step, variant=env.variant)
+        info = {k: _ledger_info(env, step, k) for k in ("rollout", "score", "evaluate") if k in done}
+    done, info = _broadcast(env, (done, info))
     summary: dict[str, Any] = {}
     last_eval = dict(last_eval or {})
     timings: dict[str, float] = {}
     if step > 0:
         if "rollout" in done:
-            state = state.replace(sampler=SamplerState.from_dict(_ledger_info(env, step, "rollout").get("sampler")))
+            state = state.replace(sampler=SamplerState.from_dict(info["rollout"].get("sampler")))
         else:
-            out, state = rollout_task(env, state, step)
-            timings["rollout_seconds"] = out["seconds"]
+            _sync_engine(env, state, synced)
+            out, state = _on_main(rollout_task, env, state, step)
+            timings["rollout_seconds"] = out.get("seconds", 0.0)
         if "score" in done:
-            state = state.replace(sampler=SamplerState.from_dict(_ledger_info(env, step, "score").get("sampler")))
+            state = state.replace(sampler=SamplerState.from_dict(info["score"].get("sampler")))
         else:
-            out, state = score_task(env, state, step)
-            timings["score_seconds"] = out["seconds"]
+            _sync_engine(env, state, synced)  # DAPO refills generate too
+            out, state = _on_main(score_task, env, state, step)
+            timings["score_seconds"] = out.get("seconds", 0.0)
             if out.get("refill_seconds"):
                 timings["rollout_seconds"] = timings.get("rollout_seconds", 0.0) + out["refill_seconds"]
-        summary, state = train_task(env, state, step, timings=timings)
+        summary, state = _on_all(train_task, env, state, step, timings=timings)
         if is_calibration_step(cfg, step):
-            cal, state = calibrate_task(env, state, step)
-            _bounds_artifact(env, step, cal)
-        progress.step(step, summary.get("metrics", {}))
+            cal, state = _on_main(calibrate_task, env, state, step)
+            if env.is_main:
+                _bounds_artifact(env, step, cal)
+        if env.is_main:
+            progress.step(step, summary.get("metrics", {}))
     if is_eval_step(cfg, step):
         if "evaluate" in done:
-            last_eval = _eval_scores_from(_ledger_info(env, step, "evaluate"))
+            last_eval = _eval_scores_from(info["evaluate"])
         else:
-            out, state = evaluate_task(env, state, step)
+            _sync_engine(env, state, synced)
+            out, state = _on_main(evaluate_task, env, state, step)
             last_eval = _eval_scores_from(out)
-            progress.eval(step, last_eval)
-            _eval_artifact(env, step, last_eval)
+            if env.is_main:
+                progress.eval(step, last_eval)
+                _eval_artifact(env, step, last_eval)
     if is_checkpoint_step(cfg, step):
-        _, state = checkpoint_task(env, state, step, metrics=dict(last_eval))
+        _, state = _on_all(checkpoint_task, env, state, step, metrics=dict(last_eval))
     return summary, state, last_eval
 
 
@@ -302,36 +367,54 @@ def _artifact_key(run_id: str) -> str:
 
 
 def restore_latest(env: RunEnv, state: TrainState, *, before_step: int | None = None) -> tuple[int, TrainState, dict]:
-    """Restore the newest complete checkpoint (of a step < ``before_step``).
+    """Restore the newest complete checkpoint (of a step < ``before_step``); all ranks together.
 
     Returns ``(first step to run, restored state, eval scores recorded at that step)``."""
     from stages.checkpoint import restore
     from storage.checkpoints import latest_complete
 
     at_most = None if before_step is None else before_step - 1
-    path = latest_complete(env.run_dir, at_most=at_most)
+    path = _broadcast(env, latest_complete(env.run_dir, at_most=at_most) if env.is_main else None)
     if path is None:
         return 0, state, {}
     step, state = restore(env, state, path)
-    return step + 1, state, _eval_scores_from(_ledger_info(env, step, "evaluate"))
+    ev = _broadcast(env, _ledger_info(env, step, "evaluate") if env.is_main else None)
+    return step + 1, state, _eval_scores_from(ev)
 
 
-@flow(name="fp8rl-campaign", persist_result=False, validate_parameters=False, log_prints=False)
-def campaign_flow(run_dir: str, resume: bool = False, stop_after_step: int | None = None) -> dict:
-    """Run (or resume) the campaign whose config lives in ``run_dir/config.yaml``."""
+def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | None = None) -> dict:
+    """The step loop every rank runs (rank 0 inside :func:`campaign_flow`)."""
     from flows.configuration import load_config
-    from stages.context import open_run
+    from stages.context import open_run, resolve_device
+    from stages.distributed import init_from_env
 
     cfg = load_config(Path(run_dir) / "config.yaml")
-    env, state = open_run(cfg, run_dir)
+    rank, world, group = init_from_env(resolve_device(cfg.device))
+    env, state = open_run(cfg, run_dir, rank=rank, world_size=world, group=group)
     try:
         start, state, last_eval = restore_latest(env, state) if resume else (0, state, {})
         progress = Progress(cfg, start)
         last = cfg.steps if stop_after_step is None else min(cfg.steps, stop_after_step)
         metrics: dict = {}
+        synced: dict = {}
         for step in range(start, last + 1):
-            summary, state, last_eval = run_step(env, state, step, progress, last_eval)
+            summary, state, last_eval = run_step(env, state, step, progress, last_eval, synced)
             metrics = summary.get("metrics", metrics)
-        return {"run_dir": str(run_dir), "last_step": last, "final_metrics": _jsonable(metrics), "last_eval": last_eval}
+        return {"run_dir": str(run_dir), "last_step": last, "final_metrics": _jsonable(metrics), "last_eval": last_eval,
+                "world_size": world}
     finally:
         env.close()
+
+
+@flow(name="fp8rl-campaign", persist_result=False, validate_parameters=False, log_prints=False)
+def campaign_flow(run_dir: str, resume: bool = False, stop_after_step: int | None = None) -> dict:
+    """Run (or resume) the campaign whose config lives in ``run_dir/config.yaml`` (rank 0's Prefect flow)."""
+    return campaign_loop(run_dir, resume, stop_after_step)
+
+
+def run_campaign(run_dir: str, resume: bool = False, stop_after_step: int | None = None) -> dict:
+    """The entry of every rank: rank 0 (or the only process) runs the Prefect flow, the other
+    ranks the same loop without Prefect (they never talk to it)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return campaign_flow(run_dir, resume=resume, stop_after_step=stop_after_step)
+    return campaign_loop(run_dir, resume, stop_after_step)

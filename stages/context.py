@@ -185,14 +185,16 @@ def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, r
         round_scales_to_power_of_2=cfg.precision.round_scales_to_power_of_2,
     )
     check_no_silent_emulation(cfg, device, report)
+    engine = None
+    if rank == 0:  # rank 0 generates (rollout, evaluation); its engine copies the unsharded policy
+        engine_opts = {"model_path": str(base)} if cfg.rollout.engine == "vllm" else {}
+        engine = make_engine(cfg.rollout.engine, model=policy, tokenizer=tokenizer, precision=cfg.precision,
+                             config=cfg.rollout, **engine_opts)
     if world_size > 1:
         from stages.distributed import shard_policy
 
         policy = shard_policy(policy, cfg, device=device)
     optimizer, scheduler = make_optimizer(policy, cfg)
-    engine_opts = {"model_path": str(base)} if cfg.rollout.engine == "vllm" else {}
-    engine = make_engine(cfg.rollout.engine, model=policy, tokenizer=tokenizer, precision=cfg.precision,
-                         config=cfg.rollout, **engine_opts)
     env = RunEnv(
         cfg=cfg, run_dir=run_dir, writer=TableWriter(run_dir, row_group_size=cfg.storage.row_group_size),
         ledger=Ledger(run_dir), tokenizer=tokenizer, engine=engine, source=make_source(cfg.task), variant=variant,

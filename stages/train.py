@@ -160,9 +160,16 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
         seed=step_seed(cfg.seed, step, 7), collective=env.collective,
     )
     state = state.replace(policy_version=step)
+    # per-token rows: each rank writes the rows it trained, as its own part file
     tok = token_rows(batch, res, bounds=bounds, standard=standard,
-                     sample=1.0 if shadow else cfg.algorithm.token_stats_sample, seed=step_seed(cfg.seed, step, 8))
-    outputs = [str(env.writer.write("token_stats", step, tok, stage="train", attempt=attempt, variant=env.variant))]
+                     sample=1.0 if shadow else cfg.algorithm.token_stats_sample, seed=step_seed(cfg.seed, step, 8),
+                     rows=res.rows if env.world_size > 1 else None)
+    part = "train" if env.rank == 0 else f"train_rank{env.rank}"
+    outputs = [str(env.writer.write("token_stats", step, tok, stage=part, attempt=attempt, variant=env.variant))]
+    if env.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier(group=env.group)  # every rank's part is in place before anyone reads the step
     train_seconds = time.perf_counter() - t0
     timings = dict(timings or {})
     timings["train_seconds"] = train_seconds
@@ -184,5 +191,6 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     })
     m["step_seconds"] = sum(v for k, v in timings.items() if k.endswith("_seconds"))
     steps_row = {k: [float(v)] for k, v in m.items() if isinstance(v, (int, float))}
-    outputs.append(str(env.writer.write("steps", step, steps_row, stage="train", attempt=attempt, variant=env.variant)))
+    if env.is_main:  # per-step tables: rank 0 alone
+        outputs.append(str(env.writer.write("steps", step, steps_row, stage="train", attempt=attempt, variant=env.variant)))
     return {"outputs": outputs, "metrics": m, "seconds": train_seconds}, state

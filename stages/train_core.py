@@ -105,6 +105,7 @@ class UpdateResult:
     minibatch: torch.Tensor  # [N] int: index of the row's mini-batch in epoch 0
     skipped_updates: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    rows: torch.Tensor | None = None  # global rows this rank trained (its share of the per-token tables)
 
 
 # --------------------------------------------------------------------------- collectives
@@ -405,6 +406,7 @@ def policy_update(
     return UpdateResult(
         metrics=metrics, logp_fp8=g["logp8"], old_logp_fp8=g["old8"], logp_bf16=g["logp16"], old_logp_bf16=g["old16"],
         entropy=g["entropy"], tis_weight=g["is_w"], minibatch=minibatch, skipped_updates=skipped, timings=timings,
+        rows=mine,
     )
 
 
