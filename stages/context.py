@@ -156,12 +156,31 @@ def check_no_silent_emulation(cfg: CampaignConfig, device: torch.device, report:
     if device.type != "cuda" or cfg.precision.train == "bf16" or cfg.precision.emulate is True:
         return
     if getattr(report, "emulate", False) or getattr(report, "backend", "") == "fp8rl-emulated":
-        layer = (getattr(report, "converted", ()) or ("?",))[0]
+        converted = tuple(getattr(report, "converted", ()) or ("?",))
+        try:
+            cap = f"SM{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        except Exception:  # no CUDA runtime to ask (tests)
+            cap = "unknown capability"
+        need = "SM90" if cfg.precision.train == "fp8_blockwise" else "SM89"
         raise RuntimeError(
-            f"precision {cfg.precision.train!r} on {device}: layer {layer} (and {len(report.converted) - 1} more) "
-            f"would run emulated FP8 on the GPU (backend {report.backend}: no real FP8 kernel for this GPU "
-            f"{torch.cuda.get_device_capability(device)}); set precision.emulate: true to accept emulation"
+            f"precision {cfg.precision.train!r} on {device}: layer {converted[0]} (and {len(converted) - 1} more) "
+            f"would silently run emulated FP8 (backend {report.backend}): the real kernels need {need}+, this GPU is "
+            f"{cap}; set precision.emulate: true to accept emulation"
         )
+
+
+def _base_model_rank0_first(cfg: CampaignConfig, runs_root: Path, rank: int, world_size: int, group: Any) -> Path:
+    """Rank 0 builds (or finds) the bootstrap cache while the other ranks wait, then they read it."""
+    if world_size == 1:
+        return base_model_dir(cfg, runs_root)
+    import torch.distributed as dist
+
+    if rank == 0:
+        base = base_model_dir(cfg, runs_root)
+        dist.barrier(group=group)
+        return base
+    dist.barrier(group=group)
+    return base_model_dir(cfg, runs_root)
 
 
 def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, rank: int = 0, world_size: int = 1,
@@ -177,7 +196,7 @@ def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, r
     run_dir = Path(run_dir)
     read_run_info(run_dir)  # fails clearly on a non-run directory
     device = resolve_device(cfg.device)
-    base = base_model_dir(cfg, run_dir.parent)
+    base = _base_model_rank0_first(cfg, run_dir.parent, rank, world_size, group)
     policy, tokenizer = load_policy(base)
     policy.to(device)
     report = convert_for_training(

@@ -221,3 +221,43 @@ def test_two_gloo_ranks_with_fsdp2_match_one_process(tmp_path, mode):
     lr, updates = 1e-3, steps * 2
     for k, v in ref_state.items():
         assert torch.allclose(v, dist_res["state"][k], rtol=0, atol=1e-4 * lr * updates + 1e-7), k
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def test_device_setting_resolves_and_gpu_emulation_is_an_error_naming_the_layer():
+    from types import SimpleNamespace
+
+    from stages.context import check_no_silent_emulation, resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(ValueError, match="no CUDA"):
+            resolve_device("cuda")
+    cfg = _cfg("fp8_blockwise")
+    report = SimpleNamespace(emulate=True, backend="fp8rl-emulated", converted=("model.layers.0.self_attn.q_proj", "x"))
+    with pytest.raises(RuntimeError, match=r"model\.layers\.0\.self_attn\.q_proj.*SM90"):
+        check_no_silent_emulation(cfg, torch.device("cuda"), report)
+    check_no_silent_emulation(cfg, torch.device("cpu"), report)  # CPU: emulation is the point
+    asked = cfg.model_copy(update={"precision": cfg.precision.model_copy(update={"emulate": True})})
+    check_no_silent_emulation(asked, torch.device("cuda"), report)  # asked for explicitly
+
+
+def test_gpu_presets_demand_real_kernels():
+    from flows.configuration import load_config
+
+    for name in ("qwen3-8b-grpo-deepscaler", "qwen3-14b-dapo", "qwen2.5-32b-grpo"):
+        c = load_config(name)
+        assert c.precision.emulate is False and c.device == "auto", name
+
+
+def test_policy_and_batches_live_on_the_models_device():
+    """policy_update moves the batch to the policy's device and returns CPU tensors for the tables."""
+    cfg = _cfg("bf16")
+    model = _model("bf16")
+    opt, sched = make_optimizer(model, cfg)
+    res = policy_update(model, opt, sched, _batch(), cfg, bounds=(0.8, 1.28), shadow=False, seed=0)
+    assert res.logp_fp8.device.type == "cpu"
+    assert all(s["exp_avg"].device == p.device for p, s in opt.state.items())
