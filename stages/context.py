@@ -204,6 +204,8 @@ def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, r
         round_scales_to_power_of_2=cfg.precision.round_scales_to_power_of_2,
     )
     check_no_silent_emulation(cfg, device, report)
+    if cfg.algorithm.activation_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = None
     if rank == 0:  # rank 0 generates (rollout, evaluation); its engine copies the unsharded policy
         engine_opts = {"model_path": str(base)} if cfg.rollout.engine == "vllm" else {}

@@ -261,3 +261,25 @@ def test_policy_and_batches_live_on_the_models_device():
     res = policy_update(model, opt, sched, _batch(), cfg, bounds=(0.8, 1.28), shadow=False, seed=0)
     assert res.logp_fp8.device.type == "cpu"
     assert all(s["exp_avg"].device == p.device for p, s in opt.state.items())
+
+
+# --------------------------------------------------------------------------- memory plan
+
+
+@pytest.mark.parametrize("preset,gpus", [("qwen3-8b-grpo-deepscaler", 8), ("qwen3-14b-dapo", 8), ("qwen2.5-32b-grpo", 32)])
+def test_gpu_presets_fit_the_gpus_the_plan_names(preset, gpus):
+    from flows.configuration import load_config
+    from flows.plan import memory_plan
+
+    cfg = load_config(preset)
+    assert memory_plan(cfg, gpus=gpus, gpu_memory_gib=80).fits
+    assert not memory_plan(cfg, gpus=1, gpu_memory_gib=80).fits  # one GPU cannot hold the AdamW state
+    off = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"activation_checkpointing": False})})
+    assert not memory_plan(off, gpus=gpus, gpu_memory_gib=80).fits
+
+
+def test_memory_plan_counts_qwen3_8b_parameters():
+    from flows.plan import ARCHITECTURES, total_params
+
+    assert total_params(ARCHITECTURES["Qwen/Qwen3-8B"]) == pytest.approx(8.19e9, rel=0.005)  # published: 8.2B
+    assert total_params(ARCHITECTURES["Qwen/Qwen2.5-32B"]) == pytest.approx(32.76e9, rel=0.005)  # published: 32.5B (+0.26 non-emb)
