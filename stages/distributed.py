@@ -107,13 +107,25 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def _single_process_quiet():
+    """DCP warns that it assumes one process when no group is up: that is the intent here."""
+    import contextlib
+    import warnings
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(warnings.catch_warnings())
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    return stack
+
+
 def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every rank writes its shards of model + optimizer state to ``path`` (DCP)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, optimizer)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+    with _single_process_quiet():
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
 
 
 def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -123,5 +135,6 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
 
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(path))
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

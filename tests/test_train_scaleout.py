@@ -283,3 +283,82 @@ def test_memory_plan_counts_qwen3_8b_parameters():
 
     assert total_params(ARCHITECTURES["Qwen/Qwen3-8B"]) == pytest.approx(8.19e9, rel=0.005)  # published: 8.2B
     assert total_params(ARCHITECTURES["Qwen/Qwen2.5-32B"]) == pytest.approx(32.76e9, rel=0.005)  # published: 32.5B (+0.26 non-emb)
+
+
+# --------------------------------------------------------------------------- distributed checkpoints
+
+
+def _ckpt_rank(rank: int, world: int, port: int, path: str, mode: str, out: str) -> None:
+    """Save (mode 'save': after one update) or load (mode 'load') a DCP checkpoint on ``world`` ranks."""
+    import torch.distributed as dist
+
+    from stages.distributed import full_model_state, load_sharded, save_sharded, shard_policy
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from stages.train_core import DistCollective
+
+        cfg = _cfg("bf16")
+        model = shard_policy(_model("bf16", seed=1 if mode == "load" else 0))
+        opt, sched = make_optimizer(model, cfg)
+        if mode == "save":
+            policy_update(model, opt, sched, _batch(), cfg, bounds=(0.8, 1.28), shadow=False, seed=0,
+                          collective=DistCollective())
+            save_sharded(path, model, opt)
+        else:
+            load_sharded(path, model, opt)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = full_model_state(model)
+        if rank == 0:
+            torch.save({"model": state, "optim": osd}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _ckpt_one(path: str, mode: str):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from stages.distributed import load_sharded, save_sharded
+
+    cfg = _cfg("bf16")
+    model = _model("bf16", seed=1 if mode == "load" else 0)
+    opt, sched = make_optimizer(model, cfg)
+    if mode == "save":
+        policy_update(model, opt, sched, _batch(), cfg, bounds=(0.8, 1.28), shadow=False, seed=0)
+        save_sharded(path, model, opt)
+    else:
+        load_sharded(path, model, opt)
+    return {"model": model.state_dict(),
+            "optim": get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))}
+
+
+def _same_state(a, b):
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    sa, sb = a["optim"]["state"], b["optim"]["state"]
+    assert sa.keys() == sb.keys() and len(sa) > 0
+    for k in sa:
+        for f in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(sa[k][f]).float(), torch.as_tensor(sb[k][f]).float()), (k, f)
+
+
+@pytest.mark.timeout(240)
+def test_two_rank_checkpoint_restores_in_one_process_and_the_reverse(tmp_path):
+    import torch.multiprocessing as mp
+
+    # 2 ranks save -> 1 process loads
+    out = str(tmp_path / "saved.pt")
+    mp.start_processes(_ckpt_rank, args=(2, _free_port(), str(tmp_path / "dcp2"), "save", out), nprocs=2, join=True,
+                       start_method="fork")
+    saved2 = torch.load(out, weights_only=False)
+    _same_state(saved2, _ckpt_one(str(tmp_path / "dcp2"), "load"))
+    # 1 process saves -> 2 ranks load
+    saved1 = _ckpt_one(str(tmp_path / "dcp1"), "save")
+    mp.start_processes(_ckpt_rank, args=(2, _free_port(), str(tmp_path / "dcp1"), "load", out), nprocs=2, join=True,
+                       start_method="fork")
+    _same_state(saved1, torch.load(out, weights_only=False))
