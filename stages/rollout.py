@@ -17,10 +17,30 @@ from stages.prompts import PromptItem, draw_prompts
 
 
 def sync_engine(ctx: RunContext) -> None:
-    """Push the trainer's weights to the engine if it holds an older version."""
+    """Push the trainer's weights to the engine if it holds an older version.
+
+    A sleeping engine (vLLM, colocated) is woken by ``load_weights`` (weights,
+    then KV cache); when no update is due it is simply woken up.
+    """
     if getattr(ctx.engine, "_fp8rl_version", None) != ctx.policy_version:
         ctx.engine.load_weights(ctx.policy)
         ctx.engine._fp8rl_version = ctx.policy_version
+    else:
+        ctx.engine.wake_up()
+
+
+def sleep_engine(ctx: RunContext, step: int) -> None:
+    """Put the engine to sleep after a rollout so the trainer gets the memory back.
+
+    A no-op for the transformers engine; a vLLM engine built with
+    ``sleep_between_steps`` calls ``llm.sleep(level)``. GPU memory in use
+    before and after is recorded in ``steps`` where it was measured.
+    """
+    ctx.engine.sleep()
+    memory = getattr(ctx.engine, "last_sleep_memory_gib", None)
+    if memory is not None:
+        metrics = ctx.timings.setdefault(step, {})
+        metrics["rollout_gpu_gib_before_sleep"], metrics["rollout_gpu_gib_after_sleep"] = memory
 
 
 def generate_rows(ctx: RunContext, step: int, items: list[PromptItem], *, round_: int, first_sample_id: int) -> pa.Table:
@@ -60,6 +80,7 @@ def run_rollout(ctx: RunContext, step: int, *, round_: int = 0, first_sample_id:
     t0 = time.perf_counter()
     items, after = draw_prompts(ctx.source, ctx.sampler, ctx.cfg.rollout.prompts_per_step, ctx.cfg.seed)
     rows, batch = generate_rows(ctx, step, items, round_=round_, first_sample_id=first_sample_id)
+    sleep_engine(ctx, step)
     stage = "rollout" if round_ == 0 else f"rollout{round_}"
     path = ctx.writer.write("rollouts", step, rows, stage=stage, attempt=ctx.attempt, variant=ctx.variant)
     ctx.sampler = after

@@ -31,34 +31,72 @@ The mapping, piece by piece:
   ``index``, ``token_ids`` (the EOS token included), ``logprobs`` (one
   ``{token_id: Logprob}`` per generated token) and ``finish_reason``
   (``"stop"`` / ``"length"``).
-* **Weights.** Each RL step: ``llm.collective_rpc("reload_weights",
-  kwargs={"weights_iterator": [(name, bf16 tensor), ...]})`` — vLLM's layerwise
-  reload, which re-runs the online FP8 quantization of each layer as its weights
-  arrive (``weight_sync="path"`` instead writes the policy with
-  ``save_pretrained`` and passes ``weights_path``). Then
-  ``llm.reset_prefix_cache()``, since cached KV blocks belong to the old policy.
-  Tensors are sent in state-dict order, i.e. layer by layer, which keeps
-  vLLM's reload buffers small.
-* **Sleep.** With ``config.sleep_between_steps`` the engine is built with
-  ``enable_sleep_mode=True``; ``sleep()`` calls ``llm.sleep(level)`` (level 1
-  offloads weights to CPU and drops the KV cache; level 2 drops both), and
-  ``load_weights`` on a sleeping engine wakes the ``"weights"`` first, reloads,
-  then wakes the ``"kv_cache"`` — so weights and KV cache are never both
-  resident while the trainer's memory is still being released.
+* **Weights: they never travel through ``collective_rpc``.** ``LLM`` runs its
+  engine core in another process and utility-call arguments cross as msgpack
+  decoded *without a type* (``stages.engines.vllm_wire`` copies the rules):
+  tensors arrive as bare lists. (The first version of this adapter sent
+  ``reload_weights(weights_iterator=[(name, tensor)])`` and would have crashed
+  at step 1.) Only control data crosses; the data plane is one of vLLM 0.33's
+  RL weight-transfer mechanisms (``vllm/distributed/weight_transfer``,
+  ``vllm/entrypoints/rl/offline.py``), chosen by ``config.weight_sync``:
 
-For large multi-GPU runs vLLM's weight-transfer engines (NCCL, CUDA IPC) avoid
-the host round trip of ``collective_rpc``; they are not wired here.
+  - ``"ipc"`` (default; trainer and vLLM on the same GPU): ``LLM(...,
+    weight_transfer_config={"backend": "ipc"})``, then per sync
+    ``start_weight_update()``, ``update_weights({"update_info": {names,
+    dtype_names, shapes, ipc_handles_pickled}})``, ``finish_weight_update()`` —
+    the unpacked format of ``IPCTrainerWeightTransferEngine``: one CUDA IPC
+    handle (``torch.multiprocessing.reductions.reduce_tensor``) per bf16 tensor,
+    keyed by the GPU's UUID, pickled and base64-encoded as vLLM's HTTP client
+    does, because raw handles hold Python types msgpack refuses. vLLM only
+    unpickles them with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which this
+    mode sets for the engine process it starts. The bf16 copies stay alive
+    until ``finish_weight_update`` returns.
+  - ``"nccl"`` (vLLM on other GPUs): vLLM's own
+    ``NCCLTrainerWeightTransferEngine`` over ``ModuleSource(policy)``; the
+    trainer is NCCL rank 0 of a ``1 + tensor_parallel_size`` group rendezvoused
+    at ``nccl_master`` (address, port).
+  - ``"path"`` (fallback, any layout): the policy's weights as **bf16**
+    safetensors in a temporary folder of our own (``fp8rl-weights-*``, never
+    named after the model), then ``collective_rpc("reload_weights",
+    kwargs={"weights_path": folder})``, which reads every ``*.safetensors``
+    there.
+
+  Each path ends in vLLM's layerwise reload
+  (``model_executor/model_loader/reload/layerwise.py``): a fused layer
+  (``qkv_proj``, ``gate_up_proj``) is re-quantized (new FP8 weight and scale)
+  once *all* its elements arrived; a layer that got nothing silently keeps its
+  old weights, and with ``quantization`` set vLLM does not even warn about
+  missing names. So this side checks instead of assuming: every sync must send
+  the same complete set of names as the first, and with ``verify_sync``
+  (``"first"`` by default) the engine's weights are zeroed
+  (``collective_rpc("reset_weights")``) before the sync and read back with
+  ``collective_rpc("compute_weight_checksums")`` after it: a processed
+  parameter (FP8 weight or scale) whose digest is still the zeroed one was not
+  reloaded, and the sync fails naming it. Then ``reset_prefix_cache()``.
+* **Sleep.** With ``config.sleep_between_steps`` the engine is built with
+  ``enable_sleep_mode=True``; the rollout stage calls ``sleep()`` after each
+  rollout (``llm.sleep(config.sleep_level)``: 0 pauses scheduling, 1 offloads
+  weights to CPU and drops the KV cache, 2 drops both), and the next
+  ``load_weights`` wakes ``"weights"`` first, syncs, then wakes ``"kv_cache"``
+  (vLLM's documented order, so weights and KV cache are not both resident while
+  the trainer's memory is still held). GPU memory in use before and after
+  ``sleep`` (``torch.cuda.mem_get_info``) is kept in ``last_sleep_memory_gib``
+  for the ``steps`` table.
 """
 
 from __future__ import annotations
 
+import base64
 import gc
 import importlib
+import logging
+import os
+import pickle
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
@@ -76,6 +114,8 @@ from stages.engines.base import (
     validate_generate_args,
 )
 
+log = logging.getLogger(__name__)
+
 VLLM_QUANTIZATION: dict[str, str | None] = {
     "bf16": None,
     "fp8_per_tensor": "fp8_per_tensor",
@@ -85,7 +125,10 @@ VLLM_QUANTIZATION: dict[str, str | None] = {
 
 VLLM_LOGPROBS_MODE: dict[str, str] = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
 
-WeightSync = Literal["iterator", "path"]
+WeightSync = Literal["ipc", "nccl", "path"]
+WEIGHT_SYNCS: tuple[str, ...] = ("ipc", "nccl", "path")
+SLEEP_WAKE_ORDER: dict[int, list[list[str]]] = {0: [["scheduling"]], 1: [["weights"], ["kv_cache"]], 2: [["weights"], ["kv_cache"]]}
+"""``wake_up`` tag lists, in order, that undo ``sleep(level)``; weights come back before the KV cache."""
 
 
 def import_vllm() -> Any:
@@ -108,6 +151,7 @@ def build_llm_kwargs(
     logprobs_mode: LogprobsMode,
     max_model_len: int | None = None,
     llm_options: dict[str, Any] | None = None,
+    weight_sync: str = "path",
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for our config (``llm_options`` override/extend them)."""
     if precision.rollout not in VLLM_QUANTIZATION:
@@ -125,6 +169,8 @@ def build_llm_kwargs(
     }
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
+    if weight_sync in ("ipc", "nccl"):
+        kwargs["weight_transfer_config"] = {"backend": weight_sync}
     kwargs.update(llm_options or {})
     return kwargs
 
@@ -206,6 +252,80 @@ def trainer_weights(train_model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def cuda_ipc_handle(tensor: torch.Tensor) -> tuple:
+    """The ``rebuild_cuda_tensor`` arguments of a CUDA tensor (what vLLM's IPC engine ships)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if tensor.device.type != "cuda":
+        raise ValueError("CUDA IPC needs CUDA tensors; weight_sync='ipc' is for a trainer on the vLLM GPU (use 'path' otherwise)")
+    _, args = reduce_tensor(tensor)
+    return args
+
+
+def current_gpu_uuid() -> str:
+    """The physical UUID vLLM's IPC worker looks its handle up by."""
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+def ipc_update_info(
+    weights: list[tuple[str, torch.Tensor]], *, gpu_uuid: str, handle_fn: Callable[[torch.Tensor], Any]
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """vLLM 0.33's unpacked IPC ``update_info`` for ``weights`` (order kept), and the tensors to keep alive.
+
+    ``{"names", "dtype_names", "shapes", "ipc_handles_pickled"}`` where the
+    handles are ``[{gpu_uuid: handle_fn(tensor)}, ...]`` pickled + base64
+    (``IPCWeightTransferUpdateInfo``; vLLM unpickles it with
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). The caller must keep the returned
+    tensors alive until ``finish_weight_update`` returns: an IPC handle does not
+    own its storage.
+    """
+    names, dtypes, shapes, handles, keep = [], [], [], [], []
+    for name, tensor in weights:
+        t = tensor.detach().contiguous()
+        keep.append(t)
+        names.append(name)
+        dtypes.append(str(t.dtype).removeprefix("torch."))
+        shapes.append(list(t.shape))
+        handles.append({gpu_uuid: handle_fn(t)})
+    info = {
+        "names": names,
+        "dtype_names": dtypes,
+        "shapes": shapes,
+        "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode("ascii"),
+    }
+    return info, keep
+
+
+def nccl_trainer_init_kwargs(config: RolloutConfig, *, master_address: str, master_port: int) -> dict[str, Any]:
+    """Keyword arguments of vLLM's ``NCCLTrainerInitInfo``: the trainer is rank 0 of ``1 + TP`` ranks."""
+    return {"rank": 0, "master_address": master_address, "master_port": int(master_port), "world_size": 1 + config.tensor_parallel_size}
+
+
+def write_bf16_safetensors(weights: list[tuple[str, torch.Tensor]], folder: str | Path) -> Path:
+    """``weights`` as one bf16 ``model.safetensors`` in ``folder`` (written to a temporary name, then renamed)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    tmp = folder / "model.safetensors.tmp"
+    save_file({name: t.to(torch.bfloat16).contiguous() for name, t in weights}, str(tmp), metadata={"format": "pt"})
+    final = folder / "model.safetensors"
+    os.replace(tmp, final)
+    return final
+
+
+def unreloaded_parameters(zeroed: dict[str, str], after: dict[str, str]) -> list[str]:
+    """Processed parameters whose checksum after a sync still equals the zeroed one (or vanished)."""
+    return sorted(name for name, digest in zeroed.items() if after.get(name, digest) == digest)
+
+
+def gpu_memory_used_gib() -> float | None:
+    """Device memory in use (all processes) on the current GPU, GiB; ``None`` without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**30
+
+
 @register_engine("vllm")
 class VLLMEngine(RolloutEngine):
     """Rollouts with ``vllm.LLM`` (see the module docstring; not yet run on a GPU).
@@ -217,8 +337,12 @@ class VLLMEngine(RolloutEngine):
         logprobs_mode: ``"processed"`` (default) or ``"raw"``.
         seed: the engine seed passed to ``LLM`` (per-request seeds come from ``generate``).
         max_model_len: context cap for the KV cache (``None``: the model's).
-        sleep_level: ``llm.sleep`` level, 1 (offload weights) or 2 (discard them).
-        weight_sync: ``"iterator"`` (tensors through ``collective_rpc``) or ``"path"``.
+        sleep_level: ``llm.sleep`` level (default ``config.sleep_level``).
+        weight_sync: ``"ipc"``, ``"nccl"`` or ``"path"`` (default ``config.weight_sync``).
+        verify_sync: ``"first"``, ``"always"`` or ``"never"`` (default ``config.verify_sync``).
+        nccl_master: ``(address, port)`` of the NCCL rendezvous (``weight_sync="nccl"``).
+        ipc_handle_fn / gpu_uuid: how IPC handles are made and keyed (default: CUDA's
+            ``reduce_tensor`` and the current GPU's UUID; the CPU tests inject their own).
         llm_options: extra ``LLM`` keyword arguments (e.g. ``enforce_eager=True``).
         vllm_module: the ``vllm`` module to use; tests inject a stand-in.
     """
@@ -234,24 +358,46 @@ class VLLMEngine(RolloutEngine):
         logprobs_mode: LogprobsMode = "processed",
         seed: int = 0,
         max_model_len: int | None = None,
-        sleep_level: int = 1,
-        weight_sync: WeightSync = "iterator",
+        sleep_level: int | None = None,
+        weight_sync: str | None = None,
+        verify_sync: str | None = None,
+        nccl_master: tuple[str, int] | None = None,
+        ipc_handle_fn: Callable[[torch.Tensor], Any] | None = None,
+        gpu_uuid: str | None = None,
         llm_options: dict[str, Any] | None = None,
         vllm_module: Any | None = None,
     ) -> None:
+        sleep_level = config.sleep_level if sleep_level is None else sleep_level
+        weight_sync = config.weight_sync if weight_sync is None else weight_sync
+        verify_sync = config.verify_sync if verify_sync is None else verify_sync
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
-        if sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
-        if weight_sync not in ("iterator", "path"):
-            raise ValueError(f"weight_sync must be 'iterator' or 'path', got {weight_sync!r}")
+        if sleep_level not in SLEEP_WAKE_ORDER:
+            raise ValueError(f"sleep_level must be 0, 1 or 2, got {sleep_level}")
+        if weight_sync not in WEIGHT_SYNCS:
+            hint = " (tensors cannot cross vLLM's collective_rpc: they arrive as bare lists)" if weight_sync == "iterator" else ""
+            raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {weight_sync!r}{hint}")
+        if verify_sync not in ("first", "always", "never"):
+            raise ValueError(f"verify_sync must be 'first', 'always' or 'never', got {verify_sync!r}")
+        if weight_sync == "nccl" and nccl_master is None:
+            raise ValueError("weight_sync='nccl' needs nccl_master=(address, port) for the trainer/vLLM rendezvous")
         self._vllm = vllm_module if vllm_module is not None else import_vllm()
         self.config = config
         self.precision_mode = precision.rollout
         self.sleep_level = sleep_level
-        self.weight_sync: WeightSync = weight_sync
+        self.weight_sync: WeightSync = weight_sync  # type: ignore[assignment]
+        self.verify_sync = verify_sync
+        self.nccl_master = nccl_master
+        self.ipc_handle_fn = ipc_handle_fn or cuda_ipc_handle
+        self._gpu_uuid = gpu_uuid
         self._asleep = False
+        self._syncs = 0
+        self._sent_names: list[str] | None = None
+        self._nccl_sender: Any | None = None
+        self.last_sleep_memory_gib: tuple[float, float] | None = None
+        self.events: list[str] = []  # "sleep", "wake:weights", "sync", "wake:kv_cache", ... in order
         self._tmpdir: str | None = None
+        self._sync_dir: str | None = None
         if model_path is None:
             self._tmpdir = tempfile.mkdtemp(prefix="fp8rl-vllm-")
             model_path = self._tmpdir
@@ -272,8 +418,15 @@ class VLLMEngine(RolloutEngine):
             logprobs_mode=logprobs_mode,
             max_model_len=max_model_len,
             llm_options=llm_options,
+            weight_sync=weight_sync,
         )
+        if weight_sync == "ipc" and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+            # vLLM unpickles IPC handles only with this flag; it must be set before the engine process starts.
+            log.info("weight_sync='ipc': setting VLLM_ALLOW_INSECURE_SERIALIZATION=1 (vLLM needs it to unpickle IPC handles)")
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         self.llm: Any | None = self._vllm.LLM(**kwargs)
+        if weight_sync == "ipc":
+            self.llm.init_weight_transfer_engine({"init_info": {"packed": False}})
 
     def generate(
         self,
@@ -307,46 +460,135 @@ class VLLMEngine(RolloutEngine):
         wall = time.perf_counter() - start
         if len(outputs) != len(prompt_ids):
             raise RuntimeError(f"vLLM returned {len(outputs)} request outputs for {len(prompt_ids)} prompts")
+        self.events.append("generate")
         return batch_from_request_outputs(
             outputs, n=n, eos_ids=self.eos_ids, wall_seconds=wall, engine=self.name, precision=self.precision_mode
         )
 
+    # ----------------------------------------------------------- weights
     def load_weights(self, train_model: nn.Module) -> None:
         llm = self._require_llm()
-        if self._asleep:
-            llm.wake_up(tags=["weights"])
-        if self.weight_sync == "iterator":
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": trainer_weights(train_model)})
+        order = SLEEP_WAKE_ORDER[self.sleep_level] if self._asleep else []
+        for tags in order[:1]:  # weights first (level 0: scheduling)
+            llm.wake_up(tags=tags)
+            self.events.append("wake:" + ",".join(tags))
+        verify = self.verify_sync == "always" or (self.verify_sync == "first" and self._syncs == 0)
+        if verify:
+            llm.collective_rpc("reset_weights")
+            zeroed = _merge_checksums(llm.collective_rpc("compute_weight_checksums"))
+        weights = trainer_weights(train_model)
+        self._check_names([name for name, _ in weights])
+        if self.weight_sync == "path":
+            self._sync_by_path(llm, weights)
+        elif self.weight_sync == "ipc":
+            self._sync_by_ipc(llm, weights)
         else:
-            train_model.save_pretrained(self.model_path)
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": self.model_path})
-        if self._asleep:
-            llm.wake_up(tags=["kv_cache"])
-            self._asleep = False
+            self._sync_by_nccl(llm, train_model)
+        self.events.append("sync")
+        if verify:
+            after = _merge_checksums(llm.collective_rpc("compute_weight_checksums"))
+            stale = unreloaded_parameters(zeroed, after)
+            if stale:
+                raise RuntimeError(
+                    f"weight sync ({self.weight_sync}) left {len(stale)} vLLM parameters un-reloaded (still zero after "
+                    f"reset_weights): {stale[:6]}; a layer whose weights did not all arrive is not re-quantized"
+                )
+        for tags in order[1:]:
+            llm.wake_up(tags=tags)
+            self.events.append("wake:" + ",".join(tags))
+        self._asleep = False
         llm.reset_prefix_cache()
+        self._syncs += 1
 
+    def _check_names(self, names: list[str]) -> None:
+        if len(set(names)) != len(names):
+            raise RuntimeError("weight sync: duplicate parameter names in the trainer's state dict")
+        if self._sent_names is None:
+            self._sent_names = names
+        elif names != self._sent_names:
+            lost = sorted(set(self._sent_names) - set(names))
+            new = sorted(set(names) - set(self._sent_names))
+            raise RuntimeError(f"weight sync: the trainer's parameters changed since the first sync (lost {lost[:5]}, new {new[:5]})")
+
+    def _sync_by_path(self, llm: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+        if self._sync_dir is None:
+            self._sync_dir = tempfile.mkdtemp(prefix="fp8rl-weights-")
+        write_bf16_safetensors(weights, self._sync_dir)
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": self._sync_dir})
+
+    def _sync_by_ipc(self, llm: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+        if self.ipc_handle_fn is cuda_ipc_handle:
+            device = torch.device("cuda", torch.cuda.current_device())
+            weights = [(name, t.to(device, non_blocking=True)) for name, t in weights]
+            torch.cuda.synchronize()
+        uuid = self._gpu_uuid or current_gpu_uuid()
+        info, keep = ipc_update_info(weights, gpu_uuid=uuid, handle_fn=self.ipc_handle_fn)
+        llm.start_weight_update()
+        llm.update_weights({"update_info": info})
+        llm.finish_weight_update()
+        del keep  # the worker has copied every tensor by now
+        if self.ipc_handle_fn is cuda_ipc_handle:
+            torch.cuda.ipc_collect()
+
+    def _sync_by_nccl(self, llm: Any, train_model: nn.Module) -> None:  # pragma: no cover - needs GPUs and vLLM
+        if self._nccl_sender is None:
+            nccl = importlib.import_module("vllm.distributed.weight_transfer.nccl_engine")
+            base = importlib.import_module("vllm.distributed.weight_transfer.base")
+            address, port = self.nccl_master  # type: ignore[misc]
+            info = nccl.NCCLTrainerInitInfo(**nccl_trainer_init_kwargs(self.config, master_address=address, master_port=port))
+            self._nccl_sender = nccl.NCCLTrainerWeightTransferEngine.trainer_init(
+                info, client=llm, source=base.ModuleSource(train_model)
+            )
+        self._nccl_sender.send_weights()
+
+    # ------------------------------------------------------------- sleep
     def sleep(self) -> None:
         llm = self._require_llm()
         if self.config.sleep_between_steps and not self._asleep:
+            before = gpu_memory_used_gib()
             llm.sleep(level=self.sleep_level)
+            after = gpu_memory_used_gib()
+            self.last_sleep_memory_gib = None if before is None or after is None else (before, after)
             self._asleep = True
+            self.events.append(f"sleep:{self.sleep_level}")
 
     def wake_up(self) -> None:
         llm = self._require_llm()
         if self._asleep:
-            llm.wake_up()
+            for tags in SLEEP_WAKE_ORDER[self.sleep_level]:
+                llm.wake_up(tags=tags)
+                self.events.append("wake:" + ",".join(tags))
             self._asleep = False
 
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
     def close(self) -> None:
-        self.llm = None
+        llm, self.llm = self.llm, None
+        if llm is not None and hasattr(llm, "shutdown"):
+            try:
+                llm.shutdown()
+            except Exception:  # pragma: no cover - best effort
+                log.debug("vLLM shutdown failed", exc_info=True)
+        del llm
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
+        for attr in ("_tmpdir", "_sync_dir"):
+            folder = getattr(self, attr)
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+                setattr(self, attr, None)
 
     def _require_llm(self) -> Any:
         if self.llm is None:
             raise RuntimeError("this VLLMEngine was closed; build a new one with make_engine(...)")
         return self.llm
+
+
+def _merge_checksums(per_worker: list[dict[str, str]]) -> dict[str, str]:
+    merged: dict[str, str] = {}
+    for part in per_worker:
+        merged.update(part)
+    return merged
