@@ -160,3 +160,39 @@ def test_weight_sync_crosses_the_process_boundary_bit_exact(policy, tokenizer, s
     engine._sent_names = ["model.embed_tokens.weight", "model.norm.weight"]
     with pytest.raises(RuntimeError, match="lost"):
         engine._check_names(["model.embed_tokens.weight"])
+
+
+@pytest.mark.timeout(400)  # alone it pays the session bootstrap (shared with test_stages in the suite)
+def test_campaign_steps_sleep_after_rollout_and_wake_before_sync(tmp_path, monkeypatch):
+    """A step and the next rollout of the stages with the vLLM engine (stand-in): rollout, sleep, train, wake, sync, rollout."""
+    from conftest import micro_config
+    from flows.configuration import dump_config
+    from stages.context import open_context
+    from stages.rollout import run_rollout
+    from stages.score import run_score
+    from stages.train import run_train
+    from storage.layout import create_run
+
+    monkeypatch.setattr(ve, "import_vllm", make_standin_module)
+    cfg = micro_config("rollout.engine=vllm", "rollout.weight_sync=path", "precision.rollout=fp8_per_tensor")
+    create_run(tmp_path, "r", config=dump_config(cfg))
+    ctx = open_context(cfg, tmp_path / "r")
+    try:
+        engine = ctx.engine
+        assert isinstance(engine, ve.VLLMEngine) and engine.llm.kwargs["enable_sleep_mode"] is True
+        run_rollout(ctx, 1)
+        assert engine.asleep  # the trainer runs with the engine asleep
+        run_score(ctx, 1)
+        run_train(ctx, 1)
+        run_rollout(ctx, 2)
+        assert engine.events == [
+            "sync", "generate", "sleep:1",  # step 1 (first load of the base policy)
+            "wake:weights", "sync", "wake:kv_cache", "generate", "sleep:1",  # step 2: after step 1's update
+        ]
+        # the frontend's calls to vLLM, in order, around step 2's weight update
+        calls = [c for c in engine.llm.calls if c[0] in ("sleep", "wake_up", "collective_rpc", "generate")]
+        k = calls.index(("sleep", 1))
+        assert calls[k + 1:k + 5] == [("wake_up", ["weights"]), ("collective_rpc", "reload_weights"),
+                                      ("wake_up", ["kv_cache"]), ("generate", cfg.rollout.prompts_per_step)]
+    finally:
+        ctx.close()
