@@ -341,3 +341,26 @@ def test_weight_sync_by_path_saves_then_reloads(policy, tokenizer, fake_vllm):
 def test_bad_options_are_rejected(policy, tokenizer, fake_vllm, options, match):
     with pytest.raises(ValueError, match=match):
         make(policy, tokenizer, fake_vllm, **options)
+
+
+# ------------------------------------------------------------- SPMD layouts
+@pytest.mark.parametrize("layout, tp, expect", [
+    ("per_rank", 1, {"tensor_parallel_size": 1, "data_parallel_size": 4}),
+    ("per_rank", 2, {"tensor_parallel_size": 2, "data_parallel_size": 2}),
+    ("shared_tp", 1, {"tensor_parallel_size": 4, "data_parallel_size": 1}),
+])
+def test_engine_per_rank_under_torchrun(policy, tokenizer, fake_vllm, monkeypatch, layout, tp, expect):
+    from stages.engines.vllm_engine import spmd_llm_options
+
+    assert spmd_llm_options(RolloutConfig(), rank=0, world_size=1) == {}
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "2")
+    engine = make_engine(
+        "vllm", model=policy, tokenizer=tokenizer, precision=PrecisionConfig(rollout="bf16"),
+        config=RolloutConfig(engine="vllm", data_parallel=layout, tensor_parallel_size=tp),
+        vllm_module=fake_vllm, weight_sync="path", verify_sync="never",
+    )
+    assert engine.llm.kwargs["distributed_executor_backend"] == "external_launcher"
+    assert {k: engine.llm.kwargs[k] for k in expect} == expect
+    with pytest.raises(ValueError, match="does not divide"):
+        spmd_llm_options(RolloutConfig(tensor_parallel_size=3), rank=0, world_size=4)

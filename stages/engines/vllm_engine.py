@@ -252,6 +252,34 @@ def trainer_weights(train_model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def spmd_llm_options(config: RolloutConfig, *, rank: int, world_size: int) -> dict[str, Any]:
+    """``LLM`` options for one rank of a ``torchrun`` job (``world_size > 1``); ``{}`` otherwise.
+
+    Both layouts use vLLM's ``distributed_executor_backend="external_launcher"``
+    (``vllm/config/parallel.py``): every torchrun rank runs its part of the
+    engine in-process, and vLLM's world size ``TP * DP`` must equal torchrun's.
+
+    * ``"per_rank"`` (default): ``data_parallel_size = world_size // TP`` with
+      ``TP = config.tensor_parallel_size`` (1 by default): each rank (or TP
+      group) is its own replica generating its own prompts, on the GPU its FSDP
+      trainer rank uses. Chosen because the trainer already has one rank per
+      GPU: rollout needs no gather/scatter of prompts or samples, weight sync
+      stays a local CUDA IPC hand-off per GPU after FSDP's ``full_tensor``, and
+      with sleep between steps a 32B policy fits one H200 beside its trainer.
+    * ``"shared_tp"``: one engine spread over all ranks,
+      ``tensor_parallel_size = world_size``; every rank must then submit the
+      same prompts (rank 0's), for policies too large for one GPU.
+    """
+    if world_size <= 1:
+        return {}
+    if config.data_parallel == "shared_tp":
+        return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": world_size, "data_parallel_size": 1}
+    tp = config.tensor_parallel_size
+    if world_size % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} does not divide the torchrun world size {world_size}")
+    return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": tp, "data_parallel_size": world_size // tp}
+
+
 def cuda_ipc_handle(tensor: torch.Tensor) -> tuple:
     """The ``rebuild_cuda_tensor`` arguments of a CUDA tensor (what vLLM's IPC engine ships)."""
     from torch.multiprocessing.reductions import reduce_tensor
@@ -420,6 +448,8 @@ class VLLMEngine(RolloutEngine):
             llm_options=llm_options,
             weight_sync=weight_sync,
         )
+        spmd = spmd_llm_options(config, rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        kwargs.update({k: v for k, v in spmd.items() if k not in (llm_options or {})})
         if weight_sync == "ipc" and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
             # vLLM unpickles IPC handles only with this flag; it must be set before the engine process starts.
             log.info("weight_sync='ipc': setting VLLM_ALLOW_INSECURE_SERIALIZATION=1 (vLLM needs it to unpickle IPC handles)")
