@@ -162,7 +162,7 @@ def test_weight_sync_crosses_the_process_boundary_bit_exact(policy, tokenizer, s
         engine._check_names(["model.embed_tokens.weight"])
 
 
-@pytest.mark.timeout(400)  # alone it pays the session bootstrap (shared with test_stages in the suite)
+@pytest.mark.timeout(240)
 def test_campaign_steps_sleep_after_rollout_and_wake_before_sync(tmp_path, monkeypatch):
     """A step and the next rollout of the stages with the vLLM engine (stand-in): rollout, sleep, train, wake, sync, rollout."""
     from conftest import micro_config
@@ -174,7 +174,10 @@ def test_campaign_steps_sleep_after_rollout_and_wake_before_sync(tmp_path, monke
     from storage.layout import create_run
 
     monkeypatch.setattr(ve, "import_vllm", make_standin_module)
-    cfg = micro_config("rollout.engine=vllm", "rollout.weight_sync=path", "precision.rollout=fp8_per_tensor")
+    base = tmp_path / "base"  # an untrained tiny policy: no bootstrap needed to check the engine's life cycle
+    build_tiny_model(ModelConfig()).save_pretrained(base)
+    build_tokenizer().save_pretrained(base)
+    cfg = micro_config(f"model.path={base}", "rollout.engine=vllm", "rollout.weight_sync=path", "precision.rollout=fp8_per_tensor")
     create_run(tmp_path, "r", config=dump_config(cfg))
     ctx = open_context(cfg, tmp_path / "r")
     try:
