@@ -364,3 +364,22 @@ def test_engine_per_rank_under_torchrun(policy, tokenizer, fake_vllm, monkeypatc
     assert {k: engine.llm.kwargs[k] for k in expect} == expect
     with pytest.raises(ValueError, match="does not divide"):
         spmd_llm_options(RolloutConfig(tensor_parallel_size=3), rank=0, world_size=4)
+
+
+def test_memory_around_sleep_goes_to_the_steps_metrics(policy, tokenizer, fake_vllm, monkeypatch):
+    from stages.engines import vllm_engine
+    from stages.rollout import sleep_engine, sync_engine
+
+    readings = iter([61.5, 3.25])
+    monkeypatch.setattr(vllm_engine, "gpu_memory_used_gib", lambda: next(readings))
+    engine = make(policy, tokenizer, fake_vllm)
+    ctx = types.SimpleNamespace(engine=engine, timings={}, policy=policy, policy_version=0)
+    sync_engine(ctx)
+    sleep_engine(ctx, 4)
+    assert ctx.timings == {4: {"rollout_gpu_gib_before_sleep": 61.5, "rollout_gpu_gib_after_sleep": 3.25}}
+    sync_engine(ctx)  # same policy version: no reload, but the engine must be awake to generate
+    assert engine.events[-2:] == ["wake:weights", "wake:kv_cache"] and not engine.asleep
+    monkeypatch.setattr(vllm_engine, "gpu_memory_used_gib", lambda: None)  # no CUDA: nothing recorded
+    ctx.timings.clear()
+    sleep_engine(ctx, 5)
+    assert ctx.timings == {}
