@@ -109,9 +109,9 @@ def mismatched(engine, model):
     return sorted(n for n in mine.keys() | theirs.keys() if mine.get(n) != theirs.get(n))
 
 
-@pytest.mark.parametrize("sync", ["path", "ipc"])
-def test_weight_sync_crosses_the_process_boundary_bit_exact(policy, tokenizer, sync, tmp_path, monkeypatch):
-    engine = make(policy, tokenizer, sync, tmp_path)
+def test_weight_sync_crosses_the_process_boundary_bit_exact(policy, tokenizer, tmp_path, monkeypatch):
+    """Both CPU-testable sync modes on one engine process (IPC first, then the path fallback)."""
+    engine = make(policy, tokenizer, "ipc", tmp_path)
     try:
         # The first adapter's sync: tensors through collective_rpc arrive as bare lists.
         with pytest.raises(Exception, match="must be Tensor, not list"):
@@ -123,37 +123,39 @@ def test_weight_sync_crosses_the_process_boundary_bit_exact(policy, tokenizer, s
         with torch.no_grad():
             for (_, p), (_, q) in zip(policy.named_parameters(), trained.named_parameters()):
                 q.copy_(p + 0.05 * torch.randn_like(p))
-        engine.load_weights(trained)  # first sync: verified with reset_weights + checksums
+        engine.load_weights(trained)  # first sync (IPC): verified with reset_weights + checksums
         assert engine.events == ["generate", "sleep:1", "wake:weights", "sync", "wake:kv_cache"]
         assert mismatched(engine, trained) == []
         assert engine.llm.collective_rpc("get_standin_warnings")[0] == []
         after = engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=3)
         assert after.samples != before.samples
-        engine.load_weights(policy)  # a second sync, back to the original weights
+
+        engine.weight_sync, engine.verify_sync = "path", "always"  # the fallback, back to the original weights
+        engine.load_weights(policy)
         assert mismatched(engine, policy) == []
+        folder = engine._sync_dir
+        assert os.path.basename(folder).startswith("fp8rl-weights-") and os.listdir(folder) == ["model.safetensors"]
+        assert engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=3).samples == before.samples
 
-        if sync == "path":  # the RL transfer API needs LLM(weight_transfer_config=...), as in vLLM
-            with pytest.raises(Exception, match="Weight transfer not configured"):
-                engine.llm.start_weight_update()
-        if sync == "ipc":
-            # A sender that swaps two same-shape tensors is caught by the exact comparison above ...
-            original = ve.ipc_update_info
+        # A sender that swaps two same-shape tensors is caught by the exact comparison above ...
+        engine.weight_sync, engine.verify_sync = "ipc", "never"
+        original = ve.ipc_update_info
 
-            def swapping(weights, **kw):
-                w = list(weights)
-                i, j = [k for k, (n, _) in enumerate(w) if n.endswith("self_attn.q_proj.weight")][:2]
-                w[i], w[j] = (w[i][0], w[j][1]), (w[j][0], w[i][1])
-                return original(w, **kw)
+        def swapping(weights, **kw):
+            w = list(weights)
+            i, j = [k for k, (n, _) in enumerate(w) if n.endswith("self_attn.q_proj.weight")][:2]
+            w[i], w[j] = (w[i][0], w[j][1]), (w[j][0], w[i][1])
+            return original(w, **kw)
 
-            monkeypatch.setattr(ve, "ipc_update_info", swapping)
+        monkeypatch.setattr(ve, "ipc_update_info", swapping)
+        engine.load_weights(trained)
+        assert mismatched(engine, trained) == ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
+        # ... and one that drops a whole layer's tensor leaves it un-reloaded: verify_sync names it.
+        monkeypatch.setattr(ve, "ipc_update_info", lambda weights, **kw: original(
+            [(n, t) for n, t in weights if n != "model.layers.1.mlp.down_proj.weight"], **kw))
+        engine.verify_sync = "always"
+        with pytest.raises(RuntimeError, match=r"un-reloaded.*layers\.1\.mlp\.down_proj"):
             engine.load_weights(trained)
-            assert mismatched(engine, trained) == ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
-            # ... and one that drops a whole layer's tensor leaves it un-reloaded: verify_sync names it.
-            monkeypatch.setattr(ve, "ipc_update_info", lambda weights, **kw: original(
-                [(n, t) for n, t in weights if n != "model.layers.1.mlp.down_proj.weight"], **kw))
-            engine.verify_sync = "always"
-            with pytest.raises(RuntimeError, match=r"un-reloaded.*layers\.1\.mlp\.down_proj"):
-                engine.load_weights(trained)
     finally:
         engine.close()
     # a trainer that lost a tensor since the first sync is refused before anything is sent
@@ -183,6 +185,8 @@ def test_campaign_steps_sleep_after_rollout_and_wake_before_sync(tmp_path, monke
     try:
         engine = ctx.engine
         assert isinstance(engine, ve.VLLMEngine) and engine.llm.kwargs["enable_sleep_mode"] is True
+        with pytest.raises(Exception, match="Weight transfer not configured"):  # path mode: no transfer engine, as in vLLM
+            engine.llm.start_weight_update()
         run_rollout(ctx, 1)
         assert engine.asleep  # the trainer runs with the engine asleep
         run_score(ctx, 1)
