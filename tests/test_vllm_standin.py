@@ -179,7 +179,9 @@ def test_campaign_steps_sleep_after_rollout_and_wake_before_sync(tmp_path, monke
     base = tmp_path / "base"  # an untrained tiny policy: no bootstrap needed to check the engine's life cycle
     build_tiny_model(ModelConfig()).save_pretrained(base)
     build_tokenizer().save_pretrained(base)
-    cfg = micro_config(f"model.path={base}", "rollout.engine=vllm", "rollout.weight_sync=path", "precision.rollout=fp8_per_tensor")
+    cfg = micro_config(f"model.path={base}", "rollout.engine=vllm", "rollout.weight_sync=path", "precision.rollout=fp8_per_tensor",
+                       "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=6",
+                       "algorithm.ppo_mini_batch_size=4", "algorithm.micro_batch_size=4")
     create_run(tmp_path, "r", config=dump_config(cfg))
     ctx = open_context(cfg, tmp_path / "r")
     try:
