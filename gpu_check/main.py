@@ -21,9 +21,11 @@ It prints, eagerly (no ``torch.compile``):
    against BF16.
 3. **Rollout numerics**: teacher-forced log-probs of a Qwen3-8B-shaped policy
    (2 layers) in BF16, with torchao's real FP8 inference kernels
-   (``Float8DynamicActivationFloat8WeightConfig``, per-tensor and per-row
-   weights, dynamic activations) and with our ``fp8_per_tensor`` rollout
-   emulation (vLLM's fused scales) — mean |delta log-prob| between each pair.
+   (``Float8DynamicActivationFloat8WeightConfig``, per-tensor and per-row), with
+   vLLM's ``fp8_per_tensor`` scheme on the real FP8 GEMM
+   (``gpu_check/rollout_kernels.py``: ``torch._scaled_mm``, per-token
+   activation scales, one fused weight scale) and with our emulation of it —
+   mean |delta log-prob| against BF16, and real kernel vs emulation.
 4. The sharded trainer's step (``gpu_check/train_step.py``, ``run(emit)``),
    where that module exists.
 
@@ -203,6 +205,7 @@ def section_rollout(seqs: int = 4, length: int = 256) -> None:
     try:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
 
+        # torchao pairs granularities: per-tensor = per-tensor activations too; per-row = per-token x per-row weights
         for label, gran in (("torchao per-tensor", PerTensor()), ("torchao per-row", PerRow())):
             m = copy.deepcopy(base).to(torch.bfloat16)
             quantize_(m.model, Float8DynamicActivationFloat8WeightConfig(granularity=gran))
@@ -211,14 +214,20 @@ def section_rollout(seqs: int = 4, length: int = 256) -> None:
     except Exception as err:
         emit(f"    torchao FP8 inference: FAILED ({type(err).__name__}: {str(err)[:100]})")
     results["emulated fp8_per_tensor (vLLM fused scales)"] = logp(convert_for_rollout(base, "fp8_per_tensor", dtype=torch.bfloat16))
+    from gpu_check.rollout_kernels import use_scaled_mm
+
+    real = convert_for_rollout(base, "fp8_per_tensor", dtype=torch.bfloat16)
+    use_scaled_mm(real)
+    results["real _scaled_mm, vLLM's fp8_per_tensor scheme"] = logp(real)
+    del real
     results["emulated fp8_per_block"] = logp(convert_for_rollout(base, "fp8_per_block", dtype=torch.bfloat16))
     ref = results["bf16"]
     for label, lp in results.items():
         if label != "bf16":
             emit(f"    {label:45s} mean |dlogp| vs bf16 {(lp - ref).abs().mean().item():.4f}")
-    if "torchao per-tensor" in results:
-        gap = (results["torchao per-tensor"] - results["emulated fp8_per_tensor (vLLM fused scales)"]).abs().mean().item()
-        emit(f"    torchao per-tensor (one scale per projection) vs emulation (fused): mean |dlogp| {gap:.4f}")
+    emu = results["emulated fp8_per_tensor (vLLM fused scales)"]
+    gap = (results["real _scaled_mm, vLLM's fp8_per_tensor scheme"] - emu).abs().mean().item()
+    emit(f"    real kernel vs emulation, same scheme: mean |dlogp| {gap:.5f}")
 
 
 def section_train_step(deadline: float) -> None:

@@ -38,3 +38,32 @@ def test_carried_wheels_go_on_sys_path(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
     assert gpu_check.add_paths() == [str(tmp_path / "wheels" / "torchao-0.0-py3-none-any.whl")]
     assert sys.path[0].endswith(".whl")
+
+
+def test_real_scaled_mm_rollout_linear_matches_the_emulation_on_cpu():
+    """gpu-check's real-kernel path (torch._scaled_mm, vLLM's scheme), run on CPU, layer by layer.
+
+    Same FP8 weight values and fused scale, activations quantized by vLLM's rule:
+    the outputs differ by the bf16 rounding of the emulation's output only (it
+    rounds the matmul, then the rescaled value; the kernel rounds once). Over a
+    whole model those last-bit differences flip FP8 roundings downstream, so
+    model log-probs differ by as much as the emulation in bf16 differs from
+    itself in float32 (~0.01 nats on the tiny model), which gpu-check reports.
+    """
+    from fp8rl_core.config import ModelConfig
+    from fp8rl_core.precision import convert_for_rollout
+    from fp8rl_core.tiny_model import build_tiny_model
+    from gpu_check.rollout_kernels import scaled_mm_forward, use_scaled_mm
+
+    torch.manual_seed(0)
+    model = build_tiny_model(ModelConfig()).eval()
+    emu = convert_for_rollout(model, "fp8_per_tensor", dtype=torch.bfloat16)
+    for name in ("model.layers.0.self_attn.k_proj", "model.layers.1.mlp.down_proj"):
+        lin = emu.get_submodule(name)
+        x = torch.randn(3, 7, lin.in_features).to(torch.bfloat16)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            want = lin(x).float()
+        got = scaled_mm_forward(lin, x).float()
+        rel = ((got - want).abs() / want.abs().clamp(min=1e-3 * want.abs().max())).max().item()
+        assert rel < 2**-6, (name, rel)  # a couple of bf16 ulps
+    assert use_scaled_mm(emu) == sum(1 for n, _ in emu.named_modules() if n.endswith("_proj"))

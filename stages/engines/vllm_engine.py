@@ -235,8 +235,8 @@ def _finish_reason(vllm_reason: Any, p: int, i: int) -> FinishReason:
     raise RuntimeError(f"vLLM sample ({p}, {i}) finished with {vllm_reason!r}; expected 'stop' or 'length'")
 
 
-def trainer_weights(train_model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``(name, bf16 CPU tensor)`` pairs of the trainer's state dict, in layer order.
+def trainer_weights(train_model: nn.Module, device: str | torch.device = "cpu") -> list[tuple[str, torch.Tensor]]:
+    """``(name, bf16 tensor on device)`` pairs of the trainer's state dict, in layer order.
 
     HF names are what vLLM's ``load_weights`` expects (it fuses q/k/v and
     gate/up itself). ``torch.compile``'s ``_orig_mod.`` prefix is stripped; a
@@ -248,7 +248,7 @@ def trainer_weights(train_model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         name = name.replace("_orig_mod.", "")
         if tied and name == "lm_head.weight":
             continue
-        out.append((name, tensor.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()))
+        out.append((name, tensor.detach().to(device=device, dtype=torch.bfloat16).contiguous()))
     return out
 
 
@@ -506,7 +506,9 @@ class VLLMEngine(RolloutEngine):
         if verify:
             llm.collective_rpc("reset_weights")
             zeroed = _merge_checksums(llm.collective_rpc("compute_weight_checksums"))
-        weights = trainer_weights(train_model)
+        cuda_ipc = self.weight_sync == "ipc" and self.ipc_handle_fn is cuda_ipc_handle
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda_ipc else "cpu"  # IPC: bf16 copies stay on the GPU
+        weights = trainer_weights(train_model, device=device)
         self._check_names([name for name, _ in weights])
         if self.weight_sync == "path":
             self._sync_by_path(llm, weights)
@@ -548,9 +550,7 @@ class VLLMEngine(RolloutEngine):
 
     def _sync_by_ipc(self, llm: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
         if self.ipc_handle_fn is cuda_ipc_handle:
-            device = torch.device("cuda", torch.cuda.current_device())
-            weights = [(name, t.to(device, non_blocking=True)) for name, t in weights]
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # the bf16 copies must be complete before another process reads them
         uuid = self._gpu_uuid or current_gpu_uuid()
         info, keep = ipc_update_info(weights, gpu_uuid=uuid, handle_fn=self.ipc_handle_fn)
         llm.start_weight_update()
