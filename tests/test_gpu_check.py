@@ -26,7 +26,7 @@ def test_shapes_and_sqnr():
     assert (c.model_type, c.hidden_size, c.head_dim) == ("qwen3", 5120, 128)
     x = torch.randn(1000)
     assert gpu_check.sqnr_db(x, x) == math.inf
-    assert gpu_check.sqnr_db(x, x + 0.01 * x) == pytest.approx(40.0, abs=1e-6)
+    assert gpu_check.sqnr_db(x, x + 0.01 * x) == pytest.approx(40.0, abs=1e-4)
 
 
 def test_carried_wheels_go_on_sys_path(tmp_path, monkeypatch):
