@@ -20,9 +20,12 @@ def sync_engine(ctx: RunContext) -> None:
     """Push the trainer's weights to the engine if it holds an older version.
 
     A sleeping engine (vLLM, colocated) is woken by ``load_weights`` (weights,
-    then KV cache); when no update is due it is simply woken up.
+    then KV cache); when no update is due it is simply woken up — unless it slept
+    at level 2, which discards the weights, so they are pushed again (a DAPO
+    refill round after the step's first rollout).
     """
-    if getattr(ctx.engine, "_fp8rl_version", None) != ctx.policy_version:
+    stale = getattr(ctx.engine, "_fp8rl_version", None) != ctx.policy_version
+    if stale or getattr(ctx.engine, "weights_discarded", False):
         ctx.engine.load_weights(ctx.policy)
         ctx.engine._fp8rl_version = ctx.policy_version
     else:

@@ -383,3 +383,17 @@ def test_memory_around_sleep_goes_to_the_steps_metrics(policy, tokenizer, fake_v
     ctx.timings.clear()
     sleep_engine(ctx, 5)
     assert ctx.timings == {}
+
+
+def test_level_2_sleep_is_undone_by_a_weight_push_even_without_a_new_policy(policy, tokenizer, fake_vllm):
+    """A DAPO refill round after the step's rollout: same policy version, but level 2 discarded the weights."""
+    from stages.rollout import sync_engine
+
+    engine = make(policy, tokenizer, fake_vllm, sleep_level=2)
+    ctx = types.SimpleNamespace(engine=engine, timings={}, policy=policy, policy_version=3)
+    sync_engine(ctx)
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="discarded"):
+        engine.wake_up()
+    sync_engine(ctx)
+    assert engine.events == ["sync", "sleep:2", "wake:weights", "sync", "wake:kv_cache"]

@@ -1,8 +1,10 @@
 """The vLLM rollout engine (GPU): an adapter from our interface to ``vllm.LLM``.
 
-**Status: written against vLLM 0.33's documented offline API, unit-tested on CPU
-against a stand-in ``vllm`` module (tests/test_vllm_adapter.py); it has not been
-run on a GPU with a real vLLM in this project yet.** ``vllm`` is imported only
+**Status: written against vLLM 0.33's source (read from its wheel), unit-tested
+on CPU against an in-process fake (tests/test_vllm_adapter.py) and an honest
+stand-in whose engine core runs in another process behind vLLM's msgpack wire
+rules (tests/vllm_standin.py, tests/test_vllm_standin.py); it has not been run
+on a GPU with a real vLLM in this project yet.** ``vllm`` is imported only
 when a :class:`VLLMEngine` is constructed (``pip install 'fp8rl[gpu]'``).
 
 The mapping, piece by piece:
@@ -584,6 +586,8 @@ class VLLMEngine(RolloutEngine):
 
     def wake_up(self) -> None:
         llm = self._require_llm()
+        if self.weights_discarded:
+            raise RuntimeError("sleep(level=2) discarded vLLM's weights: wake it with load_weights(policy), not wake_up()")
         if self._asleep:
             for tags in SLEEP_WAKE_ORDER[self.sleep_level]:
                 llm.wake_up(tags=tags)
@@ -593,6 +597,11 @@ class VLLMEngine(RolloutEngine):
     @property
     def asleep(self) -> bool:
         return self._asleep
+
+    @property
+    def weights_discarded(self) -> bool:
+        """Asleep at level 2: only a weight sync (``load_weights``) can wake the engine."""
+        return self._asleep and self.sleep_level == 2
 
     def close(self) -> None:
         llm, self.llm = self.llm, None
