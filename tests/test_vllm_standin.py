@@ -63,7 +63,9 @@ def test_ipc_update_info_keeps_order_and_metadata():
         ve.cuda_ipc_handle(torch.zeros(2))
     assert ve.nccl_trainer_init_kwargs(RolloutConfig(tensor_parallel_size=2), master_address="10.0.0.1", master_port=29555) == {
         "rank": 0, "master_address": "10.0.0.1", "master_port": 29555, "world_size": 3}
-    assert ve.unreloaded_parameters({"a": "0", "b": "0"}, {"a": "1", "b": "0"}) == ["b"]
+    zeroed = {"l.qkv_proj.weight": "0", "l.qkv_proj.weight_scale": "0", "l.down_proj.weight": "0", "l.attn.k_scale": "0"}
+    after = {"l.qkv_proj.weight": "1", "l.qkv_proj.weight_scale": "0", "l.attn.k_scale": "0"}
+    assert ve.unreloaded_parameters(zeroed, after) == ["l.down_proj.weight", "l.qkv_proj.weight_scale"]
 
 
 # ------------------------------------------------------- across the boundary

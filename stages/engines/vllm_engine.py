@@ -94,6 +94,7 @@ import importlib
 import logging
 import os
 import pickle
+import re
 import shutil
 import tempfile
 import time
@@ -343,9 +344,19 @@ def write_bf16_safetensors(weights: list[tuple[str, torch.Tensor]], folder: str 
     return final
 
 
+LINEAR_PARAM = re.compile(r"_proj\.(weight|weight_scale|weight_scale_inv|bias)$")
+"""The processed parameters of the decoder's linear layers (``qkv_proj.weight``, ``gate_up_proj.weight_scale``, ...).
+
+Only these are checked after a sync: they are what the reload must re-quantize,
+and every one of them comes from the checkpoint (attention's KV-cache scale
+placeholders, for instance, do not)."""
+
+
 def unreloaded_parameters(zeroed: dict[str, str], after: dict[str, str]) -> list[str]:
-    """Processed parameters whose checksum after a sync still equals the zeroed one (or vanished)."""
-    return sorted(name for name, digest in zeroed.items() if after.get(name, digest) == digest)
+    """Linear-layer parameters whose checksum after a sync still equals the zeroed one (or vanished)."""
+    return sorted(
+        name for name, digest in zeroed.items() if LINEAR_PARAM.search(name) and after.get(name, digest) == digest
+    )
 
 
 def gpu_memory_used_gib() -> float | None:
