@@ -21,6 +21,7 @@ from fp8rl_core.config import ModelConfig, PrecisionConfig, RolloutConfig
 from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
 from stages.engines import make_engine
 from stages.engines import vllm_engine as ve
+from stages.engines import weight_transfer as wt
 from stages.engines.vllm_wire import MsgpackDecoder, MsgpackEncoder, UtilityOutput, UtilityResult, encode_utility_call
 from vllm_standin import STANDIN_GPU_UUID, make_standin_module, param_digest
 
@@ -53,19 +54,19 @@ def test_untyped_engine_core_decoder_turns_tensors_into_bare_lists(monkeypatch):
 
 def test_ipc_update_info_keeps_order_and_metadata():
     weights = [("w1", torch.zeros(2, 3, dtype=torch.bfloat16)), ("w0", torch.ones(4, dtype=torch.bfloat16))]
-    info, keep = ve.ipc_update_info(weights, gpu_uuid="GPU-x", handle_fn=lambda t: ("h", t.shape[0]))
+    info, keep = wt.ipc_update_info(weights, gpu_uuid="GPU-x", handle_fn=lambda t: ("h", t.shape[0]))
     assert info["names"] == ["w1", "w0"] and info["dtype_names"] == ["bfloat16", "bfloat16"]
     assert info["shapes"] == [[2, 3], [4]] and len(keep) == 2
     import base64
 
     assert pickle.loads(base64.b64decode(info["ipc_handles_pickled"])) == [{"GPU-x": ("h", 2)}, {"GPU-x": ("h", 4)}]
     with pytest.raises(ValueError, match="CUDA IPC needs CUDA tensors"):
-        ve.cuda_ipc_handle(torch.zeros(2))
-    assert ve.nccl_trainer_init_kwargs(RolloutConfig(tensor_parallel_size=2), master_address="10.0.0.1", master_port=29555) == {
+        wt.cuda_ipc_handle(torch.zeros(2))
+    assert wt.nccl_trainer_init_kwargs(RolloutConfig(tensor_parallel_size=2), master_address="10.0.0.1", master_port=29555) == {
         "rank": 0, "master_address": "10.0.0.1", "master_port": 29555, "world_size": 3}
     zeroed = {"l.qkv_proj.weight": "0", "l.qkv_proj.weight_scale": "0", "l.down_proj.weight": "0", "l.attn.k_scale": "0"}
     after = {"l.qkv_proj.weight": "1", "l.qkv_proj.weight_scale": "0", "l.attn.k_scale": "0"}
-    assert ve.unreloaded_parameters(zeroed, after) == ["l.down_proj.weight", "l.qkv_proj.weight_scale"]
+    assert wt.unreloaded_parameters(zeroed, after) == ["l.down_proj.weight", "l.qkv_proj.weight_scale"]
 
 
 # ------------------------------------------------------- across the boundary
@@ -102,7 +103,7 @@ def make(policy, tokenizer, sync, tmp_path, **options):
 
 
 def trainer_digests(model):
-    return {name: param_digest(t) for name, t in ve.trainer_weights(model)}
+    return {name: param_digest(t) for name, t in wt.trainer_weights(model)}
 
 
 def mismatched(engine, model):
@@ -117,7 +118,7 @@ def test_weight_sync_crosses_the_process_boundary_bit_exact(policy, tokenizer, t
     try:
         # The first adapter's sync: tensors through collective_rpc arrive as bare lists.
         with pytest.raises(Exception, match="must be Tensor, not list"):
-            engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ve.trainer_weights(policy)})
+            engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": wt.trainer_weights(policy)})
         prompts = [[1, 5, 6], [1, 7]]
         before = engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=3)
         engine.sleep()
@@ -141,7 +142,7 @@ def test_weight_sync_crosses_the_process_boundary_bit_exact(policy, tokenizer, t
 
         # A sender that swaps two same-shape tensors is caught by the exact comparison above ...
         engine.weight_sync, engine.verify_sync = "ipc", "never"
-        original = ve.ipc_update_info
+        original = wt.ipc_update_info
 
         def swapping(weights, **kw):
             w = list(weights)
@@ -149,11 +150,11 @@ def test_weight_sync_crosses_the_process_boundary_bit_exact(policy, tokenizer, t
             w[i], w[j] = (w[i][0], w[j][1]), (w[j][0], w[i][1])
             return original(w, **kw)
 
-        monkeypatch.setattr(ve, "ipc_update_info", swapping)
+        monkeypatch.setattr(wt, "ipc_update_info", swapping)
         engine.load_weights(trained)
         assert mismatched(engine, trained) == ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
         # ... and one that drops a whole layer's tensor leaves it un-reloaded: verify_sync names it.
-        monkeypatch.setattr(ve, "ipc_update_info", lambda weights, **kw: original(
+        monkeypatch.setattr(wt, "ipc_update_info", lambda weights, **kw: original(
             [(n, t) for n, t in weights if n != "model.layers.1.mlp.down_proj.weight"], **kw))
         engine.verify_sync = "always"
         with pytest.raises(RuntimeError, match=r"un-reloaded.*layers\.1\.mlp\.down_proj"):

@@ -56,7 +56,8 @@ from stages.engines.base import (
     truncate_at_eos,
     validate_generate_args,
 )
-from stages.engines.vllm_engine import nccl_trainer_init_kwargs, prompt_seed
+from stages.engines.vllm_engine import prompt_seed
+from stages.engines.weight_transfer import nccl_trainer_init_kwargs
 
 
 class ServerError(RuntimeError):

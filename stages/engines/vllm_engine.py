@@ -88,13 +88,10 @@ The mapping, piece by piece:
 
 from __future__ import annotations
 
-import base64
 import gc
 import importlib
 import logging
 import os
-import pickle
-import re
 import shutil
 import tempfile
 import time
@@ -116,6 +113,8 @@ from stages.engines.base import (
     truncate_at_eos,
     validate_generate_args,
 )
+from stages.engines import weight_transfer as wt
+from stages.engines.weight_transfer import trainer_weights  # noqa: F401  (re-exported for callers of this module)
 
 log = logging.getLogger(__name__)
 
@@ -238,23 +237,6 @@ def _finish_reason(vllm_reason: Any, p: int, i: int) -> FinishReason:
     raise RuntimeError(f"vLLM sample ({p}, {i}) finished with {vllm_reason!r}; expected 'stop' or 'length'")
 
 
-def trainer_weights(train_model: nn.Module, device: str | torch.device = "cpu") -> list[tuple[str, torch.Tensor]]:
-    """``(name, bf16 tensor on device)`` pairs of the trainer's state dict, in layer order.
-
-    HF names are what vLLM's ``load_weights`` expects (it fuses q/k/v and
-    gate/up itself). ``torch.compile``'s ``_orig_mod.`` prefix is stripped; a
-    tied ``lm_head.weight`` is skipped (vLLM ties it to the embedding).
-    """
-    tied = bool(getattr(getattr(train_model, "config", None), "tie_word_embeddings", False))
-    out = []
-    for name, tensor in train_model.state_dict().items():
-        name = name.replace("_orig_mod.", "")
-        if tied and name == "lm_head.weight":
-            continue
-        out.append((name, tensor.detach().to(device=device, dtype=torch.bfloat16).contiguous()))
-    return out
-
-
 def spmd_llm_options(config: RolloutConfig, *, rank: int, world_size: int) -> dict[str, Any]:
     """``LLM`` options for one rank of a ``torchrun`` job (``world_size > 1``); ``{}`` otherwise.
 
@@ -281,82 +263,6 @@ def spmd_llm_options(config: RolloutConfig, *, rank: int, world_size: int) -> di
     if world_size % tp:
         raise ValueError(f"rollout.tensor_parallel_size={tp} does not divide the torchrun world size {world_size}")
     return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": tp, "data_parallel_size": world_size // tp}
-
-
-def cuda_ipc_handle(tensor: torch.Tensor) -> tuple:
-    """The ``rebuild_cuda_tensor`` arguments of a CUDA tensor (what vLLM's IPC engine ships)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    if tensor.device.type != "cuda":
-        raise ValueError("CUDA IPC needs CUDA tensors; weight_sync='ipc' is for a trainer on the vLLM GPU (use 'path' otherwise)")
-    _, args = reduce_tensor(tensor)
-    return args
-
-
-def current_gpu_uuid() -> str:
-    """The physical UUID vLLM's IPC worker looks its handle up by."""
-    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-
-
-def ipc_update_info(
-    weights: list[tuple[str, torch.Tensor]], *, gpu_uuid: str, handle_fn: Callable[[torch.Tensor], Any]
-) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """vLLM 0.33's unpacked IPC ``update_info`` for ``weights`` (order kept), and the tensors to keep alive.
-
-    ``{"names", "dtype_names", "shapes", "ipc_handles_pickled"}`` where the
-    handles are ``[{gpu_uuid: handle_fn(tensor)}, ...]`` pickled + base64
-    (``IPCWeightTransferUpdateInfo``; vLLM unpickles it with
-    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). The caller must keep the returned
-    tensors alive until ``finish_weight_update`` returns: an IPC handle does not
-    own its storage.
-    """
-    names, dtypes, shapes, handles, keep = [], [], [], [], []
-    for name, tensor in weights:
-        t = tensor.detach().contiguous()
-        keep.append(t)
-        names.append(name)
-        dtypes.append(str(t.dtype).removeprefix("torch."))
-        shapes.append(list(t.shape))
-        handles.append({gpu_uuid: handle_fn(t)})
-    info = {
-        "names": names,
-        "dtype_names": dtypes,
-        "shapes": shapes,
-        "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode("ascii"),
-    }
-    return info, keep
-
-
-def nccl_trainer_init_kwargs(config: RolloutConfig, *, master_address: str, master_port: int) -> dict[str, Any]:
-    """Keyword arguments of vLLM's ``NCCLTrainerInitInfo``: the trainer is rank 0 of ``1 + TP`` ranks."""
-    return {"rank": 0, "master_address": master_address, "master_port": int(master_port), "world_size": 1 + config.tensor_parallel_size}
-
-
-def write_bf16_safetensors(weights: list[tuple[str, torch.Tensor]], folder: str | Path) -> Path:
-    """``weights`` as one bf16 ``model.safetensors`` in ``folder`` (written to a temporary name, then renamed)."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    tmp = folder / "model.safetensors.tmp"
-    save_file({name: t.to(torch.bfloat16).contiguous() for name, t in weights}, str(tmp), metadata={"format": "pt"})
-    final = folder / "model.safetensors"
-    os.replace(tmp, final)
-    return final
-
-
-LINEAR_PARAM = re.compile(r"_proj\.(weight|weight_scale|weight_scale_inv|bias)$")
-"""The processed parameters of the decoder's linear layers (``qkv_proj.weight``, ``gate_up_proj.weight_scale``, ...).
-
-Only these are checked after a sync: they are what the reload must re-quantize,
-and every one of them comes from the checkpoint (attention's KV-cache scale
-placeholders, for instance, do not)."""
-
-
-def unreloaded_parameters(zeroed: dict[str, str], after: dict[str, str]) -> list[str]:
-    """Linear-layer parameters whose checksum after a sync still equals the zeroed one (or vanished)."""
-    return sorted(
-        name for name, digest in zeroed.items() if LINEAR_PARAM.search(name) and after.get(name, digest) == digest
-    )
 
 
 def gpu_memory_used_gib() -> float | None:
@@ -429,7 +335,7 @@ class VLLMEngine(RolloutEngine):
         self.weight_sync: WeightSync = weight_sync  # type: ignore[assignment]
         self.verify_sync = verify_sync
         self.nccl_master = nccl_master
-        self.ipc_handle_fn = ipc_handle_fn or cuda_ipc_handle
+        self.ipc_handle_fn = ipc_handle_fn or wt.cuda_ipc_handle
         self._gpu_uuid = gpu_uuid
         self._asleep = False
         self._syncs = 0
@@ -518,10 +424,10 @@ class VLLMEngine(RolloutEngine):
         verify = self.verify_sync == "always" or (self.verify_sync == "first" and self._syncs == 0)
         if verify:
             llm.collective_rpc("reset_weights")
-            zeroed = _merge_checksums(llm.collective_rpc("compute_weight_checksums"))
-        cuda_ipc = self.weight_sync == "ipc" and self.ipc_handle_fn is cuda_ipc_handle
+            zeroed = wt.merge_checksums(llm.collective_rpc("compute_weight_checksums"))
+        cuda_ipc = self.weight_sync == "ipc" and self.ipc_handle_fn is wt.cuda_ipc_handle
         device = torch.device("cuda", torch.cuda.current_device()) if cuda_ipc else "cpu"  # IPC: bf16 copies stay on the GPU
-        weights = trainer_weights(train_model, device=device)
+        weights = wt.trainer_weights(train_model, device=device)
         self._check_names([name for name, _ in weights])
         if self.weight_sync == "path":
             self._sync_by_path(llm, weights)
@@ -531,8 +437,8 @@ class VLLMEngine(RolloutEngine):
             self._sync_by_nccl(llm, train_model)
         self.events.append("sync")
         if verify:
-            after = _merge_checksums(llm.collective_rpc("compute_weight_checksums"))
-            stale = unreloaded_parameters(zeroed, after)
+            after = wt.merge_checksums(llm.collective_rpc("compute_weight_checksums"))
+            stale = wt.unreloaded_parameters(zeroed, after)
             if stale:
                 raise RuntimeError(
                     f"weight sync ({self.weight_sync}) left {len(stale)} vLLM parameters un-reloaded (still zero after "
@@ -558,19 +464,19 @@ class VLLMEngine(RolloutEngine):
     def _sync_by_path(self, llm: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
         if self._sync_dir is None:
             self._sync_dir = tempfile.mkdtemp(prefix="fp8rl-weights-")
-        write_bf16_safetensors(weights, self._sync_dir)
+        wt.write_bf16_safetensors(weights, self._sync_dir)
         llm.collective_rpc("reload_weights", kwargs={"weights_path": self._sync_dir})
 
     def _sync_by_ipc(self, llm: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-        if self.ipc_handle_fn is cuda_ipc_handle:
+        if self.ipc_handle_fn is wt.cuda_ipc_handle:
             torch.cuda.synchronize()  # the bf16 copies must be complete before another process reads them
-        uuid = self._gpu_uuid or current_gpu_uuid()
-        info, keep = ipc_update_info(weights, gpu_uuid=uuid, handle_fn=self.ipc_handle_fn)
+        uuid = self._gpu_uuid or wt.current_gpu_uuid()
+        info, keep = wt.ipc_update_info(weights, gpu_uuid=uuid, handle_fn=self.ipc_handle_fn)
         llm.start_weight_update()
         llm.update_weights({"update_info": info})
         llm.finish_weight_update()
         del keep  # the worker has copied every tensor by now
-        if self.ipc_handle_fn is cuda_ipc_handle:
+        if self.ipc_handle_fn is wt.cuda_ipc_handle:
             torch.cuda.ipc_collect()
 
     def _sync_by_nccl(self, llm: Any, train_model: nn.Module) -> None:  # pragma: no cover - needs GPUs and vLLM
@@ -578,7 +484,7 @@ class VLLMEngine(RolloutEngine):
             nccl = importlib.import_module("vllm.distributed.weight_transfer.nccl_engine")
             base = importlib.import_module("vllm.distributed.weight_transfer.base")
             address, port = self.nccl_master  # type: ignore[misc]
-            info = nccl.NCCLTrainerInitInfo(**nccl_trainer_init_kwargs(self.config, master_address=address, master_port=port))
+            info = nccl.NCCLTrainerInitInfo(**wt.nccl_trainer_init_kwargs(self.config, master_address=address, master_port=port))
             self._nccl_sender = nccl.NCCLTrainerWeightTransferEngine.trainer_init(
                 info, client=llm, source=base.ModuleSource(train_model)
             )
@@ -635,10 +541,3 @@ class VLLMEngine(RolloutEngine):
         if self.llm is None:
             raise RuntimeError("this VLLMEngine was closed; build a new one with make_engine(...)")
         return self.llm
-
-
-def _merge_checksums(per_worker: list[dict[str, str]]) -> dict[str, str]:
-    merged: dict[str, str] = {}
-    for part in per_worker:
-        merged.update(part)
-    return merged
