@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export FP8RL_DATA_DIR ?= $(abspath ../shared/data)
 
-.PHONY: run test venv clean
+.PHONY: run test venv clean gpu-check gpu-check-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,3 +25,13 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# The one GPU script: needs only torch >= 2.11, transformers, pyarrow on the GPU machine;
+# torchao travels as a wheel in gpu_check/wheels/ (fetch it here first, where there is network).
+GPU_PY ?= python3
+gpu-check:
+	$(GPU_PY) gpu_check/main.py
+
+gpu-check-wheels:
+	mkdir -p gpu_check/wheels
+	$(PY) -m pip download --no-deps --only-binary=:all: -d gpu_check/wheels torchao==0.18.0

@@ -310,6 +310,7 @@ def run_step(env: RunEnv, state: TrainState, step: int, progress: Progress,
             _sync_engine(env, state, synced)
             out, state = _on_main(rollout_task, env, state, step)
             timings["rollout_seconds"] = out.get("seconds", 0.0)
+            timings.update(out.get("engine_memory") or {})
         if "score" in done:
             state = state.replace(sampler=SamplerState.from_dict(info["score"].get("sampler")))
         else:

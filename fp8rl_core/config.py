@@ -75,7 +75,7 @@ class BootstrapConfig(_Frozen):
 
 
 class RolloutConfig(_Frozen):
-    engine: Literal["transformers", "vllm"] = Field("transformers", description="Rollout engine: transformers (CPU, small GPU) or vLLM (GPU).")
+    engine: Literal["transformers", "vllm", "vllm_http"] = Field("transformers", description="Rollout engine: transformers (CPU, small GPU), vLLM (GPU, in process) or vllm_http (a running `vllm serve`).")
     prompts_per_step: int = Field(64, ge=1, description="Prompts sampled per step (train batch size, in prompts).")
     samples_per_prompt: int = Field(8, ge=1, description="Group size G.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
@@ -85,6 +85,14 @@ class RolloutConfig(_Frozen):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM: share of GPU memory (colocated with training).")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel degree.")
     sleep_between_steps: bool = Field(True, description="vLLM: sleep the engine during training (colocated).")
+    # vLLM engine details (issue #12)
+    sleep_level: int = Field(1, ge=0, le=2, description="vLLM: llm.sleep level after rollout (0 pause, 1 offload weights, 2 discard weights).")
+    weight_sync: Literal["ipc", "nccl", "path"] = Field("ipc", description="vLLM: weight transfer to the engine: CUDA IPC handles (colocated), NCCL broadcast (other GPUs), or bf16 safetensors files.")
+    verify_sync: Literal["first", "always", "never"] = Field("first", description="vLLM: check with the engine's weight checksums that every layer was reloaded and re-processed.")
+    data_parallel: Literal["per_rank", "shared_tp"] = Field("per_rank", description="Under torchrun: every rank drives its own engine on its own prompts (per_rank), or rank 0's tensor-parallel engine serves all ranks (shared_tp).")
+    server_url: str | None = Field(None, description="vllm_http: base URL of a running `vllm serve` (e.g. http://host:8000).")
+    server_timeout_s: float = Field(300.0, gt=0, description="vllm_http: timeout of one HTTP request (s).")
+    server_retries: int = Field(3, ge=0, description="vllm_http: retries of a failed request before the step fails.")
 
 
 class AlgorithmConfig(_Frozen):

@@ -39,11 +39,17 @@ Speed: torchao's emulation costs 1.9-2.7x a BF16 train step on the CPU; this one
 cache speed and never wait at an OpenMP barrier; and sibling projections that read
 one activation (q/k/v, gate/up) round it once (``SharedInputCache``).
 
-Inference (``Fp8RolloutLinear``): W8A8 like vLLM's online FP8. The weight is
-quantized once per weight sync (``refresh_weight``), not per forward; the
-activation is quantized dynamically per token (``fp8_per_tensor`` scheme: one
-weight scale, per-token activation scales) or in 1x128 tiles against 128x128
-weight blocks (``fp8_per_block``).
+Inference (``Fp8RolloutLinear``): W8A8 like vLLM 0.33's online FP8 on Hopper. The
+weight is quantized once per weight sync, not per forward, and — as in vLLM,
+which fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` before
+quantizing — sibling projections are quantized as one fused weight
+(``Fp8RolloutLinear.refresh_fused``): ``fp8_per_tensor`` has ONE weight scale per
+fused layer (the amax of q|k|v, not one per projection), ``fp8_per_block``
+128x128 blocks of the fused weight. Activations are quantized dynamically per
+token (``fp8_per_tensor``: vLLM's CUTLASS path, ``kFp8DynamicTokenSym``) or in
+1x128 tiles (``fp8_per_block``). Left out, as below FP8 resolution: vLLM's
+floor on activation scales (amax < 1/512 per token or tile) and its
+``x * (1 / s)`` vs our ``x * (448 / amax)`` (one float32 ulp in the scale).
 """
 
 from __future__ import annotations
@@ -553,6 +559,43 @@ class Fp8RolloutLinear(nn.Module):
         self._by_dtype = {dtype: values}
         if self.input_cache is not None:
             self.input_cache.clear()
+
+    @staticmethod
+    @torch.no_grad()
+    def refresh_fused(
+        mods: "list[Fp8RolloutLinear]",
+        weights: list[torch.Tensor],
+        biases: list[torch.Tensor | None],
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        """Quantize sibling projections as the ONE fused layer vLLM builds from them.
+
+        vLLM 0.33 loads q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``
+        and quantizes the fused weight ``cat(weights, dim=0)`` [sum N_i, K]:
+        ``fp8_per_tensor`` gets one scale from the amax of all of it
+        (``Fp8PerTensorOnlineLinearMethod.process_weights_after_loading``; under
+        tensor parallelism the amax is all-reduced over the shards, so the scale is
+        the unsharded fused weight's — what this computes); ``fp8_per_block``
+        tiles the fused weight in 128x128 blocks, so a block may straddle q and k
+        when a projection's rows are not a multiple of 128. Each module keeps its
+        rows of the result; per-tensor modules share the one scale.
+        """
+        scheme = mods[0].scheme
+        for mod, w in zip(mods, weights):
+            if mod.scheme != scheme or tuple(w.shape) != (mod.out_features, mod.in_features):
+                raise ValueError("refresh_fused: modules of one fused layer need one scheme and matching weights")
+        fused = torch.cat([w.detach() for w in weights], dim=0)  # [sum N_i, K]
+        layout = "tensor" if scheme == "per_tensor" else "block"
+        values, post = quantize_operand(fused, E4M3, layout, pow2=False, compute_dtype=dtype, block=mods[0].block)
+        row = 0
+        for mod, bias in zip(mods, biases):
+            mod.weight_values = values[row : row + mod.out_features]
+            row += mod.out_features
+            mod.weight_post = post if post is not None else torch.empty(0, device=values.device)
+            mod.bias = None if bias is None else bias.detach().to(dtype)
+            mod._by_dtype = {dtype: mod.weight_values}
+            if mod.input_cache is not None:
+                mod.input_cache.clear()
 
     def _weight_as(self, dtype: torch.dtype) -> torch.Tensor:
         w = self._by_dtype.get(dtype)

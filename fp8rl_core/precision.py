@@ -418,13 +418,15 @@ def sync_rollout_weights(rollout_model: nn.Module, train_model: nn.Module) -> No
     source = train_model.state_dict()
     missing = []
     dtype = rollout_model_dtype(rollout_model)
-    for name, mod in rollout_model.named_modules():
-        if isinstance(mod, Fp8RolloutLinear):
-            w = source.get(f"{name}.weight")
-            if w is None:
-                missing.append(f"{name}.weight")
-                continue
-            mod.refresh_weight(w, source.get(f"{name}.bias"), dtype=dtype)
+    for group in fused_rollout_groups(rollout_model):
+        names = [name for name, _ in group]
+        weights = [source.get(f"{name}.weight") for name in names]
+        if any(w is None for w in weights):
+            missing += [f"{n}.weight" for n, w in zip(names, weights) if w is None]
+            continue
+        Fp8RolloutLinear.refresh_fused(
+            [mod for _, mod in group], weights, [source.get(f"{name}.bias") for name in names], dtype=dtype
+        )
     for name, p in rollout_model.named_parameters():
         src = source.get(name)
         if src is None:
@@ -441,6 +443,26 @@ def sync_rollout_weights(rollout_model: nn.Module, train_model: nn.Module) -> No
             f"sync_rollout_weights: the training model lacks {missing[:5]} (of {len(missing)}); "
             "was the rollout copy made from another architecture?"
         )
+
+
+FUSED_PROJECTIONS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Sibling projections vLLM fuses into one layer (``qkv_proj``, ``gate_up_proj``), in its order."""
+
+
+def fused_rollout_groups(model: nn.Module) -> list[list[tuple[str, Fp8RolloutLinear]]]:
+    """The FP8 rollout linears of ``model`` grouped as vLLM fuses them; other linears alone.
+
+    A group is ``[(name, module), ...]`` in fused order (q, k, v / gate, up).
+    """
+    groups: list[list[tuple[str, Fp8RolloutLinear]]] = []
+    for parent_name, parent in model.named_modules():
+        children = {attr: mod for attr, mod in parent.named_children() if isinstance(mod, Fp8RolloutLinear)}
+        prefix = f"{parent_name}." if parent_name else ""
+        for members in FUSED_PROJECTIONS:
+            if all(m in children for m in members):
+                groups.append([(prefix + m, children.pop(m)) for m in members])
+        groups += [[(prefix + attr, mod)] for attr, mod in children.items()]
+    return groups
 
 
 def rollout_model_dtype(model: nn.Module) -> torch.dtype:

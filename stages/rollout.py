@@ -17,10 +17,34 @@ from stages.prompts import PromptItem, draw_prompts
 
 
 def sync_engine(env: RunEnv, state: TrainState) -> None:
-    """Push the trainer's weights to the engine if it holds an older version."""
-    if getattr(env.engine, "_fp8rl_version", None) != state.policy_version:
+    """Push the trainer's weights to the engine if it holds an older version.
+
+    A sleeping engine (vLLM, colocated) is woken by ``load_weights`` (weights,
+    then KV cache); when no update is due it is simply woken up — unless it slept
+    at level 2, which discards the weights, so they are pushed again (a DAPO
+    refill round after the step's first rollout).
+    """
+    stale = getattr(env.engine, "_fp8rl_version", None) != state.policy_version
+    if stale or getattr(env.engine, "weights_discarded", False):
         env.engine.load_weights(state.policy)
         env.engine._fp8rl_version = state.policy_version
+    else:
+        env.engine.wake_up()
+
+
+def sleep_engine(env: RunEnv) -> dict[str, float]:
+    """Put the engine to sleep after a rollout so the trainer gets the memory back.
+
+    A no-op for the transformers engine; a vLLM engine built with
+    ``sleep_between_steps`` calls ``llm.sleep(level)``. Returns the GPU memory in
+    use before and after (GiB) where it was measured, for the ``steps`` row.
+    """
+    env.engine.sleep()
+    memory = getattr(env.engine, "last_sleep_memory_gib", None)
+    if memory is None:
+        return {}
+    before, after = memory
+    return {"rollout_gpu_gib_before_sleep": before, "rollout_gpu_gib_after_sleep": after}
 
 
 def generate_rows(env: RunEnv, state: TrainState, step: int, items: list[PromptItem], *, round_: int,
@@ -62,6 +86,7 @@ def run_rollout(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0, 
     t0 = time.perf_counter()
     items, after = draw_prompts(env.source, state.sampler, env.cfg.rollout.prompts_per_step, env.cfg.seed)
     rows, batch = generate_rows(env, state, step, items, round_=round_, first_sample_id=first_sample_id)
+    engine_memory = sleep_engine(env)
     stage = "rollout" if round_ == 0 else f"rollout{round_}"
     path = env.writer.write("rollouts", step, rows, stage=stage, attempt=attempt, variant=env.variant)
     seconds = time.perf_counter() - t0
@@ -72,4 +97,5 @@ def run_rollout(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0, 
         "generated_tokens": batch.generated_tokens,
         "seconds": seconds,
         "sampler": after.to_dict(),
+        "engine_memory": engine_memory,
     }, state.replace(sampler=after)

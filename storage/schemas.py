@@ -262,6 +262,8 @@ _STEP_METRICS = (
     ("learning_rate", "Learning rate used at this step."),
     ("prob_nmae", "NMAE of FP8 vs BF16 token probabilities (shadow steps)."),
     ("ratio_nmae", "NMAE of r8 vs r16 (shadow steps); / prob_nmae = noise amplification."),
+    ("rollout_gpu_gib_before_sleep", "GPU memory in use (GiB, all processes) just before the vLLM engine slept after rollout; null off GPU."),
+    ("rollout_gpu_gib_after_sleep", "GPU memory in use (GiB) just after the vLLM engine slept; null off GPU."),
 )
 
 STEPS = TableSpec(

@@ -148,7 +148,7 @@ def make(policy, tokenizer, fake_vllm, *, rollout="fp8_per_tensor", sleep=True, 
         precision=PrecisionConfig(rollout=rollout),
         config=RolloutConfig(engine="vllm", sleep_between_steps=sleep, gpu_memory_utilization=0.4),
         vllm_module=fake_vllm,
-        **options,
+        **{"weight_sync": "path", "verify_sync": "never", **options},
     )
 
 
@@ -177,6 +177,9 @@ def test_llm_kwargs_map_our_config(rollout, quantization):
         "max_model_len": 512,
         "enforce_eager": True,
     }
+    for sync in ("ipc", "nccl"):
+        kw = build_llm_kwargs(RolloutConfig(), PrecisionConfig(rollout=rollout), model_path="/c", seed=0, logprobs_mode="raw", weight_sync=sync)
+        assert kw["weight_transfer_config"] == {"backend": sync}
     raw = build_llm_kwargs(RolloutConfig(), PrecisionConfig(rollout=rollout), model_path="/c", seed=0, logprobs_mode="raw")
     assert raw["logprobs_mode"] == "raw_logprobs" and "max_model_len" not in raw
 
@@ -297,8 +300,9 @@ def test_colocated_step_cycle_sleep_reload_generate(policy, tokenizer, fake_vllm
     engine.load_weights(policy)
     calls = engine.llm.calls
     assert calls[1:3] == [("sleep", 2), ("wake_up", ["weights"])]
-    assert calls[3][:2] == ("collective_rpc", "reload_weights") and set(calls[3][2]) == {"weights_iterator"}
+    assert calls[3][:2] == ("collective_rpc", "reload_weights") and set(calls[3][2]) == {"weights_path"}
     assert calls[4:] == [("wake_up", ["kv_cache"]), ("reset_prefix_cache",)]
+    assert engine.events == ["generate", "sleep:2", "wake:weights", "sync", "wake:kv_cache"]
     after = engine.generate([[1, 5]], n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=0)
     assert after.samples != before.samples  # the fake's outputs depend on the weights version
 
@@ -307,9 +311,9 @@ def test_wake_up_and_non_colocated_sleep(policy, tokenizer, fake_vllm):
     engine = make(policy, tokenizer, fake_vllm)
     engine.sleep()
     engine.wake_up()
-    assert engine.llm.calls == [("sleep", 1), ("wake_up", None)]
+    assert engine.llm.calls == [("sleep", 1), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]
     engine.load_weights(policy)  # awake: no wake_up calls
-    assert [c[0] for c in engine.llm.calls[2:]] == ["collective_rpc", "reset_prefix_cache"]
+    assert [c[0] for c in engine.llm.calls[3:]] == ["collective_rpc", "reset_prefix_cache"]
     separate = make(policy, tokenizer, fake_vllm, sleep=False)
     separate.sleep()
     separate.wake_up()
@@ -320,11 +324,75 @@ def test_weight_sync_by_path_saves_then_reloads(policy, tokenizer, fake_vllm):
     engine = make(policy, tokenizer, fake_vllm, weight_sync="path")
     os.remove(os.path.join(engine.model_path, "model.safetensors"))
     engine.load_weights(policy)
-    assert ("collective_rpc", "reload_weights", {"weights_path": engine.model_path}) in engine.llm.calls
-    assert os.path.exists(os.path.join(engine.model_path, "model.safetensors"))
+    folder = engine._sync_dir
+    assert ("collective_rpc", "reload_weights", {"weights_path": folder}) in engine.llm.calls
+    # our own temporary folder (not the model's, not named after it), bf16 tensors
+    assert folder != engine.model_path and os.path.basename(folder).startswith("fp8rl-weights-")
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(folder, "model.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    assert not os.path.exists(os.path.join(engine.model_path, "model.safetensors"))
+    engine.close()
+    assert not os.path.exists(folder)
 
 
-@pytest.mark.parametrize("options, match", [({"sleep_level": 3}, "sleep_level"), ({"weight_sync": "nccl"}, "weight_sync"), ({"logprobs_mode": "logits"}, "logprobs_mode")])
+@pytest.mark.parametrize("options, match", [({"sleep_level": 3}, "sleep_level"), ({"weight_sync": "iterator"}, "bare lists"), ({"weight_sync": "nccl"}, "nccl_master"), ({"logprobs_mode": "logits"}, "logprobs_mode")])
 def test_bad_options_are_rejected(policy, tokenizer, fake_vllm, options, match):
     with pytest.raises(ValueError, match=match):
         make(policy, tokenizer, fake_vllm, **options)
+
+
+# ------------------------------------------------------------- SPMD layouts
+@pytest.mark.parametrize("layout, tp, expect", [
+    ("per_rank", 1, {"tensor_parallel_size": 1, "data_parallel_size": 4}),
+    ("per_rank", 2, {"tensor_parallel_size": 2, "data_parallel_size": 2}),
+    ("shared_tp", 1, {"tensor_parallel_size": 4, "data_parallel_size": 1}),
+])
+def test_engine_per_rank_under_torchrun(policy, tokenizer, fake_vllm, monkeypatch, layout, tp, expect):
+    from stages.engines.vllm_engine import spmd_llm_options
+
+    assert spmd_llm_options(RolloutConfig(), rank=0, world_size=1) == {}
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "2")
+    engine = make_engine(
+        "vllm", model=policy, tokenizer=tokenizer, precision=PrecisionConfig(rollout="bf16"),
+        config=RolloutConfig(engine="vllm", data_parallel=layout, tensor_parallel_size=tp),
+        vllm_module=fake_vllm, weight_sync="path", verify_sync="never",
+    )
+    assert engine.llm.kwargs["distributed_executor_backend"] == "external_launcher"
+    assert {k: engine.llm.kwargs[k] for k in expect} == expect
+    with pytest.raises(ValueError, match="does not divide"):
+        spmd_llm_options(RolloutConfig(tensor_parallel_size=3), rank=0, world_size=4)
+
+
+def test_memory_around_sleep_goes_to_the_steps_metrics(policy, tokenizer, fake_vllm, monkeypatch):
+    from stages.engines import vllm_engine
+    from stages.rollout import sleep_engine, sync_engine
+
+    readings = iter([61.5, 3.25])
+    monkeypatch.setattr(vllm_engine, "gpu_memory_used_gib", lambda: next(readings))
+    engine = make(policy, tokenizer, fake_vllm)
+    env = types.SimpleNamespace(engine=engine)
+    state = types.SimpleNamespace(policy=policy, policy_version=0)
+    sync_engine(env, state)
+    assert sleep_engine(env) == {"rollout_gpu_gib_before_sleep": 61.5, "rollout_gpu_gib_after_sleep": 3.25}
+    sync_engine(env, state)  # same policy version: no reload, but the engine must be awake to generate
+    assert engine.events[-2:] == ["wake:weights", "wake:kv_cache"] and not engine.asleep
+    monkeypatch.setattr(vllm_engine, "gpu_memory_used_gib", lambda: None)  # no CUDA: nothing recorded
+    assert sleep_engine(env) == {}
+
+
+def test_level_2_sleep_is_undone_by_a_weight_push_even_without_a_new_policy(policy, tokenizer, fake_vllm):
+    """A DAPO refill round after the step's rollout: same policy version, but level 2 discarded the weights."""
+    from stages.rollout import sync_engine
+
+    engine = make(policy, tokenizer, fake_vllm, sleep_level=2)
+    env = types.SimpleNamespace(engine=engine)
+    state = types.SimpleNamespace(policy=policy, policy_version=3)
+    sync_engine(env, state)
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="discarded"):
+        engine.wake_up()
+    sync_engine(env, state)
+    assert engine.events == ["sync", "sleep:2", "wake:weights", "sync", "wake:kv_cache"]

@@ -2,7 +2,8 @@
 
 ``make_engine("transformers", model=..., tokenizer=..., precision=..., config=...)``
 gives the CPU / small-GPU engine; ``"vllm"`` the vLLM adapter (GPU; ``vllm`` is
-imported only when that engine is constructed).
+imported only when that engine is constructed); ``"vllm_http"`` a client of a
+running ``vllm serve`` (disaggregated rollout).
 """
 
 from stages.engines.base import (
@@ -18,6 +19,7 @@ from stages.engines.base import (
     validate_generate_args,
 )
 from stages.engines.hf_engine import TransformersEngine
+from stages.engines.http_engine import VLLMHTTPEngine
 from stages.engines.vllm_engine import VLLMEngine
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "RolloutSample",
     "TransformersEngine",
     "VLLMEngine",
+    "VLLMHTTPEngine",
     "make_engine",
     "register_engine",
     "truncate_at_eos",

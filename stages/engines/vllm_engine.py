@@ -1,8 +1,10 @@
 """The vLLM rollout engine (GPU): an adapter from our interface to ``vllm.LLM``.
 
-**Status: written against vLLM 0.33's documented offline API, unit-tested on CPU
-against a stand-in ``vllm`` module (tests/test_vllm_adapter.py); it has not been
-run on a GPU with a real vLLM in this project yet.** ``vllm`` is imported only
+**Status: written against vLLM 0.33's source (read from its wheel), unit-tested
+on CPU against an in-process fake (tests/test_vllm_adapter.py) and an honest
+stand-in whose engine core runs in another process behind vLLM's msgpack wire
+rules (tests/vllm_standin.py, tests/test_vllm_standin.py); it has not been run
+on a GPU with a real vLLM in this project yet.** ``vllm`` is imported only
 when a :class:`VLLMEngine` is constructed (``pip install 'fp8rl[gpu]'``).
 
 The mapping, piece by piece:
@@ -31,34 +33,70 @@ The mapping, piece by piece:
   ``index``, ``token_ids`` (the EOS token included), ``logprobs`` (one
   ``{token_id: Logprob}`` per generated token) and ``finish_reason``
   (``"stop"`` / ``"length"``).
-* **Weights.** Each RL step: ``llm.collective_rpc("reload_weights",
-  kwargs={"weights_iterator": [(name, bf16 tensor), ...]})`` — vLLM's layerwise
-  reload, which re-runs the online FP8 quantization of each layer as its weights
-  arrive (``weight_sync="path"`` instead writes the policy with
-  ``save_pretrained`` and passes ``weights_path``). Then
-  ``llm.reset_prefix_cache()``, since cached KV blocks belong to the old policy.
-  Tensors are sent in state-dict order, i.e. layer by layer, which keeps
-  vLLM's reload buffers small.
-* **Sleep.** With ``config.sleep_between_steps`` the engine is built with
-  ``enable_sleep_mode=True``; ``sleep()`` calls ``llm.sleep(level)`` (level 1
-  offloads weights to CPU and drops the KV cache; level 2 drops both), and
-  ``load_weights`` on a sleeping engine wakes the ``"weights"`` first, reloads,
-  then wakes the ``"kv_cache"`` — so weights and KV cache are never both
-  resident while the trainer's memory is still being released.
+* **Weights: they never travel through ``collective_rpc``.** ``LLM`` runs its
+  engine core in another process and utility-call arguments cross as msgpack
+  decoded *without a type* (``stages.engines.vllm_wire`` copies the rules):
+  tensors arrive as bare lists. (The first version of this adapter sent
+  ``reload_weights(weights_iterator=[(name, tensor)])`` and would have crashed
+  at step 1.) Only control data crosses; the data plane is one of vLLM 0.33's
+  RL weight-transfer mechanisms (``vllm/distributed/weight_transfer``,
+  ``vllm/entrypoints/rl/offline.py``), chosen by ``config.weight_sync``:
 
-For large multi-GPU runs vLLM's weight-transfer engines (NCCL, CUDA IPC) avoid
-the host round trip of ``collective_rpc``; they are not wired here.
+  - ``"ipc"`` (default; trainer and vLLM on the same GPU): ``LLM(...,
+    weight_transfer_config={"backend": "ipc"})``, then per sync
+    ``start_weight_update()``, ``update_weights({"update_info": {names,
+    dtype_names, shapes, ipc_handles_pickled}})``, ``finish_weight_update()`` —
+    the unpacked format of ``IPCTrainerWeightTransferEngine``: one CUDA IPC
+    handle (``torch.multiprocessing.reductions.reduce_tensor``) per bf16 tensor,
+    keyed by the GPU's UUID, pickled and base64-encoded as vLLM's HTTP client
+    does, because raw handles hold Python types msgpack refuses. vLLM only
+    unpickles them with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which this
+    mode sets for the engine process it starts. The bf16 copies stay alive
+    until ``finish_weight_update`` returns.
+  - ``"nccl"`` (vLLM on other GPUs): vLLM's own
+    ``NCCLTrainerWeightTransferEngine`` over ``ModuleSource(policy)``; the
+    trainer is NCCL rank 0 of a ``1 + tensor_parallel_size`` group rendezvoused
+    at ``nccl_master`` (address, port).
+  - ``"path"`` (fallback, any layout): the policy's weights as **bf16**
+    safetensors in a temporary folder of our own (``fp8rl-weights-*``, never
+    named after the model), then ``collective_rpc("reload_weights",
+    kwargs={"weights_path": folder})``, which reads every ``*.safetensors``
+    there.
+
+  Each path ends in vLLM's layerwise reload
+  (``model_executor/model_loader/reload/layerwise.py``): a fused layer
+  (``qkv_proj``, ``gate_up_proj``) is re-quantized (new FP8 weight and scale)
+  once *all* its elements arrived; a layer that got nothing silently keeps its
+  old weights, and with ``quantization`` set vLLM does not even warn about
+  missing names. So this side checks instead of assuming: every sync must send
+  the same complete set of names as the first, and with ``verify_sync``
+  (``"first"`` by default) the engine's weights are zeroed
+  (``collective_rpc("reset_weights")``) before the sync and read back with
+  ``collective_rpc("compute_weight_checksums")`` after it: a processed
+  parameter (FP8 weight or scale) whose digest is still the zeroed one was not
+  reloaded, and the sync fails naming it. Then ``reset_prefix_cache()``.
+* **Sleep.** With ``config.sleep_between_steps`` the engine is built with
+  ``enable_sleep_mode=True``; the rollout stage calls ``sleep()`` after each
+  rollout (``llm.sleep(config.sleep_level)``: 0 pauses scheduling, 1 offloads
+  weights to CPU and drops the KV cache, 2 drops both), and the next
+  ``load_weights`` wakes ``"weights"`` first, syncs, then wakes ``"kv_cache"``
+  (vLLM's documented order, so weights and KV cache are not both resident while
+  the trainer's memory is still held). GPU memory in use before and after
+  ``sleep`` (``torch.cuda.mem_get_info``) is kept in ``last_sleep_memory_gib``
+  for the ``steps`` table.
 """
 
 from __future__ import annotations
 
 import gc
 import importlib
+import logging
+import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
@@ -75,6 +113,10 @@ from stages.engines.base import (
     truncate_at_eos,
     validate_generate_args,
 )
+from stages.engines import weight_transfer as wt
+from stages.engines.weight_transfer import trainer_weights  # noqa: F401  (re-exported for callers of this module)
+
+log = logging.getLogger(__name__)
 
 VLLM_QUANTIZATION: dict[str, str | None] = {
     "bf16": None,
@@ -85,7 +127,10 @@ VLLM_QUANTIZATION: dict[str, str | None] = {
 
 VLLM_LOGPROBS_MODE: dict[str, str] = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
 
-WeightSync = Literal["iterator", "path"]
+WeightSync = Literal["ipc", "nccl", "path"]
+WEIGHT_SYNCS: tuple[str, ...] = ("ipc", "nccl", "path")
+SLEEP_WAKE_ORDER: dict[int, list[list[str]]] = {0: [["scheduling"]], 1: [["weights"], ["kv_cache"]], 2: [["weights"], ["kv_cache"]]}
+"""``wake_up`` tag lists, in order, that undo ``sleep(level)``; weights come back before the KV cache."""
 
 
 def import_vllm() -> Any:
@@ -108,6 +153,7 @@ def build_llm_kwargs(
     logprobs_mode: LogprobsMode,
     max_model_len: int | None = None,
     llm_options: dict[str, Any] | None = None,
+    weight_sync: str = "path",
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for our config (``llm_options`` override/extend them)."""
     if precision.rollout not in VLLM_QUANTIZATION:
@@ -125,6 +171,8 @@ def build_llm_kwargs(
     }
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
+    if weight_sync in ("ipc", "nccl"):
+        kwargs["weight_transfer_config"] = {"backend": weight_sync}
     kwargs.update(llm_options or {})
     return kwargs
 
@@ -189,21 +237,40 @@ def _finish_reason(vllm_reason: Any, p: int, i: int) -> FinishReason:
     raise RuntimeError(f"vLLM sample ({p}, {i}) finished with {vllm_reason!r}; expected 'stop' or 'length'")
 
 
-def trainer_weights(train_model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``(name, bf16 CPU tensor)`` pairs of the trainer's state dict, in layer order.
+def spmd_llm_options(config: RolloutConfig, *, rank: int, world_size: int) -> dict[str, Any]:
+    """``LLM`` options for one rank of a ``torchrun`` job (``world_size > 1``); ``{}`` otherwise.
 
-    HF names are what vLLM's ``load_weights`` expects (it fuses q/k/v and
-    gate/up itself). ``torch.compile``'s ``_orig_mod.`` prefix is stripped; a
-    tied ``lm_head.weight`` is skipped (vLLM ties it to the embedding).
+    Both layouts use vLLM's ``distributed_executor_backend="external_launcher"``
+    (``vllm/config/parallel.py``): every torchrun rank runs its part of the
+    engine in-process, and vLLM's world size ``TP * DP`` must equal torchrun's.
+
+    * ``"per_rank"`` (default): ``data_parallel_size = world_size // TP`` with
+      ``TP = config.tensor_parallel_size`` (1 by default): each rank (or TP
+      group) is its own replica generating its own prompts, on the GPU its FSDP
+      trainer rank uses. Chosen because the trainer already has one rank per
+      GPU: rollout needs no gather/scatter of prompts or samples, weight sync
+      stays a local CUDA IPC hand-off per GPU after FSDP's ``full_tensor``, and
+      with sleep between steps a 32B policy fits one H200 beside its trainer.
+    * ``"shared_tp"``: one engine spread over all ranks,
+      ``tensor_parallel_size = world_size``; every rank must then submit the
+      same prompts (rank 0's), for policies too large for one GPU.
     """
-    tied = bool(getattr(getattr(train_model, "config", None), "tie_word_embeddings", False))
-    out = []
-    for name, tensor in train_model.state_dict().items():
-        name = name.replace("_orig_mod.", "")
-        if tied and name == "lm_head.weight":
-            continue
-        out.append((name, tensor.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()))
-    return out
+    if world_size <= 1:
+        return {}
+    if config.data_parallel == "shared_tp":
+        return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": world_size, "data_parallel_size": 1}
+    tp = config.tensor_parallel_size
+    if world_size % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} does not divide the torchrun world size {world_size}")
+    return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": tp, "data_parallel_size": world_size // tp}
+
+
+def gpu_memory_used_gib() -> float | None:
+    """Device memory in use (all processes) on the current GPU, GiB; ``None`` without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**30
 
 
 @register_engine("vllm")
@@ -217,8 +284,12 @@ class VLLMEngine(RolloutEngine):
         logprobs_mode: ``"processed"`` (default) or ``"raw"``.
         seed: the engine seed passed to ``LLM`` (per-request seeds come from ``generate``).
         max_model_len: context cap for the KV cache (``None``: the model's).
-        sleep_level: ``llm.sleep`` level, 1 (offload weights) or 2 (discard them).
-        weight_sync: ``"iterator"`` (tensors through ``collective_rpc``) or ``"path"``.
+        sleep_level: ``llm.sleep`` level (default ``config.sleep_level``).
+        weight_sync: ``"ipc"``, ``"nccl"`` or ``"path"`` (default ``config.weight_sync``).
+        verify_sync: ``"first"``, ``"always"`` or ``"never"`` (default ``config.verify_sync``).
+        nccl_master: ``(address, port)`` of the NCCL rendezvous (``weight_sync="nccl"``).
+        ipc_handle_fn / gpu_uuid: how IPC handles are made and keyed (default: CUDA's
+            ``reduce_tensor`` and the current GPU's UUID; the CPU tests inject their own).
         llm_options: extra ``LLM`` keyword arguments (e.g. ``enforce_eager=True``).
         vllm_module: the ``vllm`` module to use; tests inject a stand-in.
     """
@@ -234,24 +305,46 @@ class VLLMEngine(RolloutEngine):
         logprobs_mode: LogprobsMode = "processed",
         seed: int = 0,
         max_model_len: int | None = None,
-        sleep_level: int = 1,
-        weight_sync: WeightSync = "iterator",
+        sleep_level: int | None = None,
+        weight_sync: str | None = None,
+        verify_sync: str | None = None,
+        nccl_master: tuple[str, int] | None = None,
+        ipc_handle_fn: Callable[[torch.Tensor], Any] | None = None,
+        gpu_uuid: str | None = None,
         llm_options: dict[str, Any] | None = None,
         vllm_module: Any | None = None,
     ) -> None:
+        sleep_level = config.sleep_level if sleep_level is None else sleep_level
+        weight_sync = config.weight_sync if weight_sync is None else weight_sync
+        verify_sync = config.verify_sync if verify_sync is None else verify_sync
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
-        if sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
-        if weight_sync not in ("iterator", "path"):
-            raise ValueError(f"weight_sync must be 'iterator' or 'path', got {weight_sync!r}")
+        if sleep_level not in SLEEP_WAKE_ORDER:
+            raise ValueError(f"sleep_level must be 0, 1 or 2, got {sleep_level}")
+        if weight_sync not in WEIGHT_SYNCS:
+            hint = " (tensors cannot cross vLLM's collective_rpc: they arrive as bare lists)" if weight_sync == "iterator" else ""
+            raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {weight_sync!r}{hint}")
+        if verify_sync not in ("first", "always", "never"):
+            raise ValueError(f"verify_sync must be 'first', 'always' or 'never', got {verify_sync!r}")
+        if weight_sync == "nccl" and nccl_master is None:
+            raise ValueError("weight_sync='nccl' needs nccl_master=(address, port) for the trainer/vLLM rendezvous")
         self._vllm = vllm_module if vllm_module is not None else import_vllm()
         self.config = config
         self.precision_mode = precision.rollout
         self.sleep_level = sleep_level
-        self.weight_sync: WeightSync = weight_sync
+        self.weight_sync: WeightSync = weight_sync  # type: ignore[assignment]
+        self.verify_sync = verify_sync
+        self.nccl_master = nccl_master
+        self.ipc_handle_fn = ipc_handle_fn or wt.cuda_ipc_handle
+        self._gpu_uuid = gpu_uuid
         self._asleep = False
+        self._syncs = 0
+        self._sent_names: list[str] | None = None
+        self._nccl_sender: Any | None = None
+        self.last_sleep_memory_gib: tuple[float, float] | None = None
+        self.events: list[str] = []  # "sleep", "wake:weights", "sync", "wake:kv_cache", ... in order
         self._tmpdir: str | None = None
+        self._sync_dir: str | None = None
         if model_path is None:
             self._tmpdir = tempfile.mkdtemp(prefix="fp8rl-vllm-")
             model_path = self._tmpdir
@@ -272,8 +365,17 @@ class VLLMEngine(RolloutEngine):
             logprobs_mode=logprobs_mode,
             max_model_len=max_model_len,
             llm_options=llm_options,
+            weight_sync=weight_sync,
         )
+        spmd = spmd_llm_options(config, rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        kwargs.update({k: v for k, v in spmd.items() if k not in (llm_options or {})})
+        if weight_sync == "ipc" and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+            # vLLM unpickles IPC handles only with this flag; it must be set before the engine process starts.
+            log.info("weight_sync='ipc': setting VLLM_ALLOW_INSECURE_SERIALIZATION=1 (vLLM needs it to unpickle IPC handles)")
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         self.llm: Any | None = self._vllm.LLM(**kwargs)
+        if weight_sync == "ipc":
+            self.llm.init_weight_transfer_engine({"init_info": {"packed": False}})
 
     def generate(
         self,
@@ -307,44 +409,133 @@ class VLLMEngine(RolloutEngine):
         wall = time.perf_counter() - start
         if len(outputs) != len(prompt_ids):
             raise RuntimeError(f"vLLM returned {len(outputs)} request outputs for {len(prompt_ids)} prompts")
+        self.events.append("generate")
         return batch_from_request_outputs(
             outputs, n=n, eos_ids=self.eos_ids, wall_seconds=wall, engine=self.name, precision=self.precision_mode
         )
 
+    # ----------------------------------------------------------- weights
     def load_weights(self, train_model: nn.Module) -> None:
         llm = self._require_llm()
-        if self._asleep:
-            llm.wake_up(tags=["weights"])
-        if self.weight_sync == "iterator":
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": trainer_weights(train_model)})
+        order = SLEEP_WAKE_ORDER[self.sleep_level] if self._asleep else []
+        for tags in order[:1]:  # weights first (level 0: scheduling)
+            llm.wake_up(tags=tags)
+            self.events.append("wake:" + ",".join(tags))
+        verify = self.verify_sync == "always" or (self.verify_sync == "first" and self._syncs == 0)
+        if verify:
+            llm.collective_rpc("reset_weights")
+            zeroed = wt.merge_checksums(llm.collective_rpc("compute_weight_checksums"))
+        cuda_ipc = self.weight_sync == "ipc" and self.ipc_handle_fn is wt.cuda_ipc_handle
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda_ipc else "cpu"  # IPC: bf16 copies stay on the GPU
+        weights = wt.trainer_weights(train_model, device=device)
+        self._check_names([name for name, _ in weights])
+        if self.weight_sync == "path":
+            self._sync_by_path(llm, weights)
+        elif self.weight_sync == "ipc":
+            self._sync_by_ipc(llm, weights)
         else:
-            train_model.save_pretrained(self.model_path)
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": self.model_path})
-        if self._asleep:
-            llm.wake_up(tags=["kv_cache"])
-            self._asleep = False
+            self._sync_by_nccl(llm, train_model)
+        self.events.append("sync")
+        if verify:
+            after = wt.merge_checksums(llm.collective_rpc("compute_weight_checksums"))
+            stale = wt.unreloaded_parameters(zeroed, after)
+            if stale:
+                raise RuntimeError(
+                    f"weight sync ({self.weight_sync}) left {len(stale)} vLLM parameters un-reloaded (still zero after "
+                    f"reset_weights): {stale[:6]}; a layer whose weights did not all arrive is not re-quantized"
+                )
+        for tags in order[1:]:
+            llm.wake_up(tags=tags)
+            self.events.append("wake:" + ",".join(tags))
+        self._asleep = False
         llm.reset_prefix_cache()
+        self._syncs += 1
 
+    def _check_names(self, names: list[str]) -> None:
+        if len(set(names)) != len(names):
+            raise RuntimeError("weight sync: duplicate parameter names in the trainer's state dict")
+        if self._sent_names is None:
+            self._sent_names = names
+        elif names != self._sent_names:
+            lost = sorted(set(self._sent_names) - set(names))
+            new = sorted(set(names) - set(self._sent_names))
+            raise RuntimeError(f"weight sync: the trainer's parameters changed since the first sync (lost {lost[:5]}, new {new[:5]})")
+
+    def _sync_by_path(self, llm: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+        if self._sync_dir is None:
+            self._sync_dir = tempfile.mkdtemp(prefix="fp8rl-weights-")
+        wt.write_bf16_safetensors(weights, self._sync_dir)
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": self._sync_dir})
+
+    def _sync_by_ipc(self, llm: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+        if self.ipc_handle_fn is wt.cuda_ipc_handle:
+            torch.cuda.synchronize()  # the bf16 copies must be complete before another process reads them
+        uuid = self._gpu_uuid or wt.current_gpu_uuid()
+        info, keep = wt.ipc_update_info(weights, gpu_uuid=uuid, handle_fn=self.ipc_handle_fn)
+        llm.start_weight_update()
+        llm.update_weights({"update_info": info})
+        llm.finish_weight_update()
+        del keep  # the worker has copied every tensor by now
+        if self.ipc_handle_fn is wt.cuda_ipc_handle:
+            torch.cuda.ipc_collect()
+
+    def _sync_by_nccl(self, llm: Any, train_model: nn.Module) -> None:  # pragma: no cover - needs GPUs and vLLM
+        if self._nccl_sender is None:
+            nccl = importlib.import_module("vllm.distributed.weight_transfer.nccl_engine")
+            base = importlib.import_module("vllm.distributed.weight_transfer.base")
+            address, port = self.nccl_master  # type: ignore[misc]
+            info = nccl.NCCLTrainerInitInfo(**wt.nccl_trainer_init_kwargs(self.config, master_address=address, master_port=port))
+            self._nccl_sender = nccl.NCCLTrainerWeightTransferEngine.trainer_init(
+                info, client=llm, source=base.ModuleSource(train_model)
+            )
+        self._nccl_sender.send_weights()
+
+    # ------------------------------------------------------------- sleep
     def sleep(self) -> None:
         llm = self._require_llm()
         if self.config.sleep_between_steps and not self._asleep:
+            before = gpu_memory_used_gib()
             llm.sleep(level=self.sleep_level)
+            after = gpu_memory_used_gib()
+            self.last_sleep_memory_gib = None if before is None or after is None else (before, after)
             self._asleep = True
+            self.events.append(f"sleep:{self.sleep_level}")
 
     def wake_up(self) -> None:
         llm = self._require_llm()
+        if self.weights_discarded:
+            raise RuntimeError("sleep(level=2) discarded vLLM's weights: wake it with load_weights(policy), not wake_up()")
         if self._asleep:
-            llm.wake_up()
+            for tags in SLEEP_WAKE_ORDER[self.sleep_level]:
+                llm.wake_up(tags=tags)
+                self.events.append("wake:" + ",".join(tags))
             self._asleep = False
 
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    @property
+    def weights_discarded(self) -> bool:
+        """Asleep at level 2: only a weight sync (``load_weights``) can wake the engine."""
+        return self._asleep and self.sleep_level == 2
+
     def close(self) -> None:
-        self.llm = None
+        llm, self.llm = self.llm, None
+        if llm is not None and hasattr(llm, "shutdown"):
+            try:
+                llm.shutdown()
+            except Exception:  # pragma: no cover - best effort
+                log.debug("vLLM shutdown failed", exc_info=True)
+        del llm
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
+        for attr in ("_tmpdir", "_sync_dir"):
+            folder = getattr(self, attr)
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+                setattr(self, attr, None)
 
     def _require_llm(self) -> Any:
         if self.llm is None:

@@ -1,0 +1,280 @@
+"""The project's one GPU check: ``make gpu-check`` (``python gpu_check/main.py``), <= 8 min on one H200.
+
+Needs only torch >= 2.11, transformers and pyarrow installed, no network.
+torchao travels beside this file as a wheel in ``gpu_check/wheels/``
+(``make gpu-check-wheels`` fetches ``torchao==0.18.0``; the wheel is a zip put
+on ``sys.path``, so its pure-Python float8 code imports without installing; its
+compiled extras are optional and torchao runs without them). vLLM is not
+assumed. The project's ``fp8rl_core`` (pure torch) comes from this checkout.
+
+It prints, eagerly (no ``torch.compile``):
+
+1. **Train-step throughput**: forward + backward time of N decoder layers of
+   Qwen3-8B, Qwen3-14B and Qwen2.5-32B (shapes from their published configs,
+   random weights, fp32 masters under BF16 autocast as the trainer runs them),
+   at 8K and 16K tokens, with torchao float8 tensorwise / rowwise and torchao's
+   blockwise prototype, each as ``time(bf16) / time(fp8)`` (the paper's figure:
+   tensorwise up to 1.5x BF16, blockwise +10-20%).
+2. **Real kernel vs CPU emulation**: one forward of a Qwen3-8B layer with
+   torchao's real FP8 kernels on the GPU and with ``fp8rl_core``'s emulation on
+   the CPU, same weights and input; SQNR in dB of each against the other and
+   against BF16.
+3. **Rollout numerics**: teacher-forced log-probs of a Qwen3-8B-shaped policy
+   (2 layers) in BF16, with torchao's real FP8 inference kernels
+   (``Float8DynamicActivationFloat8WeightConfig``, per-tensor and per-row), with
+   vLLM's ``fp8_per_tensor`` scheme on the real FP8 GEMM
+   (``gpu_check/rollout_kernels.py``: ``torch._scaled_mm``, per-token
+   activation scales, one fused weight scale) and with our emulation of it —
+   mean |delta log-prob| against BF16, and real kernel vs emulation.
+4. The sharded trainer's step (``gpu_check/train_step.py``, ``run(emit)``),
+   where that module exists.
+
+On a machine without CUDA it prints one line saying so and exits 0.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BUDGET_S = 450.0  # stop starting new sections after this; the whole check must stay under 8 minutes
+
+# Decoder shapes from the models' published config.json files.
+MODELS: dict[str, dict] = {
+    "Qwen3-8B": dict(arch="qwen3", hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "Qwen3-14B": dict(arch="qwen3", hidden_size=5120, intermediate_size=17408, num_attention_heads=40, num_key_value_heads=8, head_dim=128),
+    "Qwen2.5-32B": dict(arch="qwen2", hidden_size=5120, intermediate_size=27648, num_attention_heads=40, num_key_value_heads=8, head_dim=128),
+}
+TOKENS = (8192, 16384)
+RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")
+
+
+def emit(line: str) -> None:
+    print(line, flush=True)
+
+
+def add_paths() -> list[str]:
+    """Put the carried wheels and this checkout on ``sys.path``; returns the wheels found."""
+    wheels = sorted(str(w) for w in (HERE / "wheels").glob("*.whl"))
+    for entry in [str(ROOT), *wheels]:
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    return wheels
+
+
+def sqnr_db(ref, x) -> float:
+    """10 log10(|ref|^2 / |ref - x|^2) in dB (inf when equal)."""
+    import math
+
+    ref, x = ref.double(), x.double()
+    noise = (ref - x).pow(2).sum().item()
+    return math.inf if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise)
+
+
+def model_config(name: str, *, layers: int, vocab: int = 1024):
+    """A transformers config of ``name``'s decoder shape with ``layers`` layers and a small vocabulary."""
+    from transformers import Qwen2Config, Qwen3Config
+
+    spec = dict(MODELS[name])
+    arch = spec.pop("arch")
+    common = dict(num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=32768, tie_word_embeddings=False)
+    if arch == "qwen3":
+        return Qwen3Config(**spec, **common)
+    spec.pop("head_dim")
+    return Qwen2Config(**spec, **common)
+
+
+def build(config, device):
+    from transformers import AutoModelForCausalLM
+
+    import torch
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    return model.train()
+
+
+def time_train_step(model, tokens: int, *, iters: int, warmup: int) -> float:
+    """Median seconds of forward + backward of the decoder layers (embeddings and head excluded)."""
+    import torch
+
+    x = torch.randn(1, tokens, model.config.hidden_size, device="cuda")
+    times = []
+    for i in range(warmup + iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = model.model(inputs_embeds=x).last_hidden_state
+        h.float().pow(2).mean().backward()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return sorted(times)[len(times) // 2]
+
+
+def section_throughput(deadline: float, *, layers: int = 2, iters: int = 4, warmup: int = 2) -> None:
+    import torch
+
+    from fp8rl_core.precision import convert_for_training
+
+    emit(f"[1] train step, {layers} decoder layers, eager, time(bf16) / time(fp8): >1 = FP8 faster")
+    for name in MODELS:
+        for tokens in TOKENS:
+            if time.monotonic() > deadline:
+                emit("    (time budget reached; remaining shapes skipped)")
+                return
+            cells, base = [], None
+            for mode in ("bf16", *RECIPES):
+                torch.manual_seed(0)
+                model = build(model_config(name, layers=layers), "cuda")
+                try:
+                    report = convert_for_training(model, mode, emulate=False) if mode != "bf16" else None
+                    t = time_train_step(model, tokens, iters=iters, warmup=warmup)
+                    if mode == "bf16":
+                        base = t
+                        cells.append(f"bf16 {t * 1e3:.0f} ms")
+                    else:
+                        skipped = f" ({len(report.skipped)} kept bf16)" if report.skipped else ""
+                        cells.append(f"{mode.removeprefix('fp8_')} {base / t:.2f}x{skipped}")
+                except Exception as err:  # one failing recipe must not hide the others
+                    cells.append(f"{mode.removeprefix('fp8_')} FAILED ({type(err).__name__}: {str(err)[:80]})")
+                finally:
+                    del model
+                    torch.cuda.empty_cache()
+            emit(f"    {name:12s} {tokens // 1024:2d}K tokens: " + " | ".join(cells))
+
+
+def section_sqnr(tokens: int = 512) -> None:
+    import torch
+
+    from fp8rl_core.precision import convert_for_training
+
+    emit(f"[2] one forward of a Qwen3-8B decoder layer ({tokens} tokens): real FP8 kernels (GPU) vs CPU emulation, SQNR dB")
+    torch.manual_seed(0)
+    config = model_config("Qwen3-8B", layers=1)
+    x = torch.randn(1, tokens, config.hidden_size)
+    ref_model = build(config, "cpu").eval()
+    state = ref_model.state_dict()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = ref_model.model(inputs_embeds=x).last_hidden_state.float()
+    for mode in RECIPES:
+        real = build(config, "cuda").eval()
+        real.load_state_dict(state)
+        emu = build(config, "cpu").eval()
+        emu.load_state_dict(state)
+        try:
+            convert_for_training(real, mode, emulate=False)
+            convert_for_training(emu, mode, emulate=True)
+            with torch.no_grad():
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    y_real = real.model(inputs_embeds=x.cuda()).last_hidden_state.float().cpu()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y_emu = emu.model(inputs_embeds=x).last_hidden_state.float()
+            emit(f"    {mode.removeprefix('fp8_'):10s} real vs emulation {sqnr_db(y_real, y_emu):6.1f} dB | "
+                 f"real vs bf16 {sqnr_db(ref, y_real):5.1f} dB | emulation vs bf16 {sqnr_db(ref, y_emu):5.1f} dB")
+        except Exception as err:
+            emit(f"    {mode}: FAILED ({type(err).__name__}: {str(err)[:100]})")
+        finally:
+            del real, emu
+            torch.cuda.empty_cache()
+
+
+def section_rollout(seqs: int = 4, length: int = 256) -> None:
+    import copy
+
+    import torch
+
+    from fp8rl_core.precision import convert_for_rollout
+
+    emit(f"[3] rollout numerics, Qwen3-8B-shaped policy (2 layers, vocab 32768), teacher-forced log-probs of {seqs}x{length} tokens")
+    torch.manual_seed(0)
+    config = model_config("Qwen3-8B", layers=2, vocab=32768)
+    base = build(config, "cuda").eval()
+    ids = torch.randint(0, config.vocab_size, (seqs, length), device="cuda")
+
+    def logp(model, autocast=True):
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = model(input_ids=ids).logits.float().log_softmax(-1)
+        return out[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]  # log-prob of each next token
+
+    results = {"bf16": logp(copy.deepcopy(base).to(torch.bfloat16), autocast=False)}
+    try:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
+
+        # torchao pairs granularities: per-tensor = per-tensor activations too; per-row = per-token x per-row weights
+        for label, gran in (("torchao per-tensor", PerTensor()), ("torchao per-row", PerRow())):
+            m = copy.deepcopy(base).to(torch.bfloat16)
+            quantize_(m.model, Float8DynamicActivationFloat8WeightConfig(granularity=gran))
+            results[label] = logp(m, autocast=False)
+            del m
+    except Exception as err:
+        emit(f"    torchao FP8 inference: FAILED ({type(err).__name__}: {str(err)[:100]})")
+    results["emulated fp8_per_tensor (vLLM fused scales)"] = logp(convert_for_rollout(base, "fp8_per_tensor", dtype=torch.bfloat16))
+    from gpu_check.rollout_kernels import use_scaled_mm
+
+    real = convert_for_rollout(base, "fp8_per_tensor", dtype=torch.bfloat16)
+    use_scaled_mm(real)
+    results["real _scaled_mm, vLLM's fp8_per_tensor scheme"] = logp(real)
+    del real
+    results["emulated fp8_per_block"] = logp(convert_for_rollout(base, "fp8_per_block", dtype=torch.bfloat16))
+    ref = results["bf16"]
+    for label, lp in results.items():
+        if label != "bf16":
+            emit(f"    {label:45s} mean |dlogp| vs bf16 {(lp - ref).abs().mean().item():.4f}")
+    emu = results["emulated fp8_per_tensor (vLLM fused scales)"]
+    gap = (results["real _scaled_mm, vLLM's fp8_per_tensor scheme"] - emu).abs().mean().item()
+    emit(f"    real kernel vs emulation, same scheme: mean |dlogp| {gap:.5f}")
+
+
+def section_train_step(deadline: float) -> None:
+    try:
+        from gpu_check.train_step import run
+    except ImportError:
+        emit("[4] sharded trainer step: gpu_check/train_step.py not present in this checkout")
+        return
+    if time.monotonic() > deadline:
+        emit("[4] sharded trainer step: skipped (time budget reached)")
+        return
+    emit("[4] sharded trainer step (gpu_check/train_step.py)")
+    run(emit)
+
+
+def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()
+    wheels = add_paths()
+    try:
+        import torch
+    except ImportError:
+        emit("gpu-check: torch is not installed; it needs torch >= 2.11, transformers and pyarrow")
+        return 2
+    if not torch.cuda.is_available():
+        emit(f"gpu-check: no CUDA device (torch {torch.__version__}); nothing measured. Run `make gpu-check` on a GPU machine.")
+        return 0
+    try:
+        import torchao
+
+        ao = f"torchao {torchao.__version__}"
+    except ImportError:
+        ao = "torchao MISSING (run `make gpu-check-wheels`)"
+    name = torch.cuda.get_device_name()
+    emit(f"gpu-check: {name}, CUDA capability {torch.cuda.get_device_capability()}, torch {torch.__version__}, {ao}, "
+         f"wheels: {[Path(w).name for w in wheels] or 'none'}")
+    deadline = start + BUDGET_S
+    for section in (lambda: section_throughput(deadline), section_sqnr, section_rollout, lambda: section_train_step(deadline)):
+        if time.monotonic() > deadline:
+            emit("gpu-check: time budget reached; remaining sections skipped")
+            break
+        try:
+            section()
+        except Exception as err:
+            emit(f"    section FAILED: {type(err).__name__}: {str(err)[:200]}")
+    emit(f"gpu-check: done in {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,244 @@
+"""Disaggregated rollout: an engine that talks to a running ``vllm serve`` over HTTP.
+
+**Status: tested against a loopback server that speaks the same API
+(tests/test_http_engine.py); not yet run against a real ``vllm serve``.**
+
+* **Generation** (vLLM 0.33's OpenAI-compatible ``POST /v1/completions``,
+  ``entrypoints/openai/completion/protocol.py``): one request per prompt with
+  ``prompt`` = the token ids, ``n``, ``temperature``, ``top_p``, ``max_tokens``,
+  ``seed`` = :func:`~stages.engines.vllm_engine.prompt_seed` (so the samples
+  equal the in-process engine's), ``logprobs=0`` (the sampled token's log-prob
+  only), ``return_token_ids=true`` and ``skip_special_tokens=false``. Each
+  choice carries ``index``, ``token_ids``, ``logprobs.token_logprobs`` and
+  ``finish_reason``. Start the server with ``--logprobs-mode
+  processed_logprobs`` so the log-probs are those of the distribution sampled
+  from (see :mod:`stages.engines.base`); the default ``raw_logprobs`` ignores
+  temperature and top-p. Requests run concurrently (``max_concurrency``).
+* **Failures.** A timeout, an HTTP 5xx, a refused or dropped connection is
+  retried ``config.server_retries`` times with exponential backoff; then
+  :class:`ServerError` says which URL failed how. Nothing is written before
+  ``generate`` returns, so the rollout stage fails cleanly and the step is
+  re-run on resume with the same seeds. HTTP 4xx is not retried (a bad request
+  stays bad).
+* **Weights** go the way vLLM 0.33 documents for servers
+  (``entrypoints/rl/online/api_router.py``, ``distributed/weight_transfer/
+  clients.py``): the control plane is HTTP — ``/pause?mode=wait``,
+  ``/init_weight_transfer_engine``, ``/start_weight_update``,
+  ``/update_weights``, ``/finish_weight_update``, ``/resume`` (the server needs
+  ``--weight-transfer-config '{"backend": "nccl"}'``) — and the data plane is an
+  NCCL broadcast from the trainer (rank 0) to the server's workers, driven by
+  vLLM's own ``NCCLTrainerWeightTransferEngine`` (so vLLM must be importable on
+  the trainer for ``load_weights``). :class:`HTTPWeightSyncClient` is that
+  control plane, the four-method protocol vLLM's trainer engines call.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import importlib
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from torch import nn
+
+from fp8rl_core.config import PrecisionConfig, RolloutConfig
+from stages.engines.base import (
+    FinishReason,
+    RolloutBatch,
+    RolloutEngine,
+    RolloutSample,
+    register_engine,
+    truncate_at_eos,
+    validate_generate_args,
+)
+from stages.engines.vllm_engine import prompt_seed
+from stages.engines.weight_transfer import nccl_trainer_init_kwargs
+
+
+class ServerError(RuntimeError):
+    """The vLLM server did not answer usefully after every retry."""
+
+
+_RETRYABLE = (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError)
+
+
+class HTTPClient:
+    """JSON POST with retries (timeouts, 5xx, refused / dropped connections)."""
+
+    def __init__(self, base_url: str, *, timeout: float, retries: int, backoff: float = 0.5) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"server_url must start with http:// or https://, got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        url = f"{self.base_url}/{path.lstrip('/')}"
+        data = json.dumps(body if body is not None else {}).encode()
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    raw = response.read()
+                return json.loads(raw) if raw else None
+            except urllib.error.HTTPError as err:
+                detail = err.read()[:200].decode(errors="replace")
+                if err.code < 500:
+                    raise ServerError(f"POST {url}: HTTP {err.code} {detail}") from None
+                last = f"HTTP {err.code} {detail}"
+            except _RETRYABLE as err:
+                reason = getattr(err, "reason", err)
+                last = f"{type(reason).__name__}: {reason}"
+            except json.JSONDecodeError as err:
+                last = f"unreadable JSON answer ({err})"
+        raise ServerError(f"POST {url} failed {self.retries + 1} times (timeout {self.timeout}s); last error: {last}")
+
+
+class HTTPWeightSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over the server's RL routes (mirrors ``HTTPVLLMWeightSyncClient``)."""
+
+    def __init__(self, client: HTTPClient) -> None:
+        self.client = client
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.client.post("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.client.post("start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self.client.post("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.client.post("finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None)
+
+    def pause(self) -> None:
+        self.client.post("pause?mode=wait")
+
+    def resume(self) -> None:
+        self.client.post("resume")
+
+
+def completion_request(prompt: list[int], *, model: str, n: int, temperature: float, top_p: float, max_tokens: int, seed: int) -> dict[str, Any]:
+    """The ``/v1/completions`` body for one prompt (token ids in, token ids and log-probs out)."""
+    return {
+        "model": model,
+        "prompt": [int(t) for t in prompt],
+        "n": n,
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_tokens": max_tokens,
+        "seed": seed,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+    }
+
+
+def samples_from_completion(response: dict[str, Any], *, p: int, n: int, eos_ids: frozenset[int]) -> list[RolloutSample]:
+    """The ``n`` samples of prompt ``p`` from a ``/v1/completions`` answer."""
+    choices = sorted(response.get("choices") or [], key=lambda c: c["index"])
+    if [c["index"] for c in choices] != list(range(n)):
+        raise ServerError(f"prompt {p}: the server returned choices {[c['index'] for c in choices]}, expected 0..{n - 1}")
+    out = []
+    for i, choice in enumerate(choices):
+        ids = choice.get("token_ids")
+        lp = (choice.get("logprobs") or {}).get("token_logprobs")
+        if ids is None or lp is None:
+            raise ServerError(f"prompt {p} sample {i}: no token_ids / token_logprobs (needs return_token_ids and logprobs=0)")
+        if len(ids) != len(lp) or any(v is None for v in lp):
+            raise ServerError(f"prompt {p} sample {i}: {len(ids)} token ids but log-probs {lp[:4]}...")
+        kept, reason = truncate_at_eos([int(t) for t in ids], eos_ids)
+        if reason == "length":
+            if choice.get("finish_reason") not in ("stop", "length"):
+                raise ServerError(f"prompt {p} sample {i} finished with {choice.get('finish_reason')!r}")
+            reason = choice["finish_reason"]
+        reason_: FinishReason = reason  # type: ignore[assignment]
+        out.append(RolloutSample(p, i, kept, [float(v) for v in lp[: len(kept)]], reason_))
+    return out
+
+
+@register_engine("vllm_http")
+class VLLMHTTPEngine(RolloutEngine):
+    """Rollouts from a running ``vllm serve`` (see the module docstring).
+
+    Args:
+        model, tokenizer, precision, config: as for every engine (``config.server_url``,
+            ``server_timeout_s``, ``server_retries``).
+        served_model: the ``model`` field of requests (the server's ``--served-model-name``).
+        max_concurrency: requests in flight at once.
+        nccl_master: ``(address, port)`` the server's workers reach the trainer at, for ``load_weights``.
+        backoff: first retry delay in seconds (doubles per retry).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        tokenizer: Any,
+        precision: PrecisionConfig,
+        config: RolloutConfig,
+        served_model: str = "policy",
+        max_concurrency: int = 16,
+        nccl_master: tuple[str, int] | None = None,
+        backoff: float = 0.5,
+    ) -> None:
+        if not config.server_url:
+            raise ValueError("rollout.engine=vllm_http needs rollout.server_url (the `vllm serve` base URL)")
+        self.config = config
+        self.precision_mode = precision.rollout
+        self.served_model = served_model
+        self.max_concurrency = max_concurrency
+        self.nccl_master = nccl_master
+        self.http = HTTPClient(config.server_url, timeout=config.server_timeout_s, retries=config.server_retries, backoff=backoff)
+        self.weights = HTTPWeightSyncClient(self.http)
+        gen_cfg = getattr(model, "generation_config", None)
+        eos = {getattr(tokenizer, "eos_token_id", None)}
+        gen_eos = getattr(gen_cfg, "eos_token_id", None)
+        eos.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+        self.eos_ids = frozenset(int(e) for e in eos if e is not None)
+        self._sender: Any | None = None
+        self._closed = False
+
+    def generate(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed) -> RolloutBatch:
+        if self._closed:
+            raise RuntimeError("this VLLMHTTPEngine was closed")
+        validate_generate_args(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+        start = time.perf_counter()
+
+        def one(p: int) -> list[RolloutSample]:
+            body = completion_request(prompt_ids[p], model=self.served_model, n=n, temperature=temperature, top_p=top_p,
+                                      max_tokens=max_new_tokens, seed=prompt_seed(seed, p, n))
+            return samples_from_completion(self.http.post("v1/completions", body), p=p, n=n, eos_ids=self.eos_ids)
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(prompt_ids))) as pool:
+            groups = list(pool.map(one, range(len(prompt_ids))))
+        return RolloutBatch(
+            samples=[s for g in groups for s in g], num_prompts=len(prompt_ids), n=n,
+            wall_seconds=time.perf_counter() - start, engine=self.name, precision=self.precision_mode,
+        )
+
+    def load_weights(self, train_model: nn.Module) -> None:  # pragma: no cover - needs vLLM, NCCL and a server
+        if self.nccl_master is None:
+            raise ValueError("vllm_http load_weights needs nccl_master=(address, port) reachable from the server's workers")
+        if self._sender is None:
+            nccl = importlib.import_module("vllm.distributed.weight_transfer.nccl_engine")
+            base = importlib.import_module("vllm.distributed.weight_transfer.base")
+            address, port = self.nccl_master
+            info = nccl.NCCLTrainerInitInfo(**nccl_trainer_init_kwargs(self.config, master_address=address, master_port=port))
+            self._sender = nccl.NCCLTrainerWeightTransferEngine.trainer_init(info, client=self.weights, source=base.ModuleSource(train_model))
+        self.weights.pause()
+        try:
+            self._sender.send_weights()
+        finally:
+            self.weights.resume()
+
+    def close(self) -> None:
+        self._closed = True

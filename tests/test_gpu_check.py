@@ -1,0 +1,69 @@
+"""``make gpu-check`` imports and exits cleanly where there is no GPU; its pieces work on CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gpu_check import main as gpu_check
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_cpu_only_machine_gets_one_clear_line_and_exit_0(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main([]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("gpu-check: no CUDA device") and "nothing measured" in out[0]
+
+
+def test_shapes_and_sqnr():
+    c = gpu_check.model_config("Qwen2.5-32B", layers=2)
+    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers) == (5120, 27648, 40, 8, 2)
+    c = gpu_check.model_config("Qwen3-14B", layers=1)
+    assert (c.model_type, c.hidden_size, c.head_dim) == ("qwen3", 5120, 128)
+    x = torch.randn(1000)
+    assert gpu_check.sqnr_db(x, x) == math.inf
+    assert gpu_check.sqnr_db(x, x + 0.01 * x) == pytest.approx(40.0, abs=1e-4)
+
+
+def test_carried_wheels_go_on_sys_path(tmp_path, monkeypatch):
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / "torchao-0.0-py3-none-any.whl").write_bytes(b"")
+    monkeypatch.setattr(gpu_check, "HERE", tmp_path)
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert gpu_check.add_paths() == [str(tmp_path / "wheels" / "torchao-0.0-py3-none-any.whl")]
+    assert sys.path[0].endswith(".whl")
+
+
+def test_real_scaled_mm_rollout_linear_matches_the_emulation_on_cpu():
+    """gpu-check's real-kernel path (torch._scaled_mm, vLLM's scheme), run on CPU, layer by layer.
+
+    Same FP8 weight values and fused scale, activations quantized by vLLM's rule:
+    the outputs differ by the bf16 rounding of the emulation's output only (it
+    rounds the matmul, then the rescaled value; the kernel rounds once). Over a
+    whole model those last-bit differences flip FP8 roundings downstream, so
+    model log-probs differ by as much as the emulation in bf16 differs from
+    itself in float32 (~0.01 nats on the tiny model), which gpu-check reports.
+    """
+    from fp8rl_core.config import ModelConfig
+    from fp8rl_core.precision import convert_for_rollout
+    from fp8rl_core.tiny_model import build_tiny_model
+    from gpu_check.rollout_kernels import scaled_mm_forward, use_scaled_mm
+
+    torch.manual_seed(0)
+    model = build_tiny_model(ModelConfig()).eval()
+    emu = convert_for_rollout(model, "fp8_per_tensor", dtype=torch.bfloat16)
+    for name in ("model.layers.0.self_attn.k_proj", "model.layers.1.mlp.down_proj"):
+        lin = emu.get_submodule(name)
+        x = torch.randn(3, 7, lin.in_features).to(torch.bfloat16)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            want = lin(x).float()
+        got = scaled_mm_forward(lin, x).float()
+        rel = ((got - want).abs() / want.abs().clamp(min=1e-3 * want.abs().max())).max().item()
+        assert rel < 2**-6, (name, rel)  # a couple of bf16 ulps
+    assert use_scaled_mm(emu) == sum(1 for n, _ in emu.named_modules() if n.endswith("_proj"))
