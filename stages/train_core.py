@@ -31,7 +31,8 @@ import torch
 
 from fp8rl_core.config import CampaignConfig
 from fp8rl_core.logprobs import sequence_logprobs, token_logprobs_and_entropy
-from fp8rl_core.losses import POLICY_LOSSES, policy_loss, tis_weights
+from fp8rl_core import bapo as bapo_rule
+from fp8rl_core.losses import POLICY_LOSSES, loss_bounds, policy_loss, tis_weights
 from fp8rl_core.precision import autocast_context, bf16_shadow
 
 
@@ -140,8 +141,8 @@ def policy_update(
     entropy = torch.zeros(n, t_len)
     minibatch = torch.zeros(n, dtype=torch.long)
     loss_fn = POLICY_LOSSES.get(a.loss)
-    # CISPO truncates the IS weight at [0, 1 + eps] instead of clipping the ratio.
-    loss_lower, loss_upper = (0.0, 1.0 + a.cispo_eps_high) if a.loss == "cispo" else (lower, upper)
+    loss_lower, loss_upper = loss_bounds(a.loss, lower, upper, a)
+    bapo_on, bapo_results, bapo_mb = cfg.calibration.mode == "bapo", [], {}  # BAPO: bounds per update
     gen = torch.Generator().manual_seed(seed)
     losses: list[float] = []
     grad_norms: list[float] = []
@@ -162,6 +163,12 @@ def policy_update(
                     )
                 logp16[mb] = lp16.float()
                 timings["shadow_s"] = timings.get("shadow_s", 0.0) + time.perf_counter() - t0
+            if bapo_on:
+                b = bapo_rule.minibatch_bounds(model, batch.input_ids[mb], batch.attention_mask[mb], old_logp8[mb], adv_tok[mb],
+                                               mask[mb], cfg.calibration.bapo, mode=mode, micro_batch_size=a.micro_batch_size)
+                bapo_results.append(b)
+                bapo_mb.setdefault(mb_index, (b.lower, b.upper))  # epoch 0's bounds, for the step's clip statistics
+                loss_lower, loss_upper = loss_bounds(a.loss, b.lower, b.upper, a)
             optimizer.zero_grad(set_to_none=True)
             mb_tokens = float(mask[mb].sum().clamp_min(1.0))
             mb_loss = 0.0
@@ -204,8 +211,11 @@ def policy_update(
         _, stats = policy_loss(
             logp8, old_logp8, adv_tok, mask, lower=lower, upper=upper, dual_clip=a.dual_clip, is_weights=is_w, agg="token-mean"
         )
+        if bapo_on:
+            stats = bapo_rule.step_clip_stats(logp8, old_logp8, adv_tok, mask, minibatch, bapo_mb, dual_clip=a.dual_clip, is_weights=is_w)
     ntok = float(mask.sum().clamp_min(1.0))
     metrics: dict[str, float] = {k: float(v) for k, v in stats.items()}
+    metrics.update(bapo_rule.summarize_updates(bapo_results))
     metrics.update(
         loss=_mean(losses),
         grad_norm=_mean(grad_norms),

@@ -262,6 +262,17 @@ _STEP_METRICS = (
     ("learning_rate", "Learning rate used at this step."),
     ("prob_nmae", "NMAE of FP8 vs BF16 token probabilities (shadow steps)."),
     ("ratio_nmae", "NMAE of r8 vs r16 (shadow steps); / prob_nmae = noise amplification."),
+    # BAPO as published (calibration.mode = bapo): bounds re-picked before every update
+    ("bapo_lower_mean", "BAPO: mean over the step's updates of c_low (NULL in other modes)."),
+    ("bapo_lower_min", "BAPO: smallest c_low of the step's updates."),
+    ("bapo_lower_max", "BAPO: largest c_low of the step's updates."),
+    ("bapo_upper_mean", "BAPO: mean over the step's updates of c_high."),
+    ("bapo_upper_min", "BAPO: smallest c_high of the step's updates."),
+    ("bapo_upper_max", "BAPO: largest c_high of the step's updates."),
+    ("bapo_rho_mean", "BAPO: mean positive share rho = S+/(S+ + S-) at the chosen bounds (over all ranks' tokens)."),
+    ("bapo_rho_min", "BAPO: smallest rho of the step's updates."),
+    ("bapo_rho_max", "BAPO: largest rho of the step's updates."),
+    ("bapo_iterations_mean", "BAPO: mean number of bound moves per update."),
 )
 
 STEPS = TableSpec(
