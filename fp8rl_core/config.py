@@ -52,12 +52,13 @@ class ModelConfig(_Frozen):
 class TaskConfig(_Frozen):
     """The training prompts and their verifier."""
 
-    kind: Literal["synthetic", "deepscaler", "gsm8k"] = Field("synthetic", description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, or GSM8K train.")
+    kind: Literal["synthetic", "deepscaler", "gsm8k", "dapo_math"] = Field("synthetic", description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, GSM8K train, or DAPO-Math-17K (BytedTsinghua-SIA/DAPO-Math-17k, verl format).")
     difficulty: int = Field(1, ge=0, le=3, description="Synthetic task difficulty level.")
     train_size: int = Field(200_000, ge=1, description="Synthetic train split size (problems; drawn lazily from the seed).")
     path: str | None = Field(None, description="Train file or HF dataset name for non-synthetic kinds; relative paths resolve against data_dir.")
     data_dir: str | None = Field(None, description="Benchmark/data folder; default: $FP8RL_DATA_DIR.")
     seed: int = Field(1234, description="Seed of the synthetic task generator (train/test splits are disjoint by construction).")
+    hub: bool = Field(False, description="Read path (or the kind's default dataset) from the Hugging Face Hub (a machine with network access).")
 
 
 class BootstrapConfig(_Frozen):
