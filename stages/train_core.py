@@ -76,6 +76,7 @@ class UpdateResult:
     minibatch: torch.Tensor  # [N] int: index of the row's mini-batch in epoch 0
     skipped_updates: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    row_bounds: torch.Tensor | None = None  # [N, 2] (L, H) of each row's epoch-0 update when bounds vary per update (BAPO)
 
 
 def _lr_lambda(warmup: int):
@@ -236,6 +237,7 @@ def policy_update(
         metrics=metrics, logp_fp8=logp8, old_logp_fp8=old_logp8.float(), logp_bf16=logp16,
         old_logp_bf16=None if old_logp16 is None else old_logp16.float(), entropy=entropy,
         tis_weight=is_w, minibatch=minibatch, skipped_updates=skipped, timings=timings,
+        row_bounds=torch.tensor([bapo_mb[int(k)] for k in minibatch], dtype=torch.float32) if bapo_on else None,
     )
 
 

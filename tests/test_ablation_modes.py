@@ -51,6 +51,11 @@ def test_bapo_per_update_bounds_reach_the_steps_row(tmp_path):
     steps = read_step(ctx, "steps", 1).to_pylist()[0]
     assert steps["bapo_rho_mean"] == pytest.approx(m["bapo_rho_mean"])
     assert math.isfinite(m["clipfrac_lower"])
+    # token_stats carry each row's own (epoch-0) bounds, so the clip flags and over-clipping use them
+    tok = read_step(ctx, "token_stats", 1).to_pandas()
+    lows = tok.groupby("minibatch")["lower_bound"].agg(["min", "max"])
+    assert (lows["min"] == lows["max"]).all()
+    assert m["bapo_lower_min"] - 1e-6 <= tok["lower_bound"].min() <= tok["lower_bound"].max() <= m["bapo_lower_max"] + 1e-6
 
 
 def test_cispo_cap_comes_from_the_registry(tmp_path):
