@@ -382,8 +382,26 @@ def _mean_over_seeds(spec: SweepSpec, rows: list[dict]) -> list[dict]:
         for col, _, _ in TABLE_COLUMNS:
             vals = [m[col] for m in members if isinstance(m.get(col), (int, float)) and m[col] == m[col]]
             row[col] = sum(vals) / len(vals) if vals else None
+            if col in SPREAD_COLUMNS:  # the seeds' spread, shown next to the mean
+                header, scale = SPREAD_COLUMNS[col]
+                row[header] = _spread(vals, scale)
         out.append(row)
     return out
+
+
+# columns whose seed-to-seed spread the mean table shows: column -> (header, scale)
+SPREAD_COLUMNS = {"best_eval_average": ("best eval % min–max (sd)", 100.0),
+                  "lower_clip_vs_bf16": ("lower-clip vs BF16 min–max (sd)", 1.0)}
+
+
+def _spread(vals: list[float], scale: float) -> str:
+    """``min–max (sd)`` over the seeds (sample sd), scaled (100 for shares in %); "—" under 2 seeds."""
+    if len(vals) < 2:
+        return "—"
+    mean = sum(vals) / len(vals)
+    sd = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
+    digits = 1 if scale == 100.0 else 2
+    return f"{scale * min(vals):.{digits}f}–{scale * max(vals):.{digits}f} ({scale * sd:.{digits}f})"
 
 
 def write_tables(sweep_dir: Path, spec: SweepSpec, rows: list[dict]) -> str:
@@ -402,7 +420,8 @@ def write_tables(sweep_dir: Path, spec: SweepSpec, rows: list[dict]) -> str:
         keys.append("status")
     md = f"## Sweep {spec.name}\n\n{paper_table_markdown(rows, keys)}\n"
     if len(spec.seeds) > 1:
-        md += f"\n### Mean over seeds\n\n{paper_table_markdown(_mean_over_seeds(spec, rows), list(spec.axes) + ['seeds'])}\n"
+        md += (f"\n### Mean over seeds\n\n"
+               f"{paper_table_markdown(_mean_over_seeds(spec, rows), list(spec.axes) + ['seeds'] + [h for h, _ in SPREAD_COLUMNS.values()])}\n")
     md += ("\nShares in %; entropy in nats; NMAE and over-clipping on BF16 shadow steps; "
            "column definitions: `fp8rl query --list` (paper-table).\n")
     write_text_atomic(Path(sweep_dir) / "table.md", md)

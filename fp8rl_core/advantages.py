@@ -13,9 +13,11 @@ The sequence advantage is broadcast to every response token by the caller.
 
 DAPO (Yu et al. 2025) adds two reward-side pieces, both here:
 
-* dynamic sampling: a group whose rewards are all equal has zero advantage
-  everywhere, contributes no gradient and only dilutes the batch; it is dropped
-  (and the rollout stage refills the batch with new generations);
+* dynamic sampling: a group whose *accuracies* are all 0 or all 1 is dropped (and
+  the rollout stage refills the batch with new generations). DAPO filters on
+  accuracy (verl's ``filter_groups.metric: acc``), not on the shaped reward: a
+  group of all-correct answers whose overlong penalties differ has unequal
+  rewards, hence nonzero advantages, but they only rank lengths, not answers;
 * overlong shaping, a soft length penalty in the last ``L_cache`` tokens before
   ``L_max``: ``R_len = min(-(|y| - (L_max - L_cache)) / L_cache * factor, 0)``.
 
@@ -112,13 +114,18 @@ ADVANTAGE_ESTIMATORS.register("grpo")(lambda rewards, group_index: grpo_advantag
 ADVANTAGE_ESTIMATORS.register("drgrpo")(drgrpo_advantages)
 
 
-def dynamic_sampling_mask(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+def dynamic_sampling_mask(accuracy: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
     """DAPO dynamic sampling: ``[N]`` bool, True = keep the sequence.
 
-    A sequence is dropped when every reward of its group is equal (exact
-    equality; this includes groups of size 1), because such a group carries no
-    learning signal under group-relative advantages.
+    Args:
+        accuracy: ``[N]`` per-sequence accuracy (1 correct, 0 wrong; the
+            verifier's judgement, NOT the shaped reward).
+        group_index: ``[N]`` integer group ids.
+
+    A sequence is dropped when every accuracy of its group is equal (exact
+    equality: all 0 or all 1; this includes groups of size 1).
     """
+    rewards = accuracy
     _check_groups(rewards, group_index)
     if rewards.numel() == 0:
         return torch.zeros(0, dtype=torch.bool, device=rewards.device)

@@ -23,12 +23,36 @@ Rule (mode ``calibrated``), over the n negative-advantage tokens:
    (= that count). Sort their r8: v1 <= ... <= vn. ``L = v1`` if k = 0,
    ``(vk + vk+1)/2`` if 0 < k < n, ``vn + 1e-6`` if k = n: FP8 clips the same
    *number* of tokens as BF16 (ties aside).
-2. ``target = balance(r16; 1 - eps_low, 1 + eps_high)``; raw ``H`` = the
+2. Smoothing of L: ``L = prev_L + clamp(raw_L - prev_L, -max_delta, max_delta)``,
+   clamped to [lower_min, lower_max]. ``prev`` starts at the initial bounds
+   (``config.initial_*`` or ``1 - eps_low, 1 + eps_high``).
+3. ``target = balance(r16; 1 - eps_low, 1 + eps_high)``; raw ``H`` = the
    smallest grid point of [upper_min, upper_max] (step upper_step) with
-   ``balance(r8; L, H) >= target``, ``upper_max`` if none.
-3. ``new = prev + clamp(raw - prev, -max_delta, max_delta)``, then clamp L to
-   [lower_min, lower_max] and H to [upper_min, upper_max]. ``prev`` starts at the
-   initial bounds (``config.initial_*`` or ``1 - eps_low, 1 + eps_high``).
+   ``balance(r8; L, H) >= target`` for the *smoothed* L of step 2 -- the L that
+   will be in force --, ``upper_max`` if none. (Searching against the raw L and
+   smoothing both afterwards, as we first did, leaves the pair in force off
+   BF16's balance while L is still walking towards its raw value.)
+4. ``H = prev_H + clamp(raw_H - prev_H, -max_delta, max_delta)``, clamped to
+   [upper_min, upper_max]. So whenever the step cap lets H reach raw H, the pair
+   (L, H) in force meets the target within one grid step.
+
+``balance_after`` is the FP8 balance at the bounds in force (L, H), not at the
+raw pair.
+
+Degenerate batches keep the previous bound, in every case (status names it):
+no negative-advantage token (``no_negative_tokens``: L and H kept); no positive
+token (``no_positive_tokens``: H kept, Pos = 0 for every H); no negative token
+contributes at the L in force (``no_contributing_negatives``: the FP8 balance is
++inf for every H, H kept -- the literal rule would jump to ``upper_min``); none
+contributes in BF16 at the standard L (``no_contributing_negatives_bf16``: target
++inf, no H can meet it, H kept).
+
+TIS weighting (``tis_weighted_balance``, off by default): each token's term of
+Pos and Neg becomes ``r * |A| * w`` with its TIS weight
+``w = min(exp(old_logp - rollout_logp), C)``, the factor that really scales its
+gradient in the loss; the same w weights the BF16 target (the rollout/trainer
+mismatch is a property of the token, not of the precision of the shadow pass).
+Membership (which tokens count as A<0, alpha, the quantile) is unchanged.
 
 Cost. Rule 1 needs only v_k and v_k+1: one O(n) selection (``torch.kthvalue``)
 and one pass for the next value, not a full sort. Everything else is a count or
@@ -45,24 +69,22 @@ Comparisons against a bound happen in the ratios' dtype (a Python bound is
 rounded to it), exactly as in ``fp8rl_core.losses``; raw bounds are nudged up by
 one ulp where rounding would otherwise change which tokens they clip.
 
-Comparison modes (``CLIP_MODES``): ``standard`` (fixed ``1 - eps_low``,
-``1 + eps_high``, statistics only), ``relaxed_lower`` (rule 1 and smoothing for
-L, H fixed at ``1 + eps_high``: the paper's ablation) and ``bapo``. BAPO (Xi et
-al. 2025) targets a positive share ``rho = Pos / (Pos + Neg) >= rho0`` from FP8
-ratios alone. Our rule, following BAPO's algorithm: start at
-``(bapo_lower_min, bapo_upper_min)``; while rho < rho0, raise H by one
-``bapo_upper_step`` (while below ``bapo_upper_max``) and raise L by one
-``bapo_lower_step`` (while below ``bapo_lower_max``) in the same iteration --
-a higher H admits more positive tokens, a higher L excludes more low-ratio
-negative tokens -- and stop at the first point that reaches rho0 or when neither
-can move. No smoothing (BAPO re-picks every time). ``rho >= rho0`` is
-``balance >= rho0 / (1 - rho0)``.
+Comparison modes (``CLIP_MODES``):
 
-Degenerate inputs: non-finite r8, r16 or A and masked-out tokens are dropped
-(non-finite ones counted in ``n_nonfinite``). With no negative-advantage token L
-and H have no information: the raw bounds stay at ``previous``. With negatives
-but no positive token Pos is 0 for every H, so H stays at ``previous`` (the
-literal rule would jump to ``upper_min``). Undefined shares are NaN.
+* ``standard``: fixed ``1 - eps_low``, ``1 + eps_high`` (statistics only);
+* ``relaxed_lower``: standard clipping with a fixed, wider lower bound
+  ``L = 1 - relaxed_eps_low`` (the paper's "simply relaxing the lower bound"),
+  in force from the first step; alpha, the target and the over-clipping
+  diagnostics stay measured against the standard ``eps_low``;
+* ``calibrated_lower_only``: rules 1-2 for L, H fixed at ``1 + eps_high``
+  (what ``relaxed_lower`` used to mean here);
+* ``bapo``: BAPO as published, re-picked before every update by the trainer
+  (``fp8rl_core.bapo``); a calibration step only records statistics;
+* ``bapo_joint_every_k``: our earlier BAPO-like variant (re-picked on
+  calibration steps only, L and H moved together); not the published method.
+
+Inputs: non-finite r8, r16 or A and masked-out tokens are dropped (non-finite
+ones counted in ``n_nonfinite``). Undefined shares are NaN.
 """
 
 from __future__ import annotations
@@ -87,6 +109,7 @@ __all__ = [
     "calibrate",
     "initial_bounds",
     "pos_neg_contrib",
+    "relaxed_bounds",
 ]
 
 BALANCE_RTOL = 1e-9
@@ -129,8 +152,13 @@ class CalibrationTokens:
     """
 
     def __init__(
-        self, r8: torch.Tensor, r16: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, dual_clip: float = 3.0
+        self, r8: torch.Tensor, r16: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, dual_clip: float = 3.0,
+        weights: torch.Tensor | None = None,
     ) -> None:
+        if weights is not None:  # Pos/Neg weighted by TIS: r * |A| * w, the factor that scales the gradient
+            if weights.shape != adv.shape:
+                raise ValueError(f"calibrate: weights must have the advantages' shape {tuple(adv.shape)}, got {tuple(weights.shape)}")
+            adv = adv * weights.to(adv.dtype if adv.dtype.is_floating_point else torch.float32)
         if not (r8.shape == r16.shape == adv.shape == mask.shape):
             raise ValueError(
                 "calibrate needs r_fp8, r_bf16, advantages and mask of one shape, got "
@@ -285,54 +313,73 @@ def _smooth(prev: float, raw: float, max_delta: float, lo: float, hi: float) -> 
     return min(max(new, lo), hi)
 
 
-def _search_upper(tok: CalibrationTokens, lower: float, ctx: ModeContext) -> float:
-    """Smallest grid H with balance(r8; lower, H) >= target, upper_max if none."""
+def _search_upper(tok: CalibrationTokens, lower: float, ctx: ModeContext) -> tuple[float, str]:
+    """(smallest grid H with balance(r8; lower, H) >= target, upper_max if none; status).
+
+    Degenerate cases keep the previous H: no negative token contributes at
+    ``lower`` (FP8 balance +inf for every H) or none does in BF16 at the
+    standard L (target +inf: no finite H can match it)."""
     cfg = ctx.config
     grid = _grid(cfg.upper_min, cfg.upper_max, cfg.upper_step)
     neg8 = tok.neg_contrib("n8", lower)
     if neg8 == 0:
-        return grid[0]  # balance is +inf for every H
+        return ctx.previous[1], "no_contributing_negatives"
     if math.isinf(ctx.target_balance):
-        return cfg.upper_max
+        return ctx.previous[1], "no_contributing_negatives_bf16"
     # the smoothed H is raw H (a grid point) or prev +- max_delta: compute those in the same pass
     prev_h, d = ctx.previous[1], cfg.max_delta
     tok.prefetch("p8", [*grid, prev_h, *(_smooth(prev_h, x, d, cfg.upper_min, cfg.upper_max) for x in (prev_h - d, prev_h + d))])
     ok = tok.curve("p8", grid) >= ctx.target_balance * neg8 * (1 - BALANCE_RTOL)
     hit = torch.nonzero(ok)
-    return grid[int(hit[0])] if hit.numel() else cfg.upper_max
+    return (grid[int(hit[0])] if hit.numel() else cfg.upper_max), "ok"
 
 
-def _calibrated_raw(tok: CalibrationTokens, ctx: ModeContext, move_upper: bool) -> tuple[float, float, str]:
-    prev_l, prev_h = ctx.previous
+def _calibrated_lower(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, str]:
+    """(raw L, L in force after smoothing, status); degenerate batches keep the previous L."""
+    prev_l = ctx.previous[0]
     if tok.n_neg == 0:
-        return prev_l, prev_h, "empty" if tok.n_tokens == 0 else "no_negative_tokens"
+        return prev_l, prev_l, "empty" if tok.n_tokens == 0 else "no_negative_tokens"
     raw_l = tok.quantile_lower(ctx.k_bf16)
     cfg = ctx.config
-    # one pass over the FP8 negatives for every lower bound calibrate reports
-    tok.prefetch("n8", [raw_l, prev_l, _smooth(prev_l, raw_l, cfg.max_delta, cfg.lower_min, cfg.lower_max)])
-    if not move_upper:
-        return raw_l, 1.0 + ctx.eps_high, "ok"
-    if tok.n_pos == 0:
-        return raw_l, prev_h, "no_positive_tokens"
-    return raw_l, _search_upper(tok, raw_l, ctx), "ok"
+    lower = _smooth(prev_l, raw_l, cfg.max_delta, cfg.lower_min, cfg.lower_max)
+    tok.prefetch("n8", [raw_l, prev_l, lower])  # one pass over the FP8 negatives for every L reported
+    return raw_l, lower, "ok"
 
 
 @CLIP_MODES.register("calibrated")
 def _mode_calibrated(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, float, float, str]:
+    """Rule 1 for L, smoothing of L, then H searched against the *smoothed* L (the
+    pair in force), then smoothing of H. Any degenerate batch keeps the previous H."""
     cfg = ctx.config
-    raw_l, raw_h, status = _calibrated_raw(tok, ctx, move_upper=True)
-    lower = _smooth(ctx.previous[0], raw_l, cfg.max_delta, cfg.lower_min, cfg.lower_max)
+    raw_l, lower, status = _calibrated_lower(tok, ctx)
+    if status != "ok":
+        raw_h = ctx.previous[1]
+    elif tok.n_pos == 0:
+        raw_h, status = ctx.previous[1], "no_positive_tokens"
+    else:
+        raw_h, status = _search_upper(tok, lower, ctx)
     upper = _smooth(ctx.previous[1], raw_h, cfg.max_delta, cfg.upper_min, cfg.upper_max)
     return raw_l, raw_h, lower, upper, status
 
 
+@CLIP_MODES.register("calibrated_lower_only")
+def _mode_calibrated_lower_only(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, float, float, str]:
+    """Rule 1 and smoothing for L; H fixed at 1 + eps_high (formerly named ``relaxed_lower``)."""
+    raw_l, lower, status = _calibrated_lower(tok, ctx)
+    upper = 1.0 + ctx.eps_high
+    return raw_l, upper, lower, upper, status
+
+
 @CLIP_MODES.register("relaxed_lower")
 def _mode_relaxed_lower(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, float, float, str]:
-    cfg = ctx.config
-    raw_l, _, status = _calibrated_raw(tok, ctx, move_upper=False)
-    upper = 1.0 + ctx.eps_high
-    lower = _smooth(ctx.previous[0], raw_l, cfg.max_delta, cfg.lower_min, cfg.lower_max)
-    return raw_l, upper, lower, upper, status
+    """Standard clipping with a fixed, wider lower bound ``1 - relaxed_eps_low``."""
+    lower, upper = relaxed_bounds(ctx.eps_high, ctx.config)
+    return lower, upper, lower, upper, "empty" if tok.n_tokens == 0 else "ok"
+
+
+def relaxed_bounds(eps_high: float, config: CalibrationConfig) -> tuple[float, float]:
+    """(1 - calibration.relaxed_eps_low, 1 + eps_high): the bounds of mode ``relaxed_lower``."""
+    return 1.0 - config.relaxed_eps_low, 1.0 + eps_high
 
 
 @CLIP_MODES.register("standard")
@@ -343,14 +390,26 @@ def _mode_standard(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, flo
 
 @CLIP_MODES.register("bapo")
 def _mode_bapo(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, float, float, str]:
-    cfg = ctx.config
-    lgrid = _grid(cfg.bapo_lower_min, cfg.bapo_lower_max, cfg.bapo_lower_step)
-    hgrid = _grid(cfg.bapo_upper_min, cfg.bapo_upper_max, cfg.bapo_upper_step)
+    """BAPO as published picks its bounds before every update in the trainer
+    (``fp8rl_core.bapo``); a calibration step only records statistics at the
+    standard bounds, which BAPO does not use."""
+    return _mode_standard(tok, ctx)
+
+
+@CLIP_MODES.register("bapo_joint_every_k")
+def _mode_bapo_joint_every_k(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, float, float, str]:
+    """Our earlier BAPO-like variant (formerly ``bapo``), NOT the published method:
+    re-picked only on calibration steps from the shadow step's FP8 ratios and then
+    held for K steps, L and H raised together each iteration, our Pos/Neg (with
+    dual clip, ``r <= H``, ``L <= r``). Ranges, steps and rho0 from ``calibration.bapo``."""
+    b = ctx.config.bapo
+    lgrid = _grid(b.lower_start, b.lower_max, b.lower_step)
+    hgrid = _grid(b.upper_start, b.upper_max, b.upper_step)
     steps = max(len(lgrid), len(hgrid))
     li = torch.clamp(torch.arange(steps), max=len(lgrid) - 1)  # path of (L_t, H_t)
     hi = torch.clamp(torch.arange(steps), max=len(hgrid) - 1)
     pos, neg = tok.curve("p8", hgrid)[hi], tok.curve("n8", lgrid)[li]  # [steps] each
-    need = cfg.bapo_rho0 / (1.0 - cfg.bapo_rho0)
+    need = b.rho0 / (1.0 - b.rho0)
     ok = (neg == 0) | (pos >= need * neg * (1 - BALANCE_RTOL))
     hit = torch.nonzero(ok)
     t = int(hit[0]) if hit.numel() else steps - 1
@@ -362,7 +421,10 @@ def _mode_bapo(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, 
 
 
 def initial_bounds(*, eps_low: float, eps_high: float, config: CalibrationConfig) -> tuple[float, float]:
-    """(L, H) before the first calibration: ``config.initial_*`` or ``1 -/+ eps``."""
+    """(L, H) before the first calibration: ``config.initial_*`` or ``1 -/+ eps``
+    (mode ``relaxed_lower``: its fixed bounds, in force from the first step)."""
+    if config.mode == "relaxed_lower":
+        eps_low = config.relaxed_eps_low
     lo = config.initial_lower if config.initial_lower is not None else 1.0 - eps_low
     hi = config.initial_upper if config.initial_upper is not None else 1.0 + eps_high
     return lo, hi
@@ -410,8 +472,8 @@ class CalibrationResult:
     ``lower``/``upper`` are the smoothed, clamped bounds to use from the next
     step; ``raw_*`` the unsmoothed rule output; ``previous_*`` the bounds in
     force before. Balances: ``target`` = BF16 at the standard bounds,
-    ``before`` = FP8 at previous, ``after`` = FP8 at raw, ``applied`` = FP8 at
-    (lower, upper). ``lower_clip_share_*`` are shares of the negative-advantage
+    ``before`` = FP8 at previous, ``after`` = FP8 at the bounds in force from
+    the next step (lower, upper), ``applied`` = the same (kept for old readers). ``lower_clip_share_*`` are shares of the negative-advantage
     tokens (so ``lower_clip_share_bf16 == alpha``), ``upper_clip_share_*`` of
     the positive ones. ``n_tokens`` counts the valid, finite tokens used.
     """
@@ -468,6 +530,7 @@ def calibrate(
     config: CalibrationConfig,
     previous: tuple[float, float] | CalibratorState | None = None,
     dual_clip: float = 3.0,
+    weights: torch.Tensor | None = None,
 ) -> CalibrationResult:
     """Choose the clip bounds for the next steps (mode ``config.mode``).
 
@@ -481,12 +544,17 @@ def calibrate(
         previous: bounds in force, as ``(L, H)`` or a ``CalibratorState``;
             None = ``initial_bounds``.
         dual_clip: c of the loss (``algorithm.dual_clip``); Neg ignores r > c.
+        weights: ``[N]`` TIS weights; required by, and only used with,
+            ``config.tis_weighted_balance`` (Pos/Neg sum r * |A| * w).
     Returns:
         A ``CalibrationResult`` of Python scalars.
     """
     mode_fn = CLIP_MODES.get(config.mode)
     prev = _resolve_previous(previous, eps_low, eps_high, config)
-    tok = CalibrationTokens(r_fp8, r_bf16, advantages, mask, dual_clip)
+    if config.tis_weighted_balance and weights is None:
+        raise ValueError("calibration.tis_weighted_balance needs the TIS weights of the tokens (weights=...)")
+    tok = CalibrationTokens(r_fp8, r_bf16, advantages, mask, dual_clip,
+                            weights=weights if config.tis_weighted_balance else None)
     std_l, std_h = 1.0 - eps_low, 1.0 + eps_high
     k16 = tok.count_below("n16", std_l)
     target = _ratio(tok.pos_contrib("p16", std_h), tok.neg_contrib("n16", std_l))
@@ -502,7 +570,7 @@ def calibrate(
     return CalibrationResult(
         mode=config.mode, lower=lower, upper=upper, raw_lower=raw_l, raw_upper=raw_h,
         previous_lower=prev[0], previous_upper=prev[1], alpha=_share(k16, nn), target_balance=target,
-        balance_before=fp8_balance(*prev), balance_after=fp8_balance(raw_l, raw_h), balance_applied=fp8_balance(lower, upper),
+        balance_before=fp8_balance(*prev), balance_after=fp8_balance(lower, upper), balance_applied=fp8_balance(lower, upper),
         lower_clip_share_bf16=_share(k16, nn),
         lower_clip_share_fp8_before=_share(tok.count_below("n8", prev[0]), nn),
         lower_clip_share_fp8_after=_share(tok.count_below("n8", raw_l), nn),

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TrainPrecision = Literal["bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise"]
 RolloutPrecision = Literal["bf16", "fp8_per_tensor", "fp8_per_block"]
-ClipMode = Literal["standard", "calibrated", "relaxed_lower", "bapo"]
+ClipMode = Literal["standard", "calibrated", "relaxed_lower", "calibrated_lower_only", "bapo", "bapo_joint_every_k"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -52,12 +52,13 @@ class ModelConfig(_Frozen):
 class TaskConfig(_Frozen):
     """The training prompts and their verifier."""
 
-    kind: Literal["synthetic", "deepscaler", "gsm8k"] = Field("synthetic", description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, or GSM8K train.")
+    kind: Literal["synthetic", "deepscaler", "gsm8k", "dapo_math"] = Field("synthetic", description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, GSM8K train, or DAPO-Math-17K (BytedTsinghua-SIA/DAPO-Math-17k, verl format).")
     difficulty: int = Field(1, ge=0, le=3, description="Synthetic task difficulty level.")
     train_size: int = Field(200_000, ge=1, description="Synthetic train split size (problems; drawn lazily from the seed).")
     path: str | None = Field(None, description="Train file or HF dataset name for non-synthetic kinds; relative paths resolve against data_dir.")
     data_dir: str | None = Field(None, description="Benchmark/data folder; default: $FP8RL_DATA_DIR.")
     seed: int = Field(1234, description="Seed of the synthetic task generator (train/test splits are disjoint by construction).")
+    hub: bool = Field(False, description="Read path (or the kind's default dataset) from the Hugging Face Hub (a machine with network access).")
 
 
 class BootstrapConfig(_Frozen):
@@ -97,12 +98,12 @@ class RolloutConfig(_Frozen):
 
 class AlgorithmConfig(_Frozen):
     advantage: Literal["grpo", "drgrpo"] = Field("grpo", description="Advantage estimator (registry name).")
-    loss: Literal["ppo", "cispo"] = Field("ppo", description="Policy loss (registry name).")
+    loss: str = Field("ppo", description="Policy loss: a name in fp8rl_core.losses.POLICY_LOSSES (ppo, cispo).")
     loss_agg: LossAgg = Field("token-mean", description="Loss aggregation mode.")
     eps_low: float = Field(0.2, ge=0, lt=1, description="PPO lower clip epsilon (ratio lower bound 1-eps_low).")
     eps_high: float = Field(0.28, ge=0, description="PPO upper clip epsilon (ratio upper bound 1+eps_high).")
     dual_clip: float = Field(3.0, gt=1, description="Dual-clip constant c for negative advantages.")
-    cispo_eps_high: float = Field(4.0, gt=0, description="CISPO: upper truncation of the IS weight (1+eps).")
+    cispo_eps_high: float = Field(0.2, gt=0, description="CISPO: the detached IS weight is capped at 1 + this, with no lower bound. 0.2 = verl's CISPO example (examples/cispo_trainer: clip_ratio_high=0.2, clip_ratio_low=10, i.e. lower side unclamped); MiniMax-M1 tunes only this upper side.")
     tis: bool = Field(True, description="Truncated importance sampling against rollout log-probs.")
     tis_cap: float = Field(2.0, gt=0, description="TIS cap C.")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
@@ -123,6 +124,15 @@ class AlgorithmConfig(_Frozen):
     token_stats_sample: float = Field(0.05, ge=0, le=1, description="Share of tokens written to token_stats on non-calibration steps.")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder block's activations in backward (stores block inputs only).")
 
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        from fp8rl_core.losses import POLICY_LOSSES  # the registry is the one list of losses
+
+        if v not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy loss {v!r}; valid: {', '.join(POLICY_LOSSES.names())}")
+        return v
+
     @model_validator(mode="after")
     def _batches(self) -> "AlgorithmConfig":
         if self.ppo_mini_batch_size % self.micro_batch_size:
@@ -142,10 +152,35 @@ class PrecisionConfig(_Frozen):
     round_scales_to_power_of_2: bool = Field(False, description="Round FP8 scales down to powers of two.")
 
 
+class BapoConfig(_Frozen):
+    """BAPO (Xi et al. 2025, arXiv 2510.18927) as published: bounds re-picked before every
+    optimizer update from the current ratios (``fp8rl_core.bapo``). Ranges and rho0 are
+    the paper's; the steps are the public verl recipe's (run_bapo_example.sh). The three
+    ``*_convention`` fields switch each point where paper and recipe differ."""
+
+    rho0: float = Field(0.5, gt=0, lt=1, description="Target positive share rho0 (paper: 0.5).")
+    lower_start: float = Field(0.6, gt=0, description="a-: c_low at the start of every update (paper: 0.6).")
+    lower_max: float = Field(0.9, gt=0, description="b-: largest c_low (paper: 0.9).")
+    lower_step: float = Field(0.05, gt=0, description="delta2: c_low step (recipe: ratio_lower_step=0.05).")
+    upper_start: float = Field(1.2, gt=0, description="a+: c_high at the start of every update (paper: 1.2).")
+    upper_max: float = Field(3.0, gt=0, description="b+: largest c_high (paper: 3.0).")
+    upper_step: float = Field(0.1, gt=0, description="delta1: c_high step (recipe example: ratio_upper_step=0.1; recipe default 0.05).")
+    order: Literal["paper", "recipe"] = Field("paper", description="paper: raise c_high while it fits, else c_low, loop while c_low can move; recipe: raise c_low to its max first, then c_high.")
+    boundary: Literal["paper", "recipe"] = Field("paper", description="paper: S+ over A>0 with r < c_high, S- over A<0 with r > c_low (clipped tokens excluded); recipe: every token counts with its clamped ratio, min(r, c_high) or max(r, c_low).")
+    target: Literal["share", "ratio"] = Field("share", description="share (paper): rho = S+/(S+ + S-); ratio (recipe): S+/S- compared with rho0.")
+    last_step: Literal["paper", "recipe"] = Field("paper", description="paper: move only while bound + step <= max; recipe: the last move may be shortened to land on max.")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "BapoConfig":
+        if self.lower_start > self.lower_max or self.upper_start > self.upper_max:
+            raise ValueError("calibration.bapo: lower_start <= lower_max and upper_start <= upper_max required")
+        return self
+
+
 class CalibrationConfig(_Frozen):
     """Calibrated Clipping (DESIGN.md section 2) and the comparison modes."""
 
-    mode: ClipMode = Field("calibrated", description="Clip-bound policy: standard, calibrated, relaxed_lower, bapo.")
+    mode: ClipMode = Field("calibrated", description="Clip-bound policy: standard, calibrated, relaxed_lower (fixed wider eps_low), calibrated_lower_only, bapo (per update, as published), bapo_joint_every_k (our earlier variant).")
     interval: int = Field(20, ge=1, description="Calibrate every K steps (BF16 shadow passes run on those steps).")
     lower_min: float = Field(0.6, gt=0, description="Search interval of the lower bound L: minimum.")
     lower_max: float = Field(1.0, gt=0, description="Search interval of L: maximum.")
@@ -155,13 +190,9 @@ class CalibrationConfig(_Frozen):
     max_delta: float = Field(0.05, ge=0, description="Largest change of a bound per calibration (smoothing).")
     initial_lower: float | None = Field(None, description="Bounds before the first calibration; None = 1 - eps_low.")
     initial_upper: float | None = Field(None, description="None = 1 + eps_high.")
-    bapo_rho0: float = Field(0.4, gt=0, lt=1, description="BAPO: target share of positive contribution.")
-    bapo_lower_min: float = Field(0.6, gt=0, description="BAPO lower grid minimum.")
-    bapo_lower_max: float = Field(0.9, gt=0, description="BAPO lower grid maximum.")
-    bapo_lower_step: float = Field(0.02, gt=0, description="BAPO lower grid step.")
-    bapo_upper_min: float = Field(1.2, gt=0, description="BAPO upper grid minimum.")
-    bapo_upper_max: float = Field(3.0, gt=0, description="BAPO upper grid maximum.")
-    bapo_upper_step: float = Field(0.05, gt=0, description="BAPO upper grid step.")
+    relaxed_eps_low: float = Field(0.3, gt=0, lt=1, description="relaxed_lower: the fixed, wider eps_low (L = 1 - this) used by the loss; alpha and over-clipping stay measured against algorithm.eps_low. Sweep: 0.3, 0.4 (our choice).")
+    tis_weighted_balance: bool = Field(False, description="calibrated: weight each token of Pos/Neg by its TIS weight (the factor that really scales its gradient).")
+    bapo: BapoConfig = Field(default_factory=BapoConfig)
 
     @model_validator(mode="after")
     def _ranges(self) -> "CalibrationConfig":
@@ -169,8 +200,6 @@ class CalibrationConfig(_Frozen):
             raise ValueError("calibration.lower_min must be <= calibration.lower_max")
         if self.upper_min > self.upper_max:
             raise ValueError("calibration.upper_min must be <= calibration.upper_max")
-        if self.bapo_lower_min > self.bapo_lower_max or self.bapo_upper_min > self.bapo_upper_max:
-            raise ValueError("calibration.bapo_* ranges must have min <= max")
         return self
 
 
@@ -233,6 +262,7 @@ class CampaignConfig(_Frozen):
     def initial_bounds(self) -> tuple[float, float]:
         """(L, H) in force before the first calibration."""
         c = self.calibration
-        lo = c.initial_lower if c.initial_lower is not None else 1.0 - self.algorithm.eps_low
+        eps_low = c.relaxed_eps_low if c.mode == "relaxed_lower" else self.algorithm.eps_low
+        lo = c.initial_lower if c.initial_lower is not None else 1.0 - eps_low
         hi = c.initial_upper if c.initial_upper is not None else 1.0 + self.algorithm.eps_high
         return lo, hi

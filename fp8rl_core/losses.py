@@ -20,13 +20,20 @@ Truncated importance sampling (Yao et al. 2025) multiplies each token's loss by
 ``w = min(exp(old_logp - rollout_logp), C)``, detached, to correct the
 rollout-engine vs trainer mismatch (``tis_weights``).
 
-CISPO (MiniMax-M1, 2025) never drops a token's gradient: it clips and detaches
-the importance weight and uses it as a REINFORCE coefficient,
+CISPO (MiniMax-M1, arXiv 2506.13585) never drops a token's gradient: it clips
+and detaches the importance weight and uses it as a REINFORCE coefficient,
 ``loss = -sg(clamp(r, L, H)) * A * logp``, gradient ``-clamp(r, L, H) * A``.
 With the same signature as ``policy_loss``, ``lower``/``upper`` are the IS
-truncation bounds (M1 uses no lower bound and ``upper = 1 + eps_high_IS``: pass
-``lower=0.0, upper=1 + algorithm.cispo_eps_high``); ``dual_clip`` only feeds the
-``dualclip_frac`` metric.
+truncation bounds. M1 sets no lower bound and tunes only ``1 + eps_high_IS``;
+verl's CISPO example (examples/cispo_trainer) runs it with ``clip_ratio_high =
+0.2`` and ``clip_ratio_low = 10`` (lower side unclamped), so our default is
+``lower=0.0, upper=1 + algorithm.cispo_eps_high = 1.2``. ``dual_clip`` only
+feeds the ``dualclip_frac`` metric.
+
+Which bounds a loss takes is the loss's business, not the trainer's:
+``LOSS_BOUNDS`` maps each registered loss to ``(lower, upper, algorithm) ->
+(lower, upper)`` (PPO: the clip bounds in force; CISPO: its IS cap), and
+``loss_bounds`` looks it up, so the trainer never names a loss.
 
 Aggregation (``aggregate``) of the masked ``[B, T]`` per-token loss, with
 ``S_b = sum_t loss[b, t]`` over valid tokens:
@@ -71,6 +78,8 @@ __all__ = [
     "cispo_loss",
     "clip_metrics",
     "importance_ratio",
+    "LOSS_BOUNDS",
+    "loss_bounds",
     "policy_loss",
     "tis_weights",
 ]
@@ -99,6 +108,19 @@ class PolicyLoss(Protocol):
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 AGGREGATIONS: Registry[Callable[..., torch.Tensor]] = Registry("loss aggregation mode")
+LOSS_BOUNDS: Registry[Callable[[float, float, object], tuple[float, float]]] = Registry("policy loss bounds")
+
+
+def loss_bounds(loss: str, lower: float, upper: float, algorithm) -> tuple[float, float]:
+    """The ``(lower, upper)`` to pass to loss ``loss`` given the ratio clip bounds in
+    force; ``algorithm`` is the ``AlgorithmConfig`` (for a loss's own settings)."""
+    POLICY_LOSSES.get(loss)
+    return LOSS_BOUNDS.get(loss)(lower, upper, algorithm)
+
+
+LOSS_BOUNDS.register("ppo")(lambda lower, upper, algorithm: (lower, upper))
+# CISPO: IS weight capped from above only (verl's example: 1 + 0.2); 0 never binds since r > 0.
+LOSS_BOUNDS.register("cispo")(lambda lower, upper, algorithm: (0.0, 1.0 + algorithm.cispo_eps_high))
 
 
 # --------------------------------------------------------------------------- aggregation

@@ -179,6 +179,28 @@ def _gsm8k(rec: dict[str, Any], index: int) -> tuple[str, str, str]:
     return _rec_id(rec, index, "id"), _text(rec, "question"), m.group(1).replace(",", "").strip()
 
 
+_DAPO_HEAD = "The last line of your response should be of the form Answer: $Answer"
+_DAPO_TAIL = "\n\nRemember to put your answer on its own line after"
+
+
+def _dapo_math(rec: dict[str, Any], index: int) -> tuple[str, str, str]:
+    """DAPO-Math-17K (verl format): prompt = chat messages whose user turn wraps the problem in
+    DAPO's answer-format instruction (stripped here: our prompt template asks for its own format);
+    answer = reward_model.ground_truth."""
+    msgs = rec.get("prompt")
+    text = next((m.get("content") for m in msgs if isinstance(m, dict) and m.get("role") == "user"), None) \
+        if isinstance(msgs, list) else _text(rec, "prompt", "problem")
+    if not isinstance(text, str) or not text.strip():
+        raise MalformedRecord("no user prompt")
+    if _DAPO_HEAD in text.split("\n\n", 1)[0]:
+        text = text.split("\n\n", 1)[1] if "\n\n" in text else text
+    text = text.split(_DAPO_TAIL, 1)[0].strip()
+    truth = (rec.get("reward_model") or {}).get("ground_truth") if isinstance(rec.get("reward_model"), dict) else rec.get("answer")
+    extra = rec.get("extra_info") if isinstance(rec.get("extra_info"), dict) else {}
+    rid = str(extra.get("index")) if extra.get("index") is not None else _rec_id(rec, index, "id")
+    return rid, text, _answer_str(truth)
+
+
 # ---------------------------------------------------------------- sources
 @dataclass(frozen=True)
 class Source:
@@ -200,6 +222,8 @@ SOURCES.register("gsm8k")(Source("gsm8k/test.jsonl", _gsm8k, ("openai/gsm8k", "m
 TRAIN_SOURCES: Registry[Source] = Registry("training prompt source")
 TRAIN_SOURCES.register("deepscaler")(Source("deepscaler_train_partial/math.json", _plain, ("agentica-org/DeepScaleR-Preview-Dataset", None, "train")))
 TRAIN_SOURCES.register("gsm8k")(Source("gsm8k/train.jsonl", _gsm8k, ("openai/gsm8k", "main", "train")))
+# DAPO's training set (Yu et al. 2025), by its Hugging Face name; not in the offline data folder
+TRAIN_SOURCES.register("dapo_math")(Source("dapo_math_17k/train.jsonl", _dapo_math, ("BytedTsinghua-SIA/DAPO-Math-17k", None, "train")))
 
 BENCHMARK_NAMES = tuple(SOURCES.names()) + ("synthetic",)
 

@@ -24,6 +24,21 @@ def _ratio(logp: np.ndarray, old: np.ndarray) -> torch.Tensor:
     return importance_ratio(torch.from_numpy(logp.astype(np.float32)), torch.from_numpy(old.astype(np.float32)))
 
 
+def _tis_weights(env: RunEnv, step: int, tok, old_logp_fp8: np.ndarray) -> torch.Tensor:
+    """Per-token TIS weights min(exp(old_logp_fp8 - rollout_logp), C), as the loss applies them
+    (all ones with ``algorithm.tis`` off): rollout log-probs come from the ``rollouts`` table."""
+    from fp8rl_core.losses import tis_weights
+
+    if not env.cfg.algorithm.tis:
+        return torch.ones(len(old_logp_fp8), dtype=torch.float32)
+    rows = read_step(env, "rollouts", step)
+    by_id = dict(zip(rows.column("sample_id").to_pylist(), rows.column("rollout_logp").to_pylist()))
+    sid = tok.column("sample_id").to_pylist()
+    pos = tok.column("position").to_pylist()
+    rollout = np.array([by_id[s][p] for s, p in zip(sid, pos)], dtype=np.float32)
+    return tis_weights(torch.from_numpy(old_logp_fp8.astype(np.float32)), torch.from_numpy(rollout), cap=env.cfg.algorithm.tis_cap)
+
+
 def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[dict, TrainState]:
     """Calibrate on ``step``'s tokens; write ``bounds``; return the state with the moved calibrator."""
     t0 = time.perf_counter()
@@ -37,8 +52,9 @@ def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0
     r16 = _ratio(col["logp_bf16"], col["old_logp_bf16"])
     adv = torch.from_numpy(col["advantage"].astype(np.float32))
     mask = torch.ones_like(adv, dtype=torch.bool)
+    weights = _tis_weights(env, step, tok, col["old_logp_fp8"]) if cfg.calibration.tis_weighted_balance else None
     res = calibrate(r8, r16, adv, mask, eps_low=cfg.algorithm.eps_low, eps_high=cfg.algorithm.eps_high,
-                    config=cfg.calibration, previous=state.calibrator, dual_clip=cfg.algorithm.dual_clip)
+                    config=cfg.calibration, previous=state.calibrator, dual_clip=cfg.algorithm.dual_clip, weights=weights)
     row = {
         "mode": [res.mode], "alpha": [res.alpha], "raw_lower": [res.raw_lower], "raw_upper": [res.raw_upper],
         "lower": [res.lower], "upper": [res.upper], "target_balance": [res.target_balance],

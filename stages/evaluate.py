@@ -90,4 +90,19 @@ def run_evaluate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0)
     ]
     seconds = time.perf_counter() - t0
     scores = {f"{m['benchmark']}/{m['metric'][:-1]}{m['k']}": float(m["value"]) for m in all_metrics}
+    scores.update(benchmark_average(all_metrics))
     return {"outputs": outputs, "scores": scores, "seconds": seconds}, state
+
+
+AVERAGE_KEY = "average/avg@k"
+
+
+def benchmark_average(metrics: list[dict]) -> dict[str, float]:
+    """``{"average/avg@k": mean over benchmarks of avg@k at each benchmark's largest k}``, the paper's
+    selection figure (as the ``paper-table`` query's best_eval_average), so
+    ``checkpoint.keep_best_metric: average/avg@k`` keeps the checkpoint the reported figure comes from."""
+    best: dict[str, tuple[int, float]] = {}
+    for m in metrics:
+        if str(m["metric"]).startswith("avg@") and (m["benchmark"] not in best or m["k"] > best[m["benchmark"]][0]):
+            best[m["benchmark"]] = (int(m["k"]), float(m["value"]))
+    return {AVERAGE_KEY: sum(v for _, v in best.values()) / len(best)} if best else {}

@@ -97,7 +97,7 @@ def make_source(cfg: TaskConfig) -> PromptSource:
         return SyntheticSource(cfg)
     from stages.benchmarks import load_train_prompts, render_prompt
 
-    problems = load_train_prompts(cfg.kind, cfg.path, data_dir(cfg))
+    problems = load_train_prompts(cfg.kind, cfg.path, data_dir(cfg), hub=cfg.hub)
     items = [PromptItem(q.id, render_prompt(q), q.answer, cfg.kind) for q in problems]
     return ListSource(items, cfg.kind)
 

@@ -3,7 +3,7 @@
 Rewards are the verifier's score (1 correct, 0 wrong) plus DAPO overlong shaping
 when enabled. Advantages come from the configured estimator over GRPO groups (the
 G samples of one prompt in one generation round). With DAPO dynamic sampling,
-groups whose rewards are all equal are dropped and the stage loops back to the
+groups whose accuracies are all 0 or all 1 are dropped and the stage loops back to the
 rollout stage for at most ``max_refill_rounds`` extra rounds to refill the batch;
 dropped samples stay in ``scores`` with ``kept = false`` so the SQL view shows them.
 """
@@ -50,9 +50,11 @@ def _score_rows(env: RunEnv, rows: pa.Table, scores: list[float]) -> dict[str, n
     mean = torch.zeros(len(uniq)).index_add_(0, inv, reward) / cnt
     var = torch.zeros(len(uniq)).index_add_(0, inv, (reward - mean[inv]) ** 2) / (cnt - 1).clamp_min(1)
     std = torch.where(cnt > 1, var.sqrt(), torch.ones_like(var))
-    keep = dynamic_sampling_mask(reward, group) if a.dynamic_sampling else torch.ones_like(reward, dtype=torch.bool)
+    correct = score >= 1.0
+    # DAPO filters on accuracy, not on the shaped reward (overlong penalties make equal answers unequal)
+    keep = dynamic_sampling_mask(correct.float(), group) if a.dynamic_sampling else torch.ones_like(reward, dtype=torch.bool)
     return {
-        "score": score.numpy(), "correct": (score >= 1.0).numpy(), "overlong_penalty": penalty.numpy(),
+        "score": score.numpy(), "correct": correct.numpy(), "overlong_penalty": penalty.numpy(),
         "reward": reward.numpy(), "group_reward_mean": mean[inv].numpy(), "group_reward_std": std[inv].numpy(),
         "advantage": adv.float().numpy(), "kept": keep.numpy(),
     }

@@ -96,6 +96,8 @@ def token_rows(batch: TrainBatch, res: UpdateResult, *, bounds, standard, sample
         return pa.array(t[rows_i, cols_i].float().numpy(), pa.float32())
 
     lo, hi = bounds
+    if res.row_bounds is not None:  # bounds per update (BAPO): each row's own
+        lo, hi = res.row_bounds[rows_i, 0].numpy(), res.row_bounds[rows_i, 1].numpy()
     return pa.table({
         "sample_id": pa.array(batch.sample_ids[rows_i].numpy().astype(np.int32)),
         "position": pa.array((cols_i - first[rows_i]).numpy().astype(np.int32)),
@@ -123,12 +125,13 @@ def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard) -> di
     neg = mask & (adv < 0)
     n_valid = max(int(mask.sum()), 1)
     eps_low = 1.0 - standard[0]
-    over = over_clipped_mask(r8, r16, adv, mask, eps_low=eps_low, lower=bounds[0])
-    under = under_clipped_mask(r8, r16, adv, mask, eps_low=eps_low, lower=bounds[0])
+    low = bounds[0] if res.row_bounds is None else res.row_bounds[:, :1]  # [N, 1]: each row's L (BAPO)
+    over = over_clipped_mask(r8, r16, adv, mask, eps_low=eps_low, lower=low)
+    under = under_clipped_mask(r8, r16, adv, mask, eps_low=eps_low, lower=low)
     out["overclipped_share"] = float(over.sum()) / n_valid
     out["underclipped_share"] = float(under.sum()) / n_valid
     n_neg = max(int(neg.sum()), 1)
-    out["lower_clip_share_neg_fp8"] = float((neg & (r8 < bounds[0])).sum()) / n_neg
+    out["lower_clip_share_neg_fp8"] = float((neg & (r8 < low)).sum()) / n_neg
     out["lower_clip_share_neg_bf16"] = float((neg & (r16 < standard[0])).sum()) / n_neg
     bins = entropy_binned_clip_shares(res.entropy, r8, adv, mask, edges=ENTROPY_BIN_EDGES, lower=bounds[0], upper=bounds[1])
     for i, b in enumerate(bins):

@@ -53,7 +53,8 @@ import torch
 from fp8rl_core.config import CampaignConfig
 from fp8rl_core.fp8_linear import TOKEN_MULTIPLE
 from fp8rl_core.logprobs import sequence_logprobs
-from fp8rl_core.losses import POLICY_LOSSES, policy_loss, tis_weights
+from fp8rl_core import bapo as bapo_rule
+from fp8rl_core.losses import POLICY_LOSSES, importance_ratio, loss_bounds, policy_loss, tis_weights
 from fp8rl_core.precision import bf16_shadow
 
 
@@ -106,6 +107,7 @@ class UpdateResult:
     skipped_updates: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     rows: torch.Tensor | None = None  # global rows this rank trained (its share of the per-token tables)
+    row_bounds: torch.Tensor | None = None  # [N, 2] (L, H) of each row's epoch-0 update when bounds vary per update (BAPO)
 
 
 # --------------------------------------------------------------------------- collectives
@@ -334,9 +336,9 @@ def policy_update(
     logp8, entropy = torch.zeros_like(old8), torch.zeros_like(old8)
     minibatch = torch.zeros(n, dtype=torch.long)
     loss_fn = POLICY_LOSSES.get(a.loss)
-    # CISPO truncates the IS weight at [0, 1 + eps] instead of clipping the ratio.
     lower, upper = bounds
-    loss_bounds = (0.0, 1.0 + a.cispo_eps_high) if a.loss == "cispo" else (lower, upper)
+    lb = loss_bounds(a.loss, lower, upper, a)  # the loss's own reading of (L, H), from the registry
+    bapo_on, bapo_results, bapo_mb = cfg.calibration.mode == "bapo", [], {}  # BAPO: bounds per update
     losses, grad_norms, skipped = [], [], 0
     per_epoch = len(plan) // a.ppo_epochs
     t_train = time.perf_counter()
@@ -353,6 +355,18 @@ def policy_update(
                 for r in rows:
                     logp16[r] = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, shadow=True)[0]
             timings["shadow_s"] += time.perf_counter() - t0
+        if bapo_on:  # BAPO as published: bounds from this update's current ratios (global sums), no BF16 pass
+            with torch.no_grad():
+                cur = [importance_ratio(policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode)[0],
+                                        old8[r]) for r in rows]
+            b = bapo_rule.bapo_bounds(torch.cat([c.reshape(-1) for c in cur]),
+                                      torch.cat([adv_tok[r].reshape(-1) for r in rows]),
+                                      torch.cat([mask[r].reshape(-1) for r in rows]), cfg.calibration.bapo,
+                                      reduce=bapo_rule.dist_sum if collective.world_size > 1 else None)
+            bapo_results.append(b)
+            if epoch == 0:
+                bapo_mb.setdefault(mb_index, (b.lower, b.upper))  # epoch 0's bounds, for the step's clip statistics
+            lb = loss_bounds(a.loss, b.lower, b.upper, a)
         mb_tokens = collective.sum(float(sum(float(mask[r].sum()) for r in rows)))
         mb_seqs = collective.sum(float(sum(r.numel() for r in rows)))
         optimizer.zero_grad(set_to_none=True)
@@ -360,7 +374,7 @@ def policy_update(
         for r in rows:
             lp, ent = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, with_entropy=True)
             loss, _ = loss_fn(
-                lp, old8[r], adv_tok[r], mask[r], lower=loss_bounds[0], upper=loss_bounds[1], dual_clip=a.dual_clip,
+                lp, old8[r], adv_tok[r], mask[r], lower=lb[0], upper=lb[1], dual_clip=a.dual_clip,
                 is_weights=None if is_w is None else is_w[r], agg=a.loss_agg,
                 global_token_count=max(mb_tokens, 1.0), global_seq_count=mb_seqs, norm_len=float(cfg.rollout.max_new_tokens),
             )
@@ -399,6 +413,12 @@ def policy_update(
                                      is_w=is_w).items()}
     minibatch = minibatch if collective.world_size == 1 else _owned_max(collective, minibatch, mine, n)
     metrics = step_metrics(full, g["logp8"], g["old8"], g["entropy"], g["is_w"], cfg, bounds=bounds)
+    if bapo_on:  # clip statistics at each row's own update bounds
+        fmask = full.response_mask.float()
+        metrics.update({k: float(v) for k, v in bapo_rule.step_clip_stats(
+            g["logp8"], g["old8"], full.advantages.float()[:, None] * fmask, fmask, minibatch, bapo_mb,
+            dual_clip=a.dual_clip, is_weights=g["is_w"]).items()})
+    metrics.update(bapo_rule.summarize_updates(bapo_results))
     metrics.update(
         loss=_mean(losses), grad_norm=_mean(grad_norms), grad_norm_max=max(grad_norms) if grad_norms else 0.0,
         lr=float(scheduler.get_last_lr()[0]), skipped_updates=float(skipped), updates=float(len(losses)),
@@ -407,6 +427,7 @@ def policy_update(
         metrics=metrics, logp_fp8=g["logp8"], old_logp_fp8=g["old8"], logp_bf16=g["logp16"], old_logp_bf16=g["old16"],
         entropy=g["entropy"], tis_weight=g["is_w"], minibatch=minibatch, skipped_updates=skipped, timings=timings,
         rows=mine,
+        row_bounds=torch.tensor([bapo_mb[int(k)] for k in minibatch], dtype=torch.float32) if bapo_on else None,
     )
 
 

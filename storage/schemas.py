@@ -264,6 +264,17 @@ _STEP_METRICS = (
     ("ratio_nmae", "NMAE of r8 vs r16 (shadow steps); / prob_nmae = noise amplification."),
     ("rollout_gpu_gib_before_sleep", "GPU memory in use (GiB, all processes) just before the vLLM engine slept after rollout; null off GPU."),
     ("rollout_gpu_gib_after_sleep", "GPU memory in use (GiB) just after the vLLM engine slept; null off GPU."),
+    # BAPO as published (calibration.mode = bapo): bounds re-picked before every update
+    ("bapo_lower_mean", "BAPO: mean over the step's updates of c_low (NULL in other modes)."),
+    ("bapo_lower_min", "BAPO: smallest c_low of the step's updates."),
+    ("bapo_lower_max", "BAPO: largest c_low of the step's updates."),
+    ("bapo_upper_mean", "BAPO: mean over the step's updates of c_high."),
+    ("bapo_upper_min", "BAPO: smallest c_high of the step's updates."),
+    ("bapo_upper_max", "BAPO: largest c_high of the step's updates."),
+    ("bapo_rho_mean", "BAPO: mean positive share rho = S+/(S+ + S-) at the chosen bounds (over all ranks' tokens)."),
+    ("bapo_rho_min", "BAPO: smallest rho of the step's updates."),
+    ("bapo_rho_max", "BAPO: largest rho of the step's updates."),
+    ("bapo_iterations_mean", "BAPO: mean number of bound moves per update."),
 )
 
 STEPS = TableSpec(

@@ -43,8 +43,9 @@ def test_calibrated_hand_computed():
     assert res.raw_lower == pytest.approx(0.6)
     # target = Pos16(1.28) / Neg16(0.8) = 3.3 / 2.85; Neg8(0.6) = 2.7, Pos8 = 1.0 | 2.2 | 3.7 at 1.2, 1.5
     assert res.target_balance == pytest.approx(3.3 / 2.85)
+    # H is searched against the smoothed L = 0.75 (Neg8 = 0.9 + 1.1 = 2.0): Pos8 >= 1.158 * 2.0 first at 1.5
     assert res.raw_upper == 1.5
-    assert res.balance_after == pytest.approx(3.7 / 2.7)
+    assert res.balance_after == pytest.approx(2.2 / 2.0)  # at the bounds in force (0.75, 1.33)
     assert res.balance_before == pytest.approx(2.2 / 2.0)  # previous (0.8, 1.28): Neg8 = 0.9 + 1.1
     # smoothing by 0.05 from (0.8, 1.28)
     assert (res.lower, res.upper) == (pytest.approx(0.75), pytest.approx(1.33))
@@ -99,15 +100,19 @@ def _loop_calibrate(r8, r16, adv, mask, cfg: CalibrationConfig, prev, c=3.0):
     target = bal(1, lo0, hi0)
     steps = int(math.floor((cfg.upper_max - cfg.upper_min) / cfg.upper_step + 1e-9))
     grid = [round(cfg.upper_min + j * cfg.upper_step, 12) for j in range(steps + 1)]
-    upper = next((h for h in grid if bal(0, lower, h) >= target), cfg.upper_max)
 
     def smooth(p, raw, lo, hi):
         return min(max(p + min(max(raw - p, -cfg.max_delta), cfg.max_delta), lo), hi)
 
-    lo_app, hi_app = smooth(prev[0], lower, cfg.lower_min, cfg.lower_max), smooth(prev[1], upper, cfg.upper_min, cfg.upper_max)
+    lo_app = smooth(prev[0], lower, cfg.lower_min, cfg.lower_max)  # H is solved for the L in force
+    if math.isinf(bal(0, lo_app, cfg.upper_max)) or math.isinf(target):
+        upper = prev[1]  # degenerate: keep the previous H
+    else:
+        upper = next((h for h in grid if bal(0, lo_app, h) >= target), cfg.upper_max)
+    hi_app = smooth(prev[1], upper, cfg.upper_min, cfg.upper_max)
     return {
         "alpha": alpha, "raw_lower": lower, "raw_upper": upper, "target_balance": target, "lower": lo_app, "upper": hi_app,
-        "balance_before": bal(0, *prev), "balance_after": bal(0, lower, upper), "balance_applied": bal(0, lo_app, hi_app),
+        "balance_before": bal(0, *prev), "balance_after": bal(0, lo_app, hi_app), "balance_applied": bal(0, lo_app, hi_app),
         "lower_clip_share_fp8_before": sum(1 for t in neg if t[0] < prev[0]) / n,
         "lower_clip_share_fp8_applied": sum(1 for t in neg if t[0] < lo_app) / n,
         "upper_clip_share_bf16": sum(1 for t in pos if t[1] > hi0) / len(pos),
@@ -176,13 +181,15 @@ def test_balance_after_reaches_target_when_range_allows():
         upper_max = [1.3, 1.5, 1.8][seed % 3]
         cfg = CalibrationConfig(upper_max=upper_max)
         res = calibrate(r8, r16, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg)
-        reachable = balance(r8, adv, mask, res.raw_lower, upper_max) >= res.target_balance
+        cfg = CalibrationConfig(upper_max=upper_max, max_delta=1.0)  # no step cap: raw H is in force
+        res = calibrate(r8, r16, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg)
+        reachable = balance(r8, adv, mask, res.lower, upper_max) >= res.target_balance
         outcomes.add(reachable)
         if reachable:
             assert res.balance_after >= res.target_balance * (1 - BALANCE_RTOL)
             if res.raw_upper > cfg.upper_min:  # and the grid point below does not
                 below = round(res.raw_upper - cfg.upper_step, 12)
-                assert balance(r8, adv, mask, res.raw_lower, below) < res.target_balance
+                assert balance(r8, adv, mask, res.lower, below) < res.target_balance
         else:
             assert res.raw_upper == upper_max
     assert outcomes == {True, False}  # both branches exercised
@@ -202,6 +209,110 @@ def test_smoothing_never_moves_more_than_max_delta(seed):
         assert res.lower == pytest.approx(res.raw_lower)
 
 
+def test_pair_in_force_meets_bf16_balance_when_the_step_cap_allows():
+    """The (L, H) in force after a calibration meets BF16's balance within one grid step
+    whenever H is within max_delta of its previous value -- also while L is still held
+    back by the step cap (the old order searched H against the raw L and missed here)."""
+    checked = 0
+    for seed in range(40):
+        r8, r16, adv, mask = _noisy_batch(seed, 1000, noise=0.1 + 0.05 * (seed % 4))
+        cfg = CalibrationConfig(max_delta=0.05, upper_max=3.0)
+        prev = (0.9 if seed % 2 else 0.7, 1.1 + 0.04 * (seed % 8))  # L far from its raw value: the cap binds on L
+        res = calibrate(r8, r16, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg, previous=prev)
+        if res.status != "ok" or abs(res.raw_upper - prev[1]) > cfg.max_delta + 1e-12:
+            continue  # the step cap does not let H reach its target on this draw
+        assert abs(res.lower - res.raw_lower) > 1e-6  # the cap held L back
+        lo, hi = res.lower, res.upper
+        assert res.balance_after == pytest.approx(balance(r8, adv, mask, lo, hi), rel=1e-12)
+        assert balance(r8, adv, mask, lo, hi) >= res.target_balance * (1 - BALANCE_RTOL)
+        if hi > cfg.upper_min:
+            assert balance(r8, adv, mask, lo, round(hi - cfg.upper_step, 12)) < res.target_balance
+        checked += 1
+    assert checked >= 5
+
+
+def test_pair_in_force_meets_balance_on_a_hand_batch():
+    # raw L = 0.6, but the cap keeps L at 0.75 (from 0.8). BF16 target = Pos16(1.28) / Neg16(0.8)
+    # = (1.0 + 1.1 + 0.3*1.2 + 1.2) / (0.9 + 0.95 + 1.0) = 3.66 / 2.85.
+    # At the L in force, Neg8(0.75) = 0.9 + 1.1 = 2.0: Pos8(1.3) = 1.0 + 1.2 + 0.39 = 2.59 >= 2.569 -> H = 1.3.
+    # The old order searched against raw L = 0.6 (Neg8 = 2.7, needs 3.47) -> raw H = 1.5, H in force 1.35,
+    # and the pair in force (0.75, 1.35) then sits above BF16's balance by more than a grid step.
+    r8 = torch.tensor([0.5, 0.7, 0.9, 1.1, 1.0, 1.2, 1.3, 1.5], dtype=torch.float64)
+    r16 = torch.tensor([0.7, 0.9, 0.95, 1.0, 1.0, 1.1, 1.2, 1.2], dtype=torch.float64)
+    adv = torch.tensor([-1.0, -1.0, -1.0, -1.0, 1.0, 1.0, 0.3, 1.0], dtype=torch.float64)
+    mask = torch.ones(8, dtype=torch.bool)
+    res = calibrate(r8, r16, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(), previous=(0.8, 1.3))
+    assert res.target_balance == pytest.approx(3.66 / 2.85)
+    assert res.raw_lower == pytest.approx(0.6) and res.lower == pytest.approx(0.75)
+    assert res.raw_upper == pytest.approx(1.3) and res.upper == pytest.approx(1.3)
+    assert res.balance_after == pytest.approx(2.59 / 2.0)
+
+
+# --------------------------------------------------------------------------- degenerate batches
+
+
+def test_degenerate_no_contributing_negatives_keeps_previous_upper():
+    # every A<0 token has r8 above the dual clip: Neg8 = 0 at any L, FP8 balance +inf for every H
+    r8 = torch.tensor([3.5, 4.0, 1.0, 1.1], dtype=torch.float64)
+    r16 = torch.tensor([0.9, 1.0, 1.0, 1.1], dtype=torch.float64)
+    adv = torch.tensor([-1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
+    res = calibrate(r8, r16, adv, torch.ones(4, dtype=torch.bool), eps_low=EPS_LOW, eps_high=EPS_HIGH,
+                    config=CalibrationConfig(), previous=(0.8, 1.4))
+    assert res.status == "no_contributing_negatives"
+    assert res.raw_upper == 1.4 and res.upper == 1.4  # the old code set raw H to upper_min (1.0) -> H = 1.35
+
+
+def test_degenerate_no_contributing_negatives_in_bf16_keeps_previous_upper():
+    # BF16 clips every negative below 0.8 (target +inf) while FP8 has contributing ones
+    r8 = torch.tensor([0.85, 0.9, 1.0, 1.1], dtype=torch.float64)
+    r16 = torch.tensor([0.5, 0.6, 1.0, 1.1], dtype=torch.float64)
+    adv = torch.tensor([-1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
+    res = calibrate(r8, r16, adv, torch.ones(4, dtype=torch.bool), eps_low=EPS_LOW, eps_high=EPS_HIGH,
+                    config=CalibrationConfig(), previous=(0.8, 1.3))
+    assert math.isinf(res.target_balance)
+    assert res.status == "no_contributing_negatives_bf16" and res.raw_upper == 1.3 and res.upper == 1.3
+
+
+def test_degenerate_no_negative_tokens_keeps_both():
+    ones = torch.ones(4, dtype=torch.float64)
+    res = calibrate(ones * 1.1, ones, torch.tensor([1.0, 2.0, 0.0, 0.5]), torch.ones(4, dtype=torch.bool),
+                    eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(), previous=(0.7, 1.4))
+    assert res.status == "no_negative_tokens" and (res.lower, res.upper, res.raw_lower, res.raw_upper) == (0.7, 1.4, 0.7, 1.4)
+
+
+def test_degenerate_no_positive_tokens_keeps_upper():
+    r8 = torch.tensor([0.5, 0.9, 1.0], dtype=torch.float64)
+    res = calibrate(r8, r8, -torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.bool),
+                    eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(), previous=(0.8, 1.4))
+    assert res.status == "no_positive_tokens" and res.raw_upper == 1.4 and res.upper == 1.4
+
+
+def test_tis_weighted_balance():
+    r8, r16, adv, mask = _noisy_batch(3, 400, noise=0.1)
+    w = torch.rand(400, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 2
+    cfg = CalibrationConfig(tis_weighted_balance=True, max_delta=1.0)
+    res = calibrate(r8, r16, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg, weights=w)
+    ref = calibrate(r8, r16, adv * w, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(max_delta=1.0))
+    assert (res.target_balance, res.raw_upper, res.alpha) == (ref.target_balance, ref.raw_upper, ref.alpha)
+    plain = calibrate(r8, r16, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(max_delta=1.0))
+    assert res.target_balance != plain.target_balance and res.alpha == plain.alpha
+    with pytest.raises(ValueError, match="TIS weights"):
+        calibrate(r8, r16, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg)
+
+
+def test_relaxed_lower_is_standard_with_a_wider_fixed_lower_bound():
+    batch = _noisy_batch(1, 800, noise=0.2)
+    cfg = CalibrationConfig(mode="relaxed_lower", relaxed_eps_low=0.4)
+    res = calibrate(*batch, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg, previous=(0.7, 1.5))
+    assert (res.lower, res.upper) == (pytest.approx(0.6), pytest.approx(1.28))
+    std = calibrate(*batch, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(mode="standard"))
+    assert res.alpha == std.alpha and res.target_balance == std.target_balance  # measured against eps_low = 0.2
+    from fp8rl_core.calibration import CalibratorState, initial_bounds
+
+    assert initial_bounds(eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg) == (pytest.approx(0.6), pytest.approx(1.28))
+    assert CalibratorState.initial(eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg).lower == pytest.approx(0.6)
+
+
 # --------------------------------------------------------------------------- modes
 
 
@@ -211,37 +322,45 @@ def test_standard_and_relaxed_lower():
     assert (std.lower, std.upper, std.raw_lower, std.raw_upper) == (0.8, 1.28, 0.8, 1.28)
     cal = calibrate(*batch, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(max_delta=1.0))
     assert std.target_balance == cal.target_balance and std.alpha == cal.alpha
-    rel = calibrate(*batch, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(mode="relaxed_lower", max_delta=1.0))
+    rel = calibrate(*batch, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(mode="calibrated_lower_only", max_delta=1.0))
     assert rel.raw_lower == cal.raw_lower and rel.lower == cal.lower
     assert rel.upper == rel.raw_upper == 1.28 and cal.upper != 1.28
-    assert sorted(CLIP_MODES.names()) == ["bapo", "calibrated", "relaxed_lower", "standard"]
+    assert sorted(CLIP_MODES.names()) == [
+        "bapo", "bapo_joint_every_k", "calibrated", "calibrated_lower_only", "relaxed_lower", "standard"]
 
 
-def _loop_bapo(r8, adv, mask, cfg: CalibrationConfig, c=3.0):
-    lo, hi = cfg.bapo_lower_min, cfg.bapo_upper_min
+def _loop_bapo_joint(r8, adv, mask, cfg: CalibrationConfig, c=3.0):
+    b = cfg.bapo
+    lo, hi = b.lower_start, b.upper_start
     while True:
         p, n = pos_neg_contrib(r8, adv, mask, lo, hi, c)
-        if n == 0 or p / (p + n) >= cfg.bapo_rho0:
+        if n == 0 or p / (p + n) >= b.rho0:
             return lo, hi
-        can_h, can_l = hi + cfg.bapo_upper_step <= cfg.bapo_upper_max + 1e-9, lo + cfg.bapo_lower_step <= cfg.bapo_lower_max + 1e-9
+        can_h, can_l = hi + b.upper_step <= b.upper_max + 1e-9, lo + b.lower_step <= b.lower_max + 1e-9
         if not (can_h or can_l):
             return lo, hi
-        hi = round(hi + cfg.bapo_upper_step, 12) if can_h else hi
-        lo = round(lo + cfg.bapo_lower_step, 12) if can_l else lo
+        hi = round(hi + b.upper_step, 12) if can_h else hi
+        lo = round(lo + b.lower_step, 12) if can_l else lo
 
 
-def test_bapo_matches_loop():
+def test_bapo_joint_every_k_matches_loop():
     moved = 0
     for seed in range(12):
         r8, r16, adv, mask = _noisy_batch(seed, 600, noise=0.3)
         adv = adv - 0.3 * (seed % 4)  # shift toward negative advantages so BAPO has to move
-        cfg = CalibrationConfig(mode="bapo", bapo_rho0=[0.4, 0.5, 0.6][seed % 3])
+        cfg = CalibrationConfig(mode="bapo_joint_every_k", bapo={"rho0": [0.4, 0.5, 0.6][seed % 3], "lower_step": 0.02, "upper_step": 0.05})
         res = calibrate(r8, r16, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg)
-        lo, hi = _loop_bapo(r8, adv, mask, cfg)
+        lo, hi = _loop_bapo_joint(r8, adv, mask, cfg)
         assert (res.lower, res.upper) == (pytest.approx(lo), pytest.approx(hi))
         assert res.raw_lower == res.lower and res.raw_upper == res.upper
-        moved += (res.lower, res.upper) != (cfg.bapo_lower_min, cfg.bapo_upper_min)
+        moved += (res.lower, res.upper) != (cfg.bapo.lower_start, cfg.bapo.upper_start)
     assert moved >= 3
+
+
+def test_bapo_mode_records_standard_statistics_only():
+    batch = _noisy_batch(0, 500, noise=0.2)
+    res = calibrate(*batch, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(mode="bapo"), previous=(0.7, 1.5))
+    assert (res.lower, res.upper) == (0.8, 1.28)  # the trainer re-picks BAPO's bounds per update
 
 
 # --------------------------------------------------------------------------- edges and state

@@ -78,3 +78,28 @@ def test_initial_bounds_default_to_the_epsilons():
 def test_missing_preset_is_a_clear_error():
     with pytest.raises(ConfigError, match="config not found"):
         load_config("no-such-preset")
+
+
+def test_presets_match_the_paper_32b_and_dapo():
+    g = load_config("qwen2.5-32b-grpo")
+    assert (g.steps, g.evaluation.interval) == (500, 25)  # the paper; was 300 steps
+    assert g.checkpoint.keep_best_metric == "average/avg@k"  # best benchmark average keeps the checkpoint
+    assert g.checkpoint.interval <= g.evaluation.interval and g.evaluation.interval % g.checkpoint.interval == 0
+    d = load_config("qwen3-14b-dapo")
+    assert (d.task.kind, d.task.path, d.task.hub) == ("dapo_math", "BytedTsinghua-SIA/DAPO-Math-17k", True)
+
+
+def test_best_average_metric_and_the_dapo_record_parser():
+    from stages.benchmarks import TRAIN_SOURCES
+    from stages.evaluate import AVERAGE_KEY, benchmark_average
+
+    rows = [{"benchmark": "aime24", "metric": "avg@k", "k": 16, "value": 0.3},
+            {"benchmark": "aime24", "metric": "pass@k", "k": 16, "value": 0.6},
+            {"benchmark": "math500", "metric": "avg@k", "k": 1, "value": 0.7}]
+    assert benchmark_average(rows) == {AVERAGE_KEY: pytest.approx(0.5)}
+    assert TRAIN_SOURCES.get("dapo_math").hf[0] == "BytedTsinghua-SIA/DAPO-Math-17k"
+    rec = {"prompt": [{"role": "user", "content": "Solve the following math problem step by step. The last line of your "
+                       "response should be of the form Answer: $Answer (without quotes) where $Answer is the answer to "
+                       "the problem.\n\nWhat is 2+3?\n\nRemember to put your answer on its own line after \"Answer:\"."}],
+           "reward_model": {"ground_truth": "5", "style": "rule-lean"}, "extra_info": {"index": "abc"}}
+    assert TRAIN_SOURCES.get("dapo_math").parser(rec, 0) == ("abc", "What is 2+3?", "5")

@@ -228,3 +228,23 @@ def test_empty_mask():
     loss, m = policy_loss(logp, old, adv, torch.zeros_like(mask), lower=0.8, upper=1.28)
     assert loss.item() == 0.0
     assert m["clipfrac"] == 0.0 and m["n_tokens"] == 0.0 and math.isnan(m["ratio_mean"])
+
+
+def test_cispo_gradient_hand_derived_three_tokens():
+    """CISPO with verl's example cap (1 + 0.2, lower side unclamped): d loss / d logp_i = -w_i A_i / 3
+    with w = sg(min(r, 1.2)). A non-detached weight would add -A_i * r_i * logp_i / 3 where r is not capped."""
+    from fp8rl_core.config import AlgorithmConfig
+    from fp8rl_core.losses import loss_bounds
+
+    lower, upper = loss_bounds("cispo", 0.8, 1.28, AlgorithmConfig())
+    assert (lower, upper) == (0.0, pytest.approx(1.2))
+    logp = torch.log(torch.tensor([[0.5, 0.3, 0.4]], dtype=torch.float64)).requires_grad_(True)
+    old = torch.log(torch.tensor([[0.25, 0.5, 0.4]], dtype=torch.float64))  # r = 2.0 (capped), 0.6 (kept), 1.0
+    adv = torch.tensor([[1.0, -2.0, 0.5]], dtype=torch.float64)
+    loss, m = cispo_loss(logp, old, adv, torch.ones(1, 3, dtype=torch.bool), lower=lower, upper=upper)
+    # loss = -(1.2*1*log .5 + 0.6*(-2)*log .3 + 1*0.5*log .4) / 3
+    expected = -(1.2 * math.log(0.5) - 1.2 * math.log(0.3) + 0.5 * math.log(0.4)) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.4, 0.4, -0.5 / 3]], dtype=torch.float64), rtol=1e-12, atol=0)
+    assert m["clipfrac_upper"] == pytest.approx(1 / 3) and m["clipfrac_lower"] == 0.0

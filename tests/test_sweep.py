@@ -238,3 +238,32 @@ def test_cli_dry_run_lists_cells_and_runs_nothing(sweep_file: Path, tmp_path: Pa
     bad.write_text(SWEEP + "axis: {}\n")
     res = CliRunner().invoke(app, ["sweep", str(bad), "--dry-run"])
     assert res.exit_code == 2 and res.output.startswith("error: ") and "axis: unknown key" in res.output
+
+
+def test_paper_ablations_sweep_cells() -> None:
+    spec, cells = load_sweep(Path(__file__).resolve().parent.parent / "configs" / "sweeps" / "paper-ablations.yaml")
+    assert spec.seeds == [0, 1] and len(cells) == 26 and all(c.config.steps == 40 for c in cells)
+    got = {(c.config.precision.train, c.config.calibration.mode, c.config.algorithm.loss, c.config.calibration.relaxed_eps_low,
+            c.config.calibration.interval, c.config.calibration.initial_lower) for c in cells if c.seed == 0}
+    fp8 = "fp8_tensorwise"
+    assert got == {
+        ("bf16", "standard", "ppo", 0.3, 5, None), ("bf16", "bapo", "ppo", 0.3, 5, None), ("bf16", "standard", "cispo", 0.3, 5, None),
+        (fp8, "standard", "ppo", 0.3, 5, None), (fp8, "calibrated", "ppo", 0.3, 5, None),
+        (fp8, "relaxed_lower", "ppo", 0.3, 5, None), (fp8, "relaxed_lower", "ppo", 0.4, 5, None),
+        (fp8, "calibrated_lower_only", "ppo", 0.3, 5, None), (fp8, "bapo", "ppo", 0.3, 5, None),
+        (fp8, "standard", "cispo", 0.3, 5, None),
+        (fp8, "calibrated", "ppo", 0.3, 10, None), (fp8, "calibrated", "ppo", 0.3, 20, None),
+        (fp8, "calibrated", "ppo", 0.3, 5, 0.7),
+    }
+
+
+def test_mean_over_seeds_shows_the_spread() -> None:
+    from flows.sweep import SweepSpec, _mean_over_seeds
+
+    spec = SweepSpec(name="x", axes={"clip": {"a": {}}}, seeds=[0, 1, 2])
+    rows = [{"clip": "a", "status": "finished", "best_eval_average": v, "lower_clip_vs_bf16": x}
+            for v, x in ((0.90, 1.2), (0.94, 1.4), (0.92, 1.3))]
+    (row,) = _mean_over_seeds(spec, rows)
+    assert row["best_eval_average"] == pytest.approx(0.92) and row["seeds"] == 3
+    assert row["best eval % min–max (sd)"] == "90.0–94.0 (2.0)"
+    assert row["lower-clip vs BF16 min–max (sd)"] == "1.20–1.40 (0.10)"
