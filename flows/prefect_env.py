@@ -19,6 +19,8 @@ def configure_prefect_env(*, quiet: bool = True) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if not os.environ.get("PREFECT_API_URL"):
         os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
+        # the temporary server's 20 s start-up limit is too short on a busy machine
+        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
         cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fp8rl" / "prefect"
         os.environ.setdefault("PREFECT_HOME", str(cache))
     if os.environ.get("PREFECT_HOME"):

@@ -258,6 +258,23 @@ def set_params(con: duckdb.DuckDBPyConnection, params: Mapping[str, Any]) -> Non
         con.execute(f"SET VARIABLE {name} = ?", [value])
 
 
+_READ_ONLY = ("SELECT", "EXPLAIN")
+
+
+def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
+    """Refuse SQL that would write (COPY … TO, CREATE, INSERT, ATTACH, SET, …): queries only read.
+
+    Raises ``duckdb.ParserException`` for SQL that does not parse, StorageError otherwise.
+    """
+    from storage.errors import StorageError
+
+    for st in con.extract_statements(sql):
+        kind = st.type.name
+        if kind not in _READ_ONLY:
+            hint = "; use --out FILE (.parquet, .csv or .json) to save a result" if kind == "COPY" else ""
+            raise StorageError(f"queries are read-only: {kind} statements are refused (only SELECT){hint}")
+
+
 def query(con: duckdb.DuckDBPyConnection, sql: str, *, retries: int = 3) -> pa.Table:
     """Run ``sql`` and return the result as an arrow table.
 
