@@ -368,7 +368,7 @@ def test_choices_are_listed_in_help() -> None:
     import re
 
     def text(*args: str) -> str:
-        return re.sub(r"[\s│]", "", cli(*args).stdout)
+        return re.sub(r"\s", "", CliRunner().invoke(app, list(args), env={"COLUMNS": "250"}).stdout)
 
     assert "rollout|score|train|calibrate|evaluate|checkpoint" in text("resume", "--help")
     assert "table|csv|json" in text("query", "--help")
