@@ -35,13 +35,6 @@ FORMATS = [E4M3, E5M2]
 GRANS = ["tensorwise", "rowwise", "blockwise"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
 
 def _all_codes(fmt):
     v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.dtype).float()

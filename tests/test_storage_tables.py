@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -284,8 +283,7 @@ def test_token_stats_bytes_per_row_within_budget(run_dir: Path) -> None:
     cols = bench.make_step(np.random.default_rng(0), 200_000, 3)
     path = TableWriter(run_dir).write("token_stats", 3, cols, stage="train")
     per_row = path.stat().st_size / len(cols["sample_id"])
-    assert per_row <= 20.0, per_row
-    assert not math.isnan(per_row)
+    assert 5.0 < per_row <= 20.0, per_row  # budget 20; a write of (almost) nothing is no success either
 
 
 def test_catalog_flags_unreadable_file_without_failing_other_tables(run_dir: Path) -> None:
