@@ -74,7 +74,7 @@ def _run_flow(run_dir: Path, *, resume: bool) -> dict:
     """The campaign flow under the run's single-writer lock; I/O failures are one line, exit 2."""
     from flows import child_guard
     from storage import lock
-    from storage.errors import RunLocked
+    from storage.errors import RunLocked, StorageError
 
     with io_errors(run_dir, resume_hint=run_dir):
         try:
@@ -84,8 +84,12 @@ def _run_flow(run_dir: Path, *, resume: bool) -> dict:
         child_guard.start()  # Prefect's temporary server dies with this process, even on SIGKILL
         try:
             from flows.campaign import campaign_flow
+            from flows.prefect_env import quiet_console_failures
 
+            quiet_console_failures()  # a failure is the one line below, not Prefect's tracebacks
             return campaign_flow(str(run_dir), resume=resume)
+        except StorageError as err:  # a corrupt input file, a run directory that changed under us
+            raise _fail(f"{err}; the run stays resumable: `fp8rl resume {run_dir}`") from None
         finally:
             lock.release(run_dir)
 

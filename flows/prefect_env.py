@@ -54,3 +54,21 @@ def quiet_third_party() -> None:
         hf_logging.set_verbosity_error()
     except ImportError:  # pragma: no cover
         pass
+
+
+def quiet_console_failures() -> None:
+    """Keep Prefect's failure tracebacks off the console of a CLI run (they still reach the server).
+
+    A failed task logs its traceback at ERROR on every console handler, tens of
+    lines; the ``fp8rl`` command prints the one line that says what happened
+    (path and cause) instead. Call after Prefect is imported.
+    """
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger()] + [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)]
+    for lg in loggers:
+        for h in getattr(lg, "handlers", []):
+            if isinstance(h, PrefectConsoleHandler):
+                h.setLevel(logging.CRITICAL)

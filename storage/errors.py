@@ -56,6 +56,7 @@ def os_error_line(err: OSError, path: str | None = None) -> str:
         _errno.ENOSPC: "no space left on device",
         _errno.EROFS: "read-only file system",
         _errno.ENOTDIR: "a path component is a file, not a directory",
+        _errno.EEXIST: "exists and is not a directory",
         _errno.EACCES: "permission denied",
         _errno.EPERM: "operation not permitted",
         _errno.EDQUOT: "disk quota exceeded",

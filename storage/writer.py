@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage import faults
-from storage.errors import SchemaError
+from storage.errors import CorruptFile, SchemaError
 from storage.layout import RunLayout, live_parts, new_write_id, parse_part_name, part_name, read_run_info, scan_parts
 from storage.schemas import MAIN_VARIANT, STORED_TABLES, TableSpec, get_table
 
@@ -303,7 +303,14 @@ def read_table(path: str | Path) -> pa.Table:
     from storage.schemas import META_VERSION, check_schema_version
 
     path = Path(path)
-    t = pq.read_table(path)
+    try:
+        t = pq.read_table(path)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as err:
+        if isinstance(err, OSError) and getattr(err, "errno", None) is not None:
+            raise  # a real I/O error (permission, missing file) keeps its type
+        why = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
+        raise CorruptFile(f"{path}: corrupt Parquet ({why}); `fp8rl doctor` lists such files — restore it "
+                          "from a copy, or `fp8rl resume RUN --from STAGE --step N` to recompute it") from None
     meta = t.schema.metadata or {}
     check_schema_version(meta.get(META_VERSION, b"").decode() or None, str(path))
     return t
