@@ -29,8 +29,8 @@ import pyarrow.parquet as pq
 
 from storage.catalog import footer_problem
 from storage.checkpoints import list_checkpoints, pruned_checkpoints, verify_checkpoint
-from storage.errors import NotARunDirectory, SchemaVersionError, StorageError
-from storage.layout import Part, RunLayout, is_run_dir, live_parts, parse_part_name, read_run_info
+from storage.errors import DuplicateRun, NotARunDirectory, SchemaVersionError, StorageError
+from storage.layout import Part, RunLayout, find_runs, is_run_dir, live_parts, parse_part_name, read_run_info
 from storage.ledger import DONE, Ledger
 from storage.schemas import META_TABLE, META_VERSION, STORED_TABLES, check_schema_version
 
@@ -183,4 +183,11 @@ def check(root: str | Path, *, deep: bool = False) -> list[Problem]:
     run_dirs = sorted(p for p in root.iterdir() if is_run_dir(p))
     if not run_dirs:
         raise NotARunDirectory(f"{root}: not a run directory (no run.json) and holds none")
-    return [problem for d in run_dirs for problem in check_run(d, deep=deep)]
+    out: list[Problem] = []
+    try:
+        find_runs(root)
+    except DuplicateRun as err:  # a copy of a run beside it: queries of the root refuse to double-count
+        out.append(Problem(ERROR, str(root), str(err)))
+    except StorageError:
+        pass  # an unreadable run.json: check_run names it
+    return out + [problem for d in run_dirs for problem in check_run(d, deep=deep)]

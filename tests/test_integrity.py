@@ -76,6 +76,8 @@ def test_a_copied_run_is_not_counted_twice(tmp_path: Path) -> None:
         connect(root)
     r = cli("query", root, "SELECT count(*) FROM rollouts")
     one_line_exit_2(r, "would count twice")
+    r = cli("doctor", root)
+    assert r.exit_code == 1 and "A-backup" in r.stderr
     # a symlink is another name of the same run, not a copy: counted once
     shutil.rmtree(root / "A-backup")
     (root / "A-link").symlink_to(a, target_is_directory=True)
@@ -357,7 +359,8 @@ def test_a_run_name_cannot_leave_the_runs_root(tmp_path: Path) -> None:
 
 
 def test_usage_errors_are_one_line() -> None:
-    for args in (["run", "--bogus"], ["nosuch"], ["resume", "x", "--from", "nowhere"]):
+    for args in (["run", "--bogus"], ["nosuch"], ["resume", "x", "--from", "nowhere"],
+                 ["query", "x", "SELECT 1", "--format", "xml"]):
         r = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
