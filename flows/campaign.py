@@ -44,13 +44,15 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact  #
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 from stages.context import RunEnv, TrainState, is_calibration_step, is_checkpoint_step, is_eval_step  # noqa: E402
+from storage import faults, lock  # noqa: E402
+from storage.faults import InjectedTransientFault  # noqa: E402
 
 
 class TransientStageError(RuntimeError):
     """A failure worth retrying (I/O hiccup, engine restart, injected fault)."""
 
 
-TRANSIENT = (TransientStageError, OSError, TimeoutError, ConnectionError)
+TRANSIENT = (TransientStageError, InjectedTransientFault, OSError, TimeoutError, ConnectionError)
 
 
 def _is_transient(task_obj, task_run, state) -> bool:
@@ -61,45 +63,6 @@ def _is_transient(task_obj, task_run, state) -> bool:
     except BaseException:
         return False
     return False
-
-
-# --------------------------------------------------------------------------- fault injection
-
-
-_CURRENT: dict[str, Any] = {"stage": None, "step": None}  # the stage being run, for fault_point
-
-
-def fault_point(stage: str, point: int | str) -> None:
-    """A fault point inside a stage (e.g. before mini-batch ``mb1`` of train)."""
-    if _CURRENT["stage"] == stage and _CURRENT["step"] is not None:
-        maybe_inject_fault(stage, _CURRENT["step"], f"mb{point}" if isinstance(point, int) else point)
-
-
-def maybe_inject_fault(stage: str, step: int, point: str = "start") -> None:
-    """Test hook: ``FP8RL_FAULT="<stage>@<step>[:<point>]=<kind>"``, kind ``kill`` or ``transient``.
-
-    ``kill`` sends SIGKILL to this process (a crash with no cleanup);
-    ``transient`` raises :class:`TransientStageError` once per marker file
-    (``FP8RL_FAULT_MARKER``) so the retry succeeds. Unset in normal runs.
-    """
-    spec = os.environ.get("FP8RL_FAULT")
-    if not spec:
-        return
-    for item in spec.split(","):
-        where, _, kind = item.partition("=")
-        target, _, at = where.partition(":")
-        st, _, sp = target.partition("@")
-        if st != stage or int(sp) != step or (at or "start") != point:
-            continue
-        marker = os.environ.get("FP8RL_FAULT_MARKER")
-        if marker:
-            if Path(marker).exists():
-                return
-            Path(marker).write_text(item)
-        if kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if kind == "transient":
-            raise TransientStageError(f"injected transient fault in {stage} at step {step}")
 
 
 # --------------------------------------------------------------------------- stage tasks
@@ -122,12 +85,8 @@ def _run_stage(name: str, fn: Callable[..., tuple[dict, Any]], env: RunEnv, stat
                **kw: Any) -> tuple[dict, TrainState]:
     attempt = env.ledger.next_attempt(step, name, variant=env.variant)
     with env.ledger.stage(step, name, attempt=attempt, variant=env.variant) as rec:
-        _CURRENT.update(stage=name, step=step)
-        maybe_inject_fault(name, step)
-        try:
+        with faults.stage_scope(name, step):  # FP8RL_FAULT test hook
             summary, state = fn(env, state, step, attempt=attempt, **kw)
-        finally:
-            _CURRENT.update(stage=None, step=None)
         rec.outputs.extend(summary.get("outputs", []))
         rec.info.update(_jsonable({k: v for k, v in summary.items() if k not in ("outputs", "metrics")}))
     return summary, state
@@ -390,8 +349,13 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
     from stages.distributed import init_from_env
 
     cfg = load_config(Path(run_dir) / "config.yaml")
-    rank, world, group = init_from_env(resolve_device(cfg.device))
-    env, state = open_run(cfg, run_dir, rank=rank, world_size=world, group=group)
+    lock.acquire(run_dir)  # one writer per run (rank 0 only; re-entrant: the CLI already holds it)
+    try:
+        rank, world, group = init_from_env(resolve_device(cfg.device))
+        env, state = open_run(cfg, run_dir, rank=rank, world_size=world, group=group)
+    except BaseException:
+        lock.release(run_dir)
+        raise
     try:
         start, state, last_eval = restore_latest(env, state) if resume else (0, state, {})
         progress = Progress(cfg, start)
@@ -405,6 +369,7 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
                 "world_size": world}
     finally:
         env.close()
+        lock.release(run_dir)
 
 
 @flow(name="fp8rl-campaign", persist_result=False, validate_parameters=False, log_prints=False)

@@ -1,8 +1,9 @@
 """The ``fp8rl`` command line.
 
-Subcommands are contributed by modules that expose ``register(app)``; a module
-that fails to import for lack of an optional dependency does not take the
-others down. User errors exit with code 2 and one line on stderr.
+Subcommands are contributed by modules that expose ``register(app)``; each
+imports its heavy dependencies (torch, Prefect, DuckDB) only when its command
+runs, so ``fp8rl --help`` imports none of them. User errors, usage errors
+included, exit with code 2 and one line on stderr.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import sys
 
 import typer
 
-from fp8rl_core.precision import silence_torchao_import_noise
+try:  # recent typer vendors click
+    from typer._click.exceptions import UsageError
+except ImportError:  # pragma: no cover - older typer on top of click
+    from click.exceptions import UsageError
 
-silence_torchao_import_noise()  # before transformers imports torchao
+from flows.cli_common import fail
 
 app = typer.Typer(
     name="fp8rl",
@@ -30,31 +34,24 @@ _COMMAND_MODULES = (
     "flows.cli_deploy",  # deploy
     "flows.cli_storage",  # query, doctor
     "flows.cli_report",  # report, sweep
-    "flows.cli_world",  # bootstrap, benchmarks
     "flows.plan",  # plan (issue 11)
 )
 
 
 @app.callback()
-def _root() -> None:
+def _root(ctx: typer.Context) -> None:
     """FP8 end-to-end RL (GRPO/DAPO) with Calibrated Clipping."""
+    if ctx.invoked_subcommand and not {"--help", "-h"} & set(sys.argv[1:]):
+        # before transformers imports torchao; help never needs torch
+        from fp8rl_core.precision import silence_torchao_import_noise
 
-
-def fail(message: str, code: int = 2) -> "typer.Exit":
-    """Print one line to stderr and return the Exit to raise."""
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
+        silence_torchao_import_noise()
 
 
 def _register_all() -> None:
+    """Import every command module; a missing one is an error (a typo must not drop commands)."""
     for name in _COMMAND_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name == name:
-                continue  # not written yet / not shipped
-            raise
-        mod.register(app)
+        importlib.import_module(name).register(app)
 
 
 @app.command("config")
@@ -75,12 +72,23 @@ def show_config(
 _register_all()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The ``fp8rl`` entry point: usage errors are one line (not a box), exit 2."""
     try:
-        app()
+        code = app(args=argv, prog_name="fp8rl", standalone_mode=False)
+    except UsageError as err:
+        message = " ".join(err.format_message().replace("Value error, ", "").split())
+        if message:  # (no_args_is_help has printed the help and has no message)
+            where = err.ctx.command_path if err.ctx is not None else "fp8rl"
+            typer.echo(f"error: {message} (see `{where} --help`)", err=True)
+        sys.exit(2)
+    except typer.Abort:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -9,19 +9,37 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
+from enum import Enum
 from pathlib import Path
 
 import typer
 
+from flows.cli_common import fail as _fail
+from flows.cli_common import io_errors
 from flows.configuration import ConfigError, dump_config, load_config
 from fp8rl_core.config import CampaignConfig
 
-STAGES_FOR_FROM = ("rollout", "score", "train", "calibrate", "evaluate", "checkpoint")
+
+class FromStage(str, Enum):
+    """Stages ``resume --from`` can restart at, in step order."""
+
+    rollout = "rollout"
+    score = "score"
+    train = "train"
+    calibrate = "calibrate"
+    evaluate = "evaluate"
+    checkpoint = "checkpoint"
 
 
-def _fail(msg: str) -> typer.Exit:
-    typer.echo(f"error: {msg}", err=True)
-    return typer.Exit(2)
+class RerunStage(str, Enum):
+    """Stages ``rerun`` recomputes from persisted inputs."""
+
+    score = "score"
+    calibrate = "calibrate"
+    evaluate = "evaluate"
+
+
+STAGES_FOR_FROM = tuple(s.value for s in FromStage)
 
 
 def preflight(cfg: CampaignConfig) -> None:
@@ -53,13 +71,60 @@ def _print_summary(run_dir: Path, result: dict) -> None:
 
 
 def _run_flow(run_dir: Path, *, resume: bool, nproc_per_node: int = 1) -> dict:
-    if nproc_per_node > 1:  # SPMD under torchrun (issue 11)
-        from flows.spmd import launch
+    """The campaign flow under the run's single-writer lock; I/O failures are one line, exit 2.
 
-        return launch(run_dir, resume=resume, nproc_per_node=nproc_per_node)
-    from flows.campaign import campaign_flow
+    With ``nproc_per_node > 1`` this process (the launcher) holds the lock while
+    torchrun runs the ranks (issue 11); the ranks are told so and do not take it.
+    """
+    from flows import child_guard
+    from storage import lock
+    from storage.errors import RunLocked, StorageError
 
-    return campaign_flow(str(run_dir), resume=resume)
+    with io_errors(run_dir, resume_hint=run_dir):
+        try:
+            lock.acquire(run_dir)
+        except RunLocked as err:
+            raise _fail(str(err)) from None
+        child_guard.start()  # Prefect's temporary server dies with this process, even on SIGKILL
+        try:
+            if nproc_per_node > 1:  # SPMD under torchrun (issue 11)
+                from flows.spmd import launch
+
+                return launch(run_dir, resume=resume, nproc_per_node=nproc_per_node)
+            from flows.campaign import campaign_flow
+            from flows.prefect_env import quiet_console_failures
+
+            quiet_console_failures()  # a failure is the one line below, not Prefect's tracebacks
+            return campaign_flow(str(run_dir), resume=resume)
+        except StorageError as err:  # a corrupt input file, a run directory that changed under us
+            raise _fail(f"{err}; the run stays resumable: `fp8rl resume {run_dir}`") from None
+        finally:
+            lock.release(run_dir)
+
+
+def check_new_run_dir(run_dir: Path, runs_root: Path | None) -> Path:
+    """Where a new run may go: not inside a file or a system folder, not into a folder holding other files.
+
+    ``runs_root`` given (the default place), the run directory must stay under it.
+    """
+    from storage import lock
+    from storage.layout import RUN_FILE
+
+    run_dir = run_dir.expanduser().resolve()
+    if runs_root is not None and not run_dir.is_relative_to(runs_root.expanduser().resolve()):
+        raise _fail(f"run directory {run_dir} would be outside the runs root {runs_root.resolve()}")
+    if (run_dir / RUN_FILE).exists():
+        raise _fail(f"{run_dir} already holds a run; use `fp8rl resume {run_dir}` or another --run-dir")
+    for p in [run_dir, *run_dir.parents]:
+        if p.exists():
+            if not p.is_dir():
+                raise _fail(f"{p}: is a file, not a directory (in --run-dir {run_dir})")
+            break
+    if run_dir.is_relative_to("/proc") or run_dir.is_relative_to("/sys") or run_dir.is_relative_to("/dev"):
+        raise _fail(f"{run_dir}: a kernel/device file system, not storage for a run")
+    if run_dir.is_dir() and any(p.name != lock.LOCK_FILE for p in run_dir.iterdir()):
+        raise _fail(f"{run_dir} is not empty and is not a run directory; give an empty or new --run-dir")
+    return run_dir
 
 
 NPROC_HELP = "Ranks on this node (torchrun --standalone); see flows/spmd.py for several nodes."
@@ -72,26 +137,41 @@ def run(
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1, help=NPROC_HELP),
 ) -> None:
     """Run a campaign (default: the tiny CPU preset) end to end."""
-    from storage.errors import StorageError
+    from storage import lock
+    from storage.errors import RunLocked, StorageError
     from storage.layout import create_run
+    from storage.schemas import RUN_ID
 
     try:
         cfg = load_config(config, set_)
     except ConfigError as err:
         raise _fail(str(err))
+    if not RUN_ID.match(cfg.name):
+        raise _fail(f"name {cfg.name!r}: a run name is letters, digits and . _ + = - (no '/'), starting with a letter or digit")
     preflight(cfg)
+    default_root = None
     if run_dir is None:
-        run_dir = Path(cfg.storage.runs_root) / f"{cfg.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    run_dir = run_dir.resolve()
-    if (run_dir / "run.json").exists():
-        raise _fail(f"{run_dir} already holds a run; use `fp8rl resume {run_dir}` or another --run-dir")
+        default_root = Path(cfg.storage.runs_root)
+        run_dir = default_root / f"{cfg.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    run_dir = check_new_run_dir(run_dir, default_root)
     try:
-        create_run(run_dir.parent, run_dir.name, config=dump_config(cfg))
+        with io_errors(run_dir):
+            lock_dir = run_dir
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock.acquire(lock_dir)  # before run.json: a concurrent `resume` of this directory waits for us
+    except RunLocked as err:
+        raise _fail(str(err)) from None
+    try:
+        with io_errors(run_dir):
+            create_run(run_dir.parent, run_dir.name, config=dump_config(cfg))
     except StorageError as err:
         raise _fail(str(err))
     typer.echo(f"run directory: {run_dir}")
     t0 = time.perf_counter()
-    result = _run_flow(run_dir, resume=False, nproc_per_node=nproc_per_node)
+    try:
+        result = _run_flow(run_dir, resume=False, nproc_per_node=nproc_per_node)
+    finally:
+        lock.release(run_dir)
     typer.echo(f"wall time: {time.perf_counter() - t0:.0f} s")
     _print_summary(run_dir, result)
 
@@ -121,13 +201,15 @@ def _check_run_config(run_dir: Path, config: str | None, set_: list[str]) -> Cam
 
 def resume(
     run_dir: Path = typer.Argument(..., help="Run directory to resume."),
-    from_stage: str | None = typer.Option(None, "--from", help=f"Restart at this stage ({', '.join(STAGES_FOR_FROM)})."),
+    from_stage: FromStage | None = typer.Option(None, "--from", help="Restart at this stage (its outputs and later ones are set aside)."),
     step: int | None = typer.Option(None, "--step", help="Step of --from."),
     config: str | None = typer.Option(None, "--config", help="Check the run against this config (must match)."),
     set_: list[str] = typer.Option([], "--set", help="Overrides for --config (must still match)."),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1, help=NPROC_HELP),
 ) -> None:
     """Resume a campaign from its ledger: restore the newest checkpoint, replay, continue."""
+    from storage import lock
+    from storage.errors import RunLocked
     from storage.writer import set_aside_from
 
     run_dir = run_dir.resolve()
@@ -135,31 +217,56 @@ def resume(
     preflight(cfg)
     if (from_stage is None) != (step is None):
         raise _fail("--from and --step go together")
-    if from_stage is not None:
-        if from_stage not in STAGES_FOR_FROM:
-            raise _fail(f"unknown stage {from_stage!r}; valid: {', '.join(STAGES_FOR_FROM)}")
-        later = list(STAGES_FOR_FROM[STAGES_FOR_FROM.index(from_stage):])
-        if "score" in later:  # DAPO refill rounds belong to the score stage
-            later += [f"rollout{r}" for r in range(1, cfg.algorithm.max_refill_rounds + 1)]
-        moved = set_aside_from(run_dir, step=step, stages_at_step=later)
-        typer.echo(f"set aside {len(moved.files)} table file(s), {len(moved.checkpoints)} checkpoint(s), "
-                   f"{moved.ledger_records} ledger record(s)")
-        typer.echo(f"set aside outputs from {from_stage} of step {step} on")
-    t0 = time.perf_counter()
-    result = _run_flow(run_dir, resume=True, nproc_per_node=nproc_per_node)
+    try:
+        with io_errors(run_dir):
+            lock.acquire(run_dir)
+    except RunLocked as err:
+        raise _fail(str(err)) from None
+    try:
+        if from_stage is not None:
+            later = list(STAGES_FOR_FROM[STAGES_FOR_FROM.index(from_stage.value):])
+            if "score" in later:  # DAPO refill rounds belong to the score stage
+                later += [f"rollout{r}" for r in range(1, cfg.algorithm.max_refill_rounds + 1)]
+            with io_errors(run_dir):
+                moved = set_aside_from(run_dir, step=step, stages_at_step=later)
+            typer.echo(f"set aside {len(moved.files)} table file(s), {len(moved.checkpoints)} checkpoint(s), "
+                       f"{moved.ledger_records} ledger record(s)")
+            typer.echo(f"set aside outputs from {from_stage.value} of step {step} on")
+        _report_broken_checkpoints(run_dir)
+        t0 = time.perf_counter()
+        result = _run_flow(run_dir, resume=True, nproc_per_node=nproc_per_node)
+    finally:
+        lock.release(run_dir)
     typer.echo(f"wall time: {time.perf_counter() - t0:.0f} s")
     _print_summary(run_dir, result)
 
 
+def _report_broken_checkpoints(run_dir: Path) -> None:
+    """Say which checkpoints resume passes over because they do not verify (and why)."""
+    from storage.checkpoints import latest_complete, list_checkpoints, verify_checkpoint
+
+    newest = latest_complete(run_dir)
+    for s, path in reversed(list_checkpoints(run_dir)):
+        if newest is not None and path == newest:
+            break
+        why = verify_checkpoint(path, hashes=True)
+        if why:
+            typer.echo(f"warning: checkpoint {path} is incomplete or damaged ({why[0]}); resume restarts from "
+                       f"{newest.name if newest is not None else 'the start'} and sets it aside when step {s} "
+                       "is checkpointed again", err=True)
+
+
 def rerun(
     run_dir: Path = typer.Argument(..., help="Run directory."),
-    stage: str = typer.Option(..., "--stage", help="score, calibrate or evaluate."),
+    stage: RerunStage = typer.Option(..., "--stage", help="Stage to recompute."),
     steps: str = typer.Option(..., "--steps", help="Step range A:B (inclusive)."),
     set_: list[str] = typer.Option([], "--set", help="Config overrides for the re-run (e.g. calibration.max_delta=0.1)."),
     variant: str | None = typer.Option(None, "--variant", help="Name of the new version (default: <stage>-<time>)."),
 ) -> None:
     """Recompute one stage over a step range from persisted inputs, as a new version (variant)."""
-    from flows.rerun import rerun_stage
+    from storage import lock
+    from storage.errors import RunLocked
+    from storage.schemas import MAIN_VARIANT, VARIANT_NAME
 
     run_dir = run_dir.resolve()
     base = _check_run_config(run_dir, None, [])
@@ -167,15 +274,31 @@ def rerun(
         a, b = (int(x) for x in steps.split(":"))
     except ValueError:
         raise _fail(f"--steps {steps!r}: expected A:B, e.g. 1:20")
-    if stage not in ("score", "calibrate", "evaluate"):
-        raise _fail(f"--stage {stage!r}: valid: score, calibrate, evaluate")
+    if a < 0 or b < a:
+        raise _fail(f"--steps {steps!r}: expected 0 <= A <= B")
+    if variant is not None and (variant == MAIN_VARIANT or not VARIANT_NAME.match(variant)):
+        raise _fail(f"--variant {variant!r}: " + ("'main' is the campaign itself; choose another name"
+                    if variant == MAIN_VARIANT else "letters, digits and . _ + = - only (it goes into file names)"))
     try:
         cfg = load_config(run_dir / "config.yaml", set_) if set_ else base
     except ConfigError as err:
         raise _fail(str(err))
-    name = variant or f"{stage}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    written = rerun_stage(run_dir, cfg, stage, range(a, b + 1), variant=name)
-    typer.echo(f"wrote variant {name!r}: {written} step(s) of {stage}")
+    name = variant or f"{stage.value}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    try:
+        with io_errors(run_dir):
+            lock.acquire(run_dir)
+    except RunLocked as err:
+        raise _fail(str(err)) from None
+    try:
+        from flows.rerun import rerun_stage
+
+        with io_errors(run_dir):
+            written = rerun_stage(run_dir, cfg, stage.value, range(a, b + 1), variant=name)
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    finally:
+        lock.release(run_dir)
+    typer.echo(f"wrote variant {name!r}: {written} step(s) of {stage.value}")
     typer.echo(f"compare: fp8rl query {run_dir} \"SELECT variant, step, lower, upper FROM bounds_variants ORDER BY step, variant\"")
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import typer
 
+from flows.cli_common import fail as _fail
+
 from flows.configuration import ConfigError, load_config
 
 NO_SERVER = (
@@ -22,9 +24,6 @@ NO_SERVER = (
 )
 
 
-def _fail(msg: str) -> typer.Exit:
-    typer.echo(f"error: {msg}", err=True)
-    return typer.Exit(2)
 
 
 def _check_server(api_url: str) -> None:

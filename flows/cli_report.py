@@ -19,10 +19,7 @@ from typing import Optional
 
 import typer
 
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
+from flows.cli_common import fail as _fail
 
 
 def report_command(
@@ -76,7 +73,10 @@ def sweep_command(
                 typer.echo(f"  {c.id:<36} {cell_state(sweep_dir, c):<9} train={cfg.precision.train} "
                            f"rollout={cfg.precision.rollout} clip={cfg.calibration.mode} seed={cfg.seed} steps={cfg.steps}")
             return
+        from flows import child_guard
         from flows.sweep import sweep_flow
+
+        child_guard.start()  # Prefect's temporary server dies with this process, even on SIGKILL
 
         summary = sweep_flow(str(sweep_file), None if out is None else str(out), fail_fast=fail_fast, report=report)
     except (ConfigError, StorageError) as err:

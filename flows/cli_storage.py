@@ -15,18 +15,26 @@ from __future__ import annotations
 import json
 import math
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
-FORMATS = ("table", "csv", "json")
+from flows.cli_common import fail as _fail
+
+class Format(str, Enum):
+    """Output formats of ``fp8rl query``."""
+
+    table = "table"
+    csv = "csv"
+    json = "json"
+
+
+FORMATS = tuple(f.value for f in Format)
 OUT_SUFFIXES = (".parquet", ".csv", ".json")
 
 
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
 
 
 def _one_line(err: BaseException) -> str:
@@ -138,14 +146,14 @@ def query_command(
     list_: bool = typer.Option(False, "--list", help="List the shipped queries with their descriptions."),
     run: list[str] = typer.Option([], "--run", "-r", help="Only this run id (repeatable)."),
     param: list[str] = typer.Option([], "--param", "-p", help="Query parameter name=value (repeatable)."),
-    fmt: str = typer.Option("table", "--format", "-f", help="Output format: table, csv or json."),
+    fmt: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write to FILE (.parquet, .csv or .json) instead."),
     max_rows: int = typer.Option(100, "--max-rows", help="Rows shown in table format (0 = all)."),
 ) -> None:
     """Query a campaign's tables with DuckDB SQL (views: steps, token_stats, bounds, evals, ...)."""
     import duckdb
 
-    from storage.catalog import connect, problems, query, set_params
+    from storage.catalog import check_read_only, connect, problems, query, set_params
     from storage.errors import StorageError
     from storage.queries import get_query, list_queries
 
@@ -159,8 +167,7 @@ def query_command(
         raise _fail("missing ROOT: a run directory or a folder of run directories (or use --list)")
     if (sql is None) == (named is None):
         raise _fail("give either SQL or --named NAME (not both)" if sql else "missing SQL (or --named NAME; see --list)")
-    if fmt not in FORMATS:
-        raise _fail(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    fmt = Format(fmt).value
     if out is not None and out.suffix.lower() not in OUT_SUFFIXES:
         raise _fail(f"--out {out}: the extension must be one of {', '.join(OUT_SUFFIXES)}")
     params = _parse_params(param)
@@ -174,10 +181,13 @@ def query_command(
             params = {**{k: d for k, (d, _) in q.params.items()}, **params}
             sql = q.sql
         con = connect(root, runs=run or None)
-        for path, why in problems(con):
-            typer.echo(f"warning: {path}: {why}", err=True)
+        check_read_only(con, sql)
         set_params(con, params)
-        result = query(con, sql)
+        try:
+            result = query(con, sql)
+        finally:  # after the query: it may have found (and skipped) a corrupt file
+            for path, why in problems(con):
+                typer.echo(f"warning: {path}: {why}", err=True)
     except StorageError as err:
         raise _fail(str(err))
     except duckdb.ParserException as err:

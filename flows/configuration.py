@@ -8,6 +8,7 @@ name (``tiny-cpu``) resolves there.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -78,19 +79,41 @@ def config_from_dict(data: dict, *, source: str = "<dict>", overrides: list[str]
     for item in overrides:
         path, value = _parse_override(item)
         _set_path(tree, path, value)
+    src = source + (" (with --set overrides)" if overrides else "")
+    _refuse_bools_as_numbers(tree, src)
     try:
         return CampaignConfig.model_validate(tree)
     except ValidationError as err:
-        src = source + (" (with --set overrides)" if overrides else "")
         raise ConfigError(_format_error(src, err)) from None
+
+
+def _refuse_bools_as_numbers(tree: dict, src: str) -> None:
+    """``steps: true`` (or ``yes``, YAML's boolean) is not the integer 1: booleans are not numbers.
+
+    pydantic's lax mode converts them; its strict mode (on the JSON form, where
+    lists and strings still fill tuples and enums) names them. Only errors on a
+    boolean input are raised here, so every other lax conversion stays as it was.
+    """
+    try:
+        CampaignConfig.model_validate_json(json.dumps(tree, default=str), strict=True)
+    except ValidationError as err:
+        bad = [e for e in err.errors() if isinstance(e.get("input"), bool)]
+        if bad:
+            parts = [f"{'.'.join(str(x) for x in e['loc'])}: {e['input']!r} is a boolean, not a number"
+                     f" ({e['msg'].lower()})" for e in bad]
+            raise ConfigError(f"{src}: " + "; ".join(parts)) from None
 
 
 def load_config(preset: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> CampaignConfig:
     path = resolve_preset(preset)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read ({err.strerror or err})") from None
+    if data is None:
+        raise ConfigError(f"{path}: the config file is empty; start from a preset, e.g. configs/{DEFAULT_PRESET}.yaml")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return config_from_dict(data, source=str(path), overrides=overrides)

@@ -19,6 +19,8 @@ def configure_prefect_env(*, quiet: bool = True) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if not os.environ.get("PREFECT_API_URL"):
         os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
+        # the temporary server's 20 s start-up limit is too short on a busy machine
+        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
         cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fp8rl" / "prefect"
         os.environ.setdefault("PREFECT_HOME", str(cache))
     if os.environ.get("PREFECT_HOME"):
@@ -52,3 +54,21 @@ def quiet_third_party() -> None:
         hf_logging.set_verbosity_error()
     except ImportError:  # pragma: no cover
         pass
+
+
+def quiet_console_failures() -> None:
+    """Keep Prefect's failure tracebacks off the console of a CLI run (they still reach the server).
+
+    A failed task logs its traceback at ERROR on every console handler, tens of
+    lines; the ``fp8rl`` command prints the one line that says what happened
+    (path and cause) instead. Call after Prefect is imported.
+    """
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger()] + [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)]
+    for lg in loggers:
+        for h in getattr(lg, "handlers", []):
+            if isinstance(h, PrefectConsoleHandler):
+                h.setLevel(logging.CRITICAL)

@@ -32,6 +32,9 @@ def launch(run_dir: Path, *, resume: bool, nproc_per_node: int) -> dict:
            "-m", "flows.spmd", str(run_dir), "--result", str(result)] + (["--resume"] if resume else [])
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    from storage.lock import LAUNCHER_ENV
+
+    env[LAUNCHER_ENV] = str(Path(run_dir).resolve())  # this process holds the run's lock for the ranks
     proc = subprocess.run(cmd, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun exited with {proc.returncode}; `fp8rl resume {run_dir}` continues from the last checkpoint")

@@ -135,7 +135,7 @@ def base_model_dir(cfg: CampaignConfig, runs_root: Path) -> Path:
 
     b = cfg.bootstrap
     teacher = NoisyTeacher(carry_drop=b.carry_drop, noisy_steps=b.noisy_steps, switch_loss=b.switch_loss)
-    cache = os.environ.get("FP8RL_BOOTSTRAP_CACHE") or str(Path(runs_root) / ".bootstrap-cache")
+    cache = os.environ.get("FP8RL_BOOTSTRAP_CACHE")  # else the per-user cache (never beside the run)
     return Path(bootstrap(cfg.model, cfg.task, cfg.bootstrap, cache, teacher=teacher))
 
 

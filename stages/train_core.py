@@ -59,13 +59,10 @@ from fp8rl_core.precision import bf16_shadow
 
 
 def maybe_fault(stage: str, point: int) -> None:
-    """Test hook for crash tests (``FP8RL_FAULT``, see flows.campaign); a no-op otherwise."""
-    import os
+    """Test hook for crash tests (``FP8RL_FAULT``, see storage.faults); a no-op otherwise."""
+    from storage import faults
 
-    if os.environ.get("FP8RL_FAULT"):
-        from flows.campaign import fault_point
-
-        fault_point(stage, point)
+    faults.point(f"mb{point}")
 
 
 @dataclass

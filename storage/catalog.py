@@ -58,6 +58,8 @@ from storage.schemas import MAIN_VARIANT, STORED_TABLES, TABLES, TableSpec
 
 _SOURCE = "_catalog_source"
 _PROBLEMS = "catalog_problems"
+_EXCLUDED = "_catalog_excluded"  # files found corrupt on reading: (path, why), skipped from then on
+_FILES = "_catalog_files"  # the files the views read now
 _KEYS = ("run_id", "step", "variant")
 
 
@@ -89,6 +91,39 @@ def quick_parquet_check(path: Path) -> str | None:
     return None
 
 
+def footer_problem(path: str | Path, con: duckdb.DuckDBPyConnection | None = None) -> str | None:
+    """None if DuckDB can read ``path``'s Parquet footer (its schema), else why not (one line)."""
+    con = con or duckdb.connect(":memory:")
+    try:
+        con.execute(f"DESCRIBE SELECT * FROM read_parquet({_sql_str(str(path))})").fetchall()
+    except duckdb.Error as err:
+        return f"corrupt Parquet footer ({_first_line(err)})"
+    return None
+
+
+def pages_problem(path: str | Path) -> str | None:
+    """None if every page of ``path`` decodes (reads the whole file), else why not (one line)."""
+    import pyarrow.parquet as pq
+
+    try:
+        pq.read_table(path)
+    except Exception as err:  # pyarrow raises several types for damaged files
+        return f"corrupt Parquet data ({type(err).__name__}: {_first_line(err)})"
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    return next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
+
+
+def _exclude(con: duckdb.DuckDBPyConnection, bad: list[tuple[str, str]]) -> None:
+    con.executemany(f"INSERT INTO {_EXCLUDED} VALUES (?, ?)", bad)
+
+
+def _excluded(con: duckdb.DuckDBPyConnection) -> dict[str, str]:
+    return dict(con.sql(f"SELECT path, problem FROM {_EXCLUDED}").fetchall())
+
+
 def connect(root: str | Path, *, runs: Iterable[str] | None = None, threads: int | None = None) -> duckdb.DuckDBPyConnection:
     """Open an in-memory DuckDB connection with the views of the runs under ``root``.
 
@@ -101,6 +136,8 @@ def connect(root: str | Path, *, runs: Iterable[str] | None = None, threads: int
     runs = list(runs) if runs else None
     find_runs(root, runs)  # fail early, before creating anything
     con.execute(f"CREATE TABLE {_SOURCE} (root VARCHAR, run VARCHAR)")
+    con.execute(f"CREATE TABLE {_EXCLUDED} (path VARCHAR, problem VARCHAR)")
+    con.execute(f"CREATE TABLE {_FILES} (path VARCHAR)")
     rows = [(str(Path(root).resolve()), r) for r in (runs or [None])]
     con.executemany(f"INSERT INTO {_SOURCE} VALUES (?, ?)", rows)
     refresh(con)
@@ -138,7 +175,8 @@ def _view_sql(spec: TableSpec, files: list[str]) -> str:
     return base
 
 
-def _live_files(spec: TableSpec, infos: list, problems: list[tuple[str, str]]) -> list[str]:
+def _live_files(spec: TableSpec, infos: list, problems: list[tuple[str, str]],
+                excluded: Mapping[str, str] = {}) -> list[str]:
     files: list[str] = []
     for info in infos:
         parts = scan_parts(RunLayout(info.path), spec.name, info.run_id)
@@ -147,7 +185,7 @@ def _live_files(spec: TableSpec, infos: list, problems: list[tuple[str, str]]) -
                 problems.append((str(p.path), "file name not written by fp8rl storage; ignored"))
         live, _ = live_parts(parts)
         for p in live:
-            why = quick_parquet_check(p.path)
+            why = excluded.get(str(p.path)) or quick_parquet_check(p.path)
             if why is None:
                 files.append(str(p.path))
             elif os.path.exists(p.path):
@@ -164,12 +202,13 @@ def refresh(con: duckdb.DuckDBPyConnection, *, retries: int = 5) -> list[tuple[s
     root, runs = _source(con)
     infos = find_runs(root, runs)
     problems: list[tuple[str, str]] = []
+    all_files: list[str] = []
     for name in STORED_TABLES:
         spec = TABLES[name]
         _create_from_arrow(con, f"_schema_{name}", spec.schema().empty_table())
         for attempt in range(retries + 1):
             found: list[tuple[str, str]] = []
-            files = _live_files(spec, infos, found)
+            files = _live_files(spec, infos, found, _excluded(con))
             try:
                 con.execute(f"CREATE OR REPLACE VIEW {name}_variants AS {_view_sql(spec, files)}")
                 con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {name}_variants WHERE variant = '{MAIN_VARIANT}'")
@@ -177,7 +216,17 @@ def refresh(con: duckdb.DuckDBPyConnection, *, retries: int = 5) -> list[tuple[s
             except duckdb.IOException:
                 if attempt == retries or all(os.path.exists(f) for f in files):
                     raise
+            except duckdb.Error:
+                # a file whose footer DuckDB cannot parse fails the whole view: find it, skip it
+                bad = [(f, why) for f in files if (why := footer_problem(f)) is not None]
+                if not bad or attempt == retries:
+                    raise
+                _exclude(con, bad)
         problems += found
+        all_files += files
+    con.execute(f"DELETE FROM {_FILES}")
+    if all_files:
+        con.executemany(f"INSERT INTO {_FILES} VALUES (?)", [(f,) for f in all_files])
 
     ledgers = [Ledger(info.path).to_arrow(variant=None) for info in infos]
     _create_from_arrow(con, "_ledger_rows", pa.concat_tables(ledgers) if ledgers else TABLES["ledger"].schema().empty_table())
@@ -209,6 +258,23 @@ def set_params(con: duckdb.DuckDBPyConnection, params: Mapping[str, Any]) -> Non
         con.execute(f"SET VARIABLE {name} = ?", [value])
 
 
+_READ_ONLY = ("SELECT", "EXPLAIN")
+
+
+def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
+    """Refuse SQL that would write (COPY … TO, CREATE, INSERT, ATTACH, SET, …): queries only read.
+
+    Raises ``duckdb.ParserException`` for SQL that does not parse, StorageError otherwise.
+    """
+    from storage.errors import StorageError
+
+    for st in con.extract_statements(sql):
+        kind = st.type.name
+        if kind not in _READ_ONLY:
+            hint = "; use --out FILE (.parquet, .csv or .json) to save a result" if kind == "COPY" else ""
+            raise StorageError(f"queries are read-only: {kind} statements are refused (only SELECT){hint}")
+
+
 def query(con: duckdb.DuckDBPyConnection, sql: str, *, retries: int = 3) -> pa.Table:
     """Run ``sql`` and return the result as an arrow table.
 
@@ -222,5 +288,15 @@ def query(con: duckdb.DuckDBPyConnection, sql: str, *, retries: int = 3) -> pa.T
         except duckdb.IOException:
             if attempt == retries:
                 raise
+            refresh(con)
+        except (duckdb.ParserException, duckdb.CatalogException, duckdb.BinderException):
+            raise
+        except duckdb.Error:
+            # a data page DuckDB cannot decode: find the file(s), skip them, say so, retry
+            files = [f for (f,) in con.sql(f"SELECT path FROM {_FILES}").fetchall()]
+            bad = [(f, why) for f in files if (why := pages_problem(f)) is not None]
+            if not bad or attempt == retries:
+                raise
+            _exclude(con, bad)
             refresh(con)
     raise AssertionError("unreachable")

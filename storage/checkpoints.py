@@ -329,8 +329,38 @@ def apply_retention(
         if scored:
             keep.add(max(scored)[2])
     removed = []
-    for _, p in complete:
+    for s, p in complete:
         if p not in keep:
+            record_pruned(run_dir, s, p)  # first: a crash between the two leaves a record, not a mystery
             shutil.rmtree(p)
             removed.append(p)
     return removed
+
+
+PRUNED_FILE = "pruned.jsonl"
+
+
+def record_pruned(run_dir: str | Path, step: int, path: Path) -> None:
+    """Append to ``checkpoints/pruned.jsonl`` that retention deletes the checkpoint of ``step``."""
+    layout = RunLayout(Path(run_dir))
+    rec = {"step": int(step), "path": layout.relative(path), "reason": "retention",
+           "pruned_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    with open(layout.checkpoints / PRUNED_FILE, "a", encoding="utf-8") as f:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def pruned_checkpoints(run_dir: str | Path) -> dict[str, dict]:
+    """The checkpoints retention deleted: relative path -> record (a torn last line is ignored)."""
+    path = RunLayout(Path(run_dir)).checkpoints / PRUNED_FILE
+    out: dict[str, dict] = {}
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+            out[rec["path"]] = rec
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out

@@ -14,7 +14,8 @@ Checks, per run:
 - ``ledger.jsonl``: lines that do not parse (a torn last line is a warning, a
   bad line in the middle an error), finished records whose outputs are neither
   live nor set aside;
-- every ``checkpoints/step_<n>/`` against its manifest (sizes and sha256).
+- every ``checkpoints/step_<n>/`` against its manifest (sizes and sha256);
+  checkpoints deleted by retention are known from ``checkpoints/pruned.jsonl``.
 
 Errors make ``fp8rl doctor`` exit 1; warnings alone do not.
 """
@@ -26,9 +27,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from storage.checkpoints import list_checkpoints, verify_checkpoint
-from storage.errors import NotARunDirectory, SchemaVersionError, StorageError
-from storage.layout import Part, RunLayout, is_run_dir, live_parts, parse_part_name, read_run_info
+from storage.catalog import footer_problem
+from storage.checkpoints import list_checkpoints, pruned_checkpoints, verify_checkpoint
+from storage.errors import DuplicateRun, NotARunDirectory, SchemaVersionError, StorageError
+from storage.layout import Part, RunLayout, find_runs, is_run_dir, live_parts, parse_part_name, read_run_info
 from storage.ledger import DONE, Ledger
 from storage.schemas import META_TABLE, META_VERSION, STORED_TABLES, check_schema_version
 
@@ -54,6 +56,9 @@ def _check_parquet(path: Path, table: str, run_id: str, step: int, deep: bool) -
         meta = pf.metadata
     except Exception as err:  # pyarrow raises several types for damaged files
         return [Problem(ERROR, str(path), f"unreadable Parquet ({type(err).__name__}: {str(err).splitlines()[0]})")]
+    why = footer_problem(path)
+    if why is not None:
+        return [Problem(ERROR, str(path), f"{why}; queries skip it")]
     kv = pf.schema_arrow.metadata or {}
     if kv.get(META_TABLE, b"").decode() not in ("", table):
         out.append(Problem(ERROR, str(path), f"holds table {kv[META_TABLE].decode()!r}, not {table!r}"))
@@ -131,10 +136,15 @@ def _check_ledger(layout: RunLayout, live_files: set[str]) -> list[Problem]:
             torn = line == n_lines
             out.append(Problem(WARNING if torn else ERROR, f"{ledger.path}:{line}",
                                "torn last record (crash while appending); ignored" if torn else "unparseable record"))
+    pruned = pruned_checkpoints(layout.root)
     for r in ledger.records(variant=None):
         if r.status != DONE:
             continue
         for rel in r.outputs:
+            if Path(rel).is_absolute() and Path(rel).resolve().is_relative_to(layout.root.resolve()):
+                rel = layout.relative(Path(rel))
+            if rel in pruned:
+                continue  # deleted by checkpoint retention, recorded in checkpoints/pruned.jsonl
             if rel not in live_files and not (layout.root / rel).exists() and not (layout.superseded / rel).exists():
                 out.append(Problem(ERROR, str(layout.root / rel),
                                    f"output of {r.stage} step {r.step} attempt {r.attempt} ({r.variant}) is missing"))
@@ -173,4 +183,11 @@ def check(root: str | Path, *, deep: bool = False) -> list[Problem]:
     run_dirs = sorted(p for p in root.iterdir() if is_run_dir(p))
     if not run_dirs:
         raise NotARunDirectory(f"{root}: not a run directory (no run.json) and holds none")
-    return [problem for d in run_dirs for problem in check_run(d, deep=deep)]
+    out: list[Problem] = []
+    try:
+        find_runs(root)
+    except DuplicateRun as err:  # a copy of a run beside it: queries of the root refuse to double-count
+        out.append(Problem(ERROR, str(root), str(err)))
+    except StorageError:
+        pass  # an unreadable run.json: check_run names it
+    return out + [problem for d in run_dirs for problem in check_run(d, deep=deep)]

@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from storage.errors import NotARunDirectory, UnknownRun
+from storage.errors import DuplicateRun, NotARunDirectory, UnknownRun
 from storage.schemas import RUN_ID, SCHEMA_VERSION, STAGE_NAME, VARIANT_NAME, check_name, check_schema_version
 
 RUN_FILE = "run.json"
@@ -252,6 +252,7 @@ def find_runs(root: str | Path, runs: Iterable[str] | None = None) -> list[RunIn
         found = [read_run_info(d) for d in sorted(root.iterdir()) if d.is_dir() and is_run_dir(d)]
         if not found:
             raise NotARunDirectory(f"{root}: not a run directory (no {RUN_FILE}) and holds none")
+    found = _refuse_duplicates(root, found)
     if runs is None:
         return found
     wanted = list(dict.fromkeys(runs))
@@ -261,6 +262,30 @@ def find_runs(root: str | Path, runs: Iterable[str] | None = None) -> list[RunIn
         known = ", ".join(sorted(by_id)[:10]) + (" …" if len(by_id) > 10 else "")
         raise UnknownRun(f"unknown run id {missing[0]!r} under {root}; runs there: {known}")
     return [by_id[r] for r in wanted]
+
+
+def _refuse_duplicates(root: Path, found: list[RunInfo]) -> list[RunInfo]:
+    """Two directories (not two names of one: symlinks and bind mounts are one) carrying one run id
+    would count that run's rows twice in every query; refuse, naming both.
+
+    One run's per-rank part files live in one directory and are one run.
+    """
+    seen: dict[str, tuple[tuple[int, int], Path]] = {}
+    unique: list[RunInfo] = []
+    for info in found:
+        st = info.path.stat()
+        ident = (st.st_dev, st.st_ino)
+        prev = seen.setdefault(info.run_id, (ident, info.path))
+        if prev[1] == info.path:
+            unique.append(info)
+        elif prev[0] == ident:
+            continue  # another name (a symlink) of a directory already listed
+        else:
+            raise DuplicateRun(
+                f"run id {info.run_id!r} is in two directories under {root}: {prev[1].name} and {info.path.name} "
+                "(a copy?); its rows would count twice: move the copy out of the root, or query one run "
+                "directory itself")
+    return unique
 
 
 @dataclass(frozen=True)

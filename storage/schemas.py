@@ -81,9 +81,11 @@ class Column:
 class TableSpec:
     """A table: its stored columns, the columns the catalog derives, its rules.
 
-    ``extra_type``: type of columns a writer passes beyond the schema — None
-    keeps the inferred arrow type, ``pa.float64()`` casts (the open-ended
-    ``steps`` table). ``merge_rows``: the view folds the rows written by
+    Strict: a column a writer passes that the table does not declare is a
+    :class:`SchemaError` naming it (a typo must not become a new column).
+    Adding a column is one line here. ``extra_pattern`` declares a family of
+    columns by name (``steps``: per-stage timings ``<stage>_seconds``), stored
+    as ``extra_type``. ``merge_rows``: the view folds the rows written by
     different stages for one (run, step, variant) into a single row.
     ``stored``: False for the ledger (JSONL, not Parquet; the schema is its view's).
     ``fill``: completes conformed rows before writing (token_stats: clip flags).
@@ -94,6 +96,7 @@ class TableSpec:
     columns: tuple[Column, ...]
     derived: tuple[tuple[str, str, str], ...] = ()  # (name, SQL expression, doc)
     extra_type: pa.DataType | None = None
+    extra_pattern: re.Pattern | None = None
     merge_rows: bool = False
     stored: bool = True
     fill: Callable[[pa.Table], pa.Table] | None = None
@@ -275,6 +278,31 @@ _STEP_METRICS = (
     ("bapo_rho_min", "BAPO: smallest rho of the step's updates."),
     ("bapo_rho_max", "BAPO: largest rho of the step's updates."),
     ("bapo_iterations_mean", "BAPO: mean number of bound moves per update."),
+    ("amplification", "ratio_nmae / prob_nmae (shadow steps)."),
+    ("old_prob_nmae", "NMAE of FP8 vs BF16 old-policy token probabilities (shadow steps)."),
+    ("lower_clip_share_neg_fp8", "Share of A<0 tokens FP8 clips below L (denominator: A<0 tokens)."),
+    ("lower_clip_share_neg_bf16", "Share of A<0 tokens BF16 clips below 1 − ε_low (denominator: A<0 tokens)."),
+    ("overclipped_share", "Share of A<0 tokens FP8 clips and BF16 would not (shadow steps)."),
+    ("underclipped_share", "Share of A<0 tokens BF16 would clip and FP8 does not (shadow steps)."),
+    ("pg_clipfrac", "Share of valid tokens whose loss term the clip made constant (as the loss saw it)."),
+    ("ratio_mean", "Mean r over valid tokens."),
+    ("ratio_min", "Min r over valid tokens."),
+    ("ratio_max", "Max r over valid tokens."),
+    ("loss", "Policy loss (same as pg_loss; the trainer's name)."),
+    ("lr", "Learning rate (same as learning_rate; the trainer's name)."),
+    ("grad_norm_max", "Largest gradient norm over the step's updates."),
+    ("updates", "Optimizer updates in the step."),
+    ("skipped_updates", "Updates skipped for a non-finite gradient."),
+    ("n_tokens", "Valid response tokens trained on."),
+    ("is_weight_mean", "Mean importance weight of the loss (TIS / CISPO)."),
+    ("tis_weight_mean", "Mean truncated-IS weight (rollout vs train policy)."),
+    ("tis_weight_min", "Min truncated-IS weight."),
+    ("tis_capped_share", "Share of tokens whose TIS weight hit its cap."),
+    ("rollout_train_logp_abs_diff", "Mean |logp_rollout − old_logp_train| over valid tokens."),
+    ("garbled_share", "Share of responses judged garbled."),
+    ("kept_share", "Share of samples kept by dynamic sampling."),
+    ("shadow", "1 on steps with the BF16 shadow pass, else 0."),
+    ("train_tokens_per_second", "Valid tokens trained per second of update."),
 )
 
 STEPS = TableSpec(
@@ -283,6 +311,8 @@ STEPS = TableSpec(
     "numeric metric a stage passes becomes a float64 column (e.g. 'rollout_seconds').",
     _key_columns() + tuple(Column(n, _F64, d) for n, d in _STEP_METRICS),
     extra_type=_F64,
+    # timings of stages and phases; clip shares per entropy bin (diagnostics)
+    extra_pattern=re.compile(r"^([a-z][a-z0-9_]*_(seconds|s)|clipfrac_(lower|upper)_entropy_bin\d+)$"),
     merge_rows=True,
 )
 
@@ -300,12 +330,21 @@ BOUNDS = TableSpec(
         Column("target_balance", _F64, "BF16 Pos/Neg balance at the standard bounds (the target)."),
         Column("balance_before", _F64, "FP8 balance with the previous bounds."),
         Column("balance_after", _F64, "FP8 balance with the new bounds."),
-        Column("clipfrac_lower_before", _F64, "Share of A<0 tokens FP8 clips below the previous L."),
-        Column("clipfrac_lower_after", _F64, "Share of A<0 tokens FP8 clips below the new L."),
-        Column("clipfrac_upper_before", _F64, "Share of A>0 tokens FP8 clips above the previous H."),
-        Column("clipfrac_upper_after", _F64, "Share of A>0 tokens FP8 clips above the new H."),
+        # Shares of the A<0 (A>0) tokens, not of all tokens: named apart from steps.clipfrac_lower/upper.
+        Column("lower_clip_share_neg_before", _F64, "Share of A<0 tokens FP8 clips below the previous L."),
+        Column("lower_clip_share_neg_after", _F64, "Share of A<0 tokens FP8 clips below the new L."),
+        Column("lower_clip_share_neg_applied", _F64, "Share of A<0 tokens FP8 clips below the L applied next step."),
+        Column("lower_clip_share_neg_bf16", _F64, "Share of A<0 tokens BF16 clips below 1 − ε_low (= alpha's target)."),
+        Column("upper_clip_share_pos_before", _F64, "Share of A>0 tokens FP8 clips above the previous H."),
+        Column("upper_clip_share_pos_after", _F64, "Share of A>0 tokens FP8 clips above the new H."),
+        Column("upper_clip_share_pos_bf16", _F64, "Share of A>0 tokens BF16 clips above 1 + ε_high."),
+        Column("balance_applied", _F64, "FP8 balance with the bounds applied next step (after smoothing)."),
+        Column("previous_lower", _F64, "L in force before this calibration."),
+        Column("previous_upper", _F64, "H in force before this calibration."),
         Column("tokens", pa.int64(), "Valid tokens the calibration used."),
         Column("negative_tokens", pa.int64(), "Of which with A < 0."),
+        Column("nonfinite_tokens", pa.int64(), "Tokens with a non-finite ratio, left out of the calibration."),
+        Column("status", pa.string(), "Calibration outcome ('ok', or why the previous bounds were kept)."),
     ),
 )
 

@@ -37,7 +37,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.errors import SchemaError
+from storage import faults
+from storage.errors import CorruptFile, SchemaError
 from storage.layout import RunLayout, live_parts, new_write_id, parse_part_name, part_name, read_run_info, scan_parts
 from storage.schemas import MAIN_VARIANT, STORED_TABLES, TableSpec, get_table
 
@@ -107,8 +108,9 @@ def conform(spec: TableSpec, table: pa.Table, *, run_id: str, step: int, variant
 
     Schema columns are cast (an impossible cast names the column); missing
     optional ones become NULL; missing required ones are an error. Derived
-    columns (token_stats ratios) are dropped. Extra columns are kept — cast to
-    float64 for ``steps`` — so new metrics need no schema change.
+    columns (token_stats ratios) are dropped. A column the schema does not
+    declare is an error naming it (``steps`` declares its ``*_seconds`` timing
+    family by pattern, stored as float64).
     """
     n = table.num_rows
     expected = {"run_id": run_id, "step": step, "variant": variant}
@@ -139,7 +141,10 @@ def conform(spec: TableSpec, table: pa.Table, *, run_id: str, step: int, variant
             arr = pa.nulls(n, f.type)
         arrays.append(arr)
         fields.append(f)
-    for name, col in given.items():  # extra columns
+    for name, col in given.items():  # columns beyond the declared ones: only a declared family
+        if spec.extra_pattern is None or not spec.extra_pattern.match(name):
+            raise SchemaError(f"{spec.name}: column {name!r} is not declared in its schema "
+                              f"(storage/schemas.py); a typo, or a new column to declare there")
         if not _COLUMN_NAME.match(name):
             raise SchemaError(f"{spec.name}: extra column name {name!r} is not SQL-friendly (letters, digits, '_')")
         if spec.extra_type is not None and not pa.types.is_string(col.type):
@@ -185,6 +190,7 @@ class TableWriter:
         Replaces — by setting aside, never deleting — the previous output of
         the same (table, step, stage, variant). Returns the new file's path.
         """
+        faults.point(f"write:{table}", path=self.layout.partition_dir(table, self.run_id, step))  # FP8RL_FAULT hook
         spec = get_table(table)
         if not spec.stored:
             raise SchemaError(f"table {table!r} is not written as Parquet (use storage.ledger.Ledger)")
@@ -297,7 +303,14 @@ def read_table(path: str | Path) -> pa.Table:
     from storage.schemas import META_VERSION, check_schema_version
 
     path = Path(path)
-    t = pq.read_table(path)
+    try:
+        t = pq.read_table(path)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as err:
+        if isinstance(err, OSError) and getattr(err, "errno", None) is not None:
+            raise  # a real I/O error (permission, missing file) keeps its type
+        why = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
+        raise CorruptFile(f"{path}: corrupt Parquet ({why}); `fp8rl doctor` lists such files — restore it "
+                          "from a copy, or `fp8rl resume RUN --from STAGE --step N` to recompute it") from None
     meta = t.schema.metadata or {}
     check_schema_version(meta.get(META_VERSION, b"").decode() or None, str(path))
     return t

@@ -9,12 +9,14 @@ here), 8 prompts x 4 samples, two mini-batches of two micro-batches.
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-_SESSION_TMP = Path(tempfile.mkdtemp(prefix="fp8rl-tests-"))
+_SESSION_TMP = Path(tempfile.mkdtemp(prefix="fp8rl-tests-"))  # removed at the end of the session
 os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect"))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -47,9 +49,30 @@ def micro_config(*extra: str):
     return load_config("tiny-cpu", MICRO_OVERRIDES + list(extra))
 
 
+def pytest_unconfigure(config) -> None:
+    """Remove the session's temporary folder (Prefect home, bootstrap cache)."""
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def session_tmp() -> Path:
     return _SESSION_TMP
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny shapes: one intra-op torch thread is fastest and leaves the other core free.
+
+    Only for test modules that use torch (imported at collection); others stay torch-free.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture

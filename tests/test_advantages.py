@@ -17,13 +17,6 @@ from fp8rl_core.advantages import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def test_grpo_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 1.0, 5.0])

@@ -13,6 +13,9 @@ from fp8rl_core.config import BootstrapConfig, ModelConfig, TaskConfig
 from fp8rl_core.tiny_model import load_policy
 from stages.bootstrap import BASE_BAND, EVAL_SIZE, NoisyTeacher, bootstrap, config_hash, read_meta
 
+# end to end on a shared 2-core machine: a module fixture's campaign counts in its first test
+pytestmark = pytest.mark.timeout(900)
+
 TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64)
 SHORT = BootstrapConfig(steps=15, batch_size=16, warmup_steps=5, threads=1)
 TASK = TaskConfig(difficulty=1)

@@ -20,13 +20,6 @@ from fp8rl_core.config import CalibrationConfig
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _hand_batch(dtype=torch.float64):
     #          negatives (|A| = 1)        positives (A = 1)

@@ -32,6 +32,9 @@ from typer.testing import CliRunner
 
 from conftest import MICRO_OVERRIDES, micro_config
 
+# end to end on a shared 2-core machine: a module fixture's campaign counts in its first test
+pytestmark = pytest.mark.timeout(900)
+
 ROOT = Path(__file__).resolve().parent.parent
 PREFECT = [sys.executable, "-m", "prefect"]
 FP8RL = [sys.executable, "-m", "flows.cli"]

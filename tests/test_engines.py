@@ -27,14 +27,6 @@ from stages.engines import hf_engine
 from stages.engines.hf_engine import sample_next, top_p_mask
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one intra-op thread is fastest and leaves the other core free."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 EOS = 2
 

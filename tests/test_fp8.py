@@ -46,14 +46,6 @@ def _lenient_shapes():
     set_strict_shapes(prev)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def _all_codes(fmt):
     v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.dtype).float()
     return v[torch.isfinite(v)].unique()  # sorted finite grid values

@@ -19,13 +19,6 @@ def naive(logits: torch.Tensor, labels: torch.Tensor):
     return logp, -(logq.exp() * logq).sum(-1)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk_size", [1, 3, 7, None])

@@ -42,13 +42,6 @@ def base_model() -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(tiny_config()).eval()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
 
 def toy_batch(b=8, t=16, seed=0) -> torch.Tensor:
     """A learnable toy language: token t+1 = (token t + 1) mod 32 from a random start."""

@@ -31,6 +31,9 @@ from storage.layout import create_run
 from storage.queries import get_query
 from storage.writer import TableWriter, read_table
 
+# end to end on a shared 2-core machine: a module fixture's campaign counts in its first test
+pytestmark = pytest.mark.timeout(900)
+
 STAGE_SECONDS = {"rollout": 2.0, "score": 0.2, "train": 3.0, "calibrate": 0.3, "evaluate": 4.0, "checkpoint": 0.5}
 
 

@@ -28,6 +28,9 @@ from stages.train import run_train
 from storage.catalog import connect, query
 from storage.layout import create_run
 
+# end to end on a shared 2-core machine: a module fixture's campaign counts in its first test
+pytestmark = pytest.mark.timeout(900)
+
 MODES = {
     "bf16": ["precision.train=bf16", "precision.rollout=bf16"],
     "fp8-rollout-bf16-train": ["precision.train=bf16", "precision.rollout=fp8_per_tensor"],
@@ -86,9 +89,14 @@ def test_one_full_step_in_each_precision_mode_writes_every_table(tmp_path, mode)
     finally:
         ctx.close()
     con = connect(tmp_path / "r")
-    for table in ("rollouts", "scores", "token_stats", "steps", "bounds", "evals", "eval_scores"):
-        n = query(con, f"SELECT count(*) AS n FROM {table}").column("n")[0].as_py()
-        assert n > 0, f"{mode}: {table} is empty"
+    counts = {table: query(con, f"SELECT count(*) AS n FROM {table}").column("n")[0].as_py()
+              for table in ("rollouts", "scores", "token_stats", "steps", "bounds", "evals", "eval_scores")}
+    # 8 prompts x 4 samples; one step row and one calibration; 24 eval problems x k=2; avg@k, pass@k, maj@k
+    assert {t: counts[t] for t in ("rollouts", "scores", "steps", "bounds", "evals", "eval_scores")} == {
+        "rollouts": 32, "scores": 32, "steps": 1, "bounds": 1, "evals": 48, "eval_scores": 3}, mode
+    # a calibration step keeps every valid response token: one token_stats row each
+    n_tokens = query(con, "SELECT sum(response_length) AS n FROM rollouts").column("n")[0].as_py()
+    assert counts["token_stats"] == n_tokens, mode
     # a calibration step has both ratios for every valid token
     t = query(con, "SELECT count(*) AS n, count(ratio_fp8) AS r8, count(ratio_bf16) AS r16 FROM token_stats").to_pylist()[0]
     assert t["n"] == t["r8"] == t["r16"]
@@ -96,7 +104,11 @@ def test_one_full_step_in_each_precision_mode_writes_every_table(tmp_path, mode)
     assert valid == 32
     m = out["metrics"]
     assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["skipped_updates"] == 0
-    assert abs(m["clipfrac"] - (m["clipfrac_lower"] + m["clipfrac_upper"])) < 1e-9
+    # the step's clip shares, recounted from the stored per-token flags (DESIGN §2's definitions)
+    shares = query(con, "SELECT avg(clipped_lower::DOUBLE) AS lo, avg(clipped_upper::DOUBLE) AS hi, count(*) AS n "
+                        "FROM token_stats").to_pylist()[0]
+    tol = 1.5 / shares["n"]  # one boundary token may flip between the trainer's fp32 and the stored float32
+    assert abs(m["clipfrac_lower"] - shares["lo"]) <= tol and abs(m["clipfrac_upper"] - shares["hi"]) <= tol, (m, shares)
 
 
 def test_bf16_shadow_reproduces_training_logprobs(tmp_path):
@@ -121,7 +133,8 @@ def test_fp8_first_minibatch_ratio_noise_is_measured_not_hidden(tmp_path):
     r16 = np.exp(tok["logp_bf16"].to_numpy(np.float64)[first] - tok["old_logp_bf16"].to_numpy(np.float64)[first])
     r8 = np.exp(tok["logp_fp8"].to_numpy(np.float64)[first] - tok["old_logp_fp8"].to_numpy(np.float64)[first])
     assert np.abs(r16 - 1).max() < 1e-6
-    assert np.isfinite(r8).all() and np.abs(r8 - 1).max() < 0.5
+    # measured 3.7e-3 (dynamic-scale noise of batch composition): present, and small
+    assert np.isfinite(r8).all() and 1e-6 < np.abs(r8 - 1).max() < 0.02
 
 
 def test_engine_logprobs_match_trainer_recomputation(tmp_path):

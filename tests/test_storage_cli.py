@@ -126,7 +126,6 @@ def test_params_and_output_formats(app, campaign: Path, tmp_path: Path) -> None:
         (["{root}", "SELECT no_such_column FROM steps"], "no_such_column"),
         (["{root}", "--named", "nope"], "unknown named query 'nope'; known: calibration-history"),
         (["{root}", "-n", "entropy-bins", "-p", "bins=3"], "has no parameter 'bins'"),
-        (["{root}", "SELECT 1", "--format", "xml"], "--format 'xml'"),
         (["{root}", "SELECT 1", "--out", "x.txt"], "extension must be one of"),
         (["{root}"], "missing SQL"),
         ([], "missing ROOT"),

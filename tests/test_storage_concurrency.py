@@ -73,7 +73,10 @@ for step in range(10_000):
 """)
     try:
         assert proc.stdout.readline().strip() == "READY", proc.stderr.read()
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60  # a busy machine may take long for the first file
+        while time.monotonic() < deadline and not any((run / "tables").rglob("*.parquet")):
+            time.sleep(0.05)
+        time.sleep(0.5)  # then kill at some moment of a later write
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=30)

@@ -23,6 +23,9 @@ from stages.context import is_calibration_step, is_checkpoint_step, is_eval_step
 from storage.ledger import Ledger
 from storage.writer import TableWriter
 
+# end to end on a shared 2-core machine: a module fixture's campaign counts in its first test
+pytestmark = pytest.mark.timeout(900)
+
 SWEEP = """\
 name: mini
 base: tiny-cpu

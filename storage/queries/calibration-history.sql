@@ -24,8 +24,8 @@ SELECT
     target_balance,
     balance_before,
     balance_after,
-    clipfrac_lower_before,
-    clipfrac_lower_after,
+    lower_clip_share_neg_before,
+    lower_clip_share_neg_after,
     tokens
 FROM bounds
 WINDOW w AS (PARTITION BY run_id ORDER BY step)

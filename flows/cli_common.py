@@ -1,0 +1,68 @@
+"""What every ``fp8rl`` command shares: one way to fail, and I/O errors as one line.
+
+A user error, or an I/O failure the user can fix (no space left, a read-only
+mount, a path blocked by a file), is one line ``error: ...`` on stderr and exit
+code 2; a run interrupted that way stays resumable (every write is atomic, the
+ledger is the truth). Importing this module imports neither torch nor Prefect.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import typer
+
+# Below this many free bytes a failed write is taken to be a full disk, whatever the
+# library said (torch.save reports ENOSPC as "enforce fail at inline_container.cc").
+_FULL_BYTES = 1 << 20
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print ``error: <message>`` (one line) on stderr and return the Exit to raise."""
+    typer.echo(f"error: {' '.join(str(message).split())}", err=True)
+    return typer.Exit(code)
+
+
+def _disk_full(path: Path) -> bool:
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free < _FULL_BYTES
+    except OSError:
+        return False
+
+
+def io_error_message(err: BaseException, path: Path | None) -> str | None:
+    """One line for an I/O failure under ``path``, or None if ``err`` is not one."""
+    from storage.errors import os_error_line
+
+    if isinstance(err, OSError) and err.errno is not None:
+        return os_error_line(err, None if path is None else str(path))
+    cause = err.__cause__ or err.__context__
+    if isinstance(cause, OSError) and cause.errno is not None:
+        return os_error_line(cause, None if path is None else str(path))
+    if path is not None and isinstance(err, (RuntimeError, OSError)) and _disk_full(path):
+        return os_error_line(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), str(path))
+    return None
+
+
+@contextmanager
+def io_errors(path: Path | None, *, resume_hint: Path | None = None) -> Iterator[None]:
+    """Turn an I/O failure inside the block into one line and exit 2 (other errors pass)."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except (OSError, RuntimeError) as err:
+        msg = io_error_message(err, path)
+        if msg is None:
+            raise
+        if resume_hint is not None and (resume_hint / "run.json").exists():
+            msg += f"; fix it, then `fp8rl resume {resume_hint}`"
+        raise fail(msg) from None

@@ -1,0 +1,108 @@
+"""Fault injection for crash and I/O tests: ``FP8RL_FAULT``, read where a fault can happen.
+
+    FP8RL_FAULT="<stage>@<step>[:<point>]=<kind>[,...]"    e.g. "train@2:mb1=kill"
+
+Points: ``start`` (a stage's beginning, checked by the stage runner) or a
+named point inside a stage (``mb<i>``: before mini-batch *i* of train;
+``write:<table>``: a Parquet write of that table). Kinds:
+
+- ``kill``: SIGKILL this process (a crash with no clean-up, as the OOM killer does);
+- ``transient``: raise :class:`InjectedTransientFault` (retried by the flow);
+- ``enospc`` / ``erofs``: raise the ``OSError`` a full / read-only disk gives.
+
+``FP8RL_FAULT_MARKER=<file>`` makes a fault fire once: the first firing
+writes the marker, later ones see it and pass (so a retry succeeds).
+
+No state is kept in this module: the plan is parsed from the environment at
+each point (nothing to parse when it is unset, the normal case), and the
+stage and step being run are a :class:`contextvars.ContextVar` set by the
+stage runner for the duration of the stage (:func:`stage_scope`), so points
+deep inside a stage (a trainer's mini-batch loop) need not be passed the step.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import errno
+import os
+import signal
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping
+
+ENV, MARKER_ENV = "FP8RL_FAULT", "FP8RL_FAULT_MARKER"
+KINDS = ("kill", "transient", "enospc", "erofs")
+
+_SCOPE: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("fp8rl_fault_scope", default=None)
+
+
+class InjectedTransientFault(RuntimeError):
+    """A failure injected to exercise retries."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    stage: str
+    step: int
+    point: str
+    kind: str
+
+
+def parse(spec: str) -> tuple[Fault, ...]:
+    """The faults of an ``FP8RL_FAULT`` value; ValueError names a malformed item."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        where, _, kind = item.partition("=")
+        target, _, point = where.partition(":")
+        stage, _, step = target.partition("@")
+        if kind not in KINDS or not stage or not step.isdigit():
+            raise ValueError(f"{ENV}: bad item {item!r}; expected <stage>@<step>[:<point>]=<{'|'.join(KINDS)}>")
+        out.append(Fault(stage, int(step), point or "start", kind))
+    return tuple(out)
+
+
+def _fire(fault: Fault, where: str, env: Mapping[str, str]) -> None:
+    marker = env.get(MARKER_ENV)
+    if marker:
+        if Path(marker).exists():
+            return
+        Path(marker).write_text(f"{fault}\n")
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "transient":
+        raise InjectedTransientFault(f"injected transient fault in {fault.stage} at step {fault.step} ({fault.point})")
+    code = errno.ENOSPC if fault.kind == "enospc" else errno.EROFS
+    raise OSError(code, os.strerror(code), where)
+
+
+def at(stage: str, step: int, point: str = "start", *, path: str | os.PathLike | None = None,
+       env: Mapping[str, str] | None = None) -> None:
+    """A fault point: fire the fault planned for (stage, step, point), if any."""
+    env = os.environ if env is None else env
+    spec = env.get(ENV)
+    if not spec:
+        return
+    for f in parse(spec):
+        if f.stage == stage and f.step == step and f.point == point:
+            _fire(f, str(path or f"{stage}@{step}"), env)
+
+
+def point(name: str, *, path: str | os.PathLike | None = None) -> None:
+    """A fault point inside the stage now running (see :func:`stage_scope`); a no-op outside one."""
+    if not os.environ.get(ENV):
+        return
+    scope = _SCOPE.get()
+    if scope is not None:
+        at(scope[0], scope[1], name, path=path)
+
+
+@contextmanager
+def stage_scope(stage: str, step: int) -> Iterator[None]:
+    """Mark ``stage`` of ``step`` as running (for :func:`point`), and check its ``start`` point."""
+    token = _SCOPE.set((stage, step))
+    try:
+        at(stage, step)
+        yield
+    finally:
+        _SCOPE.reset(token)

@@ -1,0 +1,411 @@
+"""Nothing silently wrong (issue 16): one test per defect, each failing on the code before it.
+
+Everything here is fast: runs are made with the storage API (no campaign), the
+CLI runs in-process (typer's runner) except where a second process is the point
+(the single-writer lock, SIGKILL of a parent, the CLI's usage errors).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from conftest import micro_config
+from flows.cli import app
+from flows.configuration import dump_config
+from storage.catalog import connect, problems, query
+from storage.checkpoints import save_checkpoint
+from storage.errors import DuplicateRun, RunLocked
+from storage.layout import create_run
+from storage.ledger import Ledger
+from storage.writer import TableWriter
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args) -> "object":
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def one_line_exit_2(r, *needles: str) -> str:
+    """The result failed with exit 2 and exactly one line on stderr holding every needle."""
+    err = r.stderr.strip()
+    assert r.exit_code == 2, (r.exit_code, r.stdout[-1500:], err[-1500:], r.exception)
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+def _run_with_rows(root: Path, run_id: str, steps: int = 2, config: str | None = None) -> Path:
+    run = create_run(root, run_id, config=config).root
+    w, led = TableWriter(run, durable=False), Ledger(run)
+    for s in range(1, steps + 1):
+        with led.stage(s, "rollout") as rec:
+            rec.outputs.append(str(w.write("rollouts", s, {"sample_id": np.arange(4), "prompt_id": np.arange(4)},
+                                           stage="rollout")))
+        with led.stage(s, "train") as rec:
+            rec.outputs.append(str(w.write("steps", s, {"reward_mean": 0.1 * s}, stage="train")))
+    return run
+
+
+@pytest.fixture
+def micro_run(tmp_path: Path) -> Path:
+    """A run directory made by the micro config (config.yaml + run.json), with a few table rows."""
+    return _run_with_rows(tmp_path / "runs", "micro", config=dump_config(micro_config()))
+
+
+# --------------------------------------------------------------------------- 1. duplicate run ids
+
+
+def test_a_copied_run_is_not_counted_twice(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    a = _run_with_rows(root, "A")
+    shutil.copytree(a, root / "A-backup")  # cp -a: same run id in run.json
+    with pytest.raises(DuplicateRun, match=r"'A' is in two directories .*A-backup"):
+        connect(root)
+    r = cli("query", root, "SELECT count(*) FROM rollouts")
+    one_line_exit_2(r, "would count twice")
+    r = cli("doctor", root)
+    assert r.exit_code == 1 and "A-backup" in r.stderr
+    # a symlink is another name of the same run, not a copy: counted once
+    shutil.rmtree(root / "A-backup")
+    (root / "A-link").symlink_to(a, target_is_directory=True)
+    assert query(connect(root), "SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 8}]
+
+
+# --------------------------------------------------------------------------- 2. one writer per run
+
+
+_HOLD = "import sys, time; from storage import lock; lock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)"
+
+
+def _holder(run_dir: Path) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_a_second_writer_is_refused_and_a_crashed_one_leaves_no_stuck_lock(micro_run: Path) -> None:
+    from storage import lock
+
+    holder = _holder(micro_run)
+    try:
+        with pytest.raises(RunLocked, match=f"pid {holder.pid}"):
+            lock.acquire(micro_run)
+        one_line_exit_2(cli("resume", micro_run), "is being written by", f"pid {holder.pid}")
+        one_line_exit_2(cli("rerun", micro_run, "--stage", "score", "--steps", "1:2"), "is being written by")
+    finally:
+        holder.send_signal(signal.SIGKILL)  # a crash: no clean-up at all
+        holder.wait()
+    lock.acquire(micro_run)  # the kernel dropped the dead holder's lock
+    lock.acquire(micro_run)  # re-entrant in one process
+    lock.release(micro_run)
+    assert lock.is_locked(micro_run)
+    lock.release(micro_run)
+    assert not lock.is_locked(micro_run)
+
+
+# --------------------------------------------------------------------------- 3. a corrupt Parquet file
+
+
+def _scramble(path: Path, start: int, stop: int) -> None:
+    b = bytearray(path.read_bytes())
+    for i in range(start, min(stop, len(b) - 8)):
+        b[i] = (b[i] * 7 + 13) % 256
+    path.write_bytes(bytes(b))
+
+
+def test_a_corrupt_parquet_file_is_skipped_by_name_and_doctor_names_it(tmp_path: Path) -> None:
+    run = _run_with_rows(tmp_path / "runs", "A")
+    bad = sorted((run / "tables" / "rollouts").rglob("*.parquet"))[-1]
+    n = bad.stat().st_size
+    _scramble(bad, n - 200, n)  # the footer: magic bytes intact, content not
+    con = connect(run)
+    assert [p for p, _ in problems(con)] == [str(bad)]
+    assert query(con, "SELECT count(*) AS n FROM steps").to_pylist() == [{"n": 2}]  # other tables unaffected
+    assert query(con, "SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 4}]  # the good step
+    r = cli("query", run, "SELECT count(*) FROM steps")
+    assert r.exit_code == 0, r.stderr
+    assert f"warning: {bad}: corrupt Parquet" in r.stderr
+    r = cli("doctor", run)
+    assert r.exit_code == 1 and str(bad) in r.stderr
+
+
+def test_a_corrupt_data_page_found_while_querying_is_skipped_by_name(tmp_path: Path) -> None:
+    run = create_run(tmp_path, "A").root
+    w = TableWriter(run, durable=False)
+    rng = np.random.default_rng(0)
+    paths = [w.write("rollouts", s, {"sample_id": np.arange(20000), "prompt_id": np.arange(20000),
+                                     "response": [f"{x:.9f}" for x in rng.random(20000)]}, stage="rollout")
+             for s in (1, 2)]
+    import struct
+
+    size = paths[0].stat().st_size
+    with open(paths[0], "rb") as f:
+        f.seek(size - 8)
+        footer = struct.unpack("<I", f.read(4))[0]
+    _scramble(paths[0], 4, size - footer - 8)  # every data page; the footer still reads
+    con = connect(run)
+    assert problems(con) == []
+    rows = query(con, "SELECT count(*) AS n, count(DISTINCT response) AS d FROM rollouts").to_pylist()
+    assert rows == [{"n": 20000, "d": 20000}]
+    assert [p for p, _ in problems(con)] == [str(paths[0])]
+
+
+# --------------------------------------------------------------------------- 4. doctor after retention
+
+
+def test_doctor_knows_checkpoints_that_retention_pruned(tmp_path: Path) -> None:
+    from storage.checkpoints import apply_retention
+
+    run = create_run(tmp_path, "A").root
+    led = Ledger(run)
+    for s in (2, 4, 6):
+        with led.stage(s, "checkpoint") as rec:
+            rec.outputs.append(str(save_checkpoint(run, s, metrics={}, rng_state=False)))
+        apply_retention(run, keep_last=1)
+    assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_6"]
+    r = cli("doctor", run)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    (run / "checkpoints" / "step_6" / "manifest.json").unlink()  # a real loss is still an error
+    assert cli("doctor", run).exit_code == 1
+
+
+# --------------------------------------------------------------------------- 5. orphaned Prefect servers
+
+
+_FLOW = """
+import sys, time
+from flows import child_guard
+child_guard.start()
+from flows.prefect_env import configure_prefect_env
+configure_prefect_env()
+from prefect import flow
+@flow
+def noop():
+    return 1
+noop()
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pidfds and /proc are Linux")
+def test_prefect_temporary_server_dies_with_a_sigkilled_parent(tmp_path: Path) -> None:
+    from flows.child_guard import SERVER_MARK, _children, _is_server
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PYTHONPATH=str(ROOT), PREFECT_HOME=str(tmp_path / "prefect"))
+    p = subprocess.Popen([sys.executable, "-c", _FLOW], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        servers = [c for c in _children(p.pid) if _is_server(c)]
+        assert servers, f"no child running {SERVER_MARK}"
+        os.kill(p.pid, signal.SIGKILL)  # as the OOM killer does: the parent alone
+        p.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(Path(f"/proc/{s}").exists() and _is_server(s) for s in servers):
+            time.sleep(0.2)
+        alive = [s for s in servers if Path(f"/proc/{s}").exists() and _is_server(s)]
+        assert not alive, f"orphaned Prefect server(s) {alive}"
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+# --------------------------------------------------------------------------- 6/7. I/O failures are one line
+
+
+def _mount_tmpfs(where: Path, size: str, *extra: str) -> bool:
+    where.mkdir(parents=True, exist_ok=True)
+    opts = ",".join((f"size={size}",) + extra)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)], capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def mount(tmp_path: Path):
+    """mount(size, *opts) -> a fresh tmpfs (skips where the test cannot mount: not root, a container)."""
+    mounted: list[Path] = []
+
+    def make(size: str = "4m", *opts: str) -> Path:
+        where = tmp_path / f"mnt{len(mounted)}"
+        if os.geteuid() != 0 or not _mount_tmpfs(where, size, *opts):
+            pytest.skip("cannot mount a tmpfs here (needs root and mount rights)")
+        mounted.append(where)
+        return where
+
+    yield make
+    for m in reversed(mounted):
+        subprocess.run(["umount", "-l", str(m)], capture_output=True)
+
+
+def test_disk_full_is_one_line_naming_the_path_and_no_space_left(mount) -> None:
+    from flows.cli_common import io_errors
+    import typer
+
+    m = mount("256k")
+    run = create_run(m, "A").root
+    w = TableWriter(run, durable=False)
+    with pytest.raises(typer.Exit) as exc, io_errors(run, resume_hint=run):
+        for s in range(1, 100):
+            w.write("rollouts", s, {"sample_id": np.arange(20000), "prompt_id": np.arange(20000),
+                                    "response": [os.urandom(8).hex() for _ in range(20000)]}, stage="rollout")
+    assert exc.value.exit_code == 2
+    assert not list(run.joinpath("tmp").iterdir())  # no half-written file left
+    # the live files all read: nothing torn
+    assert query(connect(run), "SELECT count(*) AS n FROM rollouts").to_pylist()[0]["n"] % 20000 == 0
+
+
+def test_disk_full_message(mount, capsys) -> None:
+    from flows.cli_common import io_errors
+    import typer
+
+    m = mount("64k")
+    run = create_run(m, "A").root
+    with pytest.raises(typer.Exit), io_errors(run, resume_hint=run):
+        (run / "big").write_bytes(b"x" * 200_000)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "no space left on device" in err and str(run) in err
+    assert f"fp8rl resume {run}" in err and len(err.splitlines()) == 1
+
+
+def test_torch_save_on_a_full_disk_says_no_space_left(mount, capsys) -> None:
+    """torch reports ENOSPC as 'enforce fail at inline_container.cc'; the CLI says what it is."""
+    import torch
+    import typer
+    from flows.cli_common import io_errors
+
+    m = mount("64k")
+    with pytest.raises(typer.Exit), io_errors(m):
+        torch.save(torch.zeros(100_000), m / "x.pt")
+    err = capsys.readouterr().err.strip()
+    assert "no space left on device" in err and len(err.splitlines()) == 1, err
+
+
+def test_run_dir_on_a_read_only_mount(mount) -> None:
+    m = mount("1m", "ro")
+    one_line_exit_2(cli("run", "tiny-cpu", "--run-dir", m / "r", "--set", "steps=1"), "read-only file system")
+
+
+def test_resume_of_a_run_on_read_only_storage(mount, micro_run: Path) -> None:
+    m = mount("8m")
+    shutil.copytree(micro_run, m / "run")
+    subprocess.run(["mount", "-o", "remount,ro", str(m)], check=True)
+    one_line_exit_2(cli("resume", m / "run"), "read-only file system")
+
+
+def test_run_dir_under_a_file_or_under_proc(tmp_path: Path) -> None:
+    f = tmp_path / "afile"
+    f.write_text("x")
+    one_line_exit_2(cli("run", "tiny-cpu", "--run-dir", f / "sub" / "r"), str(f), "is a file")
+    one_line_exit_2(cli("run", "tiny-cpu", "--run-dir", "/proc/fp8rl-test"), "/proc")
+
+
+def test_rerun_variant_main_or_a_path_is_refused(micro_run: Path) -> None:
+    one_line_exit_2(cli("rerun", micro_run, "--stage", "score", "--steps", "1:2", "--variant", "main"), "'main'")
+    one_line_exit_2(cli("rerun", micro_run, "--stage", "score", "--steps", "1:2", "--variant", "../../evil"),
+                    "../../evil")
+    assert not (micro_run.parent.parent / "evil").exists()
+
+
+# --------------------------------------------------------------------------- 8. bad input
+
+
+@pytest.mark.parametrize("value", ["true", "yes", "false"])
+def test_a_boolean_is_not_a_number(value: str) -> None:
+    one_line_exit_2(cli("config", "tiny-cpu", "--set", f"steps={value}"), "steps", "boolean")
+
+
+def test_an_empty_config_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "empty.yaml").write_text("\n# nothing\n")
+    one_line_exit_2(cli("config", tmp_path / "empty.yaml"), "empty")
+
+
+def test_rerun_steps_must_be_a_range(micro_run: Path) -> None:
+    one_line_exit_2(cli("rerun", micro_run, "--stage", "score", "--steps", "9:2"), "9:2")
+
+
+def test_run_dir_that_holds_other_files_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "photos"
+    d.mkdir()
+    (d / "holiday.jpg").write_bytes(b"\xff\xd8")
+    one_line_exit_2(cli("run", "tiny-cpu", "--run-dir", d), "not empty")
+    assert sorted(p.name for p in d.iterdir()) == ["holiday.jpg"]
+
+
+def test_a_run_name_cannot_leave_the_runs_root(tmp_path: Path) -> None:
+    root = tmp_path / "a" / "b" / "runs"
+    one_line_exit_2(cli("run", "tiny-cpu", "--set", "name=../../etc", "--set", f"storage.runs_root={root}"), "name")
+    assert not (tmp_path / "a" / "etc").exists() and not list(tmp_path.rglob("run.json"))
+
+
+# --------------------------------------------------------------------------- 9. smaller
+
+
+def test_usage_errors_are_one_line() -> None:
+    for args in (["run", "--bogus"], ["nosuch"], ["resume", "x", "--from", "nowhere"],
+                 ["query", "x", "SELECT 1", "--format", "xml"]):
+        r = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+        assert r.stderr.startswith("error: ") and "--help" in r.stderr
+
+
+def test_choices_are_listed_in_help() -> None:
+    import re
+
+    def text(*args: str) -> str:
+        return re.sub(r"\s", "", CliRunner().invoke(app, list(args), env={"COLUMNS": "250"}).stdout)
+
+    assert "rollout|score|train|calibrate|evaluate|checkpoint" in text("resume", "--help")
+    assert "table|csv|json" in text("query", "--help")
+    assert "score|calibrate|evaluate" in text("rerun", "--help")
+
+
+def test_bootstrap_cache_is_per_user_not_beside_the_run(tmp_path: Path, monkeypatch) -> None:
+    import stages.bootstrap as boot
+    from stages.context import base_model_dir
+
+    seen = {}
+    monkeypatch.delenv("FP8RL_BOOTSTRAP_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(boot, "bootstrap", lambda *a, **k: seen.setdefault("cache", a[3] if len(a) > 3 else k.get("cache_root")) or boot.default_cache_root())
+    base_model_dir(micro_config(), tmp_path / "elsewhere")
+    assert (seen["cache"] or boot.default_cache_root()) == tmp_path / "cache" / "fp8rl" / "bootstrap"
+
+
+def test_resume_says_when_it_passes_over_a_broken_checkpoint(micro_run: Path, monkeypatch) -> None:
+    import flows.cli_campaign as cc
+
+    save_checkpoint(micro_run, 2, metrics={}, rng_state=False)
+    save_checkpoint(micro_run, 4, metrics={}, rng_state=False)
+    (micro_run / "checkpoints" / "step_4" / "state.json").write_text("{}")  # damaged
+    monkeypatch.setattr(cc, "_run_flow", lambda run_dir, resume: {})
+    r = cli("resume", micro_run)
+    assert r.exit_code == 0, r.stderr
+    assert "step_4" in r.stderr and "restarts from step_2" in r.stderr
+
+
+@pytest.mark.parametrize("sql", ["COPY (SELECT 1) TO '{out}'", "CREATE TABLE t AS SELECT 1",
+                                 "ATTACH '{out}' AS x", "SELECT 1; COPY steps TO '{out}'"])
+def test_query_is_read_only(tmp_path: Path, sql: str) -> None:
+    run = _run_with_rows(tmp_path / "runs", "A")
+    out = tmp_path / "leak.csv"
+    one_line_exit_2(cli("query", run, sql.format(out=out)), "read-only")
+    assert not out.exists()
