@@ -14,6 +14,7 @@ import pytest
 
 import flows.campaign as campaign
 from conftest import micro_config
+from stages.context import TrainState
 from stages.prompts import SamplerState
 from storage.layout import create_run
 from storage.ledger import Ledger
@@ -24,26 +25,38 @@ STAGES = ("rollout", "score", "train", "calibrate", "evaluate", "checkpoint")
 @pytest.fixture
 def setup(tmp_path: Path, monkeypatch):
     run = create_run(tmp_path, "r").root
-    ctx = SimpleNamespace(cfg=micro_config(), ledger=Ledger(run), variant="main", sampler=None,
-                          sampler_after_rollout={}, timings={}, last_eval={}, run_id="r")
+    env = SimpleNamespace(cfg=micro_config(), ledger=Ledger(run), variant="main", run_id="r", is_main=True,
+                          world_size=1, rank=0)
+    state = TrainState(policy=None, optimizer=None, scheduler=None, calibrator=None)
     calls: list[tuple[str, int]] = []
 
     def recorder(name):
-        def task(ctx_, step, **kw):
+        def task(env_, state_, step, **kw):
             calls.append((name, step))
             if name == "evaluate":
-                return {"scores": {"synthetic/avg@2": 0.25}}
+                return {"scores": {"synthetic/avg@2": 0.25}}, state_
             if name == "calibrate":
-                return {"lower": 0.8, "upper": 1.28, "alpha": 0.01}
-            return {"metrics": {"reward_mean": 0.5}}
+                return {"lower": 0.8, "upper": 1.28, "alpha": 0.01}, state_
+            return {"metrics": {"reward_mean": 0.5}}, state_
         return task
 
     for name in STAGES:
         monkeypatch.setattr(campaign, f"{name}_task", recorder(name))
     monkeypatch.setattr(campaign, "_bounds_artifact", lambda *a: None)
     monkeypatch.setattr(campaign, "_eval_artifact", lambda *a: None)
-    progress = campaign.Progress(ctx.cfg, 0, echo=lambda line: None)
-    return ctx, calls, progress
+    monkeypatch.setattr(campaign, "_sync_engine", lambda *a: None)
+    progress = campaign.Progress(env.cfg, 0, echo=lambda line: None)
+    return Ctx(env, state), calls, progress
+
+
+class Ctx:
+    """The (environment, state) pair, the state threaded through ``run_step`` calls."""
+
+    def __init__(self, env, state):
+        self.env, self.state, self.ledger, self.last_eval = env, state, env.ledger, {}
+
+    def step(self, step, progress):
+        _, self.state, self.last_eval = campaign.run_step(self.env, self.state, step, progress, self.last_eval)
 
 
 def _done(ctx, step: int, stage: str, **info) -> None:
@@ -55,7 +68,7 @@ def test_a_fresh_step_runs_every_stage_of_its_schedule(setup) -> None:
     ctx, calls, progress = setup
     # micro config, 3 steps: calibrate at 1, 3; evaluate at 0, 2, 3; checkpoint at 2, 3
     for step in range(4):
-        campaign.run_step(ctx, step, progress)
+        ctx.step(step, progress)
     assert calls == [("evaluate", 0),
                      ("rollout", 1), ("score", 1), ("train", 1), ("calibrate", 1),
                      ("rollout", 2), ("score", 2), ("train", 2), ("evaluate", 2), ("checkpoint", 2),
@@ -68,11 +81,10 @@ def test_done_rollout_and_score_are_not_redone_their_sampler_is_restored(setup) 
     _done(ctx, 3, "score", sampler=SamplerState(epoch=1, position=9).to_dict())
     _done(ctx, 3, "train")
     _done(ctx, 3, "calibrate")
-    campaign.run_step(ctx, 3, progress)
+    ctx.step(3, progress)
     # train, calibrate and checkpoint replay after a restore (the weights must be rebuilt)
     assert calls == [("train", 3), ("calibrate", 3), ("evaluate", 3), ("checkpoint", 3)]
-    assert ctx.sampler == SamplerState(epoch=1, position=9)
-    assert ctx.sampler_after_rollout[3] == SamplerState(epoch=1, position=5)
+    assert ctx.state.sampler == SamplerState(epoch=1, position=9)
 
 
 def test_a_done_evaluation_is_read_from_the_ledger_and_train_replays(setup) -> None:
@@ -80,7 +92,7 @@ def test_a_done_evaluation_is_read_from_the_ledger_and_train_replays(setup) -> N
     for stage in ("rollout", "score"):
         _done(ctx, 2, stage, sampler=SamplerState().to_dict())
     _done(ctx, 2, "evaluate", scores={"synthetic/avg@2": 0.75})
-    campaign.run_step(ctx, 2, progress)
+    ctx.step(2, progress)
     assert ("evaluate", 2) not in calls and ("train", 2) in calls and ("checkpoint", 2) in calls
     assert ctx.last_eval == {"synthetic/avg@2": 0.75}
 
@@ -88,21 +100,26 @@ def test_a_done_evaluation_is_read_from_the_ledger_and_train_replays(setup) -> N
 def test_a_done_base_evaluation_is_not_redone(setup) -> None:
     ctx, calls, progress = setup
     _done(ctx, 0, "evaluate", scores={"synthetic/avg@2": 0.5})
-    campaign.run_step(ctx, 0, progress)
+    ctx.step(0, progress)
     assert calls == [] and ctx.last_eval == {"synthetic/avg@2": 0.5}
 
 
 def test_the_stage_runner_records_a_failure_and_the_next_attempt(tmp_path: Path) -> None:
     """``_run_stage`` (the body of every task, called as ``task.fn`` would be): ledger attempts, fault hook."""
     run = create_run(tmp_path, "r").root
-    ctx = SimpleNamespace(ledger=Ledger(run), variant="main", attempt=None)
+    env = SimpleNamespace(ledger=Ledger(run), variant="main")
+    seen = []
 
-    def boom(ctx_, step):
+    def boom(env_, state_, step, attempt):
         raise OSError(28, "No space left on device")
 
+    def ok(env_, state_, step, attempt):
+        seen.append(attempt)
+        return {"outputs": [], "n": 3}, state_
+
     with pytest.raises(OSError):
-        campaign._run_stage("score", boom, ctx, 1)
-    out = campaign._run_stage("score", lambda c, s: {"outputs": [], "n": 3}, ctx, 1)
-    assert out["n"] == 3 and ctx.attempt == 1
-    recs = [(r.attempt, r.status) for r in ctx.ledger.records() if r.stage == "score"]
+        campaign._run_stage("score", boom, env, None, 1)
+    out, _ = campaign._run_stage("score", ok, env, None, 1)
+    assert out["n"] == 3 and seen == [1]
+    recs = [(r.attempt, r.status) for r in env.ledger.records() if r.stage == "score"]
     assert recs == [(0, "failed"), (1, "done")]
