@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from fp8rl_core.calibration import CalibratorState
+from fp8rl_core.fp4_linear import fp4_rng_state, load_fp4_rng_state
 from stages.context import RunContext
 from stages.prompts import SamplerState
 from storage.checkpoints import apply_retention, load_checkpoint, save_checkpoint
@@ -24,7 +25,8 @@ def run_checkpoint(ctx: RunContext, step: int, *, metrics: dict | None = None) -
         ctx.run_dir, step, model=ctx.policy, tokenizer=ctx.tokenizer, optimizer=ctx.optimizer,
         sampler_state=ctx.sampler.to_dict(), calibrator_state=ctx.calibrator.to_dict(),
         config=cfg.model_dump(mode="json"), metrics=metrics or {},
-        extra={"scheduler": ctx.scheduler.state_dict(), "policy_version": ctx.policy_version},
+        extra={"scheduler": ctx.scheduler.state_dict(), "policy_version": ctx.policy_version,
+               "fp4_rng": fp4_rng_state(ctx.policy)},
     )
     removed = apply_retention(ctx.run_dir, keep_last=cfg.checkpoint.keep_last, best_metric=cfg.checkpoint.keep_best_metric)
     seconds = time.perf_counter() - t0
@@ -42,4 +44,5 @@ def restore(ctx: RunContext, path: str | Path) -> int:
     if ck.calibrator_state:
         ctx.calibrator = CalibratorState.from_dict(ck.calibrator_state)
     ctx.policy_version = int(ck.extra.get("policy_version", ck.step))
+    load_fp4_rng_state(ctx.policy, ck.extra.get("fp4_rng"))  # FP4 stochastic rounding resumes its stream
     return ck.step

@@ -113,7 +113,7 @@ def open_context(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAI
     base = base_model_dir(cfg, run_dir.parent)
     policy, tokenizer = load_policy(base)
     report = convert_for_training(
-        policy, cfg.precision.train, emulate=cfg.precision.emulate,
+        policy, cfg.precision.train, emulate=cfg.precision.emulate, keep_high_precision=cfg.precision.keep_high_precision, seed=cfg.seed,
         round_scales_to_power_of_2=cfg.precision.round_scales_to_power_of_2,
     )
     for line in getattr(report, "skipped", ()) or ():
