@@ -262,6 +262,8 @@ _STEP_METRICS = (
     ("learning_rate", "Learning rate used at this step."),
     ("prob_nmae", "NMAE of FP8 vs BF16 token probabilities (shadow steps)."),
     ("ratio_nmae", "NMAE of r8 vs r16 (shadow steps); / prob_nmae = noise amplification."),
+    ("garbled_share", "Share of the step's responses the task's answer parser cannot read (DESIGN §2 'garbled')."),
+    ("garbled_heuristic_share", "Share of responses the text heuristic diagnostics.garbled_score flags (>= 0.5)."),
 )
 
 STEPS = TableSpec(
