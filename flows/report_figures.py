@@ -176,6 +176,16 @@ FIGURES: tuple[Figure, ...] = (
         no_data="no token_stats with entropy in these runs",
     ),
     Figure(
+        "entropy_surge", "Entropy against the surge threshold",
+        "Mean token entropy and 1.5x the median of the previous 10 steps (DESIGN.md section 2): "
+        "a surge is 3+ steps above the threshold of its first step (the failure-signals query lists them).",
+        "SELECT\n    run_id,\n    step,\n    entropy_mean,\n"
+        "    CASE WHEN count(entropy_mean) OVER w10 = 10 THEN 1.5 * median(entropy_mean) OVER w10 END AS surge_threshold\n"
+        "FROM steps\nWINDOW w10 AS (PARTITION BY run_id ORDER BY step ROWS BETWEEN 10 PRECEDING AND 1 PRECEDING)\n"
+        "ORDER BY run_id, step",
+        (Panel("entropy_mean|surge_threshold", "entropy and surge threshold", "nats"),),
+    ),
+    Figure(
         "garbled", "Garbled outputs",
         "Share of each step's responses the garbled-output detector flags (the end state of an FP8 collapse).",
         "SELECT run_id, step, garbled_share\nFROM steps\nORDER BY run_id, step",

@@ -66,3 +66,31 @@ def test_surge_matches_the_loop_reference_on_random_walks():
             e.append(x)
         for f, w, m in ((1.5, 10, 3), (1.2, 5, 2)):
             assert surge_onsets(e, factor=f, window=w, min_steps=m) == _reference_onsets(e, f, w, m)
+
+
+def test_failure_signals_query_agrees_with_the_python_definition(tmp_path):
+    """The named query's first surge step equals fp8rl_core.failure_signals on the same steps."""
+    from storage.catalog import connect, query, set_params
+    from storage.layout import create_run
+    from storage.queries import get_query
+    from storage.writer import TableWriter
+
+    rng = random.Random(1)
+    expected = {}
+    for r in range(6):
+        run = create_run(tmp_path, f"run{r}", config={"name": f"run{r}"}).root
+        w = TableWriter(run, durable=False)
+        e, x = [], 1.0
+        for step in range(1, 41):
+            x = max(0.05, x * rng.choice([0.8, 1.0, 1.0, 1.3, 1.6] if r % 2 else [0.95, 1.0, 1.05]))
+            e.append(x)
+            w.write("steps", step, {"entropy_mean": x, "garbled_share": 0.1 * (step % 3), "accuracy": 0.5,
+                                    "clipfrac_lower": 0.01, "clipfrac_upper": 0.02}, stage="train")
+        expected[f"run{r}"] = first_surge(list(range(1, 41)), e)
+    con = connect(tmp_path)
+    q = get_query("failure-signals")
+    set_params(con, {k: v for k, (v, _) in q.params.items()})
+    rows = {row["run_id"]: row for row in query(con, q.sql).to_pylist()}
+    assert {k: rows[k]["first_surge_step"] for k in expected} == expected
+    assert any(v is not None for v in expected.values()) and any(v is None for v in expected.values())
+    assert rows["run0"]["garbled_peak"] == pytest.approx(0.2)
