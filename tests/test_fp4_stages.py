@@ -68,7 +68,9 @@ def test_one_full_step_in_each_fp4_precision_writes_every_table(tmp_path, mode):
     assert t["gap"] > 0  # the low-precision pass differs from the BF16 shadow
     m = out["metrics"]
     assert math.isfinite(m["loss"]) and m["skipped_updates"] == 0
-    assert m["prob_nmae"] > 0 and m["ratio_nmae"] > 0
+    # FP4 vs BF16 probabilities differ; ratios may not yet on step 1: MXFP4 has no batch-wide scale, and
+    # one micro update at lr 1e-4 moves neither the FP4 nor the BF16-cast weights, so r8 = r16 = 1 is possible
+    assert m["prob_nmae"] > 0 and m["ratio_nmae"] >= 0
     s = query(con, "SELECT garbled_share, garbled_heuristic_share FROM steps").to_pylist()[0]
     assert 0.0 <= s["garbled_share"] <= 1.0 and s["garbled_heuristic_share"] is not None
     rollout_precision = query(con, "SELECT DISTINCT precision FROM rollouts").column("precision").to_pylist()
