@@ -3,7 +3,9 @@
 One full campaign step in each new precision writes every table with r8/r16 (here:
 FP4 vs BF16) on the calibration step; a checkpoint/restore in FP4 continues the
 stochastic-rounding stream, so the resumed step equals the uninterrupted one;
-the stress task runs a step and records the contract's garbled share.
+``steps.garbled_share`` is the contract's (answer parser) share. (The stress task's
+pipeline is covered by tests/test_stress_task.py without a bootstrap: a stress
+micro-bootstrap measures its base accuracy on 1,000 x 47-token generations, minutes.)
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import torch
 
 from conftest import micro_config
 from flows.configuration import dump_config
+from fp8rl_core.task import extract_answer
 from stages.calibrate import run_calibrate
 from stages.checkpoint import restore, run_checkpoint
 from stages.context import is_calibration_step, open_context
 from stages.evaluate import run_evaluate
-from stages.io import read_step
 from stages.rollout import run_rollout
 from stages.score import run_score
 from stages.train import run_train
@@ -73,7 +75,10 @@ def test_one_full_step_in_each_fp4_precision_writes_every_table(tmp_path, mode):
     # one micro update at lr 1e-4 moves neither the FP4 nor the BF16-cast weights, so r8 = r16 = 1 is possible
     assert m["prob_nmae"] > 0 and m["ratio_nmae"] >= 0
     s = query(con, "SELECT garbled_share, garbled_heuristic_share FROM steps").to_pylist()[0]
-    assert 0.0 <= s["garbled_share"] <= 1.0 and s["garbled_heuristic_share"] is not None
+    responses = query(con, "SELECT response FROM rollouts").column("response").to_pylist()
+    # DESIGN §2: garbled = the task's answer parser cannot read it (the micro model garbles plenty)
+    assert s["garbled_share"] == pytest.approx(sum(extract_answer(r) is None for r in responses) / len(responses))
+    assert s["garbled_heuristic_share"] is not None
     rollout_precision = query(con, "SELECT DISTINCT precision FROM rollouts").column("precision").to_pylist()
     assert rollout_precision == [FP4_MODES[mode][1].split("=")[1]]
 
@@ -105,26 +110,3 @@ def test_fp4_resume_from_checkpoint_equals_the_uninterrupted_run(tmp_path):
         fresh.close()
     for k, v in resumed.items():
         assert torch.equal(v, uninterrupted[k]), k
-
-
-def test_stress_task_step_records_the_contracts_garbled_share(tmp_path):
-    cfg = micro_config(
-        "task.kind=stress", "task.difficulty=0", "bootstrap.batch_size=16", "rollout.max_new_tokens=47",
-        "evaluation.benchmarks=[{name: synthetic, k: 1, limit: 8, max_new_tokens: 47}]",
-        *FP4_MODES["nvfp4"],
-    )
-    ctx = _context(tmp_path, cfg)
-    try:
-        out = _step(ctx, 1)
-        ev = run_evaluate(ctx, 1)
-        rows = read_step(ctx, "rollouts", 1)
-    finally:
-        ctx.close()
-    prompts = rows.column("prompt").to_pylist() if "prompt" in rows.column_names else []
-    assert all(p.startswith("Q:") and p.endswith("A:") and len(p) == 40 for p in prompts)
-    from fp8rl_core.task import extract_answer
-
-    responses = rows.column("response").to_pylist()
-    want = sum(extract_answer(r) is None for r in responses) / len(responses)
-    assert out["metrics"]["garbled_share"] == pytest.approx(want)
-    assert ev is not None
