@@ -108,9 +108,14 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         "entropy", "Policy entropy",
         "Mean token entropy of the policy over valid response tokens (nats). "
-        "A mid-training surge is the FP8 collapse the paper describes.",
-        "SELECT run_id, step, entropy_mean\nFROM steps\nORDER BY run_id, step",
-        (Panel("entropy_mean", "mean token entropy", "nats"),),
+        "A mid-training surge is the FP8 collapse the paper describes. Dashed: the surge threshold, "
+        "1.5x the median of the previous 10 steps (DESIGN.md section 2: a surge is 3+ steps above the "
+        "threshold of its first step; the failure-signals query lists them).",
+        "SELECT\n    run_id,\n    step,\n    entropy_mean,\n"
+        "    CASE WHEN count(entropy_mean) OVER w10 = 10 THEN 1.5 * median(entropy_mean) OVER w10 END AS surge_threshold\n"
+        "FROM steps\nWINDOW w10 AS (PARTITION BY run_id ORDER BY step ROWS BETWEEN 10 PRECEDING AND 1 PRECEDING)\n"
+        "ORDER BY run_id, step",
+        (Panel("entropy_mean|surge_threshold", "mean token entropy", "nats"),),
     ),
     Figure(
         "response_length", "Response length",

@@ -16,8 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-TrainPrecision = Literal["bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise"]
-RolloutPrecision = Literal["bf16", "fp8_per_tensor", "fp8_per_block"]
+TrainPrecision = Literal["bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "nvfp4", "mxfp4"]
+RolloutPrecision = Literal["bf16", "fp8_per_tensor", "fp8_per_block", "nvfp4_w4a4", "mxfp4_w4a4"]
 ClipMode = Literal["standard", "calibrated", "relaxed_lower", "calibrated_lower_only", "bapo", "bapo_joint_every_k"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -52,7 +52,7 @@ class ModelConfig(_Frozen):
 class TaskConfig(_Frozen):
     """The training prompts and their verifier."""
 
-    kind: Literal["synthetic", "deepscaler", "gsm8k", "dapo_math"] = Field("synthetic", description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, GSM8K train, or DAPO-Math-17K (BytedTsinghua-SIA/DAPO-Math-17k, verl format).")
+    kind: Literal["synthetic", "deepscaler", "gsm8k", "dapo_math", "stress"] = Field("synthetic", description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, GSM8K train, DAPO-Math-17K (BytedTsinghua-SIA/DAPO-Math-17k, verl format), or the long-chain stress task (fp8rl_core.stress_task).")
     difficulty: int = Field(1, ge=0, le=3, description="Synthetic task difficulty level.")
     train_size: int = Field(200_000, ge=1, description="Synthetic train split size (problems; drawn lazily from the seed).")
     path: str | None = Field(None, description="Train file or HF dataset name for non-synthetic kinds; relative paths resolve against data_dir.")
@@ -150,6 +150,7 @@ class PrecisionConfig(_Frozen):
     rollout: RolloutPrecision = Field("fp8_per_tensor", description="Rollout W8A8 scheme (vLLM online quantization names).")
     emulate: bool | None = Field(None, description="Emulate FP8 matmuls; None = auto (emulate unless CUDA SM89+).")
     round_scales_to_power_of_2: bool = Field(False, description="Round FP8 scales down to powers of two.")
+    keep_high_precision: tuple[str, ...] = Field((), description="FP4 training: decoder linears kept in BF16 (fnmatch patterns on module names, e.g. 'model.layers.1.mlp.*'); any other layer FP4 cannot take is an error.")
 
 
 class BapoConfig(_Frozen):
@@ -230,6 +231,16 @@ class StorageConfig(_Frozen):
     row_group_size: int = Field(1_000_000, ge=1, description="Parquet row-group size (rows).")
 
 
+class SurgeConfig(_Frozen):
+    """Entropy surge (DESIGN.md section 2): a step whose mean token entropy exceeds
+    ``factor`` x the median of the previous ``window`` steps and stays above it
+    for at least ``min_steps`` steps (``fp8rl_core.failure_signals``)."""
+
+    factor: float = Field(1.5, gt=1, description="Surge threshold: multiple of the trailing median entropy.")
+    window: int = Field(10, ge=1, description="Steps in the trailing median.")
+    min_steps: int = Field(3, ge=1, description="Consecutive steps above the threshold that make a surge.")
+
+
 class CampaignConfig(_Frozen):
     """One RL campaign: all of the above plus the step budget."""
 
@@ -248,6 +259,7 @@ class CampaignConfig(_Frozen):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     device: str = Field("auto", description="Where policy, batches and optimizer live: auto (CUDA when present), cpu, cuda, cuda:N.")
+    surge: SurgeConfig = Field(default_factory=SurgeConfig)
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "CampaignConfig":

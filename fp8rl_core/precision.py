@@ -42,6 +42,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from fp8rl_core.fp4_linear import Fp4RolloutLinear
 from fp8rl_core.fp8_linear import Fp8Recipe, Fp8RolloutLinear, Fp8TrainingLinear, SharedInputCache
 from fp8rl_core.registry import Registry
 
@@ -77,6 +78,8 @@ class _TrainRequest:
     emulate: bool | None
     round_scales_to_power_of_2: bool
     backend: str
+    keep_high_precision: tuple[str, ...] = ()  # FP4: layer-name patterns kept in BF16 on purpose
+    seed: int = 0  # FP4: seed of the stochastic-rounding generator and Hadamard signs
 
 
 TRAIN_PRECISIONS: Registry[Callable[[_TrainRequest], ConversionReport]] = Registry("training precision mode")
@@ -207,6 +210,8 @@ def convert_for_training(
     emulate: bool | None = None,
     round_scales_to_power_of_2: bool = False,
     backend: str = "auto",
+    keep_high_precision: tuple[str, ...] = (),
+    seed: int = 0,
 ) -> ConversionReport:
     """Convert a transformers causal LM in place to train in ``mode``; returns the report.
 
@@ -214,7 +219,8 @@ def convert_for_training(
     model sits on a CUDA device with real FP8 (SM89+; SM90 for blockwise);
     False = require real FP8 kernels (error otherwise). backend: "auto" (above),
     "emulated" (always ours) or "torchao" (torchao even when emulating; slow on
-    CPU, kept as a reference). Create the optimizer before or after: parameters
+    CPU, kept as a reference). keep_high_precision, seed: FP4 modes only
+    (``fp8rl_core.fp4_precision``). Create the optimizer before or after: parameters
     are the same objects.
     """
     convert = TRAIN_PRECISIONS.get(mode)
@@ -224,7 +230,8 @@ def convert_for_training(
     if already:
         raise ValueError(f"model is already converted for FP8 training ({already[0]}, ...); convert a fresh model")
     _ensure_fp32_master(model)
-    req = _TrainRequest(model, mode, _model_device(model), emulate, round_scales_to_power_of_2, backend)
+    req = _TrainRequest(model, mode, _model_device(model), emulate, round_scales_to_power_of_2, backend,
+                        tuple(keep_high_precision), seed)
     report = convert(req)
     log.info(report.summary())
     if report.skipped:
@@ -427,6 +434,13 @@ def sync_rollout_weights(rollout_model: nn.Module, train_model: nn.Module) -> No
         Fp8RolloutLinear.refresh_fused(
             [mod for _, mod in group], weights, [source.get(f"{name}.bias") for name in names], dtype=dtype
         )
+    for name, mod in rollout_model.named_modules():  # FP4 W4A4 layers: one block-scaled weight each
+        if isinstance(mod, Fp4RolloutLinear):
+            w = source.get(f"{name}.weight")
+            if w is None:
+                missing.append(f"{name}.weight")
+                continue
+            mod.refresh_weight(w, source.get(f"{name}.bias"), dtype=dtype)
     for name, p in rollout_model.named_parameters():
         src = source.get(name)
         if src is None:
@@ -471,3 +485,7 @@ def rollout_model_dtype(model: nn.Module) -> torch.dtype:
         if p.is_floating_point():
             return p.dtype
     return torch.bfloat16
+
+
+# FP4 modes (nvfp4 / mxfp4 training, *_w4a4 rollout) register themselves in the registries above.
+from fp8rl_core import fp4_precision as _fp4_precision  # noqa: E402,F401

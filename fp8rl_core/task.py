@@ -225,3 +225,8 @@ def expected_sampled_accuracy(difficulty: int, carry_drop: float, n: int = 2000,
         p = make_problem(i, "test", difficulty, seed)
         total += (1.0 - carry_drop) ** len(carry_columns(p.operands, width))
     return total / n
+
+
+def response_cap(difficulty: int) -> int:
+    """Response tokens a base-accuracy measurement allows (the longest correct response plus slack)."""
+    return 2 * _level(difficulty).digits + 4

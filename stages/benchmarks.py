@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator
 
 from fp8rl_core.config import TaskConfig
 from fp8rl_core.registry import Registry
+from fp8rl_core.stress_task import procedural_task
 from fp8rl_core.task import make_problem
 from fp8rl_core.verifiers import last_boxed
 
@@ -320,10 +321,12 @@ def load_synthetic(limit: int | None = None, task: TaskConfig | None = None) -> 
     task = task if task is not None else TaskConfig()
     n = limit if limit is not None else SYNTHETIC_DEFAULT_SIZE
     problems = []
+    make = procedural_task(task.kind).make_problem if task.kind == "stress" else make_problem  # the stress task's own test split
     for i in range(n):
-        p = make_problem(i, "test", task.difficulty, task.seed)
+        p = make(i, "test", task.difficulty, task.seed)
         problems.append(BenchmarkProblem(id=p.id, problem=p.prompt, answer=p.answer, source="synthetic"))
-    report = LoadReport(source="synthetic", path=f"synthetic:d{task.difficulty}:s{task.seed}:test", n_records=n)
+    kind = "synthetic" if task.kind != "stress" else "stress"
+    report = LoadReport(source="synthetic", path=f"{kind}:d{task.difficulty}:s{task.seed}:test", n_records=n)
     return BenchmarkSet(name="synthetic", problems=problems, report=report)
 
 

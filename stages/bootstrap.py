@@ -56,7 +56,8 @@ from typing import Iterator
 import torch
 
 from fp8rl_core.config import BootstrapConfig, ModelConfig, TaskConfig
-from fp8rl_core.task import LEVELS, demonstration, exact_verify, make_problem, prompt_length
+from fp8rl_core.stress_task import procedural_task
+from fp8rl_core.task import exact_verify
 from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,8 @@ def config_hash(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: Bootstra
     payload = {
         "version": BOOTSTRAP_VERSION,
         "model": model_cfg.model_dump(mode="json"),
-        "task": {"difficulty": task_cfg.difficulty, "seed": task_cfg.seed},
+        "task": {"difficulty": task_cfg.difficulty, "seed": task_cfg.seed}
+        | ({"kind": task_cfg.kind} if task_cfg.kind != "synthetic" else {}),
         "bootstrap": boot_cfg.model_dump(mode="json", exclude={"threads"}),
         "teacher": asdict(teacher),
     }
@@ -126,11 +128,12 @@ def _batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids ``[B, T]`` and labels ``[B, T]`` (-100 on prompt and padding)."""
     bos, eos, pad = vocab["<bos>"], vocab["<eos>"], vocab["<pad>"]
-    n_prompt = 1 + prompt_length(task.difficulty)
+    t = procedural_task(task.kind)
+    n_prompt = 1 + t.prompt_length(task.difficulty)
     rows = []
     for i in range(boot.batch_size):
-        p = make_problem(step * boot.batch_size + i, "train", task.difficulty, task.seed)
-        target = demonstration(p, task.difficulty, carry_drop, rng)
+        p = t.make_problem(step * boot.batch_size + i, "train", task.difficulty, task.seed)
+        target = t.demonstration(p, task.difficulty, carry_drop, rng)
         rows.append([bos] + [vocab[c] for c in p.prompt + target] + [eos])
     width = max(map(len, rows))
     ids = torch.full((len(rows), width), pad, dtype=torch.long)  # right padding: causal attention never sees it
@@ -147,9 +150,10 @@ def measure_accuracy(model, tokenizer, task: TaskConfig, n: int = EVAL_SIZE, *, 
     """Sampled (temperature 1, no top-k/top-p) and greedy accuracy on the first
     ``n`` test problems, one sample each. Prompts share one length: no padding."""
     model.eval()
-    problems = [make_problem(i, "test", task.difficulty, task.seed) for i in range(n)]
+    t = procedural_task(task.kind)
+    problems = [t.make_problem(i, "test", task.difficulty, task.seed) for i in range(n)]
     prompt_ids = torch.tensor([tokenizer(p.prompt)["input_ids"] for p in problems])  # [n, P]
-    max_new = 2 * LEVELS[task.difficulty].digits + 4
+    max_new = t.response_cap(task.difficulty)
     out: dict[str, float] = {}
     for mode, kwargs in (("sampled", dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)), ("greedy", dict(do_sample=False))):
         with torch.random.fork_rng(devices=[]):

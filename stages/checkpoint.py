@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from fp8rl_core.calibration import CalibratorState
+from fp8rl_core.fp4_linear import fp4_rng_state, load_fp4_rng_state
 from stages.context import RunEnv, TrainState
 from stages.prompts import SamplerState
 from storage.checkpoints import apply_retention, list_checkpoints, load_checkpoint, save_checkpoint
@@ -66,7 +67,8 @@ def run_checkpoint(env: RunEnv, state: TrainState, step: int, *, attempt: int = 
             sampler_state=state.sampler.to_dict(), calibrator_state=state.calibrator.to_dict(),
             config=cfg.model_dump(mode="json"), metrics=metrics or {},
             extra={"scheduler": state.scheduler.state_dict(), "policy_version": state.policy_version,
-                   "dcp": f"{DCP_DIR}/step_{int(step)}", "world_size": env.world_size},
+                   "dcp": f"{DCP_DIR}/step_{int(step)}", "world_size": env.world_size,
+                   "fp4_rng": fp4_rng_state(state.policy)},
         )
         removed = apply_retention(env.run_dir, keep_last=cfg.checkpoint.keep_last, best_metric=cfg.checkpoint.keep_best_metric)
         _drop_orphan_shards(env)
@@ -104,6 +106,7 @@ def restore(env: RunEnv, state: TrainState, path: str | Path) -> tuple[int, Trai
     if sched:
         state.scheduler.load_state_dict(sched)
     calibrator = CalibratorState.from_dict(ck.calibrator_state) if ck.calibrator_state else state.calibrator
+    load_fp4_rng_state(state.policy, ck.extra.get("fp4_rng"))  # FP4 stochastic rounding resumes its stream
     return ck.step, state.replace(
         sampler=SamplerState.from_dict(ck.sampler_state), calibrator=calibrator,
         policy_version=int(ck.extra.get("policy_version", ck.step)),

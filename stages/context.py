@@ -200,7 +200,7 @@ def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, r
     policy, tokenizer = load_policy(base)
     policy.to(device)
     report = convert_for_training(
-        policy, cfg.precision.train, emulate=cfg.precision.emulate,
+        policy, cfg.precision.train, emulate=cfg.precision.emulate, keep_high_precision=cfg.precision.keep_high_precision, seed=cfg.seed,
         round_scales_to_power_of_2=cfg.precision.round_scales_to_power_of_2,
     )
     check_no_silent_emulation(cfg, device, report)

@@ -77,6 +77,12 @@ def _extract(verifier: str, response: str) -> str | None:
     return extract_answer(response) if verifier == "synthetic" else extract_final_answer(response)
 
 
+def answer_parser(verifier: str) -> Callable[[str], str | None]:
+    """The answer parser of a verifier: a response it returns None for is *garbled*
+    (DESIGN.md section 2; ``fp8rl_core.failure_signals``)."""
+    return lambda response: _extract(verifier, response)
+
+
 def _grade_one(verifier: str, response: str, gold: str, inner_timeout: int | None) -> tuple[bool, str | None, Status, str]:
     extracted = _extract(verifier, response)
     if extracted is None:

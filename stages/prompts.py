@@ -71,6 +71,20 @@ class SyntheticSource(PromptSource):
         return PromptItem(p.id, p.prompt, p.answer, self.dataset)
 
 
+class StressSource(SyntheticSource):
+    """The long-chain stress task (``fp8rl_core.stress_task``); graded like the short task."""
+
+    def __init__(self, cfg: TaskConfig) -> None:
+        super().__init__(cfg)
+        self.dataset = f"stress-d{cfg.difficulty}"
+
+    def __getitem__(self, index: int) -> PromptItem:
+        from fp8rl_core import stress_task
+
+        p = stress_task.make_problem(index, "train", self.cfg.difficulty, self.cfg.seed)
+        return PromptItem(p.id, p.prompt, p.answer, self.dataset)
+
+
 class ListSource(PromptSource):
     verifier = "math"
 
@@ -95,6 +109,8 @@ def make_source(cfg: TaskConfig) -> PromptSource:
     """The training prompts of a task config (a missing file is a clear error)."""
     if cfg.kind == "synthetic":
         return SyntheticSource(cfg)
+    if cfg.kind == "stress":
+        return StressSource(cfg)
     from stages.benchmarks import load_train_prompts, render_prompt
 
     problems = load_train_prompts(cfg.kind, cfg.path, data_dir(cfg), hub=cfg.hub)

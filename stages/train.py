@@ -23,8 +23,10 @@ import torch
 from fp8rl_core.diagnostics import (
     entropy_binned_clip_shares, is_garbled, noise_amplification, over_clipped_mask, under_clipped_mask,
 )
+from fp8rl_core.failure_signals import garbled_share
 from fp8rl_core.losses import importance_ratio
 from stages.context import RunEnv, TrainState, is_calibration_step, step_seed
+from stages.grading import answer_parser
 from stages.io import read_step
 from stages.train_core import TrainBatch, UpdateResult, policy_update, token_multiple
 
@@ -184,7 +186,8 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     m.update({
         "reward_mean": float(np.mean(scores_all["reward"])), "accuracy": float(np.mean(scores_all["correct"])),
         "response_length_mean": float(np.mean(rows.column("response_length").to_numpy())),
-        "garbled_share": float(np.mean([is_garbled(r) for r in responses])) if responses else 0.0,
+        "garbled_share": garbled_share(responses, answer_parser(env.source.verifier)),  # DESIGN §2: parser cannot read it
+        "garbled_heuristic_share": float(np.mean([is_garbled(r) for r in responses])) if responses else 0.0,
         "kept_share": float(np.mean(scores_all["kept"])), "shadow": float(shadow),
         "pg_loss": m.get("loss", 0.0), "learning_rate": m.get("lr", 0.0),
         "train_tokens_per_second": n_valid / max(res.timings.get("update_s", train_seconds), 1e-9),

@@ -303,6 +303,8 @@ _STEP_METRICS = (
     ("kept_share", "Share of samples kept by dynamic sampling."),
     ("shadow", "1 on steps with the BF16 shadow pass, else 0."),
     ("train_tokens_per_second", "Valid tokens trained per second of update."),
+    ("garbled_share", "Share of the step's responses the task's answer parser cannot read (DESIGN §2 'garbled')."),
+    ("garbled_heuristic_share", "Share of responses the text heuristic diagnostics.garbled_score flags (>= 0.5)."),
 )
 
 STEPS = TableSpec(

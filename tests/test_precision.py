@@ -154,8 +154,8 @@ def test_bad_modes_and_options(base_model):
         autocast_context("fp16")
     with pytest.raises(KeyError, match="fp8_per_block"):
         convert_for_rollout(base_model, "int4")
-    assert set(TRAIN_PRECISIONS.names()) == {"bf16", *FP8_MODES}
-    assert set(ROLLOUT_PRECISIONS.names()) == {"bf16", "fp8_per_tensor", "fp8_per_block"}
+    assert set(TRAIN_PRECISIONS.names()) == {"bf16", *FP8_MODES, "nvfp4", "mxfp4"}
+    assert set(ROLLOUT_PRECISIONS.names()) == {"bf16", "fp8_per_tensor", "fp8_per_block", "nvfp4_w4a4", "mxfp4_w4a4"}
 
 
 def test_autocast_context_and_fp32_master_upcast(base_model):

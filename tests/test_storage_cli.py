@@ -17,7 +17,8 @@ from storage.ledger import Ledger
 from storage.queries import get_query, list_queries
 from storage.writer import TableWriter
 
-NAMED = ("calibration-history", "clip-shares-by-sign", "overclip-origin", "entropy-bins", "eval-best-average", "paper-table")
+NAMED = ("calibration-history", "clip-shares-by-sign", "overclip-origin", "entropy-bins", "eval-best-average", "paper-table",
+         "failure-signals")
 
 
 @pytest.fixture(scope="module")

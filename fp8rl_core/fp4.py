@@ -1,0 +1,264 @@
+"""FP4 numerics: NVFP4 and MXFP4 quantize-dequantize, stochastic rounding, Hadamard transform.
+
+Both formats store E2M1 elements: 1 sign, 2 exponent, 1 mantissa bit, values
+±{0, 0.5, 1, 1.5, 2, 3, 4, 6} (0.5 is the only subnormal; no inf/NaN; casts
+saturate at ±6). They differ in how a block of elements shares a scale:
+
+======  =====  ===============================  ===============================
+format  block  block scale                      tensor scale
+======  =====  ===============================  ===============================
+NVFP4   16     E4M3 (FP8), round-to-nearest     FP32: amax / (448 · 6)
+MXFP4   32     E8M0 (a power of two), OCP       none
+======  =====  ===============================  ===============================
+
+NVFP4 (NVIDIA 2025): with tensor amax ``A`` the tensor scale is
+``s_t = A / (448 · 6)``; a block with amax ``a`` gets the block scale
+``s_b = e4m3(clamp((a / 6) / s_t, 2**-6, 448))``; elements are
+``e2m1(clamp(x · ((1 / s_t) / s_b), −6, 6))`` and dequantize to ``q · (s_t · s_b)``.
+This is torchao's ``nvfp4_quantize`` with a per-tensor scale, operation for
+operation (tested bit for bit). ``A`` is floored at ``EPS`` so an all-zero tensor
+is not a division by zero (torchao would return NaN there).
+
+MXFP4 (OCP Microscaling v1.0, §6.3, the "floor" scale torchao uses by default):
+``s_b = 2**clamp(floor(log2 a) − 2, −127, 128)`` (2 = exponent of E2M1's largest
+power of two, 4), floored at the smallest normal float32 as torchao does;
+elements are ``e2m1(clamp(x / s_b, −6, 6))``. Because the scale is rounded *down*,
+a block's largest element may land in (6, 8) and saturate to 6: MXFP4's known
+clipping, which NVFP4's finer E4M3 scale avoids.
+
+Block layouts (``fake_quantize_fp4(..., layout=)``): ``"row"`` = 1 × block along the
+last dim (activations, gradients: blocks lie along the contraction dim);
+``"block2d"`` = block × block tiles (weights in NVIDIA's training recipe, so the
+forward (contract K) and the grad-input matmul (contract N) read *the same*
+quantized weight). Dimensions must be whole blocks: a ragged edge is a
+``ValueError`` (the kernels' shape contract), never silent padding.
+
+Rounding: round-to-nearest-even (``round_e2m1_``, the magic-number add of
+``fp8rl_core.fp8`` with 1 mantissa bit and min normal 1.0 — bit-exact with
+torchao's ``f32_to_f4_unpacked``), or stochastic (``stochastic=True`` with a
+``torch.Generator``): a value between grid neighbours lo < v < hi becomes hi with
+probability (v − lo) / (hi − lo), so the rounding is unbiased in expectation —
+the recipe's rule for gradients.
+
+Random Hadamard transform (``random_hadamard``): ``H_16 · diag(signs)`` / 4 applied
+to 16-row tiles along a dim. It is orthogonal, so ``(T g)ᵀ (T x) = gᵀ x`` exactly
+in real arithmetic; quantizing after the transform spreads a block's outliers
+over 16 elements. NVIDIA applies it to both inputs of the weight-gradient matmul
+(along the token dim), nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+E2M1_MAX = 6.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E4M3_MAX = 448.0
+E4M3_TINY = 2.0**-6  # smallest normal e4m3 (torch.finfo(float8_e4m3fn).tiny): floor of NVFP4 block scales
+F32_MIN_NORMAL = 2.0**-126
+EPS = 1e-12  # floor of the NVFP4 tensor amax
+
+Layout = Literal["row", "block2d"]
+
+
+@dataclass(frozen=True)
+class FP4Format:
+    """An FP4 block format: E2M1 elements, ``block`` elements per scale, the scale's type."""
+
+    name: str
+    block: int
+    scale_type: Literal["e4m3", "e8m0"]
+    tensor_scale: bool  # NVFP4's second-level FP32 scale
+
+    def __str__(self) -> str:
+        return self.name
+
+
+NVFP4 = FP4Format("nvfp4", 16, "e4m3", True)
+MXFP4 = FP4Format("mxfp4", 32, "e8m0", False)
+FORMATS: dict[str, FP4Format] = {NVFP4.name: NVFP4, MXFP4.name: MXFP4}
+
+
+def fp4_format(name: str) -> FP4Format:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown FP4 format {name!r}; valid: {', '.join(FORMATS)}") from None
+
+
+# ---------------------------------------------------------------------------
+# Element rounding
+# ---------------------------------------------------------------------------
+
+
+def round_e2m1_(y: torch.Tensor, *, stochastic: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
+    """y (float32, already scaled) <- saturated E2M1 value, in place; returns y.
+
+    Nearest-even by default; stochastic rounding draws one uniform per element
+    from ``generator`` (required then, so runs are reproducible and resumable).
+    """
+    if y.dtype != torch.float32:
+        raise TypeError(f"round_e2m1_ works on float32, got {y.dtype}")
+    y.clamp_(-E2M1_MAX, E2M1_MAX)
+    if not stochastic:
+        # magic add: 2**floor(log2|y|) (>= 1.0, E2M1's min normal) * 1.5 * 2**(23 - 1)
+        magic = torch.bitwise_and(y.view(torch.int32), 0x7F800000).view(torch.float32)
+        magic.clamp_min_(1.0).mul_(1.5 * 2.0**22)
+        return y.add_(magic).sub_(magic)
+    if generator is None:
+        raise ValueError("stochastic rounding needs a torch.Generator (its state is part of the checkpoint)")
+    a = y.abs()
+    spacing = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    lo = torch.floor(a / spacing) * spacing
+    u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
+    up = u < (a - lo) / spacing
+    return y.copy_(torch.copysign(lo + spacing * up, y))
+
+
+# ---------------------------------------------------------------------------
+# Scales
+# ---------------------------------------------------------------------------
+
+
+def nvfp4_tensor_scale(tensor_amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4's per-tensor FP32 scale ``amax / (448 · 6)`` (amax floored at EPS)."""
+    return tensor_amax.to(torch.float32).clamp_min(EPS) / (E4M3_MAX * E2M1_MAX)
+
+
+def block_scales(
+    amax: torch.Tensor, fmt: FP4Format, tensor_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(block scale s_b as float32, multiplier or divisor applied to x, "mul"/"div").
+
+    s_b is the stored scale's value (E8M0 2**-127 for an all-zero MXFP4 block);
+    the divisor is floored at the smallest normal float32, as in torchao.
+
+    NVFP4: s_b = e4m3(clamp((amax / 6) / s_t, 2**-6, 448)); x is multiplied by
+    (1 / s_t) / s_b. MXFP4: s_b = 2**(floor(log2 amax) − 2), clamped like E8M0 and
+    floored at the smallest normal float32; x is divided by s_b.
+    """
+    amax = amax.to(torch.float32)
+    if fmt.scale_type == "e4m3":
+        if tensor_scale is None:
+            raise ValueError("NVFP4 needs its per-tensor scale")
+        s = ((amax / E2M1_MAX) / tensor_scale).clamp(E4M3_TINY, E4M3_MAX)
+        s = s.to(torch.float8_e4m3fn).to(torch.float32)
+        return s, (1.0 / tensor_scale) / s, "mul"
+    # E8M0: the exponent field of amax, minus E2M1's largest exponent (2)
+    exp = torch.bitwise_right_shift(amax.view(torch.int32), 23).bitwise_and(0xFF) - 127
+    exp = (exp - 2).clamp(-127, 128)
+    s = torch.ldexp(torch.ones_like(amax), exp)  # exact; 2**-127 (E8M0's smallest) is a float32 subnormal
+    return s, s.clamp_min(F32_MIN_NORMAL), "div"  # torchao divides by the scale floored at the smallest normal
+
+
+# ---------------------------------------------------------------------------
+# Quantize / dequantize
+# ---------------------------------------------------------------------------
+
+
+def _check_blocks(shape: torch.Size, fmt: FP4Format, layout: Layout) -> None:
+    if len(shape) != 2:
+        raise ValueError(f"{fmt.name}: expected a 2-D tensor, got shape {tuple(shape)}")
+    r, c = shape
+    if c % fmt.block or (layout == "block2d" and r % fmt.block):
+        need = f"{fmt.block}x{fmt.block} tiles" if layout == "block2d" else f"1x{fmt.block} blocks along the last dim"
+        raise ValueError(f"{fmt.name}: shape {tuple(shape)} is not whole {need}")
+
+
+def _grouped(x: torch.Tensor, fmt: FP4Format, layout: Layout) -> tuple[torch.Tensor, tuple[int, ...]]:
+    r, c = x.shape
+    b = fmt.block
+    if layout == "row":
+        return x.reshape(r, c // b, b), (2,)
+    if layout == "block2d":
+        return x.reshape(r // b, b, c // b, b), (1, 3)
+    raise ValueError(f"unknown FP4 layout {layout!r}; valid: row, block2d")
+
+
+def quantize_fp4(
+    x: torch.Tensor,
+    fmt: FP4Format,
+    layout: Layout = "row",
+    *,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+    tensor_amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [R, C] -> (E2M1 values [R, C] float32, block scales float32, tensor scale or None).
+
+    Block scales: [R, C/b] ("row") or [R/b, C/b] ("block2d"). The dequantized
+    tensor is ``values · block scale · tensor scale`` (see ``dequantize_fp4``).
+    ``tensor_amax``: NVFP4's amax for the tensor scale (default: x's own).
+    """
+    _check_blocks(x.shape, fmt, layout)
+    y = x.to(torch.float32, copy=True)
+    g, dims = _grouped(y, fmt, layout)
+    amax = g.abs().amax(dim=dims, keepdim=True)
+    ts = None
+    if fmt.tensor_scale:
+        ts = nvfp4_tensor_scale(g.abs().amax() if tensor_amax is None else tensor_amax)
+    s, factor, op = block_scales(amax, fmt, ts)
+    g.mul_(factor) if op == "mul" else g.div_(factor)
+    round_e2m1_(y, stochastic=stochastic, generator=generator)
+    return y, s.reshape(s.shape[0], -1) if layout == "row" else s.reshape(s.shape[0], s.shape[2]), ts
+
+
+def dequantize_fp4(values: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: FP4Format, layout: Layout = "row") -> torch.Tensor:
+    """Inverse of ``quantize_fp4``: values · (tensor scale · block scale), float32."""
+    s = scales if tensor_scale is None else tensor_scale * scales  # torchao: per_tensor_scale * e4m3 scale
+    g, _ = _grouped(values.to(torch.float32, copy=True), fmt, layout)
+    s = s.reshape(s.shape[0], s.shape[1], 1) if layout == "row" else s.reshape(s.shape[0], 1, s.shape[1], 1)
+    return g.mul_(s).reshape(values.shape)
+
+
+def fake_quantize_fp4(x: torch.Tensor, fmt: FP4Format, layout: Layout = "row", **kw) -> torch.Tensor:
+    """x rounded to ``fmt`` and back (float32, x's shape). Keywords as ``quantize_fp4``."""
+    v, s, ts = quantize_fp4(x, fmt, layout, **kw)
+    return dequantize_fp4(v, s, ts, fmt, layout)
+
+
+def sqnr_db(x: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 10·log10(Σx² / Σ(x − approx)²)."""
+    x, approx = x.double(), approx.double()
+    noise = (x - approx).pow(2).sum().item()
+    return math.inf if noise == 0 else 10.0 * math.log10(x.pow(2).sum().item() / noise)
+
+
+# ---------------------------------------------------------------------------
+# Random Hadamard transform
+# ---------------------------------------------------------------------------
+
+HADAMARD_SIZE = 16
+
+
+def hadamard_matrix(n: int = HADAMARD_SIZE) -> torch.Tensor:
+    """Sylvester Hadamard matrix of order n (a power of two), normalized: H Hᵀ = I."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard order must be a power of two, got {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def random_signs(n: int, generator: torch.Generator) -> torch.Tensor:
+    """n random ±1 (float32) from ``generator``."""
+    return torch.randint(0, 2, (n,), generator=generator).to(torch.float32).mul_(2).sub_(1)
+
+
+def random_hadamard(t: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """T t along dim 0, in tiles of ``len(signs)`` rows: T = H · diag(signs) (orthogonal).
+
+    t [M, C] with M a multiple of the tile (callers pad with zero rows, which
+    the transform keeps zero). Float32 result.
+    """
+    n = signs.numel()
+    m, c = t.shape
+    if m % n:
+        raise ValueError(f"random_hadamard: {m} rows are not whole tiles of {n}")
+    mat = hadamard_matrix(n).to(t.device) * signs.to(t.device)[None, :]  # H diag(s)
+    return torch.matmul(mat, t.to(torch.float32).reshape(m // n, n, c)).reshape(m, c)
