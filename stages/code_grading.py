@@ -355,7 +355,8 @@ def grade_program(sandbox: Sandbox, code: str | None, tests: CodeTests, *, per_t
         if res.status == "ok" and outputs_match(res.stdout, case.output):
             passed += 1
         elif not detail:
-            detail = f"case {i}: {res.status} {res.detail}".strip()
+            tail = res.stderr.strip().splitlines()[-1][:200] if res.stderr.strip() else ""
+            detail = " ".join(x for x in (f"case {i}:", res.status, res.detail, tail) if x)
     return CodeGrade(item_id, passed, total, "ok", time.monotonic() - t0, detail)
 
 
