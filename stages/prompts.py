@@ -95,6 +95,10 @@ def make_source(cfg: TaskConfig) -> PromptSource:
     """The training prompts of a task config (a missing file is a clear error)."""
     if cfg.kind == "synthetic":
         return SyntheticSource(cfg)
+    if cfg.kind in ("code_tiny", "leetcode", "taco", "apps", "eurus_code"):
+        from stages.code_benchmarks import make_code_source
+
+        return make_code_source(cfg)
     from stages.benchmarks import load_train_prompts, render_prompt
 
     problems = load_train_prompts(cfg.kind, cfg.path, data_dir(cfg))

@@ -22,13 +22,17 @@ from stages.io import read_step
 
 
 def grade(ctx: RunContext, rows: pa.Table) -> list[float]:
-    """Verifier scores in [0, 1] for each rollout row (process pool for math)."""
+    """Verifier scores in [0, 1] for each rollout row (process pool for math, sandbox for code)."""
+    return [1.0 if r.correct else 0.0 for r in grade_results(ctx, rows)]
+
+
+def grade_results(ctx: RunContext, rows: pa.Table) -> list:
+    """The verifier's :class:`stages.grading.GradeResult` of each rollout row."""
     from stages.grading import grade_batch
 
     ids = [f"{pid}#{i}" for pid, i in zip(rows.column("prompt_id").to_pylist(), rows.column("sample_id").to_pylist())]
-    results = grade_batch(ids, rows.column("response").to_pylist(), rows.column("reference_answer").to_pylist(),
-                          verifier=ctx.source.verifier)
-    return [1.0 if r.correct else 0.0 for r in results]
+    return grade_batch(ids, rows.column("response").to_pylist(), rows.column("reference_answer").to_pylist(),
+                       verifier=ctx.source.verifier, code_config=getattr(ctx.cfg, "code", None))
 
 
 def _score_rows(ctx: RunContext, rows: pa.Table, scores: list[float]) -> dict[str, np.ndarray]:
@@ -72,7 +76,8 @@ def run_score(ctx: RunContext, step: int) -> dict:
         ctx.writer.supersede("rollouts", [step], stages=refills, variant=ctx.variant)
         ctx.sampler = ctx.sampler_after_rollout.get(step, ctx.sampler)
     rows = read_step(ctx, "rollouts", step)
-    scores = grade(ctx, rows)
+    graded = grade_results(ctx, rows)
+    scores = [1.0 if r.correct else 0.0 for r in graded]
     cols = _score_rows(ctx, rows, scores)
     rounds = 0
     refill_seconds = 0.0
@@ -83,7 +88,8 @@ def run_score(ctx: RunContext, step: int) -> dict:
             run_rollout(ctx, step, round_=rounds, first_sample_id=rounds * per_round)
             refill_seconds += time.perf_counter() - t_r
             rows = read_step(ctx, "rollouts", step)
-            scores = scores + grade(ctx, rows.slice(len(scores)))
+            more = grade_results(ctx, rows.slice(len(scores)))
+            graded, scores = graded + more, scores + [1.0 if r.correct else 0.0 for r in more]
             cols = _score_rows(ctx, rows, scores)
         # keep at most one batch worth of groups, in sample order
         kept_idx = np.flatnonzero(cols["kept"])
@@ -96,6 +102,7 @@ def run_score(ctx: RunContext, step: int) -> dict:
         "group_reward_mean": pa.array(cols["group_reward_mean"], pa.float32()),
         "group_reward_std": pa.array(cols["group_reward_std"], pa.float32()),
         "advantage": pa.array(cols["advantage"], pa.float32()), "kept": pa.array(cols["kept"]),
+        "tests_passed_fraction": pa.array([r.fraction for r in graded], pa.float32()),
     })
     path = ctx.writer.write("scores", step, table, stage="score", attempt=ctx.attempt, variant=ctx.variant)
     seconds = time.perf_counter() - t0 - refill_seconds
