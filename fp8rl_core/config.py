@@ -52,7 +52,7 @@ class ModelConfig(_Frozen):
 class TaskConfig(_Frozen):
     """The training prompts and their verifier."""
 
-    kind: Literal["synthetic", "deepscaler", "gsm8k", "dapo_math", "stress"] = Field("synthetic", description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, GSM8K train, DAPO-Math-17K (BytedTsinghua-SIA/DAPO-Math-17k, verl format), or the long-chain stress task (fp8rl_core.stress_task).")
+    kind: Literal["synthetic", "deepscaler", "gsm8k", "dapo_math", "stress", "code_tiny", "leetcode", "taco", "apps", "eurus_code"] = Field("synthetic", description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, GSM8K train, DAPO-Math-17K (BytedTsinghua-SIA/DAPO-Math-17k, verl format), the long-chain stress task (fp8rl_core.stress_task), or a code task (code_tiny: the embedded expression task; leetcode: the shipped rLLM train set; taco/apps/eurus_code: by HF name), graded in the sandbox (see code).")
     difficulty: int = Field(1, ge=0, le=3, description="Synthetic task difficulty level.")
     train_size: int = Field(200_000, ge=1, description="Synthetic train split size (problems; drawn lazily from the seed).")
     path: str | None = Field(None, description="Train file or HF dataset name for non-synthetic kinds; relative paths resolve against data_dir.")
@@ -226,6 +226,26 @@ class CheckpointConfig(_Frozen):
     keep_best_metric: str | None = Field("synthetic/avg@1", description="Also keep the best checkpoint by this eval metric (benchmark/metric@k).")
 
 
+class CodeConfig(_Frozen):
+    """Code RL: sandbox limits and prompt templates (stages.sandbox, stages.code_grading). Defaults: our choice."""
+
+    per_test_s: float = Field(4.0, gt=0, description="Wall-clock (and CPU, rounded up) limit of one test case.")
+    per_sample_s: float = Field(20.0, gt=0, description="Wall-clock limit of all test cases of one response; cases left fail.")
+    batch_wall_s: float = Field(120.0, gt=0, description="Grading of one batch never holds the step longer than this; responses not started score 0.")
+    max_sandboxes: int = Field(4, ge=1, description="Sandboxes run at once.")
+    memory_mb: int = Field(1024, ge=64, description="Address-space limit of a program (RLIMIT_AS).")
+    output_bytes: int = Field(1 << 20, ge=1024, description="stdout cap; a program writing more is killed and fails.")
+    nproc: int = Field(32, ge=2, description="Process/thread cap of a program (RLIMIT_NPROC under its throw-away uid).")
+    allow_unisolated: bool = Field(False, description="Run programs even when no namespace isolation is available (rlimits only). Unsafe.")
+    stdio_template: str = Field(
+        "{problem}\n\nWrite a Python 3 program that reads the input from stdin and prints the answer to stdout. "
+        "Put the complete program in one ```python code block.",
+        description="Prompt of stdin/stdout problems ({problem} = the statement).")
+    functional_template: str = Field(
+        "{problem}\n\nComplete the class Solution in Python 3 and put it in one ```python code block.",
+        description="Prompt of LeetCode-style (function-call) problems.")
+
+
 class StorageConfig(_Frozen):
     runs_root: str = Field("runs", description="Folder holding run directories (each run's Parquet tables live under <run dir>/tables).")
     row_group_size: int = Field(1_000_000, ge=1, description="Parquet row-group size (rows).")
@@ -260,6 +280,7 @@ class CampaignConfig(_Frozen):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     device: str = Field("auto", description="Where policy, batches and optimizer live: auto (CUDA when present), cpu, cuda, cuda:N.")
     surge: SurgeConfig = Field(default_factory=SurgeConfig)
+    code: CodeConfig = Field(default_factory=CodeConfig)
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "CampaignConfig":

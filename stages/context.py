@@ -136,6 +136,10 @@ def base_model_dir(cfg: CampaignConfig, runs_root: Path) -> Path:
     b = cfg.bootstrap
     teacher = NoisyTeacher(carry_drop=b.carry_drop, noisy_steps=b.noisy_steps, switch_loss=b.switch_loss)
     cache = os.environ.get("FP8RL_BOOTSTRAP_CACHE")  # else the per-user cache (never beside the run)
+    if cfg.task.kind == "code_tiny":  # the tiny code task has its own demonstrations (stages.code_bootstrap)
+        from stages.code_bootstrap import bootstrap_code
+
+        return Path(bootstrap_code(cfg.model, cfg.task, cfg.bootstrap, cache))
     return Path(bootstrap(cfg.model, cfg.task, cfg.bootstrap, cache, teacher=teacher))
 
 

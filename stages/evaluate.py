@@ -22,7 +22,11 @@ from stages.prompts import PromptItem, data_dir
 def eval_problems(cfg: CampaignConfig, bench: BenchmarkEval) -> tuple[list[PromptItem], str]:
     """(problems, verifier name) of a benchmark entry of the config."""
     from stages.benchmarks import load_benchmark, render_prompt, verifier_for
+    from stages.code_benchmarks import CODE_BENCHMARKS, load_code_benchmark, verifier_of
 
+    if bench.name in CODE_BENCHMARKS:  # code: the answer is a grading spec, graded in the sandbox
+        code_set = load_code_benchmark(bench.name, data_dir(cfg.task), bench.limit, task=cfg.task, code=cfg.code)
+        return [PromptItem(q.id, q.problem, q.answer, bench.name) for q in code_set], verifier_of(bench.name)
     problems = load_benchmark(bench.name, data_dir(cfg.task), bench.limit, task=cfg.task)
     items = [PromptItem(q.id, render_prompt(q), q.answer, bench.name) for q in problems]
     verifier = verifier_for(problems[0]) if len(problems) else "math"
@@ -50,7 +54,7 @@ def evaluate_benchmark(env: RunEnv, state: TrainState, step: int, bench: Benchma
     responses = env.tokenizer.batch_decode([s.response_ids for s in batch.samples], skip_special_tokens=True)
     golds = [items[s.prompt_index].answer for s in batch.samples]
     ids = [f"{bench.name}:{items[s.prompt_index].prompt_id}#{s.sample_index}" for s in batch.samples]
-    graded = grade_batch(ids, responses, golds, verifier=verifier)
+    graded = grade_batch(ids, responses, golds, verifier=verifier, code_config=env.cfg.code)
     scores = [1.0 if g.correct else 0.0 for g in graded]
     predicted = [g.extracted for g in graded]
     rows = pa.table({
@@ -64,6 +68,7 @@ def evaluate_benchmark(env: RunEnv, state: TrainState, step: int, bench: Benchma
         "response_length": pa.array([len(s.response_ids) for s in batch.samples], pa.int32()),
         "finish_reason": [s.finish_reason for s in batch.samples],
         "temperature": pa.array([bench.temperature] * len(responses), pa.float32()),
+        "tests_passed_fraction": pa.array([g.fraction for g in graded], pa.float32()),
     })
     k = bench.k
     correct = [[scores[p * k + i] >= 1.0 for i in range(k)] for p in range(len(items))]

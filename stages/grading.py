@@ -58,6 +58,7 @@ class GradeResult:
     status: Status
     seconds: float
     detail: str = ""
+    fraction: float | None = None  # code verifiers: share of test cases passed
 
 
 def resolve_verifier(name: str) -> Callable[[str, str], bool]:
@@ -237,6 +238,7 @@ def grade_batch(
     verifier: str = "math",
     timeout_s: float = 10.0,
     workers: int | None = None,
+    code_config=None,
 ) -> list[GradeResult]:
     """Grade ``responses`` against ``golds`` with the named verifier.
 
@@ -245,6 +247,10 @@ def grade_batch(
     """
     if not len(ids) == len(responses) == len(golds):
         raise ValueError(f"grade_batch: {len(ids)} ids, {len(responses)} responses, {len(golds)} golds")
+    if verifier in ("code", "code_expr"):  # model-written programs: run in the sandbox (stages.code_benchmarks)
+        from stages.code_benchmarks import grade_code_responses
+
+        return grade_code_responses(ids, responses, golds, verifier, code_config)
     resolve_verifier(verifier)  # unknown name -> KeyError listing the valid ones, before any work
     if verifier in INLINE_VERIFIERS:
         out = []

@@ -111,6 +111,10 @@ def make_source(cfg: TaskConfig) -> PromptSource:
         return SyntheticSource(cfg)
     if cfg.kind == "stress":
         return StressSource(cfg)
+    if cfg.kind in ("code_tiny", "leetcode", "taco", "apps", "eurus_code"):
+        from stages.code_benchmarks import make_code_source
+
+        return make_code_source(cfg)
     from stages.benchmarks import load_train_prompts, render_prompt
 
     problems = load_train_prompts(cfg.kind, cfg.path, data_dir(cfg), hub=cfg.hub)

@@ -22,13 +22,17 @@ from stages.io import read_step
 
 
 def grade(env: RunEnv, rows: pa.Table) -> list[float]:
-    """Verifier scores in [0, 1] for each rollout row (process pool for math)."""
+    """Verifier scores in [0, 1] for each rollout row (process pool for math, sandbox for code)."""
+    return [1.0 if r.correct else 0.0 for r in grade_results(env, rows)]
+
+
+def grade_results(env: RunEnv, rows: pa.Table) -> list:
+    """The verifier's :class:`stages.grading.GradeResult` of each rollout row."""
     from stages.grading import grade_batch
 
     ids = [f"{pid}#{i}" for pid, i in zip(rows.column("prompt_id").to_pylist(), rows.column("sample_id").to_pylist())]
-    results = grade_batch(ids, rows.column("response").to_pylist(), rows.column("reference_answer").to_pylist(),
-                          verifier=env.source.verifier)
-    return [1.0 if r.correct else 0.0 for r in results]
+    return grade_batch(ids, rows.column("response").to_pylist(), rows.column("reference_answer").to_pylist(),
+                       verifier=env.source.verifier, code_config=getattr(env.cfg, "code", None))
 
 
 def _score_rows(env: RunEnv, rows: pa.Table, scores: list[float]) -> dict[str, np.ndarray]:
@@ -77,7 +81,8 @@ def run_score(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) ->
         refills = [f"rollout{r}" for r in range(1, cfg.algorithm.max_refill_rounds + 1)]
         env.writer.supersede("rollouts", [step], stages=refills, variant=env.variant)
     rows = read_step(env, "rollouts", step)
-    scores = grade(env, rows)
+    graded = grade_results(env, rows)
+    scores = [1.0 if r.correct else 0.0 for r in graded]
     cols = _score_rows(env, rows, scores)
     rounds = 0
     refill_seconds = 0.0
@@ -88,7 +93,8 @@ def run_score(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) ->
             _, state = run_rollout(env, state, step, attempt=attempt, round_=rounds, first_sample_id=rounds * per_round)
             refill_seconds += time.perf_counter() - t_r
             rows = read_step(env, "rollouts", step)
-            scores = scores + grade(env, rows.slice(len(scores)))
+            more = grade_results(env, rows.slice(len(scores)))
+            graded, scores = graded + more, scores + [1.0 if r.correct else 0.0 for r in more]
             cols = _score_rows(env, rows, scores)
         # keep at most one batch worth of groups, in sample order
         kept_idx = np.flatnonzero(cols["kept"])
@@ -101,6 +107,7 @@ def run_score(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) ->
         "group_reward_mean": pa.array(cols["group_reward_mean"], pa.float32()),
         "group_reward_std": pa.array(cols["group_reward_std"], pa.float32()),
         "advantage": pa.array(cols["advantage"], pa.float32()), "kept": pa.array(cols["kept"]),
+        "tests_passed_fraction": pa.array([r.fraction for r in graded], pa.float32()),
     })
     path = env.writer.write("scores", step, table, stage="score", attempt=attempt, variant=env.variant)
     seconds = time.perf_counter() - t0 - refill_seconds

@@ -207,6 +207,7 @@ SCORES = TableSpec(
         Column("group_reward_std", _F32, "Unbiased std of the group's rewards (1 for a group of one)."),
         Column("advantage", _F32, "Sequence advantage (GRPO: (R − mean)/(std + 1e-6); Dr.GRPO: R − mean)."),
         Column("kept", pa.bool_(), "Kept for training (False: dropped by DAPO dynamic sampling)."),
+        Column("tests_passed_fraction", _F32, "Code tasks: share of the response's test cases passed (NULL otherwise)."),
     ),
 )
 
@@ -365,6 +366,7 @@ EVALS = TableSpec(
         Column("response_length", pa.int32(), "Response tokens."),
         Column("finish_reason", pa.string(), "'stop' or 'length'."),
         Column("temperature", _F32, "Sampling temperature."),
+        Column("tests_passed_fraction", _F32, "Code benchmarks: share of the response's test cases passed (NULL otherwise)."),
     ),
 )
 

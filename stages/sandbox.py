@@ -1,0 +1,377 @@
+"""Sandboxed execution of model-written Python programs (code RL).
+
+A program runs as follows (isolation level ``"namespaces+uid"``, the one this
+project's machines give a root process)::
+
+    host:  Popen([unshare --net --mount --pid --fork --propagation private
+                  --kill-child -- python -I -S -c PRELUDE ...],
+                 new session, scrubbed env, stdin from a file, stdout/stderr pipes)
+    ns:    PRELUDE, pid 1 of a fresh pid namespace, still root, in a fresh
+           network namespace (loopback only, down) and mount namespace:
+             - reads the program from the host's per-run folder (root-only),
+             - mounts a size-capped tmpfs over /tmp (the program's folder and
+               cwd), read-only empty tmpfs over /var/tmp, /run/lock, /dev/shm,
+               a fresh /proc of the pid namespace,
+             - sets RLIMIT_CPU / AS / FSIZE / NPROC / CORE / NOFILE,
+             - drops to a throw-away uid/gid (random, in ``uid_range``; no
+               groups, no capabilities, ``no_new_privs`` so set-uid binaries
+               cannot regain root) -- RLIMIT_NPROC counts per uid, so a fresh
+               uid makes the process cap this program's alone,
+             - runs the program in the same interpreter (no second start-up).
+
+Why each piece: the pid namespace makes "everything killed" a kernel guarantee
+(when its pid 1 exits or is killed, every process in it is killed, whatever
+``setsid``/double-fork tricks they played); the throw-away uid makes the program
+unable to write anywhere root owns (the project folder, the user's files) and
+unable to read other processes' environments; the mount namespace hides the
+world-writable folders (/tmp, /var/tmp, /dev/shm, /run/lock) behind private
+tmpfs mounts that vanish with the namespace, so "no file left outside the temp
+folder" holds by construction; the network namespace has no route anywhere,
+not even to the host's 127.0.0.1. The host side caps stdout/stderr (the program
+is killed past the cap), enforces the wall clock, kills the namespace's pid 1
+and the process group at the end and removes the per-run folder.
+
+Isolation levels (:func:`probe_isolation`, checked once per process):
+
+- ``"namespaces+uid"`` -- all of the above (root, or CAP_SYS_ADMIN + CAP_SETUID).
+- ``"userns"`` -- an unprivileged user namespace (``unshare --user
+  --map-root-user``): same namespaces, but no uid drop, so no per-program
+  process cap (RLIMIT_NPROC would count the user's other processes) and the
+  program can write what the user can, outside the hidden folders.
+- ``"none"`` -- neither works: :class:`Sandbox` refuses to run
+  (:class:`IsolationUnavailable`) unless built with ``allow_unisolated=True``,
+  in which case programs run with rlimits and a process group only.
+
+bubblewrap is not used: this machine has no ``bwrap``; ``unshare`` (util-linux)
+is present wherever the project runs. The interpreter must be readable by the
+throw-away uid: ``python`` in :class:`SandboxLimits` defaults to the running
+interpreter when every folder on its path is world-traversable, else
+``/usr/bin/python3`` (here the venv lives under ``/root``, mode 0700).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import resource
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+Isolation = Literal["namespaces+uid", "userns", "none"]
+ExecStatus = Literal["ok", "error", "timeout", "output_limit", "sandbox_error"]
+
+SCRUBBED_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "HOME": "/tmp",
+    "PYTHONHASHSEED": "0",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONIOENCODING": "utf-8",
+}
+
+
+class IsolationUnavailable(RuntimeError):
+    """No isolation could be obtained and unisolated runs were not allowed."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Limits of one program run (defaults: our choice, sized for unit-test-sized programs)."""
+
+    wall_s: float = 10.0  # wall clock of one run, host-enforced (SIGKILL of the whole namespace)
+    cpu_s: int = 10  # RLIMIT_CPU (seconds of CPU, all threads)
+    memory_mb: int = 1024  # RLIMIT_AS (address space; Python itself needs ~30 MiB)
+    file_mb: int = 16  # RLIMIT_FSIZE: largest file the program may write
+    tmp_mb: int = 32  # size of the program's private /tmp (tmpfs; counts as memory)
+    nproc: int = 32  # RLIMIT_NPROC for the throw-away uid (processes + threads)
+    nofile: int = 64  # RLIMIT_NOFILE
+    output_bytes: int = 1 << 20  # stdout cap; past it the program is killed (status "output_limit")
+    stderr_bytes: int = 64 << 10  # stderr kept (head); more is read and dropped, never killed for
+    uid_range: tuple[int, int] = (1_000_000, 1_900_000)  # throw-away uids (not in /etc/passwd)
+    python: str | None = None  # interpreter run in the sandbox; None = auto (see module doc)
+
+
+@dataclass
+class ExecResult:
+    """Outcome of one run. ``status``: ``ok`` (exit 0), ``error`` (non-zero exit
+    or a signal), ``timeout`` (wall clock), ``output_limit`` (stdout cap),
+    ``sandbox_error`` (the sandbox itself failed to start the program)."""
+
+    status: ExecStatus
+    returncode: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+    isolation: Isolation
+    detail: str = ""
+
+
+# ----------------------------------------------------------------- the in-namespace prelude
+# Runs as root, pid 1 of the new pid namespace. argv: W U cpu as fsize nproc nofile tmpmb
+# (U = -1: no uid drop, the userns level). Kept small: it is on the hot path.
+PRELUDE = r"""
+import sys, os, resource as R, _ctypes as C
+W = sys.argv[1]; U = int(sys.argv[2]); cpu, as_, fs, npr, nof, tmb = map(int, sys.argv[3:9])
+with open(W + '/prog.py', 'rb') as f: src = f.read()
+class I(C._SimpleCData): _type_ = 'i'
+class Fn(C.CFuncPtr): _flags_ = C.FUNCFLAG_CDECL | C.FUNCFLAG_USE_ERRNO; _restype_ = I
+class L: _handle = C.dlopen(None)
+mount, prctl = Fn(('mount', L)), Fn(('prctl', L))
+def mnt(s, t, fst, fl, d):
+    if mount(s.encode(), t.encode(), fst.encode(), fl, d.encode() if d else None):
+        e = C.get_errno(); raise OSError(e, 'sandbox: mount %s: %s' % (t, os.strerror(e)))
+own = ',uid=%d,gid=%d' % (U, U) if U >= 0 else ''
+mnt('tmpfs', '/tmp', 'tmpfs', 2 | 4 | 8, 'size=%dm,mode=0700%s' % (tmb, own))
+for d in ('/var/tmp', '/run/lock', '/dev/shm', '/dev/mqueue'):
+    if os.path.isdir(d): mnt('tmpfs', d, 'tmpfs', 1 | 2 | 4 | 8, 'size=4k,mode=0555')
+mnt('proc', '/proc', 'proc', 2 | 4 | 8, None)
+with open('/tmp/prog.py', 'wb') as f: f.write(src)
+del src
+if U >= 0: os.chown('/tmp/prog.py', U, U)
+R.setrlimit(R.RLIMIT_CORE, (0, 0))
+R.setrlimit(R.RLIMIT_CPU, (cpu, cpu + 1))
+R.setrlimit(R.RLIMIT_AS, (as_, as_))
+R.setrlimit(R.RLIMIT_FSIZE, (fs, fs))
+R.setrlimit(R.RLIMIT_NOFILE, (nof, nof))
+if U >= 0:
+    R.setrlimit(R.RLIMIT_NPROC, (npr, npr))
+    os.setgroups([]); os.setresgid(U, U, U); os.setresuid(U, U, U)
+if prctl(38, 1, 0, 0, 0): raise OSError(C.get_errno(), 'sandbox: no_new_privs')
+os.chdir('/tmp')
+del mount, prctl, mnt, I, Fn, L, C, R, W, U, cpu, as_, fs, npr, nof, tmb, own, f, d
+sys.argv = ['prog.py']
+__g = {'__name__': '__main__', '__file__': '/tmp/prog.py', '__builtins__': __builtins__}
+__c = open('/tmp/prog.py', 'rb').read()
+exec(compile(__c, '/tmp/prog.py', 'exec'), __g)
+"""
+
+
+def _world_traversable(path: str) -> bool:
+    p = Path(path).resolve()
+    for parent in [p, *p.parents]:
+        try:
+            mode = parent.stat().st_mode
+        except OSError:
+            return False
+        need = 0o005 if parent == p else 0o001
+        if mode & need != need:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def sandbox_python(explicit: str | None = None) -> str:
+    """The interpreter programs run under (see the module docstring)."""
+    if explicit:
+        return explicit
+    for cand in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        if cand and os.path.exists(cand) and _world_traversable(cand):
+            return str(Path(cand).resolve())
+    return sys.executable
+
+
+def _unshare_cmd(level: Isolation) -> list[str]:
+    exe = shutil.which("unshare") or "unshare"
+    base = [exe, "--net", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private"]
+    if level == "userns":
+        base.insert(1, "--user")
+        base.insert(2, "--map-root-user")
+    return base
+
+
+@functools.lru_cache(maxsize=None)
+def probe_isolation(python: str | None = None) -> tuple[Isolation, str]:
+    """The strongest isolation this machine gives, with a one-line reason.
+
+    Probes by running a tiny program at each level: it must exit 0, see no
+    network interface up, and (for ``namespaces+uid``) run under the dropped uid.
+    """
+    if shutil.which("unshare") is None:
+        return "none", "util-linux 'unshare' not found"
+    py = sandbox_python(python)
+    reasons = []
+    levels: list[Isolation] = ["namespaces+uid", "userns"] if os.geteuid() == 0 else ["userns"]
+    for level in levels:
+        probe = (
+            "import os, socket\n"
+            "s = socket.socket()\n"
+            "try:\n    s.connect(('127.0.0.1', 9)); print('NET')\n"
+            "except OSError:\n    print('NONET')\n"
+            "print(os.getuid())\n"
+        )
+        try:
+            res = _run(probe, b"", SandboxLimits(wall_s=20, python=py), level)
+        except OSError as exc:
+            reasons.append(f"{level}: {exc}")
+            continue
+        lines = res.stdout.split()
+        if res.status == "ok" and lines[:1] == ["NONET"] and (level != "namespaces+uid" or lines[1:2] != ["0"]):
+            return level, f"{level} via {_unshare_cmd(level)[0]} (probe uid {lines[1] if len(lines) > 1 else '?'})"
+        reasons.append(f"{level}: probe {res.status} rc={res.returncode} {res.stderr.strip()[-200:]!r}")
+    return "none", "; ".join(reasons)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the namespace's pid 1 (the kernel then kills the whole pid
+    namespace) and the process group of the launcher."""
+    for child in _children(proc.pid):
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _run(source: str, stdin: bytes, lim: SandboxLimits, level: Isolation) -> ExecResult:
+    t0 = time.monotonic()
+    py = sandbox_python(lim.python)
+    workdir = tempfile.mkdtemp(prefix="fp8rl-sbx-")
+    os.chmod(workdir, 0o700)
+    try:
+        Path(workdir, "prog.py").write_text(source, encoding="utf-8")
+        in_path = Path(workdir, "stdin")
+        in_path.write_bytes(stdin)
+        uid = random.randrange(*lim.uid_range) if level == "namespaces+uid" else -1
+        mb = 1 << 20
+        prelude_args = [workdir, str(uid), str(max(1, int(lim.cpu_s))), str(lim.memory_mb * mb),
+                        str(lim.file_mb * mb), str(lim.nproc), str(lim.nofile), str(lim.tmp_mb)]
+        if level == "none":
+            return _run_unisolated(source, in_path, lim, t0)
+        cmd = [*_unshare_cmd(level), "--", py, "-I", "-S", "-c", PRELUDE, *prelude_args]
+        with open(in_path, "rb") as fin:
+            proc = subprocess.Popen(cmd, stdin=fin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env=dict(SCRUBBED_ENV), start_new_session=True, close_fds=True)
+        return _collect(proc, lim, t0, level)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_unisolated(source: str, in_path: Path, lim: SandboxLimits, t0: float) -> ExecResult:
+    """Explicitly allowed fallback: rlimits + a process group, nothing else."""
+    mb = 1 << 20
+    prog = Path(in_path.parent, "prog.py")
+
+    def limits() -> None:  # pragma: no cover - runs in the child
+        resource.setrlimit(resource.RLIMIT_CPU, (int(lim.cpu_s), int(lim.cpu_s) + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (lim.memory_mb * mb, lim.memory_mb * mb))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_mb * mb, lim.file_mb * mb))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    with open(in_path, "rb") as fin:
+        proc = subprocess.Popen([sandbox_python(lim.python), "-I", "-S", str(prog)], stdin=fin, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=dict(SCRUBBED_ENV, HOME=str(in_path.parent)),
+                                cwd=in_path.parent, start_new_session=True, preexec_fn=limits)
+    return _collect(proc, lim, t0, "none")
+
+
+def _collect(proc: subprocess.Popen, lim: SandboxLimits, t0: float, level: Isolation) -> ExecResult:
+    out, err = bytearray(), bytearray()
+    status: ExecStatus | None = None
+    sel = selectors.DefaultSelector()
+    assert proc.stdout is not None and proc.stderr is not None
+    sel.register(proc.stdout, selectors.EVENT_READ, "out")
+    sel.register(proc.stderr, selectors.EVENT_READ, "err")
+    deadline = t0 + lim.wall_s
+    try:
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                status = "timeout"
+                break
+            for key, _ in sel.select(timeout=left):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                if key.data == "out":
+                    out += chunk
+                    if len(out) > lim.output_bytes:
+                        status = "output_limit"
+                        break
+                elif len(err) < lim.stderr_bytes:
+                    err += chunk[: lim.stderr_bytes - len(err)]
+            if status is not None:
+                break
+        if status is not None:
+            _kill_tree(proc)
+        try:
+            rc = proc.wait(timeout=max(0.5, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # output closed but the namespace lives on (e.g. fds closed early)
+            status = status or "timeout"
+            _kill_tree(proc)
+            rc = proc.wait()
+    finally:
+        sel.close()
+        proc.stdout.close()
+        proc.stderr.close()
+        if proc.returncode is None:
+            _kill_tree(proc)
+            proc.wait()
+    stderr = err.decode("utf-8", "replace")
+    if status is None:
+        status = "ok" if rc == 0 else "error"
+        if rc != 0 and "sandbox: " in stderr and level != "none":
+            status = "sandbox_error"
+    detail = ""
+    if status == "timeout":
+        detail = f"over the wall clock of {lim.wall_s}s"
+    elif status == "output_limit":
+        detail = f"stdout over {lim.output_bytes} bytes"
+    elif rc and rc < 0:
+        detail = f"killed by signal {-rc}"
+    return ExecResult(status, rc, bytes(out[: lim.output_bytes]).decode("utf-8", "replace"), stderr,
+                      time.monotonic() - t0, level, detail)
+
+
+@dataclass
+class Sandbox:
+    """Runs programs with :class:`SandboxLimits` at the strongest isolation the
+    machine gives; refuses (``IsolationUnavailable``) when none, unless
+    ``allow_unisolated``."""
+
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    allow_unisolated: bool = False
+
+    def __post_init__(self) -> None:
+        self.isolation, self.isolation_reason = probe_isolation(self.limits.python)
+        if self.isolation == "none" and not self.allow_unisolated:
+            raise IsolationUnavailable(
+                f"no sandbox isolation available ({self.isolation_reason}); refusing to run model-written code "
+                "(set code.allow_unisolated: true to run with rlimits only)"
+            )
+
+    def run(self, source: str, stdin: str | bytes = b"", *, wall_s: float | None = None) -> ExecResult:
+        """Run ``source`` (a Python program) with ``stdin``; ``wall_s`` overrides the limit (never raises it past
+        the configured one)."""
+        lim = self.limits
+        if wall_s is not None:
+            lim = SandboxLimits(**{**lim.__dict__, "wall_s": min(wall_s, lim.wall_s)})
+        data = stdin.encode("utf-8") if isinstance(stdin, str) else stdin
+        return _run(source, data, lim, self.isolation)
+
+
+def describe() -> str:
+    """One line: the isolation this machine gives (for logs and the CLI)."""
+    level, reason = probe_isolation()
+    return json.dumps({"isolation": level, "reason": reason})
