@@ -93,7 +93,7 @@ def build(config, device):
     import torch
 
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.train()
 
 
@@ -101,36 +101,41 @@ def time_train_step(model, tokens: int, *, iters: int, warmup: int) -> float:
     """Median seconds of forward + backward of the decoder layers (embeddings and head excluded)."""
     import torch
 
-    x = torch.randn(1, tokens, model.config.hidden_size, device="cuda")
+    device = next(model.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x = torch.randn(1, tokens, model.config.hidden_size, device=device)
     times = []
     for i in range(warmup + iters):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             h = model.model(inputs_embeds=x).last_hidden_state
         h.float().pow(2).mean().backward()
-        torch.cuda.synchronize()
+        sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
     return sorted(times)[len(times) // 2]
 
 
-def section_throughput(deadline: float, *, layers: int = 2, iters: int = 4, warmup: int = 2) -> None:
+def section_throughput(
+    deadline: float, *, layers: int = 2, iters: int = 4, warmup: int = 2, models=None, tokens_list=TOKENS, device: str = "cuda"
+) -> None:
     import torch
 
     from fp8rl_core.precision import convert_for_training
 
     emit(f"[1] train step, {layers} decoder layers, eager, time(bf16) / time(fp8): >1 = FP8 faster")
-    for name in MODELS:
-        for tokens in TOKENS:
+    for name in models or MODELS:
+        for tokens in tokens_list:
             if time.monotonic() > deadline:
                 emit("    (time budget reached; remaining shapes skipped)")
                 return
             cells, base = [], None
             for mode in ("bf16", *RECIPES):
                 torch.manual_seed(0)
-                model = build(model_config(name, layers=layers), "cuda")
+                config = models[name] if isinstance(models, dict) else model_config(name, layers=layers)
+                model = build(config, device)
                 try:
                     report = convert_for_training(model, mode, emulate=False) if mode != "bf16" else None
                     t = time_train_step(model, tokens, iters=iters, warmup=warmup)
@@ -144,8 +149,9 @@ def section_throughput(deadline: float, *, layers: int = 2, iters: int = 4, warm
                     cells.append(f"{mode.removeprefix('fp8_')} FAILED ({type(err).__name__}: {str(err)[:80]})")
                 finally:
                     del model
-                    torch.cuda.empty_cache()
-            emit(f"    {name:12s} {tokens // 1024:2d}K tokens: " + " | ".join(cells))
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+            emit(f"    {name:12s} {tokens:6d} tokens: " + " | ".join(cells))
 
 
 def section_sqnr(tokens: int = 512) -> None:
@@ -183,7 +189,7 @@ def section_sqnr(tokens: int = 512) -> None:
             torch.cuda.empty_cache()
 
 
-def section_rollout(seqs: int = 4, length: int = 256) -> None:
+def section_rollout(seqs: int = 4, length: int = 256, *, config=None, device: str = "cuda") -> None:
     import copy
 
     import torch
@@ -192,12 +198,12 @@ def section_rollout(seqs: int = 4, length: int = 256) -> None:
 
     emit(f"[3] rollout numerics, Qwen3-8B-shaped policy (2 layers, vocab 32768), teacher-forced log-probs of {seqs}x{length} tokens")
     torch.manual_seed(0)
-    config = model_config("Qwen3-8B", layers=2, vocab=32768)
-    base = build(config, "cuda").eval()
-    ids = torch.randint(0, config.vocab_size, (seqs, length), device="cuda")
+    config = config or model_config("Qwen3-8B", layers=2, vocab=32768)
+    base = build(config, device).eval()
+    ids = torch.randint(0, config.vocab_size, (seqs, length), device=device)
 
     def logp(model, autocast=True):
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             out = model(input_ids=ids).logits.float().log_softmax(-1)
         return out[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]  # log-prob of each next token
 

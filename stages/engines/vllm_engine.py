@@ -522,11 +522,15 @@ class VLLMEngine(RolloutEngine):
 
     def close(self) -> None:
         llm, self.llm = self.llm, None
-        if llm is not None and hasattr(llm, "shutdown"):
-            try:
-                llm.shutdown()
-            except Exception:  # pragma: no cover - best effort
-                log.debug("vLLM shutdown failed", exc_info=True)
+        sender, self._nccl_sender = self._nccl_sender, None
+        # vLLM's LLM has no shutdown(); its engine-core client does (stops the engine process now, not at gc)
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        for stop in (getattr(sender, "shutdown", None), getattr(core, "shutdown", None), getattr(llm, "shutdown", None)):
+            if stop is not None:
+                try:
+                    stop()
+                except Exception:  # pragma: no cover - best effort
+                    log.debug("vLLM shutdown step failed", exc_info=True)
         del llm
         gc.collect()
         if torch.cuda.is_available():
