@@ -300,12 +300,13 @@ _STEP_METRICS = (
     ("tis_weight_min", "Min truncated-IS weight."),
     ("tis_capped_share", "Share of tokens whose TIS weight hit its cap."),
     ("rollout_train_logp_abs_diff", "Mean |logp_rollout − old_logp_train| over valid tokens."),
-    ("garbled_share", "Share of responses judged garbled."),
     ("kept_share", "Share of samples kept by dynamic sampling."),
     ("shadow", "1 on steps with the BF16 shadow pass, else 0."),
     ("train_tokens_per_second", "Valid tokens trained per second of update."),
     ("garbled_share", "Share of the step's responses the task's answer parser cannot read (DESIGN §2 'garbled')."),
     ("garbled_heuristic_share", "Share of responses the text heuristic diagnostics.garbled_score flags (>= 0.5)."),
+    ("token_multiple", "Token-count multiple every FP8 micro-batch was padded to (16 tensorwise/rowwise, 128 blockwise, 1 bf16)."),
+    ("world_size", "Ranks that trained the step (FSDP2 under torchrun; 1 = one process)."),
 )
 
 STEPS = TableSpec(
