@@ -315,6 +315,7 @@ def campaign_flow(run_dir: str, resume: bool = False, stop_after_step: int | Non
 
     cfg = load_config(Path(run_dir) / "config.yaml")
     ctx = open_context(cfg, run_dir)
+    trackers = _open_trackers(ctx) if cfg.trackers else None  # no tracker code imported unless configured
     try:
         start = restore_latest(ctx) if resume else 0
         progress = Progress(cfg, start)
@@ -325,3 +326,11 @@ def campaign_flow(run_dir: str, resume: bool = False, stop_after_step: int | Non
         return {"run_dir": str(run_dir), "last_step": last, "final_metrics": _jsonable(metrics), "last_eval": ctx.last_eval}
     finally:
         ctx.close()
+        if trackers is not None:
+            trackers.close()
+
+
+def _open_trackers(ctx: RunContext):
+    from flows.trackers import attach
+
+    return attach(ctx)

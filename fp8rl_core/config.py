@@ -192,6 +192,21 @@ class StorageConfig(_Frozen):
     row_group_size: int = Field(1_000_000, ge=1, description="Parquet row-group size (rows).")
 
 
+TrackerName = Literal["tensorboard", "mlflow", "wandb"]
+
+
+class TrackingConfig(_Frozen):
+    """Experiment-tracker sinks (``CampaignConfig.trackers``); the Parquet tables stay the truth."""
+
+    dir: str | None = Field(None, description="Folder of local tracker files; None = <run dir>/trackers.")
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI (server http(s)://, sqlite:///, file:); None = sqlite:///<tracker dir>/mlflow.db.")
+    experiment: str | None = Field(None, description="MLflow experiment / W&B project; None = the campaign name.")
+    wandb_mode: Literal["offline", "online"] = Field("offline", description="W&B mode: offline (no network; `wandb sync` later) or online.")
+    wandb_entity: str | None = Field(None, description="W&B entity (team or user); None = the default.")
+    timeout_s: float = Field(30.0, gt=0, description="At the end of a campaign, wait at most this long for each sink to flush (a hung sink is abandoned).")
+    queue_size: int = Field(10_000, ge=1, description="Rows buffered per sink; a full queue drops rows for that sink (warned once).")
+
+
 class CampaignConfig(_Frozen):
     """One RL campaign: all of the above plus the step budget."""
 
@@ -209,6 +224,8 @@ class CampaignConfig(_Frozen):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    trackers: tuple[TrackerName, ...] = Field((), description="Experiment trackers fed from the steps/bounds/eval_scores rows: tensorboard, mlflow, wandb (optional extras).")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "CampaignConfig":

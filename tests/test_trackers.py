@@ -1,0 +1,210 @@
+"""Experiment trackers fed from the Parquet rows (issue 17, part 1), and the campaign in Prefect's UI (part 4).
+
+One micro campaign runs in-process with all three sinks (TensorBoard, MLflow on
+its default SQLite store, W&B offline), is resumed from the train stage of its
+last step (train and calibrate replay and rewrite that step), and each sink is
+read back with the tool's own reader: the same steps and values as the tables,
+no duplicate step after the replay, the same tracker run continued.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import micro_config
+
+pytestmark = pytest.mark.slow
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # in-process flows on a busy machine
+
+TRACKED = ["tensorboard", "mlflow", "wandb"]
+STEP_METRICS = {"train/reward_mean": "reward_mean", "train/entropy_mean": "entropy_mean",
+                "clip/clipfrac": "clipfrac", "clip/lower_bound": "lower_bound", "train/ppo_kl": "ppo_kl"}
+
+
+def _new_run(tmp: Path, cfg) -> Path:
+    from flows.configuration import dump_config
+    from storage.layout import create_run
+
+    create_run(tmp, "run", config=dump_config(cfg))
+    return tmp / "run"
+
+
+def _campaign(run_dir: Path, **kw) -> dict:
+    from flows.campaign import campaign_flow
+
+    return campaign_flow(str(run_dir), **kw)
+
+
+def _steps_table(run_dir: Path) -> dict[str, dict[int, float]]:
+    from storage.catalog import connect, query
+
+    rows = query(connect(run_dir), "SELECT * FROM steps ORDER BY step").to_pylist()
+    return {col: {r["step"]: r[col] for r in rows} for col in STEP_METRICS.values()}
+
+
+def _sql(run_dir: Path, sql: str) -> list[dict]:
+    from storage.catalog import connect, query
+
+    return query(connect(run_dir), sql).to_pylist()
+
+
+def _tensorboard(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(run_dir / "trackers" / "tensorboard"))
+    ea.Reload()
+    return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+
+
+def _mlflow(run_dir: Path) -> tuple[list, dict[str, list[tuple[int, float]]]]:
+    from mlflow.tracking import MlflowClient
+
+    state = json.loads((run_dir / "trackers" / "state.json").read_text())
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'trackers' / 'mlflow.db'}")
+    run = client.get_run(state["mlflow"]["run_id"])
+    runs = client.search_runs([run.info.experiment_id])
+    hist = {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)] for k in run.data.metrics}
+    return runs, hist | {"_params": run.data.params}
+
+
+def _wandb(run_dir: Path) -> tuple[list[Path], dict[str, list[tuple[int, float]]]]:
+    from flows.trackers import read_wandb_history
+
+    state = json.loads((run_dir / "trackers" / "state.json").read_text())
+    files = sorted((run_dir / "trackers" / "wandb").glob(f"offline-run-*-{state['wandb']['run_id']}/run-*.wandb"))
+    out: dict[str, list[tuple[int, float]]] = {}
+    for f in files:
+        for row in read_wandb_history(f):
+            for k, v in row.items():
+                if not k.startswith("_"):
+                    out.setdefault(k, []).append((row["_step"], v))
+    return files, out
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory):
+    """A 3-step campaign with all sinks, read back; then resumed from train@3 and read back again."""
+    from storage.writer import set_aside_from
+
+    tmp = tmp_path_factory.mktemp("tracked")
+    cfg = micro_config("trackers=[tensorboard, mlflow, wandb]")
+    run_dir = _new_run(tmp, cfg)
+    t0 = time.perf_counter()
+    _campaign(run_dir)
+    first = {"tb": _tensorboard(run_dir), "mlflow": _mlflow(run_dir), "wandb": _wandb(run_dir),
+             "state": json.loads((run_dir / "trackers" / "state.json").read_text()), "seconds": time.perf_counter() - t0}
+    set_aside_from(run_dir, step=3, stages_at_step=["train", "calibrate", "evaluate", "checkpoint"])
+    _campaign(run_dir, resume=True)
+    return run_dir, first
+
+
+def _f32(x: float) -> np.float32:
+    return np.float32(x)
+
+
+@pytest.mark.timeout(300)
+def test_tensorboard_holds_the_steps_table(tracked):
+    run_dir, first = tracked
+    table = _steps_table(run_dir)
+    for tb in (first["tb"], _tensorboard(run_dir)):
+        for tag, col in STEP_METRICS.items():
+            assert [s for s, _ in tb[tag]] == [1, 2, 3], tag  # no duplicate step after the replay
+            assert [_f32(v) for _, v in tb[tag]] == [_f32(table[col][s]) for s in (1, 2, 3)], tag
+    bounds = _sql(run_dir, "SELECT step, lower, alpha FROM bounds ORDER BY step")
+    tb = _tensorboard(run_dir)
+    assert tb["calibration/lower"] == [(b["step"], _f32(b["lower"])) for b in bounds]
+    evals = _sql(run_dir, "SELECT step, value FROM eval_scores WHERE metric = 'avg@2' ORDER BY step")
+    assert [(s, _f32(v)) for s, v in tb["eval/synthetic/avg@2"]] == [(e["step"], _f32(e["value"])) for e in evals]
+    assert [e["step"] for e in evals] == [0, 2, 3]
+
+
+def test_tensorboard_replaces_a_replayed_step_with_the_new_values(tmp_path):
+    """A replay with *different* values (a rollback): the reader shows the new ones, once."""
+    from flows.trackers import Trackers
+    from storage.writer import TableWriter
+
+    cfg = micro_config("trackers=[tensorboard]")
+    run_dir = _new_run(tmp_path, cfg)
+    hub = Trackers(cfg, run_dir, "run")
+    w = TableWriter(run_dir, durable=False, listeners=[hub.on_write])
+    for s in (1, 2, 3):
+        w.write("steps", s, {"reward_mean": 0.1 * s}, stage="train")
+    w.write("eval_scores", 2, [{"benchmark": "b", "metric": "avg@1", "k": 1, "value": 0.5}], stage="evaluate")
+    hub.close()
+    hub = Trackers(cfg, run_dir, "run")  # a new process: marks come from state.json
+    w = TableWriter(run_dir, durable=False, listeners=[hub.on_write])
+    w.write("steps", 2, {"reward_mean": 0.9}, stage="train", attempt=1)
+    hub.close()
+    tb = _tensorboard(run_dir)
+    assert tb["train/reward_mean"] == [(1, _f32(0.1)), (2, _f32(0.9)), (3, _f32(0.3))]
+    assert tb["eval/b/avg@1"] == [(2, 0.5)]
+
+
+@pytest.mark.timeout(300)
+def test_mlflow_run_holds_the_steps_table_and_the_config(tracked):
+    run_dir, first = tracked
+    table = _steps_table(run_dir)
+    runs_before, _ = first["mlflow"]
+    runs, hist = _mlflow(run_dir)
+    assert len(runs) == len(runs_before) == 1, "the resume continued the same MLflow run"
+    for tag, col in STEP_METRICS.items():
+        assert [s for s, _ in hist[tag]] == [1, 2, 3], tag
+        assert [_f32(v) for _, v in hist[tag]] == [_f32(table[col][s]) for s in (1, 2, 3)], tag
+    assert [s for s, _ in hist["eval/synthetic/avg_at_2"]] == [0, 2, 3]
+    assert hist["_params"]["calibration.interval"] == "2" and hist["_params"]["trackers"] == '["tensorboard", "mlflow", "wandb"]'
+
+
+@pytest.mark.timeout(300)
+def test_wandb_offline_run_holds_the_steps_table(tracked):
+    run_dir, first = tracked
+    table = _steps_table(run_dir)
+    files, hist = _wandb(run_dir)
+    assert len(first["wandb"][0]) == 1 and len(files) == 2, "the resume wrote a second segment of the same W&B run"
+    for tag, col in STEP_METRICS.items():
+        assert [s for s, _ in hist[tag]] == [1, 2, 3], tag
+        assert [_f32(v) for _, v in hist[tag]] == [_f32(table[col][s]) for s in (1, 2, 3)], tag
+    state = json.loads((run_dir / "trackers" / "state.json").read_text())
+    assert state["wandb"]["run_id"] == first["state"]["wandb"]["run_id"]
+    assert state["mlflow"]["run_id"] == first["state"]["mlflow"]["run_id"]
+
+
+def test_a_sink_at_an_unreachable_server_warns_once_and_loses_no_row(tmp_path, caplog):
+    from flows.trackers import Trackers
+    from storage.writer import TableWriter
+
+    cfg = micro_config("trackers=[mlflow, tensorboard]", "tracking.mlflow_uri=http://127.0.0.1:9", "tracking.timeout_s=1")
+    run_dir = _new_run(tmp_path, cfg)
+    (tmp_path / "run" / "trackers").mkdir()
+    (tmp_path / "run" / "trackers" / "tensorboard").write_text("a file where a folder should be")  # disk-level failure
+    hub = Trackers(cfg, run_dir, "run")
+    w = TableWriter(run_dir, durable=False, listeners=[hub.on_write])
+    with caplog.at_level(logging.WARNING, logger="fp8rl.trackers"):
+        for s in (1, 2, 3):
+            w.write("steps", s, {"reward_mean": 0.1 * s}, stage="train")
+        t0 = time.perf_counter()
+        hub.close()
+        assert time.perf_counter() - t0 < 3
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fp8rl.trackers"]
+    assert len([m for m in warnings if m.startswith("tracker mlflow")]) == 1, warnings
+    assert len([m for m in warnings if m.startswith("tracker tensorboard")]) == 1, warnings
+    assert [r["step"] for r in _sql(run_dir, "SELECT step FROM steps ORDER BY step")] == [1, 2, 3]
+
+
+def test_without_trackers_no_tracker_code_is_imported(tmp_path, monkeypatch):
+    """Importing any tracker module fails (ImportError) here, so a campaign that touched one would crash."""
+    for mod in ("flows.trackers", "tensorboard", "mlflow", "wandb"):
+        monkeypatch.setitem(sys.modules, mod, None)
+    cfg = micro_config("steps=1", "evaluation.benchmarks=[{name: synthetic, k: 1, limit: 4, max_new_tokens: 4}]")
+    assert cfg.trackers == ()
+    run_dir = _new_run(tmp_path, cfg)
+    _campaign(run_dir)
+    assert not (run_dir / "trackers").exists()
+    assert [r["step"] for r in _sql(run_dir, "SELECT step FROM steps")] == [1]
