@@ -44,6 +44,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact  #
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 from stages.context import RunContext, is_calibration_step, is_checkpoint_step, is_eval_step  # noqa: E402
+from flows.ui import publish_bounds, publish_failure, publish_step  # noqa: E402
 
 
 class TransientStageError(RuntimeError):
@@ -140,7 +141,11 @@ def _stage_task(name: str, retries: int, timeout_s: float | None = None):
             task_run_name=f"{name}-step-{{step}}",
         )
         def run(ctx: RunContext, step: int, **kw: Any) -> dict:
-            return _run_stage(name, fn, ctx, step, **kw)
+            try:
+                return _run_stage(name, fn, ctx, step, **kw)
+            except BaseException as err:
+                publish_failure(ctx, name, step, err)  # the attempt's reason, in the task run's logs and artifacts
+                raise
 
         run.stage_fn = fn
         return run
@@ -251,7 +256,9 @@ def run_step(ctx: RunContext, step: int, progress: Progress) -> dict:
         if is_calibration_step(cfg, step):
             cal = calibrate_task(ctx, step)
             _bounds_artifact(ctx, step, cal)
+            publish_bounds(ctx, step)
         progress.step(step, summary.get("metrics", {}))
+        publish_step(ctx, step)
     if is_eval_step(cfg, step):
         if "evaluate" in done:
             scores = _eval_scores_from(_ledger_info(ctx, step, "evaluate"))

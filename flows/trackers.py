@@ -54,38 +54,13 @@ import pyarrow as pa
 
 log = logging.getLogger("fp8rl.trackers")
 
+from flows.ui import live_rows, metric_points  # noqa: F401 (metric_points: the one naming of points)
+
 TRACKED_TABLES = ("steps", "bounds", "eval_scores")
-_KEYS = {"run_id", "step", "variant", "mode", "benchmark", "metric", "k"}
-_CLIP = ("clipfrac", "dualclip", "lower_bound", "upper_bound")
 _STOP = object()
 
 
 # --------------------------------------------------------------------------- rows -> points
-
-
-def metric_points(table: str, rows: pa.Table) -> list[tuple[int, str, float]]:
-    """``(step, name, value)`` for each numeric cell of a tracked table's rows (nulls skipped)."""
-    out: list[tuple[int, str, float]] = []
-    if table not in TRACKED_TABLES or rows.num_rows == 0:
-        return out
-    for row in rows.to_pylist():
-        step = int(row["step"])
-        if table == "eval_scores":
-            if row.get("value") is not None:
-                metric = str(row["metric"])
-                if metric.endswith("@k") and row.get("k") is not None:
-                    metric = f"{metric[:-1]}{int(row['k'])}"  # avg@k, k=2 -> avg@2
-                out.append((step, f"eval/{row['benchmark']}/{metric}", float(row["value"])))
-            continue
-        for name, v in row.items():
-            if name in _KEYS or isinstance(v, bool) or not isinstance(v, (int, float)):
-                continue
-            if table == "bounds":
-                out.append((step, f"calibration/{name}", float(v)))
-            else:
-                group = "clip" if name.startswith(_CLIP) else "train"
-                out.append((step, f"{group}/{name}", float(v)))
-    return out
 
 
 def flat_params(cfg: Any) -> dict[str, str]:
@@ -292,17 +267,7 @@ class TrackerContext:
 
     def live_rows(self, table: str, *, from_step: int) -> pa.Table:
         """The live main-variant Parquet rows of ``table`` at steps >= ``from_step`` (for a resync)."""
-        import pyarrow.parquet as pq
-
-        from storage.schemas import MAIN_VARIANT
-        from storage.writer import TableWriter
-
-        parts = [pq.read_table(p) for p in TableWriter(self.run_dir, durable=False).live_files(table)]
-        parts = [t for t in parts if t.num_rows and t.column("step")[0].as_py() >= from_step
-                 and t.column("variant")[0].as_py() == MAIN_VARIANT]
-        if not parts:
-            return pa.table({"step": pa.array([], pa.int64())})
-        return pa.concat_tables(parts, promote_options="permissive").sort_by("step")
+        return live_rows(self.run_dir, table, from_step=from_step)
 
 
 class _Worker:
