@@ -192,6 +192,15 @@ class StorageConfig(_Frozen):
     row_group_size: int = Field(1_000_000, ge=1, description="Parquet row-group size (rows).")
 
 
+class PromptConfig(_Frozen):
+    """How a problem becomes the model's input (``stages.prompt_format``)."""
+
+    format: Literal["auto", "chat", "plain"] = Field("auto", description="chat: the tokenizer's chat template (instruct checkpoints); plain: the text as is (base models, as the paper's Qwen3-8B-Base runs); auto: chat only for an instruct checkpoint that has a template.")
+    system_prompt: str | None = Field(None, description="System message (chat format only); None = none.")
+    instruction: str | None = Field(None, description="Answer-format instruction appended to each math problem; None = the built-in step-by-step/\\boxed{} one.")
+    enable_thinking: bool | None = Field(None, description="Passed to chat templates that take it (Qwen3); None = the template's default.")
+
+
 TrackerName = Literal["tensorboard", "mlflow", "wandb"]
 
 
@@ -224,6 +233,7 @@ class CampaignConfig(_Frozen):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    prompt: PromptConfig = Field(default_factory=PromptConfig)
     trackers: tuple[TrackerName, ...] = Field((), description="Experiment trackers fed from the steps/bounds/eval_scores rows: tensorboard, mlflow, wandb (optional extras).")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 

@@ -105,6 +105,7 @@ def open_context(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAI
     from fp8rl_core.precision import convert_for_training
     from fp8rl_core.tiny_model import load_policy
     from stages.engines import make_engine
+    from stages.prompt_format import apply_stop_tokens
     from stages.train_core import make_optimizer
 
     torch.set_num_threads(cfg.threads)
@@ -112,6 +113,7 @@ def open_context(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAI
     read_run_info(run_dir)  # fails clearly on a non-run directory
     base = base_model_dir(cfg, run_dir.parent)
     policy, tokenizer = load_policy(base)
+    apply_stop_tokens(policy, tokenizer, cfg.prompt)  # chat format: stop at the template's end-of-turn
     report = convert_for_training(
         policy, cfg.precision.train, emulate=cfg.precision.emulate,
         round_scales_to_power_of_2=cfg.precision.round_scales_to_power_of_2,

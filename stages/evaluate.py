@@ -41,7 +41,9 @@ def evaluate_benchmark(ctx: RunContext, step: int, bench: BenchmarkEval, salt: i
     from stages.rollout import sync_engine
 
     items, verifier = eval_problems(ctx.cfg, bench)
-    prompt_ids = [ctx.tokenizer(it.prompt, add_special_tokens=True)["input_ids"] for it in items]
+    from stages.prompt_format import encode_prompts
+
+    prompt_ids = encode_prompts(ctx, [it.prompt for it in items])
     sync_engine(ctx)
     batch = ctx.engine.generate(
         prompt_ids, n=bench.k, temperature=bench.temperature, top_p=bench.top_p,

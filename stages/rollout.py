@@ -13,6 +13,7 @@ import time
 import pyarrow as pa
 
 from stages.context import RunContext, step_seed
+from stages.prompt_format import encode_prompts
 from stages.prompts import PromptItem, draw_prompts
 
 
@@ -27,7 +28,7 @@ def generate_rows(ctx: RunContext, step: int, items: list[PromptItem], *, round_
     """Generate ``G`` samples per prompt and return them as ``rollouts`` rows."""
     r = ctx.cfg.rollout
     tok = ctx.tokenizer
-    prompt_ids = [tok(it.prompt, add_special_tokens=True)["input_ids"] for it in items]
+    prompt_ids = encode_prompts(ctx, [it.prompt for it in items])
     sync_engine(ctx)
     batch = ctx.engine.generate(
         prompt_ids, n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,

@@ -98,7 +98,11 @@ def tracked(tmp_path_factory):
     cfg = micro_config("trackers=[tensorboard, mlflow, wandb]")
     run_dir = _new_run(tmp, cfg)
     t0 = time.perf_counter()
-    _campaign(run_dir)
+    os.environ.update(FP8RL_FAULT="rollout@1=transient", FP8RL_FAULT_MARKER=str(tmp / "fault-marker"))
+    try:
+        _campaign(run_dir)  # a failed rollout attempt, retried by Prefect: its reason must show in the UI
+    finally:
+        os.environ.pop("FP8RL_FAULT"), os.environ.pop("FP8RL_FAULT_MARKER")
     first = {"tb": _tensorboard(run_dir), "mlflow": _mlflow(run_dir), "wandb": _wandb(run_dir),
              "state": json.loads((run_dir / "trackers" / "state.json").read_text()), "seconds": time.perf_counter() - t0}
     set_aside_from(run_dir, step=3, stages_at_step=["train", "calibrate", "evaluate", "checkpoint"])
@@ -208,3 +212,123 @@ def test_without_trackers_no_tracker_code_is_imported(tmp_path, monkeypatch):
     _campaign(run_dir)
     assert not (run_dir / "trackers").exists()
     assert [r["step"] for r in _sql(run_dir, "SELECT step FROM steps")] == [1]
+
+
+# --------------------------------------------------------------------------- Prefect's UI (part 4)
+
+
+def _flow_run_of(run_dir: Path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["fp8rl-campaign"])))
+    mine = [r for r in runs if r.parameters.get("run_dir") == str(run_dir)]
+    assert len(mine) == 2, "the first run and the resume"
+    return sorted(mine, key=lambda r: r.start_time)
+
+
+@pytest.mark.timeout(300)
+def test_prefect_client_finds_the_flow_run_stage_tasks_and_artifacts(tracked):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
+
+    from flows.ui import artifact_key
+
+    run_dir, _ = tracked
+    first, resumed = _flow_run_of(run_dir)
+    assert first.state.is_completed() and resumed.state.is_completed()
+    key = artifact_key("run")
+    with get_client(sync_client=True) as client:
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[first.id])))
+        names = {t.name: t for t in tasks}
+        for stage, step in [("rollout", 1), ("score", 1), ("train", 1), ("calibrate", 1), ("evaluate", 0),
+                            ("evaluate", 2), ("checkpoint", 2), ("train", 3), ("calibrate", 3)]:
+            assert f"{stage}-step-{step}" in names, sorted(names)
+        assert names["rollout-step-1"].run_count == 2 and names["rollout-step-1"].state.is_completed()
+        logs = client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[names["rollout-step-1"].id])))
+        assert any("attempt 0 failed: TransientStageError: injected transient fault" in lg.message for lg in logs)
+
+        def versions(k: str):
+            return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[k])))
+
+        failures = versions(f"failures-{key}")
+        assert len(failures) == 1 and "injected transient fault in rollout at step 1" in failures[0].data
+        steps = versions(f"steps-{key}")
+        assert sorted({row["step"] for a in steps for row in a.data}) == [1, 2, 3]
+        history = versions(f"bounds-history-{key}")
+        assert max(len(a.data) for a in history) == 2  # calibrations at steps 1 and 3
+        summary = versions(f"bounds-summary-{key}")
+        assert any("| 3 | calibrated |" in a.data for a in summary)
+        evals = versions(f"eval-{key}")
+        assert len(evals) >= 3  # steps 0, 2, 3 (+ the resume's re-evaluation of step 3)
+    rows = {r["step"]: r for r in _sql(run_dir, "SELECT step, reward_mean FROM steps")}
+    last = {row["metric"]: row["value"] for a in steps for row in a.data if row["step"] == 2}
+    assert last["train/reward_mean"] == pytest.approx(rows[2]["reward_mean"], abs=1e-6)
+
+
+CHROMIUM = next((p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if Path(p).exists()), None)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def prefect_ui(tracked):
+    """``prefect server start`` on the tests' Prefect database (the UI the user would open)."""
+    import subprocess
+    import urllib.request
+
+    port = _free_port()
+    env = dict(os.environ, PREFECT_SERVER_API_HOST="127.0.0.1", PREFECT_SERVER_API_PORT=str(port),
+               PREFECT_UI_API_URL=f"http://127.0.0.1:{port}/api", PREFECT_SERVER_LOGGING_LEVEL="WARNING")
+    env.pop("PREFECT_API_URL", None)
+    log_file = open(Path(os.environ["PREFECT_HOME"]) / "ui-server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for _ in range(240):
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("prefect server did not start: " + (Path(os.environ["PREFECT_HOME"]) / "ui-server.log").read_text()[-2000:])
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        import signal
+
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        log_file.close()
+
+
+def render(url: str, profile: Path, *, screenshot: Path | None = None, budget_ms: int = 25000) -> str:
+    """The DOM of ``url`` after Prefect's single-page app rendered it in headless Chromium."""
+    import subprocess
+
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}", "--window-size=1400,900"]
+    if screenshot is not None:
+        return subprocess.run(cmd + [f"--screenshot={screenshot}", url], capture_output=True, text=True, timeout=180).stderr
+    return subprocess.run(cmd + ["--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (Debian: apt-get install -y chromium)")
+@pytest.mark.timeout(600)
+def test_prefect_ui_renders_the_campaign(tracked, prefect_ui, tmp_path):
+    from flows.ui import artifact_key
+
+    run_dir, _ = tracked
+    first, _ = _flow_run_of(run_dir)
+    page = render(f"{prefect_ui}/runs/flow-run/{first.id}?tab=Task%20Runs", tmp_path / "profile")
+    assert "train-step-1" in page and "calibrate-step-3" in page, page[-3000:]
+    page = render(f"{prefect_ui}/artifacts/key/bounds-summary-{artifact_key('run')}", tmp_path / "profile")
+    assert "Calibrated clipping" in page and "In force from step" in page, page[-3000:]
