@@ -49,15 +49,38 @@ class ModelConfig(_Frozen):
         return self
 
 
+class DatasetRef(_Frozen):
+    """A problem set read through ``datasets`` (``stages.datasets_io``): a Hugging Face
+    dataset name, a local folder laid out as a Hub dataset repo, a ``save_to_disk``
+    folder, or a JSONL / JSON / Parquet file."""
+
+    source: str = Field(description="HF dataset name (org/name), a local dataset folder, a save_to_disk folder, or a .jsonl/.json/.parquet file; relative paths resolve against task.data_dir.")
+    config: str | None = Field(None, description="Dataset config (subset) name, e.g. 'main' for openai/gsm8k.")
+    split: str = Field("train", description="Split to read.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    question_field: str = Field("problem", description="Field holding the question text.")
+    answer_field: str = Field("answer", description="Field holding the gold answer (see answer_format).")
+    id_field: str | None = Field(None, description="Field holding a stable id; None = the row index.")
+    answer_format: Literal["plain", "gsm8k", "boxed"] = Field("plain", description="How the gold answer reads: plain value; GSM8K's '#### n' last line; the last \\boxed{} of a solution.")
+    limit: int | None = Field(None, ge=1, description="Use the first N rows (None = all).")
+
+
 class TaskConfig(_Frozen):
     """The training prompts and their verifier."""
 
-    kind: Literal["synthetic", "deepscaler", "gsm8k"] = Field("synthetic", description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, or GSM8K train.")
+    kind: Literal["synthetic", "deepscaler", "gsm8k", "dataset"] = Field("synthetic", description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, GSM8K train, or task.dataset (any dataset by name or path).")
     difficulty: int = Field(1, ge=0, le=3, description="Synthetic task difficulty level.")
     train_size: int = Field(200_000, ge=1, description="Synthetic train split size (problems; drawn lazily from the seed).")
     path: str | None = Field(None, description="Train file or HF dataset name for non-synthetic kinds; relative paths resolve against data_dir.")
     data_dir: str | None = Field(None, description="Benchmark/data folder; default: $FP8RL_DATA_DIR.")
     seed: int = Field(1234, description="Seed of the synthetic task generator (train/test splits are disjoint by construction).")
+    dataset: DatasetRef | None = Field(None, description="kind=dataset: the training set (HF name or local path, split, config, field mapping).")
+
+    @model_validator(mode="after")
+    def _dataset_given(self) -> "TaskConfig":
+        if self.kind == "dataset" and self.dataset is None:
+            raise ValueError("task.kind=dataset needs task.dataset (source, split, fields)")
+        return self
 
 
 class BootstrapConfig(_Frozen):
@@ -172,6 +195,7 @@ class BenchmarkEval(_Frozen):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass.")
     max_new_tokens: int = Field(24, ge=1, description="Response cap (tokens).")
     limit: int | None = Field(None, ge=1, description="Use the first N problems (None = all).")
+    dataset: DatasetRef | None = Field(None, description="Read this benchmark from a dataset (HF name or local path) instead of the shipped file; name is then free.")
 
 
 class EvaluationConfig(_Frozen):

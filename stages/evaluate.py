@@ -23,7 +23,12 @@ def eval_problems(cfg: CampaignConfig, bench: BenchmarkEval) -> tuple[list[Promp
     """(problems, verifier name) of a benchmark entry of the config."""
     from stages.benchmarks import load_benchmark, render_prompt, verifier_for
 
-    problems = load_benchmark(bench.name, data_dir(cfg.task), bench.limit, task=cfg.task)
+    if bench.dataset is not None:  # a benchmark by dataset name or path (stages.datasets_io)
+        from stages.datasets_io import load_problems
+
+        problems = load_problems(bench.dataset, bench.name, data_dir(cfg.task), bench.limit)
+    else:
+        problems = load_benchmark(bench.name, data_dir(cfg.task), bench.limit, task=cfg.task)
     items = [PromptItem(q.id, render_prompt(q), q.answer, bench.name) for q in problems]
     verifier = verifier_for(problems[0]) if len(problems) else "math"
     return items, verifier
