@@ -108,10 +108,11 @@ class TrackerState:
             return self.data.setdefault(sink, {"hw": {}})
 
     def save(self) -> None:
-        with self.lock:
+        with self.lock:  # every mutation of ``data`` holds this lock too
+            text = json.dumps(self.data, indent=1, sort_keys=True)
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
+            tmp = self.path.with_suffix(f".{threading.get_ident()}.tmp")
+            tmp.write_text(text)
             os.replace(tmp, self.path)
 
 
@@ -133,7 +134,11 @@ class Sink:
     def close(self) -> None: ...
 
     def _advance(self, table: str, step: int) -> None:
-        self.hw[table] = max(step, self.hw.get(table, -1))
+        self._set_mark(table, max(step, self.hw.get(table, -1)))
+
+    def _set_mark(self, table: str, value: int) -> None:
+        with self.ctx.state.lock:  # other sinks' threads may be saving the shared state file
+            self.hw[table] = value
 
 
 class TensorBoardSink(Sink):
@@ -155,6 +160,7 @@ class TensorBoardSink(Sink):
 
     def log(self, table: str, step: int, points: list[tuple[int, str, float]]) -> None:
         if step <= self.hw.get(table, -1):
+            log.info("tensorboard: %s of step %s replayed (marks %s): purge from step %s, re-log the live rows", table, step, dict(self.hw), step)
             self._purge_and_resync(step)
         else:
             self._scalars(points)
@@ -170,7 +176,7 @@ class TensorBoardSink(Sink):
             pts = metric_points(table, rows)
             self._scalars(pts)
             steps = [p[0] for p in pts]
-            self.hw[table] = max(steps) if steps else min(self.hw.get(table, -1), step - 1)
+            self._set_mark(table, max(steps) if steps else min(self.hw.get(table, -1), step - 1))
 
     def close(self) -> None:
         self.writer.close()
@@ -196,7 +202,8 @@ class MlflowSink(Sink):
             params = [Param(k[:250], v[:6000]) for k, v in flat_params(self.ctx.cfg).items()]
             for i in range(0, len(params), 100):
                 self.client.log_batch(run.info.run_id, params=params[i : i + 100])
-            self.state["run_id"] = run.info.run_id
+            with self.ctx.state.lock:
+                self.state["run_id"] = run.info.run_id
             self.ctx.state.save()
         else:
             self.client.update_run(run_id, status="RUNNING")
@@ -239,7 +246,8 @@ class WandbSink(Sink):
             reinit="create_new",
         )
         if self.state.get("run_id") is None:
-            self.state["run_id"] = run_id
+            with self.ctx.state.lock:
+                self.state["run_id"] = run_id
             self.ctx.state.save()
 
     def log(self, table: str, step: int, points: list[tuple[int, str, float]]) -> None:
