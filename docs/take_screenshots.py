@@ -1,8 +1,10 @@
 """Screenshots of a campaign in Prefect's UI, for the README (headless Chromium).
 
 Starts ``prefect server start`` on ``$PREFECT_HOME``'s database (the one the
-campaign reported to), finds the newest ``fp8rl-campaign`` flow run, and saves
-PNGs of its page and of its artifacts under ``docs/``:
+campaign reported to), picks the newest ``fp8rl-campaign`` flow run that has a
+failed attempt (a ``failures-`` artifact; else the newest run), and saves PNGs
+of its page (Logs tab) and of its latest bounds summary and step metrics
+artifacts under ``docs/``:
 
     PREFECT_HOME=<home of the campaign> python docs/take_screenshots.py [--chromium /usr/bin/chromium]
 """
@@ -47,14 +49,18 @@ def main() -> None:
         from prefect.client.schemas.sorting import FlowRunSort
 
         with get_client(sync_client=True) as client:
-            run = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["fp8rl-campaign"])),
-                                        sort=FlowRunSort.START_TIME_DESC, limit=1)[0]
-            keys = sorted({a.key for a in client.read_artifacts() if a.key and a.flow_run_id == run.id})
+            runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["fp8rl-campaign"])),
+                                         sort=FlowRunSort.START_TIME_DESC)
+            arts = [a for a in client.read_artifacts() if a.key]
+        failed = {a.flow_run_id for a in arts if a.key.startswith("failures-")}
+        run = next((r for r in runs if r.id in failed), runs[0])
+        mine = sorted((a for a in arts if a.flow_run_id == run.id), key=lambda a: a.created)
         ui = f"http://127.0.0.1:{port}"
         pages = {"ui-flow-run.png": f"{ui}/runs/flow-run/{run.id}"}
-        for k in keys:
-            if k.startswith(("bounds-summary", "steps-")):
-                pages[f"ui-{k.split('-')[0]}-{k.split('-')[1]}.png"] = f"{ui}/artifacts/key/{k}"
+        for prefix, name in (("bounds-summary-", "ui-bounds-summary.png"), ("steps-", "ui-step-metrics.png")):
+            latest = [a for a in mine if a.key.startswith(prefix)]
+            if latest:
+                pages[name] = f"{ui}/artifacts/artifact/{latest[-1].id}"
         for name, url in pages.items():
             subprocess.run([args.chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                             "--hide-scrollbars", f"--user-data-dir={DOCS / '.chromium-profile'}", "--virtual-time-budget=25000",
