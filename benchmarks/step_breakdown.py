@@ -96,7 +96,6 @@ def main() -> None:
     storage = spent["parquet"] + spent["ledger"] + spent["checkpoint"]
     compute = stage_sum - spent["parquet"] - spent["checkpoint"] - spent["tracker_tee"]
     orchestration = loop_wall - stage_sum - spent["ledger"]  # ledger appends happen between stage timestamps
-    
     by_stage = defaultdict(float)
     for r in led:
         by_stage[r["stage"]] += r["seconds"]
