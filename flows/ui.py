@@ -139,7 +139,7 @@ def publish_bounds(ctx: Any, step: int) -> None:
         log.debug("bounds artifacts not created", exc_info=True)
 
 
-def publish_failure(ctx: Any, stage: str, step: int, err: BaseException) -> None:
+def publish_failure(env: Any, stage: str, step: int, err: BaseException) -> None:
     """A failed attempt's reason: a WARNING in the task run's logs and a markdown artifact.
 
     Prefect's own retry message is an INFO log and its ``AwaitingRetry`` state
@@ -151,10 +151,10 @@ def publish_failure(ctx: Any, stage: str, step: int, err: BaseException) -> None
         from prefect.artifacts import create_markdown_artifact
 
         reason = f"{type(err).__name__}: {str(err)[:500]}"
-        attempt = getattr(ctx, "attempt", 0)
+        attempt = env.ledger.next_attempt(step, stage, variant=env.variant) - 1  # the ledger holds the failed one
         get_run_logger().warning("%s-step-%s attempt %s failed: %s", stage, step, attempt, reason)
         create_markdown_artifact(
-            key=f"failures-{artifact_key(ctx.run_id)}",
+            key=f"failures-{artifact_key(env.run_id)}",
             markdown=f"**{stage}** of step {step}, attempt {attempt} failed:\n\n```\n{reason}\n```",
             description=f"Failed attempt: {stage}-step-{step} (attempt {attempt})",
         )

@@ -16,7 +16,7 @@ import torch
 
 from fp8rl_core.calibration import calibrate
 from fp8rl_core.losses import importance_ratio
-from stages.context import RunContext
+from stages.context import RunEnv, TrainState
 from stages.io import read_step
 
 
@@ -24,11 +24,11 @@ def _ratio(logp: np.ndarray, old: np.ndarray) -> torch.Tensor:
     return importance_ratio(torch.from_numpy(logp.astype(np.float32)), torch.from_numpy(old.astype(np.float32)))
 
 
-def run_calibrate(ctx: RunContext, step: int) -> dict:
-    """Calibrate on ``step``'s tokens; write ``bounds``; update ``ctx.calibrator``."""
+def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[dict, TrainState]:
+    """Calibrate on ``step``'s tokens; write ``bounds``; return the state with the moved calibrator."""
     t0 = time.perf_counter()
-    cfg = ctx.cfg
-    tok = read_step(ctx, "token_stats", step)
+    cfg = env.cfg
+    tok = read_step(env, "token_stats", step)
     if tok.column("logp_bf16").null_count == tok.num_rows:
         raise RuntimeError(f"step {step}: token_stats has no BF16 shadow log-probs; calibration needs a shadow step")
     col = {name: tok.column(name).to_numpy(zero_copy_only=False) for name in
@@ -38,7 +38,7 @@ def run_calibrate(ctx: RunContext, step: int) -> dict:
     adv = torch.from_numpy(col["advantage"].astype(np.float32))
     mask = torch.ones_like(adv, dtype=torch.bool)
     res = calibrate(r8, r16, adv, mask, eps_low=cfg.algorithm.eps_low, eps_high=cfg.algorithm.eps_high,
-                    config=cfg.calibration, previous=ctx.calibrator, dual_clip=cfg.algorithm.dual_clip)
+                    config=cfg.calibration, previous=state.calibrator, dual_clip=cfg.algorithm.dual_clip)
     row = {
         "mode": [res.mode], "alpha": [res.alpha], "raw_lower": [res.raw_lower], "raw_upper": [res.raw_upper],
         "lower": [res.lower], "upper": [res.upper], "target_balance": [res.target_balance],
@@ -52,9 +52,8 @@ def run_calibrate(ctx: RunContext, step: int) -> dict:
         "tokens": [res.n_tokens], "negative_tokens": [res.n_negative], "nonfinite_tokens": [res.n_nonfinite],
         "status": [res.status],
     }
-    path = ctx.writer.write("bounds", step, row, stage="calibrate", attempt=ctx.attempt, variant=ctx.variant)
-    ctx.calibrator = ctx.calibrator.updated(res, step)
+    path = env.writer.write("bounds", step, row, stage="calibrate", attempt=attempt, variant=env.variant)
+    calibrator = state.calibrator.updated(res, step)
     seconds = time.perf_counter() - t0
-    ctx.record_time(step, "calibrate", seconds)
     return {"outputs": [str(path)], "lower": res.lower, "upper": res.upper, "alpha": res.alpha,
-            "calibrator": ctx.calibrator.to_dict(), "seconds": seconds}
+            "calibrator": calibrator.to_dict(), "seconds": seconds}, state.replace(calibrator=calibrator)

@@ -113,9 +113,13 @@ def formatter(cfg: PromptConfig, tokenizer: Any, model: Any = None) -> PromptFor
     return f
 
 
-def encode_prompts(ctx: Any, prompts: Sequence[str]) -> list[list[int]]:
-    """Token ids of ``prompts`` in the run's prompt format (rollout and evaluation)."""
-    f = formatter(ctx.cfg.prompt, ctx.tokenizer, ctx.policy)
+def encode_prompts(env: Any, prompts: Sequence[str], state: Any = None) -> list[list[int]]:
+    """Token ids of ``prompts`` in the run's prompt format (rollout and evaluation).
+
+    ``env`` carries ``cfg`` and ``tokenizer`` (a ``RunEnv``); ``state.policy``, when
+    given, names the checkpoint for ``prompt.format: auto``.
+    """
+    f = formatter(env.cfg.prompt, env.tokenizer, getattr(state, "policy", None))
     return [f.encode(p) for p in prompts]
 
 

@@ -106,8 +106,8 @@ def _generate(policy, tok, prompt_cfg: PromptConfig):
     rcfg = RolloutConfig(max_new_tokens=48, generation_batch_size=64)
     engine = make_engine("transformers", model=policy, tokenizer=tok, precision=PrecisionConfig(train="bf16", rollout="bf16"),
                          config=rcfg)
-    ctx = SimpleNamespace(cfg=SimpleNamespace(prompt=prompt_cfg), tokenizer=tok, policy=policy)
-    ids = encode_prompts(ctx, [f"What is {a}+{a}?" for a in range(8)])
+    env = SimpleNamespace(cfg=SimpleNamespace(prompt=prompt_cfg), tokenizer=tok)
+    ids = encode_prompts(env, [f"What is {a}+{a}?" for a in range(8)], SimpleNamespace(policy=policy))
     return engine.generate(ids, n=4, temperature=1.0, top_p=1.0, max_new_tokens=48, seed=3).samples
 
 
