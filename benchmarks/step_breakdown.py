@@ -12,6 +12,13 @@ splits the wall time of the step loop into
 
 Goal (issue 7): orchestration + storage <= 10% of the step time.
 
+With trackers configured (``--set 'trackers=[tensorboard, mlflow, wandb]'``)
+it also reports the sinks' share (issue 17): the tee on the campaign's
+thread (turning rows into points and queueing them, inside the Parquet
+writes' time, so subtracted from it), the wait for the sinks to flush at the
+end, and the time each sink's own thread spent (concurrent with the steps;
+on a small machine it competes for the same cores).
+
     python benchmarks/step_breakdown.py [--steps 8] [--set key=value ...]
 """
 
@@ -60,6 +67,14 @@ def main() -> None:
     stage_ckpt.save_checkpoint = ckpt_mod.save_checkpoint
 
     cfg = load_config("tiny-cpu", [f"steps={args.steps}", *args.overrides])
+    if cfg.trackers:
+        import flows.trackers as trk
+
+        trk.Trackers.on_write = timed("tracker_tee", trk.Trackers.on_write)
+        trk.Trackers.close = timed("tracker_close", trk.Trackers.close)
+        for sink in trk.SINKS.values():
+            sink.open = timed(f"sink_{sink.name}_open", sink.open)
+            sink.log = timed(f"sink_{sink.name}", sink.log)
     root = Path(tempfile.mkdtemp(prefix="fp8rl-breakdown-"))
     create_run(root, "bench", config=dump_config(cfg))
     run_dir = root / "bench"
@@ -77,8 +92,9 @@ def main() -> None:
     loop_end = max(r["finished_at"] for r in led)
     loop_wall = (loop_end - loop_start).total_seconds()
     stage_sum = sum(r["seconds"] for r in led)
+    spent["parquet"] -= spent["tracker_tee"]  # the tee runs inside TableWriter.write
     storage = spent["parquet"] + spent["ledger"] + spent["checkpoint"]
-    compute = stage_sum - spent["parquet"] - spent["checkpoint"]
+    compute = stage_sum - spent["parquet"] - spent["checkpoint"] - spent["tracker_tee"]
     orchestration = loop_wall - stage_sum - spent["ledger"]  # ledger appends happen between stage timestamps
     by_stage = defaultdict(float)
     for r in led:
@@ -92,6 +108,13 @@ def main() -> None:
         print(f"{name:<28}{sec:>10.2f}{100 * sec / loop_wall:>8.1f}%")
     overhead = storage + orchestration
     print(f"{'orchestration + storage':<28}{overhead:>10.2f}{100 * overhead / loop_wall:>8.1f}%   (goal <= 10%)")
+    if cfg.trackers:
+        tee, wait = spent["tracker_tee"], spent["tracker_close"]
+        print(f"{'trackers: tee (in steps)':<28}{tee:>10.3f}{100 * tee / loop_wall:>8.2f}%   ({', '.join(cfg.trackers)})")
+        print(f"{'trackers: flush wait at end':<28}{wait:>10.3f}{100 * wait / loop_wall:>8.2f}%   (after the last step)")
+        for name in cfg.trackers:
+            bg, op = spent[f"sink_{name}"], spent[f"sink_{name}_open"]
+            print(f"  {name + ' thread':<26}{bg + op:>10.3f}{100 * (bg + op) / loop_wall:>8.2f}%   (background: open {op:.2f} s + log {bg:.2f} s)")
     print("stage seconds (incl. their writes): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_stage.items())))
 
 

@@ -46,6 +46,7 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 from stages.context import RunEnv, TrainState, is_calibration_step, is_checkpoint_step, is_eval_step  # noqa: E402
 from storage import faults, lock  # noqa: E402
 from storage.faults import InjectedTransientFault  # noqa: E402
+from flows.ui import publish_bounds, publish_failure, publish_step  # noqa: E402
 
 
 class TransientStageError(RuntimeError):
@@ -100,7 +101,11 @@ def _stage_task(name: str, retries: int, timeout_s: float | None = None):
             task_run_name=f"{name}-step-{{step}}",
         )
         def run(env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, TrainState]:
-            return _run_stage(name, fn, env, state, step, **kw)
+            try:
+                return _run_stage(name, fn, env, state, step, **kw)
+            except BaseException as err:
+                publish_failure(env, name, step, err)  # the attempt's reason, in the task run's logs and artifacts
+                raise
 
         run.stage_fn = fn
         return run
@@ -283,8 +288,10 @@ def run_step(env: RunEnv, state: TrainState, step: int, progress: Progress,
             cal, state = _on_main(calibrate_task, env, state, step)
             if env.is_main:
                 _bounds_artifact(env, step, cal)
+                publish_bounds(env, step)
         if env.is_main:
             progress.step(step, summary.get("metrics", {}))
+            publish_step(env, step)
     if is_eval_step(cfg, step):
         if "evaluate" in done:
             last_eval = _eval_scores_from(info["evaluate"])
@@ -356,6 +363,7 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
     except BaseException:
         lock.release(run_dir)
         raise
+    trackers = _open_trackers(env) if cfg.trackers and env.is_main else None  # no tracker code imported unless configured
     try:
         start, state, last_eval = restore_latest(env, state) if resume else (0, state, {})
         progress = Progress(cfg, start)
@@ -369,7 +377,15 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
                 "world_size": world}
     finally:
         env.close()
+        if trackers is not None:
+            trackers.close()
         lock.release(run_dir)
+
+
+def _open_trackers(env: RunEnv):
+    from flows.trackers import attach
+
+    return attach(env)
 
 
 @flow(name="fp8rl-campaign", persist_result=False, validate_parameters=False, log_prints=False)

@@ -49,16 +49,39 @@ class ModelConfig(_Frozen):
         return self
 
 
+class DatasetRef(_Frozen):
+    """A problem set read through ``datasets`` (``stages.datasets_io``): a Hugging Face
+    dataset name, a local folder laid out as a Hub dataset repo, a ``save_to_disk``
+    folder, or a JSONL / JSON / Parquet file."""
+
+    source: str = Field(description="HF dataset name (org/name), a local dataset folder, a save_to_disk folder, or a .jsonl/.json/.parquet file; relative paths resolve against task.data_dir.")
+    config: str | None = Field(None, description="Dataset config (subset) name, e.g. 'main' for openai/gsm8k.")
+    split: str = Field("train", description="Split to read.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    question_field: str = Field("problem", description="Field holding the question text.")
+    answer_field: str = Field("answer", description="Field holding the gold answer (see answer_format).")
+    id_field: str | None = Field(None, description="Field holding a stable id; None = the row index.")
+    answer_format: Literal["plain", "gsm8k", "boxed"] = Field("plain", description="How the gold answer reads: plain value; GSM8K's '#### n' last line; the last \\boxed{} of a solution.")
+    limit: int | None = Field(None, ge=1, description="Use the first N rows (None = all).")
+
+
 class TaskConfig(_Frozen):
     """The training prompts and their verifier."""
 
-    kind: Literal["synthetic", "deepscaler", "gsm8k", "dapo_math", "stress", "code_tiny", "leetcode", "taco", "apps", "eurus_code"] = Field("synthetic", description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, GSM8K train, DAPO-Math-17K (BytedTsinghua-SIA/DAPO-Math-17k, verl format), the long-chain stress task (fp8rl_core.stress_task), or a code task (code_tiny: the embedded expression task; leetcode: the shipped rLLM train set; taco/apps/eurus_code: by HF name), graded in the sandbox (see code).")
+    kind: Literal["synthetic", "deepscaler", "gsm8k", "dapo_math", "stress", "code_tiny", "leetcode", "taco", "apps", "eurus_code", "dataset"] = Field("synthetic", description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, GSM8K train, DAPO-Math-17K (BytedTsinghua-SIA/DAPO-Math-17k, verl format), the long-chain stress task (fp8rl_core.stress_task), or a code task (code_tiny: the embedded expression task; leetcode: the shipped rLLM train set; taco/apps/eurus_code: by HF name), graded in the sandbox (see code), or task.dataset (any dataset by name or path).")
     difficulty: int = Field(1, ge=0, le=3, description="Synthetic task difficulty level.")
     train_size: int = Field(200_000, ge=1, description="Synthetic train split size (problems; drawn lazily from the seed).")
     path: str | None = Field(None, description="Train file or HF dataset name for non-synthetic kinds; relative paths resolve against data_dir.")
     data_dir: str | None = Field(None, description="Benchmark/data folder; default: $FP8RL_DATA_DIR.")
     seed: int = Field(1234, description="Seed of the synthetic task generator (train/test splits are disjoint by construction).")
     hub: bool = Field(False, description="Read path (or the kind's default dataset) from the Hugging Face Hub (a machine with network access).")
+    dataset: DatasetRef | None = Field(None, description="kind=dataset: the training set (HF name or local path, split, config, field mapping).")
+
+    @model_validator(mode="after")
+    def _dataset_given(self) -> "TaskConfig":
+        if self.kind == "dataset" and self.dataset is None:
+            raise ValueError("task.kind=dataset needs task.dataset (source, split, fields)")
+        return self
 
 
 class BootstrapConfig(_Frozen):
@@ -211,6 +234,7 @@ class BenchmarkEval(_Frozen):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass.")
     max_new_tokens: int = Field(24, ge=1, description="Response cap (tokens).")
     limit: int | None = Field(None, ge=1, description="Use the first N problems (None = all).")
+    dataset: DatasetRef | None = Field(None, description="Read this benchmark from a dataset (HF name or local path) instead of the shipped file; name is then free.")
 
 
 class EvaluationConfig(_Frozen):
@@ -261,6 +285,30 @@ class SurgeConfig(_Frozen):
     min_steps: int = Field(3, ge=1, description="Consecutive steps above the threshold that make a surge.")
 
 
+class PromptConfig(_Frozen):
+    """How a problem becomes the model's input (``stages.prompt_format``)."""
+
+    format: Literal["auto", "chat", "plain"] = Field("auto", description="chat: the tokenizer's chat template (instruct checkpoints); plain: the text as is (base models, as the paper's Qwen3-8B-Base runs); auto: chat only for an instruct checkpoint that has a template.")
+    system_prompt: str | None = Field(None, description="System message (chat format only); None = none.")
+    instruction: str | None = Field(None, description="Answer-format instruction appended to each math problem; None = the built-in step-by-step/\\boxed{} one.")
+    enable_thinking: bool | None = Field(None, description="Passed to chat templates that take it (Qwen3); None = the template's default.")
+
+
+TrackerName = Literal["tensorboard", "mlflow", "wandb"]
+
+
+class TrackingConfig(_Frozen):
+    """Experiment-tracker sinks (``CampaignConfig.trackers``); the Parquet tables stay the truth."""
+
+    dir: str | None = Field(None, description="Folder of local tracker files; None = <run dir>/trackers.")
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI (server http(s)://, sqlite:///, file:); None = sqlite:///<tracker dir>/mlflow.db.")
+    experiment: str | None = Field(None, description="MLflow experiment / W&B project; None = the campaign name.")
+    wandb_mode: Literal["offline", "online"] = Field("offline", description="W&B mode: offline (no network; `wandb sync` later) or online.")
+    wandb_entity: str | None = Field(None, description="W&B entity (team or user); None = the default.")
+    timeout_s: float = Field(30.0, gt=0, description="At the end of a campaign, wait at most this long for each sink to flush (a hung sink is abandoned).")
+    queue_size: int = Field(10_000, ge=1, description="Rows buffered per sink; a full queue drops rows for that sink (warned once).")
+
+
 class CampaignConfig(_Frozen):
     """One RL campaign: all of the above plus the step budget."""
 
@@ -278,6 +326,9 @@ class CampaignConfig(_Frozen):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    prompt: PromptConfig = Field(default_factory=PromptConfig)
+    trackers: tuple[TrackerName, ...] = Field((), description="Experiment trackers fed from the steps/bounds/eval_scores rows: tensorboard, mlflow, wandb (optional extras).")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     device: str = Field("auto", description="Where policy, batches and optimizer live: auto (CUDA when present), cpu, cuda, cuda:N.")
     surge: SurgeConfig = Field(default_factory=SurgeConfig)
     code: CodeConfig = Field(default_factory=CodeConfig)

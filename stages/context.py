@@ -194,6 +194,7 @@ def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, r
     from fp8rl_core.precision import convert_for_training
     from fp8rl_core.tiny_model import load_policy
     from stages.engines import make_engine
+    from stages.prompt_format import apply_stop_tokens
     from stages.train_core import make_optimizer
 
     torch.set_num_threads(cfg.threads)
@@ -202,6 +203,7 @@ def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, r
     device = resolve_device(cfg.device)
     base = _base_model_rank0_first(cfg, run_dir.parent, rank, world_size, group)
     policy, tokenizer = load_policy(base)
+    apply_stop_tokens(policy, tokenizer, cfg.prompt)  # chat format: stop at the template's end-of-turn
     policy.to(device)
     report = convert_for_training(
         policy, cfg.precision.train, emulate=cfg.precision.emulate, keep_high_precision=cfg.precision.keep_high_precision, seed=cfg.seed,

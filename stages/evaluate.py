@@ -27,7 +27,12 @@ def eval_problems(cfg: CampaignConfig, bench: BenchmarkEval) -> tuple[list[Promp
     if bench.name in CODE_BENCHMARKS:  # code: the answer is a grading spec, graded in the sandbox
         code_set = load_code_benchmark(bench.name, data_dir(cfg.task), bench.limit, task=cfg.task, code=cfg.code)
         return [PromptItem(q.id, q.problem, q.answer, bench.name) for q in code_set], verifier_of(bench.name)
-    problems = load_benchmark(bench.name, data_dir(cfg.task), bench.limit, task=cfg.task)
+    if bench.dataset is not None:  # a benchmark by dataset name or path (stages.datasets_io)
+        from stages.datasets_io import load_problems
+
+        problems = load_problems(bench.dataset, bench.name, data_dir(cfg.task), bench.limit)
+    else:
+        problems = load_benchmark(bench.name, data_dir(cfg.task), bench.limit, task=cfg.task)
     items = [PromptItem(q.id, render_prompt(q), q.answer, bench.name) for q in problems]
     verifier = verifier_for(problems[0]) if len(problems) else "math"
     return items, verifier
@@ -45,7 +50,9 @@ def evaluate_benchmark(env: RunEnv, state: TrainState, step: int, bench: Benchma
     from stages.rollout import sync_engine
 
     items, verifier = eval_problems(env.cfg, bench)
-    prompt_ids = [env.tokenizer(it.prompt, add_special_tokens=True)["input_ids"] for it in items]
+    from stages.prompt_format import encode_prompts
+
+    prompt_ids = encode_prompts(env, [it.prompt for it in items], state)
     sync_engine(env, state)
     batch = env.engine.generate(
         prompt_ids, n=bench.k, temperature=bench.temperature, top_p=bench.top_p,

@@ -117,6 +117,11 @@ def make_source(cfg: TaskConfig) -> PromptSource:
         return make_code_source(cfg)
     from stages.benchmarks import load_train_prompts, render_prompt
 
+    if cfg.kind == "dataset":  # any dataset by name or path (stages.datasets_io)
+        from stages.datasets_io import load_problems
+
+        problems = load_problems(cfg.dataset, "dataset", data_dir(cfg))
+        return ListSource([PromptItem(q.id, render_prompt(q), q.answer, "dataset") for q in problems], "dataset")
     problems = load_train_prompts(cfg.kind, cfg.path, data_dir(cfg), hub=cfg.hub)
     items = [PromptItem(q.id, render_prompt(q), q.answer, cfg.kind) for q in problems]
     return ListSource(items, cfg.kind)

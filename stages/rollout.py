@@ -13,6 +13,7 @@ import time
 import pyarrow as pa
 
 from stages.context import RunEnv, TrainState, step_seed
+from stages.prompt_format import encode_prompts
 from stages.prompts import PromptItem, draw_prompts
 
 
@@ -52,7 +53,7 @@ def generate_rows(env: RunEnv, state: TrainState, step: int, items: list[PromptI
     """Generate ``G`` samples per prompt and return them as ``rollouts`` rows."""
     r = env.cfg.rollout
     tok = env.tokenizer
-    prompt_ids = [tok(it.prompt, add_special_tokens=True)["input_ids"] for it in items]
+    prompt_ids = encode_prompts(env, [it.prompt for it in items], state)
     sync_engine(env, state)
     batch = env.engine.generate(
         prompt_ids, n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,

@@ -293,6 +293,12 @@ def policy_update(
     arrays and metrics are global and identical on every rank.
     """
     a, mode = cfg.algorithm, cfg.precision.train
+    if a.ppo_mini_batch_size % (collective.world_size * a.micro_batch_size):
+        raise ValueError(
+            f"algorithm.ppo_mini_batch_size={a.ppo_mini_batch_size} must be a multiple of world size "
+            f"{collective.world_size} x algorithm.micro_batch_size={a.micro_batch_size}: every rank must run the "
+            "same number of micro-batches (FSDP collectives), and the ranks together the 1-process micro-batches"
+        )
     device = next(model.parameters()).device
     full = batch
     n = full.size

@@ -29,7 +29,7 @@ import os
 import re
 import sys
 from collections.abc import Container, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +172,11 @@ class TableWriter:
     ``TableWriter(run_dir).write("token_stats", step, rows, stage="train")``
     returns the live file's path. ``durable=False`` skips fsync (tests,
     benchmarks of the encoder alone).
+
+    ``listeners``: callables ``fn(table, step, rows, variant)`` called after each
+    successful write with the exact rows now live in Parquet (experiment
+    trackers tee from here, see ``flows.trackers``); an exception in one is
+    logged and never fails the write.
     """
 
     run_dir: str | Path
@@ -179,6 +184,7 @@ class TableWriter:
     compression: str = "zstd"
     compression_level: int | None = 1
     durable: bool = True
+    listeners: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.layout = RunLayout(Path(self.run_dir))
@@ -222,6 +228,13 @@ class TableWriter:
             if (older is not None and older.stage == stage and older.variant == variant
                     and older.write_id < name.write_id):
                 self._set_aside(Path(f.path))
+        for listener in self.listeners:
+            try:
+                listener(table, step, data, variant)
+            except Exception:  # a listener (tracker) never fails a write
+                import logging
+
+                logging.getLogger("fp8rl").warning("table listener %r failed", listener, exc_info=True)
         return dest
 
     def _write_parquet(self, spec: TableSpec, data: pa.Table, path: Path) -> None:

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from fp8rl_core.config import CampaignConfig, ModelConfig
-from fp8rl_core.fp8 import E4M3  # noqa: F401  (import check: core stays importable)
 from fp8rl_core.fp8_linear import KernelShapeError, set_strict_shapes
 from fp8rl_core.logprobs import position_ids_from_mask
 from fp8rl_core.precision import convert_for_training
