@@ -11,8 +11,8 @@ sandbox) on hidden inputs::
 
 Reading the examples: ``f(0) = 0`` means a product (its factor is ``f(1)``),
 otherwise a sum (its addend is ``f(0)``). The noisy teacher of the bootstrap
-writes the wrong family with probability ``slip`` (``x+1`` for ``x * 1``-like
-confusion: it writes the other operator with the same constant), so the cloned
+writes the wrong family with probability ``slip`` (the other operator with the
+same constant: ``x+7`` for ``x * 7``), so the cloned
 policy is right about ``1 - slip`` of the time and RL has one behaviour to fix.
 
 The grader's program (:func:`program_for`) reads one integer per line and
