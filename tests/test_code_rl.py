@@ -153,6 +153,7 @@ CODE_MICRO = ["task.kind=code_tiny", "rollout.max_new_tokens=8", "bootstrap.step
 
 
 @needs_sandbox
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_code_campaign_tables_have_the_math_shape(tmp_path):
     """Two steps of a code campaign through the stages (sandboxed rewards); every table
