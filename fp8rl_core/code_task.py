@@ -11,8 +11,8 @@ sandbox) on hidden inputs::
 
 Reading the examples: ``f(0) = 0`` means a product (its factor is ``f(1)``),
 otherwise a sum (its addend is ``f(0)``). The noisy teacher of the bootstrap
-writes the wrong family with probability ``slip`` (``x+1`` for ``x * 1``-like
-confusion: it writes the other operator with the same constant), so the cloned
+writes the wrong family with probability ``slip`` (the other operator with the
+same constant: ``x+7`` for ``x * 7``), so the cloned
 policy is right about ``1 - slip`` of the time and RL has one behaviour to fix.
 
 The grader's program (:func:`program_for`) reads one integer per line and
@@ -28,7 +28,6 @@ which must not run model output outside the sandbox).
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -37,7 +36,6 @@ OPS = ("+", "*")
 CONSTANTS = tuple(range(2, 10))
 HIDDEN_INPUTS = (2, 3, 5, 11, 40)
 SPLITS = ("train", "test")
-TEST_SHARE_DENOM = 4  # not used for the split (the problem space is 16 functions): see split_of
 
 
 @dataclass(frozen=True)
@@ -153,7 +151,3 @@ def safe_verify(response: str, problem: CodeProblem) -> bool:
     want = cases["output"].split()
     got = [safe_eval(expr, int(v)) for v in cases["input"].split()]
     return all(g is not None for g in got) and [str(g) for g in got] == want
-
-
-def problem_hash(problem: CodeProblem) -> str:
-    return hashlib.blake2b(problem.prompt.encode(), digest_size=6).hexdigest()

@@ -118,7 +118,7 @@ def train_code_policy(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: Bo
 
 
 def bootstrap_code(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: BootstrapConfig,
-                   cache_root: str | Path | None = None) -> Path:
+                   cache_root: str | Path | None = None, eval_size: int | None = None) -> Path:
     """The cached checkpoint for these configs (trained on first call); atomic like :func:`stages.bootstrap.bootstrap`."""
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     digest = _hash(model_cfg, task_cfg, boot_cfg)
@@ -127,7 +127,7 @@ def bootstrap_code(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: Boots
         return final
     root.mkdir(parents=True, exist_ok=True)
     log.info("bootstrapping the tiny code policy (%d steps) into %s", boot_cfg.steps, final)
-    model, tokenizer, stats = train_code_policy(model_cfg, task_cfg, boot_cfg)
+    model, tokenizer, stats = train_code_policy(model_cfg, task_cfg, boot_cfg, eval_size or EVAL_SIZE)
     tmp = root / f".tmp-code-{digest[:16]}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -329,7 +329,7 @@ def grade_program(sandbox: Sandbox, code: str | None, tests: CodeTests, *, per_t
     if tests.kind == "functional":
         prog = leetcode_program(code, tests, per_test_s)
         wall = min(end - time.monotonic(), per_test_s * (len(tests.statements) + 1) + 2.0)
-        res = sandbox.run(prog, b"", wall_s=max(0.1, wall))
+        res = sandbox.run(prog, b"", wall_s=max(0.1, wall), cpu_s=max(1, math.ceil(wall)))
         if res.status == "sandbox_error":
             return CodeGrade(item_id, 0, total, "sandbox_error", time.monotonic() - t0, res.stderr[-300:])
         ok = set()
