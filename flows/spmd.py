@@ -36,8 +36,9 @@ def launch(run_dir: Path, *, resume: bool, nproc_per_node: int) -> dict:
 
     env[LAUNCHER_ENV] = str(Path(run_dir).resolve())  # this process holds the run's lock for the ranks
     proc = subprocess.run(cmd, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"torchrun exited with {proc.returncode}; `fp8rl resume {run_dir}` continues from the last checkpoint")
+    if proc.returncode != 0:  # torchrun already printed which rank failed and why
+        raise SystemExit(f"error: torchrun exited with {proc.returncode} (a rank failed; all ranks were stopped); "
+                         f"`fp8rl resume {run_dir} --nproc-per-node N` continues from the last checkpoint")
     return json.loads(result.read_text())
 
 
