@@ -22,7 +22,7 @@ from stages.score import run_score
 from stages.train import run_train
 from storage.layout import create_run
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(1200)  # the first test of a session bootstraps the micro model
 
 
 def _train_one_step(tmp_path, *overrides):
