@@ -153,6 +153,14 @@ class CalibrationConfig(_Frozen):
     bapo_upper_min: float = Field(1.2, gt=0, description="BAPO upper grid minimum.")
     bapo_upper_max: float = Field(3.0, gt=0, description="BAPO upper grid maximum.")
     bapo_upper_step: float = Field(0.05, gt=0, description="BAPO upper grid step.")
+    # issue 15: when to recalibrate (fp8rl_core.drift) and how much of the batch the shadow passes see
+    schedule: Literal["fixed", "drift"] = Field("fixed", description="Recalibration schedule: every `interval` steps (fixed, the paper's) or when the drift signal crosses `drift_threshold` (fp8rl_core.drift).")
+    drift_threshold: float = Field(0.1, gt=0, le=1, description="Drift schedule: KS distance of the A<0 FP8 ratios vs the last calibration step that triggers a recalibration (our choice).")
+    drift_min_interval: int = Field(2, ge=1, description="Drift schedule: never recalibrate sooner than this many steps after the last calibration.")
+    drift_max_interval: int = Field(20, ge=1, description="Drift schedule: always recalibrate this many steps after the last calibration.")
+    shadow_target_error: float | None = Field(None, gt=0, lt=1, description="Subsampled shadow passes (fp8rl_core.subsample): target error of the alpha quantile, in quantile levels; None = shadow the whole batch.")
+    shadow_failure_prob: float = Field(0.05, gt=0, lt=1, description="Subsampled shadow: probability that the stated quantile-error bound fails (DKW delta).")
+    shadow_min_sequences: int = Field(16, ge=1, description="Subsampled shadow: at least this many sequences.")
 
     @model_validator(mode="after")
     def _ranges(self) -> "CalibrationConfig":
@@ -162,6 +170,8 @@ class CalibrationConfig(_Frozen):
             raise ValueError("calibration.upper_min must be <= calibration.upper_max")
         if self.bapo_lower_min > self.bapo_lower_max or self.bapo_upper_min > self.bapo_upper_max:
             raise ValueError("calibration.bapo_* ranges must have min <= max")
+        if self.drift_min_interval > self.drift_max_interval:
+            raise ValueError("calibration.drift_min_interval must be <= calibration.drift_max_interval")
         return self
 
 
