@@ -24,8 +24,9 @@ from fp8rl_core.diagnostics import (
     entropy_binned_clip_shares, is_garbled, noise_amplification, over_clipped_mask, under_clipped_mask,
 )
 from fp8rl_core.losses import importance_ratio
-from stages.context import RunContext, is_calibration_step, step_seed
+from stages.context import RunContext, step_seed
 from stages.io import read_step
+from stages.schedule import drift_metrics, shadow_this_step
 from stages.train_core import TrainBatch, UpdateResult, policy_update
 
 ENTROPY_BIN_EDGES = (0.0, 0.1, 0.5, 1.0, 2.0, float("inf"))
@@ -123,7 +124,7 @@ def run_train(ctx: RunContext, step: int) -> dict:
     rows = read_step(ctx, "rollouts", step)
     scores = read_step(ctx, "scores", step)
     batch = build_batch(rows, scores, ctx.tokenizer.pad_token_id)
-    shadow = is_calibration_step(cfg, step)
+    shadow = shadow_this_step(ctx, step)
     bounds = ctx.calibrator.bounds
     standard = (1.0 - cfg.algorithm.eps_low, 1.0 + cfg.algorithm.eps_high)
     if batch.size == 0:
@@ -144,6 +145,8 @@ def run_train(ctx: RunContext, step: int) -> dict:
     n_valid = float(batch.response_mask.sum())
     m = dict(res.metrics)
     m.update(shadow_metrics(batch, res, bounds, standard))
+    m.update(drift_metrics(ctx, step, importance_ratio(res.logp_fp8, res.old_logp_fp8),
+                           batch.advantages[:, None].expand_as(res.logp_fp8), batch.response_mask > 0, shadow))
     m.update({
         "reward_mean": float(np.mean(scores_all["reward"])), "accuracy": float(np.mean(scores_all["correct"])),
         "response_length_mean": float(np.mean(rows.column("response_length").to_numpy())),
