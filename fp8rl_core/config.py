@@ -89,7 +89,7 @@ class RolloutConfig(_Frozen):
 
 class AlgorithmConfig(_Frozen):
     advantage: Literal["grpo", "drgrpo"] = Field("grpo", description="Advantage estimator (registry name).")
-    loss: Literal["ppo", "cispo"] = Field("ppo", description="Policy loss (registry name).")
+    loss: Literal["ppo", "cispo", "gspo"] = Field("ppo", description="Policy loss (registry name); gspo: sequence-level ratio (fp8rl_core.gspo), use eps_low=3e-4, eps_high=4e-4.")
     loss_agg: LossAgg = Field("token-mean", description="Loss aggregation mode.")
     eps_low: float = Field(0.2, ge=0, lt=1, description="PPO lower clip epsilon (ratio lower bound 1-eps_low).")
     eps_high: float = Field(0.28, ge=0, description="PPO upper clip epsilon (ratio upper bound 1+eps_high).")
@@ -161,6 +161,13 @@ class CalibrationConfig(_Frozen):
     shadow_target_error: float | None = Field(None, gt=0, lt=1, description="Subsampled shadow passes (fp8rl_core.subsample): target error of the alpha quantile, in quantile levels; None = shadow the whole batch.")
     shadow_failure_prob: float = Field(0.05, gt=0, lt=1, description="Subsampled shadow: probability that the stated quantile-error bound fails (DKW delta).")
     shadow_min_sequences: int = Field(16, ge=1, description="Subsampled shadow: at least this many sequences.")
+    # issue 15: Calibrated Clipping on GSPO's sequence ratios (fp8rl_core.gspo); scaled from the token-level defaults by 3e-4 / 0.2
+    gspo_lower_min: float = Field(0.9994, gt=0, description="GSPO calibration: L search interval minimum (1 - 2 * 3e-4; our choice).")
+    gspo_lower_max: float = Field(1.0, gt=0, description="GSPO calibration: L search interval maximum.")
+    gspo_upper_min: float = Field(1.0, gt=0, description="GSPO calibration: H grid minimum.")
+    gspo_upper_max: float = Field(1.0012, gt=0, description="GSPO calibration: H grid maximum (1 + 3 * 4e-4; our choice).")
+    gspo_upper_step: float = Field(1e-5, gt=0, description="GSPO calibration: H grid step (the token grid's 0.01 is ~25x GSPO's whole clip range).")
+    gspo_max_delta: float = Field(7.5e-5, ge=0, description="GSPO calibration: largest change of a bound per calibration (0.05 scaled by 3e-4 / 0.2).")
 
     @model_validator(mode="after")
     def _ranges(self) -> "CalibrationConfig":

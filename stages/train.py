@@ -26,7 +26,7 @@ from fp8rl_core.diagnostics import (
 from fp8rl_core.losses import importance_ratio
 from stages.context import RunContext, step_seed
 from stages.io import read_step
-from stages.schedule import drift_metrics, shadow_this_step
+from stages.schedule import drift_metrics, shadow_subset, shadow_this_step
 from stages.train_core import TrainBatch, UpdateResult, policy_update
 
 ENTROPY_BIN_EDGES = (0.0, 0.1, 0.5, 1.0, 2.0, float("inf"))
@@ -70,10 +70,10 @@ def token_rows(batch: TrainBatch, res: UpdateResult, *, bounds, standard, sample
     first = (batch.response_mask > 0).float().argmax(dim=1)  # first response column per row
     n = rows_i.numel()
 
-    def f32(t: torch.Tensor | None) -> pa.Array:
+    def f32(t: torch.Tensor | None, nan_is_null: bool = False) -> pa.Array:
         if t is None:
             return pa.nulls(n, pa.float32())
-        return pa.array(t[rows_i, cols_i].float().numpy(), pa.float32())
+        return pa.array(t[rows_i, cols_i].float().numpy(), pa.float32(), from_pandas=nan_is_null)  # NaN -> NULL: not shadowed
 
     lo, hi = bounds
     return pa.table({
@@ -83,7 +83,7 @@ def token_rows(batch: TrainBatch, res: UpdateResult, *, bounds, standard, sample
         "minibatch": pa.array(res.minibatch[rows_i].numpy().astype(np.int16)),
         "advantage": pa.array(batch.advantages[rows_i].numpy(), pa.float32()),
         "logp_fp8": f32(res.logp_fp8), "old_logp_fp8": f32(res.old_logp_fp8),
-        "logp_bf16": f32(res.logp_bf16), "old_logp_bf16": f32(res.old_logp_bf16),
+        "logp_bf16": f32(res.logp_bf16, True), "old_logp_bf16": f32(res.old_logp_bf16, True),
         "entropy": f32(res.entropy),
         "lower_bound": pa.array(np.full(n, lo, np.float32)), "upper_bound": pa.array(np.full(n, hi, np.float32)),
         "standard_lower": pa.array(np.full(n, standard[0], np.float32)),
@@ -95,7 +95,7 @@ def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard) -> di
     """Probability/ratio NMAE, noise amplification, over/under-clipped shares, entropy bins."""
     if res.logp_bf16 is None:
         return {}
-    mask = batch.response_mask > 0
+    mask = (batch.response_mask > 0) & torch.isfinite(res.logp_bf16) & torch.isfinite(res.old_logp_bf16)  # subsampled shadow: its rows
     out = {k: float(v) for k, v in noise_amplification(res.logp_fp8, res.logp_bf16, res.old_logp_fp8, res.old_logp_bf16, mask).items()}
     r8 = importance_ratio(res.logp_fp8, res.old_logp_fp8)
     r16 = importance_ratio(res.logp_bf16, res.old_logp_bf16)
@@ -132,6 +132,7 @@ def run_train(ctx: RunContext, step: int) -> dict:
     res = policy_update(
         ctx.policy, ctx.optimizer, ctx.scheduler, batch, cfg, bounds=bounds, shadow=shadow,
         seed=step_seed(cfg.seed, step, 7),
+        shadow_rows=shadow_subset(ctx, step, batch.advantages, batch.response_mask) if shadow else None,
     )
     ctx.policy_version = step
     tok = token_rows(batch, res, bounds=bounds, standard=standard,

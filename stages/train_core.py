@@ -32,6 +32,7 @@ import torch
 from fp8rl_core.config import CampaignConfig
 from fp8rl_core.logprobs import sequence_logprobs, token_logprobs_and_entropy
 from fp8rl_core.losses import POLICY_LOSSES, policy_loss, tis_weights
+import fp8rl_core.gspo  # noqa: F401,E402  registers the "gspo" loss (issue 15)
 from fp8rl_core.precision import autocast_context, bf16_shadow
 
 
@@ -104,11 +105,15 @@ def policy_update(
     bounds: tuple[float, float],
     shadow: bool,
     seed: int,
+    shadow_rows: torch.Tensor | None = None,
 ) -> UpdateResult:
     """Run ``ppo_epochs`` passes of mini-batch updates over ``batch``.
 
     ``bounds`` = (L, H) ratio clip bounds in force; ``shadow`` turns on the BF16
     shadow forwards; ``seed`` fixes the mini-batch shuffle (deterministic per step).
+    ``shadow_rows`` (``[N]`` bool, optional): shadow only these sequences
+    (subsampled shadow passes, ``fp8rl_core.subsample``); BF16 log-probs of the
+    other rows are NaN.
     """
     a, mode = cfg.algorithm, cfg.precision.train
     lower, upper = bounds
@@ -125,18 +130,22 @@ def policy_update(
         )  # [N, T]
     timings["old_logp_s"] = time.perf_counter() - t0
     old_logp16 = None
+    sub = None if shadow_rows is None or bool(shadow_rows.all()) else shadow_rows.bool()
     if shadow:
         t0 = time.perf_counter()
+        rows = slice(None) if sub is None else sub
         with torch.no_grad(), bf16_shadow(model):
-            old_logp16, _ = sequence_logprobs(
-                model, batch.input_ids, batch.attention_mask, mode="bf16", micro_batch_size=a.micro_batch_size, with_entropy=False
+            lp16_old, _ = sequence_logprobs(
+                model, batch.input_ids[rows], batch.attention_mask[rows], mode="bf16",
+                micro_batch_size=a.micro_batch_size, with_entropy=False,
             )
+        old_logp16 = lp16_old if sub is None else torch.full((n, t_len), float("nan")).index_put_((sub,), lp16_old.float())
         timings["shadow_s"] = time.perf_counter() - t0
 
     is_w = tis_weights(old_logp8, batch.rollout_logp, cap=a.tis_cap) * mask if a.tis else None  # [N, T]
 
     logp8 = torch.zeros(n, t_len)
-    logp16 = torch.zeros(n, t_len) if shadow else None
+    logp16 = (torch.zeros(n, t_len) if sub is None else torch.full((n, t_len), float("nan"))) if shadow else None
     entropy = torch.zeros(n, t_len)
     minibatch = torch.zeros(n, dtype=torch.long)
     loss_fn = POLICY_LOSSES.get(a.loss)
@@ -153,14 +162,15 @@ def policy_update(
             if epoch == 0:
                 minibatch[mb] = mb_index
                 maybe_fault("train", mb_index)
-            if shadow and epoch == 0:
+            mb_sh = mb if sub is None else mb[sub[mb]]
+            if shadow and epoch == 0 and mb_sh.numel():
                 t0 = time.perf_counter()
                 with torch.no_grad(), bf16_shadow(model):
                     lp16, _ = sequence_logprobs(
-                        model, batch.input_ids[mb], batch.attention_mask[mb], mode="bf16",
+                        model, batch.input_ids[mb_sh], batch.attention_mask[mb_sh], mode="bf16",
                         micro_batch_size=a.micro_batch_size, with_entropy=False,
                     )
-                logp16[mb] = lp16.float()
+                logp16[mb_sh] = lp16.float()
                 timings["shadow_s"] = timings.get("shadow_s", 0.0) + time.perf_counter() - t0
             optimizer.zero_grad(set_to_none=True)
             mb_tokens = float(mask[mb].sum().clamp_min(1.0))
@@ -201,7 +211,7 @@ def policy_update(
 
     # Step-level clip statistics over every token of the step (first epoch's π_θ).
     with torch.no_grad():
-        _, stats = policy_loss(
+        _, stats = (loss_fn if a.loss == "gspo" else policy_loss)(  # gspo: sequence-ratio clip shares
             logp8, old_logp8, adv_tok, mask, lower=lower, upper=upper, dual_clip=a.dual_clip, is_weights=is_w, agg="token-mean"
         )
     ntok = float(mask.sum().clamp_min(1.0))

@@ -262,6 +262,7 @@ _STEP_METRICS = (
     ("learning_rate", "Learning rate used at this step."),
     ("prob_nmae", "NMAE of FP8 vs BF16 token probabilities (shadow steps)."),
     ("ratio_nmae", "NMAE of r8 vs r16 (shadow steps); / prob_nmae = noise amplification."),
+    ("drift_signal", "KS distance of this step's A<0 FP8 ratios vs the last calibration step's (0 on calibration steps)."),
 )
 
 STEPS = TableSpec(
@@ -293,6 +294,13 @@ BOUNDS = TableSpec(
         Column("clipfrac_upper_after", _F64, "Share of A>0 tokens FP8 clips above the new H."),
         Column("tokens", pa.int64(), "Valid tokens the calibration used."),
         Column("negative_tokens", pa.int64(), "Of which with A < 0."),
+        # issue 15: subsampled shadow passes (fp8rl_core.subsample)
+        Column("shadow_sequences", pa.int64(), "Sequences the BF16 shadow passes ran on (m)."),
+        Column("total_sequences", pa.int64(), "Sequences of the batch (N); m = N: full shadow."),
+        Column("alpha_level_error", _F64, "Stated error of the subset's L in quantile levels (Hoeffding-Serfling, sequences as unit)."),
+        Column("lower_error_bound", _F64, "Stated bound on |L_subset - L_full| (ratio units), holds with prob >= 1 - shadow_failure_prob."),
+        Column("lower_error_bootstrap", _F64, "Bootstrap (over sequences) (1 - delta)-quantile of the L error: tighter, approximate."),
+        Column("shadow_failure_prob", _F64, "delta of the stated bounds."),
     ),
 )
 
