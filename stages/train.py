@@ -24,6 +24,7 @@ from fp8rl_core.diagnostics import (
     entropy_binned_clip_shares, is_garbled, noise_amplification, over_clipped_mask, under_clipped_mask,
 )
 from fp8rl_core.losses import importance_ratio
+from fp8rl_core.noise_sources import noise_sources
 from stages.context import RunContext, step_seed
 from stages.io import read_step
 from stages.schedule import drift_metrics, shadow_subset, shadow_this_step
@@ -91,12 +92,14 @@ def token_rows(batch: TrainBatch, res: UpdateResult, *, bounds, standard, sample
     })
 
 
-def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard) -> dict[str, float]:
+def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard, tis_cap: float = 2.0) -> dict[str, float]:
     """Probability/ratio NMAE, noise amplification, over/under-clipped shares, entropy bins."""
     if res.logp_bf16 is None:
         return {}
     mask = (batch.response_mask > 0) & torch.isfinite(res.logp_bf16) & torch.isfinite(res.old_logp_bf16)  # subsampled shadow: its rows
     out = {k: float(v) for k, v in noise_amplification(res.logp_fp8, res.logp_bf16, res.old_logp_fp8, res.old_logp_bf16, mask).items()}
+    out.update(noise_sources(res.logp_fp8, res.old_logp_fp8, res.logp_bf16, res.old_logp_bf16, batch.rollout_logp, mask,
+                             tis_cap=tis_cap))  # issue 15: ratio noise vs TIS-weight noise
     r8 = importance_ratio(res.logp_fp8, res.old_logp_fp8)
     r16 = importance_ratio(res.logp_bf16, res.old_logp_bf16)
     adv = batch.advantages[:, None].expand_as(r8)
@@ -145,7 +148,7 @@ def run_train(ctx: RunContext, step: int) -> dict:
     responses = rows.column("response").to_pylist()
     n_valid = float(batch.response_mask.sum())
     m = dict(res.metrics)
-    m.update(shadow_metrics(batch, res, bounds, standard))
+    m.update(shadow_metrics(batch, res, bounds, standard, cfg.algorithm.tis_cap))
     m.update(drift_metrics(ctx, step, importance_ratio(res.logp_fp8, res.old_logp_fp8),
                            batch.advantages[:, None].expand_as(res.logp_fp8), batch.response_mask > 0, shadow))
     m.update({

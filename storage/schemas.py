@@ -263,6 +263,11 @@ _STEP_METRICS = (
     ("prob_nmae", "NMAE of FP8 vs BF16 token probabilities (shadow steps)."),
     ("ratio_nmae", "NMAE of r8 vs r16 (shadow steps); / prob_nmae = noise amplification."),
     ("drift_signal", "KS distance of this step's A<0 FP8 ratios vs the last calibration step's (0 on calibration steps)."),
+    ("ratio_noise_nmae", "Shadow steps: NMAE of r8 vs r16 (training noise in the ratio)."),
+    ("tis_weight_nmae", "Shadow steps: NMAE of the TIS weight from FP8 vs BF16 pi_old (against rollout log-probs)."),
+    ("rollout_bf16_prob_nmae", "Shadow steps: NMAE of rollout-engine probabilities vs BF16 pi_old (the mismatch itself)."),
+    ("rollout_bf16_tis_nmae", "Shadow steps: NMAE of 1 vs the TIS weight from BF16 pi_old (what TIS corrects)."),
+    ("rollout_fp8_prob_nmae", "Shadow steps: NMAE of rollout probabilities vs FP8 pi_old."),
 )
 
 STEPS = TableSpec(
