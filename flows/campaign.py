@@ -316,12 +316,19 @@ def campaign_flow(run_dir: str, resume: bool = False, stop_after_step: int | Non
     cfg = load_config(Path(run_dir) / "config.yaml")
     ctx = open_context(cfg, run_dir)
     try:
+        from flows.guard import CampaignGuard, recover_pending  # issue 15
+
+        if resume:
+            recover_pending(ctx)  # a rollback a crash interrupted
         start = restore_latest(ctx) if resume else 0
         progress = Progress(cfg, start)
         last = cfg.steps if stop_after_step is None else min(cfg.steps, stop_after_step)
         metrics: dict = {}
-        for step in range(start, last + 1):
+        guard = CampaignGuard(ctx)
+        step = start
+        while step <= last:
             metrics = run_step(ctx, step, progress).get("metrics", metrics)
+            step = guard.after_step(step, metrics)  # step + 1, or the step after a rollback's checkpoint
         return {"run_dir": str(run_dir), "last_step": last, "final_metrics": _jsonable(metrics), "last_eval": ctx.last_eval}
     finally:
         ctx.close()

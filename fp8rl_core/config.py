@@ -209,6 +209,25 @@ class StorageConfig(_Frozen):
     row_group_size: int = Field(1_000_000, ge=1, description="Parquet row-group size (rows).")
 
 
+class GuardConfig(_Frozen):
+    """Issue 15: a monitor over the step rows that rolls a campaign back (fp8rl_core.guard, flows.guard)."""
+
+    enabled: bool = Field(True, description="Watch every step; on a trip restore the last good checkpoint and apply the remedy.")
+    surge_factor: float = Field(1.5, gt=1, description="Surge: value > factor x the median of the `window` steps before (DESIGN).")
+    window: int = Field(10, ge=1, description="Surge / collapse reference: median of this many earlier steps (DESIGN).")
+    persist: int = Field(3, ge=1, description="Surge / collapse: for at least this many consecutive steps (DESIGN).")
+    entropy_floor: float = Field(0.2, ge=0, description="Entropy surge also needs entropy above this (nats; our choice).")
+    garbled_floor: float = Field(0.05, ge=0, description="Garbled surge also needs a garbled share above this (our choice).")
+    reward_collapse_factor: float = Field(0.5, gt=0, lt=1, description="Reward collapse: reward < factor x the median before.")
+    reward_min: float = Field(0.1, ge=0, description="Reward collapse only counts when the reference median is at least this.")
+    remedy: Literal["recalibrate_now", "recalibrate_every_step", "tighten", "stop"] = Field(
+        "recalibrate_every_step", description="After a rollback: calibrate at the next step; at every step for remedy_steps; "
+        "tighten the bounds by tighten_factor; or stop and alert.")
+    remedy_steps: int = Field(5, ge=1, description="recalibrate_every_step: for this many steps after the rollback.")
+    tighten_factor: float = Field(0.5, gt=0, le=1, description="tighten: L -> 1 - f(1 - L), H -> 1 + f(H - 1).")
+    max_trips: int = Field(2, ge=1, description="After this many rollbacks in one run the next trip stops the campaign.")
+
+
 class CampaignConfig(_Frozen):
     """One RL campaign: all of the above plus the step budget."""
 
@@ -226,6 +245,7 @@ class CampaignConfig(_Frozen):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "CampaignConfig":

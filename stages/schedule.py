@@ -40,7 +40,11 @@ def _previous_signal(ctx: RunContext, step: int) -> float | None:
 
 def shadow_this_step(ctx: RunContext, step: int) -> bool:
     """Does ``step`` run the BF16 shadow passes (and hence calibrate)?"""
+    from stages.guard import guard_forces_shadow
+
     cfg = ctx.cfg
+    if step >= 1 and guard_forces_shadow(ctx, step):
+        return True
     if cfg.calibration.schedule == "fixed":
         return is_calibration_step(cfg, step)
     last = ctx.calibrator.last_step

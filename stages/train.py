@@ -26,6 +26,7 @@ from fp8rl_core.diagnostics import (
 from fp8rl_core.losses import importance_ratio
 from fp8rl_core.noise_sources import noise_sources
 from stages.context import RunContext, step_seed
+from stages.guard import injected_lr
 from stages.io import read_step
 from stages.schedule import drift_metrics, shadow_subset, shadow_this_step
 from stages.train_core import TrainBatch, UpdateResult, policy_update
@@ -132,11 +133,12 @@ def run_train(ctx: RunContext, step: int) -> dict:
     standard = (1.0 - cfg.algorithm.eps_low, 1.0 + cfg.algorithm.eps_high)
     if batch.size == 0:
         raise RuntimeError(f"step {step}: no kept samples to train on (all groups dropped by dynamic sampling)")
-    res = policy_update(
-        ctx.policy, ctx.optimizer, ctx.scheduler, batch, cfg, bounds=bounds, shadow=shadow,
-        seed=step_seed(cfg.seed, step, 7),
-        shadow_rows=shadow_subset(ctx, step, batch.advantages, batch.response_mask) if shadow else None,
-    )
+    with injected_lr(ctx, step):  # test hook of the guard (issue 15); a no-op unless FP8RL_INJECT_LR is set
+        res = policy_update(
+            ctx.policy, ctx.optimizer, ctx.scheduler, batch, cfg, bounds=bounds, shadow=shadow,
+            seed=step_seed(cfg.seed, step, 7),
+            shadow_rows=shadow_subset(ctx, step, batch.advantages, batch.response_mask) if shadow else None,
+        )
     ctx.policy_version = step
     tok = token_rows(batch, res, bounds=bounds, standard=standard,
                      sample=1.0 if shadow else cfg.algorithm.token_stats_sample, seed=step_seed(cfg.seed, step, 8))

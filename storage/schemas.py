@@ -355,6 +355,7 @@ LEDGER = TableSpec(
         Column("error", pa.string(), "One-line error of a failed attempt."),
         Column("host", pa.string(), "Host that ran the attempt."),
         Column("pid", pa.int32(), "Process id that ran the attempt."),
+        Column("info", pa.string(), "JSON of the stage's recorded summary (e.g. why the guard rolled back)."),
     ),
     stored=False,
 )
