@@ -89,8 +89,8 @@ class CampaignGuard:
         if not self.cfg.enabled or step < 1:
             return step + 1
         self.rows = [r for r in self.rows if int(r["step"]) < step] + [{"step": step, **metrics}]
-        trip = check(self.rows, self.cfg)
-        if trip is None or trip.detected_step != step:
+        trip = check(self.rows, self.cfg, at_last=True)
+        if trip is None:
             return step + 1
         return self._roll_back(trip)
 

@@ -49,37 +49,41 @@ class Trip:
 
 def surge_start(
     values: Sequence[float], *, factor: float, window: int, persist: int, floor: float = 0.0, below: bool = False,
-    ref_min: float = 0.0,
+    ref_min: float = 0.0, only_last: bool = False,
 ) -> int | None:
     """Index s of the first surge (or collapse, ``below=True``) that is complete by the end of ``values``, else None.
 
     ``values[i]`` is the series at the i-th step; NaN values never count as above/below.
+    ``only_last``: only a surge *detected* at the last value (s = len - persist).
     """
     n = len(values)
-    for s in range(window, n - persist + 1):
+
+    def starts_at(s: int) -> bool:
+        if s < window or s + persist > n:
+            return False
         ref_vals = [v for v in values[s - window : s] if math.isfinite(v)]
         if len(ref_vals) < window:
-            continue
+            return False
         ref = statistics.median(ref_vals)
         if below:
-            if ref < ref_min:
-                continue
-            hit = all(math.isfinite(v) and v < factor * ref for v in values[s : s + persist])
-        else:
-            hit = all(math.isfinite(v) and v > factor * ref and v > floor for v in values[s : s + persist])
-        if hit:
-            return s
-    return None
+            return ref >= ref_min and all(math.isfinite(v) and v < factor * ref for v in values[s : s + persist])
+        return all(math.isfinite(v) and v > factor * ref and v > floor for v in values[s : s + persist])
+
+    if only_last:  # detected now: a surge starts at n - persist and was not already running one step earlier
+        s = n - persist
+        return s if starts_at(s) and not starts_at(s - 1) else None
+    return next((s for s in range(window, n - persist + 1) if starts_at(s)), None)
 
 
-def check(rows: Sequence[Mapping[str, float]], cfg) -> Trip | None:
+def check(rows: Sequence[Mapping[str, float]], cfg, *, at_last: bool = False) -> Trip | None:
     """The first trip in ``rows`` (step rows in step order, keys as the ``steps`` columns), or None.
 
-    ``cfg``: a ``GuardConfig``. Only the newest detection matters to the caller;
-    scanning from the start keeps the function a plain function of the rows.
+    ``cfg``: a ``GuardConfig``. ``at_last``: only a trip detected at the last
+    row (what the campaign asks after each step, so an old surge the guard
+    did not act on -- e.g. from before it was enabled -- cannot mask a new one).
     """
     steps = [int(r["step"]) for r in rows]
-    for r in rows:
+    for r in (rows[-1:] if at_last else rows):
         vals = [r.get(k, 0.0) for k in ("loss", "grad_norm", "entropy_mean")]
         if (r.get("skipped_updates") or 0) > 0 or any(v is not None and not math.isfinite(v) for v in vals):
             return Trip("non_finite", int(r["step"]), int(r["step"]), "non-finite loss, gradient or entropy")
@@ -89,18 +93,18 @@ def check(rows: Sequence[Mapping[str, float]], cfg) -> Trip | None:
 
     found: list[Trip] = []
     ent = series("entropy_mean")
-    s = surge_start(ent, factor=cfg.surge_factor, window=cfg.window, persist=cfg.persist, floor=cfg.entropy_floor)
+    s = surge_start(ent, factor=cfg.surge_factor, window=cfg.window, persist=cfg.persist, floor=cfg.entropy_floor, only_last=at_last)
     if s is not None:
         found.append(Trip("entropy_surge", steps[s + cfg.persist - 1], steps[s],
                           f"entropy {ent[s]:.3f} > {cfg.surge_factor} x median of the {cfg.window} steps before step {steps[s]}"))
     gar = series("garbled_share")
-    s = surge_start(gar, factor=cfg.surge_factor, window=cfg.window, persist=cfg.persist, floor=cfg.garbled_floor)
+    s = surge_start(gar, factor=cfg.surge_factor, window=cfg.window, persist=cfg.persist, floor=cfg.garbled_floor, only_last=at_last)
     if s is not None:
         found.append(Trip("garbled_surge", steps[s + cfg.persist - 1], steps[s],
                           f"garbled share {gar[s]:.3f} > {cfg.surge_factor} x median before step {steps[s]}"))
     rew = series("reward_mean")
     s = surge_start(rew, factor=cfg.reward_collapse_factor, window=cfg.window, persist=cfg.persist, below=True,
-                    ref_min=cfg.reward_min)
+                    ref_min=cfg.reward_min, only_last=at_last)
     if s is not None:
         found.append(Trip("reward_collapse", steps[s + cfg.persist - 1], steps[s],
                           f"reward {rew[s]:.3f} < {cfg.reward_collapse_factor} x median before step {steps[s]}"))

@@ -60,6 +60,9 @@ def test_check_kinds_and_order():
     trip = check(rows, cfg)
     assert (trip.kind, trip.first_bad_step, trip.detected_step) == ("entropy_surge", 13, 15)
     assert check(rows[:-1], cfg) is None
+    assert check(rows, cfg, at_last=True).detected_step == 15
+    longer = rows + [{"step": 16, "entropy_mean": 0.5, "reward_mean": 0.8, "garbled_share": 0.0}]
+    assert check(longer, cfg).detected_step == 15 and check(longer, cfg, at_last=True) is None  # detected once
     rows = _rows(entropy_mean=[0.3] * 15, reward_mean=[0.8] * 12 + [0.3] * 3, garbled_share=[0.0] * 15)
     assert check(rows, cfg).kind == "reward_collapse"
     rows = _rows(entropy_mean=[0.3] * 15, reward_mean=[0.8] * 15, garbled_share=[0.0] * 12 + [0.2] * 3)
