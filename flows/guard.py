@@ -58,7 +58,7 @@ def _live_rows(ctx: RunContext) -> list[dict]:
 def _checkpoint_steps(ctx: RunContext) -> list[int]:
     from storage.checkpoints import list_checkpoints, verify_checkpoint
 
-    return [s for s, p in list_checkpoints(ctx.run_dir) if verify_checkpoint(p, hashes=False)]
+    return [s for s, p in list_checkpoints(ctx.run_dir) if not verify_checkpoint(p, hashes=False)]  # [] = complete
 
 
 def _set_aside_after(ctx: RunContext, c: int) -> int:

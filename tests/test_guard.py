@@ -135,3 +135,18 @@ def test_guard_trips_once_rolls_back_and_finishes(tmp_path, monkeypatch):
     assert sup == [3, 4, 5, 6]
     rep = query(con, "SELECT * FROM ledger WHERE stage = 'train' ORDER BY step").to_pylist()
     assert [r["step"] for r in rep] == list(range(1, 8)) and all(r["attempt"] == (1 if 3 <= r["step"] <= 6 else 0) for r in rep)
+
+
+def test_retention_keeps_every_checkpoint_while_fewer_than_keep_last(tmp_path):
+    """The guard needs the checkpoint before a surge; keep_last=5 with 3 checkpoints deleted the oldest
+    (``complete[len - keep_last:]`` with a negative start)."""
+    from storage.checkpoints import apply_retention, list_checkpoints, save_checkpoint
+    from storage.layout import create_run
+
+    run = create_run(tmp_path, "r", config={"name": "r"}).root
+    for step in (2, 4, 6):
+        save_checkpoint(run, step, calibrator_state={"step": step}, rng_state=False)
+        apply_retention(run, keep_last=5)
+    assert [s for s, _ in list_checkpoints(run)] == [2, 4, 6]
+    apply_retention(run, keep_last=2)
+    assert [s for s, _ in list_checkpoints(run)] == [4, 6]
