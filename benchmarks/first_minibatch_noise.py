@@ -36,7 +36,7 @@ def main() -> None:
     from flows.prefect_env import quiet_third_party
 
     quiet_third_party()
-    from stages.context import open_context
+    from stages.context import open_run
     from stages.io import read_step
     from stages.rollout import run_rollout
     from stages.score import run_score
@@ -48,14 +48,13 @@ def main() -> None:
     for name, (train, rollout) in MODES.items():
         cfg = load_config("tiny-cpu", [f"precision.train={train}", f"precision.rollout={rollout}", *args.overrides])
         create_run(root, name, config=dump_config(cfg))
-        ctx = open_context(cfg, root / name)
+        env, state = open_run(cfg, root / name)
         try:
-            run_rollout(ctx, 1)
-            run_score(ctx, 1)
-            run_train(ctx, 1)
+            for stage in (run_rollout, run_score, run_train):
+                _, state = stage(env, state, 1)
         finally:
-            ctx.close()
-        t = read_step(ctx, "token_stats", 1).to_pandas()
+            env.close()
+        t = read_step(env, "token_stats", 1).to_pandas()
         first = t[t["minibatch"] == 0]
         r8 = np.exp(first["logp_fp8"].to_numpy(np.float64) - first["old_logp_fp8"].to_numpy(np.float64))
         r16 = np.exp(first["logp_bf16"].to_numpy(np.float64) - first["old_logp_bf16"].to_numpy(np.float64))

@@ -43,7 +43,7 @@ from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.artifacts import create_markdown_artifact, create_table_artifact  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
-from stages.context import RunContext, is_checkpoint_step, is_eval_step  # noqa: E402
+from stages.context import RunEnv, TrainState, is_checkpoint_step, is_eval_step  # noqa: E402
 
 
 class TransientStageError(RuntimeError):
@@ -118,29 +118,30 @@ def _jsonable(d: dict) -> dict:
     return out
 
 
-def _run_stage(name: str, fn: Callable[..., dict], ctx: RunContext, step: int, **kw: Any) -> dict:
-    ctx.attempt = ctx.ledger.next_attempt(step, name, variant=ctx.variant)
-    with ctx.ledger.stage(step, name, attempt=ctx.attempt, variant=ctx.variant) as rec:
+def _run_stage(name: str, fn: Callable[..., tuple[dict, Any]], env: RunEnv, state: TrainState, step: int,
+               **kw: Any) -> tuple[dict, TrainState]:
+    attempt = env.ledger.next_attempt(step, name, variant=env.variant)
+    with env.ledger.stage(step, name, attempt=attempt, variant=env.variant) as rec:
         _CURRENT.update(stage=name, step=step)
         maybe_inject_fault(name, step)
         try:
-            summary = fn(ctx, step, **kw)
+            summary, state = fn(env, state, step, attempt=attempt, **kw)
         finally:
             _CURRENT.update(stage=None, step=None)
         rec.outputs.extend(summary.get("outputs", []))
         rec.info.update(_jsonable({k: v for k, v in summary.items() if k not in ("outputs", "metrics")}))
-    return summary
+    return summary, state
 
 
 def _stage_task(name: str, retries: int, timeout_s: float | None = None):
-    def deco(fn: Callable[..., dict]):
+    def deco(fn: Callable[..., tuple[dict, Any]]):
         @task(
             name=name, retries=retries, retry_delay_seconds=1, retry_condition_fn=_is_transient if retries else None,
             cache_policy=NO_CACHE, persist_result=False, timeout_seconds=timeout_s,
             task_run_name=f"{name}-step-{{step}}",
         )
-        def run(ctx: RunContext, step: int, **kw: Any) -> dict:
-            return _run_stage(name, fn, ctx, step, **kw)
+        def run(env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, TrainState]:
+            return _run_stage(name, fn, env, state, step, **kw)
 
         run.stage_fn = fn
         return run
@@ -148,40 +149,40 @@ def _stage_task(name: str, retries: int, timeout_s: float | None = None):
     return deco
 
 
-def _rollout(ctx, step):
+def _rollout(env, state, step, **kw):
     from stages.rollout import run_rollout
 
-    return run_rollout(ctx, step)
+    return run_rollout(env, state, step, **kw)
 
 
-def _score(ctx, step):
+def _score(env, state, step, **kw):
     from stages.score import run_score
 
-    return run_score(ctx, step)
+    return run_score(env, state, step, **kw)
 
 
-def _train(ctx, step):
+def _train(env, state, step, **kw):
     from stages.train import run_train
 
-    return run_train(ctx, step)
+    return run_train(env, state, step, **kw)
 
 
-def _calibrate(ctx, step):
+def _calibrate(env, state, step, **kw):
     from stages.calibrate import run_calibrate
 
-    return run_calibrate(ctx, step)
+    return run_calibrate(env, state, step, **kw)
 
 
-def _evaluate(ctx, step):
+def _evaluate(env, state, step, **kw):
     from stages.evaluate import run_evaluate
 
-    return run_evaluate(ctx, step)
+    return run_evaluate(env, state, step, **kw)
 
 
-def _checkpoint(ctx, step, metrics=None):
+def _checkpoint(env, state, step, **kw):
     from stages.checkpoint import run_checkpoint
 
-    return run_checkpoint(ctx, step, metrics=metrics)
+    return run_checkpoint(env, state, step, **kw)
 
 
 rollout_task = _stage_task("rollout", retries=2, timeout_s=3600)(_rollout)
@@ -220,8 +221,8 @@ class Progress:
         self.echo(f"eval at step {step}: {body}")
 
 
-def _ledger_info(ctx: RunContext, step: int, stage: str) -> dict:
-    rec = ctx.ledger.current(variant=ctx.variant).get((step, stage))
+def _ledger_info(env: RunEnv, step: int, stage: str) -> dict:
+    rec = env.ledger.current(variant=env.variant).get((step, stage))
     return rec.info if rec is not None else {}
 
 
@@ -229,47 +230,120 @@ def _eval_scores_from(summary: dict) -> dict:
     return {k: float(v) for k, v in (summary.get("scores") or {}).items() if isinstance(v, (int, float))}
 
 
-def run_step(ctx: RunContext, step: int, progress: Progress) -> dict:
-    """All stages of one step; stages the ledger marks done are not redone, except
-    train/calibrate/checkpoint, which replay after a restore (weights must be rebuilt)."""
+def _broadcast(env: RunEnv, obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (identity in one process)."""
+    if env.world_size == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj if env.is_main else None]
+    dist.broadcast_object_list(box, src=0, group=env.group)
+    return box[0]
+
+
+def _on_main(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, TrainState]:
+    """A stage rank 0 alone runs (generation, grading, calibration, evaluation) as a Prefect
+    task; the state it moves (sampler, calibrator) is broadcast so all ranks continue alike.
+    If it fails, rank 0 exits and torchrun stops every rank: failure acts on all together."""
+    out = task_obj(env, state, step, **kw) if env.is_main else ({}, state)
+    if env.world_size == 1:
+        return out
+    summary, sampler, calibrator = _broadcast(env, (out[0], out[1].sampler, out[1].calibrator))
+    return summary, state.replace(sampler=sampler, calibrator=calibrator)
+
+
+def _on_all(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, TrainState]:
+    """A collective stage (train, checkpoint): rank 0 runs it as a Prefect task (ledger, no
+    retries: a retry on one rank would deadlock the others), the others as the bare stage."""
+    if env.is_main:
+        return task_obj(env, state, step, **kw)
+    return task_obj.stage_fn(env, state, step, attempt=0, **kw)
+
+
+class _StateView:
+    """What ``engine.load_weights`` reads of a policy: its (gathered, full) state dict."""
+
+    def __init__(self, state: dict) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict:
+        return self._state
+
+
+def _sync_engine(env: RunEnv, state: TrainState, synced: dict) -> None:
+    """Under FSDP2: gather the full policy (a collective) and load it into rank 0's engine."""
+    if env.world_size == 1 or synced.get("version") == state.policy_version:
+        return
+    from stages.distributed import full_model_state
+
+    full = full_model_state(state.policy)
+    if env.is_main:
+        env.engine.load_weights(_StateView(full))
+        env.engine._fp8rl_version = state.policy_version
+    synced["version"] = state.policy_version
+
+
+def run_step(env: RunEnv, state: TrainState, step: int, progress: Progress,
+             last_eval: dict | None = None, synced: dict | None = None) -> tuple[dict, TrainState, dict]:
+    """All stages of one step; returns ``(train summary, new state, latest eval scores)``.
+
+    Stages the ledger marks done are not redone, except train/calibrate/checkpoint,
+    which replay after a restore (weights must be rebuilt); a done rollout or score
+    gives back the sampler position it recorded. Every rank runs this loop; rank 0
+    reads the ledger and tells the others."""
     from stages.prompts import SamplerState
 
-    cfg = ctx.cfg
-    done = ctx.ledger.done_stages(step, variant=ctx.variant)
+    cfg = env.cfg
+    synced = {} if synced is None else synced
+    done, info = None, {}
+    if env.is_main:
+        done = env.ledger.done_stages(step, variant=env.variant)
+        info = {k: _ledger_info(env, step, k) for k in ("rollout", "score", "evaluate") if k in done}
+    done, info = _broadcast(env, (done, info))
     summary: dict[str, Any] = {}
+    last_eval = dict(last_eval or {})
+    timings: dict[str, float] = {}
     if step > 0:
         if "rollout" in done:
-            ctx.sampler = SamplerState.from_dict(_ledger_info(ctx, step, "rollout").get("sampler"))
-            ctx.sampler_after_rollout[step] = ctx.sampler
+            state = state.replace(sampler=SamplerState.from_dict(info["rollout"].get("sampler")))
         else:
-            rollout_task(ctx, step)
+            _sync_engine(env, state, synced)
+            out, state = _on_main(rollout_task, env, state, step)
+            timings["rollout_seconds"] = out.get("seconds", 0.0)
         if "score" in done:
-            ctx.sampler = SamplerState.from_dict(_ledger_info(ctx, step, "score").get("sampler"))
+            state = state.replace(sampler=SamplerState.from_dict(info["score"].get("sampler")))
         else:
-            score_task(ctx, step)
-        summary = train_task(ctx, step)
-        if summary.get("metrics", {}).get("shadow"):  # the train stage ran the shadow passes (stages.schedule)
-            cal = calibrate_task(ctx, step)
-            _bounds_artifact(ctx, step, cal)
-        progress.step(step, summary.get("metrics", {}))
+            _sync_engine(env, state, synced)  # DAPO refills generate too
+            out, state = _on_main(score_task, env, state, step)
+            timings["score_seconds"] = out.get("seconds", 0.0)
+            if out.get("refill_seconds"):
+                timings["rollout_seconds"] = timings.get("rollout_seconds", 0.0) + out["refill_seconds"]
+        summary, state = _on_all(train_task, env, state, step, timings=timings)
+        if summary.get("metrics", {}).get("shadow"):  # train ran the shadow passes (stages.schedule: fixed K, drift, guard)
+            cal, state = _on_main(calibrate_task, env, state, step)
+            if env.is_main:
+                _bounds_artifact(env, step, cal)
+        if env.is_main:
+            progress.step(step, summary.get("metrics", {}))
     if is_eval_step(cfg, step):
         if "evaluate" in done:
-            scores = _eval_scores_from(_ledger_info(ctx, step, "evaluate"))
+            last_eval = _eval_scores_from(info["evaluate"])
         else:
-            scores = _eval_scores_from(evaluate_task(ctx, step))
-            progress.eval(step, scores)
-            _eval_artifact(ctx, step, scores)
-        ctx.last_eval = scores
+            _sync_engine(env, state, synced)
+            out, state = _on_main(evaluate_task, env, state, step)
+            last_eval = _eval_scores_from(out)
+            if env.is_main:
+                progress.eval(step, last_eval)
+                _eval_artifact(env, step, last_eval)
     if is_checkpoint_step(cfg, step):
-        checkpoint_task(ctx, step, metrics=dict(ctx.last_eval))
-    ctx.timings.pop(step - 1, None)
-    return summary
+        _, state = _on_all(checkpoint_task, env, state, step, metrics=dict(last_eval))
+    return summary, state, last_eval
 
 
-def _bounds_artifact(ctx: RunContext, step: int, cal: dict) -> None:
+def _bounds_artifact(env: RunEnv, step: int, cal: dict) -> None:
     try:
         create_markdown_artifact(
-            key=f"bounds-{_artifact_key(ctx.run_id)}",
+            key=f"bounds-{_artifact_key(env.run_id)}",
             markdown=f"Step {step}: L = {cal['lower']:.4f}, H = {cal['upper']:.4f}, alpha = {cal['alpha']:.4f}",
             description="Calibrated clip bounds in force from the next step",
         )
@@ -277,10 +351,10 @@ def _bounds_artifact(ctx: RunContext, step: int, cal: dict) -> None:
         get_run_logger().debug("bounds artifact not created", exc_info=True)
 
 
-def _eval_artifact(ctx: RunContext, step: int, scores: dict) -> None:
+def _eval_artifact(env: RunEnv, step: int, scores: dict) -> None:
     try:
         create_table_artifact(
-            key=f"eval-{_artifact_key(ctx.run_id)}",
+            key=f"eval-{_artifact_key(env.run_id)}",
             table=[{"step": step, "metric": k, "value": round(v, 4)} for k, v in scores.items()],
             description=f"Evaluation at step {step}",
         )
@@ -292,43 +366,63 @@ def _artifact_key(run_id: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in run_id.lower())[:60]
 
 
-def restore_latest(ctx: RunContext, *, before_step: int | None = None) -> int:
-    """Restore the newest complete checkpoint (of a step < ``before_step``); return the first step to run."""
+def restore_latest(env: RunEnv, state: TrainState, *, before_step: int | None = None) -> tuple[int, TrainState, dict]:
+    """Restore the newest complete checkpoint (of a step < ``before_step``); all ranks together.
+
+    Returns ``(first step to run, restored state, eval scores recorded at that step)``."""
     from stages.checkpoint import restore
     from storage.checkpoints import latest_complete
 
     at_most = None if before_step is None else before_step - 1
-    path = latest_complete(ctx.run_dir, at_most=at_most)
+    path = _broadcast(env, latest_complete(env.run_dir, at_most=at_most) if env.is_main else None)
     if path is None:
-        return 0
-    step = restore(ctx, path)
-    ev = _ledger_info(ctx, step, "evaluate")
-    ctx.last_eval = _eval_scores_from(ev)
-    return step + 1
+        return 0, state, {}
+    step, state = restore(env, state, path)
+    ev = _broadcast(env, _ledger_info(env, step, "evaluate") if env.is_main else None)
+    return step + 1, state, _eval_scores_from(ev)
+
+
+def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | None = None) -> dict:
+    """The step loop every rank runs (rank 0 inside :func:`campaign_flow`)."""
+    from flows.configuration import load_config
+    from stages.context import open_run, resolve_device
+    from stages.distributed import init_from_env
+
+    cfg = load_config(Path(run_dir) / "config.yaml")
+    rank, world, group = init_from_env(resolve_device(cfg.device))
+    env, state = open_run(cfg, run_dir, rank=rank, world_size=world, group=group)
+    try:
+        from flows.guard import CampaignGuard, recover_pending  # issue 15
+
+        if resume and env.is_main:
+            recover_pending(env)  # a rollback a crash interrupted
+        start, state, last_eval = restore_latest(env, state) if resume else (0, state, {})
+        progress = Progress(cfg, start)
+        last = cfg.steps if stop_after_step is None else min(cfg.steps, stop_after_step)
+        metrics: dict = {}
+        synced: dict = {}
+        guard = CampaignGuard(env)
+        step = start
+        while step <= last:
+            summary, state, last_eval = run_step(env, state, step, progress, last_eval, synced)
+            metrics = summary.get("metrics", metrics)
+            # step + 1, or (all ranks together) the step after the checkpoint a guard rollback restored
+            step, state, last_eval = guard.after_step(state, step, metrics, last_eval)
+        return {"run_dir": str(run_dir), "last_step": last, "final_metrics": _jsonable(metrics), "last_eval": last_eval,
+                "world_size": world}
+    finally:
+        env.close()
 
 
 @flow(name="fp8rl-campaign", persist_result=False, validate_parameters=False, log_prints=False)
 def campaign_flow(run_dir: str, resume: bool = False, stop_after_step: int | None = None) -> dict:
-    """Run (or resume) the campaign whose config lives in ``run_dir/config.yaml``."""
-    from flows.configuration import load_config
-    from stages.context import open_context
+    """Run (or resume) the campaign whose config lives in ``run_dir/config.yaml`` (rank 0's Prefect flow)."""
+    return campaign_loop(run_dir, resume, stop_after_step)
 
-    cfg = load_config(Path(run_dir) / "config.yaml")
-    ctx = open_context(cfg, run_dir)
-    try:
-        from flows.guard import CampaignGuard, recover_pending  # issue 15
 
-        if resume:
-            recover_pending(ctx)  # a rollback a crash interrupted
-        start = restore_latest(ctx) if resume else 0
-        progress = Progress(cfg, start)
-        last = cfg.steps if stop_after_step is None else min(cfg.steps, stop_after_step)
-        metrics: dict = {}
-        guard = CampaignGuard(ctx)
-        step = start
-        while step <= last:
-            metrics = run_step(ctx, step, progress).get("metrics", metrics)
-            step = guard.after_step(step, metrics)  # step + 1, or the step after a rollback's checkpoint
-        return {"run_dir": str(run_dir), "last_step": last, "final_metrics": _jsonable(metrics), "last_eval": ctx.last_eval}
-    finally:
-        ctx.close()
+def run_campaign(run_dir: str, resume: bool = False, stop_after_step: int | None = None) -> dict:
+    """The entry of every rank: rank 0 (or the only process) runs the Prefect flow, the other
+    ranks the same loop without Prefect (they never talk to it)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return campaign_flow(run_dir, resume=resume, stop_after_step=stop_after_step)
+    return campaign_loop(run_dir, resume, stop_after_step)

@@ -31,6 +31,7 @@ _COMMAND_MODULES = (
     "flows.cli_storage",  # query, doctor
     "flows.cli_report",  # report, sweep
     "flows.cli_world",  # bootstrap, benchmarks
+    "flows.plan",  # plan (issue 11)
 )
 
 

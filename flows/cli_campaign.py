@@ -52,16 +52,24 @@ def _print_summary(run_dir: Path, result: dict) -> None:
     typer.echo(f"  fp8rl query {root} \"SELECT step, lower, upper, alpha FROM bounds ORDER BY step\"")
 
 
-def _run_flow(run_dir: Path, *, resume: bool) -> dict:
+def _run_flow(run_dir: Path, *, resume: bool, nproc_per_node: int = 1) -> dict:
+    if nproc_per_node > 1:  # SPMD under torchrun (issue 11)
+        from flows.spmd import launch
+
+        return launch(run_dir, resume=resume, nproc_per_node=nproc_per_node)
     from flows.campaign import campaign_flow
 
     return campaign_flow(str(run_dir), resume=resume)
+
+
+NPROC_HELP = "Ranks on this node (torchrun --standalone); see flows/spmd.py for several nodes."
 
 
 def run(
     config: str = typer.Argument("tiny-cpu", help="Preset name in configs/ or a YAML file."),
     set_: list[str] = typer.Option([], "--set", help="Override a config value, e.g. calibration.interval=10 (repeatable)."),
     run_dir: Path | None = typer.Option(None, "--run-dir", help="Run directory (default: <storage.runs_root>/<name>-<time>)."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1, help=NPROC_HELP),
 ) -> None:
     """Run a campaign (default: the tiny CPU preset) end to end."""
     from storage.errors import StorageError
@@ -83,7 +91,7 @@ def run(
         raise _fail(str(err))
     typer.echo(f"run directory: {run_dir}")
     t0 = time.perf_counter()
-    result = _run_flow(run_dir, resume=False)
+    result = _run_flow(run_dir, resume=False, nproc_per_node=nproc_per_node)
     typer.echo(f"wall time: {time.perf_counter() - t0:.0f} s")
     _print_summary(run_dir, result)
 
@@ -117,6 +125,7 @@ def resume(
     step: int | None = typer.Option(None, "--step", help="Step of --from."),
     config: str | None = typer.Option(None, "--config", help="Check the run against this config (must match)."),
     set_: list[str] = typer.Option([], "--set", help="Overrides for --config (must still match)."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1, help=NPROC_HELP),
 ) -> None:
     """Resume a campaign from its ledger: restore the newest checkpoint, replay, continue."""
     from storage.writer import set_aside_from
@@ -137,7 +146,7 @@ def resume(
                    f"{moved.ledger_records} ledger record(s)")
         typer.echo(f"set aside outputs from {from_stage} of step {step} on")
     t0 = time.perf_counter()
-    result = _run_flow(run_dir, resume=True)
+    result = _run_flow(run_dir, resume=True, nproc_per_node=nproc_per_node)
     typer.echo(f"wall time: {time.perf_counter() - t0:.0f} s")
     _print_summary(run_dir, result)
 

@@ -19,41 +19,17 @@ from pathlib import Path
 
 from fp8rl_core.calibration import CalibratorState
 from fp8rl_core.config import CampaignConfig
-from stages.context import MAIN, is_calibration_step
-from storage.ledger import Ledger
-from storage.writer import TableWriter
+from stages.context import MAIN, RunEnv, is_calibration_step, open_storage_only
 
 
-class _Ctx:
-    """The slice of RunContext that score/calibrate need (no policy, no engine)."""
-
-    def __init__(self, cfg: CampaignConfig, run_dir: Path, variant: str) -> None:
-        from stages.prompts import make_source
-        from storage.layout import RunLayout
-
-        self.cfg, self.run_dir, self.variant, self.input_variant = cfg, run_dir, variant, MAIN
-        self.writer, self.ledger = TableWriter(run_dir), Ledger(run_dir)
-        self.layout = RunLayout(run_dir)
-        self.run_id = self.writer.run_id
-        self.attempt = 0
-        self.timings: dict = {}
-        self.source = make_source(cfg.task)
-        self.calibrator = CalibratorState.initial(eps_low=cfg.algorithm.eps_low, eps_high=cfg.algorithm.eps_high,
-                                                  config=cfg.calibration)
-        self.sampler_after_rollout: dict = {}
-
-    def record_time(self, step: int, stage: str, seconds: float) -> None:
-        self.timings.setdefault(step, {})[f"{stage}_seconds"] = seconds
-
-
-def _bounds_in_force(ctx: _Ctx, step: int) -> CalibratorState | None:
+def _bounds_in_force(env: RunEnv, step: int) -> CalibratorState | None:
     """The campaign's calibrator state after its last calibration before ``step``."""
     from stages.io import read_step
 
     state = None
     for s in range(1, step):
         try:
-            t = read_step(ctx, "bounds", s)  # reads the campaign's own ('main') bounds
+            t = read_step(env, "bounds", s)  # reads the campaign's own ('main') bounds
         except FileNotFoundError:
             continue
         n = 1 if state is None else state.n_calibrations + 1
@@ -65,7 +41,7 @@ def rerun_stage(run_dir: Path, cfg: CampaignConfig, stage: str, steps: range, *,
     """Recompute ``stage`` for ``steps`` into ``variant``; returns how many steps were written."""
     if variant == MAIN:
         raise ValueError("a re-run must not write the campaign's own variant 'main'")
-    ctx = _Ctx(cfg, run_dir, variant)
+    env, state = open_storage_only(cfg, run_dir, variant=variant, input_variant=MAIN)
     written = 0
     if stage == "score":
         from stages.score import run_score
@@ -73,20 +49,22 @@ def rerun_stage(run_dir: Path, cfg: CampaignConfig, stage: str, steps: range, *,
         if cfg.algorithm.dynamic_sampling:
             raise ValueError("re-scoring a DAPO run would need new refill rollouts; re-score with dynamic_sampling off")
         for s in steps:
-            if s >= 1 and "rollout" in ctx.ledger.done_stages(s):
-                with ctx.ledger.stage(s, "score", variant=variant) as rec:
-                    rec.outputs.extend(run_score(ctx, s)["outputs"])
+            if s >= 1 and "rollout" in env.ledger.done_stages(s):
+                with env.ledger.stage(s, "score", variant=variant) as rec:
+                    summary, state = run_score(env, state, s)
+                    rec.outputs.extend(summary["outputs"])
                 written += 1
     elif stage == "calibrate":
         from stages.calibrate import run_calibrate
 
-        prev = _bounds_in_force(ctx, steps.start)
+        prev = _bounds_in_force(env, steps.start)
         if prev is not None:
-            ctx.calibrator = prev
+            state = state.replace(calibrator=prev)
         for s in steps:
-            if is_calibration_step(cfg, s) and "train" in ctx.ledger.done_stages(s):
-                with ctx.ledger.stage(s, "calibrate", variant=variant) as rec:
-                    rec.outputs.extend(run_calibrate(ctx, s)["outputs"])
+            if is_calibration_step(cfg, s) and "train" in env.ledger.done_stages(s):
+                with env.ledger.stage(s, "calibrate", variant=variant) as rec:
+                    summary, state = run_calibrate(env, state, s)
+                    rec.outputs.extend(summary["outputs"])
                 written += 1
     elif stage == "evaluate":
         written = _rerun_evaluate(run_dir, cfg, steps, variant)
@@ -97,19 +75,20 @@ def rerun_stage(run_dir: Path, cfg: CampaignConfig, stage: str, steps: range, *,
 
 def _rerun_evaluate(run_dir: Path, cfg: CampaignConfig, steps: range, variant: str) -> int:
     from stages.checkpoint import restore
-    from stages.context import open_context
+    from stages.context import open_run
     from stages.evaluate import run_evaluate
     from storage.checkpoints import list_checkpoints
 
-    ctx = open_context(cfg, run_dir, variant=variant)
+    env, state = open_run(cfg, run_dir, variant=variant)
     written = 0
     try:
         for s, path in list_checkpoints(run_dir):
             if s in steps:
-                restore(ctx, path)
-                with ctx.ledger.stage(s, "evaluate", variant=variant) as rec:
-                    rec.outputs.extend(run_evaluate(ctx, s)["outputs"])
+                _, state = restore(env, state, path)
+                with env.ledger.stage(s, "evaluate", variant=variant) as rec:
+                    summary, state = run_evaluate(env, state, s)
+                    rec.outputs.extend(summary["outputs"])
                 written += 1
     finally:
-        ctx.close()
+        env.close()
     return written

@@ -113,6 +113,7 @@ class AlgorithmConfig(_Frozen):
     overlong_cache_len: int = Field(4, ge=1, description="DAPO L_cache (tokens).")
     overlong_factor: float = Field(1.0, ge=0, description="DAPO overlong penalty factor.")
     token_stats_sample: float = Field(0.05, ge=0, le=1, description="Share of tokens written to token_stats on non-calibration steps.")
+    activation_checkpointing: bool = Field(False, description="Recompute each decoder block's activations in backward (stores block inputs only).")
 
     @model_validator(mode="after")
     def _batches(self) -> "AlgorithmConfig":
@@ -246,6 +247,7 @@ class CampaignConfig(_Frozen):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
+    device: str = Field("auto", description="Where policy, batches and optimizer live: auto (CUDA when present), cpu, cuda, cuda:N.")
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "CampaignConfig":

@@ -49,6 +49,7 @@ weight blocks (``fp8_per_block``).
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
@@ -397,6 +398,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         q = dict(pow2=r.round_scales_to_power_of_2, compute_dtype=cd, block=r.block)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [M, N]
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if need_w and _STRICT["on"]:
+            check_token_multiple(r.granularity, g2.shape[0])
         grad_x = grad_w = None
         with torch.autocast(grad_out.device.type, enabled=False):
             if r.granularity == "tensorwise":
@@ -429,6 +432,50 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_x = grad_x.reshape(ctx.x_shape)
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None, None
+
+
+# ---------------------------------------------------------------------------
+# Kernel shape contracts (strict mode)
+# ---------------------------------------------------------------------------
+
+# Token-dimension multiple each granularity's hardware kernels need: torch._scaled_mm
+# (tensorwise, rowwise) contracts over the tokens in the weight-gradient matmul
+# (grad_out.T @ x) and needs every contracted dim divisible by 16; torchao's blockwise
+# prototype quantizes grad_out in 128x1 tiles along the tokens for that matmul
+# (``triton_fp8_blockwise_act_quant_transposed_lhs`` asserts ``size(0) % 128 == 0``).
+TOKEN_MULTIPLE = {"tensorwise": 16, "rowwise": 16, "blockwise": 128}
+_STRICT = {"on": os.environ.get("FP8RL_STRICT_FP8_SHAPES", "") not in ("", "0")}
+
+
+class KernelShapeError(ValueError):
+    """A matmul shape the real FP8 kernel would reject (raised by strict emulation)."""
+
+
+def set_strict_shapes(on: bool) -> bool:
+    """Turn strict shape checks of the emulation on/off; returns the previous setting.
+
+    Strict: the emulated FP8 linear rejects exactly the shapes torchao's kernels
+    reject (the token count of a weight-gradient matmul not a multiple of
+    ``TOKEN_MULTIPLE[granularity]``), so a shape the GPU would crash on fails on
+    CPU first. Also on when ``FP8RL_STRICT_FP8_SHAPES=1`` (the test suite sets it).
+    """
+    prev = _STRICT["on"]
+    _STRICT["on"] = bool(on)
+    return prev
+
+
+def strict_shapes() -> bool:
+    return _STRICT["on"]
+
+
+def check_token_multiple(granularity: str, tokens: int, *, where: str = "") -> None:
+    """Raise :class:`KernelShapeError` if ``tokens`` breaks ``granularity``'s kernel contract."""
+    m = TOKEN_MULTIPLE[granularity]
+    if tokens % m:
+        raise KernelShapeError(
+            f"FP8 {granularity} weight-gradient matmul{' in ' + where if where else ''} contracts over "
+            f"{tokens} tokens; the hardware kernel needs a multiple of {m} (pad the micro-batch)"
+        )
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

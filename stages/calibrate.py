@@ -16,7 +16,7 @@ import torch
 
 from fp8rl_core.calibration import calibrate
 from fp8rl_core.losses import importance_ratio
-from stages.context import RunContext
+from stages.context import RunEnv, TrainState
 from stages.io import read_step
 from stages.schedule import gspo_calibration_tensors, subsample_columns
 
@@ -25,11 +25,11 @@ def _ratio(logp: np.ndarray, old: np.ndarray) -> torch.Tensor:
     return importance_ratio(torch.from_numpy(logp.astype(np.float32)), torch.from_numpy(old.astype(np.float32)))
 
 
-def run_calibrate(ctx: RunContext, step: int) -> dict:
-    """Calibrate on ``step``'s tokens; write ``bounds``; update ``ctx.calibrator``."""
+def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[dict, TrainState]:
+    """Calibrate on ``step``'s tokens; write ``bounds``; return the state with the moved calibrator."""
     t0 = time.perf_counter()
-    cfg = ctx.cfg
-    tok = read_step(ctx, "token_stats", step)
+    cfg = env.cfg
+    tok = read_step(env, "token_stats", step)
     if tok.column("logp_bf16").null_count == tok.num_rows:
         raise RuntimeError(f"step {step}: token_stats has no BF16 shadow log-probs; calibration needs a shadow step")
     col = {name: tok.column(name).to_numpy(zero_copy_only=False) for name in
@@ -43,7 +43,7 @@ def run_calibrate(ctx: RunContext, step: int) -> dict:
     if cfg.algorithm.loss == "gspo":  # issue 15: calibrate GSPO's sequence ratios, on their own grid
         r8, r16, adv, mask, cal_cfg = gspo_calibration_tensors(col, tok.column("sample_id").to_numpy(), mask, cfg)
     res = calibrate(r8, r16, adv, mask, eps_low=cfg.algorithm.eps_low, eps_high=cfg.algorithm.eps_high,
-                    config=cal_cfg, previous=ctx.calibrator, dual_clip=cfg.algorithm.dual_clip)
+                    config=cal_cfg, previous=state.calibrator, dual_clip=cfg.algorithm.dual_clip)
     row = {
         "mode": [res.mode], "alpha": [res.alpha], "raw_lower": [res.raw_lower], "raw_upper": [res.raw_upper],
         "lower": [res.lower], "upper": [res.upper], "target_balance": [res.target_balance],
@@ -58,9 +58,8 @@ def run_calibrate(ctx: RunContext, step: int) -> dict:
         "status": [res.status],
         **{k: [v] for k, v in sub_cols.items()},
     }
-    path = ctx.writer.write("bounds", step, row, stage="calibrate", attempt=ctx.attempt, variant=ctx.variant)
-    ctx.calibrator = ctx.calibrator.updated(res, step)
+    path = env.writer.write("bounds", step, row, stage="calibrate", attempt=attempt, variant=env.variant)
+    calibrator = state.calibrator.updated(res, step)
     seconds = time.perf_counter() - t0
-    ctx.record_time(step, "calibrate", seconds)
     return {"outputs": [str(path)], "lower": res.lower, "upper": res.upper, "alpha": res.alpha,
-            "calibrator": ctx.calibrator.to_dict(), "seconds": seconds}
+            "calibrator": calibrator.to_dict(), "seconds": seconds}, state.replace(calibrator=calibrator)

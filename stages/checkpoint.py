@@ -1,45 +1,110 @@
 """Checkpoint stage: save everything needed to continue bit-for-bit, apply retention.
 
-Saved through :mod:`storage.checkpoints`: HF weights (loadable by
-``from_pretrained``), optimizer and LR-schedule state, RNG states, sampler
-position, calibrator state, config, policy version, and the latest eval metrics
-(for keep-best retention). :func:`restore` is the inverse used by resume.
+Model and optimizer state go through ``torch.distributed.checkpoint`` (DCP) into
+``checkpoints/.dcp/step_<n>/``: every rank writes its own shards, and loading
+reshards, so a checkpoint written by W ranks restores on any number of ranks
+(one process included). The rest goes through :mod:`storage.checkpoints` into
+``checkpoints/step_<n>/`` (written last, atomically, by rank 0; its manifest is
+what makes the checkpoint complete): the policy as a ``from_pretrained`` folder
+(safetensors; under FSDP2 the full state is gathered first), LR-schedule state,
+RNG states, sampler position, calibrator state, config, policy version, the DCP
+folder's name, and the latest eval metrics (for keep-best retention).
+:func:`restore` is the inverse used by resume; checkpoints written before DCP
+(``optimizer.pt``) still restore in one process.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
 from fp8rl_core.calibration import CalibratorState
-from stages.context import RunContext
+from stages.context import RunEnv, TrainState
 from stages.prompts import SamplerState
-from storage.checkpoints import apply_retention, load_checkpoint, save_checkpoint
+from storage.checkpoints import apply_retention, list_checkpoints, load_checkpoint, save_checkpoint
+
+DCP_DIR = ".dcp"
 
 
-def run_checkpoint(ctx: RunContext, step: int, *, metrics: dict | None = None) -> dict:
+class _FullStateExport:
+    """``save_pretrained`` of a sharded policy from its gathered full state (rank 0)."""
+
+    def __init__(self, model, state: dict) -> None:
+        self.model, self.state = model, state
+
+    def save_pretrained(self, path) -> None:
+        self.model.save_pretrained(path, state_dict=self.state)
+
+
+def _barrier(env: RunEnv) -> None:
+    if env.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier(group=env.group)
+
+
+def run_checkpoint(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
+                   metrics: dict | None = None) -> tuple[dict, TrainState]:
+    """Save ``state`` (and the process RNG) as ``checkpoints/step_<step>``; apply retention.
+
+    A collective under several ranks: every rank calls it."""
+    from stages.distributed import full_model_state, save_sharded
+
     t0 = time.perf_counter()
-    cfg = ctx.cfg
-    path = save_checkpoint(
-        ctx.run_dir, step, model=ctx.policy, tokenizer=ctx.tokenizer, optimizer=ctx.optimizer,
-        sampler_state=ctx.sampler.to_dict(), calibrator_state=ctx.calibrator.to_dict(),
-        config=cfg.model_dump(mode="json"), metrics=metrics or {},
-        extra={"scheduler": ctx.scheduler.state_dict(), "policy_version": ctx.policy_version},
-    )
-    removed = apply_retention(ctx.run_dir, keep_last=cfg.checkpoint.keep_last, best_metric=cfg.checkpoint.keep_best_metric)
-    seconds = time.perf_counter() - t0
-    ctx.record_time(step, "checkpoint", seconds)
-    return {"outputs": [str(path)], "removed": [str(p) for p in removed], "seconds": seconds}
+    cfg = env.cfg
+    dcp_path = env.layout.checkpoints / DCP_DIR / f"step_{int(step)}"
+    if env.is_main and dcp_path.exists():
+        shutil.rmtree(dcp_path)  # a re-run of this step's checkpoint
+    _barrier(env)
+    save_sharded(dcp_path, state.policy, state.optimizer)
+    model = state.policy if env.world_size == 1 else _FullStateExport(state.policy, full_model_state(state.policy))
+    out: dict = {"outputs": [], "removed": []}
+    if env.is_main:
+        path = save_checkpoint(
+            env.run_dir, step, model=model, tokenizer=env.tokenizer, optimizer=None,
+            sampler_state=state.sampler.to_dict(), calibrator_state=state.calibrator.to_dict(),
+            config=cfg.model_dump(mode="json"), metrics=metrics or {},
+            extra={"scheduler": state.scheduler.state_dict(), "policy_version": state.policy_version,
+                   "dcp": f"{DCP_DIR}/step_{int(step)}", "world_size": env.world_size},
+        )
+        removed = apply_retention(env.run_dir, keep_last=cfg.checkpoint.keep_last, best_metric=cfg.checkpoint.keep_best_metric)
+        _drop_orphan_shards(env)
+        out = {"outputs": [str(path)], "removed": [str(p) for p in removed]}
+    _barrier(env)
+    out["seconds"] = time.perf_counter() - t0
+    return out, state
 
 
-def restore(ctx: RunContext, path: str | Path) -> int:
-    """Load a checkpoint into the context (weights, optimizer, schedule, RNG, sampler, calibrator)."""
-    ck = load_checkpoint(path, model=ctx.policy, optimizer=ctx.optimizer, restore_rng=True)
+def _drop_orphan_shards(env: RunEnv) -> None:
+    """DCP folders whose ``step_<n>`` checkpoint was removed by retention (or never committed, for older steps)."""
+    base = env.layout.checkpoints / DCP_DIR
+    if not base.is_dir():
+        return
+    steps = {p.name for _, p in list_checkpoints(env.run_dir)}
+    for d in base.iterdir():
+        if d.is_dir() and d.name not in steps:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def restore(env: RunEnv, state: TrainState, path: str | Path) -> tuple[int, TrainState]:
+    """Load a checkpoint into ``state``'s policy and optimizer (in place; resharded to this
+    world size) and return ``(step, state)`` with the checkpoint's schedule, sampler,
+    calibrator and policy version. A collective under several ranks."""
+    path = Path(path)
+    ck = load_checkpoint(path, restore_rng=True)
+    dcp = ck.extra.get("dcp")
+    if dcp:
+        from stages.distributed import load_sharded
+
+        load_sharded(path.parent / dcp, state.policy, state.optimizer)
+    else:  # a checkpoint from before DCP: full weights + optimizer.pt, one process
+        load_checkpoint(path, model=state.policy, optimizer=state.optimizer, restore_rng=False)
     sched = ck.extra.get("scheduler")
     if sched:
-        ctx.scheduler.load_state_dict(sched)
-    ctx.sampler = SamplerState.from_dict(ck.sampler_state)
-    if ck.calibrator_state:
-        ctx.calibrator = CalibratorState.from_dict(ck.calibrator_state)
-    ctx.policy_version = int(ck.extra.get("policy_version", ck.step))
-    return ck.step
+        state.scheduler.load_state_dict(sched)
+    calibrator = CalibratorState.from_dict(ck.calibrator_state) if ck.calibrator_state else state.calibrator
+    return ck.step, state.replace(
+        sampler=SamplerState.from_dict(ck.sampler_state), calibrator=calibrator,
+        policy_version=int(ck.extra.get("policy_version", ck.step)),
+    )

@@ -1,17 +1,32 @@
-"""The in-process state a campaign's stages share.
+"""Explicit stage state: what a checkpoint holds, and the run's environment.
 
-Stages are plain functions ``stage(ctx, step) -> summary``: they read inputs
-from storage (and the in-process policy held here), write outputs to storage,
-and return a small dict. :class:`RunContext` is that explicit input — config,
-run directory, writer, ledger, policy, optimizer, engine, calibrator and
-sampler state — built once per process by :func:`open_context`.
+A stage is a plain function over explicit inputs::
+
+    summary, state = run_x(env, state, step, attempt=...)
+
+* :class:`TrainState` — what a checkpoint holds and what moves from stage to
+  stage: policy, optimizer, LR schedule, calibrator state, sampler position and
+  the policy version (the RNG is the process's, captured at save). It is a
+  value: a stage that changes the calibrator or the sampler returns a new one
+  (``state.replace(...)``); nothing reassigns another stage's fields. The
+  policy's and optimizer's tensors are updated in place by the train stage
+  (copying a model per step would be absurd), which then returns the state with
+  its new ``policy_version``.
+* :class:`RunEnv` — what does not change during a run: config, run directory,
+  table writer, ledger, tokenizer, rollout engine, prompt source, variant, and
+  where the process sits (rank, world size, device, process group). Frozen.
+
+:func:`open_run` builds both, once per process (:func:`open_context` is its old
+name). ``flows.rerun`` builds the same types (a policy-free state for score and
+calibrate re-runs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,28 +62,39 @@ def is_checkpoint_step(cfg: CampaignConfig, step: int) -> bool:
     return step >= 1 and (step % cfg.checkpoint.interval == 0 or step == cfg.steps)
 
 
-@dataclass
-class RunContext:
+@dataclass(frozen=True)
+class TrainState:
+    """What a checkpoint holds (plus the process RNG, captured at save)."""
+
+    policy: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    calibrator: CalibratorState
+    sampler: SamplerState = dataclasses.field(default_factory=SamplerState)
+    policy_version: int = 0  # last step whose update the policy holds
+
+    def replace(self, **changes: Any) -> "TrainState":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class RunEnv:
+    """The run's environment: constant for the life of a process."""
+
     cfg: CampaignConfig
     run_dir: Path
     writer: TableWriter
     ledger: Ledger
-    policy: torch.nn.Module
     tokenizer: Any
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    engine: Any  # stages.engines.base.RolloutEngine
+    engine: Any  # stages.engines.base.RolloutEngine (None where no stage generates)
     source: PromptSource
-    calibrator: CalibratorState
-    sampler: SamplerState = field(default_factory=SamplerState)
-    sampler_after_rollout: dict[int, SamplerState] = field(default_factory=dict)
-    policy_version: int = 0  # last step whose update the policy holds
     variant: str = MAIN
-    base_model_dir: Path | None = None
-    timings: dict[int, dict[str, float]] = field(default_factory=dict)
-    attempt: int = 0  # set by the flow for the stage being run
     input_variant: str | None = None  # variant stages read from (None: their own)
-    last_eval: dict[str, float] = field(default_factory=dict)
+    base_model_dir: Path | None = None
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    group: Any = None  # torch.distributed process group (None: the default one, or no distribution)
 
     @property
     def layout(self) -> RunLayout:
@@ -78,14 +104,27 @@ class RunContext:
     def run_id(self) -> str:
         return self.writer.run_id
 
-    def record_time(self, step: int, stage: str, seconds: float) -> None:
-        self.timings.setdefault(step, {})[f"{stage}_seconds"] = seconds
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that talks to Prefect, writes the ledger and the per-step tables."""
+        return self.rank == 0
+
+    @property
+    def collective(self):
+        from stages.train_core import LOCAL, DistCollective
+
+        return LOCAL if self.world_size == 1 else DistCollective(self.group, self.device)
 
     def close(self) -> None:
         try:
-            self.engine.close()
+            if self.engine is not None:
+                self.engine.close()
         except Exception:  # pragma: no cover - best effort
             log.debug("engine close failed", exc_info=True)
+
+
+def initial_calibrator(cfg: CampaignConfig) -> CalibratorState:
+    return CalibratorState.initial(eps_low=cfg.algorithm.eps_low, eps_high=cfg.algorithm.eps_high, config=cfg.calibration)
 
 
 def base_model_dir(cfg: CampaignConfig, runs_root: Path) -> Path:
@@ -100,8 +139,54 @@ def base_model_dir(cfg: CampaignConfig, runs_root: Path) -> Path:
     return Path(bootstrap(cfg.model, cfg.task, cfg.bootstrap, cache, teacher=teacher))
 
 
-def open_context(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN) -> RunContext:
-    """Load the base policy, convert it to the training precision, build optimizer and engine."""
+def resolve_device(setting: str) -> torch.device:
+    """``auto`` = CUDA (this process's local rank) when present, else CPU; or an explicit device."""
+    if setting == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        return torch.device("cpu")
+    dev = torch.device(setting)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {setting!r} asked for, but this machine has no CUDA device; use device: auto or cpu")
+    return dev
+
+
+def check_no_silent_emulation(cfg: CampaignConfig, device: torch.device, report: Any) -> None:
+    """On a GPU, emulated FP8 is an error unless asked for (``precision.emulate: true``)."""
+    if device.type != "cuda" or cfg.precision.train == "bf16" or cfg.precision.emulate is True:
+        return
+    if getattr(report, "emulate", False) or getattr(report, "backend", "") == "fp8rl-emulated":
+        converted = tuple(getattr(report, "converted", ()) or ("?",))
+        try:
+            cap = f"SM{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        except Exception:  # no CUDA runtime to ask (tests)
+            cap = "unknown capability"
+        need = "SM90" if cfg.precision.train == "fp8_blockwise" else "SM89"
+        raise RuntimeError(
+            f"precision {cfg.precision.train!r} on {device}: layer {converted[0]} (and {len(converted) - 1} more) "
+            f"would silently run emulated FP8 (backend {report.backend}): the real kernels need {need}+, this GPU is "
+            f"{cap}; set precision.emulate: true to accept emulation"
+        )
+
+
+def _base_model_rank0_first(cfg: CampaignConfig, runs_root: Path, rank: int, world_size: int, group: Any) -> Path:
+    """Rank 0 builds (or finds) the bootstrap cache while the other ranks wait, then they read it."""
+    if world_size == 1:
+        return base_model_dir(cfg, runs_root)
+    import torch.distributed as dist
+
+    if rank == 0:
+        base = base_model_dir(cfg, runs_root)
+        dist.barrier(group=group)
+        return base
+    dist.barrier(group=group)
+    return base_model_dir(cfg, runs_root)
+
+
+def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, rank: int = 0, world_size: int = 1,
+             group: Any = None) -> tuple[RunEnv, TrainState]:
+    """Load the base policy onto the configured device, convert it to the training precision,
+    build optimizer and engine; return the run's environment and its initial state."""
     from fp8rl_core.precision import convert_for_training
     from fp8rl_core.tiny_model import load_policy
     from stages.engines import make_engine
@@ -110,21 +195,44 @@ def open_context(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAI
     torch.set_num_threads(cfg.threads)
     run_dir = Path(run_dir)
     read_run_info(run_dir)  # fails clearly on a non-run directory
-    base = base_model_dir(cfg, run_dir.parent)
+    device = resolve_device(cfg.device)
+    base = _base_model_rank0_first(cfg, run_dir.parent, rank, world_size, group)
     policy, tokenizer = load_policy(base)
+    policy.to(device)
     report = convert_for_training(
         policy, cfg.precision.train, emulate=cfg.precision.emulate,
         round_scales_to_power_of_2=cfg.precision.round_scales_to_power_of_2,
     )
-    for line in getattr(report, "skipped", ()) or ():
-        log.info("precision: %s", line)
+    check_no_silent_emulation(cfg, device, report)
+    if cfg.algorithm.activation_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine = None
+    if rank == 0:  # rank 0 generates (rollout, evaluation); its engine copies the unsharded policy
+        engine_opts = {"model_path": str(base)} if cfg.rollout.engine == "vllm" else {}
+        engine = make_engine(cfg.rollout.engine, model=policy, tokenizer=tokenizer, precision=cfg.precision,
+                             config=cfg.rollout, **engine_opts)
+    if world_size > 1:
+        from stages.distributed import shard_policy
+
+        policy = shard_policy(policy, cfg, device=device)
     optimizer, scheduler = make_optimizer(policy, cfg)
-    engine_opts = {"model_path": str(base)} if cfg.rollout.engine == "vllm" else {}
-    engine = make_engine(cfg.rollout.engine, model=policy, tokenizer=tokenizer, precision=cfg.precision,
-                         config=cfg.rollout, **engine_opts)
-    calibrator = CalibratorState.initial(eps_low=cfg.algorithm.eps_low, eps_high=cfg.algorithm.eps_high, config=cfg.calibration)
-    return RunContext(
+    env = RunEnv(
         cfg=cfg, run_dir=run_dir, writer=TableWriter(run_dir, row_group_size=cfg.storage.row_group_size),
-        ledger=Ledger(run_dir), policy=policy, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
-        engine=engine, source=make_source(cfg.task), calibrator=calibrator, variant=variant, base_model_dir=base,
+        ledger=Ledger(run_dir), tokenizer=tokenizer, engine=engine, source=make_source(cfg.task), variant=variant,
+        base_model_dir=base, rank=rank, world_size=world_size, device=device, group=group,
     )
+    state = TrainState(policy=policy, optimizer=optimizer, scheduler=scheduler, calibrator=initial_calibrator(cfg))
+    return env, state
+
+
+def open_storage_only(cfg: CampaignConfig, run_dir: str | Path, *, variant: str,
+                      input_variant: str | None = MAIN) -> tuple[RunEnv, TrainState]:
+    """Environment and state without a policy or engine (re-scoring, re-calibrating)."""
+    run_dir = Path(run_dir)
+    env = RunEnv(cfg=cfg, run_dir=run_dir, writer=TableWriter(run_dir), ledger=Ledger(run_dir), tokenizer=None,
+                 engine=None, source=make_source(cfg.task), variant=variant, input_variant=input_variant)
+    return env, TrainState(policy=None, optimizer=None, scheduler=None, calibrator=initial_calibrator(cfg))
+
+
+# Old name, kept for callers outside this issue (benchmarks, other branches).
+open_context = open_run

@@ -15,7 +15,7 @@ import time
 import pyarrow as pa
 
 from fp8rl_core.config import BenchmarkEval, CampaignConfig
-from stages.context import RunContext, step_seed
+from stages.context import RunEnv, TrainState, step_seed
 from stages.prompts import PromptItem, data_dir
 
 
@@ -35,19 +35,19 @@ def check_benchmarks(cfg: CampaignConfig) -> None:
         eval_problems(cfg, bench)
 
 
-def evaluate_benchmark(ctx: RunContext, step: int, bench: BenchmarkEval, salt: int) -> tuple[pa.Table, list[dict]]:
+def evaluate_benchmark(env: RunEnv, state: TrainState, step: int, bench: BenchmarkEval, salt: int) -> tuple[pa.Table, list[dict]]:
     from fp8rl_core.eval_metrics import avg_at_k, maj_at_k, pass_at_k
     from stages.grading import grade_batch
     from stages.rollout import sync_engine
 
-    items, verifier = eval_problems(ctx.cfg, bench)
-    prompt_ids = [ctx.tokenizer(it.prompt, add_special_tokens=True)["input_ids"] for it in items]
-    sync_engine(ctx)
-    batch = ctx.engine.generate(
+    items, verifier = eval_problems(env.cfg, bench)
+    prompt_ids = [env.tokenizer(it.prompt, add_special_tokens=True)["input_ids"] for it in items]
+    sync_engine(env, state)
+    batch = env.engine.generate(
         prompt_ids, n=bench.k, temperature=bench.temperature, top_p=bench.top_p,
-        max_new_tokens=bench.max_new_tokens, seed=step_seed(ctx.cfg.seed, step, 1000 + salt),
+        max_new_tokens=bench.max_new_tokens, seed=step_seed(env.cfg.seed, step, 1000 + salt),
     )
-    responses = ctx.tokenizer.batch_decode([s.response_ids for s in batch.samples], skip_special_tokens=True)
+    responses = env.tokenizer.batch_decode([s.response_ids for s in batch.samples], skip_special_tokens=True)
     golds = [items[s.prompt_index].answer for s in batch.samples]
     ids = [f"{bench.name}:{items[s.prompt_index].prompt_id}#{s.sample_index}" for s in batch.samples]
     graded = grade_batch(ids, responses, golds, verifier=verifier)
@@ -76,19 +76,18 @@ def evaluate_benchmark(ctx: RunContext, step: int, bench: BenchmarkEval, salt: i
     return rows, metric_rows
 
 
-def run_evaluate(ctx: RunContext, step: int) -> dict:
+def run_evaluate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[dict, TrainState]:
     """Evaluate every configured benchmark at ``step``; write ``evals`` and ``eval_scores``."""
     t0 = time.perf_counter()
     all_rows, all_metrics = [], []
-    for i, bench in enumerate(ctx.cfg.evaluation.benchmarks):
-        rows, metrics = evaluate_benchmark(ctx, step, bench, i)
+    for i, bench in enumerate(env.cfg.evaluation.benchmarks):
+        rows, metrics = evaluate_benchmark(env, state, step, bench, i)
         all_rows.append(rows)
         all_metrics.extend(metrics)
     outputs = [
-        str(ctx.writer.write("evals", step, pa.concat_tables(all_rows), stage="evaluate", attempt=ctx.attempt, variant=ctx.variant)),
-        str(ctx.writer.write("eval_scores", step, pa.Table.from_pylist(all_metrics), stage="evaluate", attempt=ctx.attempt, variant=ctx.variant)),
+        str(env.writer.write("evals", step, pa.concat_tables(all_rows), stage="evaluate", attempt=attempt, variant=env.variant)),
+        str(env.writer.write("eval_scores", step, pa.Table.from_pylist(all_metrics), stage="evaluate", attempt=attempt, variant=env.variant)),
     ]
     seconds = time.perf_counter() - t0
-    ctx.record_time(step, "evaluate", seconds)
     scores = {f"{m['benchmark']}/{m['metric'][:-1]}{m['k']}": float(m["value"]) for m in all_metrics}
-    return {"outputs": outputs, "scores": scores, "seconds": seconds}
+    return {"outputs": outputs, "scores": scores, "seconds": seconds}, state

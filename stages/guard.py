@@ -16,16 +16,16 @@ import os
 from contextlib import contextmanager
 from typing import Iterator
 
-from stages.context import RunContext
+from stages.context import RunEnv, TrainState
 
 
-def guard_records(ctx: RunContext) -> list:
+def guard_records(env: RunEnv) -> list:
     """Live ``guard`` ledger records that finished (each one rollback)."""
-    return [r for r in ctx.ledger.records(variant=ctx.variant) if r.stage == "guard" and r.status == "done"]
+    return [r for r in env.ledger.records(variant=env.variant) if r.stage == "guard" and r.status == "done"]
 
 
-def guard_forces_shadow(ctx: RunContext, step: int) -> bool:
-    for r in guard_records(ctx):
+def guard_forces_shadow(env: RunEnv, step: int) -> bool:
+    for r in guard_records(env):
         c, remedy = r.info.get("rollback_to"), r.info.get("remedy")
         if c is None:
             continue
@@ -45,12 +45,12 @@ def _injection(step: int) -> float | None:
 
 
 @contextmanager
-def injected_lr(ctx: RunContext, step: int) -> Iterator[None]:
-    lr = _injection(step) if ctx.attempt == 0 else None
+def injected_lr(state: TrainState, step: int, attempt: int) -> Iterator[None]:
+    lr = _injection(step) if attempt == 0 else None
     if lr is None:
         yield
         return
-    sched, groups = ctx.scheduler, ctx.optimizer.param_groups
+    sched, groups = state.scheduler, state.optimizer.param_groups
     saved_base, saved_lr = list(sched.base_lrs), [g["lr"] for g in groups]
     sched.base_lrs = [lr for _ in saved_base]
     for g in groups:

@@ -12,26 +12,27 @@ import time
 
 import pyarrow as pa
 
-from stages.context import RunContext, step_seed
+from stages.context import RunEnv, TrainState, step_seed
 from stages.prompts import PromptItem, draw_prompts
 
 
-def sync_engine(ctx: RunContext) -> None:
+def sync_engine(env: RunEnv, state: TrainState) -> None:
     """Push the trainer's weights to the engine if it holds an older version."""
-    if getattr(ctx.engine, "_fp8rl_version", None) != ctx.policy_version:
-        ctx.engine.load_weights(ctx.policy)
-        ctx.engine._fp8rl_version = ctx.policy_version
+    if getattr(env.engine, "_fp8rl_version", None) != state.policy_version:
+        env.engine.load_weights(state.policy)
+        env.engine._fp8rl_version = state.policy_version
 
 
-def generate_rows(ctx: RunContext, step: int, items: list[PromptItem], *, round_: int, first_sample_id: int) -> pa.Table:
+def generate_rows(env: RunEnv, state: TrainState, step: int, items: list[PromptItem], *, round_: int,
+                  first_sample_id: int) -> pa.Table:
     """Generate ``G`` samples per prompt and return them as ``rollouts`` rows."""
-    r = ctx.cfg.rollout
-    tok = ctx.tokenizer
+    r = env.cfg.rollout
+    tok = env.tokenizer
     prompt_ids = [tok(it.prompt, add_special_tokens=True)["input_ids"] for it in items]
-    sync_engine(ctx)
-    batch = ctx.engine.generate(
+    sync_engine(env, state)
+    batch = env.engine.generate(
         prompt_ids, n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-        max_new_tokens=r.max_new_tokens, seed=step_seed(ctx.cfg.seed, step, 1 + round_),
+        max_new_tokens=r.max_new_tokens, seed=step_seed(env.cfg.seed, step, 1 + round_),
     )
     g = r.samples_per_prompt
     responses = tok.batch_decode([s.response_ids for s in batch.samples], skip_special_tokens=True)
@@ -50,24 +51,20 @@ def generate_rows(ctx: RunContext, step: int, items: list[PromptItem], *, round_
         "rollout_logp": pa.array([s.response_logprobs for s in batch.samples], pa.list_(pa.float32())),
         "response_length": pa.array([len(s.response_ids) for s in batch.samples], pa.int32()),
         "finish_reason": [s.finish_reason for s in batch.samples],
-        "policy_version": pa.array([ctx.policy_version] * n, pa.int64()),
-        "precision": [ctx.cfg.precision.rollout] * n,
+        "policy_version": pa.array([state.policy_version] * n, pa.int64()),
+        "precision": [env.cfg.precision.rollout] * n,
     }), batch
 
 
-def run_rollout(ctx: RunContext, step: int, *, round_: int = 0, first_sample_id: int = 0) -> dict:
-    """Rollout of ``step`` (refill round ``round_``); writes ``rollouts`` and advances the sampler."""
+def run_rollout(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0, round_: int = 0,
+                first_sample_id: int = 0) -> tuple[dict, TrainState]:
+    """Rollout of ``step`` (refill round ``round_``); writes ``rollouts``; returns the advanced sampler in the state."""
     t0 = time.perf_counter()
-    items, after = draw_prompts(ctx.source, ctx.sampler, ctx.cfg.rollout.prompts_per_step, ctx.cfg.seed)
-    rows, batch = generate_rows(ctx, step, items, round_=round_, first_sample_id=first_sample_id)
+    items, after = draw_prompts(env.source, state.sampler, env.cfg.rollout.prompts_per_step, env.cfg.seed)
+    rows, batch = generate_rows(env, state, step, items, round_=round_, first_sample_id=first_sample_id)
     stage = "rollout" if round_ == 0 else f"rollout{round_}"
-    path = ctx.writer.write("rollouts", step, rows, stage=stage, attempt=ctx.attempt, variant=ctx.variant)
-    ctx.sampler = after
-    if round_ == 0:
-        ctx.sampler_after_rollout[step] = after
+    path = env.writer.write("rollouts", step, rows, stage=stage, attempt=attempt, variant=env.variant)
     seconds = time.perf_counter() - t0
-    if round_ == 0:  # refill rounds are timed (and added) by the score stage that asks for them
-        ctx.record_time(step, "rollout", seconds)
     return {
         "outputs": [str(path)],
         "samples": rows.num_rows,
@@ -75,4 +72,4 @@ def run_rollout(ctx: RunContext, step: int, *, round_: int = 0, first_sample_id:
         "generated_tokens": batch.generated_tokens,
         "seconds": seconds,
         "sampler": after.to_dict(),
-    }
+    }, state.replace(sampler=after)

@@ -3,7 +3,7 @@
 ``calibration.schedule: fixed`` keeps the paper's rule (steps 1, 1+K, ...:
 ``stages.context.is_calibration_step``). ``drift`` decides from the previous
 step's drift signal (``fp8rl_core.drift``), read back from its ``steps`` row,
-and the step of the last calibration (``ctx.calibrator.last_step``, which
+and the step of the last calibration (``state.calibrator.last_step``, which
 checkpoints carry): both come from persisted state, so a resumed or replayed
 step decides exactly as the first attempt did.
 
@@ -21,15 +21,15 @@ import torch
 
 from fp8rl_core.drift import Schedule, ks_distance, negative_ratios, thin
 from fp8rl_core.losses import importance_ratio
-from stages.context import RunContext, is_calibration_step
+from stages.context import RunEnv, TrainState, is_calibration_step
 from stages.io import read_step
 
 _REFERENCE: dict[tuple[str, str, int], torch.Tensor] = {}
 
 
-def _previous_signal(ctx: RunContext, step: int) -> float | None:
+def _previous_signal(env: RunEnv, step: int) -> float | None:
     try:
-        row = read_step(ctx, "steps", step)
+        row = read_step(env, "steps", step)
     except FileNotFoundError:
         return None
     if "drift_signal" not in row.column_names:
@@ -38,25 +38,25 @@ def _previous_signal(ctx: RunContext, step: int) -> float | None:
     return float(vals[-1]) if vals else None
 
 
-def shadow_this_step(ctx: RunContext, step: int) -> bool:
+def shadow_this_step(env: RunEnv, state: TrainState, step: int) -> bool:
     """Does ``step`` run the BF16 shadow passes (and hence calibrate)?"""
     from stages.guard import guard_forces_shadow
 
-    cfg = ctx.cfg
-    if step >= 1 and guard_forces_shadow(ctx, step):
+    cfg = env.cfg
+    if step >= 1 and guard_forces_shadow(env, step):
         return True
     if cfg.calibration.schedule == "fixed":
         return is_calibration_step(cfg, step)
-    last = ctx.calibrator.last_step
-    prev = _previous_signal(ctx, step - 1) if last is not None and step - 1 >= 1 else None
+    last = state.calibrator.last_step
+    prev = _previous_signal(env, step - 1) if last is not None and step - 1 >= 1 else None
     return Schedule.from_config(cfg.calibration).calibrates(step, last, prev)
 
 
-def _reference(ctx: RunContext, step: int) -> torch.Tensor | None:
-    key = (str(ctx.run_dir), ctx.input_variant or ctx.variant, step)
+def _reference(env: RunEnv, step: int) -> torch.Tensor | None:
+    key = (str(env.run_dir), env.input_variant or env.variant, step)
     if key not in _REFERENCE:
         try:
-            tok = read_step(ctx, "token_stats", step)
+            tok = read_step(env, "token_stats", step)
         except FileNotFoundError:
             return None
         col = {n: torch.from_numpy(tok.column(n).to_numpy(zero_copy_only=False).astype(np.float32))
@@ -67,12 +67,13 @@ def _reference(ctx: RunContext, step: int) -> torch.Tensor | None:
     return _REFERENCE[key]
 
 
-def drift_metrics(ctx: RunContext, step: int, r8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, shadow: bool) -> dict:
+def drift_metrics(env: RunEnv, state: TrainState, step: int, r8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                  shadow: bool) -> dict:
     """``drift_signal`` of this step vs the last calibration (0 on a calibration step itself)."""
     if shadow:
         return {"drift_signal": 0.0}
-    last = ctx.calibrator.last_step
-    ref = _reference(ctx, last) if last is not None else None
+    last = state.calibrator.last_step
+    ref = _reference(env, last) if last is not None else None
     if ref is None:
         return {}
     d = ks_distance(negative_ratios(r8, adv, mask), ref)
@@ -82,17 +83,17 @@ def drift_metrics(ctx: RunContext, step: int, r8: torch.Tensor, adv: torch.Tenso
 # --------------------------------------------------------------------------- subsampled shadow passes
 
 
-def shadow_subset(ctx: RunContext, step: int, advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor | None:
+def shadow_subset(env: RunEnv, step: int, advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor | None:
     """``[N]`` bool rows to shadow on ``step`` (``calibration.shadow_target_error`` set), None = all."""
     from fp8rl_core.subsample import choose_size, sample_sequences
     from stages.context import step_seed
 
-    c = ctx.cfg.calibration
+    c = env.cfg.calibration
     if c.shadow_target_error is None:
         return None
     neg_per_seq = ((advantages < 0)[:, None] & (response_mask > 0)).sum(1)
     m = choose_size(neg_per_seq, c.shadow_target_error, c.shadow_failure_prob, c.shadow_min_sequences)
-    g = torch.Generator().manual_seed(step_seed(ctx.cfg.seed, step, 9))
+    g = torch.Generator().manual_seed(step_seed(env.cfg.seed, step, 9))  # the same subset on every rank
     return sample_sequences(int(neg_per_seq.numel()), m, g)
 
 

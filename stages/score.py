@@ -17,23 +17,23 @@ import pyarrow as pa
 import torch
 
 from fp8rl_core.advantages import ADVANTAGE_ESTIMATORS, dynamic_sampling_mask, overlong_penalty
-from stages.context import RunContext
+from stages.context import RunEnv, TrainState
 from stages.io import read_step
 
 
-def grade(ctx: RunContext, rows: pa.Table) -> list[float]:
+def grade(env: RunEnv, rows: pa.Table) -> list[float]:
     """Verifier scores in [0, 1] for each rollout row (process pool for math)."""
     from stages.grading import grade_batch
 
     ids = [f"{pid}#{i}" for pid, i in zip(rows.column("prompt_id").to_pylist(), rows.column("sample_id").to_pylist())]
     results = grade_batch(ids, rows.column("response").to_pylist(), rows.column("reference_answer").to_pylist(),
-                          verifier=ctx.source.verifier)
+                          verifier=env.source.verifier)
     return [1.0 if r.correct else 0.0 for r in results]
 
 
-def _score_rows(ctx: RunContext, rows: pa.Table, scores: list[float]) -> dict[str, np.ndarray]:
-    a = ctx.cfg.algorithm
-    g = ctx.cfg.rollout.samples_per_prompt
+def _score_rows(env: RunEnv, rows: pa.Table, scores: list[float]) -> dict[str, np.ndarray]:
+    a = env.cfg.algorithm
+    g = env.cfg.rollout.samples_per_prompt
     score = torch.tensor(scores, dtype=torch.float32)
     lengths = torch.tensor(rows.column("response_length").to_numpy(), dtype=torch.float32)
     if a.overlong_shaping:
@@ -58,33 +58,36 @@ def _score_rows(ctx: RunContext, rows: pa.Table, scores: list[float]) -> dict[st
     }
 
 
-def run_score(ctx: RunContext, step: int) -> dict:
-    """Grade the rollouts of ``step`` (with DAPO refill rounds) and write ``scores``."""
+def run_score(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[dict, TrainState]:
+    """Grade the rollouts of ``step`` (with DAPO refill rounds) and write ``scores``.
+
+    ``state`` is the state after the step's rollout; refill rounds advance its
+    sampler, and the advanced state is returned (a retry starts again from the
+    state it was given)."""
     from stages.rollout import run_rollout
 
     t0 = time.perf_counter()
-    cfg = ctx.cfg
+    cfg = env.cfg
     per_round = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     if cfg.algorithm.dynamic_sampling:
         # A retried score stage starts its refills afresh: set aside earlier refill
-        # rounds of this step and rewind the sampler to just after round 0.
+        # rounds of this step (the sampler it was given is the one after round 0).
         refills = [f"rollout{r}" for r in range(1, cfg.algorithm.max_refill_rounds + 1)]
-        ctx.writer.supersede("rollouts", [step], stages=refills, variant=ctx.variant)
-        ctx.sampler = ctx.sampler_after_rollout.get(step, ctx.sampler)
-    rows = read_step(ctx, "rollouts", step)
-    scores = grade(ctx, rows)
-    cols = _score_rows(ctx, rows, scores)
+        env.writer.supersede("rollouts", [step], stages=refills, variant=env.variant)
+    rows = read_step(env, "rollouts", step)
+    scores = grade(env, rows)
+    cols = _score_rows(env, rows, scores)
     rounds = 0
     refill_seconds = 0.0
     if cfg.algorithm.dynamic_sampling:
         while int(cols["kept"].sum()) < per_round and rounds < cfg.algorithm.max_refill_rounds:
             rounds += 1
             t_r = time.perf_counter()
-            run_rollout(ctx, step, round_=rounds, first_sample_id=rounds * per_round)
+            _, state = run_rollout(env, state, step, attempt=attempt, round_=rounds, first_sample_id=rounds * per_round)
             refill_seconds += time.perf_counter() - t_r
-            rows = read_step(ctx, "rollouts", step)
-            scores = scores + grade(ctx, rows.slice(len(scores)))
-            cols = _score_rows(ctx, rows, scores)
+            rows = read_step(env, "rollouts", step)
+            scores = scores + grade(env, rows.slice(len(scores)))
+            cols = _score_rows(env, rows, scores)
         # keep at most one batch worth of groups, in sample order
         kept_idx = np.flatnonzero(cols["kept"])
         if len(kept_idx) > per_round:
@@ -97,13 +100,10 @@ def run_score(ctx: RunContext, step: int) -> dict:
         "group_reward_std": pa.array(cols["group_reward_std"], pa.float32()),
         "advantage": pa.array(cols["advantage"], pa.float32()), "kept": pa.array(cols["kept"]),
     })
-    path = ctx.writer.write("scores", step, table, stage="score", attempt=ctx.attempt, variant=ctx.variant)
+    path = env.writer.write("scores", step, table, stage="score", attempt=attempt, variant=env.variant)
     seconds = time.perf_counter() - t0 - refill_seconds
-    ctx.timings.setdefault(step, {})["score_seconds"] = seconds
-    if refill_seconds:
-        ctx.timings[step]["rollout_seconds"] = ctx.timings[step].get("rollout_seconds", 0.0) + refill_seconds
     return {
         "outputs": [str(path)], "reward_mean": float(cols["reward"].mean()), "accuracy": float(cols["correct"].mean()),
         "kept": int(cols["kept"].sum()), "refill_rounds": rounds, "seconds": seconds,
-        "sampler": ctx.sampler.to_dict(),
-    }
+        "refill_seconds": refill_seconds, "sampler": state.sampler.to_dict(),
+    }, state

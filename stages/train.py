@@ -25,11 +25,11 @@ from fp8rl_core.diagnostics import (
 )
 from fp8rl_core.losses import importance_ratio
 from fp8rl_core.noise_sources import noise_sources
-from stages.context import RunContext, step_seed
+from stages.context import RunEnv, TrainState, step_seed
 from stages.guard import injected_lr
 from stages.io import read_step
 from stages.schedule import drift_metrics, shadow_subset, shadow_this_step
-from stages.train_core import TrainBatch, UpdateResult, policy_update
+from stages.train_core import TrainBatch, UpdateResult, policy_update, token_multiple
 
 ENTROPY_BIN_EDGES = (0.0, 0.1, 0.5, 1.0, 2.0, float("inf"))
 
@@ -62,14 +62,35 @@ def build_batch(rows: pa.Table, scores: pa.Table, pad_id: int) -> TrainBatch:
     return TrainBatch(ids, am, rmask, rlp, adv, sids)
 
 
-def token_rows(batch: TrainBatch, res: UpdateResult, *, bounds, standard, sample: float, seed: int) -> pa.Table:
-    """``token_stats`` rows: all valid tokens, or a seeded ``sample`` share of them."""
+def token_uniform(seed: int, sample_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A uniform [0, 1) number per (sample, position), from a hash of (seed, sample_id, position).
+
+    Which tokens a sampled ``token_stats`` keeps then depends on nothing else: not
+    on the batch's padding, the row order, or how rows are spread over ranks.
+    """
+    mask64 = (1 << 63) - 1
+    x = (sample_ids.long() * 0x9E3779B1 + positions.long() * 0x85EBCA77 + (seed & 0xFFFFFFFF) * 0xC2B2AE3D) & mask64
+    for mult in (0x7FEB352D, 0x846CA68B):  # integer mixing rounds (xorshift-multiply), in int64
+        x = x ^ (x >> 15)
+        x = (x * mult) & mask64
+    x = x ^ (x >> 16)
+    return (x & 0xFFFFFF).double() / float(1 << 24)
+
+
+def token_rows(batch: TrainBatch, res: UpdateResult, *, bounds, standard, sample: float, seed: int,
+               rows: torch.Tensor | None = None) -> pa.Table:
+    """``token_stats`` rows of the batch rows ``rows`` (all by default): every valid token,
+    or the ``sample`` share picked by :func:`token_uniform`."""
     mask = batch.response_mask > 0  # [N, T]
+    first = mask.float().argmax(dim=1)  # first response column per row
+    if rows is not None:
+        keep_rows = torch.zeros(mask.shape[0], dtype=torch.bool)
+        keep_rows[rows] = True
+        mask = mask & keep_rows[:, None]
     if sample < 1.0:
-        g = torch.Generator().manual_seed(seed)
-        mask = mask & (torch.rand(mask.shape, generator=g) < sample)
+        pos = torch.arange(mask.shape[1])[None, :] - first[:, None]
+        mask = mask & (token_uniform(seed, batch.sample_ids[:, None], pos) < sample)
     rows_i, cols_i = mask.nonzero(as_tuple=True)
-    first = (batch.response_mask > 0).float().argmax(dim=1)  # first response column per row
     n = rows_i.numel()
 
     def f32(t: torch.Tensor | None, nan_is_null: bool = False) -> pa.Array:
@@ -94,7 +115,7 @@ def token_rows(batch: TrainBatch, res: UpdateResult, *, bounds, standard, sample
 
 
 def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard, tis_cap: float = 2.0) -> dict[str, float]:
-    """Probability/ratio NMAE, noise amplification, over/under-clipped shares, entropy bins."""
+    """Probability/ratio NMAE, noise amplification, over/under-clipped shares, entropy bins, noise sources."""
     if res.logp_bf16 is None:
         return {}
     mask = (batch.response_mask > 0) & torch.isfinite(res.logp_bf16) & torch.isfinite(res.old_logp_bf16)  # subsampled shadow: its rows
@@ -121,37 +142,50 @@ def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard, tis_c
     return out
 
 
-def run_train(ctx: RunContext, step: int) -> dict:
-    """Update the policy on ``step``'s batch; write ``token_stats`` and ``steps``."""
+def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
+              timings: dict[str, float] | None = None) -> tuple[dict, TrainState]:
+    """Update the policy on ``step``'s batch; write ``token_stats`` and ``steps``.
+
+    ``timings``: the step's earlier stage times (``<stage>_seconds``), written in
+    the ``steps`` row. Returns the state with ``policy_version = step`` (the
+    policy and optimizer are updated in place).
+    """
     t0 = time.perf_counter()
-    cfg = ctx.cfg
-    rows = read_step(ctx, "rollouts", step)
-    scores = read_step(ctx, "scores", step)
-    batch = build_batch(rows, scores, ctx.tokenizer.pad_token_id)
-    shadow = shadow_this_step(ctx, step)
-    bounds = ctx.calibrator.bounds
+    cfg = env.cfg
+    rows = read_step(env, "rollouts", step)
+    scores = read_step(env, "scores", step)
+    batch = build_batch(rows, scores, env.tokenizer.pad_token_id)
+    shadow = shadow_this_step(env, state, step)  # fixed K, drift, or a guard remedy (issue 15)
+    bounds = state.calibrator.bounds
     standard = (1.0 - cfg.algorithm.eps_low, 1.0 + cfg.algorithm.eps_high)
     if batch.size == 0:
         raise RuntimeError(f"step {step}: no kept samples to train on (all groups dropped by dynamic sampling)")
-    with injected_lr(ctx, step):  # test hook of the guard (issue 15); a no-op unless FP8RL_INJECT_LR is set
+    with injected_lr(state, step, attempt):  # test hook of the guard (issue 15); a no-op unless FP8RL_INJECT_LR is set
         res = policy_update(
-            ctx.policy, ctx.optimizer, ctx.scheduler, batch, cfg, bounds=bounds, shadow=shadow,
-            seed=step_seed(cfg.seed, step, 7),
-            shadow_rows=shadow_subset(ctx, step, batch.advantages, batch.response_mask) if shadow else None,
+            state.policy, state.optimizer, state.scheduler, batch, cfg, bounds=bounds, shadow=shadow,
+            seed=step_seed(cfg.seed, step, 7), collective=env.collective,
+            shadow_rows=shadow_subset(env, step, batch.advantages, batch.response_mask) if shadow else None,
         )
-    ctx.policy_version = step
+    state = state.replace(policy_version=step)
+    # per-token rows: each rank writes the rows it trained, as its own part file
     tok = token_rows(batch, res, bounds=bounds, standard=standard,
-                     sample=1.0 if shadow else cfg.algorithm.token_stats_sample, seed=step_seed(cfg.seed, step, 8))
-    outputs = [str(ctx.writer.write("token_stats", step, tok, stage="train", attempt=ctx.attempt, variant=ctx.variant))]
+                     sample=1.0 if shadow else cfg.algorithm.token_stats_sample, seed=step_seed(cfg.seed, step, 8),
+                     rows=res.rows if env.world_size > 1 else None)
+    part = "train" if env.rank == 0 else f"train_rank{env.rank}"
+    outputs = [str(env.writer.write("token_stats", step, tok, stage=part, attempt=attempt, variant=env.variant))]
+    if env.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier(group=env.group)  # every rank's part is in place before anyone reads the step
     train_seconds = time.perf_counter() - t0
-    timings = dict(ctx.timings.get(step, {}))
+    timings = dict(timings or {})
     timings["train_seconds"] = train_seconds
     scores_all = scores.to_pydict()
     responses = rows.column("response").to_pylist()
     n_valid = float(batch.response_mask.sum())
     m = dict(res.metrics)
     m.update(shadow_metrics(batch, res, bounds, standard, cfg.algorithm.tis_cap))
-    m.update(drift_metrics(ctx, step, importance_ratio(res.logp_fp8, res.old_logp_fp8),
+    m.update(drift_metrics(env, state, step, importance_ratio(res.logp_fp8, res.old_logp_fp8),
                            batch.advantages[:, None].expand_as(res.logp_fp8), batch.response_mask > 0, shadow))
     m.update({
         "reward_mean": float(np.mean(scores_all["reward"])), "accuracy": float(np.mean(scores_all["correct"])),
@@ -160,11 +194,12 @@ def run_train(ctx: RunContext, step: int) -> dict:
         "kept_share": float(np.mean(scores_all["kept"])), "shadow": float(shadow),
         "pg_loss": m.get("loss", 0.0), "learning_rate": m.get("lr", 0.0),
         "train_tokens_per_second": n_valid / max(res.timings.get("update_s", train_seconds), 1e-9),
+        "token_multiple": float(token_multiple(cfg.precision.train)), "world_size": float(env.world_size),
         **{k: float(v) for k, v in res.timings.items()},
         **timings,
     })
     m["step_seconds"] = sum(v for k, v in timings.items() if k.endswith("_seconds"))
     steps_row = {k: [float(v)] for k, v in m.items() if isinstance(v, (int, float))}
-    outputs.append(str(ctx.writer.write("steps", step, steps_row, stage="train", attempt=ctx.attempt, variant=ctx.variant)))
-    ctx.record_time(step, "train", train_seconds)
-    return {"outputs": outputs, "metrics": m, "seconds": train_seconds}
+    if env.is_main:  # per-step tables: rank 0 alone
+        outputs.append(str(env.writer.write("steps", step, steps_row, stage="train", attempt=attempt, variant=env.variant)))
+    return {"outputs": outputs, "metrics": m, "seconds": train_seconds}, state

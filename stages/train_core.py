@@ -1,7 +1,7 @@
 """One RL policy update over a step's batch, with the BF16 shadow passes.
 
 This is the numerical heart of the train stage, kept free of storage so it can be
-tested on tensors. Per step (DESIGN.md section 2 and issue 6):
+tested on tensors. Per step (DESIGN.md sections 2-3):
 
 1. old log-probs are recomputed in the *training* precision, once, on the whole
    batch (π_old); on calibration steps the BF16 shadow forward runs on the same
@@ -17,6 +17,27 @@ tested on tensors. Per step (DESIGN.md section 2 and issue 6):
 5. a non-finite loss or gradient skips the update (recorded), leaving the policy
    as it was.
 
+One forward path: every forward of a step — π_old, π_θ and both shadow passes —
+goes through :func:`policy_logprobs`, which calls
+:func:`fp8rl_core.logprobs.sequence_logprobs` (autocast of the inputs' device,
+position ids counted over real tokens, log-softmax chunked over the vocabulary).
+
+Kernel shape contracts (DESIGN.md section 3): :func:`policy_logprobs` pads each
+micro-batch on the right (attention mask 0, so no real token sees the padding;
+loss mask 0, so no padded column enters a loss or a statistic) until its token
+count ``rows x T`` is a multiple of :func:`token_multiple` of the precision mode
+(16 for tensorwise/rowwise ``_scaled_mm``, 128 for torchao's blockwise backward).
+Padding tokens do enter a tensorwise activation amax, as they would on the GPU.
+
+Data parallelism (SPMD): the mini-batch partition does not depend on the number
+of ranks. Mini-batch j is rows ``order[j*B:(j+1)*B]`` of a permutation seeded by
+the step; rank r of W takes the r-th contiguous W-th of it, cut into micro-batches
+of ``micro_batch_size``. With ``B/W`` a multiple of the micro-batch size, the W
+ranks together run exactly the micro-batches of the 1-process run. Every batch
+statistic is global: the token-mean denominator is all-reduced (an integer count:
+exact), and the step metrics are computed on the gathered per-token tensors by
+the same code as in one process (:class:`Collective`).
+
 Token order: row i of every ``[N, T]`` tensor is sample i of the batch (groups
 contiguous); column t is the log-prob of ``input_ids[:, t]`` given its prefix.
 """
@@ -30,10 +51,11 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8rl_core.config import CampaignConfig
-from fp8rl_core.logprobs import sequence_logprobs, token_logprobs_and_entropy
+from fp8rl_core.fp8_linear import TOKEN_MULTIPLE
+from fp8rl_core.logprobs import sequence_logprobs
 from fp8rl_core.losses import POLICY_LOSSES, policy_loss, tis_weights
 import fp8rl_core.gspo  # noqa: F401,E402  registers the "gspo" loss (issue 15)
-from fp8rl_core.precision import autocast_context, bf16_shadow
+from fp8rl_core.precision import bf16_shadow
 
 
 def maybe_fault(stage: str, point: int) -> None:
@@ -61,10 +83,18 @@ class TrainBatch:
     def size(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        return TrainBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.response_mask,
+                                                    self.rollout_logp, self.advantages, self.sample_ids)))
+
+    def rows(self, idx: torch.Tensor) -> "TrainBatch":
+        return TrainBatch(self.input_ids[idx], self.attention_mask[idx], self.response_mask[idx],
+                          self.rollout_logp[idx], self.advantages[idx], self.sample_ids[idx])
+
 
 @dataclass
 class UpdateResult:
-    """Per-token arrays ([N, T], float32, valid where response_mask) and step scalars."""
+    """Per-token arrays ([N, T], float32, on CPU, valid where response_mask) and step scalars."""
 
     metrics: dict[str, float]
     logp_fp8: torch.Tensor
@@ -76,6 +106,134 @@ class UpdateResult:
     minibatch: torch.Tensor  # [N] int: index of the row's mini-batch in epoch 0
     skipped_updates: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    rows: torch.Tensor | None = None  # global rows this rank trained (its share of the per-token tables)
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+class Collective:
+    """Global reductions of the trainer; this base class is one process (identity)."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def sum(self, x: float) -> float:
+        return x
+
+    def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``[n_r, ...]`` rows in rank order."""
+        return t
+
+    def max(self, x: float) -> float:
+        return x
+
+
+class DistCollective(Collective):
+    """Reductions over a ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, group=None, device: torch.device | str = "cpu") -> None:
+        import torch.distributed as dist
+
+        self.dist, self.group, self.device = dist, group, torch.device(device)
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+
+    def sum(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
+        self.dist.all_reduce(t, group=self.group)
+        return float(t.item())
+
+    def max(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
+        return float(t.item())
+
+    def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        n = torch.tensor([t.shape[0]], device=self.device)
+        sizes = [torch.zeros_like(n) for _ in range(self.world_size)]
+        self.dist.all_gather(sizes, n, group=self.group)
+        rows = [int(s.item()) for s in sizes]
+        big = max(rows)
+        src = t.to(self.device)
+        if src.shape[0] < big:  # all_gather needs equal shapes: pad, then cut
+            src = torch.cat([src, src.new_zeros((big - src.shape[0], *src.shape[1:]))])
+        out = [torch.empty_like(src) for _ in range(self.world_size)]
+        self.dist.all_gather(out, src.contiguous(), group=self.group)
+        return torch.cat([o[:r] for o, r in zip(out, rows)]).to(t.device)
+
+
+LOCAL = Collective()
+
+
+# --------------------------------------------------------------------------- the one forward path
+
+
+def token_multiple(mode: str) -> int:
+    """Token-count multiple a micro-batch must meet for ``mode``'s FP8 kernels (1 for bf16)."""
+    for granularity, m in TOKEN_MULTIPLE.items():
+        if mode.endswith(granularity):
+            return m
+    return 1
+
+
+def padded_width(rows: int, width: int, multiple: int) -> int:
+    """Smallest ``T >= width`` with ``rows * T`` a multiple of ``multiple``."""
+    step = multiple // math.gcd(rows, multiple) if rows else 1
+    return -(-width // step) * step
+
+
+def pad_to_contract(input_ids: torch.Tensor, attention_mask: torch.Tensor, multiple: int,
+                    pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ``[m, T]`` to ``[m, T']`` with ``m * T'`` a multiple of ``multiple`` (mask 0)."""
+    m, t = input_ids.shape
+    extra = padded_width(m, t, multiple) - t
+    if extra == 0:
+        return input_ids, attention_mask
+    pad = (0, extra)
+    return (torch.nn.functional.pad(input_ids, pad, value=pad_id),
+            torch.nn.functional.pad(attention_mask, pad, value=0))
+
+
+def policy_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    mode: str,
+    shadow: bool = False,
+    with_entropy: bool = False,
+    micro_batch_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropy) of ``model`` over ``[N, T]``: the step's one forward path.
+
+    Micro-batches of ``micro_batch_size`` rows (None: all at once), each padded to
+    ``mode``'s kernel contract; ``shadow`` runs the BF16 shadow pass (same master
+    weights, FP8 linears bypassed). Differentiable when grad is enabled. Returns
+    float32 ``[N, T]`` (padding columns removed).
+    """
+    n, t = input_ids.shape
+    step = n if micro_batch_size is None else micro_batch_size
+    run_mode = "bf16" if shadow else mode
+    multiple = token_multiple(run_mode)
+    lps, ents = [], []
+    for s in range(0, n, max(step, 1)):
+        ids, am = pad_to_contract(input_ids[s : s + step], attention_mask[s : s + step], multiple)
+        if shadow:
+            with bf16_shadow(model):
+                lp, ent = sequence_logprobs(model, ids, am, mode=run_mode, with_entropy=with_entropy)
+        else:
+            lp, ent = sequence_logprobs(model, ids, am, mode=run_mode, with_entropy=with_entropy)
+        lps.append(lp[:, :t])
+        ents.append(None if ent is None else ent[:, :t])
+    if not lps:
+        empty = torch.zeros(0, t, device=input_ids.device)
+        return empty, (empty if with_entropy else None)
+    lp = torch.cat(lps) if len(lps) > 1 else lps[0]
+    ent = None if not with_entropy else (torch.cat(ents) if len(ents) > 1 else ents[0])
+    return lp, ent
+
+
+# --------------------------------------------------------------------------- optimizer
 
 
 def _lr_lambda(warmup: int):
@@ -83,7 +241,7 @@ def _lr_lambda(warmup: int):
 
 
 def make_optimizer(model: torch.nn.Module, cfg: CampaignConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the fp32 master weights plus a linear-warmup schedule (per update)."""
+    """AdamW over the fp32 master weights (on their device) plus a linear-warmup schedule (per update)."""
     a = cfg.algorithm
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, betas=a.betas, weight_decay=a.weight_decay, foreach=True)
@@ -93,6 +251,27 @@ def make_optimizer(model: torch.nn.Module, cfg: CampaignConfig) -> tuple[torch.o
 
 def _micro_slices(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
     return [idx[i : i + size] for i in range(0, idx.numel(), size)]
+
+
+def minibatch_plan(n: int, cfg: CampaignConfig, seed: int, *, rank: int = 0, world_size: int = 1) -> list[list[torch.Tensor]]:
+    """Per mini-batch (epoch-major), this rank's micro-batches as row-index tensors of the global batch.
+
+    Independent of ``world_size`` as a set: the ranks' micro-batches of mini-batch j
+    together are the 1-process micro-batches of mini-batch j.
+    """
+    a = cfg.algorithm
+    gen = torch.Generator().manual_seed(seed)
+    plan = []
+    for _ in range(a.ppo_epochs):
+        order = torch.randperm(n, generator=gen)
+        for mb in _micro_slices(order, a.ppo_mini_batch_size):
+            share = -(-mb.numel() // world_size)
+            mine = mb[rank * share : (rank + 1) * share]
+            plan.append(_micro_slices(mine, a.micro_batch_size))
+    return plan
+
+
+# --------------------------------------------------------------------------- the update
 
 
 def policy_update(
@@ -105,139 +284,180 @@ def policy_update(
     bounds: tuple[float, float],
     shadow: bool,
     seed: int,
+    collective: Collective = LOCAL,
     shadow_rows: torch.Tensor | None = None,
 ) -> UpdateResult:
-    """Run ``ppo_epochs`` passes of mini-batch updates over ``batch``.
+    """Run ``ppo_epochs`` passes of mini-batch updates over ``batch`` (the *global* batch).
 
     ``bounds`` = (L, H) ratio clip bounds in force; ``shadow`` turns on the BF16
     shadow forwards; ``seed`` fixes the mini-batch shuffle (deterministic per step).
-    ``shadow_rows`` (``[N]`` bool, optional): shadow only these sequences
-    (subsampled shadow passes, ``fp8rl_core.subsample``); BF16 log-probs of the
-    other rows are NaN.
+    Under several ranks each rank passes the same global batch and trains on its
+    share of every mini-batch (:func:`minibatch_plan`); the returned per-token
+    arrays and metrics are global and identical on every rank.
+    ``shadow_rows`` (``[N]`` bool over the global batch, optional): shadow only
+    these sequences (subsampled shadow passes, ``fp8rl_core.subsample``); the
+    BF16 log-probs of the other rows are NaN.
     """
     a, mode = cfg.algorithm, cfg.precision.train
-    lower, upper = bounds
-    n, t_len = batch.input_ids.shape
-    mask = batch.response_mask.float()  # [N, T]
-    adv_tok = batch.advantages.float()[:, None] * mask  # [N, T]
+    device = next(model.parameters()).device
+    full = batch
+    n = full.size
+    plan = minibatch_plan(n, cfg, seed, rank=collective.rank, world_size=collective.world_size)
+    mine = torch.unique(torch.cat([m for mbs in plan[: len(plan) // a.ppo_epochs] for m in mbs] or [torch.zeros(0, dtype=torch.long)]))
+    local = full.rows(mine).to(device)  # this rank's rows, in global row order
+    where = torch.full((n,), -1, dtype=torch.long)
+    where[mine] = torch.arange(mine.numel())  # global row -> local row
+    mask = local.response_mask.float()  # [n_r, T]
+    adv_tok = local.advantages.float()[:, None] * mask
     timings: dict[str, float] = {}
     model.train()
+    ws = float(collective.world_size)  # FSDP/DDP average gradients over ranks: undo it for global sums
+
+    # 1. π_old (training precision) and its BF16 shadow, in micro-batches
+    # (in the micro-batches of the first epoch's plan: the same ones on 1 or W ranks)
+    first = [where[m] for mbs in plan[: len(plan) // a.ppo_epochs] for m in mbs]
+
+    sub = None if shadow_rows is None or bool(shadow_rows.all()) else shadow_rows.bool()[mine].to(device)  # local rows
+
+    def shadowed(r: torch.Tensor) -> torch.Tensor:
+        return r if sub is None else r[sub[r]]
+
+    def no_grad_pass(shadow_pass: bool) -> torch.Tensor:
+        fill = float("nan") if shadow_pass and sub is not None else 0.0
+        out = torch.full(local.input_ids.shape, fill, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for r in first:
+                r = shadowed(r) if shadow_pass else r
+                if r.numel():
+                    out[r] = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, shadow=shadow_pass)[0]
+        return out
 
     t0 = time.perf_counter()
-    with torch.no_grad():
-        old_logp8, _ = sequence_logprobs(
-            model, batch.input_ids, batch.attention_mask, mode=mode, micro_batch_size=a.micro_batch_size, with_entropy=False
-        )  # [N, T]
+    old8 = no_grad_pass(False)
     timings["old_logp_s"] = time.perf_counter() - t0
-    old_logp16 = None
-    sub = None if shadow_rows is None or bool(shadow_rows.all()) else shadow_rows.bool()
+    old16 = logp16 = None
     if shadow:
         t0 = time.perf_counter()
-        rows = slice(None) if sub is None else sub
-        with torch.no_grad(), bf16_shadow(model):
-            lp16_old, _ = sequence_logprobs(
-                model, batch.input_ids[rows], batch.attention_mask[rows], mode="bf16",
-                micro_batch_size=a.micro_batch_size, with_entropy=False,
-            )
-        old_logp16 = lp16_old if sub is None else torch.full((n, t_len), float("nan")).index_put_((sub,), lp16_old.float())
+        old16 = no_grad_pass(True)
+        logp16 = torch.zeros_like(old8) if sub is None else torch.full_like(old8, float("nan"))
         timings["shadow_s"] = time.perf_counter() - t0
+    is_w = tis_weights(old8, local.rollout_logp, cap=a.tis_cap) * mask if a.tis else None
 
-    is_w = tis_weights(old_logp8, batch.rollout_logp, cap=a.tis_cap) * mask if a.tis else None  # [N, T]
-
-    logp8 = torch.zeros(n, t_len)
-    logp16 = (torch.zeros(n, t_len) if sub is None else torch.full((n, t_len), float("nan"))) if shadow else None
-    entropy = torch.zeros(n, t_len)
+    # 2. mini-batch updates
+    logp8, entropy = torch.zeros_like(old8), torch.zeros_like(old8)
     minibatch = torch.zeros(n, dtype=torch.long)
     loss_fn = POLICY_LOSSES.get(a.loss)
     # CISPO truncates the IS weight at [0, 1 + eps] instead of clipping the ratio.
-    loss_lower, loss_upper = (0.0, 1.0 + a.cispo_eps_high) if a.loss == "cispo" else (lower, upper)
-    gen = torch.Generator().manual_seed(seed)
-    losses: list[float] = []
-    grad_norms: list[float] = []
-    skipped = 0
+    lower, upper = bounds
+    loss_bounds = (0.0, 1.0 + a.cispo_eps_high) if a.loss == "cispo" else (lower, upper)
+    losses, grad_norms, skipped = [], [], 0
+    per_epoch = len(plan) // a.ppo_epochs
     t_train = time.perf_counter()
-    for epoch in range(a.ppo_epochs):
-        order = torch.randperm(n, generator=gen)
-        for mb_index, mb in enumerate(_micro_slices(order, a.ppo_mini_batch_size)):
+    for k, micros in enumerate(plan):
+        epoch, mb_index = divmod(k, per_epoch)
+        rows = [where[m] for m in micros]  # local row indices
+        if epoch == 0:
+            for m in micros:
+                minibatch[m] = mb_index
+            maybe_fault("train", mb_index)
+        if shadow and epoch == 0:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for r in map(shadowed, rows):
+                    if r.numel():
+                        logp16[r] = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, shadow=True)[0]
+            timings["shadow_s"] += time.perf_counter() - t0
+        mb_tokens = collective.sum(float(sum(float(mask[r].sum()) for r in rows)))
+        mb_seqs = collective.sum(float(sum(r.numel() for r in rows)))
+        optimizer.zero_grad(set_to_none=True)
+        mb_loss = 0.0
+        for r in rows:
+            lp, ent = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, with_entropy=True)
+            loss, _ = loss_fn(
+                lp, old8[r], adv_tok[r], mask[r], lower=loss_bounds[0], upper=loss_bounds[1], dual_clip=a.dual_clip,
+                is_weights=None if is_w is None else is_w[r], agg=a.loss_agg,
+                global_token_count=max(mb_tokens, 1.0), global_seq_count=mb_seqs, norm_len=float(cfg.rollout.max_new_tokens),
+            )
+            if a.entropy_coef > 0:
+                loss = loss - a.entropy_coef * (ent * mask[r]).sum() / max(mb_tokens, 1.0)
+            (loss * ws).backward()
+            mb_loss += float(loss.detach())
             if epoch == 0:
-                minibatch[mb] = mb_index
-                maybe_fault("train", mb_index)
-            mb_sh = mb if sub is None else mb[sub[mb]]
-            if shadow and epoch == 0 and mb_sh.numel():
-                t0 = time.perf_counter()
-                with torch.no_grad(), bf16_shadow(model):
-                    lp16, _ = sequence_logprobs(
-                        model, batch.input_ids[mb_sh], batch.attention_mask[mb_sh], mode="bf16",
-                        micro_batch_size=a.micro_batch_size, with_entropy=False,
-                    )
-                logp16[mb_sh] = lp16.float()
-                timings["shadow_s"] = timings.get("shadow_s", 0.0) + time.perf_counter() - t0
+                logp8[r], entropy[r] = lp.detach(), ent.detach()
+        mb_loss = collective.sum(mb_loss)
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+        grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)  # a DTensor under FSDP2
+        if math.isfinite(mb_loss) and math.isfinite(grad_norm):
+            optimizer.step()
+            scheduler.step()
+            if collective.world_size > 1:
+                from stages.distributed import after_optimizer_step
+
+                after_optimizer_step(model)
+        else:
+            skipped += 1
             optimizer.zero_grad(set_to_none=True)
-            mb_tokens = float(mask[mb].sum().clamp_min(1.0))
-            mb_loss = 0.0
-            for micro in _micro_slices(mb, a.micro_batch_size):
-                ids, am = batch.input_ids[micro], batch.attention_mask[micro]
-                with autocast_context(mode):
-                    logits = model(input_ids=ids, attention_mask=am).logits  # [m, T, V]
-                # logits[:, t] predicts ids[:, t+1]
-                lp, ent = token_logprobs_and_entropy(logits[:, :-1], ids[:, 1:])  # [m, T-1]
-                lp = torch.nn.functional.pad(lp, (1, 0))  # [m, T] aligned to labels
-                ent = torch.nn.functional.pad(ent, (1, 0))
-                m_mask = mask[micro]
-                loss, _ = loss_fn(
-                    lp, old_logp8[micro], adv_tok[micro], m_mask,
-                    lower=loss_lower, upper=loss_upper, dual_clip=a.dual_clip,
-                    is_weights=None if is_w is None else is_w[micro], agg=a.loss_agg,
-                    global_token_count=mb_tokens, global_seq_count=float(len(mb)),
-                    norm_len=float(cfg.rollout.max_new_tokens),
-                )
-                if a.entropy_coef > 0:
-                    loss = loss - a.entropy_coef * (ent * m_mask).sum() / mb_tokens
-                loss.backward()
-                mb_loss += float(loss.detach())
-                if epoch == 0:
-                    logp8[micro] = lp.detach().float()
-                    entropy[micro] = ent.detach().float()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip))
-            if not (math.isfinite(mb_loss) and math.isfinite(grad_norm)):
-                skipped += 1
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                optimizer.step()
-                scheduler.step()
-            losses.append(mb_loss)
-            grad_norms.append(grad_norm)
+        losses.append(mb_loss)
+        grad_norms.append(grad_norm)
     timings["update_s"] = time.perf_counter() - t_train
 
-    # Step-level clip statistics over every token of the step (first epoch's π_θ).
-    with torch.no_grad():
-        _, stats = (loss_fn if a.loss == "gspo" else policy_loss)(  # gspo: sequence-ratio clip shares
-            logp8, old_logp8, adv_tok, mask, lower=lower, upper=upper, dual_clip=a.dual_clip, is_weights=is_w, agg="token-mean"
-        )
-    ntok = float(mask.sum().clamp_min(1.0))
-    metrics: dict[str, float] = {k: float(v) for k, v in stats.items()}
+    # 3. step metrics over every token of the step (gathered: global, same code as one process)
+    def glob(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        out = torch.zeros((n, *t.shape[1:]), dtype=t.dtype)
+        out[collective.gather_rows(mine)] = collective.gather_rows(t.detach().float().cpu())
+        return out
+
+    g = {k: glob(v) for k, v in dict(logp8=logp8, old8=old8, logp16=logp16, old16=old16, entropy=entropy,
+                                     is_w=is_w).items()}
+    minibatch = minibatch if collective.world_size == 1 else _owned_max(collective, minibatch, mine, n)
+    metrics = step_metrics(full, g["logp8"], g["old8"], g["entropy"], g["is_w"], cfg, bounds=bounds)
     metrics.update(
-        loss=_mean(losses),
-        grad_norm=_mean(grad_norms),
-        grad_norm_max=max(grad_norms) if grad_norms else 0.0,
-        lr=float(scheduler.get_last_lr()[0]),
-        lower_bound=float(lower),
-        upper_bound=float(upper),
-        entropy_mean=float((entropy * mask).sum() / ntok),
-        skipped_updates=float(skipped),
-        updates=float(len(losses)),
-        n_tokens=ntok,
-        rollout_train_logp_abs_diff=float(((old_logp8 - batch.rollout_logp).abs() * mask).sum() / ntok),
+        loss=_mean(losses), grad_norm=_mean(grad_norms), grad_norm_max=max(grad_norms) if grad_norms else 0.0,
+        lr=float(scheduler.get_last_lr()[0]), skipped_updates=float(skipped), updates=float(len(losses)),
+    )
+    return UpdateResult(
+        metrics=metrics, logp_fp8=g["logp8"], old_logp_fp8=g["old8"], logp_bf16=g["logp16"], old_logp_bf16=g["old16"],
+        entropy=g["entropy"], tis_weight=g["is_w"], minibatch=minibatch, skipped_updates=skipped, timings=timings,
+        rows=mine,
+    )
+
+
+def _owned_max(collective: Collective, minibatch: torch.Tensor, mine: torch.Tensor, n: int) -> torch.Tensor:
+    """Each row's mini-batch index, as set by the rank that trained it."""
+    return torch.zeros(n, dtype=torch.long).index_copy_(0, collective.gather_rows(mine), collective.gather_rows(minibatch[mine]))
+
+
+def step_metrics(batch: TrainBatch, logp8, old8, entropy, is_w, cfg: CampaignConfig, *, bounds) -> dict[str, float]:
+    """Clip shares, KL, entropy, TIS and mismatch statistics of a step, over all its tokens."""
+    a = cfg.algorithm
+    mask = batch.response_mask.float()
+    adv_tok = batch.advantages.float()[:, None] * mask
+    with torch.no_grad():
+        stats_fn = POLICY_LOSSES.get("gspo") if a.loss == "gspo" else policy_loss  # gspo: sequence-ratio clip shares
+        _, stats = stats_fn(logp8, old8, adv_tok, mask, lower=bounds[0], upper=bounds[1], dual_clip=a.dual_clip,
+                            is_weights=is_w, agg="token-mean")
+    ntok = float(mask.sum().clamp_min(1.0))
+    m: dict[str, float] = {k: float(v) for k, v in stats.items()}
+    m.update(
+        lower_bound=float(bounds[0]), upper_bound=float(bounds[1]),
+        entropy_mean=float((entropy * mask).sum() / ntok), n_tokens=ntok,
+        rollout_train_logp_abs_diff=float(((old8 - batch.rollout_logp).abs() * mask).sum() / ntok),
     )
     if is_w is not None:
         w = is_w[mask > 0]
-        metrics.update(tis_weight_mean=float(w.mean()), tis_weight_min=float(w.min()), tis_capped_share=float((w >= a.tis_cap).float().mean()))
-    return UpdateResult(
-        metrics=metrics, logp_fp8=logp8, old_logp_fp8=old_logp8.float(), logp_bf16=logp16,
-        old_logp_bf16=None if old_logp16 is None else old_logp16.float(), entropy=entropy,
-        tis_weight=is_w, minibatch=minibatch, skipped_updates=skipped, timings=timings,
-    )
+        m.update(tis_weight_mean=float(w.mean()), tis_weight_min=float(w.min()),
+                 tis_capped_share=float((w >= a.tis_cap).float().mean()))
+    return m
 
 
 def _mean(xs: list[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+__all__ = [
+    "Collective", "DistCollective", "LOCAL", "TrainBatch", "UpdateResult", "make_optimizer", "maybe_fault",
+    "minibatch_plan", "pad_to_contract", "padded_width", "policy_logprobs", "policy_update", "step_metrics",
+    "token_multiple",
+]

@@ -20,6 +20,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
 os.environ.setdefault("FP8RL_BOOTSTRAP_CACHE", str(_SESSION_TMP / "bootstrap"))
+# Strict FP8 shape contracts (issue 11): the emulation rejects what the GPU kernels reject.
+os.environ.setdefault("FP8RL_STRICT_FP8_SHAPES", "1")
 
 MICRO_OVERRIDES = [
     "steps=3",

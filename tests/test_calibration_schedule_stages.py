@@ -9,7 +9,7 @@ import pytest
 from conftest import micro_config
 from flows.configuration import dump_config
 from stages.calibrate import run_calibrate
-from stages.context import open_context
+from stages.context import open_run
 from stages.io import read_step
 from stages.rollout import run_rollout
 from stages.score import run_score
@@ -28,20 +28,22 @@ def test_drift_subsample_and_gspo_through_the_stages(tmp_path):
         "calibration.drift_max_interval=50", "calibration.shadow_target_error=0.9", "calibration.shadow_min_sequences=4",
     )
     create_run(tmp_path, "r", config=dump_config(cfg))
-    ctx = open_context(cfg, tmp_path / "r")
+    env, state = open_run(cfg, tmp_path / "r")
     shadows = []
     try:
         for step in (1, 2, 3):
-            run_rollout(ctx, step)
-            run_score(ctx, step)
-            m = run_train(ctx, step)["metrics"]
+            _, state = run_rollout(env, state, step)
+            _, state = run_score(env, state, step)
+            out, state = run_train(env, state, step)
+            m = out["metrics"]
             shadows.append(m["shadow"])
             if m["shadow"]:
-                run_calibrate(ctx, step)
+                _, state = run_calibrate(env, state, step)
             if step == 2:
                 assert m["drift_signal"] > 0
     finally:
-        ctx.close()
+        env.close()
+    ctx = env
     # step 1 always; step 2 too soon (min interval 2); step 3 on step 2's drift signal
     assert shadows == [1.0, 0.0, 1.0]
     tok = read_step(ctx, "token_stats", 1).to_pandas()

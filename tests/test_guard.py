@@ -107,11 +107,11 @@ def test_guard_trips_once_rolls_back_and_finishes(tmp_path, monkeypatch):
     run_dir = tmp_path / "r"
     real = train_mod.run_train
 
-    def surging(ctx, step):
-        out = real(ctx, step)
-        if step in (5, 6) and ctx.attempt == 0:
+    def surging(env, state, step, **kw):
+        out, state = real(env, state, step, **kw)
+        if step in (5, 6) and kw.get("attempt", 0) == 0:
             out["metrics"]["entropy_mean"] *= 3.0
-        return out
+        return out, state
 
     monkeypatch.setattr(train_mod, "run_train", surging)
     from flows.campaign import campaign_flow

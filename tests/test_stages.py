@@ -19,7 +19,7 @@ from conftest import micro_config
 from flows.configuration import dump_config
 from stages.calibrate import run_calibrate
 from stages.checkpoint import restore, run_checkpoint
-from stages.context import open_context
+from stages.context import open_run
 from stages.evaluate import run_evaluate
 from stages.io import read_step
 from stages.rollout import run_rollout
@@ -37,30 +37,44 @@ MODES = {
 }
 
 
+class _Run:
+    """The explicit (environment, state) pair, with the state threaded through stage calls."""
+
+    def __init__(self, env, state):
+        self.env, self.state = env, state
+
+    def __call__(self, stage, step, **kw):
+        summary, self.state = stage(self.env, self.state, step, **kw)
+        return summary
+
+    def close(self):
+        self.env.close()
+
+
 def _context(tmp_path, *overrides):
     cfg = micro_config(*overrides)
     create_run(tmp_path, "r", config=dump_config(cfg))
-    return open_context(cfg, tmp_path / "r")
+    return _Run(*open_run(cfg, tmp_path / "r"))
 
 
 def _first_step_tokens(ctx):
     """Rollout, score and train step 1, close the context, return its token_stats."""
     try:
-        run_rollout(ctx, 1)
-        run_score(ctx, 1)
-        run_train(ctx, 1)
+        ctx(run_rollout, 1)
+        ctx(run_score, 1)
+        ctx(run_train, 1)
     finally:
         ctx.close()
-    return read_step(ctx, "token_stats", 1).to_pandas()
+    return read_step(ctx.env, "token_stats", 1).to_pandas()
 
 
 def _full_step(ctx, step=1):
-    run_rollout(ctx, step)
-    run_score(ctx, step)
-    out = run_train(ctx, step)
-    run_calibrate(ctx, step)
-    run_evaluate(ctx, step)
-    run_checkpoint(ctx, step, metrics={})
+    ctx(run_rollout, step)
+    ctx(run_score, step)
+    out = ctx(run_train, step)
+    ctx(run_calibrate, step)
+    ctx(run_evaluate, step)
+    ctx(run_checkpoint, step, metrics={})
     return out
 
 
@@ -78,7 +92,7 @@ def test_one_full_step_in_each_precision_mode_writes_every_table(tmp_path, mode)
     # a calibration step has both ratios for every valid token
     t = query(con, "SELECT count(*) AS n, count(ratio_fp8) AS r8, count(ratio_bf16) AS r16 FROM token_stats").to_pylist()[0]
     assert t["n"] == t["r8"] == t["r16"]
-    valid = float(read_step(ctx, "scores", 1).num_rows)
+    valid = float(read_step(ctx.env, "scores", 1).num_rows)
     assert valid == 32
     m = out["metrics"]
     assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["skipped_updates"] == 0
@@ -113,9 +127,9 @@ def test_fp8_first_minibatch_ratio_noise_is_measured_not_hidden(tmp_path):
 def test_engine_logprobs_match_trainer_recomputation(tmp_path):
     ctx = _context(tmp_path, *MODES["bf16"])
     try:
-        run_rollout(ctx, 1)
-        run_score(ctx, 1)
-        out = run_train(ctx, 1)
+        ctx(run_rollout, 1)
+        ctx(run_score, 1)
+        out = ctx(run_train, 1)
     finally:
         ctx.close()
     # mean |rollout logp - recomputed old logp| over valid tokens, same (bf16) precision
@@ -127,9 +141,9 @@ def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch):
 
     ctx = _context(tmp_path, *MODES["bf16"])
     try:
-        run_rollout(ctx, 1)
-        run_score(ctx, 1)
-        before = {k: v.clone() for k, v in ctx.policy.state_dict().items()}
+        ctx(run_rollout, 1)
+        ctx(run_score, 1)
+        before = {k: v.clone() for k, v in ctx.state.policy.state_dict().items()}
         real = tc.POLICY_LOSSES.get("ppo")
 
         def nan_loss(*a, **k):
@@ -137,11 +151,11 @@ def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch):
             return loss * float("nan"), m
 
         monkeypatch.setattr(tc.POLICY_LOSSES, "get", lambda name: nan_loss)
-        out = run_train(ctx, 1)
+        out = ctx(run_train, 1)
     finally:
         ctx.close()
     assert out["metrics"]["skipped_updates"] == out["metrics"]["updates"] > 0
-    for k, v in ctx.policy.state_dict().items():
+    for k, v in ctx.state.policy.state_dict().items():
         assert torch.equal(v, before[k]), k
 
 
@@ -153,9 +167,9 @@ def test_same_seed_gives_identical_step_metrics(tmp_path):
         ctx = _context(d, *MODES["fp8-tensorwise"])
         try:
             for step in (1, 2):
-                run_rollout(ctx, step)
-                run_score(ctx, step)
-                m = run_train(ctx, step)["metrics"]
+                ctx(run_rollout, step)
+                ctx(run_score, step)
+                m = ctx(run_train, step)["metrics"]
         finally:
             ctx.close()
         results.append({k: v for k, v in m.items() if not k.endswith(("_seconds", "_s", "per_second"))})
@@ -165,20 +179,21 @@ def test_same_seed_gives_identical_step_metrics(tmp_path):
 def test_checkpoint_restore_round_trips_the_training_state(tmp_path):
     ctx = _context(tmp_path, *MODES["fp8-tensorwise"])
     try:
-        run_rollout(ctx, 1)
-        run_score(ctx, 1)
-        run_train(ctx, 1)
-        run_calibrate(ctx, 1)
-        path = run_checkpoint(ctx, 1)["outputs"][0]
-        weights = {k: v.clone() for k, v in ctx.policy.state_dict().items()}
-        sampler, calib = ctx.sampler, ctx.calibrator
+        ctx(run_rollout, 1)
+        ctx(run_score, 1)
+        ctx(run_train, 1)
+        ctx(run_calibrate, 1)
+        path = ctx(run_checkpoint, 1)["outputs"][0]
+        weights = {k: v.clone() for k, v in ctx.state.policy.state_dict().items()}
+        sampler, calib = ctx.state.sampler, ctx.state.calibrator
     finally:
         ctx.close()
-    fresh = open_context(ctx.cfg, tmp_path / "r")
+    env, state = open_run(ctx.env.cfg, tmp_path / "r")
     try:
-        assert restore(fresh, path) == 1
-        for k, v in fresh.policy.state_dict().items():
+        step, restored = restore(env, state, path)
+        assert step == 1
+        for k, v in restored.policy.state_dict().items():
             assert torch.equal(v, weights[k]), k
-        assert fresh.sampler == sampler and fresh.calibrator == calib and fresh.policy_version == 1
+        assert restored.sampler == sampler and restored.calibrator == calib and restored.policy_version == 1
     finally:
-        fresh.close()
+        env.close()

@@ -1,0 +1,151 @@
+"""``fp8rl plan CONFIG --gpus N --gpu-memory 80``: a per-GPU memory plan of a campaign.
+
+Per GPU, for FSDP2 over N GPUs (parameters, gradients and AdamW state sharded
+N ways, fp32 masters) plus what cannot be sharded:
+
+* parameters: 4 B x P / N (fp32 master shard);
+* gradients: 4 B x P / N (fp32, reduce-scattered);
+* optimizer: 8 B x P / N (AdamW exp_avg + exp_avg_sq);
+* unsharded blocks: 2 decoder blocks gathered at once (the one computing, the
+  one prefetched), fp32: 2 x 4 B x P_block;
+* activations of one micro-batch: tokens x layers x 34 h x 2 B (Korthikanti et
+  al. 2022, BF16; with SDPA/flash attention the 5 a s term is not stored); with
+  ``algorithm.activation_checkpointing`` tokens x layers x h x 2 B (block inputs)
+  plus one block's 34 h x 2 B per token; plus
+  the BF16 logits and one float32 vocabulary chunk: tokens x V x 2 B + 64 MiB;
+* rollout engine (vLLM, colocated, sleeping during training at level 1: its
+  weights stay, KV cache freed): P x 1 B for FP8 weights (2 B for BF16).
+
+P is computed from the architecture (embeddings, attention with GQA, SwiGLU
+MLP, norms; lm_head counted unless tied). Known Hugging Face ids are listed in
+``ARCHITECTURES``; the tiny model comes from ``model.*``. Tokens per
+micro-batch = micro_batch_size x (prompt cap + max_new_tokens). A plan is an
+estimate: it leaves ``headroom`` (default 10%) for the allocator, NCCL buffers
+and CUDA context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fp8rl_core.config import CampaignConfig
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Arch:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+
+
+ARCHITECTURES = {  # from the models' published config.json
+    "Qwen/Qwen3-0.6B": Arch(1024, 28, 16, 8, 128, 3072, 151936, True),
+    "Qwen/Qwen3-1.7B": Arch(2048, 28, 16, 8, 128, 6144, 151936, True),
+    "Qwen/Qwen3-4B": Arch(2560, 36, 32, 8, 128, 9728, 151936, True),
+    "Qwen/Qwen3-8B-Base": Arch(4096, 36, 32, 8, 128, 12288, 151936, False),
+    "Qwen/Qwen3-8B": Arch(4096, 36, 32, 8, 128, 12288, 151936, False),
+    "Qwen/Qwen3-14B-Base": Arch(5120, 40, 40, 8, 128, 17408, 151936, False),
+    "Qwen/Qwen3-14B": Arch(5120, 40, 40, 8, 128, 17408, 151936, False),
+    "Qwen/Qwen2.5-32B": Arch(5120, 64, 40, 8, 128, 27648, 152064, False, True),
+}
+
+
+def arch_of(cfg: CampaignConfig) -> Arch:
+    m = cfg.model
+    if m.path is None:
+        return Arch(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.hidden_size // m.num_heads,
+                    m.intermediate_size, 128, m.tie_word_embeddings)
+    if m.path in ARCHITECTURES:
+        return ARCHITECTURES[m.path]
+    raise ValueError(f"no architecture on file for model.path={m.path!r}; known: {', '.join(ARCHITECTURES)}")
+
+
+def block_params(a: Arch) -> int:
+    q = a.hidden * a.heads * a.head_dim
+    kv = 2 * a.hidden * a.kv_heads * a.head_dim
+    o = a.heads * a.head_dim * a.hidden
+    bias = (a.heads + 2 * a.kv_heads) * a.head_dim if a.qkv_bias else 0
+    mlp = 3 * a.hidden * a.intermediate
+    return q + kv + o + bias + mlp + 2 * a.hidden + 2 * a.head_dim  # + input/post norms, q/k norms
+
+
+def total_params(a: Arch) -> int:
+    emb = a.vocab * a.hidden
+    return emb * (1 if a.tied else 2) + a.layers * block_params(a) + a.hidden
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: list[tuple[str, float]]  # (item, GiB per GPU)
+    total_gib: float
+    budget_gib: float
+    fits: bool
+    params: int
+
+
+def memory_plan(cfg: CampaignConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int = 1024,
+                headroom: float = 0.10) -> Plan:
+    if gpus < 1:
+        raise ValueError("--gpus must be >= 1")
+    a = arch_of(cfg)
+    p = total_params(a)
+    tokens = cfg.algorithm.micro_batch_size * (prompt_tokens + cfg.rollout.max_new_tokens)
+    if cfg.algorithm.activation_checkpointing:  # block inputs kept, one block's activations live in backward
+        act = tokens * a.layers * a.hidden * 2 + tokens * 34 * a.hidden * 2
+    else:
+        act = tokens * a.layers * 34 * a.hidden * 2
+    logits = tokens * a.vocab * 2 + 64 * 2**20
+    rollout_bytes = 1 if cfg.precision.rollout.startswith("fp8") else 2
+    rows = [
+        ("parameters (fp32 master shard)", 4 * p / gpus),
+        ("gradients (fp32 shard)", 4 * p / gpus),
+        ("optimizer (AdamW, fp32 shard)", 8 * p / gpus),
+        ("gathered blocks (2, fp32)", 2 * 4 * block_params(a)),
+        (f"activations per micro-batch ({tokens} tokens{', checkpointed' if cfg.algorithm.activation_checkpointing else ''})", act),
+        ("logits (bf16) + one fp32 vocab chunk", logits),
+        ("rollout engine weights (vLLM, sleeping)", p * rollout_bytes if cfg.rollout.engine == "vllm" else 0.0),
+    ]
+    rows = [(k, v / GiB) for k, v in rows]
+    total = sum(v for _, v in rows)
+    budget = gpu_memory_gib * (1 - headroom)
+    return Plan(rows, total, budget, total <= budget, p)
+
+
+def format_plan(cfg: CampaignConfig, plan: Plan, *, gpus: int, gpu_memory_gib: float) -> str:
+    lines = [f"{cfg.name}: {plan.params / 1e9:.2f} B parameters, FSDP2 over {gpus} GPU(s) of {gpu_memory_gib:g} GiB"]
+    for k, v in plan.rows:
+        lines.append(f"  {k:<48} {v:8.2f} GiB")
+    lines.append(f"  {'total per GPU':<48} {plan.total_gib:8.2f} GiB  (budget {plan.budget_gib:.1f} GiB after headroom)")
+    lines.append("fits" if plan.fits else "does NOT fit: more GPUs, a smaller micro_batch_size or shorter responses")
+    return "\n".join(lines)
+
+
+def register(app) -> None:
+    import typer
+
+    @app.command("plan")
+    def plan(
+        config: str = typer.Argument(..., help="Preset name in configs/ or a YAML file."),
+        gpus: int = typer.Option(8, "--gpus", min=1, help="GPUs the policy is sharded over (FSDP2)."),
+        gpu_memory: float = typer.Option(80.0, "--gpu-memory", min=1.0, help="Memory per GPU, GiB."),
+        set_: list[str] = typer.Option([], "--set", help="Override a config value (repeatable)."),
+        prompt_tokens: int = typer.Option(1024, "--prompt-tokens", min=1, help="Prompt length cap, tokens."),
+    ) -> None:
+        """Per-GPU memory plan of a campaign under FSDP2; says whether it fits."""
+        from flows.cli import fail
+        from flows.configuration import ConfigError, load_config
+
+        try:
+            cfg = load_config(config, set_)
+            p = memory_plan(cfg, gpus=gpus, gpu_memory_gib=gpu_memory, prompt_tokens=prompt_tokens)
+        except (ConfigError, ValueError) as err:
+            raise fail(str(err))
+        typer.echo(format_plan(cfg, p, gpus=gpus, gpu_memory_gib=gpu_memory))
