@@ -14,7 +14,7 @@ and for subsampled (K = 20, subset shadow_s), and the drift schedule's count
 from a replay of a diagnostic run (``--diag RUN_DIR``, see
 ``benchmarks/schedule_replay.py``; omitted without one).
 
-    python benchmarks/shadow_cost.py [--reps 3] [--target 0.3] [--diag RUN_DIR]
+    python benchmarks/shadow_cost.py [--reps 3] [--target 0.3] [--diag RUN_DIR] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.3, help="subsampled shadow: target level error E")
     ap.add_argument("--diag", type=Path, default=None, help="diagnostic run (shadow every step) to replay drift on")
     ap.add_argument("--threshold", type=float, default=0.1, help="drift threshold for the replay")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="config override key=value (repeatable)")
     args = ap.parse_args()
 
     from flows.configuration import dump_config, load_config
     from fp8rl_core.subsample import choose_size, sample_sequences
-    from stages.context import open_context
+    from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.score import run_score
     from stages.io import read_step
@@ -48,25 +49,25 @@ def main() -> None:
     from storage.layout import create_run
     import torch
 
-    cfg = load_config("tiny-cpu", [])
+    cfg = load_config("tiny-cpu", args.sets)
     tmp = Path(tempfile.mkdtemp(prefix="shadow-cost-"))
     create_run(tmp, "r", config=dump_config(cfg))
-    ctx = open_context(cfg, tmp / "r")
+    env, state = open_run(cfg, tmp / "r")
     base, full, sub, m_used = [], [], [], 0
     try:
         for rep in range(args.reps):
             step = rep + 1
             t0 = time.perf_counter()
-            run_rollout(ctx, step)
-            run_score(ctx, step)
+            _, state = run_rollout(env, state, step)
+            _, state = run_score(env, state, step)
             gen_s = time.perf_counter() - t0
-            batch = build_batch(read_step(ctx, "rollouts", step), read_step(ctx, "scores", step), ctx.tokenizer.pad_token_id)
+            batch = build_batch(read_step(env, "rollouts", step), read_step(env, "scores", step), env.tokenizer.pad_token_id)
             neg = ((batch.advantages < 0)[:, None] & (batch.response_mask > 0)).sum(1)
             m_used = choose_size(neg, args.target, cfg.calibration.shadow_failure_prob, cfg.calibration.shadow_min_sequences)
             keep = sample_sequences(batch.size, m_used, torch.Generator().manual_seed(step))
             for kind in ("none", "full", "sub"):
                 t0 = time.perf_counter()
-                res = policy_update(ctx.policy, ctx.optimizer, ctx.scheduler, batch, cfg, bounds=ctx.calibrator.bounds,
+                res = policy_update(state.policy, state.optimizer, state.scheduler, batch, cfg, bounds=state.calibrator.bounds,
                                     shadow=kind != "none", seed=step, shadow_rows=keep if kind == "sub" else None)
                 train_s = time.perf_counter() - t0
                 shadow_s = res.timings.get("shadow_s", 0.0)
@@ -75,7 +76,7 @@ def main() -> None:
                 else:
                     (full if kind == "full" else sub).append(shadow_s)
     finally:
-        ctx.close()
+        env.close()
     step_s, full_s, sub_s = statistics.median(base), statistics.median(full), statistics.median(sub)
     n = batch.size
     print(f"tiny-cpu batch: {n} sequences; subsampled shadow on m = {m_used} (target level error {args.target}); "
