@@ -284,7 +284,7 @@ def run_step(env: RunEnv, state: TrainState, step: int, progress: Progress,
             if out.get("refill_seconds"):
                 timings["rollout_seconds"] = timings.get("rollout_seconds", 0.0) + out["refill_seconds"]
         summary, state = _on_all(train_task, env, state, step, timings=timings)
-        if is_calibration_step(cfg, step):
+        if summary.get("metrics", {}).get("shadow"):  # train ran the shadow passes (stages.schedule: fixed K, drift, guard)
             cal, state = _on_main(calibrate_task, env, state, step)
             if env.is_main:
                 _bounds_artifact(env, step, cal)
@@ -365,14 +365,22 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
         raise
     trackers = _open_trackers(env) if cfg.trackers and env.is_main else None  # no tracker code imported unless configured
     try:
+        from flows.guard import CampaignGuard, recover_pending  # issue 15
+
+        if resume and env.is_main:
+            recover_pending(env)  # a rollback a crash interrupted
         start, state, last_eval = restore_latest(env, state) if resume else (0, state, {})
         progress = Progress(cfg, start)
         last = cfg.steps if stop_after_step is None else min(cfg.steps, stop_after_step)
         metrics: dict = {}
         synced: dict = {}
-        for step in range(start, last + 1):
+        guard = CampaignGuard(env)
+        step = start
+        while step <= last:
             summary, state, last_eval = run_step(env, state, step, progress, last_eval, synced)
             metrics = summary.get("metrics", metrics)
+            # step + 1, or (all ranks together) the step after the checkpoint a guard rollback restored
+            step, state, last_eval = guard.after_step(state, step, metrics, last_eval)
         return {"run_dir": str(run_dir), "last_step": last, "final_metrics": _jsonable(metrics), "last_eval": last_eval,
                 "world_size": world}
     finally:

@@ -238,3 +238,9 @@ def paper_table_markdown(rows: list[dict], keys: list[str]) -> str:
         cells = [str(r.get(k, "")) for k in keys] + [_fmt(r.get(c), kind) for c, _, kind in TABLE_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# issue 15: noise sources, drift signal, guard trips (their own module; appended here)
+from flows.report_figures_calibration import EXTRA_FIGURES  # noqa: E402
+
+FIGURES = FIGURES + EXTRA_FIGURES

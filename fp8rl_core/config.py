@@ -121,7 +121,7 @@ class RolloutConfig(_Frozen):
 
 class AlgorithmConfig(_Frozen):
     advantage: Literal["grpo", "drgrpo"] = Field("grpo", description="Advantage estimator (registry name).")
-    loss: str = Field("ppo", description="Policy loss: a name in fp8rl_core.losses.POLICY_LOSSES (ppo, cispo).")
+    loss: str = Field("ppo", description="Policy loss: a name in fp8rl_core.losses.POLICY_LOSSES (ppo, cispo, gspo); gspo: sequence-level ratio (fp8rl_core.gspo), use eps_low=3e-4, eps_high=4e-4.")
     loss_agg: LossAgg = Field("token-mean", description="Loss aggregation mode.")
     eps_low: float = Field(0.2, ge=0, lt=1, description="PPO lower clip epsilon (ratio lower bound 1-eps_low).")
     eps_high: float = Field(0.28, ge=0, description="PPO upper clip epsilon (ratio upper bound 1+eps_high).")
@@ -217,6 +217,21 @@ class CalibrationConfig(_Frozen):
     relaxed_eps_low: float = Field(0.3, gt=0, lt=1, description="relaxed_lower: the fixed, wider eps_low (L = 1 - this) used by the loss; alpha and over-clipping stay measured against algorithm.eps_low. Sweep: 0.3, 0.4 (our choice).")
     tis_weighted_balance: bool = Field(False, description="calibrated: weight each token of Pos/Neg by its TIS weight (the factor that really scales its gradient).")
     bapo: BapoConfig = Field(default_factory=BapoConfig)
+    # issue 15: when to recalibrate (fp8rl_core.drift) and how much of the batch the shadow passes see
+    schedule: Literal["fixed", "drift"] = Field("fixed", description="Recalibration schedule: every `interval` steps (fixed, the paper's) or when the drift signal crosses `drift_threshold` (fp8rl_core.drift).")
+    drift_threshold: float = Field(0.1, gt=0, le=1, description="Drift schedule: KS distance of the A<0 FP8 ratios vs the last calibration step that triggers a recalibration (our choice).")
+    drift_min_interval: int = Field(2, ge=1, description="Drift schedule: never recalibrate sooner than this many steps after the last calibration.")
+    drift_max_interval: int = Field(20, ge=1, description="Drift schedule: always recalibrate this many steps after the last calibration.")
+    shadow_target_error: float | None = Field(None, gt=0, lt=1, description="Subsampled shadow passes (fp8rl_core.subsample): target error of the alpha quantile, in quantile levels; None = shadow the whole batch.")
+    shadow_failure_prob: float = Field(0.05, gt=0, lt=1, description="Subsampled shadow: probability that the stated quantile-error bound fails (DKW delta).")
+    shadow_min_sequences: int = Field(16, ge=1, description="Subsampled shadow: at least this many sequences.")
+    # issue 15: Calibrated Clipping on GSPO's sequence ratios (fp8rl_core.gspo); scaled from the token-level defaults by 3e-4 / 0.2
+    gspo_lower_min: float = Field(0.9994, gt=0, description="GSPO calibration: L search interval minimum (1 - 2 * 3e-4; our choice).")
+    gspo_lower_max: float = Field(1.0, gt=0, description="GSPO calibration: L search interval maximum.")
+    gspo_upper_min: float = Field(1.0, gt=0, description="GSPO calibration: H grid minimum.")
+    gspo_upper_max: float = Field(1.0012, gt=0, description="GSPO calibration: H grid maximum (1 + 3 * 4e-4; our choice).")
+    gspo_upper_step: float = Field(1e-5, gt=0, description="GSPO calibration: H grid step (the token grid's 0.01 is ~25x GSPO's whole clip range).")
+    gspo_max_delta: float = Field(7.5e-5, ge=0, description="GSPO calibration: largest change of a bound per calibration (0.05 scaled by 3e-4 / 0.2).")
 
     @model_validator(mode="after")
     def _ranges(self) -> "CalibrationConfig":
@@ -224,6 +239,8 @@ class CalibrationConfig(_Frozen):
             raise ValueError("calibration.lower_min must be <= calibration.lower_max")
         if self.upper_min > self.upper_max:
             raise ValueError("calibration.upper_min must be <= calibration.upper_max")
+        if self.drift_min_interval > self.drift_max_interval:
+            raise ValueError("calibration.drift_min_interval must be <= calibration.drift_max_interval")
         return self
 
 
@@ -309,6 +326,26 @@ class TrackingConfig(_Frozen):
     queue_size: int = Field(10_000, ge=1, description="Rows buffered per sink; a full queue drops rows for that sink (warned once).")
 
 
+class GuardConfig(_Frozen):
+    """Issue 15: a monitor over the step rows that rolls a campaign back (fp8rl_core.guard, flows.guard)."""
+
+    enabled: bool = Field(True, description="Watch every step; on a trip restore the last good checkpoint and apply the remedy.")
+    surge_factor: float = Field(1.5, gt=1, description="Surge: value > factor x the median of the `window` steps before (DESIGN).")
+    window: int = Field(10, ge=1, description="Surge / collapse reference: median of this many earlier steps (DESIGN).")
+    persist: int = Field(3, ge=1, description="Surge / collapse: for at least this many consecutive steps (DESIGN).")
+    entropy_floor: float = Field(0.2, ge=0, description="Entropy surge also needs entropy above this (nats; our choice).")
+    garbled_floor: float = Field(0.05, ge=0, description="Garbled surge also needs a garbled share above this (our choice).")
+    reward_collapse_factor: float = Field(0.5, gt=0, lt=1, description="Reward collapse: reward < factor x the median before.")
+    reward_min: float = Field(0.1, ge=0, description="Reward collapse only counts when the reference median is at least this.")
+    remedy: Literal["recalibrate_now", "recalibrate_every_step", "tighten", "stop"] = Field(
+        "recalibrate_every_step", description="After a rollback: calibrate at the next step; at every step for remedy_steps; "
+        "tighten the bounds by tighten_factor; or stop and alert.")
+    remedy_steps: int = Field(5, ge=1, description="recalibrate_every_step: for this many steps after the rollback.")
+    tighten_factor: float = Field(0.5, gt=0, le=1, description="tighten: L -> 1 - f(1 - L), H -> 1 + f(H - 1).")
+    max_trips: int = Field(2, ge=1, description="After this many rollbacks in one run the next trip stops the campaign.")
+
+
+
 class CampaignConfig(_Frozen):
     """One RL campaign: all of the above plus the step budget."""
 
@@ -329,6 +366,7 @@ class CampaignConfig(_Frozen):
     prompt: PromptConfig = Field(default_factory=PromptConfig)
     trackers: tuple[TrackerName, ...] = Field((), description="Experiment trackers fed from the steps/bounds/eval_scores rows: tensorboard, mlflow, wandb (optional extras).")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
     device: str = Field("auto", description="Where policy, batches and optimizer live: auto (CUDA when present), cpu, cuda, cuda:N.")
     surge: SurgeConfig = Field(default_factory=SurgeConfig)
     code: CodeConfig = Field(default_factory=CodeConfig)

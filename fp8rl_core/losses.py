@@ -403,3 +403,6 @@ def _add_common_metrics(metrics: dict[str, float], loss: torch.Tensor, is_weight
     if is_weights is not None:
         w_sum = is_weights.sum(dtype=torch.float64)  # already zero at padding
         metrics["is_weight_mean"] = float(w_sum) / max(metrics["n_tokens"], 1.0)
+
+
+from fp8rl_core import gspo as _gspo  # noqa: E402,F401  registers "gspo" (sequence level) beside the token losses

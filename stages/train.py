@@ -25,9 +25,12 @@ from fp8rl_core.diagnostics import (
 )
 from fp8rl_core.failure_signals import garbled_share
 from fp8rl_core.losses import importance_ratio
+from fp8rl_core.noise_sources import noise_sources
 from stages.context import RunEnv, TrainState, is_calibration_step, step_seed
 from stages.grading import answer_parser
+from stages.guard import injected_lr
 from stages.io import read_step
+from stages.schedule import drift_metrics, shadow_subset, shadow_this_step
 from stages.train_core import TrainBatch, UpdateResult, policy_update, token_multiple
 
 ENTROPY_BIN_EDGES = (0.0, 0.1, 0.5, 1.0, 2.0, float("inf"))
@@ -92,10 +95,10 @@ def token_rows(batch: TrainBatch, res: UpdateResult, *, bounds, standard, sample
     rows_i, cols_i = mask.nonzero(as_tuple=True)
     n = rows_i.numel()
 
-    def f32(t: torch.Tensor | None) -> pa.Array:
+    def f32(t: torch.Tensor | None, nan_is_null: bool = False) -> pa.Array:
         if t is None:
             return pa.nulls(n, pa.float32())
-        return pa.array(t[rows_i, cols_i].float().numpy(), pa.float32())
+        return pa.array(t[rows_i, cols_i].float().numpy(), pa.float32(), from_pandas=nan_is_null)  # NaN -> NULL: not shadowed
 
     lo, hi = bounds
     if res.row_bounds is not None:  # bounds per update (BAPO): each row's own
@@ -107,7 +110,7 @@ def token_rows(batch: TrainBatch, res: UpdateResult, *, bounds, standard, sample
         "minibatch": pa.array(res.minibatch[rows_i].numpy().astype(np.int16)),
         "advantage": pa.array(batch.advantages[rows_i].numpy(), pa.float32()),
         "logp_fp8": f32(res.logp_fp8), "old_logp_fp8": f32(res.old_logp_fp8),
-        "logp_bf16": f32(res.logp_bf16), "old_logp_bf16": f32(res.old_logp_bf16),
+        "logp_bf16": f32(res.logp_bf16, True), "old_logp_bf16": f32(res.old_logp_bf16, True),
         "entropy": f32(res.entropy),
         "lower_bound": pa.array(np.full(n, lo, np.float32)), "upper_bound": pa.array(np.full(n, hi, np.float32)),
         "standard_lower": pa.array(np.full(n, standard[0], np.float32)),
@@ -115,12 +118,14 @@ def token_rows(batch: TrainBatch, res: UpdateResult, *, bounds, standard, sample
     })
 
 
-def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard) -> dict[str, float]:
-    """Probability/ratio NMAE, noise amplification, over/under-clipped shares, entropy bins."""
+def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard, tis_cap: float = 2.0) -> dict[str, float]:
+    """Probability/ratio NMAE, noise amplification, over/under-clipped shares, entropy bins, noise sources."""
     if res.logp_bf16 is None:
         return {}
-    mask = batch.response_mask > 0
+    mask = (batch.response_mask > 0) & torch.isfinite(res.logp_bf16) & torch.isfinite(res.old_logp_bf16)  # subsampled shadow: its rows
     out = {k: float(v) for k, v in noise_amplification(res.logp_fp8, res.logp_bf16, res.old_logp_fp8, res.old_logp_bf16, mask).items()}
+    out.update(noise_sources(res.logp_fp8, res.old_logp_fp8, res.logp_bf16, res.old_logp_bf16, batch.rollout_logp, mask,
+                             tis_cap=tis_cap))  # issue 15: ratio noise vs TIS-weight noise
     r8 = importance_ratio(res.logp_fp8, res.old_logp_fp8)
     r16 = importance_ratio(res.logp_bf16, res.old_logp_bf16)
     adv = batch.advantages[:, None].expand_as(r8)
@@ -155,15 +160,17 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     rows = read_step(env, "rollouts", step)
     scores = read_step(env, "scores", step)
     batch = build_batch(rows, scores, env.tokenizer.pad_token_id)
-    shadow = is_calibration_step(cfg, step)
+    shadow = shadow_this_step(env, state, step)  # fixed K, drift, or a guard remedy (issue 15)
     bounds = state.calibrator.bounds
     standard = (1.0 - cfg.algorithm.eps_low, 1.0 + cfg.algorithm.eps_high)
     if batch.size == 0:
         raise RuntimeError(f"step {step}: no kept samples to train on (all groups dropped by dynamic sampling)")
-    res = policy_update(
-        state.policy, state.optimizer, state.scheduler, batch, cfg, bounds=bounds, shadow=shadow,
-        seed=step_seed(cfg.seed, step, 7), collective=env.collective,
-    )
+    with injected_lr(state, step, attempt):  # test hook of the guard (issue 15); a no-op unless FP8RL_INJECT_LR is set
+        res = policy_update(
+            state.policy, state.optimizer, state.scheduler, batch, cfg, bounds=bounds, shadow=shadow,
+            seed=step_seed(cfg.seed, step, 7), collective=env.collective,
+            shadow_rows=shadow_subset(env, step, batch.advantages, batch.response_mask) if shadow else None,
+        )
     state = state.replace(policy_version=step)
     # per-token rows: each rank writes the rows it trained, as its own part file
     tok = token_rows(batch, res, bounds=bounds, standard=standard,
@@ -182,7 +189,9 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     responses = rows.column("response").to_pylist()
     n_valid = float(batch.response_mask.sum())
     m = dict(res.metrics)
-    m.update(shadow_metrics(batch, res, bounds, standard))
+    m.update(shadow_metrics(batch, res, bounds, standard, cfg.algorithm.tis_cap))
+    m.update(drift_metrics(env, state, step, importance_ratio(res.logp_fp8, res.old_logp_fp8),
+                           batch.advantages[:, None].expand_as(res.logp_fp8), batch.response_mask > 0, shadow))
     m.update({
         "reward_mean": float(np.mean(scores_all["reward"])), "accuracy": float(np.mean(scores_all["correct"])),
         "response_length_mean": float(np.mean(rows.column("response_length").to_numpy())),

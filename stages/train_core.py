@@ -55,6 +55,7 @@ from fp8rl_core.fp8_linear import TOKEN_MULTIPLE
 from fp8rl_core.logprobs import sequence_logprobs
 from fp8rl_core import bapo as bapo_rule
 from fp8rl_core.losses import POLICY_LOSSES, importance_ratio, loss_bounds, policy_loss, tis_weights
+import fp8rl_core.gspo  # noqa: F401,E402  registers the "gspo" loss (issue 15)
 from fp8rl_core.precision import bf16_shadow
 
 
@@ -283,6 +284,7 @@ def policy_update(
     shadow: bool,
     seed: int,
     collective: Collective = LOCAL,
+    shadow_rows: torch.Tensor | None = None,
 ) -> UpdateResult:
     """Run ``ppo_epochs`` passes of mini-batch updates over ``batch`` (the *global* batch).
 
@@ -291,6 +293,9 @@ def policy_update(
     Under several ranks each rank passes the same global batch and trains on its
     share of every mini-batch (:func:`minibatch_plan`); the returned per-token
     arrays and metrics are global and identical on every rank.
+    ``shadow_rows`` (``[N]`` bool over the global batch, optional): shadow only
+    these sequences (subsampled shadow passes, ``fp8rl_core.subsample``); the
+    BF16 log-probs of the other rows are NaN.
     """
     a, mode = cfg.algorithm, cfg.precision.train
     if a.ppo_mini_batch_size % (collective.world_size * a.micro_batch_size):
@@ -317,11 +322,19 @@ def policy_update(
     # (in the micro-batches of the first epoch's plan: the same ones on 1 or W ranks)
     first = [where[m] for mbs in plan[: len(plan) // a.ppo_epochs] for m in mbs]
 
+    sub = None if shadow_rows is None or bool(shadow_rows.all()) else shadow_rows.bool()[mine].to(device)  # local rows
+
+    def shadowed(r: torch.Tensor) -> torch.Tensor:
+        return r if sub is None else r[sub[r]]
+
     def no_grad_pass(shadow_pass: bool) -> torch.Tensor:
-        out = torch.zeros(local.input_ids.shape, dtype=torch.float32, device=device)
+        fill = float("nan") if shadow_pass and sub is not None else 0.0
+        out = torch.full(local.input_ids.shape, fill, dtype=torch.float32, device=device)
         with torch.no_grad():
             for r in first:
-                out[r] = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, shadow=shadow_pass)[0]
+                r = shadowed(r) if shadow_pass else r
+                if r.numel():
+                    out[r] = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, shadow=shadow_pass)[0]
         return out
 
     t0 = time.perf_counter()
@@ -331,7 +344,7 @@ def policy_update(
     if shadow:
         t0 = time.perf_counter()
         old16 = no_grad_pass(True)
-        logp16 = torch.zeros_like(old8)
+        logp16 = torch.zeros_like(old8) if sub is None else torch.full_like(old8, float("nan"))
         timings["shadow_s"] = time.perf_counter() - t0
     is_w = tis_weights(old8, local.rollout_logp, cap=a.tis_cap) * mask if a.tis else None
 
@@ -355,8 +368,9 @@ def policy_update(
         if shadow and epoch == 0:
             t0 = time.perf_counter()
             with torch.no_grad():
-                for r in rows:
-                    logp16[r] = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, shadow=True)[0]
+                for r in map(shadowed, rows):
+                    if r.numel():
+                        logp16[r] = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, shadow=True)[0]
             timings["shadow_s"] += time.perf_counter() - t0
         if bapo_on:  # BAPO as published: bounds from this update's current ratios (global sums), no BF16 pass
             with torch.no_grad():
@@ -445,8 +459,9 @@ def step_metrics(batch: TrainBatch, logp8, old8, entropy, is_w, cfg: CampaignCon
     mask = batch.response_mask.float()
     adv_tok = batch.advantages.float()[:, None] * mask
     with torch.no_grad():
-        _, stats = policy_loss(logp8, old8, adv_tok, mask, lower=bounds[0], upper=bounds[1], dual_clip=a.dual_clip,
-                               is_weights=is_w, agg="token-mean")
+        stats_fn = POLICY_LOSSES.get("gspo") if a.loss == "gspo" else policy_loss  # gspo: sequence-ratio clip shares
+        _, stats = stats_fn(logp8, old8, adv_tok, mask, lower=bounds[0], upper=bounds[1], dual_clip=a.dual_clip,
+                            is_weights=is_w, agg="token-mean")
     ntok = float(mask.sum().clamp_min(1.0))
     m: dict[str, float] = {k: float(v) for k, v in stats.items()}
     m.update(

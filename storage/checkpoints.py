@@ -319,7 +319,7 @@ def apply_retention(
     if keep_last < 0:
         raise ValueError(f"keep_last must be >= 0, got {keep_last}")
     complete = [(s, p) for s, p in list_checkpoints(run_dir) if not verify_checkpoint(p, hashes=False)]
-    keep = {p for _, p in complete[len(complete) - keep_last:]} if keep_last else set()
+    keep = {p for _, p in complete[max(0, len(complete) - keep_last):]} if keep_last else set()  # fewer than keep_last: keep all
     if best_metric is not None:
         scored = []
         for s, p in complete:

@@ -264,7 +264,8 @@ class Ledger:
         rows = [
             {"run_id": r.run_id, "step": r.step, "variant": r.variant, "stage": r.stage, "attempt": r.attempt,
              "status": r.status, "started_at": r.started_at, "finished_at": r.finished_at, "seconds": r.seconds,
-             "outputs": r.outputs, "error": r.error, "host": r.host, "pid": r.pid}
+             "outputs": r.outputs, "error": r.error, "host": r.host, "pid": r.pid,
+             "info": json.dumps(r.info, sort_keys=True, default=str) if r.info else None}
             for r in self.records(variant=variant)
         ]
         return pa.Table.from_pylist(rows, schema=LEDGER.schema())

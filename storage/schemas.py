@@ -307,6 +307,12 @@ _STEP_METRICS = (
     ("garbled_heuristic_share", "Share of responses the text heuristic diagnostics.garbled_score flags (>= 0.5)."),
     ("token_multiple", "Token-count multiple every FP8 micro-batch was padded to (16 tensorwise/rowwise, 128 blockwise, 1 bf16)."),
     ("world_size", "Ranks that trained the step (FSDP2 under torchrun; 1 = one process)."),
+    ("drift_signal", "KS distance of this step's A<0 FP8 ratios vs the last calibration step's (0 on calibration steps)."),
+    ("ratio_noise_nmae", "Shadow steps: NMAE of r8 vs r16 (training noise in the ratio)."),
+    ("tis_weight_nmae", "Shadow steps: NMAE of the TIS weight from FP8 vs BF16 pi_old (against rollout log-probs)."),
+    ("rollout_bf16_prob_nmae", "Shadow steps: NMAE of rollout-engine probabilities vs BF16 pi_old (the mismatch itself)."),
+    ("rollout_bf16_tis_nmae", "Shadow steps: NMAE of 1 vs the TIS weight from BF16 pi_old (what TIS corrects)."),
+    ("rollout_fp8_prob_nmae", "Shadow steps: NMAE of rollout probabilities vs FP8 pi_old."),
 )
 
 STEPS = TableSpec(
@@ -349,6 +355,13 @@ BOUNDS = TableSpec(
         Column("negative_tokens", pa.int64(), "Of which with A < 0."),
         Column("nonfinite_tokens", pa.int64(), "Tokens with a non-finite ratio, left out of the calibration."),
         Column("status", pa.string(), "Calibration outcome ('ok', or why the previous bounds were kept)."),
+        # issue 15: subsampled shadow passes (fp8rl_core.subsample)
+        Column("shadow_sequences", pa.int64(), "Sequences the BF16 shadow passes ran on (m)."),
+        Column("total_sequences", pa.int64(), "Sequences of the batch (N); m = N: full shadow."),
+        Column("alpha_level_error", _F64, "Stated error of the subset's L in quantile levels (Hoeffding-Serfling, sequences as unit)."),
+        Column("lower_error_bound", _F64, "Stated bound on |L_subset - L_full| (ratio units), holds with prob >= 1 - shadow_failure_prob."),
+        Column("lower_error_bootstrap", _F64, "Bootstrap (over sequences) (1 - delta)-quantile of the L error: tighter, approximate."),
+        Column("shadow_failure_prob", _F64, "delta of the stated bounds."),
     ),
 )
 
@@ -399,6 +412,7 @@ LEDGER = TableSpec(
         Column("error", pa.string(), "One-line error of a failed attempt."),
         Column("host", pa.string(), "Host that ran the attempt."),
         Column("pid", pa.int32(), "Process id that ran the attempt."),
+        Column("info", pa.string(), "JSON of the stage's recorded summary (e.g. why the guard rolled back)."),
     ),
     stored=False,
 )

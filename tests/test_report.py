@@ -57,6 +57,15 @@ def _ledger_events(run_id: str, steps: int, *, calib_every: int, eval_every: int
     return events
 
 
+def _guard_events(run_id: str, steps: int) -> list[dict]:
+    """One guard rollback (issue 15) in the middle of a run (it takes no time, so wall_seconds is unchanged)."""
+    t = datetime(2026, 1, 1, tzinfo=timezone.utc).isoformat()
+    key = {"run_id": run_id, "step": steps // 2 - 2, "stage": "guard", "attempt": 0, "variant": "main"}
+    info = {"kind": "entropy_surge", "detected_step": steps // 2, "first_bad_step": steps // 2 - 1,
+            "rollback_to": steps // 2 - 2, "action": "rollback", "remedy": "recalibrate_now"}
+    return [{"event": "start", **key, "at": t}, {"event": "finish", **key, "at": t, "outputs": [], "info": info}]
+
+
 def fabricate_run(root: Path, run_id: str, *, calibrated: bool, steps: int = 10, calib_every: int = 3,
                   eval_every: int = 5, seed: int = 0) -> Path:
     """A finished fake run under ``root``; returns its directory."""
@@ -92,6 +101,7 @@ def fabricate_run(root: Path, run_id: str, *, calibrated: bool, steps: int = 10,
                 "lower_bound": lower, "upper_bound": upper, "response_length_mean": 12 + step * 0.3 + 20 * surge,
                 "garbled_share": min(1.0, surge / 2), "kept_share": 1.0, "shadow": float(shadow),
                 "rollout_seconds": 2.0, "score_seconds": 0.2, "train_seconds": 3.0, "step_seconds": 5.2,
+                "drift_signal": 0.0 if shadow else 0.05 + 0.01 * (step % 3),
             }
             if shadow:
                 prob = 0.010 if calibrated else 0.012
@@ -100,6 +110,8 @@ def fabricate_run(root: Path, run_id: str, *, calibrated: bool, steps: int = 10,
                     "overclipped_share": 0.002 if calibrated else 0.02 + 0.002 * step,
                     "underclipped_share": 0.002, "lower_clip_share_neg_fp8": 0.05 if calibrated else 0.2,
                     "lower_clip_share_neg_bf16": 0.05,
+                    "ratio_noise_nmae": prob * 2.2, "tis_weight_nmae": prob * 1.1, "rollout_bf16_prob_nmae": 0.03,
+                    "rollout_bf16_tis_nmae": 0.03, "rollout_fp8_prob_nmae": 0.031,
                     **{f"clipfrac_lower_entropy_bin{i}": 0.01 * (i + 1) for i in range(5)},
                     **{f"clipfrac_upper_entropy_bin{i}": 0.005 * (i + 1) for i in range(5)},
                 })
@@ -118,7 +130,7 @@ def fabricate_run(root: Path, run_id: str, *, calibrated: bool, steps: int = 10,
             acc = 0.30 + (0.02 * step if calibrated else 0.02 * min(step, 5) - 0.01 * max(0, step - 5))
             w.write("eval_scores", step, [{"benchmark": "synthetic", "metric": "avg@k", "k": 1, "value": acc,
                                            "n_problems": 1000}], stage="evaluate")
-    events = _ledger_events(run.name, steps, calib_every=calib_every, eval_every=eval_every)
+    events = _ledger_events(run.name, steps, calib_every=calib_every, eval_every=eval_every) + _guard_events(run.name, steps)
     (run / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     return run
 
@@ -181,7 +193,7 @@ def test_runs_are_overlaid_one_line_per_run(report) -> None:
     bounds = next(f for f in report.figures if f.figure.name == "bounds")
     assert bounds.rows == 8 and bounds.panels[0].lines == 4  # raw and smoothed L, two runs, 4 calibrations each
     timings = next(f for f in report.figures if f.figure.name == "timings")
-    assert {p.title for p in timings.panels} == set(STAGE_SECONDS)
+    assert {p.title for p in timings.panels} == set(STAGE_SECONDS) | {"guard"}  # the fabricated guard rollback (issue 15)
 
 
 def test_html_references_only_files_that_exist(report) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 import flows.campaign as campaign
 from conftest import micro_config
-from stages.context import TrainState
+from stages.context import TrainState, is_calibration_step
 from stages.prompts import SamplerState
 from storage.layout import create_run
 from storage.ledger import Ledger
@@ -37,6 +37,8 @@ def setup(tmp_path: Path, monkeypatch):
                 return {"scores": {"synthetic/avg@2": 0.25}}, state_
             if name == "calibrate":
                 return {"lower": 0.8, "upper": 1.28, "alpha": 0.01}, state_
+            if name == "train":  # the train stage reports whether it ran the shadow passes
+                return {"metrics": {"reward_mean": 0.5, "shadow": float(is_calibration_step(env_.cfg, step))}}, state_
             return {"metrics": {"reward_mean": 0.5}}, state_
         return task
 

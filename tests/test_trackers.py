@@ -273,7 +273,7 @@ def test_prefect_client_finds_the_flow_run_stage_tasks_and_artifacts(tracked):
             assert f"{stage}-step-{step}" in names, sorted(names)
         assert names["rollout-step-1"].run_count == 2 and names["rollout-step-1"].state.is_completed()
         logs = client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[names["rollout-step-1"].id])))
-        assert any("attempt 0 failed: TransientStageError: injected transient fault" in lg.message for lg in logs)
+        assert any("attempt 0 failed: InjectedTransientFault: injected transient fault" in lg.message for lg in logs)
 
         def versions(k: str):
             return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[k])))
@@ -355,7 +355,7 @@ def test_prefect_ui_renders_the_campaign(tracked, prefect_ui, tmp_path):
     run_dir, _ = tracked
     first, _ = _flow_run_of(run_dir)
     page = render(f"{prefect_ui}/runs/flow-run/{first.id}", tmp_path / "profile")  # the Logs tab
-    assert "rollout-step-1 attempt 0 failed: TransientStageError: injected transient fault" in page, page[-3000:]
+    assert "rollout-step-1 attempt 0 failed: InjectedTransientFault: injected transient fault" in page, page[-3000:]
     assert "Completed" in page
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey

@@ -1,0 +1,146 @@
+"""When a step runs the BF16 shadow passes, and the drift signal of every step (issue 15).
+
+``calibration.schedule: fixed`` keeps the paper's rule (steps 1, 1+K, ...:
+``stages.context.is_calibration_step``). ``drift`` decides from the previous
+step's drift signal (``fp8rl_core.drift``), read back from its ``steps`` row,
+and the step of the last calibration (``state.calibrator.last_step``, which
+checkpoints carry): both come from persisted state, so a resumed or replayed
+step decides exactly as the first attempt did.
+
+The signal's reference is the A<0 FP8 ratios of the last calibration step,
+read from that step's ``token_stats`` (calibration steps write every token)
+and cached per (run, variant, step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from fp8rl_core.drift import Schedule, ks_distance, negative_ratios, thin
+from fp8rl_core.losses import importance_ratio
+from stages.context import RunEnv, TrainState, is_calibration_step
+from stages.io import read_step
+
+_REFERENCE: dict[tuple[str, str, int], torch.Tensor] = {}
+
+
+def _previous_signal(env: RunEnv, step: int) -> float | None:
+    try:
+        row = read_step(env, "steps", step)
+    except FileNotFoundError:
+        return None
+    if "drift_signal" not in row.column_names:
+        return None
+    vals = [v for v in row.column("drift_signal").to_pylist() if v is not None]
+    return float(vals[-1]) if vals else None
+
+
+def shadow_this_step(env: RunEnv, state: TrainState, step: int) -> bool:
+    """Does ``step`` run the BF16 shadow passes (and hence calibrate)?"""
+    from stages.guard import guard_forces_shadow
+
+    cfg = env.cfg
+    if step >= 1 and guard_forces_shadow(env, step):
+        return True
+    if cfg.calibration.schedule == "fixed":
+        return is_calibration_step(cfg, step)
+    last = state.calibrator.last_step
+    prev = _previous_signal(env, step - 1) if last is not None and step - 1 >= 1 else None
+    return Schedule.from_config(cfg.calibration).calibrates(step, last, prev)
+
+
+def _reference(env: RunEnv, step: int) -> torch.Tensor | None:
+    key = (str(env.run_dir), env.input_variant or env.variant, step)
+    if key not in _REFERENCE:
+        try:
+            tok = read_step(env, "token_stats", step)
+        except FileNotFoundError:
+            return None
+        col = {n: torch.from_numpy(tok.column(n).to_numpy(zero_copy_only=False).astype(np.float32))
+               for n in ("logp_fp8", "old_logp_fp8", "advantage")}
+        r8 = importance_ratio(col["logp_fp8"], col["old_logp_fp8"])
+        _REFERENCE.clear()  # one reference in force per process is enough
+        _REFERENCE[key] = thin(negative_ratios(r8, col["advantage"], torch.ones_like(r8, dtype=torch.bool)))
+    return _REFERENCE[key]
+
+
+def drift_metrics(env: RunEnv, state: TrainState, step: int, r8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                  shadow: bool) -> dict:
+    """``drift_signal`` of this step vs the last calibration (0 on a calibration step itself)."""
+    if shadow:
+        return {"drift_signal": 0.0}
+    last = state.calibrator.last_step
+    ref = _reference(env, last) if last is not None else None
+    if ref is None:
+        return {}
+    d = ks_distance(negative_ratios(r8, adv, mask), ref)
+    return {"drift_signal": d} if math.isfinite(d) else {}
+
+
+# --------------------------------------------------------------------------- subsampled shadow passes
+
+
+def shadow_subset(env: RunEnv, step: int, advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor | None:
+    """``[N]`` bool rows to shadow on ``step`` (``calibration.shadow_target_error`` set), None = all."""
+    from fp8rl_core.subsample import choose_size, sample_sequences
+    from stages.context import step_seed
+
+    c = env.cfg.calibration
+    if c.shadow_target_error is None:
+        return None
+    neg_per_seq = ((advantages < 0)[:, None] & (response_mask > 0)).sum(1)
+    m = choose_size(neg_per_seq, c.shadow_target_error, c.shadow_failure_prob, c.shadow_min_sequences)
+    g = torch.Generator().manual_seed(step_seed(env.cfg.seed, step, 9))  # the same subset on every rank
+    return sample_sequences(int(neg_per_seq.numel()), m, g)
+
+
+def subsample_columns(cols: dict[str, np.ndarray], sample_ids: np.ndarray, cfg, step: int) -> tuple[np.ndarray, dict]:
+    """For a calibration step's token columns: (rows with a BF16 shadow, extra ``bounds`` columns).
+
+    Full shadow: every row, the bound columns say m = N and error 0.
+    """
+    from fp8rl_core.subsample import bootstrap_lower_error, lower_error_bound
+    from stages.context import step_seed
+
+    has16 = np.isfinite(cols["logp_bf16"]) & np.isfinite(cols["old_logp_bf16"])
+    adv = cols["advantage"]
+    uniq, inv = np.unique(sample_ids, return_inverse=True)
+    neg_tok = adv < 0
+    neg_per_seq = torch.from_numpy(np.bincount(inv, weights=neg_tok, minlength=len(uniq)).astype(np.int64))
+    keep = torch.from_numpy(np.bincount(inv, weights=has16, minlength=len(uniq)) > 0)
+    m, n = int(keep.sum()), len(uniq)
+    delta = cfg.calibration.shadow_failure_prob
+    out = {"shadow_sequences": m, "total_sequences": n, "shadow_failure_prob": delta}
+    if m >= n:
+        out.update(alpha_level_error=0.0, lower_error_bound=0.0, lower_error_bootstrap=0.0)
+        return has16, out
+
+    def ratio(a, b):
+        return importance_ratio(torch.from_numpy(a.astype(np.float32)), torch.from_numpy(b.astype(np.float32)))
+
+    r8 = ratio(cols["logp_fp8"], cols["old_logp_fp8"])
+    r16 = ratio(np.nan_to_num(cols["logp_bf16"]), np.nan_to_num(cols["old_logp_bf16"]))
+    thr = 1.0 - cfg.algorithm.eps_low
+    sel = torch.from_numpy(has16 & neg_tok)
+    n_sel = int(sel.sum())
+    alpha = float((r16[sel] < thr).double().mean()) if n_sel else float("nan")
+    b = lower_error_bound(r8[torch.from_numpy(neg_tok)], alpha, m=m, neg_per_seq=neg_per_seq, keep=keep, delta=delta)
+    boot = bootstrap_lower_error(r8[sel], r16[sel], torch.from_numpy(inv)[sel], threshold=thr, delta=delta, m=m,
+                                 n_total=n, generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 10)))
+    out.update(alpha_level_error=b.level_error, lower_error_bound=b.lower_error_bound, lower_error_bootstrap=boot)
+    return has16, out
+
+
+def gspo_calibration_tensors(cols: dict[str, np.ndarray], sample_ids: np.ndarray, token_mask: torch.Tensor, cfg):
+    """(s8, s16, A, valid, config) of a calibration step for GSPO: sequences as the calibration units."""
+    from fp8rl_core.gspo import gspo_calibration_config, sequence_calibration_inputs
+
+    t = {k: torch.from_numpy(np.asarray(v, dtype=np.float64)) for k, v in cols.items()}
+    s8, s16, a, ok = sequence_calibration_inputs(
+        t["logp_fp8"], t["old_logp_fp8"], t["logp_bf16"], t["old_logp_bf16"], t["advantage"],
+        torch.from_numpy(np.asarray(sample_ids, dtype=np.int64)), token_mask,
+    )
+    return s8, s16, a, ok, gspo_calibration_config(cfg.calibration)
