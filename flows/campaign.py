@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any, Callable

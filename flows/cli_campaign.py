@@ -156,9 +156,8 @@ def run(
     run_dir = check_new_run_dir(run_dir, default_root)
     try:
         with io_errors(run_dir):
-            lock_dir = run_dir
             run_dir.mkdir(parents=True, exist_ok=True)
-            lock.acquire(lock_dir)  # before run.json: a concurrent `resume` of this directory waits for us
+            lock.acquire(run_dir)  # before run.json: a second `run` or a `resume` of this directory is refused
     except RunLocked as err:
         raise _fail(str(err)) from None
     try:

@@ -196,13 +196,13 @@ class TableWriter:
         Replaces — by setting aside, never deleting — the previous output of
         the same (table, step, stage, variant). Returns the new file's path.
         """
-        faults.point(f"write:{table}", path=self.layout.partition_dir(table, self.run_id, step))  # FP8RL_FAULT hook
         spec = get_table(table)
         if not spec.stored:
             raise SchemaError(f"table {table!r} is not written as Parquet (use storage.ledger.Ledger)")
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise SchemaError(f"step must be a non-negative int, got {step!r}")
         step = int(step)
+        faults.point(f"write:{table}", path=self.layout.partition_dir(table, self.run_id, step))  # FP8RL_FAULT hook
         name = part_name(stage, attempt, variant)
         data = conform(spec, rows_to_table(rows), run_id=self.run_id, step=step, variant=variant)
         if spec.fill is not None:
