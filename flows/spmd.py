@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--result", default=None, help="where rank 0 writes the summary (JSON)")
     ap.add_argument("--stop-after-step", type=int, default=None)
     args = ap.parse_args(argv)
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 starts Prefect's temporary server: it dies with this rank
+        from flows import child_guard
+
+        child_guard.start()
     from flows.campaign import run_campaign
 
     out = run_campaign(args.run_dir, resume=args.resume, stop_after_step=args.stop_after_step)
