@@ -43,6 +43,7 @@ raise an I/O error; :func:`query` then re-lists the files and retries.
 
 from __future__ import annotations
 
+import time
 import os
 import struct
 from collections.abc import Iterable, Mapping
@@ -275,11 +276,13 @@ def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
             raise StorageError(f"queries are read-only: {kind} statements are refused (only SELECT){hint}")
 
 
-def query(con: duckdb.DuckDBPyConnection, sql: str, *, retries: int = 3) -> pa.Table:
+def query(con: duckdb.DuckDBPyConnection, sql: str, *, retries: int = 10) -> pa.Table:
     """Run ``sql`` and return the result as an arrow table.
 
     A file set aside by a concurrent writer between listing and reading gives
-    DuckDB an I/O error; the views are then rebuilt and the query retried.
+    DuckDB an I/O error; the views are then rebuilt and the query retried (with
+    a short growing pause, so a writer superseding files in a burst cannot win
+    every race).
     """
     for attempt in range(retries + 1):
         try:
@@ -288,6 +291,7 @@ def query(con: duckdb.DuckDBPyConnection, sql: str, *, retries: int = 3) -> pa.T
         except duckdb.IOException:
             if attempt == retries:
                 raise
+            time.sleep(min(0.02 * (attempt + 1), 0.2))
             refresh(con)
         except (duckdb.ParserException, duckdb.CatalogException, duckdb.BinderException):
             raise

@@ -396,7 +396,7 @@ def test_resume_says_when_it_passes_over_a_broken_checkpoint(micro_run: Path, mo
     save_checkpoint(micro_run, 2, metrics={}, rng_state=False)
     save_checkpoint(micro_run, 4, metrics={}, rng_state=False)
     (micro_run / "checkpoints" / "step_4" / "state.json").write_text("{}")  # damaged
-    monkeypatch.setattr(cc, "_run_flow", lambda run_dir, resume: {})
+    monkeypatch.setattr(cc, "_run_flow", lambda run_dir, resume, **kw: {})
     r = cli("resume", micro_run)
     assert r.exit_code == 0, r.stderr
     assert "step_4" in r.stderr and "restarts from step_2" in r.stderr

@@ -85,7 +85,7 @@ def test_unknown_agg_and_bad_inputs():
         policy_loss(logp, old[:, :3], adv, mask, lower=0.8, upper=1.28)
     with pytest.raises(ValueError, match="lower <= upper"):
         policy_loss(logp, old, adv, mask, lower=1.3, upper=1.28)
-    assert POLICY_LOSSES.names() == ["cispo", "ppo"]
+    assert POLICY_LOSSES.names() == ["cispo", "gspo", "ppo"]  # gspo: fp8rl_core.gspo, registered with the losses
     assert AGGREGATIONS.names() == sorted(AGGS)
 
 

@@ -18,7 +18,7 @@ from storage.queries import get_query, list_queries
 from storage.writer import TableWriter
 
 NAMED = ("calibration-history", "clip-shares-by-sign", "overclip-origin", "entropy-bins", "eval-best-average", "paper-table",
-         "failure-signals")
+         "failure-signals", "guard-events", "noise-sources")
 
 
 @pytest.fixture(scope="module")
