@@ -54,13 +54,17 @@ def campaign(tmp_path_factory) -> Path:
                 "old_logp_fp8": logp + rng.normal(0, 0.2, n), "logp_bf16": logp + rng.normal(0, 0.01, n),
                 "old_logp_bf16": logp + rng.normal(0, 0.2, n), "entropy": rng.exponential(1.0, n),
                 "lower_bound": 0.8, "upper_bound": 1.28, "standard_lower": 0.8, "standard_upper": 1.28}, stage="train")
-            w.write("steps", step, {"reward_mean": step / 10, "clipfrac": 0.1}, stage="train")
+            w.write("steps", step, {"reward_mean": step / 10, "clipfrac": 0.1, "ratio_noise_nmae": 0.004,
+                                    "tis_weight_nmae": 0.01, "rollout_bf16_prob_nmae": 0.02}, stage="train")
             w.write("bounds", step, {"mode": "calibrated", "alpha": 0.02, "lower": 0.8 - step / 100, "upper": 1.28}, stage="calibrate")
             w.write("eval_scores", step, [
                 {"benchmark": b, "metric": "avg@k", "k": 4, "value": base + gain * (step == 2)}
                 for b, base in (("aime24", 0.1), ("math500", 0.5))], stage="evaluate")
             with led.stage(step, "train"):
                 pass
+        with led.stage(3, "guard") as rec:  # a guard rollback (issue 15), as flows.guard records it
+            rec.info.update(kind="entropy_surge", detected_step=3, first_bad_step=2, rollback_to=1,
+                            action="rollback", remedy="recalibrate_every_step", detail="test", set_aside_files=4)
     return root
 
 
