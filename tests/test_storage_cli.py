@@ -117,7 +117,7 @@ def test_params_and_output_formats(app, campaign: Path, tmp_path: Path) -> None:
         res = invoke(app, "query", campaign, "SELECT * FROM ledger", "--out", out)
         assert res.exit_code == 0 and out.stat().st_size > 0
     assert pq.read_table(tmp_path / "ledger.parquet").num_rows == 10  # 2 runs x (4 train + 1 guard)
-    assert len(json.loads((tmp_path / "ledger.json").read_text())) == 8
+    assert len(json.loads((tmp_path / "ledger.json").read_text())) == 10
 
 
 @pytest.mark.parametrize(
