@@ -49,6 +49,21 @@ def micro_config(*extra: str):
     return load_config("tiny-cpu", MICRO_OVERRIDES + list(extra))
 
 
+class StageRun:
+    """The explicit (environment, state) pair of a run, the state threaded through stage calls:
+    ``run(run_train, step)`` calls ``run_train(env, state, step)`` and keeps the new state."""
+
+    def __init__(self, env, state):
+        self.env, self.state = env, state
+
+    def __call__(self, stage, step, **kw):
+        summary, self.state = stage(self.env, self.state, step, **kw)
+        return summary
+
+    def close(self):
+        self.env.close()
+
+
 def pytest_unconfigure(config) -> None:
     """Remove the session's temporary folder (Prefect home, bootstrap cache)."""
     shutil.rmtree(_SESSION_TMP, ignore_errors=True)

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from conftest import micro_config
+from conftest import StageRun as _Run, micro_config
 from flows.configuration import dump_config
 from fp8rl_core.task import extract_answer
 from stages.calibrate import run_calibrate
@@ -36,20 +36,6 @@ FP4_MODES = {
     "nvfp4-train-fp8-rollout": ["precision.train=nvfp4", "precision.rollout=fp8_per_tensor"],
 }
 TABLES = ("rollouts", "scores", "token_stats", "steps", "bounds", "evals", "eval_scores")
-
-
-class _Run:
-    """The explicit (environment, state) pair, with the state threaded through stage calls."""
-
-    def __init__(self, env, state):
-        self.env, self.state = env, state
-
-    def __call__(self, stage, step, **kw):
-        summary, self.state = stage(self.env, self.state, step, **kw)
-        return summary
-
-    def close(self):
-        self.env.close()
 
 
 def _context(tmp_path, cfg, name="r"):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import micro_config
+from conftest import StageRun as _Run, micro_config
 from flows.configuration import dump_config
 from stages.calibrate import run_calibrate
 from stages.checkpoint import restore, run_checkpoint
@@ -38,20 +38,6 @@ MODES = {
     "fp8-rowwise": ["precision.train=fp8_rowwise", "precision.rollout=fp8_per_tensor"],
     "fp8-blockwise": ["precision.train=fp8_blockwise", "precision.rollout=fp8_per_block"],
 }
-
-
-class _Run:
-    """The explicit (environment, state) pair, with the state threaded through stage calls."""
-
-    def __init__(self, env, state):
-        self.env, self.state = env, state
-
-    def __call__(self, stage, step, **kw):
-        summary, self.state = stage(self.env, self.state, step, **kw)
-        return summary
-
-    def close(self):
-        self.env.close()
 
 
 def _context(tmp_path, *overrides):
