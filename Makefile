@@ -21,7 +21,7 @@ run: $(STAMP)
 	$(BIN)/fp8rl run
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

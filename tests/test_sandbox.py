@@ -24,7 +24,10 @@ pytestmark = [
     pytest.mark.skipif(LEVEL != "namespaces+uid", reason=f"full sandbox isolation unavailable here: {REASON}"),
 ]
 
-LIM = SandboxLimits(wall_s=3.0, cpu_s=3, memory_mb=512, nproc=16, output_bytes=1 << 16)
+# A uid band of its own (the default band is the graders'): `sandbox_pids` then sees only
+# this file's sandboxes, even while a code-RL campaign grades beside it (make test: -n 2).
+LIM = SandboxLimits(wall_s=3.0, cpu_s=3, memory_mb=512, nproc=16, output_bytes=1 << 16,
+                    uid_range=(1_900_000, 1_990_000))
 PROJECT = Path(__file__).resolve().parents[1]
 ECHO_OK = parse_tests([{"input": "", "output": "ok"}])
 
