@@ -41,11 +41,11 @@ _COMMAND_MODULES = (
 @app.callback()
 def _root(ctx: typer.Context) -> None:
     """FP8 end-to-end RL (GRPO/DAPO) with Calibrated Clipping."""
-    if ctx.invoked_subcommand and not {"--help", "-h"} & set(sys.argv[1:]):
-        # before transformers imports torchao; help never needs torch
-        from fp8rl_core.precision import silence_torchao_import_noise
+    # Before any command imports transformers (which imports torchao). Log filters only:
+    # torch-free, so `--help` and usage errors (`fp8rl run --bogus`) never import torch.
+    from fp8rl_core.quiet_imports import silence_torchao_import_noise
 
-        silence_torchao_import_noise()
+    silence_torchao_import_noise()
 
 
 def _register_all() -> None:

@@ -8,6 +8,7 @@ written. Prefect is imported only once the inputs are known to be good.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from datetime import datetime
 from enum import Enum
 from pathlib import Path
@@ -40,6 +41,23 @@ class RerunStage(str, Enum):
 
 
 STAGES_FOR_FROM = tuple(s.value for s in FromStage)
+
+
+@contextmanager
+def _locked(run_dir: Path):
+    """Hold the run's single-writer lock (re-entrant); a run locked by a live process is one line, exit 2."""
+    from storage import lock
+    from storage.errors import RunLocked
+
+    try:
+        with io_errors(run_dir):
+            lock.acquire(run_dir)
+    except RunLocked as err:
+        raise _fail(str(err)) from None
+    try:
+        yield
+    finally:
+        lock.release(run_dir)
 
 
 def preflight(cfg: CampaignConfig) -> None:
@@ -77,14 +95,9 @@ def _run_flow(run_dir: Path, *, resume: bool, nproc_per_node: int = 1) -> dict:
     torchrun runs the ranks (issue 11); the ranks are told so and do not take it.
     """
     from flows import child_guard
-    from storage import lock
-    from storage.errors import RunLocked, StorageError
+    from storage.errors import StorageError
 
-    with io_errors(run_dir, resume_hint=run_dir):
-        try:
-            lock.acquire(run_dir)
-        except RunLocked as err:
-            raise _fail(str(err)) from None
+    with io_errors(run_dir, resume_hint=run_dir), _locked(run_dir):
         child_guard.start()  # Prefect's temporary server dies with this process, even on SIGKILL
         try:
             if nproc_per_node > 1:  # SPMD under torchrun (issue 11)
@@ -98,8 +111,6 @@ def _run_flow(run_dir: Path, *, resume: bool, nproc_per_node: int = 1) -> dict:
             return campaign_flow(str(run_dir), resume=resume)
         except StorageError as err:  # a corrupt input file, a run directory that changed under us
             raise _fail(f"{err}; the run stays resumable: `fp8rl resume {run_dir}`") from None
-        finally:
-            lock.release(run_dir)
 
 
 def check_new_run_dir(run_dir: Path, runs_root: Path | None) -> Path:
@@ -137,8 +148,7 @@ def run(
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1, help=NPROC_HELP),
 ) -> None:
     """Run a campaign (default: the tiny CPU preset) end to end."""
-    from storage import lock
-    from storage.errors import RunLocked, StorageError
+    from storage.errors import StorageError
     from storage.layout import create_run
     from storage.schemas import RUN_ID
 
@@ -154,23 +164,17 @@ def run(
         default_root = Path(cfg.storage.runs_root)
         run_dir = default_root / f"{cfg.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     run_dir = check_new_run_dir(run_dir, default_root)
-    try:
-        with io_errors(run_dir):
-            run_dir.mkdir(parents=True, exist_ok=True)
-            lock.acquire(run_dir)  # before run.json: a second `run` or a `resume` of this directory is refused
-    except RunLocked as err:
-        raise _fail(str(err)) from None
-    try:
-        with io_errors(run_dir):
-            create_run(run_dir.parent, run_dir.name, config=dump_config(cfg))
-    except StorageError as err:
-        raise _fail(str(err))
-    typer.echo(f"run directory: {run_dir}")
-    t0 = time.perf_counter()
-    try:
+    with io_errors(run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(run_dir):  # before run.json: a second `run` or a `resume` of this directory is refused
+        try:
+            with io_errors(run_dir):
+                create_run(run_dir.parent, run_dir.name, config=dump_config(cfg))
+        except StorageError as err:
+            raise _fail(str(err))
+        typer.echo(f"run directory: {run_dir}")
+        t0 = time.perf_counter()
         result = _run_flow(run_dir, resume=False, nproc_per_node=nproc_per_node)
-    finally:
-        lock.release(run_dir)
     typer.echo(f"wall time: {time.perf_counter() - t0:.0f} s")
     _print_summary(run_dir, result)
 
@@ -207,8 +211,6 @@ def resume(
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1, help=NPROC_HELP),
 ) -> None:
     """Resume a campaign from its ledger: restore the newest checkpoint, replay, continue."""
-    from storage import lock
-    from storage.errors import RunLocked
     from storage.writer import set_aside_from
 
     run_dir = run_dir.resolve()
@@ -216,12 +218,7 @@ def resume(
     preflight(cfg)
     if (from_stage is None) != (step is None):
         raise _fail("--from and --step go together")
-    try:
-        with io_errors(run_dir):
-            lock.acquire(run_dir)
-    except RunLocked as err:
-        raise _fail(str(err)) from None
-    try:
+    with _locked(run_dir):
         if from_stage is not None:
             later = list(STAGES_FOR_FROM[STAGES_FOR_FROM.index(from_stage.value):])
             if "score" in later:  # DAPO refill rounds belong to the score stage
@@ -234,8 +231,6 @@ def resume(
         _report_broken_checkpoints(run_dir)
         t0 = time.perf_counter()
         result = _run_flow(run_dir, resume=True, nproc_per_node=nproc_per_node)
-    finally:
-        lock.release(run_dir)
     typer.echo(f"wall time: {time.perf_counter() - t0:.0f} s")
     _print_summary(run_dir, result)
 
@@ -263,8 +258,6 @@ def rerun(
     variant: str | None = typer.Option(None, "--variant", help="Name of the new version (default: <stage>-<time>)."),
 ) -> None:
     """Recompute one stage over a step range from persisted inputs, as a new version (variant)."""
-    from storage import lock
-    from storage.errors import RunLocked
     from storage.schemas import MAIN_VARIANT, VARIANT_NAME
 
     run_dir = run_dir.resolve()
@@ -283,20 +276,14 @@ def rerun(
     except ConfigError as err:
         raise _fail(str(err))
     name = variant or f"{stage.value}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    try:
-        with io_errors(run_dir):
-            lock.acquire(run_dir)
-    except RunLocked as err:
-        raise _fail(str(err)) from None
-    try:
+    with _locked(run_dir):
         from flows.rerun import rerun_stage
 
-        with io_errors(run_dir):
-            written = rerun_stage(run_dir, cfg, stage.value, range(a, b + 1), variant=name)
-    except ValueError as err:
-        raise _fail(str(err)) from None
-    finally:
-        lock.release(run_dir)
+        try:
+            with io_errors(run_dir):
+                written = rerun_stage(run_dir, cfg, stage.value, range(a, b + 1), variant=name)
+        except ValueError as err:
+            raise _fail(str(err)) from None
     typer.echo(f"wrote variant {name!r}: {written} step(s) of {stage.value}")
     typer.echo(f"compare: fp8rl query {run_dir} \"SELECT variant, step, lower, upper FROM bounds_variants ORDER BY step, variant\"")
 

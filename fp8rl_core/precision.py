@@ -45,6 +45,7 @@ from torch import nn
 from fp8rl_core.fp4_linear import Fp4RolloutLinear
 from fp8rl_core.fp8_linear import Fp8Recipe, Fp8RolloutLinear, Fp8TrainingLinear, SharedInputCache
 from fp8rl_core.registry import Registry
+from fp8rl_core.quiet_imports import silence_torchao_import_noise  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -90,30 +91,6 @@ _BACKENDS = ("auto", "emulated", "torchao")
 # ---------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------
-
-
-class _TorchaoImportNoise(logging.Filter):
-    """Drops the two known import-time messages of torchao 0.18 on this stack: optional
-    C++ kernels (mxfp8, cutlass sm90a) that a CPU build cannot load, and torch's
-    deprecation notice for torchao registering Enums as pytree constants."""
-
-    _NEEDLES = ("Could not load this library", "is an Enum subclass and is now natively supported")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        return not any(n in msg for n in self._NEEDLES)
-
-
-def silence_torchao_import_noise() -> None:
-    """Install the filter on the two loggers involved (idempotent, touches nothing else).
-
-    transformers imports torchao when a model class is imported, so call this
-    before importing transformers (entry points do; importing this module does too).
-    """
-    for name in ("torchao", "torch.utils._pytree"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _TorchaoImportNoise) for f in logger.filters):
-            logger.addFilter(_TorchaoImportNoise())
 
 
 def quiet_import_torchao_float8():

@@ -41,15 +41,21 @@ def test_import_arrows_point_one_way_lazy_imports_included(package: str) -> None
     assert not bad, "\n".join(bad)
 
 
-def test_help_does_not_import_torch_or_prefect() -> None:
-    code = ("import sys; sys.argv = ['fp8rl', '--help']\n"
+@pytest.mark.parametrize("argv, shown", [
+    (["--help"], "Commands"),
+    (["run", "--help"], "Usage"),
+    (["run", "--bogus"], "HEAVY"),  # a usage error is answered before any command's imports
+    (["query", "--bogus"], "HEAVY"),
+])
+def test_help_and_usage_errors_do_not_import_torch_or_prefect(argv: list[str], shown: str) -> None:
+    code = (f"import sys; sys.argv = ['fp8rl', *{argv!r}]\n"
             "from flows import cli\n"
             "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
             "heavy = [m for m in ('torch', 'prefect', 'transformers', 'duckdb') if m in sys.modules]\n"
             "print('HEAVY', heavy)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert "Commands" in r.stdout and "HEAVY []" in r.stdout, r.stdout[-500:] + r.stderr[-2000:]
+    assert shown in r.stdout and "HEAVY []" in r.stdout, r.stdout[-500:] + r.stderr[-2000:]
 
 
 def test_every_registered_command_module_exists_and_registers() -> None:
