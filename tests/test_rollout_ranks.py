@@ -6,6 +6,9 @@
 * the tiny model's rows generated rank by rank (W = 2, 3, simulated in one
   process, then merged) equal the one-process rows bit for bit;
 * scoring shares: contiguous whole groups, every group graded once;
+* rollout + score with DAPO refills on two ranks (threads sharing a run
+  directory, an in-memory collective) write the one-process rows and agree on
+  every refill round;
 * coordinated retries (two ranks as threads over an in-memory collective): a
   transient failure on rank 1 makes both ranks retry once and agree on the
   result; rank 0 failing before the stage body (a start fault) is retried the
@@ -14,8 +17,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -23,14 +28,17 @@ from conftest import micro_config
 from fp8rl_core.config import ModelConfig
 from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
 from flows.campaign import _after_go, _on_ranks
-from stages.context import TrainState
+from flows.configuration import dump_config
+from stages.context import RunEnv, TrainState, open_run
 from stages.engines import make_engine
 from stages.prompts import SamplerState, draw_prompts, make_source
-from stages.rollout import generate_rows, generate_share, plan_rollout, rows_from_batches
+from stages.io import read_step
+from stages.rollout import generate_rows, generate_share, plan_rollout, rows_from_batches, run_rollout
 from stages.rollout_plan import blocks_of_rank, generation_blocks
-from stages.score import rank_groups
+from stages.score import rank_groups, run_score
 from stages.stage_comm import PeerStageError, StageComm, on_main, together
 from storage.faults import InjectedTransientFault
+from storage.layout import create_run
 
 LENGTHS = [7, 3, 9, 3, 5, 12, 4, 7, 6, 3, 8]  # 11 prompts, ties on purpose (stable order)
 
@@ -103,15 +111,83 @@ def test_rows_generated_rank_by_rank_equal_one_process_bit_for_bit(tiny_env):
     assert refill.column("response_token_ids").to_pylist() != one.column("response_token_ids").to_pylist()
 
 
+def _thread_ranks(envs: list, body) -> list:
+    """Run ``body(env)`` on one thread per rank; each rank's value (a rank's exception is re-raised)."""
+    out: list = [None] * len(envs)
+
+    def main(r: int) -> None:
+        try:
+            out[r] = body(envs[r])
+        except BaseException as err:  # noqa: BLE001 - reported below
+            out[r] = err
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(len(envs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    for value in out:
+        if isinstance(value, BaseException):
+            raise value
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadRankEnv(RunEnv):
+    """A rank of a thread "world": the run's environment with an in-memory collective."""
+
+    comm: Any = None
+
+    @property
+    def stage_comm(self):
+        return self.comm
+
+
+@pytest.mark.timeout(900)
+def test_two_ranks_roll_out_and_score_with_dapo_refills_exactly_like_one_process(tmp_path):
+    """rollout + score (DAPO refills) with W = 2 ranks as threads sharing one run directory:
+    the same ``rollouts`` and ``scores`` rows as one process, and the same refill rounds."""
+    cfg = micro_config("rollout.prompts_per_step=4", "rollout.generation_batch_size=8",
+                       "algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=1")
+
+    def step_one(env):
+        state = env_states[env.rank if env.world_size > 1 else "one"]
+        _, state = run_rollout(env, state, 1)
+        score, _ = run_score(env, state, 1)
+        return score["refill_rounds"], score["kept"]
+
+    env_states: dict = {}
+    create_run(tmp_path, "one", config=dump_config(cfg))
+    one, env_states["one"] = open_run(cfg, tmp_path / "one")
+    create_run(tmp_path, "two", config=dump_config(cfg))
+    hub, ranks = ThreadHub(2, timeout=600), []
+    for r in range(2):
+        env, env_states[r] = open_run(cfg, tmp_path / "two")
+        fields = {f.name: getattr(env, f.name) for f in dataclasses.fields(RunEnv)}
+        ranks.append(ThreadRankEnv(**{**fields, "rank": r, "world_size": 2}, comm=ThreadComm(hub, r)))
+    try:
+        expected = step_one(one)
+        assert expected[0] >= 1, "no refill round ran: the test would not see the shared refill decision"
+        assert _thread_ranks(ranks, step_one) == [expected, expected]
+    finally:
+        for env in (one, *ranks):
+            env.close()
+    for table in ("rollouts", "scores"):
+        a, b = (read_step(e, table, 1).sort_by("sample_id") for e in (one, ranks[0]))
+        assert a.drop_columns([c for c in ("run_id",) if c in a.column_names]).equals(
+            b.drop_columns([c for c in ("run_id",) if c in b.column_names])), table
+
+
 # --------------------------------------------------------------------------- coordinated retries
 
 
 class ThreadHub:
     """Two "ranks" as threads: every collective is a slot exchange between two barriers."""
 
-    def __init__(self, world: int = 2) -> None:
+    def __init__(self, world: int = 2, timeout: float = 20) -> None:
         self.slots: list = [None] * world
-        self.barrier = threading.Barrier(world, timeout=20)
+        self.barrier = threading.Barrier(world, timeout=timeout)
 
     def exchange(self, rank: int, obj):
         self.slots[rank] = obj
