@@ -321,7 +321,7 @@ def _sync_engine(env: RunEnv, state: TrainState, synced: dict) -> None:
         return
     from stages.distributed import full_model_state
 
-    full = full_model_state(state.policy)
+    full = full_model_state(state.policy, every_rank=True)
     env.engine.load_weights(_StateView(full))
     env.engine._fp8rl_version = state.policy_version
     synced["version"] = state.policy_version
