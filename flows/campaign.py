@@ -15,7 +15,14 @@ checkpoint  2, on OSError
 =========== ======================= ==========================================
 
 Transient = :class:`TransientStageError`, ``OSError``, ``TimeoutError``,
-``ConnectionError``; anything else (a bug, a bad config) fails at once.
+``ConnectionError`` (or another rank's transient failure); anything else (a
+bug, a bad config) fails at once.
+
+Under several ranks rollout and score run on every rank together
+(:func:`_on_ranks`): Prefect's own retries would re-run rank 0 alone and
+deadlock, so each attempt ends with rank 0 broadcasting its outcome (ok, retry,
+fatal) and all ranks follow it; rank 0 runs each attempt as its own Prefect task
+run, so the ledger and the UI record every attempt.
 
 Prefect caching is deliberately off (``NO_CACHE``): stage inputs are an
 in-process policy and optimizer, and the ledger, not a cache key, decides what
@@ -44,24 +51,15 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 from stages.context import RunEnv, TrainState, is_calibration_step, is_checkpoint_step, is_eval_step  # noqa: E402
 from storage import faults, lock  # noqa: E402
-from storage.faults import InjectedTransientFault  # noqa: E402
+from stages.stage_comm import TRANSIENT, TransientStageError, is_transient  # noqa: E402,F401 (re-exported names)
 from flows.ui import publish_bounds, publish_failure, publish_step  # noqa: E402
-
-
-class TransientStageError(RuntimeError):
-    """A failure worth retrying (I/O hiccup, engine restart, injected fault)."""
-
-
-TRANSIENT = (TransientStageError, InjectedTransientFault, OSError, TimeoutError, ConnectionError)
 
 
 def _is_transient(task_obj, task_run, state) -> bool:
     try:
         state.result()
-    except TRANSIENT:
-        return True
-    except BaseException:
-        return False
+    except BaseException as err:
+        return is_transient(err)
     return False
 
 
@@ -148,8 +146,32 @@ def _checkpoint(env, state, step, **kw):
     return run_checkpoint(env, state, step, **kw)
 
 
-rollout_task = _stage_task("rollout", retries=2, timeout_s=3600)(_rollout)
-score_task = _stage_task("score", retries=2, timeout_s=3600)(_score)
+_GO = "go"
+
+
+class _EarlyOutcome(Exception):
+    """Rank 0 failed an attempt before its stage body began: its outcome arrived instead of the go."""
+
+    def __init__(self, outcome: tuple) -> None:
+        super().__init__(outcome[1])
+        self.outcome = outcome
+
+
+def _after_go(fn: Callable[..., tuple[dict, Any]]) -> Callable[..., tuple[dict, Any]]:
+    """A stage body all ranks enter together: rank 0 once inside its task run (ledger opened, start
+    faults checked) broadcasts the go; the others wait for it (identity in one process)."""
+
+    def run(env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, Any]:
+        msg = _broadcast(env, _GO)
+        if msg != _GO:
+            raise _EarlyOutcome(msg)
+        return fn(env, state, step, **kw)
+
+    return run
+
+
+rollout_task = _stage_task("rollout", retries=2, timeout_s=3600)(_after_go(_rollout))
+score_task = _stage_task("score", retries=2, timeout_s=3600)(_after_go(_score))
 train_task = _stage_task("train", retries=0)(_train)
 calibrate_task = _stage_task("calibrate", retries=1)(_calibrate)
 evaluate_task = _stage_task("evaluate", retries=2, timeout_s=3600)(_evaluate)
@@ -195,17 +217,11 @@ def _eval_scores_from(summary: dict) -> dict:
 
 def _broadcast(env: RunEnv, obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (identity in one process)."""
-    if env.world_size == 1:
-        return obj
-    import torch.distributed as dist
-
-    box = [obj if env.is_main else None]
-    dist.broadcast_object_list(box, src=0, group=env.group)
-    return box[0]
+    return obj if env.world_size == 1 else env.stage_comm.broadcast(obj)
 
 
 def _on_main(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, TrainState]:
-    """A stage rank 0 alone runs (generation, grading, calibration, evaluation) as a Prefect
+    """A stage rank 0 alone runs (calibration, evaluation) as a Prefect
     task; the state it moves (sampler, calibrator) is broadcast so all ranks continue alike.
     If it fails, rank 0 exits and torchrun stops every rank: failure acts on all together."""
     out = task_obj(env, state, step, **kw) if env.is_main else ({}, state)
@@ -213,6 +229,72 @@ def _on_main(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> 
         return out
     summary, sampler, calibrator = _broadcast(env, (out[0], out[1].sampler, out[1].calibrator))
     return summary, state.replace(sampler=sampler, calibrator=calibrator)
+
+
+def _logger():
+    """The Prefect run logger inside a flow run, else the package logger."""
+    try:
+        return get_run_logger()
+    except Exception:  # no run context (tests driving the step loop directly)
+        import logging
+
+        return logging.getLogger("fp8rl")
+
+
+def _main_attempt(task_obj, env: RunEnv, state: TrainState, step: int, *, last: bool,
+                  **kw: Any) -> tuple[dict, TrainState] | None:
+    """Rank 0's attempt: one Prefect task run; broadcasts ok / retry / fatal; ``None`` means retry."""
+    try:
+        summary, new = task_obj.with_options(retries=0)(env, state, step, **kw)
+    except Exception as err:
+        verdict = "retry" if is_transient(err) and not last else "fatal"
+        _broadcast(env, (verdict, f"{type(err).__name__}: {err}".splitlines()[0]))
+        if verdict == "fatal":
+            raise
+        _logger().warning("%s of step %d failed (%s); all ranks retry", task_obj.name, step, err)
+        return None
+    _broadcast(env, ("ok", (summary, new.sampler, new.calibrator)))
+    return summary, new
+
+
+def _peer_attempt(task_obj, env: RunEnv, state: TrainState, step: int, *, attempt: int,
+                  **kw: Any) -> tuple[dict, TrainState] | None:
+    """A non-main rank's attempt: the bare stage, then rank 0's outcome; ``None`` means retry."""
+    local = None
+    try:
+        task_obj.stage_fn(env, state, step, attempt=attempt, **kw)
+        outcome = _broadcast(env, None)
+    except _EarlyOutcome as early:  # rank 0 failed before the body: nothing ran here
+        outcome = early.outcome
+    except Exception as err:  # every rank raised together (stages.stage_comm); rank 0 decides
+        local, outcome = err, _broadcast(env, None)
+    verdict, body = outcome
+    if verdict == "ok":
+        summary, sampler, calibrator = body
+        return summary, state.replace(sampler=sampler, calibrator=calibrator)
+    if verdict == "retry":
+        return None
+    raise RuntimeError(f"{task_obj.name} of step {step} failed on rank 0, so rank {env.rank} stops: {body}") from local
+
+
+def _on_ranks(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, TrainState]:
+    """A stage every rank runs together (rollout, score), retried on all ranks together.
+
+    One process: the Prefect task with its own retries (as every other stage).
+    Several ranks: up to ``retries + 1`` attempts; each ends with rank 0's outcome
+    broadcast (ok with the summary and sampler / retry on a transient error / fatal),
+    which every rank follows."""
+    if env.world_size == 1:
+        return task_obj(env, state, step, **kw)
+    attempts = task_obj.retries + 1
+    for attempt in range(attempts):
+        if env.is_main:
+            out = _main_attempt(task_obj, env, state, step, last=attempt == attempts - 1, **kw)
+        else:
+            out = _peer_attempt(task_obj, env, state, step, attempt=attempt, **kw)
+        if out is not None:
+            return out
+    raise AssertionError("unreachable: the last attempt is ok or fatal")
 
 
 def _on_all(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, TrainState]:
@@ -234,15 +316,14 @@ class _StateView:
 
 
 def _sync_engine(env: RunEnv, state: TrainState, synced: dict) -> None:
-    """Under FSDP2: gather the full policy (a collective) and load it into rank 0's engine."""
+    """Under FSDP2: gather the full policy (a collective) and load it into every rank's engine."""
     if env.world_size == 1 or synced.get("version") == state.policy_version:
         return
     from stages.distributed import full_model_state
 
-    full = full_model_state(state.policy)
-    if env.is_main:
-        env.engine.load_weights(_StateView(full))
-        env.engine._fp8rl_version = state.policy_version
+    full = full_model_state(state.policy, every_rank=True)
+    env.engine.load_weights(_StateView(full))
+    env.engine._fp8rl_version = state.policy_version
     synced["version"] = state.policy_version
 
 
@@ -271,14 +352,14 @@ def run_step(env: RunEnv, state: TrainState, step: int, progress: Progress,
             state = state.replace(sampler=SamplerState.from_dict(info["rollout"].get("sampler")))
         else:
             _sync_engine(env, state, synced)
-            out, state = _on_main(rollout_task, env, state, step)
+            out, state = _on_ranks(rollout_task, env, state, step)
             timings["rollout_seconds"] = out.get("seconds", 0.0)
             timings.update(out.get("engine_memory") or {})
         if "score" in done:
             state = state.replace(sampler=SamplerState.from_dict(info["score"].get("sampler")))
         else:
             _sync_engine(env, state, synced)  # DAPO refills generate too
-            out, state = _on_main(score_task, env, state, step)
+            out, state = _on_ranks(score_task, env, state, step)
             timings["score_seconds"] = out.get("seconds", 0.0)
             if out.get("refill_seconds"):
                 timings["rollout_seconds"] = timings.get("rollout_seconds", 0.0) + out["refill_seconds"]

@@ -49,6 +49,12 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 10_007 + salt * 101 + 1) % (2**62)
 
 
+def rollout_seed(seed: int, step: int, round_: int, prompt_index: int) -> int:
+    """The sampling seed of one prompt group: (campaign seed, step, DAPO round, the prompt's
+    global index in the step's draw). Independent of the number of ranks (``stages.rollout_plan``)."""
+    return (step_seed(seed, step, 1 + round_) * 1_000_003 + prompt_index) % (2**62)
+
+
 def is_calibration_step(cfg: CampaignConfig, step: int) -> bool:
     """Shadow passes and calibration run on steps 1, 1+K, 1+2K, ... (step 0 is the base eval)."""
     return step >= 1 and (step - 1) % cfg.calibration.interval == 0
@@ -108,6 +114,13 @@ class RunEnv:
     def is_main(self) -> bool:
         """Rank 0: the one that talks to Prefect, writes the ledger and the per-step tables."""
         return self.rank == 0
+
+    @property
+    def stage_comm(self):
+        """The object collectives of stages every rank runs together (rollout, score)."""
+        from stages.stage_comm import LOCAL, DistStageComm
+
+        return LOCAL if self.world_size == 1 else DistStageComm(self.group)
 
     @property
     def collective(self):
@@ -212,11 +225,10 @@ def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, r
     check_no_silent_emulation(cfg, device, report)
     if cfg.algorithm.activation_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine = None
-    if rank == 0:  # rank 0 generates (rollout, evaluation); its engine copies the unsharded policy
-        engine_opts = {"model_path": str(base)} if cfg.rollout.engine == "vllm" else {}
-        engine = make_engine(cfg.rollout.engine, model=policy, tokenizer=tokenizer, precision=cfg.precision,
-                             config=cfg.rollout, **engine_opts)
+    # every rank generates its share of a rollout (stages.rollout_plan); the engine copies the unsharded policy
+    engine_opts = {"model_path": str(base)} if cfg.rollout.engine == "vllm" else {}
+    engine = make_engine(cfg.rollout.engine, model=policy, tokenizer=tokenizer, precision=cfg.precision,
+                         config=cfg.rollout, **engine_opts)
     if world_size > 1:
         from stages.distributed import shard_policy
 

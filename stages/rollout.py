@@ -1,20 +1,29 @@
 """Rollout stage: draw the step's prompts, generate G samples each, write ``rollouts``.
 
 Prompts come from the persisted sampler position (deterministic in the campaign
-seed); generation is seeded by ``(seed, step, round)``. The engine's weights are
-refreshed from the trainer first (``load_weights``), so samples of step t come
-from the policy after step t-1's update (``policy_version = t - 1``).
+seed). Generation is cut into blocks of whole GRPO groups that do not depend on
+the number of ranks (:mod:`stages.rollout_plan`): each rank generates its blocks,
+each block seeded by ``(seed, step, round, first prompt of the block)``; rank 0
+gathers them, puts the samples back in the step's prompt order and writes the
+rows, so the table is the same, bit for bit, on any number of ranks. The engine's
+weights are refreshed from the trainer first (``load_weights``), so samples of
+step t come from the policy after step t-1's update (``policy_version = t - 1``).
 """
 
 from __future__ import annotations
 
 import time
 
+from dataclasses import dataclass
+
 import pyarrow as pa
 
-from stages.context import RunEnv, TrainState, step_seed
+from stages.context import RunEnv, TrainState
+from stages.engines.base import RolloutBatch, RolloutSample
 from stages.prompt_format import encode_prompts
 from stages.prompts import PromptItem, draw_prompts
+from stages.rollout_plan import GenerationBlock, blocks_of_rank, generation_blocks, generation_lanes
+from stages.stage_comm import on_main, together
 
 
 def sync_engine(env: RunEnv, state: TrainState) -> None:
@@ -48,55 +57,129 @@ def sleep_engine(env: RunEnv) -> dict[str, float]:
     return {"rollout_gpu_gib_before_sleep": before, "rollout_gpu_gib_after_sleep": after}
 
 
-def generate_rows(env: RunEnv, state: TrainState, step: int, items: list[PromptItem], *, round_: int,
-                  first_sample_id: int) -> pa.Table:
-    """Generate ``G`` samples per prompt and return them as ``rollouts`` rows."""
+@dataclass(frozen=True)
+class RolloutPlan:
+    """A rollout round's prompts (the step's draw, global order), their token ids and its blocks."""
+
+    items: list[PromptItem]
+    prompt_ids: list[list[int]]
+    blocks: list[GenerationBlock]
+
+
+def plan_rollout(env: RunEnv, state: TrainState, step: int, items: list[PromptItem], *, round_: int) -> RolloutPlan:
+    """Encode the drawn prompts and cut them into generation blocks (the same on every rank)."""
     r = env.cfg.rollout
-    tok = env.tokenizer
     prompt_ids = encode_prompts(env, [it.prompt for it in items], state)
+    blocks = generation_blocks([len(p) for p in prompt_ids], group_size=r.samples_per_prompt,
+                               generation_batch_size=r.generation_batch_size, seed=env.cfg.seed, step=step, round_=round_)
+    return RolloutPlan(items, prompt_ids, blocks)
+
+
+def generate_share(env: RunEnv, state: TrainState, plan: RolloutPlan, *, rank: int,
+                   lanes: int) -> dict[int, RolloutBatch]:
+    """Generate the blocks of ``rank`` (one ``engine.generate`` call each): ``{block index: batch}``."""
+    r = env.cfg.rollout
     sync_engine(env, state)
-    batch = env.engine.generate(
-        prompt_ids, n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-        max_new_tokens=r.max_new_tokens, seed=step_seed(env.cfg.seed, step, 1 + round_),
-    )
-    g = r.samples_per_prompt
-    responses = tok.batch_decode([s.response_ids for s in batch.samples], skip_special_tokens=True)
-    n = len(batch.samples)
+    out = {}
+    for block in blocks_of_rank(plan.blocks, rank, lanes):
+        out[block.index] = env.engine.generate(
+            [plan.prompt_ids[p] for p in block.prompts], n=r.samples_per_prompt, temperature=r.temperature,
+            top_p=r.top_p, max_new_tokens=r.max_new_tokens, seed=block.seed, seeds=list(block.prompt_seeds),
+        )
+    return out
+
+
+def _global_groups(plan: RolloutPlan, batches: dict[int, RolloutBatch]) -> list[list[RolloutSample]]:
+    """The ``G`` samples of every prompt, in the step's prompt order (``[P][G]``)."""
+    groups: list[list[RolloutSample]] = [[] for _ in plan.items]
+    for block in plan.blocks:
+        for j, p in enumerate(block.prompts):
+            groups[p] = batches[block.index].group(j)
+    return groups
+
+
+def rows_from_batches(env: RunEnv, state: TrainState, plan: RolloutPlan, batches: dict[int, RolloutBatch], *,
+                      round_: int, first_sample_id: int) -> pa.Table:
+    """``rollouts`` rows in group layout: sample ``i`` of prompt ``p`` is ``first_sample_id + p * G + i``."""
+    groups = _global_groups(plan, batches)
+    prompt_of = [p for p, group in enumerate(groups) for _ in group]  # [P * G] global prompt index of each row
+    samples = [s for group in groups for s in group]
+    items = [plan.items[p] for p in prompt_of]
+    n = len(samples)
     return pa.table({
         "sample_id": pa.array(range(first_sample_id, first_sample_id + n), pa.int32()),
-        "prompt_id": [items[s.prompt_index].prompt_id for s in batch.samples],
-        "sample_index": pa.array([s.sample_index for s in batch.samples], pa.int16()),
+        "prompt_id": [it.prompt_id for it in items],
+        "sample_index": pa.array([s.sample_index for s in samples], pa.int16()),
         "generation_round": pa.array([round_] * n, pa.int16()),
-        "dataset": [items[s.prompt_index].dataset for s in batch.samples],
-        "prompt": [items[k // g].prompt for k in range(n)],
-        "response": responses,
-        "reference_answer": [items[s.prompt_index].answer for s in batch.samples],
-        "prompt_token_ids": pa.array([prompt_ids[s.prompt_index] for s in batch.samples], pa.list_(pa.int32())),
-        "response_token_ids": pa.array([s.response_ids for s in batch.samples], pa.list_(pa.int32())),
-        "rollout_logp": pa.array([s.response_logprobs for s in batch.samples], pa.list_(pa.float32())),
-        "response_length": pa.array([len(s.response_ids) for s in batch.samples], pa.int32()),
-        "finish_reason": [s.finish_reason for s in batch.samples],
+        "dataset": [it.dataset for it in items],
+        "prompt": [it.prompt for it in items],
+        "response": env.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True),
+        "reference_answer": [it.answer for it in items],
+        "prompt_token_ids": pa.array([plan.prompt_ids[p] for p in prompt_of], pa.list_(pa.int32())),
+        "response_token_ids": pa.array([s.response_ids for s in samples], pa.list_(pa.int32())),
+        "rollout_logp": pa.array([s.response_logprobs for s in samples], pa.list_(pa.float32())),
+        "response_length": pa.array([len(s.response_ids) for s in samples], pa.int32()),
+        "finish_reason": [s.finish_reason for s in samples],
         "policy_version": pa.array([state.policy_version] * n, pa.int64()),
         "precision": [env.cfg.precision.rollout] * n,
-    }), batch
+    })
+
+
+def generate_rows(env: RunEnv, state: TrainState, step: int, items: list[PromptItem], *, round_: int,
+                  first_sample_id: int) -> pa.Table:
+    """All the step's ``rollouts`` rows generated in this process (every block: one rank's view of the plan)."""
+    plan = plan_rollout(env, state, step, items, round_=round_)
+    return rows_from_batches(env, state, plan, generate_share(env, state, plan, rank=0, lanes=1), round_=round_,
+                             first_sample_id=first_sample_id)
+
+
+def _merge_shares(shares: list[dict[int, RolloutBatch]]) -> dict[int, RolloutBatch]:
+    """Every rank's blocks in one map; a block generated by several ranks (one lane) is rank 0's."""
+    merged: dict[int, RolloutBatch] = {}
+    for share in shares:
+        for k, batch in share.items():
+            merged.setdefault(k, batch)
+    return merged
+
+
+def _throughput(shares: list[dict[int, RolloutBatch]]) -> tuple[int, float]:
+    """Generated tokens of the step, and per second of the slowest rank's generation."""
+    merged = _merge_shares(shares)
+    tokens = sum(b.generated_tokens for b in merged.values())
+    wall = max((sum(b.wall_seconds for b in share.values()) for share in shares), default=0.0)
+    return tokens, tokens / wall if wall > 0 else float("inf")
 
 
 def run_rollout(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0, round_: int = 0,
                 first_sample_id: int = 0) -> tuple[dict, TrainState]:
-    """Rollout of ``step`` (refill round ``round_``); writes ``rollouts``; returns the advanced sampler in the state."""
+    """Rollout of ``step`` (refill round ``round_``) on every rank together; rank 0 writes ``rollouts``.
+
+    Every rank generates its blocks; the shares are gathered on rank 0, which
+    writes the rows (a failure on any rank makes every rank raise, see
+    :mod:`stages.stage_comm`). Returns the summary (the same on every rank) and
+    the state with the advanced sampler."""
     t0 = time.perf_counter()
-    items, after = draw_prompts(env.source, state.sampler, env.cfg.rollout.prompts_per_step, env.cfg.seed)
-    rows, batch = generate_rows(env, state, step, items, round_=round_, first_sample_id=first_sample_id)
-    engine_memory = sleep_engine(env)
-    stage = "rollout" if round_ == 0 else f"rollout{round_}"
-    path = env.writer.write("rollouts", step, rows, stage=stage, attempt=attempt, variant=env.variant)
-    seconds = time.perf_counter() - t0
-    return {
-        "outputs": [str(path)],
-        "samples": rows.num_rows,
-        "tokens_per_second": batch.tokens_per_second,
-        "generated_tokens": batch.generated_tokens,
-        "seconds": seconds,
-        "sampler": after.to_dict(),
-        "engine_memory": engine_memory,
-    }, state.replace(sampler=after)
+    comm = env.stage_comm
+
+    def local():
+        items, after = draw_prompts(env.source, state.sampler, env.cfg.rollout.prompts_per_step, env.cfg.seed)
+        plan = plan_rollout(env, state, step, items, round_=round_)
+        lanes = generation_lanes(env.cfg.rollout, env.world_size)
+        share = generate_share(env, state, plan, rank=env.rank, lanes=lanes)
+        return plan, after, share, sleep_engine(env)
+
+    plan, after, share, engine_memory = together(comm, local)
+    shares = comm.gather(share)  # [W] on rank 0, None elsewhere
+
+    def write() -> dict:
+        rows = rows_from_batches(env, state, plan, _merge_shares(shares), round_=round_, first_sample_id=first_sample_id)
+        stage = "rollout" if round_ == 0 else f"rollout{round_}"
+        path = env.writer.write("rollouts", step, rows, stage=stage, attempt=attempt, variant=env.variant)
+        tokens, per_second = _throughput(shares)
+        return {
+            "outputs": [str(path)], "samples": rows.num_rows, "tokens_per_second": per_second,
+            "generated_tokens": tokens, "seconds": time.perf_counter() - t0, "sampler": after.to_dict(),
+            "engine_memory": engine_memory,
+        }
+
+    return on_main(comm, write), state.replace(sampler=after)

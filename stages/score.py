@@ -6,6 +6,12 @@ G samples of one prompt in one generation round). With DAPO dynamic sampling,
 groups whose accuracies are all 0 or all 1 are dropped and the stage loops back to the
 rollout stage for at most ``max_refill_rounds`` extra rounds to refill the batch;
 dropped samples stay in ``scores`` with ``kept = false`` so the SQL view shows them.
+
+Under several ranks each rank grades a contiguous share of the step's GRPO
+groups (:func:`rank_groups`); the grades are gathered on rank 0, which computes
+rewards, advantages and the DAPO keep mask over all rows with the one-process
+code, decides whether to refill (every rank follows it into the refill
+rollout) and writes ``scores``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from fp8rl_core.advantages import ADVANTAGE_ESTIMATORS, dynamic_sampling_mask, overlong_penalty
 from stages.context import RunEnv, TrainState
 from stages.io import read_step
+from stages.stage_comm import on_main, together
 
 
 def grade(env: RunEnv, rows: pa.Table) -> list[float]:
@@ -64,39 +71,35 @@ def _score_rows(env: RunEnv, rows: pa.Table, scores: list[float]) -> dict[str, n
     }
 
 
-def run_score(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[dict, TrainState]:
-    """Grade the rollouts of ``step`` (with DAPO refill rounds) and write ``scores``.
+def rank_groups(n_groups: int, rank: int, world_size: int) -> range:
+    """The GRPO groups rank ``rank`` grades: a contiguous share, sizes differing by at most one."""
+    return range(n_groups * rank // world_size, n_groups * (rank + 1) // world_size)
 
-    ``state`` is the state after the step's rollout; refill rounds advance its
-    sampler, and the advanced state is returned (a retry starts again from the
-    state it was given)."""
-    from stages.rollout import run_rollout
 
-    t0 = time.perf_counter()
+def grade_shared(env: RunEnv, rows: pa.Table) -> list | None:
+    """Grade ``rows`` (whole groups, ``[N]``) spread over the ranks: every row's
+    :class:`stages.grading.GradeResult` in row order on rank 0, ``None`` on the others."""
+    g = env.cfg.rollout.samples_per_prompt
+    mine = rank_groups(rows.num_rows // g, env.rank, env.world_size)
+    share = together(env.stage_comm, lambda: grade_results(env, rows.slice(mine.start * g, len(mine) * g)) if mine else [])
+    parts = env.stage_comm.gather(share)
+    return None if parts is None else [r for part in parts for r in part]
+
+
+def _correct(graded: list) -> list[float]:
+    return [1.0 if r.correct else 0.0 for r in graded]
+
+
+def _read_rollouts(env: RunEnv, step: int) -> pa.Table:
+    return together(env.stage_comm, lambda: read_step(env, "rollouts", step))
+
+
+def _score_table(env: RunEnv, rows: pa.Table, graded: list) -> tuple[pa.Table, dict[str, np.ndarray]]:
+    """The ``scores`` rows of the step, capped at one batch of kept groups (DAPO)."""
     cfg = env.cfg
-    per_round = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-    if cfg.algorithm.dynamic_sampling:
-        # A retried score stage starts its refills afresh: set aside earlier refill
-        # rounds of this step (the sampler it was given is the one after round 0).
-        refills = [f"rollout{r}" for r in range(1, cfg.algorithm.max_refill_rounds + 1)]
-        env.writer.supersede("rollouts", [step], stages=refills, variant=env.variant)
-    rows = read_step(env, "rollouts", step)
-    graded = grade_results(env, rows)
-    scores = [1.0 if r.correct else 0.0 for r in graded]
-    cols = _score_rows(env, rows, scores)
-    rounds = 0
-    refill_seconds = 0.0
-    if cfg.algorithm.dynamic_sampling:
-        while int(cols["kept"].sum()) < per_round and rounds < cfg.algorithm.max_refill_rounds:
-            rounds += 1
-            t_r = time.perf_counter()
-            _, state = run_rollout(env, state, step, attempt=attempt, round_=rounds, first_sample_id=rounds * per_round)
-            refill_seconds += time.perf_counter() - t_r
-            rows = read_step(env, "rollouts", step)
-            more = grade_results(env, rows.slice(len(scores)))
-            graded, scores = graded + more, scores + [1.0 if r.correct else 0.0 for r in more]
-            cols = _score_rows(env, rows, scores)
-        # keep at most one batch worth of groups, in sample order
+    cols = _score_rows(env, rows, _correct(graded))
+    if cfg.algorithm.dynamic_sampling:  # keep at most one batch worth of groups, in sample order
+        per_round = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
         kept_idx = np.flatnonzero(cols["kept"])
         if len(kept_idx) > per_round:
             cols["kept"][kept_idx[per_round:]] = False
@@ -109,10 +112,52 @@ def run_score(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) ->
         "advantage": pa.array(cols["advantage"], pa.float32()), "kept": pa.array(cols["kept"]),
         "tests_passed_fraction": pa.array([r.fraction for r in graded], pa.float32()),
     })
-    path = env.writer.write("scores", step, table, stage="score", attempt=attempt, variant=env.variant)
-    seconds = time.perf_counter() - t0 - refill_seconds
-    return {
-        "outputs": [str(path)], "reward_mean": float(cols["reward"].mean()), "accuracy": float(cols["correct"].mean()),
-        "kept": int(cols["kept"].sum()), "refill_rounds": rounds, "seconds": seconds,
-        "refill_seconds": refill_seconds, "sampler": state.sampler.to_dict(),
-    }, state
+    return table, cols
+
+
+def run_score(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[dict, TrainState]:
+    """Grade the rollouts of ``step`` (with DAPO refill rounds) and write ``scores``; every rank together.
+
+    ``state`` is the state after the step's rollout; refill rounds advance its
+    sampler, and the advanced state is returned (a retry starts again from the
+    state it was given). Rank 0 decides each refill round and writes the table;
+    the summary is the same on every rank."""
+    from stages.rollout import run_rollout
+
+    t0 = time.perf_counter()
+    cfg, comm = env.cfg, env.stage_comm
+    per_round = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    if cfg.algorithm.dynamic_sampling:
+        # A retried score stage starts its refills afresh: set aside earlier refill
+        # rounds of this step (the sampler it was given is the one after round 0).
+        refills = [f"rollout{r}" for r in range(1, cfg.algorithm.max_refill_rounds + 1)]
+        on_main(comm, lambda: env.writer.supersede("rollouts", [step], stages=refills, variant=env.variant))
+    rows = _read_rollouts(env, step)
+    graded = grade_shared(env, rows)  # every row's grade on rank 0 (None elsewhere)
+
+    def short_of_a_batch() -> bool:  # rank 0's view, shared: every rank runs the refill round or none does
+        return int(_score_rows(env, rows, _correct(graded))["kept"].sum()) < per_round
+
+    rounds, refill_seconds = 0, 0.0
+    while (cfg.algorithm.dynamic_sampling and rounds < cfg.algorithm.max_refill_rounds
+           and on_main(comm, short_of_a_batch)):
+        rounds += 1
+        t_r = time.perf_counter()
+        _, state = run_rollout(env, state, step, attempt=attempt, round_=rounds, first_sample_id=rounds * per_round)
+        refill_seconds += time.perf_counter() - t_r
+        graded_rows = rows.num_rows
+        rows = _read_rollouts(env, step)
+        more = grade_shared(env, rows.slice(graded_rows))
+        graded = None if more is None else graded + more
+
+    def write() -> dict:
+        table, cols = _score_table(env, rows, graded)
+        path = env.writer.write("scores", step, table, stage="score", attempt=attempt, variant=env.variant)
+        return {
+            "outputs": [str(path)], "reward_mean": float(cols["reward"].mean()),
+            "accuracy": float(cols["correct"].mean()), "kept": int(cols["kept"].sum()), "refill_rounds": rounds,
+            "seconds": time.perf_counter() - t0 - refill_seconds, "refill_seconds": refill_seconds,
+            "sampler": state.sampler.to_dict(),
+        }
+
+    return on_main(comm, write), state

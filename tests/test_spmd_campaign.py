@@ -1,7 +1,10 @@
 """A 2-rank campaign under torchrun (gloo, 1 thread each) against the same campaign in 1 process (issue 11).
 
 Same config, seed and global batch; the 2 ranks together run the 1-process
-micro-batches. Checks: identical rollouts; the union of the ranks' token_stats
+micro-batches, and each rank generates one of the step's two generation blocks
+(stages.rollout_plan). Checks: identical rollouts, although the 2-rank run
+retried its first rollout on both ranks after a transient failure of rank 0's
+write (the ledger records both attempts); the union of the ranks' token_stats
 parts has exactly the 1-process rows; step metrics and calibrated bounds agree
 (step 1 equal up to the gradient reduction's float rounding, see
 tests/test_train_scaleout.py for the derivation of the tolerances); a 2-rank run
@@ -25,6 +28,7 @@ from conftest import MICRO_OVERRIDES
 from storage.catalog import connect, query
 
 EXTRA = ["steps=2", "threads=1", "precision.train=fp8_rowwise", "algorithm.overlong_shaping=true",
+         "rollout.generation_batch_size=16",  # 2 generation blocks of 4 prompts: one per rank
          "algorithm.overlong_max_len=12", "algorithm.overlong_cache_len=8"]
 
 
@@ -54,8 +58,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     out = {"one": root / "one", "two": root / "two"}
     r = _run(out["one"], "run", "--nproc-per-node", "1")
     assert r.returncode == 0, r.stderr[-3000:]
-    r = _run(out["two"], "run", "--nproc-per-node", "2")
+    # a transient failure of rank 0's rollouts write: every rank retries the rollout together
+    fault = {"FP8RL_FAULT": "rollout@1:write:rollouts=transient", "FP8RL_FAULT_MARKER": str(root / "fault-fired")}
+    r = _run(out["two"], "run", "--nproc-per-node", "2", env=fault)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert (root / "fault-fired").exists(), "the transient fault was never injected"
     return out
 
 
@@ -79,6 +86,11 @@ def test_two_ranks_equal_one_process(runs):
     w1, w2 = _weights(runs["one"]), _weights(runs["two"])
     for k in w1:
         assert np.allclose(w1[k].float().numpy(), w2[k].float().numpy(), rtol=0, atol=1e-6), k
+
+
+def test_a_transient_failure_under_two_ranks_is_retried_on_all_ranks_and_recorded(runs):
+    q = "SELECT attempt, status FROM ledger WHERE step = 1 AND stage = 'rollout' ORDER BY attempt"
+    assert _rows(runs["two"], q) == [{"attempt": 0, "status": "failed"}, {"attempt": 1, "status": "done"}]
 
 
 @pytest.mark.timeout(1200)

@@ -11,6 +11,8 @@ every call so the tests can check what the adapter asked of vLLM.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import random
 import sys
@@ -224,6 +226,18 @@ def test_generate_builds_one_seeded_request_per_prompt(policy, tokenizer, fake_v
     # vLLM seeds child i of a request with seed + i: no two samples may share a stream.
     child_seeds = {prompt_seed(11, p, 3) + i for p in range(50) for i in range(3)}
     assert len(child_seeds) == 150
+
+
+def test_per_prompt_seeds_make_a_groups_samples_independent_of_its_call(policy, tokenizer, fake_vllm):
+    """``seeds=`` (issue 11): a prompt's group depends on its own seed, not on the call it rides in."""
+    engine = make(policy, tokenizer, fake_vllm)
+    args = dict(n=3, temperature=1.0, top_p=1.0, max_new_tokens=8)
+    both = engine.generate([[1, 5], [1, 6, 7]], seed=1, seeds=[40, 41], **args)
+    alone = engine.generate([[1, 6, 7]], seed=2, seeds=[41], **args)
+    assert [s.response_ids for s in both.group(1)] == [s.response_ids for s in alone.group(0)]
+    assert both.group(0) != [dataclasses.replace(s, prompt_index=0) for s in both.group(1)]
+    with pytest.raises(ValueError, match="1 seeds for 2 prompts"):
+        engine.generate([[1, 5], [1, 6, 7]], seed=1, seeds=[40], **args)
 
 
 def test_generate_returns_group_layout_with_sampled_token_logprobs(policy, tokenizer, fake_vllm):

@@ -129,11 +129,14 @@ class RolloutBatch:
 
 
 def validate_generate_args(
-    prompt_ids: list[list[int]], *, n: int, temperature: float, top_p: float, max_new_tokens: int
+    prompt_ids: list[list[int]], *, n: int, temperature: float, top_p: float, max_new_tokens: int,
+    seeds: list[int] | None = None,
 ) -> None:
     """Reject malformed ``generate`` arguments with a message naming the culprit."""
     if not prompt_ids:
         raise ValueError("generate: prompt_ids is empty; pass at least one prompt")
+    if seeds is not None and len(seeds) != len(prompt_ids):
+        raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids)} prompts; pass one seed per prompt")
     for i, p in enumerate(prompt_ids):
         if len(p) == 0:
             raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
@@ -177,8 +180,15 @@ class RolloutEngine(abc.ABC):
         top_p: float,
         max_new_tokens: int,
         seed: int,
+        seeds: list[int] | None = None,
     ) -> RolloutBatch:
-        """``n`` samples per prompt in group layout (``[P * n]``); deterministic given ``seed``."""
+        """``n`` samples per prompt in group layout (``[P * n]``); deterministic given ``seed``.
+
+        ``seeds`` (``[P]``, optional) seeds each prompt's group on its own, so a
+        prompt's samples do not depend on which other prompts share the call; an
+        engine that samples a whole call from one stream (transformers) says so
+        and uses ``seed`` alone (``stages.rollout_plan`` then keeps calls the same
+        on any number of ranks)."""
 
     @abc.abstractmethod
     def load_weights(self, train_model: torch.nn.Module) -> None:

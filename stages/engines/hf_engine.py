@@ -185,9 +185,14 @@ class TransformersEngine(RolloutEngine):
         top_p: float,
         max_new_tokens: int,
         seed: int,
+        seeds: list[int] | None = None,
     ) -> RolloutBatch:
+        """Samples of the whole call come from one generator seeded by ``seed``; per-prompt
+        ``seeds`` are checked and otherwise not used (one stream per call is what makes a
+        call's samples reproducible: ``stages.rollout_plan`` keeps calls rank-independent)."""
         model = self._require_model()
-        validate_generate_args(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+        validate_generate_args(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                               seeds=seeds)
         longest = max(len(p) for p in prompt_ids)
         if self.max_positions is not None and longest + max_new_tokens > self.max_positions:
             raise ValueError(

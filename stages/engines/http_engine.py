@@ -6,7 +6,7 @@
 * **Generation** (vLLM 0.33's OpenAI-compatible ``POST /v1/completions``,
   ``entrypoints/openai/completion/protocol.py``): one request per prompt with
   ``prompt`` = the token ids, ``n``, ``temperature``, ``top_p``, ``max_tokens``,
-  ``seed`` = :func:`~stages.engines.vllm_engine.prompt_seed` (so the samples
+  ``seed`` = :func:`~stages.engines.vllm_engine.request_seed` (so the samples
   equal the in-process engine's), ``logprobs=0`` (the sampled token's log-prob
   only), ``return_token_ids=true`` and ``skip_special_tokens=false``. Each
   choice carries ``index``, ``token_ids``, ``logprobs.token_logprobs`` and
@@ -56,7 +56,7 @@ from stages.engines.base import (
     truncate_at_eos,
     validate_generate_args,
 )
-from stages.engines.vllm_engine import prompt_seed
+from stages.engines.vllm_engine import request_seed
 from stages.engines.weight_transfer import nccl_trainer_init_kwargs
 
 
@@ -207,15 +207,16 @@ class VLLMHTTPEngine(RolloutEngine):
         self._sender: Any | None = None
         self._closed = False
 
-    def generate(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed) -> RolloutBatch:
+    def generate(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed, seeds=None) -> RolloutBatch:
         if self._closed:
             raise RuntimeError("this VLLMHTTPEngine was closed")
-        validate_generate_args(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+        validate_generate_args(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                               seeds=seeds)
         start = time.perf_counter()
 
         def one(p: int) -> list[RolloutSample]:
             body = completion_request(prompt_ids[p], model=self.served_model, n=n, temperature=temperature, top_p=top_p,
-                                      max_tokens=max_new_tokens, seed=prompt_seed(seed, p, n))
+                                      max_tokens=max_new_tokens, seed=request_seed(seed, seeds, p, n))
             return samples_from_completion(self.http.post("v1/completions", body), p=p, n=n, eos_ids=self.eos_ids)
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(prompt_ids))) as pool:

@@ -21,8 +21,10 @@ The mapping, piece by piece:
   logprobs=0, detokenize=False)`` per prompt; ``logprobs=0`` returns exactly the
   sampled token's log-prob. vLLM gives the ``n`` children of a seeded request
   the seeds ``seed + 0 .. seed + n - 1``, so each prompt gets a distinct base
-  seed ``seed * 1_000_003 + p * n`` and no two samples share a stream. top-k is
-  left at vLLM's default (disabled).
+  seed ``seed * 1_000_003 + p * n`` and no two samples share a stream; with
+  per-prompt ``seeds`` (the rollout stage passes them) the base is
+  ``seeds[p] * 1_000_003``, so seeding is per prompt group and a group's samples
+  do not depend on the call it rides in. top-k is left at vLLM's default (disabled).
 * **Log-probs.** vLLM's default ``logprobs_mode="raw_logprobs"`` reports
   ``log_softmax(logits)`` before temperature and top-p. We pass
   ``"processed_logprobs"`` (after temperature and top-p) so that both engines
@@ -180,6 +182,14 @@ def build_llm_kwargs(
 def prompt_seed(seed: int, prompt_index: int, n: int) -> int:
     """Base seed of one prompt's request; its ``n`` children use ``base + 0 .. base + n - 1``."""
     return (seed * 1_000_003 + prompt_index * n) % (2**63 - 1)
+
+
+def request_seed(seed: int, seeds: list[int] | None, prompt_index: int, n: int) -> int:
+    """Base seed of prompt ``p``'s request: from its own seed when ``seeds`` are given (then
+    the prompt's samples depend on nothing else in the call), else from the call's ``seed``."""
+    if seeds is None:
+        return prompt_seed(seed, prompt_index, n)
+    return prompt_seed(seeds[prompt_index], 0, n)
 
 
 def sampled_token_logprobs(completion: Any) -> list[float]:
@@ -386,18 +396,20 @@ class VLLMEngine(RolloutEngine):
         top_p: float,
         max_new_tokens: int,
         seed: int,
+        seeds: list[int] | None = None,
     ) -> RolloutBatch:
         llm = self._require_llm()
         if self._asleep:
             raise RuntimeError("the vLLM engine is asleep: call wake_up() or load_weights() before generate()")
-        validate_generate_args(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+        validate_generate_args(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                               seeds=seeds)
         params = [
             self._vllm.SamplingParams(
                 n=n,
                 temperature=temperature,
                 top_p=top_p,
                 max_tokens=max_new_tokens,
-                seed=prompt_seed(seed, p, n),
+                seed=request_seed(seed, seeds, p, n),
                 logprobs=0,
                 detokenize=False,
             )
