@@ -21,7 +21,7 @@ run: $(STAMP)
 	$(BIN)/fp8rl run
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

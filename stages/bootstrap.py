@@ -113,10 +113,25 @@ def config_hash(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: Bootstra
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+MAX_THREADS_ENV = "FP8RL_MAX_THREADS"
+
+
+def capped_threads(n: int) -> int:
+    """``n`` intra-op threads, at most ``$FP8RL_MAX_THREADS`` when set.
+
+    The test suite sets it to 1: its two workers share two cores, and a 2-thread
+    torch process beside another one oversubscribes them (OpenMP barriers spin).
+    The thread count changes no result that a test compares across runs (both
+    sides run capped), and the bootstrap cache key ignores it.
+    """
+    cap = os.environ.get(MAX_THREADS_ENV)
+    return min(n, max(1, int(cap))) if cap else n
+
+
 @contextmanager
 def _threads(n: int) -> Iterator[None]:
     before = torch.get_num_threads()
-    torch.set_num_threads(n)
+    torch.set_num_threads(capped_threads(n))
     try:
         yield
     finally:

@@ -210,7 +210,9 @@ def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, r
     from stages.prompt_format import apply_stop_tokens
     from stages.train_core import make_optimizer
 
-    torch.set_num_threads(cfg.threads)
+    from stages.bootstrap import capped_threads
+
+    torch.set_num_threads(capped_threads(cfg.threads))
     run_dir = Path(run_dir)
     read_run_info(run_dir)  # fails clearly on a non-run directory
     device = resolve_device(cfg.device)

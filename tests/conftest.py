@@ -22,6 +22,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
 os.environ.setdefault("FP8RL_BOOTSTRAP_CACHE", str(_SESSION_TMP / "bootstrap"))
+# Campaigns and bootstraps the tests start run on one torch thread: two xdist workers
+# share two cores (make test: -n 2), and 2-thread processes side by side spin in OpenMP barriers.
+os.environ.setdefault("FP8RL_MAX_THREADS", "1")
 # Strict FP8 shape contracts (issue 11): the emulation rejects what the GPU kernels reject.
 os.environ.setdefault("FP8RL_STRICT_FP8_SHAPES", "1")
 
@@ -99,14 +102,15 @@ def data_dir() -> Path:
 
 
 # ----------------------------------------------------------------- two workers (make test: -n 2)
-# `make test` runs the suite on both cores with pytest-xdist (`-n 2 --dist loadfile`): a
-# file's tests run on one worker, so a module's fixtures (a reference campaign, a
-# bootstrap) are built once. Tests that watch machine-wide state keep to their own
+# `make test` runs the suite on both cores with pytest-xdist (`-n 2 --dist loadfile
+# --no-loadscope-reorder`): a file's tests run on one worker, so a module's fixtures (a
+# reference campaign, a bootstrap) are built once, and files are handed out in the
+# order below. Tests that watch machine-wide state keep to their own
 # share of it (the sandbox tests count processes in a uid band of their own).
 # Longest files first, so the two workers finish together instead of one waiting on a
 # long file drawn last (measured with --durations on an idle 2-core machine).
-_LONG_FIRST = ("test_campaign", "test_spmd_campaign", "test_bootstrap", "test_trackers", "test_guard",
-               "test_stages", "test_deploy", "test_integrity")
+_LONG_FIRST = ("test_campaign", "test_spmd_campaign", "test_rollout_ranks", "test_bootstrap", "test_stages",
+               "test_trackers", "test_guard", "test_deploy", "test_integrity", "test_sandbox", "test_code_rl")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
