@@ -31,12 +31,23 @@ Padding tokens do enter a tensorwise activation amax, as they would on the GPU.
 
 Data parallelism (SPMD): the mini-batch partition does not depend on the number
 of ranks. Mini-batch j is rows ``order[j*B:(j+1)*B]`` of a permutation seeded by
-the step; rank r of W takes the r-th contiguous W-th of it, cut into micro-batches
-of ``micro_batch_size``. With ``B/W`` a multiple of the micro-batch size, the W
-ranks together run exactly the micro-batches of the 1-process run. Every batch
-statistic is global: the token-mean denominator is all-reduced (an integer count:
-exact), and the step metrics are computed on the gathered per-token tensors by
-the same code as in one process (:class:`Collective`).
+the step, cut into micro-batches of ``micro_batch_size`` as in one process; rank r
+of W takes the r-th contiguous run of ``ceil(k/W)`` of its k micro-batches. So the
+W ranks together run exactly the micro-batches of the 1-process run, and with
+``B/W`` a multiple of the micro-batch size each rank runs the r-th W-th of the
+rows. Every batch statistic is global: the token-mean denominator is all-reduced
+(an integer count: exact), and the step metrics are computed on the gathered
+per-token tensors by the same code as in one process (:class:`Collective`).
+
+Padding micro-batches: every forward and backward under FSDP is a collective, so
+all ranks must run as many of them, in every phase. The last mini-batch of a step
+whose size is not a multiple of B is partial and leaves some ranks fewer
+micro-batches (or none); each rank tops its share up to the most any rank runs
+(:func:`plan_depth`, computed locally from the plan's inputs) with a padding
+micro-batch: one real row of the batch with loss mask, advantage and rollout
+log-probs 0 (:func:`local_rows`), whose loss and gradient are exactly 0 and whose
+outputs land in a row that is dropped before anything is gathered. One process
+never pads.
 
 Token order: row i of every ``[N, T]`` tensor is sample i of the batch (groups
 contiguous); column t is the log-prob of ``input_ids[:, t]`` given its prefix.
@@ -255,8 +266,10 @@ def _micro_slices(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
 def minibatch_plan(n: int, cfg: CampaignConfig, seed: int, *, rank: int = 0, world_size: int = 1) -> list[list[torch.Tensor]]:
     """Per mini-batch (epoch-major), this rank's micro-batches as row-index tensors of the global batch.
 
-    Independent of ``world_size`` as a set: the ranks' micro-batches of mini-batch j
-    together are the 1-process micro-batches of mini-batch j.
+    Independent of ``world_size`` as a set: the k 1-process micro-batches of
+    mini-batch j are dealt out in contiguous runs of ``ceil(k/W)``, so the ranks'
+    micro-batches together are the 1-process ones (and rank 0 runs the most). A
+    partial last mini-batch can leave a rank fewer micro-batches, or none.
     """
     a = cfg.algorithm
     gen = torch.Generator().manual_seed(seed)
@@ -264,10 +277,44 @@ def minibatch_plan(n: int, cfg: CampaignConfig, seed: int, *, rank: int = 0, wor
     for _ in range(a.ppo_epochs):
         order = torch.randperm(n, generator=gen)
         for mb in _micro_slices(order, a.ppo_mini_batch_size):
-            share = -(-mb.numel() // world_size)
-            mine = mb[rank * share : (rank + 1) * share]
-            plan.append(_micro_slices(mine, a.micro_batch_size))
+            micros = _micro_slices(mb, a.micro_batch_size)
+            share = -(-len(micros) // world_size)
+            plan.append(micros[rank * share : (rank + 1) * share])
     return plan
+
+
+def plan_depth(n: int, cfg: CampaignConfig, seed: int, world_size: int) -> list[int]:
+    """Per mini-batch (epoch-major), the most micro-batches any rank runs in :func:`minibatch_plan`.
+
+    A deterministic function of the plan's inputs: every rank computes it locally
+    (no communication) and pads its share up to it (:func:`pad_micros`).
+    """
+    plans = [minibatch_plan(n, cfg, seed, rank=r, world_size=world_size) for r in range(world_size)]
+    return [max(len(p[k]) for p in plans) for k in range(len(plans[0]))]
+
+
+def pad_micros(micros: list[torch.Tensor], depth: int, pad: torch.Tensor | None) -> list[torch.Tensor]:
+    """``micros`` topped up to ``depth`` micro-batches with the padding micro-batch ``pad`` (None: as is)."""
+    return micros if pad is None else micros + [pad] * (depth - len(micros))
+
+
+def local_rows(batch: TrainBatch, mine: torch.Tensor, world_size: int) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None]:
+    """This rank's rows of the global ``batch`` (in global order) and, under several ranks, a padding row.
+
+    Returns ``(local, rows, pad)``: ``local`` the ``[n_r (+1), T]`` batch, ``rows``
+    the global row of each local row, ``pad`` the local index ``[1]`` of the padding
+    row (None in one process). The padding row is global row 0 (real tokens, so
+    its forward is an ordinary one; it exists whenever the step has rows) with
+    response mask, advantage and rollout log-probs 0: any loss over it, and its
+    gradient, is exactly 0, and it never enters a token count.
+    """
+    if world_size == 1:
+        return batch.rows(mine), mine, None
+    rows = torch.cat([mine, torch.zeros(1, dtype=torch.long)])
+    local = batch.rows(rows)
+    for t in (local.response_mask, local.rollout_logp, local.advantages):
+        t[-1] = 0
+    return local, rows, torch.tensor([mine.numel()])
 
 
 # --------------------------------------------------------------------------- the update
@@ -291,8 +338,10 @@ def policy_update(
     ``bounds`` = (L, H) ratio clip bounds in force; ``shadow`` turns on the BF16
     shadow forwards; ``seed`` fixes the mini-batch shuffle (deterministic per step).
     Under several ranks each rank passes the same global batch and trains on its
-    share of every mini-batch (:func:`minibatch_plan`); the returned per-token
-    arrays and metrics are global and identical on every rank.
+    share of every mini-batch (:func:`minibatch_plan`), topped up with padding
+    micro-batches so that every rank runs as many forwards and backwards (a partial
+    last mini-batch; see the module docstring); the returned per-token arrays and
+    metrics are global and identical on every rank.
     ``shadow_rows`` (``[N]`` bool over the global batch, optional): shadow only
     these sequences (subsampled shadow passes, ``fp8rl_core.subsample``); the
     BF16 log-probs of the other rows are NaN.
@@ -308,11 +357,19 @@ def policy_update(
     full = batch
     n = full.size
     plan = minibatch_plan(n, cfg, seed, rank=collective.rank, world_size=collective.world_size)
-    mine = torch.unique(torch.cat([m for mbs in plan[: len(plan) // a.ppo_epochs] for m in mbs] or [torch.zeros(0, dtype=torch.long)]))
-    local = full.rows(mine).to(device)  # this rank's rows, in global row order
+    per_epoch = len(plan) // a.ppo_epochs
+    mine = torch.unique(torch.cat([m for mbs in plan[:per_epoch] for m in mbs] or [torch.zeros(0, dtype=torch.long)]))
+    local, local_global, pad = local_rows(full, mine, collective.world_size)  # this rank's rows (+ padding row)
+    local = local.to(device)
     where = torch.full((n,), -1, dtype=torch.long)
     where[mine] = torch.arange(mine.numel())  # global row -> local row
-    mask = local.response_mask.float()  # [n_r, T]
+    depth = plan_depth(n, cfg, seed, collective.world_size)
+
+    def padded(k: int) -> list[torch.Tensor]:
+        """Local row indices of mini-batch k's micro-batches, padded to every rank's count."""
+        return pad_micros([where[m] for m in plan[k]], depth[k], pad)
+
+    mask = local.response_mask.float()  # [n_r (+1 padding row), T]
     adv_tok = local.advantages.float()[:, None] * mask
     timings: dict[str, float] = {}
     model.train()
@@ -320,12 +377,14 @@ def policy_update(
 
     # 1. π_old (training precision) and its BF16 shadow, in micro-batches
     # (in the micro-batches of the first epoch's plan: the same ones on 1 or W ranks)
-    first = [where[m] for mbs in plan[: len(plan) // a.ppo_epochs] for m in mbs]
+    first = [r for k in range(per_epoch) for r in padded(k)]
 
-    sub = None if shadow_rows is None or bool(shadow_rows.all()) else shadow_rows.bool()[mine].to(device)  # local rows
+    sub = None if shadow_rows is None or bool(shadow_rows.all()) else shadow_rows.bool()[local_global].to(device)
 
     def shadowed(r: torch.Tensor) -> torch.Tensor:
-        return r if sub is None else r[sub[r]]
+        """The shadowed rows of micro-batch ``r``; under several ranks never empty (padding instead)."""
+        r = r if sub is None else r[sub[r]]
+        return r if r.numel() or pad is None else pad
 
     def no_grad_pass(shadow_pass: bool) -> torch.Tensor:
         fill = float("nan") if shadow_pass and sub is not None else 0.0
@@ -356,11 +415,11 @@ def policy_update(
     lb = loss_bounds(a.loss, lower, upper, a)  # the loss's own reading of (L, H), from the registry
     bapo_on, bapo_results, bapo_mb = cfg.calibration.mode == "bapo", [], {}  # BAPO: bounds per update
     losses, grad_norms, skipped = [], [], 0
-    per_epoch = len(plan) // a.ppo_epochs
     t_train = time.perf_counter()
     for k, micros in enumerate(plan):
         epoch, mb_index = divmod(k, per_epoch)
-        rows = [where[m] for m in micros]  # local row indices
+        real = [where[m] for m in micros]  # local row indices
+        rows = padded(k)  # + padding micro-batches: mask 0, so they add 0 to every sum below
         if epoch == 0:
             for m in micros:
                 minibatch[m] = mb_index
@@ -384,8 +443,8 @@ def policy_update(
             if epoch == 0:
                 bapo_mb.setdefault(mb_index, (b.lower, b.upper))  # epoch 0's bounds, for the step's clip statistics
             lb = loss_bounds(a.loss, b.lower, b.upper, a)
-        mb_tokens = collective.sum(float(sum(float(mask[r].sum()) for r in rows)))
-        mb_seqs = collective.sum(float(sum(r.numel() for r in rows)))
+        mb_tokens = collective.sum(float(sum(float(mask[r].sum()) for r in real)))
+        mb_seqs = collective.sum(float(sum(r.numel() for r in real)))
         optimizer.zero_grad(set_to_none=True)
         mb_loss = 0.0
         for r in rows:
@@ -423,7 +482,8 @@ def policy_update(
         if t is None:
             return None
         out = torch.zeros((n, *t.shape[1:]), dtype=t.dtype)
-        out[collective.gather_rows(mine)] = collective.gather_rows(t.detach().float().cpu())
+        own = t[: mine.numel()]  # without the padding row
+        out[collective.gather_rows(mine)] = collective.gather_rows(own.detach().float().cpu())
         return out
 
     g = {k: glob(v) for k, v in dict(logp8=logp8, old8=old8, logp16=logp16, old16=old16, entropy=entropy,
@@ -482,6 +542,6 @@ def _mean(xs: list[float]) -> float:
 
 __all__ = [
     "Collective", "DistCollective", "LOCAL", "TrainBatch", "UpdateResult", "make_optimizer", "maybe_fault",
-    "minibatch_plan", "pad_to_contract", "padded_width", "policy_logprobs", "policy_update", "step_metrics",
-    "token_multiple",
+    "local_rows", "minibatch_plan", "pad_micros", "pad_to_contract", "padded_width", "plan_depth", "policy_logprobs",
+    "policy_update", "step_metrics", "token_multiple",
 ]

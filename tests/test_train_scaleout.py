@@ -7,13 +7,17 @@
 * strict emulation rejects the token counts torchao's kernels reject, and every
   micro-batch the trainer builds passes;
 * a 2-rank gloo run (FSDP2, 1 thread each) and a 1-process run of the same
-  global batch give the same losses, grad norms and per-token log-probs.
+  global batch give the same losses, grad norms and per-token log-probs, also
+  when the batch is not a multiple of the mini-batch (a partial last mini-batch
+  leaves one rank fewer micro-batches or none: it runs padding micro-batches, or
+  the FSDP collectives deadlock).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -28,10 +32,13 @@ from stages.train_core import TrainBatch, make_optimizer, policy_update
 SMALL = ModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=256)
 
 
-def _cfg(mode: str = "fp8_rowwise", **algo) -> CampaignConfig:
+def _cfg(mode: str = "fp8_rowwise", calibration: str | None = None, **algo) -> CampaignConfig:
     a = {"ppo_mini_batch_size": 8, "micro_batch_size": 4, "lr": 1e-3, **algo}
-    return CampaignConfig.model_validate({"rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 8},
-                                          "algorithm": a, "precision": {"train": mode}})
+    c = {"rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 8},
+         "algorithm": a, "precision": {"train": mode}}
+    if calibration is not None:
+        c["calibration"] = {"mode": calibration}
+    return CampaignConfig.model_validate(c)
 
 
 def _batch(n=16, p=7, r=6, seed=0) -> TrainBatch:
@@ -155,7 +162,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, mode: str, steps: int, out: str) -> None:
+def _spawn(fn, args: tuple, timeout: float = 180.0, nprocs: int = 2) -> None:
+    """Run ``fn(rank, *args)`` on ``nprocs`` forked ranks; fail (killing them) if they outlive ``timeout``:
+    ranks whose collectives do not match hang rather than fail."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="fork")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{nprocs} ranks still running after {timeout:.0f} s (mismatched collectives?)")
+
+
+def _rank_main(rank: int, world: int, port: int, mode: str, steps: int, out: str, n: int = 16,
+               kw: dict | None = None) -> None:
     import torch.distributed as dist
 
     from stages.distributed import full_model_state, shard_policy
@@ -165,12 +187,12 @@ def _rank_main(rank: int, world: int, port: int, mode: str, steps: int, out: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        cfg = _cfg(mode)
+        cfg = _cfg(mode, **(kw or {}))
         model = shard_policy(_model(mode))
         opt, sched = make_optimizer(model, cfg)
         results = []
         for step in range(steps):
-            res = policy_update(model, opt, sched, _batch(seed=step), cfg, bounds=(0.8, 1.28), shadow=step == 0,
+            res = policy_update(model, opt, sched, _batch(n=n, seed=step), cfg, bounds=(0.8, 1.28), shadow=step == 0,
                                 seed=step, collective=DistCollective())
             results.append(res)
         state = full_model_state(model)
@@ -181,12 +203,12 @@ def _rank_main(rank: int, world: int, port: int, mode: str, steps: int, out: str
         dist.destroy_process_group()
 
 
-def _one_process(mode: str, steps: int):
+def _one_process(mode: str, steps: int, n: int = 16, kw: dict | None = None):
     torch.set_num_threads(1)
-    cfg = _cfg(mode)
+    cfg = _cfg(mode, **(kw or {}))
     model = _model(mode)
     opt, sched = make_optimizer(model, cfg)
-    results = [policy_update(model, opt, sched, _batch(seed=s), cfg, bounds=(0.8, 1.28), shadow=s == 0, seed=s)
+    results = [policy_update(model, opt, sched, _batch(n=n, seed=s), cfg, bounds=(0.8, 1.28), shadow=s == 0, seed=s)
                for s in range(steps)]
     return [(r.metrics, r.logp_fp8, r.old_logp_fp8, r.logp_bf16) for r in results], model.state_dict()
 
@@ -205,21 +227,51 @@ def test_two_gloo_ranks_with_fsdp2_match_one_process(tmp_path, mode):
     gradient into an absolute change of about lr * 1e-7 per update... we allow 1e-4 * lr
     per update on the weights and 1e-5 relative on losses/grad norms.
     """
-    import torch.multiprocessing as mp
+    _two_ranks_match_one_process(tmp_path, mode)
 
+
+def _two_ranks_match_one_process(tmp_path, mode: str, n: int = 16, kw: dict | None = None) -> None:
+    """2 FSDP2 ranks vs 1 process, 3 steps on global batches of ``n`` rows, config ``_cfg(mode, **kw)``
+    (tolerances: see above)."""
     steps = 3
     out = str(tmp_path / "rank0.pt")
-    mp.start_processes(_rank_main, args=(2, _free_port(), mode, steps, out), nprocs=2, join=True, start_method="fork")
+    _spawn(_rank_main, (2, _free_port(), mode, steps, out, n, kw))
     dist_res = torch.load(out, weights_only=False)
-    ref, ref_state = _one_process(mode, steps)
+    ref, ref_state = _one_process(mode, steps, n, kw)
     (m1, lp1, old1, b1), (m2, lp2, old2, b2) = ref[0], dist_res["results"][0]
     assert torch.equal(old1, old2) and torch.equal(lp1, lp2) and torch.equal(b1, b2)
-    for k in ("loss", "clipfrac", "clipfrac_lower", "ppo_kl", "entropy_mean", "n_tokens"):
+    bapo = sorted(k for k in m1 if k.startswith("bapo_"))  # BAPO: bounds of each update (global sums)
+    for k in ("loss", "clipfrac", "clipfrac_lower", "ppo_kl", "entropy_mean", "n_tokens", *bapo):
         assert m1[k] == pytest.approx(m2[k], rel=1e-6, abs=1e-9), k
     assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
-    lr, updates = 1e-3, steps * 2
+    cfg = _cfg(mode, **(kw or {}))
+    lr, updates = cfg.algorithm.lr, steps * -(-n // cfg.algorithm.ppo_mini_batch_size)
+    assert all(r[0]["updates"] == updates // steps for r in dist_res["results"])
     for k, v in ref_state.items():
         assert torch.allclose(v, dist_res["state"][k], rtol=0, atol=1e-4 * lr * updates + 1e-7), k
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["bf16", "fp8_rowwise"])
+@pytest.mark.parametrize("n,micro,calibration", [(19, 4, None), (17, 4, None), (6, 2, None), (3, 4, None),
+                                                 (17, 4, "bapo"), (3, 4, "bapo")],
+                         ids=["2-full+3-rows", "2-full+1-row", "3-micros-2+1", "rank-1-owns-no-row",
+                              "2-full+1-row-bapo", "rank-1-owns-no-row-bapo"])
+def test_two_gloo_ranks_match_one_process_with_a_partial_mini_batch(tmp_path, mode, n, micro, calibration):
+    """Global batch not a multiple of ppo_mini_batch_size = 8 (DAPO dynamic sampling keeps fewer rows).
+
+    The last mini-batch is partial: 3 rows or 1 row after 2 full mini-batches (one micro-batch:
+    rank 1 runs none), 6 rows in micro-batches of 2 (rank 0 runs 2, rank 1 one), or the whole
+    step is 3 rows (rank 1 owns no row at all). The short rank runs padding micro-batches
+    (forward and backward with loss mask 0; under BAPO also the no-grad ratio forward and the
+    all-reduce of its bound sums, with zero contributions) so that the collectives match, and the result
+    is the 1-process one within the tolerances above. On the trainer without padding the ranks'
+    collectives do not match (2-full+1-row: hang). Full mini-batches keep 2 micro-batches, so
+    each gradient is summed in the same order as in one process (with 4, (g1+g2)+(g3+g4) vs
+    ((g1+g2)+g3)+g4 moves the weights by ~1e-9 and the bf16 forward amplifies it past the
+    tolerance within 3 steps, padding or not).
+    """
+    _two_ranks_match_one_process(tmp_path, mode, n, {"micro_batch_size": micro, "calibration": calibration})
 
 
 # --------------------------------------------------------------------------- devices
@@ -348,16 +400,12 @@ def _same_state(a, b):
 
 @pytest.mark.timeout(240)
 def test_two_rank_checkpoint_restores_in_one_process_and_the_reverse(tmp_path):
-    import torch.multiprocessing as mp
-
     # 2 ranks save -> 1 process loads
     out = str(tmp_path / "saved.pt")
-    mp.start_processes(_ckpt_rank, args=(2, _free_port(), str(tmp_path / "dcp2"), "save", out), nprocs=2, join=True,
-                       start_method="fork")
+    _spawn(_ckpt_rank, (2, _free_port(), str(tmp_path / "dcp2"), "save", out))
     saved2 = torch.load(out, weights_only=False)
     _same_state(saved2, _ckpt_one(str(tmp_path / "dcp2"), "load"))
     # 1 process saves -> 2 ranks load
     saved1 = _ckpt_one(str(tmp_path / "dcp1"), "save")
-    mp.start_processes(_ckpt_rank, args=(2, _free_port(), str(tmp_path / "dcp1"), "load", out), nprocs=2, join=True,
-                       start_method="fork")
+    _spawn(_ckpt_rank, (2, _free_port(), str(tmp_path / "dcp1"), "load", out))
     _same_state(saved1, torch.load(out, weights_only=False))
