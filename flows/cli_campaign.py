@@ -60,10 +60,19 @@ def _locked(run_dir: Path):
         lock.release(run_dir)
 
 
-def preflight(cfg: CampaignConfig) -> None:
-    """Check every input the campaign will read (data files, benchmarks) up front."""
+def preflight(cfg: CampaignConfig, nproc_per_node: int = 1) -> None:
+    """Check every input the campaign will read (data files, benchmarks) and that the trainer
+    can run on ``nproc_per_node`` ranks, up front."""
     from stages.evaluate import check_benchmarks
     from stages.prompts import make_source
+
+    if nproc_per_node > 1:
+        from stages.train_core import check_world_size
+
+        try:
+            check_world_size(cfg, nproc_per_node)
+        except ValueError as err:
+            raise _fail(str(err))
 
     try:
         make_source(cfg.task)
@@ -158,7 +167,7 @@ def run(
         raise _fail(str(err))
     if not RUN_ID.match(cfg.name):
         raise _fail(f"name {cfg.name!r}: a run name is letters, digits and . _ + = - (no '/'), starting with a letter or digit")
-    preflight(cfg)
+    preflight(cfg, nproc_per_node)
     default_root = None
     if run_dir is None:
         default_root = Path(cfg.storage.runs_root)
@@ -215,7 +224,7 @@ def resume(
 
     run_dir = run_dir.resolve()
     cfg = _check_run_config(run_dir, config, set_)
-    preflight(cfg)
+    preflight(cfg, nproc_per_node)
     if (from_stage is None) != (step is None):
         raise _fail("--from and --step go together")
     with _locked(run_dir):

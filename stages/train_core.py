@@ -263,6 +263,28 @@ def _micro_slices(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
     return [idx[i : i + size] for i in range(0, idx.numel(), size)]
 
 
+def check_world_size(cfg: CampaignConfig, world_size: int) -> None:
+    """Reject a config the trainer cannot run on ``world_size`` ranks (``ValueError``, one line).
+
+    Full mini-batches must split into the same number of micro-batches per rank (FSDP
+    collectives), the ranks together running the 1-process micro-batches. Several PPO
+    epochs under several ranks are refused: π_old is computed on each rank's epoch-0
+    rows only, and a later epoch's shuffle would hand a rank rows it holds no π_old for.
+    """
+    a = cfg.algorithm
+    if a.ppo_mini_batch_size % (world_size * a.micro_batch_size):
+        raise ValueError(
+            f"algorithm.ppo_mini_batch_size={a.ppo_mini_batch_size} must be a multiple of world size "
+            f"{world_size} x algorithm.micro_batch_size={a.micro_batch_size}: every rank must run the "
+            "same number of micro-batches (FSDP collectives), and the ranks together the 1-process micro-batches"
+        )
+    if world_size > 1 and a.ppo_epochs > 1:
+        raise ValueError(
+            f"algorithm.ppo_epochs={a.ppo_epochs} is not supported on {world_size} ranks yet (each rank holds "
+            "π_old for its epoch-0 rows only); use ppo_epochs: 1 (the presets' value) or one process"
+        )
+
+
 def minibatch_plan(n: int, cfg: CampaignConfig, seed: int, *, rank: int = 0, world_size: int = 1) -> list[list[torch.Tensor]]:
     """Per mini-batch (epoch-major), this rank's micro-batches as row-index tensors of the global batch.
 
@@ -347,12 +369,7 @@ def policy_update(
     BF16 log-probs of the other rows are NaN.
     """
     a, mode = cfg.algorithm, cfg.precision.train
-    if a.ppo_mini_batch_size % (collective.world_size * a.micro_batch_size):
-        raise ValueError(
-            f"algorithm.ppo_mini_batch_size={a.ppo_mini_batch_size} must be a multiple of world size "
-            f"{collective.world_size} x algorithm.micro_batch_size={a.micro_batch_size}: every rank must run the "
-            "same number of micro-batches (FSDP collectives), and the ranks together the 1-process micro-batches"
-        )
+    check_world_size(cfg, collective.world_size)
     device = next(model.parameters()).device
     full = batch
     n = full.size

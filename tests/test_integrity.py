@@ -341,6 +341,18 @@ def test_rerun_steps_must_be_a_range(micro_run: Path) -> None:
     one_line_exit_2(cli("rerun", micro_run, "--stage", "score", "--steps", "9:2"), "9:2")
 
 
+@pytest.mark.parametrize("sets, needle", [
+    (["algorithm.ppo_epochs=2", "algorithm.micro_batch_size=128"], "ppo_epochs=2 is not supported on 2 ranks"),
+    (["algorithm.ppo_mini_batch_size=256", "algorithm.micro_batch_size=256"], "must be a multiple of world size 2"),
+])
+def test_a_config_the_ranks_cannot_train_is_refused_before_launch(tmp_path: Path, sets: list[str], needle: str) -> None:
+    """Several PPO epochs on several ranks used to train on rows without their π_old (a silent wrong
+    row); a mini-batch that does not split over the ranks failed only inside the train stage."""
+    args = [x for s in sets for x in ("--set", s)]
+    one_line_exit_2(cli("run", "tiny-cpu", "--run-dir", tmp_path / "r", "--nproc-per-node", "2", *args), needle)
+    assert not (tmp_path / "r").exists()  # nothing written
+
+
 def test_run_dir_that_holds_other_files_is_refused(tmp_path: Path) -> None:
     d = tmp_path / "photos"
     d.mkdir()
