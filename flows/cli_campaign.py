@@ -67,7 +67,7 @@ def preflight(cfg: CampaignConfig, nproc_per_node: int = 1) -> None:
     from stages.prompts import make_source
 
     if nproc_per_node > 1:
-        from stages.train_core import check_world_size
+        from stages.minibatch_plan import check_world_size
 
         try:
             check_world_size(cfg, nproc_per_node)

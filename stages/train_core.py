@@ -68,6 +68,7 @@ from fp8rl_core import bapo as bapo_rule
 from fp8rl_core.losses import POLICY_LOSSES, importance_ratio, loss_bounds, policy_loss, tis_weights
 import fp8rl_core.gspo  # noqa: F401,E402  registers the "gspo" loss (issue 15)
 from fp8rl_core.precision import bf16_shadow
+from stages.minibatch_plan import check_world_size, minibatch_plan, pad_micros, plan_depth  # noqa: F401  (re-exported)
 
 
 def maybe_fault(stage: str, point: int) -> None:
@@ -257,67 +258,6 @@ def make_optimizer(model: torch.nn.Module, cfg: CampaignConfig) -> tuple[torch.o
     opt = torch.optim.AdamW(params, lr=a.lr, betas=a.betas, weight_decay=a.weight_decay, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(a.warmup_steps))
     return opt, sched
-
-
-def _micro_slices(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
-    return [idx[i : i + size] for i in range(0, idx.numel(), size)]
-
-
-def check_world_size(cfg: CampaignConfig, world_size: int) -> None:
-    """Reject a config the trainer cannot run on ``world_size`` ranks (``ValueError``, one line).
-
-    Full mini-batches must split into the same number of micro-batches per rank (FSDP
-    collectives), the ranks together running the 1-process micro-batches. Several PPO
-    epochs under several ranks are refused: π_old is computed on each rank's epoch-0
-    rows only, and a later epoch's shuffle would hand a rank rows it holds no π_old for.
-    """
-    a = cfg.algorithm
-    if a.ppo_mini_batch_size % (world_size * a.micro_batch_size):
-        raise ValueError(
-            f"algorithm.ppo_mini_batch_size={a.ppo_mini_batch_size} must be a multiple of world size "
-            f"{world_size} x algorithm.micro_batch_size={a.micro_batch_size}: every rank must run the "
-            "same number of micro-batches (FSDP collectives), and the ranks together the 1-process micro-batches"
-        )
-    if world_size > 1 and a.ppo_epochs > 1:
-        raise ValueError(
-            f"algorithm.ppo_epochs={a.ppo_epochs} is not supported on {world_size} ranks yet (each rank holds "
-            "π_old for its epoch-0 rows only); use ppo_epochs: 1 (the presets' value) or one process"
-        )
-
-
-def minibatch_plan(n: int, cfg: CampaignConfig, seed: int, *, rank: int = 0, world_size: int = 1) -> list[list[torch.Tensor]]:
-    """Per mini-batch (epoch-major), this rank's micro-batches as row-index tensors of the global batch.
-
-    Independent of ``world_size`` as a set: the k 1-process micro-batches of
-    mini-batch j are dealt out in contiguous runs of ``ceil(k/W)``, so the ranks'
-    micro-batches together are the 1-process ones (and rank 0 runs the most). A
-    partial last mini-batch can leave a rank fewer micro-batches, or none.
-    """
-    a = cfg.algorithm
-    gen = torch.Generator().manual_seed(seed)
-    plan = []
-    for _ in range(a.ppo_epochs):
-        order = torch.randperm(n, generator=gen)
-        for mb in _micro_slices(order, a.ppo_mini_batch_size):
-            micros = _micro_slices(mb, a.micro_batch_size)
-            share = -(-len(micros) // world_size)
-            plan.append(micros[rank * share : (rank + 1) * share])
-    return plan
-
-
-def plan_depth(n: int, cfg: CampaignConfig, seed: int, world_size: int) -> list[int]:
-    """Per mini-batch (epoch-major), the most micro-batches any rank runs in :func:`minibatch_plan`.
-
-    A deterministic function of the plan's inputs: every rank computes it locally
-    (no communication) and pads its share up to it (:func:`pad_micros`).
-    """
-    plans = [minibatch_plan(n, cfg, seed, rank=r, world_size=world_size) for r in range(world_size)]
-    return [max(len(p[k]) for p in plans) for k in range(len(plans[0]))]
-
-
-def pad_micros(micros: list[torch.Tensor], depth: int, pad: torch.Tensor | None) -> list[torch.Tensor]:
-    """``micros`` topped up to ``depth`` micro-batches with the padding micro-batch ``pad`` (None: as is)."""
-    return micros if pad is None else micros + [pad] * (depth - len(micros))
 
 
 def local_rows(batch: TrainBatch, mine: torch.Tensor, world_size: int) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None]:
