@@ -54,6 +54,9 @@ def sweep_command(
                                                           "run nothing."),
     fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop at the first failed cell (default: run the others)."),
     report: bool = typer.Option(True, "--report/--no-report", help="Build the sweep's HTML report at the end."),
+    cells: Optional[list[str]] = typer.Option(None, "--cells", help="Run only the cells whose id matches this glob "
+                                              "(repeatable), e.g. 'nvfp4.*' or '*.s1': a sweep in parts, "
+                                              "one process or machine per part, into the same directory."),
 ) -> None:
     """Run a matrix of campaigns (precision x clip mode x seed); re-running skips finished cells."""
     from flows.configuration import ConfigError
@@ -61,14 +64,16 @@ def sweep_command(
 
     try:
         if dry_run:
-            from flows.sweep import cell_state, default_sweep_dir, load_sweep
+            from flows.sweep import cell_state, default_sweep_dir, load_sweep, select_cells
 
-            spec, cells = load_sweep(sweep_file)
-            sweep_dir = out or default_sweep_dir(spec, cells)
-            typer.echo(f"sweep {spec.name}: {len(cells)} cell(s) in {sweep_dir}")
+            spec, every = load_sweep(sweep_file)
+            chosen = select_cells(every, cells, source=str(sweep_file))
+            sweep_dir = out or default_sweep_dir(spec, every)
+            part = f" ({len(chosen)} selected)" if len(chosen) != len(every) else ""
+            typer.echo(f"sweep {spec.name}: {len(every)} cell(s){part} in {sweep_dir}")
             if spec.description:
                 typer.echo(f"  {spec.description}")
-            for c in cells:
+            for c in chosen:
                 cfg = c.config
                 typer.echo(f"  {c.id:<36} {cell_state(sweep_dir, c):<9} train={cfg.precision.train} "
                            f"rollout={cfg.precision.rollout} clip={cfg.calibration.mode} seed={cfg.seed} steps={cfg.steps}")
@@ -78,7 +83,8 @@ def sweep_command(
 
         child_guard.start()  # Prefect's temporary server dies with this process, even on SIGKILL
 
-        summary = sweep_flow(str(sweep_file), None if out is None else str(out), fail_fast=fail_fast, report=report)
+        summary = sweep_flow(str(sweep_file), None if out is None else str(out), fail_fast=fail_fast, report=report,
+                             only=list(cells or []))
     except (ConfigError, StorageError) as err:
         raise _fail(str(err))
     if summary["failed"]:

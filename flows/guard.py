@@ -23,10 +23,12 @@ It runs the detectors of :mod:`fp8rl_core.guard` over the live step rows
 
 One process drives the flow; under several ranks the launcher (rank 0) runs
 the guard and the restore acts on all ranks through the same restore path as
-resume. A SIGKILL inside the rollback leaves the ``guard`` record running;
-:func:`recover_pending` (called when a campaign resumes) finishes the set-aside
-before the newest checkpoint is restored, so the rollback is resumable like any
-other stage.
+resume. The decision is written into the ``guard`` record's start event
+before anything moves, so a SIGKILL inside the rollback leaves a running
+record that says what to do: :func:`recover_pending` (called when a campaign
+resumes) redoes the set-aside and finishes the record before the newest
+checkpoint is restored, so the rollback is resumable like any other stage and
+its remedy still applies.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import math
 from typing import Any
 
 from fp8rl_core.guard import Trip, check, last_good_step
+from storage import faults
 from stages.context import RunEnv, TrainState
 
 
@@ -69,12 +72,26 @@ def _set_aside_after(env: RunEnv, c: int) -> int:
 
 
 def recover_pending(env: RunEnv) -> None:
-    """Finish a rollback a crash interrupted: a running ``guard`` record at step c (rank 0)."""
+    """Finish a rollback a crash interrupted (rank 0, before the newest checkpoint is restored).
+
+    A running ``guard`` record whose start event holds a rollback decision is
+    completed: the set-aside of every output after its step is redone (it is
+    idempotent: what was moved before the crash is no longer live) and the
+    record finishes with the decision, so the trip counts and its remedy
+    applies to the replayed steps exactly as without the crash. A running
+    record with no rollback decision (a ``stop``) is marked failed; the
+    monitor sees the live rows again on resume.
+    """
     for r in env.ledger.records(variant=env.variant):
-        if r.stage == "guard" and r.status == "running":
-            _set_aside_after(env, r.step)
+        if r.stage != "guard" or r.status != "running":
+            continue
+        if r.info.get("action") == "rollback" and r.info.get("rollback_to") is not None:
+            n = _set_aside_after(env, int(r.info["rollback_to"]))
+            env.ledger.finish(r.step, "guard", attempt=r.attempt, variant=env.variant,
+                              info={**r.info, "set_aside_files": n, "recovered": True})
+        else:
             env.ledger.fail(r.step, "guard", attempt=r.attempt, variant=env.variant,
-                            error=RuntimeError("rollback interrupted; outputs after this step set aside on resume"))
+                            error=RuntimeError("guard interrupted before a rollback decision was carried out"))
 
 
 class CampaignGuard:
@@ -118,10 +135,12 @@ class CampaignGuard:
                 "action": "stop" if stop else "rollback", "rollback_to": c}
         at = trip.detected_step if stop else c
         attempt = env.ledger.next_attempt(at, "guard", variant=env.variant)
-        with env.ledger.stage(at, "guard", attempt=attempt, variant=env.variant) as rec:
+        decided = {k: v for k, v in info.items() if not (isinstance(v, float) and not math.isfinite(v))}
+        # the decision goes into the start event, so a crash inside the set-aside can be finished on resume
+        with env.ledger.stage(at, "guard", attempt=attempt, variant=env.variant, info=decided) as rec:
             if not stop:
-                info["set_aside_files"] = _set_aside_after(env, c)
-            rec.info.update({k: v for k, v in info.items() if not (isinstance(v, float) and not math.isfinite(v))})
+                info["set_aside_files"] = rec.info["set_aside_files"] = _set_aside_after(env, c)
+                faults.at("guard", at, "set_aside")  # FP8RL_FAULT test hook (a SIGKILL inside the rollback)
         if stop:
             why = "no checkpoint before the surge" if c is None else (
                 "remedy is stop" if cfg.remedy == "stop" else f"{cfg.max_trips} rollbacks already")

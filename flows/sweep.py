@@ -45,6 +45,7 @@ calling ``flows.campaign.campaign_flow`` — and tests pass a cheap fake.
 from __future__ import annotations
 
 import copy
+import fnmatch
 import itertools
 import json
 import re
@@ -216,6 +217,22 @@ def load_sweep(path: str | Path) -> tuple[SweepSpec, list[Cell]]:
     except yaml.YAMLError as err:
         raise ConfigError(f"{base_path}: not valid YAML ({str(err).splitlines()[0]})") from None
     return spec, expand_cells(spec, base, source=str(path))
+
+
+def select_cells(cells: list[Cell], patterns: tuple[str, ...] | list[str] | None, *, source: str = "sweep") -> list[Cell]:
+    """The cells whose id matches any glob in ``patterns`` (all cells when none), in file order.
+
+    For running a sweep in parts (one process or machine per part, the same
+    sweep directory): ``--cells 'nvfp4.*' --cells 'bf16.*.s0'``. A pattern
+    that matches no cell is a ConfigError naming it and the cells there are.
+    """
+    if not patterns:
+        return list(cells)
+    for pat in patterns:
+        if not any(fnmatch.fnmatchcase(c.id, pat) for c in cells):
+            raise ConfigError(f"{source}: --cells {pat!r} matches no cell; the cells are "
+                              + ", ".join(c.id for c in cells))
+    return [c for c in cells if any(fnmatch.fnmatchcase(c.id, p) for p in patterns)]
 
 
 def default_sweep_dir(spec: SweepSpec, cells: list[Cell]) -> Path:
@@ -432,16 +449,21 @@ def write_tables(sweep_dir: Path, spec: SweepSpec, rows: list[dict]) -> str:
 
 
 def run_sweep_file(sweep_file: str | Path, out: str | Path | None = None, *, campaign: CampaignFn | None = None,
-                   fail_fast: bool = False, report: bool = True, echo: Callable[[str], None] = print) -> dict:
+                   fail_fast: bool = False, report: bool = True, echo: Callable[[str], None] = print,
+                   only: tuple[str, ...] | list[str] | None = None) -> dict:
     """Load, run (or resume) a sweep, then write its table and report; returns a summary.
 
     ``campaign``: how a cell runs (default :func:`prefect_campaign`, looked up at call time).
+    ``only``: globs over cell ids (:func:`select_cells`); the other cells are not run, and the
+    table still lists every cell with its state.
     """
     campaign = campaign or prefect_campaign
     spec, cells = load_sweep(sweep_file)
+    chosen = select_cells(cells, only, source=str(sweep_file))
     sweep_dir = Path(out) if out is not None else default_sweep_dir(spec, cells)
-    echo(f"sweep {spec.name}: {len(cells)} cell(s) in {sweep_dir}")
-    outcomes = run_sweep(spec, cells, sweep_dir, campaign=campaign, fail_fast=fail_fast, echo=echo)
+    part = f" ({len(chosen)} selected)" if len(chosen) != len(cells) else ""
+    echo(f"sweep {spec.name}: {len(cells)} cell(s){part} in {sweep_dir}")
+    outcomes = run_sweep(spec, chosen, sweep_dir, campaign=campaign, fail_fast=fail_fast, echo=echo)
     rows = comparison_table(sweep_dir, spec, cells, outcomes)
     echo("\n" + write_tables(sweep_dir, spec, rows))
     echo(f"table: {sweep_dir / 'table.csv'}, {sweep_dir / 'table.md'}")
@@ -452,12 +474,13 @@ def run_sweep_file(sweep_file: str | Path, out: str | Path | None = None, *, cam
         echo(f"report: {rep.index}")
     return {"sweep_dir": str(sweep_dir), "cells": {o.cell.id: o.status for o in outcomes},
             "failed": [o.cell.id for o in outcomes if o.status == "failed"],
-            "unfinished": [c.id for c in cells[len(outcomes):]]}
+            "unfinished": [c.id for c in chosen[len(outcomes):]]}
 
 
-def _sweep_flow(sweep_file: str, out: str | None = None, fail_fast: bool = False, report: bool = True) -> dict:
+def _sweep_flow(sweep_file: str, out: str | None = None, fail_fast: bool = False, report: bool = True,
+                only: list[str] | None = None) -> dict:
     """Prefect flow: run a sweep; each cell's ``campaign_flow`` is a subflow of this one."""
-    return run_sweep_file(sweep_file, out, fail_fast=fail_fast, report=report)
+    return run_sweep_file(sweep_file, out, fail_fast=fail_fast, report=report, only=only)
 
 
 _FLOW = None

@@ -112,8 +112,11 @@ class Ledger:
         self._append({"event": kind, "run_id": self.run_id, "step": int(step), "stage": stage,
                       "attempt": int(attempt), "variant": variant, "at": _now().isoformat(), **extra})
 
-    def start(self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT) -> None:
-        self._event("start", step, stage, attempt, variant, host=socket.gethostname(), pid=os.getpid())
+    def start(self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT,
+              info: dict | None = None) -> None:
+        """Mark running. ``info``: what the stage decided before doing it (a crash keeps it for recovery)."""
+        extra = {"info": info} if info else {}
+        self._event("start", step, stage, attempt, variant, host=socket.gethostname(), pid=os.getpid(), **extra)
 
     def finish(self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT,
                outputs: Iterable[str | Path] = (), info: dict | None = None) -> None:
@@ -128,13 +131,15 @@ class Ledger:
         self._event("fail", step, stage, attempt, variant, error=str(error).splitlines()[0] if error else "")
 
     @contextmanager
-    def stage(self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT) -> Iterator[StageRun]:
+    def stage(self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT,
+              info: dict | None = None) -> Iterator[StageRun]:
         """``with ledger.stage(3, "train") as run: ...; run.outputs.append(path)``.
 
-        Records start, then finish (with the outputs) or fail (and re-raises).
+        Records start (with ``info``, if given), then finish (with the outputs
+        and ``run.info``, which starts as ``info``) or fail (and re-raises).
         """
-        self.start(step, stage, attempt=attempt, variant=variant)
-        run = StageRun()
+        self.start(step, stage, attempt=attempt, variant=variant, info=info)
+        run = StageRun(info=dict(info or {}))
         try:
             yield run
         except BaseException as err:
@@ -200,6 +205,7 @@ class Ledger:
             if kind == "start":
                 r.status, r.started_at, r.host, r.pid = RUNNING, at, ev.get("host"), ev.get("pid")
                 r.finished_at, r.error = None, None
+                r.info = dict(ev.get("info") or {})
             elif kind in ("finish", "fail"):
                 r.status, r.finished_at = (DONE if kind == "finish" else FAILED), at
                 r.outputs = list(ev.get("outputs") or [])

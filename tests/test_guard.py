@@ -82,30 +82,13 @@ def test_last_good_step():
     assert last_good_step(3, [2, 4]) is None
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_guard_trips_once_rolls_back_and_finishes(tmp_path, monkeypatch):
-    """Micro campaign, in process: steps 5-6 report a tripled entropy on their first attempt.
+GUARD_SETS = ("steps=7", "checkpoint.interval=2", "checkpoint.keep_last=5", "calibration.interval=100",
+              "evaluation.interval=100", "guard.window=3", "guard.persist=2", "guard.entropy_floor=0",
+              "guard.remedy_steps=2", "evaluation.benchmarks=[{name: synthetic, k: 1, limit: 8, max_new_tokens: 12}]")
 
-    The micro model is barely bootstrapped (entropy at its maximum, reward 0), so
-    no learning-rate surge can raise its entropy: the surge is injected in the
-    train stage's reported metrics, and everything after it -- detection,
-    ledger record, set-aside, restore, remedy, replay -- is the real path.
-    """
-    from conftest import micro_config
-    from flows.configuration import dump_config
-    import stages.train as train_mod
-    from storage.catalog import connect, query
-    from storage.layout import create_run
 
-    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "600")
-    cfg = micro_config("steps=7", "checkpoint.interval=2", "checkpoint.keep_last=5", "calibration.interval=100",
-                       "evaluation.interval=100", "guard.window=3", "guard.persist=2", "guard.entropy_floor=0",
-                       "guard.remedy_steps=2",
-                       "evaluation.benchmarks=[{name: synthetic, k: 1, limit: 8, max_new_tokens: 12}]")
-    create_run(tmp_path, "r", config=dump_config(cfg))
-    run_dir = tmp_path / "r"
-    real = train_mod.run_train
+def _surging(real):
+    """``run_train`` reporting a tripled entropy at steps 5-6 on their first attempt (the injected surge)."""
 
     def surging(env, state, step, **kw):
         out, state = real(env, state, step, **kw)
@@ -113,16 +96,27 @@ def test_guard_trips_once_rolls_back_and_finishes(tmp_path, monkeypatch):
             out["metrics"]["entropy_mean"] *= 3.0
         return out, state
 
-    monkeypatch.setattr(train_mod, "run_train", surging)
-    from flows.campaign import campaign_flow
+    return surging
 
-    result = campaign_flow(str(run_dir))
-    assert result["last_step"] == 7
-    con = connect(run_dir)
-    g = query(con, "SELECT step, info FROM ledger WHERE stage = 'guard'").to_pylist()
-    assert len(g) == 1  # tripped exactly once
+
+def _guard_run(tmp_path):
+    from conftest import micro_config
+    from flows.configuration import dump_config
+    from storage.layout import create_run
+
+    create_run(tmp_path, "r", config=dump_config(micro_config(*GUARD_SETS)))
+    return tmp_path / "r"
+
+
+def _assert_one_rollback(run_dir) -> dict:
+    """Exactly one trip at the injected surge, one superseded stretch, the remedy on the replayed steps."""
     import json
 
+    from storage.catalog import connect, query
+
+    con = connect(run_dir)
+    g = query(con, "SELECT step, status, info FROM ledger WHERE stage = 'guard'").to_pylist()
+    assert len(g) == 1 and g[0]["status"] == "done"  # tripped exactly once
     info = json.loads(g[0]["info"])
     assert (info["kind"], info["first_bad_step"], info["detected_step"], info["rollback_to"]) == ("entropy_surge", 5, 6, 2)
     assert g[0]["step"] == 2
@@ -135,6 +129,86 @@ def test_guard_trips_once_rolls_back_and_finishes(tmp_path, monkeypatch):
     assert sup == [3, 4, 5, 6]
     rep = query(con, "SELECT * FROM ledger WHERE stage = 'train' ORDER BY step").to_pylist()
     assert [r["step"] for r in rep] == list(range(1, 8)) and all(r["attempt"] == (1 if 3 <= r["step"] <= 6 else 0) for r in rep)
+    return info
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_guard_trips_once_rolls_back_and_finishes(tmp_path, monkeypatch):
+    """Micro campaign, in process: steps 5-6 report a tripled entropy on their first attempt.
+
+    The micro model is barely bootstrapped (entropy at its maximum, reward 0), so
+    no learning-rate surge can raise its entropy: the surge is injected in the
+    train stage's reported metrics, and everything after it -- detection,
+    ledger record, set-aside, restore, remedy, replay -- is the real path.
+    """
+    import stages.train as train_mod
+
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "600")
+    run_dir = _guard_run(tmp_path)
+    monkeypatch.setattr(train_mod, "run_train", _surging(train_mod.run_train))
+    from flows.campaign import campaign_flow
+
+    result = campaign_flow(str(run_dir))
+    assert result["last_step"] == 7
+    assert "recovered" not in _assert_one_rollback(run_dir)
+
+
+_CHILD = """
+import sys
+sys.path.insert(0, {tests!r})
+from flows import child_guard
+child_guard.start()  # Prefect's temporary server dies with this process, even on SIGKILL
+import stages.train as train_mod
+from test_guard import _surging
+train_mod.run_train = _surging(train_mod.run_train)
+from flows.campaign import campaign_flow
+campaign_flow(sys.argv[1], resume=sys.argv[2] == "resume")
+"""
+
+
+def _child(run_dir, mode: str, env: dict) -> int:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    full = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_FAULT")} | env
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD.format(tests=tests), str(run_dir), mode],
+                                cwd=str(Path(tests).parent), env=full, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # files, not pipes: orphans of a SIGKILL keep pipes open
+        try:
+            code = proc.wait(timeout=600)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out.seek(0)
+        assert code in (0, -signal.SIGKILL), out.read()[-3000:]
+        return code
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkill_inside_the_rollback_then_resume_finishes_it(tmp_path):
+    """SIGKILL after the rollback's set-aside, before its ledger record finishes; ``resume``
+    completes the rollback (the decision is in the record's start event) and the run ends
+    exactly as an uninterrupted one: one trip, one superseded stretch, the remedy applied."""
+    import signal
+
+    from storage.ledger import Ledger
+
+    run_dir = _guard_run(tmp_path)
+    assert _child(run_dir, "run", {"FP8RL_FAULT": "guard@2:set_aside=kill"}) == -signal.SIGKILL
+    pending = [r for r in Ledger(run_dir).records() if r.stage == "guard"]
+    assert [(r.step, r.status, r.info.get("action")) for r in pending] == [(2, "running", "rollback")]
+    assert _child(run_dir, "resume", {}) == 0
+    assert _assert_one_rollback(run_dir)["recovered"] is True
 
 
 def test_retention_keeps_every_checkpoint_while_fewer_than_keep_last(tmp_path):

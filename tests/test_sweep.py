@@ -143,6 +143,24 @@ def test_interrupted_sweep_resumes_and_skips_finished_cells(sweep_file: Path, tm
     assert "| precision | clip | best eval %" in md and "| fp8 | calibrated | 55.0 |" in md
 
 
+def test_a_sweep_runs_in_parts_into_one_directory(sweep_file: Path, tmp_path: Path) -> None:
+    """``--cells`` globs: each part runs only its cells; the table lists every cell with its state."""
+    from flows.configuration import ConfigError
+
+    out = tmp_path / "sweep"
+    first = FakeCampaign()
+    summary = run_sweep_file(sweep_file, out, campaign=first, report=False, echo=lambda _l: None, only=["bf16.*"])
+    assert first.calls == [("bf16.standard.s0", False)] and summary["cells"] == {"bf16.standard.s0": "done"}
+    rows = list(csv.DictReader((out / "table.csv").open()))
+    assert [(r["cell"], r["status"]) for r in rows] == [(CELLS[0], "finished"), (CELLS[1], "new"), (CELLS[2], "new")]
+    second = FakeCampaign()
+    run_sweep_file(sweep_file, out, campaign=second, report=False, echo=lambda _l: None, only=["*.calibrated.*", "fp8.*"])
+    assert second.calls == [("fp8.standard.s0", False), ("fp8.calibrated.s0", False)]  # file order, each once
+    assert {r["status"] for r in csv.DictReader((out / "table.csv").open())} == {"finished"}
+    with pytest.raises(ConfigError, match=r"--cells 'fp4\.\*' matches no cell; the cells are bf16.standard.s0"):
+        run_sweep_file(sweep_file, out, campaign=FakeCampaign(), report=False, echo=lambda _l: None, only=["fp4.*"])
+
+
 def test_finished_by_ledger_when_the_marker_is_missing(sweep_file: Path, tmp_path: Path) -> None:
     """Killed between the campaign's end and the marker: the ledger says finished, nothing re-runs."""
     out = tmp_path / "sweep"
@@ -237,6 +255,10 @@ def test_cli_dry_run_lists_cells_and_runs_nothing(sweep_file: Path, tmp_path: Pa
     res = CliRunner().invoke(app, ["sweep", str(sweep_file), "--out", str(out), "--dry-run"])
     assert res.exit_code == 0, res.output
     assert all(c in res.output for c in CELLS) and "clip=calibrated" in res.output and not out.exists()
+    res = CliRunner().invoke(app, ["sweep", str(sweep_file), "--out", str(out), "--dry-run", "--cells", "fp8.*"])
+    assert res.exit_code == 0 and "(2 selected)" in res.output and CELLS[0] not in res.output, res.output
+    res = CliRunner().invoke(app, ["sweep", str(sweep_file), "--dry-run", "--cells", "nope"])
+    assert res.exit_code == 2 and res.output.startswith("error: ") and "matches no cell" in res.output
     bad = tmp_path / "bad.yaml"
     bad.write_text(SWEEP + "axis: {}\n")
     res = CliRunner().invoke(app, ["sweep", str(bad), "--dry-run"])
