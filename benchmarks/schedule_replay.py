@@ -3,13 +3,13 @@
 A diagnostic campaign runs the BF16 shadow passes on every step
 (``--set calibration.interval=1``), so its ``token_stats`` hold r8 and r16 for
 every token of every step. Each schedule -- ``fixed`` at several K and
-``drift`` at several thresholds -- is replayed on those records
+``drift`` at several thresholds of each signal (KS, quantile) -- is replayed on those records
 (``fp8rl_core.drift.replay``): its decisions, the bounds it would have in
 force, the shadow passes it spends, and its mean bound error against the
 every-step schedule (K = 1). The K = 1 replay is checked against the run's own
 ``bounds`` table first (same rule, same inputs: they must agree).
 
-    python benchmarks/schedule_replay.py RUN_DIR [--ks 2,5,10,20] [--thresholds 0.05,0.1,0.2]
+    python benchmarks/schedule_replay.py RUN_DIR [--ks 2,5,10,20] [--thresholds 0.05,0.1,0.2] [--dl-thresholds 0.01,0.02,0.04]
 
 Prints one line per schedule and the verdict of the issue's goal: does some
 drift setting reach the bound error of the smallest K with fewer shadow passes
@@ -60,9 +60,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--ks", default="2,5,10,20")
-    ap.add_argument("--thresholds", default="0.03,0.05,0.1,0.2")
+    ap.add_argument("--thresholds", default="0.05,0.1,0.2", help="KS-signal thresholds")
+    ap.add_argument("--dl-thresholds", default="0.01,0.02,0.04", help="quantile-signal (|dL|) thresholds")
     ap.add_argument("--min-interval", type=int, default=2)
-    ap.add_argument("--max-interval", type=int, default=20)
+    ap.add_argument("--max-interval", type=int, default=50,
+                    help="drift's longest gap (above the largest K, or drift could never spend fewer passes)")
     args = ap.parse_args()
     recs, table_bounds, cfg = load_records(args.run_dir)
     steps = [r.step for r in recs]
@@ -78,10 +80,11 @@ def main() -> None:
     rows = []
     for k in [int(x) for x in args.ks.split(",")]:
         rows.append(replay(recs, Schedule("fixed", interval=k), **kw))
-    for th in [float(x) for x in args.thresholds.split(",")]:
-        rows.append(replay(recs, Schedule("drift", threshold=th, min_interval=args.min_interval,
-                                          max_interval=args.max_interval), **kw))
-    print(f"{'schedule':<28} {'shadow passes':>13} {'mean |dL|':>10} {'mean |dH|':>10} {'mean drift D':>12}")
+    for signal, ths in (("ks", args.thresholds), ("quantile", args.dl_thresholds)):
+        for th in [float(x) for x in ths.split(",") if x]:
+            rows.append(replay(recs, Schedule("drift", threshold=th, min_interval=args.min_interval,
+                                              max_interval=args.max_interval, signal=signal), **kw))
+    print(f"{'schedule':<28} {'shadow passes':>13} {'mean |dL|':>10} {'mean |dH|':>10} {'mean signal':>12}")
     for r in rows:
         el, eh = r.bound_error(every)
         d = [x for x, cal in zip(r.signal, r.calibrated) if not cal]

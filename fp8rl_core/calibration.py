@@ -438,6 +438,7 @@ class CalibratorState:
     upper: float
     n_calibrations: int = 0
     last_step: int | None = None
+    alpha: float | None = None  # BF16's lower-clip share at the last calibration (the quantile drift signal's level)
 
     @property
     def bounds(self) -> tuple[float, float]:
@@ -450,7 +451,8 @@ class CalibratorState:
 
     def updated(self, result: "CalibrationResult", step: int) -> "CalibratorState":
         """The state after applying ``result`` at ``step``."""
-        return CalibratorState(result.lower, result.upper, self.n_calibrations + 1, step)
+        alpha = result.alpha if math.isfinite(result.alpha) else self.alpha  # no A<0 token: keep the last level
+        return CalibratorState(result.lower, result.upper, self.n_calibrations + 1, step, alpha)
 
     def to_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -461,8 +463,9 @@ class CalibratorState:
         unknown, missing = set(d) - names, {"lower", "upper"} - set(d)
         if unknown or missing:
             raise ValueError(f"CalibratorState.from_dict: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
-        last = d.get("last_step")
-        return cls(float(d["lower"]), float(d["upper"]), int(d.get("n_calibrations", 0)), None if last is None else int(last))
+        last, alpha = d.get("last_step"), d.get("alpha")  # alpha: absent from checkpoints before issue 15's quantile signal
+        return cls(float(d["lower"]), float(d["upper"]), int(d.get("n_calibrations", 0)), None if last is None else int(last),
+                   None if alpha is None else float(alpha))
 
 
 @dataclass(frozen=True)

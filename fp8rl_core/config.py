@@ -219,7 +219,8 @@ class CalibrationConfig(_Frozen):
     bapo: BapoConfig = Field(default_factory=BapoConfig)
     # issue 15: when to recalibrate (fp8rl_core.drift) and how much of the batch the shadow passes see
     schedule: Literal["fixed", "drift"] = Field("fixed", description="Recalibration schedule: every `interval` steps (fixed, the paper's) or when the drift signal crosses `drift_threshold` (fp8rl_core.drift).")
-    drift_threshold: float = Field(0.1, gt=0, le=1, description="Drift schedule: KS distance of the A<0 FP8 ratios vs the last calibration step that triggers a recalibration (our choice).")
+    drift_signal: Literal["ks", "quantile"] = Field("ks", description="Drift schedule's signal (fp8rl_core.drift): `ks`, the KS distance of the A<0 FP8 ratios vs the last calibration step; `quantile`, how far L would move if BF16's clip share had not (|q(alpha_c) - L|, in ratio units).")
+    drift_threshold: float = Field(0.1, gt=0, le=1, description="Drift schedule: the signal above which the next step recalibrates (KS distance, or |dL| for `quantile`; our choice).")
     drift_min_interval: int = Field(2, ge=1, description="Drift schedule: never recalibrate sooner than this many steps after the last calibration.")
     drift_max_interval: int = Field(20, ge=1, description="Drift schedule: always recalibrate this many steps after the last calibration.")
     shadow_target_error: float | None = Field(None, gt=0, lt=1, description="Subsampled shadow passes (fp8rl_core.subsample): target error of the alpha quantile, in quantile levels; None = shadow the whole batch.")

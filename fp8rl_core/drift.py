@@ -15,7 +15,22 @@ between the empirical CDF of those ratios at step t and at the last calibration
 step c (``ks_distance``; 0 when either side is empty). ``D`` is in [0, 1],
 scale-free, and sensitive to the lower quantiles that set L.
 
-Decision (``drift_decision``), for step t+1 given D_t and ``since`` = t+1 - c:
+A second signal (``calibration.drift_signal: quantile``) is in the bound's own
+units: the L a recalibration would give *if BF16's lower-clip share had not
+moved since step c*,
+
+    Q_t = |q_t(alpha_c) - L|
+
+with alpha_c the BF16 share below 1 - eps_low at step c (kept in the
+calibrator's state and checkpoints), q_t(alpha) the sorted-quantile rule of
+the calibration (the midpoint of v_k and v_k+1, k = round(alpha n), over the
+A<0 FP8 ratios of step t) and L the lower bound in force
+(``quantile_shift``). It sees both a moved FP8 distribution and an L still
+walking towards its raw value under the step cap, and its threshold reads as
+"recalibrate when L would move by more than this". Both signals are 0 on a
+calibration step itself (its bounds were just set).
+
+Decision (``drift_decision``), for step t+1 given the signal of t and ``since`` = t+1 - c:
 calibrate when ``since >= max_interval``, or when ``since >= min_interval`` and
 ``D_t > threshold``. The live schedule can only act on the *previous* step's
 signal: the shadow passes of step t+1 must start before its FP8 ratios exist.
@@ -50,6 +65,7 @@ __all__ = [
     "drift_decision",
     "ks_distance",
     "negative_ratios",
+    "quantile_shift",
     "replay",
 ]
 
@@ -89,6 +105,22 @@ def ks_distance(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((fx - fy).abs().max())
 
 
+def quantile_shift(x: torch.Tensor, alpha: float | None, lower: float) -> float:
+    """``|q(alpha) - lower|`` over the sample ``x`` (A<0 FP8 ratios); 0.0 if ``x`` is empty or ``alpha`` unknown.
+
+    ``q`` is the calibration's sorted-quantile rule: ``k = round(alpha n)``;
+    v1 if k = 0, vn if k = n, else (vk + vk+1) / 2 (the tie and dtype niceties
+    of ``CalibrationTokens.quantile_lower`` change nothing at this resolution).
+    """
+    x = torch.sort(x.reshape(-1).to(torch.float64)).values
+    n = x.numel()
+    if n == 0 or alpha is None or not math.isfinite(alpha):
+        return 0.0
+    k = min(max(int(round(alpha * n)), 0), n)
+    q = float(x[0]) if k == 0 else float(x[-1]) if k == n else float(x[k - 1] + x[k]) / 2
+    return abs(q - float(lower))
+
+
 def drift_decision(signal: float | None, since: int, *, threshold: float, min_interval: int, max_interval: int) -> bool:
     """Recalibrate now? ``signal`` = D of the previous step (None = unknown), ``since`` = steps since the last calibration."""
     if since >= max_interval:
@@ -107,16 +139,28 @@ class Schedule:
     threshold: float = 0.1
     min_interval: int = 2
     max_interval: int = 20
+    signal: Literal["ks", "quantile"] = "ks"
 
     @classmethod
     def from_config(cls, cfg: CalibrationConfig) -> "Schedule":
-        return cls(cfg.schedule, cfg.interval, cfg.drift_threshold, cfg.drift_min_interval, cfg.drift_max_interval)
+        return cls(cfg.schedule, cfg.interval, cfg.drift_threshold, cfg.drift_min_interval, cfg.drift_max_interval,
+                   cfg.drift_signal)
 
     @property
     def name(self) -> str:
         if self.kind == "fixed":
             return f"fixed K={self.interval}"
-        return f"drift D>{self.threshold:g} [{self.min_interval},{self.max_interval}]"
+        sym = "D" if self.signal == "ks" else "dL"
+        return f"drift {sym}>{self.threshold:g} [{self.min_interval},{self.max_interval}]"
+
+    def measure(self, neg: torch.Tensor, reference: torch.Tensor | None, state: CalibratorState) -> float:
+        """The drift signal of a step that did not calibrate: its sorted A<0 FP8 ratios ``neg`` against the
+        last calibration (``reference``: that step's A<0 FP8 ratios; ``state``: the calibrator after it)."""
+        if state.last_step is None:
+            return float("nan")
+        if self.signal == "quantile":
+            return quantile_shift(neg, state.alpha, state.lower)
+        return ks_distance(neg, reference) if reference is not None else float("nan")
 
     def calibrates(self, step: int, last: int | None, prev_signal: float | None) -> bool:
         """Does ``step`` (>= 1) calibrate, given the last calibration step and the previous step's D?"""
@@ -193,7 +237,7 @@ def replay(
                             config=config, previous=state, dual_clip=dual_clip)
             state = state.updated(res, rec.step)
             ref = thin(neg)
-        signal = ks_distance(neg, ref) if ref is not None else float("nan")
+        signal = 0.0 if cal else schedule.measure(neg, ref, state)  # as the live train stage records it
         prev_signal = signal
         out.steps.append(rec.step)
         out.calibrated.append(cal)

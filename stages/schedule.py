@@ -7,9 +7,10 @@ and the step of the last calibration (``state.calibrator.last_step``, which
 checkpoints carry): both come from persisted state, so a resumed or replayed
 step decides exactly as the first attempt did.
 
-The signal's reference is the A<0 FP8 ratios of the last calibration step,
+The KS signal's reference is the A<0 FP8 ratios of the last calibration step,
 read from that step's ``token_stats`` (calibration steps write every token)
-and cached per (run, variant, step).
+and cached per (run, variant, step); the quantile signal needs only the
+calibrator's state (alpha and L of the last calibration).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 import numpy as np
 import torch
 
-from fp8rl_core.drift import Schedule, ks_distance, negative_ratios, thin
+from fp8rl_core.drift import Schedule, negative_ratios, thin
 from fp8rl_core.losses import importance_ratio
 from stages.context import RunEnv, TrainState, is_calibration_step
 from stages.io import read_step
@@ -72,11 +73,13 @@ def drift_metrics(env: RunEnv, state: TrainState, step: int, r8: torch.Tensor, a
     """``drift_signal`` of this step vs the last calibration (0 on a calibration step itself)."""
     if shadow:
         return {"drift_signal": 0.0}
-    last = state.calibrator.last_step
-    ref = _reference(env, last) if last is not None else None
-    if ref is None:
+    sched, last = Schedule.from_config(env.cfg.calibration), state.calibrator.last_step
+    if last is None:
         return {}
-    d = ks_distance(negative_ratios(r8, adv, mask), ref)
+    ref = _reference(env, last) if sched.signal == "ks" else None  # the quantile signal needs only the state
+    if sched.signal == "ks" and ref is None:
+        return {}
+    d = sched.measure(negative_ratios(r8, adv, mask), ref, state.calibrator)
     return {"drift_signal": d} if math.isfinite(d) else {}
 
 

@@ -9,7 +9,7 @@ import torch
 
 from fp8rl_core.calibration import calibrate
 from fp8rl_core.config import CalibrationConfig
-from fp8rl_core.drift import Schedule, StepTokens, drift_decision, ks_distance, negative_ratios, replay
+from fp8rl_core.drift import Schedule, StepTokens, drift_decision, ks_distance, negative_ratios, quantile_shift, replay
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 pytestmark = pytest.mark.timeout(60)
@@ -36,6 +36,36 @@ def test_ks_matches_brute_force(seed):
     assert ks_distance(x, x) == 0.0
     assert ks_distance(x, torch.empty(0)) == 0.0
     assert ks_distance(torch.zeros(3), torch.ones(4)) == 1.0
+
+
+def _quantile_slow(x: list[float], alpha, lower: float) -> float:
+    """By hand: sort, k = round(alpha n), the calibration's midpoint rule, distance to L."""
+    if not x or alpha is None:
+        return 0.0
+    v = sorted(x)
+    k = round(alpha * len(v))
+    q = v[0] if k == 0 else v[-1] if k == len(v) else (v[k - 1] + v[k]) / 2
+    return abs(q - lower)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_quantile_shift_matches_brute_force(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.exp(torch.randn(83, generator=g) * 0.1)
+    for alpha in (0.0, 0.004, 0.05, 0.37, 0.999, 1.0):
+        for lower in (0.8, 0.95):
+            assert quantile_shift(x, alpha, lower) == pytest.approx(_quantile_slow(x.tolist(), alpha, lower), abs=1e-12)
+    assert quantile_shift(torch.empty(0), 0.1, 0.8) == 0.0 and quantile_shift(x, None, 0.8) == 0.0
+    # hand values: 10 ratios 0.80, 0.81, ..., 0.89; alpha 0.2 -> k = 2 -> (0.81 + 0.82) / 2
+    x = torch.tensor([0.80 + 0.01 * i for i in range(10)], dtype=torch.float64)
+    assert quantile_shift(x, 0.2, 0.80) == pytest.approx(0.015)
+    # the calibration's own rule: at its step, q(alpha) is the raw L it chose
+    r16 = torch.exp(torch.randn(400, generator=g) * 0.15)
+    r8 = r16 * torch.exp(torch.randn(400, generator=g) * 0.05)
+    adv = -torch.ones(400)
+    res = calibrate(r8, r16, adv, torch.ones(400, dtype=torch.bool), eps_low=EPS_LOW, eps_high=EPS_HIGH,
+                    config=CalibrationConfig(max_delta=1.0, lower_min=0.01))
+    assert quantile_shift(r8, res.alpha, res.raw_lower) == pytest.approx(0.0, abs=1e-6)
 
 
 def test_drift_decision_rules():
@@ -65,7 +95,7 @@ def _records(n_steps: int, seed: int = 0, shift_at: int = 9, n: int = 2000) -> l
 def _replay_slow(recs, sched: Schedule, config: CalibrationConfig):
     """The obvious loop: per step, decide by hand, brute-force KS, full calibrate."""
     prev = (1 - EPS_LOW, 1 + EPS_HIGH)
-    last, ref, prev_sig = None, None, None
+    last, ref, prev_sig, alpha = None, None, None, None
     out = []
     for rec in recs:
         t = rec.step
@@ -83,7 +113,15 @@ def _replay_slow(recs, sched: Schedule, config: CalibrationConfig):
             res = calibrate(rec.r8, rec.r16, rec.advantages, rec.mask, eps_low=EPS_LOW, eps_high=EPS_HIGH,
                             config=config, previous=prev)
             prev, last, ref = (res.lower, res.upper), t, neg
-        sig = _ks_slow(neg, ref) if ref is not None else float("nan")
+            alpha = res.alpha if not math.isnan(res.alpha) else alpha
+        if cal:
+            sig = 0.0
+        elif ref is None:
+            sig = float("nan")
+        elif sched.signal == "quantile":
+            sig = _quantile_slow(neg, alpha, prev[0])
+        else:
+            sig = _ks_slow(neg, ref)
         prev_sig = sig
         out.append((cal, sig, prev[0], prev[1]))
     return out
@@ -92,6 +130,7 @@ def _replay_slow(recs, sched: Schedule, config: CalibrationConfig):
 @pytest.mark.parametrize("sched", [
     Schedule("fixed", interval=1), Schedule("fixed", interval=3),
     Schedule("drift", threshold=0.08, min_interval=2, max_interval=6),
+    Schedule("drift", threshold=0.01, min_interval=2, max_interval=6, signal="quantile"),
 ])
 def test_replay_matches_slow_loop(sched):
     recs = _records(14, n=300)
@@ -119,6 +158,24 @@ def test_drift_fires_on_the_shift_and_scores():
     assert drift.shadow_passes < every.shadow_passes
 
 
+def test_quantile_drift_fires_on_the_shift():
+    """The quantile signal reads in L's units: it stays under 0.02 while the FP8 noise is steady and
+    fires on the widening (L would move by ~0.1), then goes quiet once L has caught up."""
+    recs = _records(20, shift_at=9)
+    cfg = CalibrationConfig()
+    kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg)
+    every = replay(recs, Schedule("fixed", interval=1), **kw)
+    drift = replay(recs, Schedule("drift", threshold=0.02, min_interval=2, max_interval=50, signal="quantile"), **kw)
+    fired = [s for s, c in zip(drift.steps, drift.calibrated) if c]
+    assert fired[0] == 1 and fired[1] == 10, fired  # quiet while steady; the first step after the shift (signal of 9)
+    assert 12 in fired and 14 in fired  # L walking under the 0.05 step cap keeps the signal up: catch-up recalibrations
+    assert max(sig for s, sig in zip(drift.steps, drift.signal) if 2 <= s <= 8) < 0.02
+    assert drift.signal[drift.steps.index(9)] > 0.05
+    assert drift.shadow_passes < every.shadow_passes
+    fixed = replay(recs, Schedule("fixed", interval=10), **kw)
+    assert sum(drift.bound_error(every)) < sum(fixed.bound_error(every))
+
+
 def test_negative_ratios_drops_masked_positive_and_nonfinite():
     r8 = torch.tensor([0.9, 1.1, float("nan"), 0.8, 1.2])
     adv = torch.tensor([-1.0, -1.0, -1.0, 1.0, -1.0])
@@ -130,3 +187,28 @@ def test_config_validates_intervals():
     with pytest.raises(ValueError):
         CalibrationConfig(schedule="drift", drift_min_interval=5, drift_max_interval=3)
     assert Schedule.from_config(CalibrationConfig(schedule="drift")).kind == "drift"
+
+
+def test_live_quantile_signal_reads_the_checkpointed_state():
+    """The train stage's quantile signal uses only the calibrator state (alpha, L), which checkpoints carry;
+    an old checkpoint without alpha loads (the signal is then 0 until the next calibration)."""
+    from types import SimpleNamespace
+
+    from conftest import micro_config
+    from fp8rl_core.calibration import CalibratorState
+    from stages.schedule import drift_metrics
+
+    env = SimpleNamespace(cfg=micro_config("calibration.schedule=drift", "calibration.drift_signal=quantile"))
+    g = torch.Generator().manual_seed(3)
+    r8 = torch.exp(torch.randn(6, 20, generator=g) * 0.1)
+    adv = torch.randn(6, generator=g)[:, None].expand(6, 20)
+    mask = torch.rand(6, 20, generator=g) < 0.9
+    cal = CalibratorState(0.8, 1.28, 1, 4, alpha=0.05)
+    assert CalibratorState.from_dict(cal.to_dict()) == cal
+    state = SimpleNamespace(calibrator=cal)
+    want = _quantile_slow([float(x) for x, a, m in zip(r8.flatten(), adv.flatten(), mask.flatten()) if m and a < 0], 0.05, 0.8)
+    assert drift_metrics(env, state, 5, r8, adv, mask, False)["drift_signal"] == pytest.approx(want, abs=1e-12) and want > 0
+    assert drift_metrics(env, state, 5, r8, adv, mask, True) == {"drift_signal": 0.0}
+    old = CalibratorState.from_dict({"lower": 0.8, "upper": 1.28, "n_calibrations": 1, "last_step": 4})
+    assert old.alpha is None and drift_metrics(env, SimpleNamespace(calibrator=old), 5, r8, adv, mask, False) == {"drift_signal": 0.0}
+    assert drift_metrics(env, SimpleNamespace(calibrator=CalibratorState(0.8, 1.28)), 1, r8, adv, mask, False) == {}
