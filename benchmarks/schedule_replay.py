@@ -9,7 +9,7 @@ force, the shadow passes it spends, and its mean bound error against the
 every-step schedule (K = 1). The K = 1 replay is checked against the run's own
 ``bounds`` table first (same rule, same inputs: they must agree).
 
-    python benchmarks/schedule_replay.py RUN_DIR [--ks 2,5,10,20] [--thresholds 0.05,0.1,0.2] [--dl-thresholds 0.01,0.02,0.04]
+    python benchmarks/schedule_replay.py RUN_DIR [--ks 2,5,10,20] [--thresholds 0.05,0.1,0.2] [--dl-thresholds 0.02,0.05,0.1,0.2,0.3]
 
 Prints one line per schedule and the verdict of the issue's goal: does some
 drift setting reach the bound error of the smallest K with fewer shadow passes
@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--ks", default="2,5,10,20")
     ap.add_argument("--thresholds", default="0.05,0.1,0.2", help="KS-signal thresholds")
-    ap.add_argument("--dl-thresholds", default="0.01,0.02,0.04", help="quantile-signal (|dL|) thresholds")
+    ap.add_argument("--dl-thresholds", default="0.02,0.05,0.1,0.2,0.3", help="quantile-signal (|dL|) thresholds")
     ap.add_argument("--min-interval", type=int, default=2)
     ap.add_argument("--max-interval", type=int, default=50,
                     help="drift's longest gap (above the largest K, or drift could never spend fewer passes)")

@@ -178,6 +178,8 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
                      rows=res.rows if env.world_size > 1 else None)
     part = "train" if env.rank == 0 else f"train_rank{env.rank}"
     outputs = [str(env.writer.write("token_stats", step, tok, stage=part, attempt=attempt, variant=env.variant))]
+    if env.is_main and attempt > 0:  # a replay on fewer ranks than the first attempt: their parts must not stay live
+        env.writer.retire_absent_ranks("token_stats", step, "train", env.world_size, variant=env.variant)
     if env.world_size > 1:
         import torch.distributed as dist
 

@@ -84,6 +84,20 @@ def part_name(stage: str, attempt: int, variant: str) -> PartName:
     return PartName(stage, attempt, new_write_id(), variant)
 
 
+_RANK_SUFFIX = re.compile(r"_rank\d+$")
+
+
+def stage_of_part(stage: str) -> str:
+    """The stage a part belongs to: ``train_rank1`` (rank 1's share of ``train``) -> ``train``."""
+    return _RANK_SUFFIX.sub("", stage)
+
+
+def rank_of_part(stage: str) -> int:
+    """The rank that wrote a part: ``train_rank3`` -> 3, a stage name without the suffix -> 0."""
+    m = re.search(r"_rank(\d+)$", stage)
+    return int(m.group(1)) if m else 0
+
+
 def parse_part_name(filename: str) -> PartName | None:
     """Fields of a part file name, or None if it is not one of ours."""
     m = _PART.match(filename)

@@ -39,7 +39,8 @@ import pyarrow.parquet as pq
 
 from storage import faults
 from storage.errors import CorruptFile, SchemaError
-from storage.layout import RunLayout, live_parts, new_write_id, parse_part_name, part_name, read_run_info, scan_parts
+from storage.layout import (RunLayout, live_parts, new_write_id, parse_part_name, part_name, rank_of_part, read_run_info,
+                            scan_parts, stage_of_part)
 from storage.schemas import MAIN_VARIANT, STORED_TABLES, TableSpec, get_table
 
 Rows = pa.Table | pa.RecordBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]]
@@ -263,6 +264,25 @@ class TableWriter:
             write_statistics=stats,
         )
 
+    def retire_absent_ranks(self, table: str, step: int, stage: str, world_size: int, *,
+                            variant: str = MAIN_VARIANT) -> list[Path]:
+        """Set aside ``step``'s parts of ``stage`` written by ranks >= ``world_size``.
+
+        Each rank writes its share of a stage as its own part (``train``,
+        ``train_rank1``, ...), and a re-written part replaces only the same
+        rank's. A step replayed on fewer ranks than first ran it (a 2-rank run
+        resumed in 1 process) would otherwise leave the absent ranks' old parts
+        live beside the new ones: their rows read twice. One partition scanned.
+        """
+        d = self.layout.partition_dir(table, self.run_id, step)
+        moved = []
+        for f in (os.scandir(d) if d.is_dir() else ()):
+            n = parse_part_name(f.name)
+            if (n is not None and n.variant == variant and stage_of_part(n.stage) == stage
+                    and rank_of_part(n.stage) >= world_size):
+                moved.append(self._set_aside(Path(f.path)))
+        return moved
+
     def _set_aside(self, path: Path) -> Path:
         dest = self.layout.superseded_path(path)
         if dest.exists():  # set aside before (a checkpoint folder re-written twice)
@@ -293,8 +313,8 @@ class TableWriter:
             for part in scan_parts(self.layout, t, self.run_id):
                 if part.step not in steps or part.name is None:
                     continue
-                if stage_set is not None and part.name.stage not in stage_set:
-                    continue
+                if stage_set is not None and stage_of_part(part.name.stage) not in stage_set:
+                    continue  # a rank's share (train_rank1) goes with its stage (train)
                 if variant is not None and part.name.variant != variant:
                     continue
                 moved.append(self._set_aside(part.path))

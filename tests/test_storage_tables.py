@@ -205,6 +205,29 @@ def test_retried_stage_does_not_duplicate_rows(run_dir: Path) -> None:
     assert w.live_files("scores") == [second]
 
 
+def test_a_step_replayed_on_fewer_ranks_reads_each_row_once(run_dir: Path) -> None:
+    """A 2-rank step (parts ``train`` + ``train_rank1``) replayed in 1 process: rank 1's old part
+    used to stay live beside the new 1-process part, so its rows were read twice."""
+    w = TableWriter(run_dir)
+    rows = sample_rows("token_stats")  # sample ids 0, 1 (3 positions each)
+    half = {k: (v[:3] if hasattr(v, "__len__") else v) for k, v in rows.items()}
+    other = {k: (v[3:] if hasattr(v, "__len__") else v) for k, v in rows.items()}
+    w.write("token_stats", 2, half, stage="train", attempt=0)
+    rank1 = w.write("token_stats", 2, other, stage="train_rank1", attempt=0)
+    count = "SELECT count(*) FROM token_stats"
+    assert connect(run_dir).sql(count).fetchall() == [(6,)]
+    w.write("token_stats", 2, rows, stage="train", attempt=1)  # the replay: one process, every row
+    assert connect(run_dir).sql(count).fetchall() == [(9,)]  # the old behaviour: rank 1's 3 rows twice
+    assert w.retire_absent_ranks("token_stats", 2, "train", 2) == []  # still 2 ranks: rank 1's part is its own
+    moved = w.retire_absent_ranks("token_stats", 2, "train", 1)
+    assert [p.name for p in moved] == [rank1.name] and "superseded" in moved[0].parts
+    assert connect(run_dir).sql(count).fetchall() == [(6,)]
+    # resume --from train: the stage's set-aside takes every rank's share
+    w.write("token_stats", 3, half, stage="train", attempt=0)
+    w.write("token_stats", 3, other, stage="train_rank1", attempt=0)
+    assert len(w.supersede("token_stats", [3], stages=["train"])) == 2
+
+
 def test_variants_sit_beside_main(run_dir: Path) -> None:
     w = TableWriter(run_dir)
     w.write("bounds", 5, sample_rows("bounds"), stage="calibrate")
