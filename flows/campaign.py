@@ -446,21 +446,23 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
     trackers = _open_trackers(env) if cfg.trackers and env.is_main else None  # no tracker code imported unless configured
     try:
         from flows.guard import CampaignGuard, recover_pending  # issue 15
+        from fp8rl_core.cpu_gemm import cpu_bf16_gemm
 
-        if resume and env.is_main:
-            recover_pending(env)  # a rollback a crash interrupted
-        start, state, last_eval = restore_latest(env, state) if resume else (0, state, {})
-        progress = Progress(cfg, start)
-        last = cfg.steps if stop_after_step is None else min(cfg.steps, stop_after_step)
-        metrics: dict = {}
-        synced: dict = {}
-        guard = CampaignGuard(env)
-        step = start
-        while step <= last:
-            summary, state, last_eval = run_step(env, state, step, progress, last_eval, synced)
-            metrics = summary.get("metrics", metrics)
-            # step + 1, or (all ranks together) the step after the checkpoint a guard rollback restored
-            step, state, last_eval = guard.after_step(state, step, metrics, last_eval)
+        with cpu_bf16_gemm(cfg.precision.cpu_bf16_gemm, env.device):  # the whole loop's thread, backward included
+            if resume and env.is_main:
+                recover_pending(env)  # a rollback a crash interrupted
+            start, state, last_eval = restore_latest(env, state) if resume else (0, state, {})
+            progress = Progress(cfg, start)
+            last = cfg.steps if stop_after_step is None else min(cfg.steps, stop_after_step)
+            metrics: dict = {}
+            synced: dict = {}
+            guard = CampaignGuard(env)
+            step = start
+            while step <= last:
+                summary, state, last_eval = run_step(env, state, step, progress, last_eval, synced)
+                metrics = summary.get("metrics", metrics)
+                # step + 1, or (all ranks together) the step after the checkpoint a guard rollback restored
+                step, state, last_eval = guard.after_step(state, step, metrics, last_eval)
         return {"run_dir": str(run_dir), "last_step": last, "final_metrics": _jsonable(metrics), "last_eval": last_eval,
                 "world_size": world}
     finally:

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fp8rl_core import cpu_gemm
 from fp8rl_core.fp4 import FP4Format, HADAMARD_SIZE, fake_quantize_fp4, random_hadamard, random_signs
 
 
@@ -107,7 +108,7 @@ class _Fp4LinearFunction(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             xq = _fq(x2, f, "row", compute_dtype)  # 1 x b along K
             wq = _fq(weight, f, "block2d" if recipe.weight_2d else "row", compute_dtype)
-            out = torch.mm(xq, wq.t())
+            out = cpu_gemm.mm(xq, wq.t())
             if bias is not None:
                 out = out.add_(bias.to(out.dtype))
         ctx.save_for_backward(x2, wq if recipe.weight_2d else weight)
@@ -126,7 +127,7 @@ class _Fp4LinearFunction(torch.autograd.Function):
                 gq = _fq(g2, f, "row", cd, state=sr)  # 1 x b along N
                 # 2-D tiles: the forward's quantized weight serves dgrad as it is
                 wq = w if r.weight_2d else _fq(w.t().contiguous(), f, "row", cd).t()
-                grad_x = torch.mm(gq, wq).reshape(ctx.x_shape)
+                grad_x = cpu_gemm.mm(gq, wq).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 tile = max(HADAMARD_SIZE, f.block) if r.hadamard_wgrad else f.block
                 gp, xp = _pad_rows(g2.float(), tile), _pad_rows(x2.float(), tile)
@@ -134,7 +135,7 @@ class _Fp4LinearFunction(torch.autograd.Function):
                     gp, xp = random_hadamard(gp, ctx.state.signs), random_hadamard(xp, ctx.state.signs)
                 gt = _fq(gp.t().contiguous(), f, "row", cd, state=sr)  # [N, M'] blocks along M
                 xt = _fq(xp.t().contiguous(), f, "row", cd)  # [K, M']
-                grad_w = torch.mm(gt, xt.t())
+                grad_w = cpu_gemm.mm(gt, xt.t())
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None, None
 
@@ -217,7 +218,7 @@ class Fp4RolloutLinear(nn.Module):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else self.weight_values.dtype
         x2 = x.reshape(-1, self.in_features)
         with torch.autocast(x.device.type, enabled=False):
-            out = torch.mm(fake_quantize_fp4(x2, self.fmt, "row").to(dtype), self.weight_values.to(dtype).t())
+            out = cpu_gemm.mm(fake_quantize_fp4(x2, self.fmt, "row").to(dtype), self.weight_values.to(dtype).t())
             if self.bias is not None:
                 out = out.add_(self.bias.to(dtype))
         return out.reshape(*x.shape[:-1], self.out_features)

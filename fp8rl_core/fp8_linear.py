@@ -62,6 +62,7 @@ from typing import Iterator, Literal
 import torch
 from torch import nn
 
+from fp8rl_core import cpu_gemm
 from fp8rl_core.fp8 import E4M3, E5M2, FP8Format, amax_to_qscale
 
 # Scaling-group layouts of a 2-D operand [R, C]
@@ -306,7 +307,7 @@ def _scale_output_(out: torch.Tensor, post_a: torch.Tensor | None, post_b: torch
 def _mm(a: torch.Tensor, b: torch.Tensor, post_a: torch.Tensor | None, post_b: torch.Tensor | None) -> torch.Tensor:
     """a [R, K] @ b [K, C], then the dequantization scales of the two operands: post_a of
     a's rows ([] or [R, 1]), post_b of b's columns ([] or [1, C]); None = already applied."""
-    out = torch.mm(a, b)
+    out = cpu_gemm.mm(a, b)
     if post_a is None and post_b is None:
         return out
     if post_a is not None and post_b is not None and (post_a.dim() == 0 or post_b.dim() == 0):
@@ -390,7 +391,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             else:
                 xv, _ = _quantize(cache, x2, r.input_format, "tile_row", **q)  # 1 x 128 tiles
                 wv, _ = quantize_operand(weight, r.weight_format, "block", **q)  # 128 x 128 blocks
-                out = torch.mm(xv, wv.t())
+                out = cpu_gemm.mm(xv, wv.t())
                 ctx.save_for_backward(x2, wv)  # 128x128 blocks serve dgrad as they are
             if bias is not None:
                 out = out.add_(bias.to(out.dtype))
@@ -429,11 +430,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 x2, wv = ctx.saved_tensors
                 if need_x:
                     gv, _ = quantize_operand(g2, r.grad_format, "tile_row", **q)  # 1 x 128 tiles over N
-                    grad_x = torch.mm(gv, wv)
+                    grad_x = cpu_gemm.mm(gv, wv)
                 if need_w:
                     gv, _ = quantize_operand(g2, r.grad_format, "tile_col", **q)  # 128 x 1 tiles over M
                     xv, _ = _quantize(ctx.cache, x2, r.input_format, "tile_col", **q)
-                    grad_w = torch.mm(gv.t(), xv)
+                    grad_w = cpu_gemm.mm(gv.t(), xv)
         if grad_x is not None:
             grad_x = grad_x.reshape(ctx.x_shape)
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
@@ -617,7 +618,7 @@ class Fp8RolloutLinear(nn.Module):
         if self.scheme == "per_tensor":
             out = _mm(xv, w.t(), xp, self.weight_post)
         else:
-            out = torch.mm(xv, w.t())
+            out = cpu_gemm.mm(xv, w.t())
         if self.bias is not None:
             out = out.add_(self.bias.to(dtype))
         return out.reshape(*x.shape[:-1], self.out_features)

@@ -1,0 +1,118 @@
+"""BF16 GEMM numerics through FP32 GEMMs on a CPU without BF16 hardware (opt-in).
+
+``precision.cpu_bf16_gemm: fp32`` makes every BF16 matmul of a CPU campaign run as
+an FP32 GEMM on BF16 operands with its output rounded to BF16. That is the GPU's
+own BF16 rule -- BF16 inputs, FP32 accumulation, one rounding of the output (the
+tensor-core contract of cuBLAS BF16 GEMMs) -- so the products, the accumulation
+precision and the output dtype are those of the ``native`` kernel; only the
+accumulation order differs (not bit-identical to PyTorch's CPU BF16 kernel).
+
+Why: on a CPU without AVX512-BF16/AMX, PyTorch's BF16 GEMM has no fast kernel and
+runs 10-16x slower than FP32 GEMM of the same shape
+(``benchmarks/cpu_bf16_gemm.py``); the stress world spends most of a step there.
+
+Which calls: the matmuls the CPU autocast runs in BF16 (``F.linear``, ``mm``,
+``bmm``, ``matmul``/``@``, ``addmm``, ``baddbmm``, scaled-dot-product attention)
+
+* under CPU BF16 autocast, with FP32/BF16 float operands (autocast would cast
+  them to BF16), and
+* outside autocast, when every float operand is already BF16 (the emulated FP8 /
+  FP4 linears compute their dequantized GEMMs in BF16 explicitly).
+
+Anything else (CUDA tensors, FP32 GEMMs outside autocast, ``out=``) runs untouched.
+Gradients follow through the casts: the backward's GEMMs are FP32 on the BF16
+values and every gradient is rounded to BF16 where the BF16 kernel's would be.
+
+A torch-function mode does not reach the ``backward`` of a custom autograd
+Function (the autograd engine runs it without the caller's modes), so the
+emulated FP8/FP4 linears call :func:`mm`, which follows the same rule while a
+``cpu_bf16_gemm("fp32")`` context is open anywhere in the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+CPU_BF16_GEMMS = ("native", "fp32")
+
+_GEMMS = frozenset({
+    F.linear, torch.mm, torch.bmm, torch.matmul, torch.addmm, torch.baddbmm,
+    torch.Tensor.mm, torch.Tensor.bmm, torch.Tensor.matmul, torch.Tensor.__matmul__,
+    torch.Tensor.addmm, torch.Tensor.baddbmm, F.scaled_dot_product_attention,
+})
+_OPERAND_DTYPES = (torch.float32, torch.bfloat16)
+_OPEN = [0]  # fp32 contexts open in this process (read by mm, which runs where modes do not reach)
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+
+
+def _bf16_operand(a: Any) -> Any:
+    if isinstance(a, torch.Tensor) and a.is_floating_point():
+        return a.to(torch.bfloat16).float()  # the BF16 value, held in FP32 (exact)
+    return a
+
+
+class Bf16GemmsInFp32(TorchFunctionMode):
+    """The torch-function mode behind ``cpu_bf16_gemm: fp32`` (see the module docstring).
+
+    ``calls`` counts the GEMMs it took over (tests read it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _GEMMS and "out" not in kwargs and self._takes(args, kwargs):
+            self.calls += 1
+            with torch.autocast("cpu", enabled=False):
+                out = func(*map(_bf16_operand, args), **{k: _bf16_operand(v) for k, v in kwargs.items()})
+            return out.to(torch.bfloat16)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _takes(args: tuple, kwargs: dict) -> bool:
+        tensors = _tensors(args, kwargs)
+        if not tensors or any(t.device.type != "cpu" for t in tensors):
+            return False
+        floats = [t.dtype for t in tensors if t.is_floating_point()]
+        if not floats:
+            return False
+        if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
+            return all(d in _OPERAND_DTYPES for d in floats)
+        return all(d == torch.bfloat16 for d in floats)
+
+
+@contextlib.contextmanager
+def cpu_bf16_gemm(kind: str, device: str | torch.device = "cpu") -> Iterator[Bf16GemmsInFp32 | None]:
+    """Inside: BF16 GEMMs on CPU follow ``kind`` (``native`` = PyTorch's BF16 kernels, a no-op;
+    ``fp32`` = :class:`Bf16GemmsInFp32`). A CUDA device is left alone whatever ``kind`` says:
+    its BF16 GEMMs are the hardware's. Wrap a whole thread's work (forward, backward, sampling):
+    a torch-function mode is thread-local and the backward runs on the caller's thread on CPU."""
+    if kind not in CPU_BF16_GEMMS:
+        raise ValueError(f"precision.cpu_bf16_gemm: unknown {kind!r}; valid: {', '.join(CPU_BF16_GEMMS)}")
+    if kind == "native" or torch.device(device).type != "cpu":
+        yield None
+        return
+    mode = Bf16GemmsInFp32()
+    _OPEN[0] += 1
+    try:
+        with mode:
+            yield mode
+    finally:
+        _OPEN[0] -= 1
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.mm`` for the emulated low-precision linears: inside a ``cpu_bf16_gemm("fp32")``
+    context a BF16 x BF16 product on CPU is an FP32 GEMM rounded once to BF16; else torch.mm."""
+    if _OPEN[0] and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16 and a.device.type == "cpu":
+        return torch.mm(a.float(), b.float()).to(torch.bfloat16)
+    return torch.mm(a, b)
