@@ -14,9 +14,13 @@ world's layer shapes (tokens x 128 -> 128 / 384 and back), the time of
   products, FP32 accumulation: a possible fast emulation of BF16 numerics,
   not bit-identical to the BF16 kernel's accumulation order),
 
-interleaved, and the ratios to FP32. Figures, not a test:
+interleaved, and the ratios to FP32. Then, for a stress-world policy (the
+``stress-cpu`` model: 2 layers, 128 wide) in BF16, emulated FP8 tensorwise and
+emulated NVFP4, one micro-batch forward + backward under autocast with
+``precision.cpu_bf16_gemm: native`` vs ``fp32`` (``fp8rl_core.cpu_gemm``), interleaved,
+and the speed-up. Figures, not a test:
 
-    python benchmarks/cpu_bf16_gemm.py [--threads 1] [--reps 20]
+    python benchmarks/cpu_bf16_gemm.py [--threads 1] [--reps 20] [--model-reps 3]
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--model-reps", type=int, default=3, help="forward+backward repetitions per setting (0: skip)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} thread(s)")
@@ -65,6 +70,38 @@ def main() -> None:
         print(f"{f'{m} x {k} -> {n}':<22} {1e3 * base / 3:>9.2f} {times['bf16'] / base:>7.1f}x "
               f"{times['autocast'] / base:>8.1f}x {times['emul'] / base:>12.1f}x")
     print("ratios: time / fp32 time of the same shape")
+    if args.model_reps:
+        model_steps(args.model_reps)
+
+
+def model_steps(reps: int, batch: int = 32, tokens: int = 60) -> None:
+    """A stress-world micro-batch (32 sequences x 60 tokens) forward + backward, native vs fp32 GEMMs."""
+    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
+    from fp8rl_core.precision import autocast_context, convert_for_training
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                      head_dim=32, intermediate_size=384, max_position_embeddings=256)
+    ids = torch.randint(0, 64, (batch, tokens), generator=torch.Generator().manual_seed(0))
+    print(f"\nstress-world policy, {batch} x {tokens} tokens, forward + backward (s)")
+    print(f"{'training precision':<20} {'native':>8} {'fp32':>8} {'speed-up':>9}")
+    for mode in ("bf16", "fp8_tensorwise", "nvfp4"):
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(cfg)
+        convert_for_training(model, mode, emulate=True)
+
+        def step() -> None:
+            with autocast_context(mode):
+                logits = model(ids).logits
+            logits.float().logsumexp(-1).mean().backward()
+            model.zero_grad(set_to_none=True)
+
+        times = {"native": 0.0, "fp32": 0.0}
+        for _ in range(2):  # interleaved rounds
+            for kind in times:
+                with cpu_bf16_gemm(kind):
+                    times[kind] += _time(step, reps)
+        print(f"{mode:<20} {times['native'] / 2:>8.3f} {times['fp32'] / 2:>8.3f} {times['native'] / times['fp32']:>8.1f}x")
 
 
 if __name__ == "__main__":
