@@ -112,11 +112,13 @@ def round_e2m1_(y: torch.Tensor, *, stochastic: bool = False, generator: torch.G
     if generator is None:
         raise ValueError("stochastic rounding needs a torch.Generator (its state is part of the checkpoint)")
     a = y.abs()
-    spacing = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
-    lo = torch.floor(a / spacing) * spacing
-    u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
-    up = u < (a - lo) / spacing
-    return y.copy_(torch.copysign(lo + spacing * up, y))
+    # E2M1's spacing at |y|: 2**floor(log2|y|) / 2 within [0.5, 2] (0.5 below 2, and at 0)
+    spacing = torch.bitwise_and(a.view(torch.int32), 0x7F800000).view(torch.float32).mul_(0.5).clamp_(0.5, 2.0)
+    t = a.div_(spacing)  # |y| in units of the spacing (exact: a power of two)
+    lo = torch.floor(t)
+    u = torch.rand(t.shape, generator=generator, device=t.device, dtype=torch.float32)
+    lo.add_(u.lt_(t.sub_(lo)))  # round up with probability frac(t): u becomes (u < frac) as 0/1
+    return y.copy_(torch.copysign(lo.mul_(spacing), y))
 
 
 # ---------------------------------------------------------------------------
