@@ -292,10 +292,10 @@ _LAYOUT_TO_FQ = {  # quantize_operand layout -> the same groups through the publ
 @pytest.mark.parametrize("layout", list(_LAYOUT_TO_FQ))
 @pytest.mark.parametrize("chunk", [4096, None], ids=["chunked", "whole"])
 def test_quantize_operand_equals_fake_quantize(layout, chunk, monkeypatch):
-    import fp8rl_core.fp8_linear as fl
+    import fp8rl_core.fp8_operands as fo
 
     if chunk is not None:
-        monkeypatch.setattr(fl, "_CHUNK_ELEMS", chunk)  # several chunks, ragged last chunk
+        monkeypatch.setattr(fo, "_CHUNK_ELEMS", chunk)  # several chunks, ragged last chunk
     x = _outlier_data(7)[:200, :300]
     for fmt in FORMATS:
         for p2 in (False, True):
@@ -326,17 +326,17 @@ def test_rounding_runs_on_the_calling_thread_and_restores_the_thread_count():
 def test_matmul_output_scaling(chunk, monkeypatch):
     """Per-row / per-column / scalar dequantization scales applied to a BF16 matmul output
     in float32: the result is the float64 product up to BF16 roundings."""
-    import fp8rl_core.fp8_linear as fl
+    import fp8rl_core.fp8_operands as fo
 
     if chunk is not None:
-        monkeypatch.setattr(fl, "_CHUNK_ELEMS", chunk)
+        monkeypatch.setattr(fo, "_CHUNK_ELEMS", chunk)
     g = torch.Generator().manual_seed(11)
     a, b = torch.randn(37, 16, generator=g).bfloat16(), torch.randn(16, 24, generator=g).bfloat16()
     rows, cols, scalar = torch.rand(37, 1, generator=g) + 0.5, torch.rand(1, 24, generator=g) + 0.5, torch.tensor(0.7)
     exact = a.double() @ b.double()
     for pa, pb in ((rows, cols), (rows, scalar), (scalar, cols), (None, cols), (rows, None), (scalar, scalar)):
         ref = exact * (1.0 if pa is None else pa.double()) * (1.0 if pb is None else pb.double())
-        got = fl._mm(a, b, pa, pb)
+        got = fo._mm(a, b, pa, pb)
         assert got.dtype == torch.bfloat16
         assert ((got.double() - ref).abs() <= ref.abs() * 2**-7 + 1e-6).all()  # <= 2 BF16 roundings
 

@@ -232,11 +232,14 @@ def test_sync_rollout_weights_requantizes_once_per_sync(base_model):
 def test_rollout_quantizes_shared_inputs_once(base_model, monkeypatch):
     """q/k/v (and gate/up) read one tensor: quantized once, same numbers as without the cache."""
     import fp8rl_core.fp8_linear as fl
+    import fp8rl_core.fp8_operands as fo
 
     rollout = convert_for_rollout(base_model, "fp8_per_tensor")
     calls = []
     real = fl.quantize_operand
-    monkeypatch.setattr(fl, "quantize_operand", lambda *a, **k: calls.append(1) or real(*a, **k))
+    counted = lambda *a, **k: calls.append(1) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(fl, "quantize_operand", counted)  # the weights' calls
+    monkeypatch.setattr(fo, "quantize_operand", counted)  # the shared-input cache's calls
     ids = toy_batch(seed=5)
     with torch.inference_mode():
         cached = rollout(input_ids=ids).logits
@@ -252,10 +255,13 @@ def test_rollout_quantizes_shared_inputs_once(base_model, monkeypatch):
 def test_training_quantizes_shared_inputs_once(base_model, mode, monkeypatch):
     """Same logits and gradients with the shared-input cache as without; fewer roundings."""
     import fp8rl_core.fp8_linear as fl
+    import fp8rl_core.fp8_operands as fo
 
     calls = []
     real = fl.quantize_operand
-    monkeypatch.setattr(fl, "quantize_operand", lambda *a, **k: calls.append(1) or real(*a, **k))
+    counted = lambda *a, **k: calls.append(1) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(fl, "quantize_operand", counted)  # the weights' calls
+    monkeypatch.setattr(fo, "quantize_operand", counted)  # the shared-input cache's calls
     ids = toy_batch(seed=6)
     runs = []
     for use_cache in (True, False):
