@@ -204,6 +204,8 @@ FIGURES: tuple[Figure, ...] = (
 TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("best_eval_average", "best eval %", "pct"),
     ("initial_eval_average", "step-0 eval %", "pct"),
+    ("late_eval_average", "2nd-half eval %", "pct"),
+    ("final_eval_average", "final eval %", "pct"),
     ("final_entropy", "final entropy", "f3"),
     ("peak_entropy", "peak entropy", "f3"),
     ("prob_nmae", "prob NMAE", "g3"),

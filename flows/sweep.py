@@ -408,6 +408,7 @@ def _mean_over_seeds(spec: SweepSpec, rows: list[dict]) -> list[dict]:
 
 # columns whose seed-to-seed spread the mean table shows: column -> (header, scale)
 SPREAD_COLUMNS = {"best_eval_average": ("best eval % min–max (sd)", 100.0),
+                  "late_eval_average": ("2nd-half eval % min–max (sd)", 100.0),
                   "lower_clip_vs_bf16": ("lower-clip vs BF16 min–max (sd)", 1.0)}
 
 

@@ -405,3 +405,20 @@ def test_chromium_check_catches_broken_pages(tmp_path: Path) -> None:
     assert verdict["broken"] == ["missing.png"]
     assert "error: boom" in verdict["errors"] and any("missing.png" in e for e in verdict["errors"])
     assert any("boom" in ln for ln in console)
+
+
+def test_paper_table_late_and_final_evaluations(tmp_path: Path) -> None:
+    """late_eval_average: the mean of the evaluations at or after half the last evaluated step;
+    final_eval_average: the last one. Best-of-N is kept beside them (it rewards evaluation noise)."""
+    run = create_run(tmp_path, "late").root
+    w = TableWriter(run, durable=False)
+    for step, acc in ((0, 0.2), (25, 0.9), (50, 0.5), (75, 0.6), (100, 0.7)):
+        w.write("eval_scores", step, [{"benchmark": "synthetic", "metric": "avg@k", "k": 1, "value": acc}],
+                stage="evaluate")
+    named = get_query("paper-table")
+    con = connect(run)
+    set_params(con, {"metric": "avg@k"})
+    row = query(con, named.sql).to_pylist()[0]
+    assert row["late_eval_average"] == pytest.approx((0.5 + 0.6 + 0.7) / 3)  # steps 50, 75, 100
+    assert row["final_eval_average"] == pytest.approx(0.7)
+    assert (row["best_eval_step"], row["best_eval_average"]) == (25, 0.9)

@@ -11,6 +11,10 @@
 --                        benchmark, averaged over benchmarks; only evaluations
 --                        with as many benchmarks as the run's fullest one)
 --   initial_eval_average the first such evaluation (step 0: the base model)
+--   late_eval_average    mean of those evaluations in the run's second half (step
+--                        >= half the last evaluated step): best-of-N evaluations is
+--                        biased upward by evaluation noise, this mean is not
+--   final_eval_average   the last such evaluation
 --   final_entropy / peak_entropy   steps.entropy_mean at the last step / its max
 --   prob_nmae / ratio_nmae   mean over shadow steps of the per-step NMAE of FP8
 --                        vs BF16 token probabilities / importance ratios
@@ -46,6 +50,13 @@ WITH per_benchmark AS (
     SELECT run_id, average AS best_eval_average, step AS best_eval_step, initial_eval_average
     FROM ranked
     WHERE rank = 1  -- earliest step on ties
+), late_evals AS (
+    SELECT
+        run_id,
+        avg(average) FILTER (WHERE 2 * step >= last_eval_step) AS late_eval_average,
+        arg_max(average, step) AS final_eval_average
+    FROM (SELECT *, max(step) OVER (PARTITION BY run_id) AS last_eval_step FROM per_eval)
+    GROUP BY run_id
 ), steps_summary AS (
     SELECT
         run_id,
@@ -83,6 +94,8 @@ SELECT
     e.best_eval_average,
     e.best_eval_step,
     e.initial_eval_average,
+    l.late_eval_average,
+    l.final_eval_average,
     s.final_entropy,
     s.peak_entropy,
     s.prob_nmae,
@@ -98,6 +111,7 @@ FROM runs AS r
 LEFT JOIN modes AS m USING (run_id)
 LEFT JOIN steps_summary AS s USING (run_id)
 LEFT JOIN evals_summary AS e USING (run_id)
+LEFT JOIN late_evals AS l USING (run_id)
 LEFT JOIN shadow_tokens AS t USING (run_id)
 LEFT JOIN wall AS w USING (run_id)
 ORDER BY r.run_id;
