@@ -202,7 +202,7 @@ def quantize_fp4(
     amax = g.abs().amax(dim=dims, keepdim=True)
     ts = None
     if fmt.tensor_scale:
-        ts = nvfp4_tensor_scale(g.abs().amax() if tensor_amax is None else tensor_amax)
+        ts = nvfp4_tensor_scale(amax.amax() if tensor_amax is None else tensor_amax)  # max of the block maxima
     s, factor, op = block_scales(amax, fmt, ts)
     g.mul_(factor) if op == "mul" else g.div_(factor)
     round_e2m1_(y, stochastic=stochastic, generator=generator)
@@ -211,8 +211,14 @@ def quantize_fp4(
 
 def dequantize_fp4(values: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: FP4Format, layout: Layout = "row") -> torch.Tensor:
     """Inverse of ``quantize_fp4``: values · (tensor scale · block scale), float32."""
+    return _dequantize_(values.to(torch.float32, copy=True), scales, tensor_scale, fmt, layout)
+
+
+def _dequantize_(values: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: FP4Format,
+                 layout: Layout) -> torch.Tensor:
+    """``dequantize_fp4`` in place on float32 ``values``."""
     s = scales if tensor_scale is None else tensor_scale * scales  # torchao: per_tensor_scale * e4m3 scale
-    g, _ = _grouped(values.to(torch.float32, copy=True), fmt, layout)
+    g, _ = _grouped(values, fmt, layout)
     s = s.reshape(s.shape[0], s.shape[1], 1) if layout == "row" else s.reshape(s.shape[0], 1, s.shape[1], 1)
     return g.mul_(s).reshape(values.shape)
 
@@ -220,7 +226,7 @@ def dequantize_fp4(values: torch.Tensor, scales: torch.Tensor, tensor_scale: tor
 def fake_quantize_fp4(x: torch.Tensor, fmt: FP4Format, layout: Layout = "row", **kw) -> torch.Tensor:
     """x rounded to ``fmt`` and back (float32, x's shape). Keywords as ``quantize_fp4``."""
     v, s, ts = quantize_fp4(x, fmt, layout, **kw)
-    return dequantize_fp4(v, s, ts, fmt, layout)
+    return _dequantize_(v, s, ts, fmt, layout)  # v is quantize_fp4's own float32 copy
 
 
 def sqnr_db(x: torch.Tensor, approx: torch.Tensor) -> float:
