@@ -128,3 +128,41 @@ def test_a_model_step_takes_every_gemm_and_stays_at_bf16_resolution(train):
     lb, gb, _ = _step("bf16", "native")
     for emu, nat, ref in ((le, ln, lb), (ge, gn, gb)):
         assert 0.75 < _rel(emu, ref) / _rel(nat, ref) < 1.33, (_rel(emu, ref), _rel(nat, ref))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_stage_of_a_campaign_runs_under_the_fp32_gemms(tmp_path, monkeypatch):
+    """A micro campaign (in process, Prefect and all) with ``cpu_bf16_gemm: fp32``: every stage
+    runs with the mode on its thread (a torch-function mode is thread-local: a stage on a
+    Prefect worker thread would silently fall back to the slow kernels), and the mode is gone
+    afterwards."""
+    import contextlib
+
+    from torch.overrides import _get_current_function_mode_stack
+
+    import storage.faults as faults
+    from conftest import micro_config
+    from flows.campaign import campaign_flow
+    from flows.configuration import dump_config
+    from fp8rl_core import cpu_gemm
+    from storage.layout import create_run
+
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "600")
+    create_run(tmp_path, "run", config=dump_config(micro_config("steps=1", "precision.cpu_bf16_gemm=fp32")))
+    seen: list[tuple[str, int, bool, bool]] = []
+    real_scope = faults.stage_scope
+
+    @contextlib.contextmanager
+    def spy(stage: str, step: int):
+        modes = _get_current_function_mode_stack()
+        seen.append((stage, step, any(isinstance(m, cpu_gemm.Bf16GemmsInFp32) for m in modes), cpu_gemm._OPEN[0] == 1))
+        with real_scope(stage, step):
+            yield
+
+    monkeypatch.setattr(faults, "stage_scope", spy)
+    assert campaign_flow(str(tmp_path / "run"))["last_step"] == 1
+    stages = {s for s, *_ in seen}
+    assert {"rollout", "score", "train", "evaluate"} <= stages, stages
+    assert all(mode and opened for _, _, mode, opened in seen), [s for s in seen if not (s[2] and s[3])]
+    assert not _get_current_function_mode_stack() and cpu_gemm._OPEN[0] == 0
