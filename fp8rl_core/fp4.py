@@ -28,6 +28,9 @@ clipping, which NVFP4's finer E4M3 scale avoids.
 
 Block layouts (``fake_quantize_fp4(..., layout=)``): ``"row"`` = 1 × block along the
 last dim (activations, gradients: blocks lie along the contraction dim);
+``"col"`` = block × 1 along the first dim (the grad-weight operands, whose
+contraction dim is the token dim M: the same blocks as transposing and using
+``"row"``, bit for bit, without the transposed copy);
 ``"block2d"`` = block × block tiles (weights in NVIDIA's training recipe, so the
 forward (contract K) and the grad-input matmul (contract N) read *the same*
 quantized weight). Dimensions must be whole blocks: a ragged edge is a
@@ -38,7 +41,10 @@ Rounding: round-to-nearest-even (``round_e2m1_``, the magic-number add of
 torchao's ``f32_to_f4_unpacked``), or stochastic (``stochastic=True`` with a
 ``torch.Generator``): a value between grid neighbours lo < v < hi becomes hi with
 probability (v − lo) / (hi − lo), so the rounding is unbiased in expectation —
-the recipe's rule for gradients.
+the recipe's rule for gradients. It works on float32 bits: 22 random bits are
+added to the 22 mantissa bits E2M1 drops, then truncated (probability resolution
+2**-22 of a grid step; the GPU's stochastic-rounding cvt instructions likewise add
+random bits below the kept ones).
 
 Random Hadamard transform (``random_hadamard``): ``H_16 · diag(signs)`` / 4 applied
 to 16-row tiles along a dim. It is orthogonal, so ``(T g)ᵀ (T x) = gᵀ x`` exactly
@@ -62,7 +68,7 @@ E4M3_TINY = 2.0**-6  # smallest normal e4m3 (torch.finfo(float8_e4m3fn).tiny): f
 F32_MIN_NORMAL = 2.0**-126
 EPS = 1e-12  # floor of the NVFP4 tensor amax
 
-Layout = Literal["row", "block2d"]
+Layout = Literal["row", "col", "block2d"]
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,7 @@ def fp4_format(name: str) -> FP4Format:
 def round_e2m1_(y: torch.Tensor, *, stochastic: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
     """y (float32, already scaled) <- saturated E2M1 value, in place; returns y.
 
-    Nearest-even by default; stochastic rounding draws one uniform per element
+    Nearest-even by default; stochastic rounding draws 22 random bits per element
     from ``generator`` (required then, so runs are reproducible and resumable).
     """
     if y.dtype != torch.float32:
@@ -111,14 +117,27 @@ def round_e2m1_(y: torch.Tensor, *, stochastic: bool = False, generator: torch.G
         return y.add_(magic).sub_(magic)
     if generator is None:
         raise ValueError("stochastic rounding needs a torch.Generator (its state is part of the checkpoint)")
-    a = y.abs()
-    # E2M1's spacing at |y|: 2**floor(log2|y|) / 2 within [0.5, 2] (0.5 below 2, and at 0)
-    spacing = torch.bitwise_and(a.view(torch.int32), 0x7F800000).view(torch.float32).mul_(0.5).clamp_(0.5, 2.0)
-    t = a.div_(spacing)  # |y| in units of the spacing (exact: a power of two)
-    lo = torch.floor(t)
-    u = torch.rand(t.shape, generator=generator, device=t.device, dtype=torch.float32)
-    lo.add_(u.lt_(t.sub_(lo)))  # round up with probability frac(t): u becomes (u < frac) as 0/1
-    return y.copy_(torch.copysign(lo.mul_(spacing), y))
+    # In float32 bits: E2M1 keeps 1 of the 23 mantissa bits. Adding 22 uniform random bits to
+    # the 22 discarded ones and truncating rounds |y| up with probability exactly
+    # (discarded bits) / 2**22 = frac, the carry moving to the next grid value (1.75 -> 2).
+    # Below 1 (E2M1's subnormal 0.5, spacing 0.5) the same is done on |y| + 1 in [1, 2),
+    # where float32's 1-mantissa-bit grid has that spacing too, and 1 is taken off after.
+    bits = y.view(torch.int32)
+    sign = torch.bitwise_and(bits, -0x80000000)
+    bits.bitwise_and_(0x7FFFFFFF)  # y <- |y|
+    small = (y < 1.0).to(torch.float32)
+    y.add_(small)
+    bits.add_(_random_bits22(y.numel(), generator).view(y.shape))
+    bits.bitwise_and_(-(1 << 22))  # keep the exponent and the top mantissa bit
+    y.sub_(small)
+    bits.bitwise_or_(sign)
+    return y
+
+
+def _random_bits22(n: int, generator: torch.Generator) -> torch.Tensor:
+    """n int32 values, each 22 uniform random bits from ``generator`` (two per 64-bit draw)."""
+    words = torch.empty((n + 1) // 2, dtype=torch.int64).random_(generator=generator)  # [0, 2**63)
+    return words.view(torch.int32)[:n].bitwise_and_(0x3FFFFF)
 
 
 # ---------------------------------------------------------------------------
@@ -166,6 +185,10 @@ def _check_blocks(shape: torch.Size, fmt: FP4Format, layout: Layout) -> None:
     if len(shape) != 2:
         raise ValueError(f"{fmt.name}: expected a 2-D tensor, got shape {tuple(shape)}")
     r, c = shape
+    if layout == "col":
+        if r % fmt.block:
+            raise ValueError(f"{fmt.name}: shape {tuple(shape)} is not whole {fmt.block}x1 blocks along the first dim")
+        return
     if c % fmt.block or (layout == "block2d" and r % fmt.block):
         need = f"{fmt.block}x{fmt.block} tiles" if layout == "block2d" else f"1x{fmt.block} blocks along the last dim"
         raise ValueError(f"{fmt.name}: shape {tuple(shape)} is not whole {need}")
@@ -176,9 +199,20 @@ def _grouped(x: torch.Tensor, fmt: FP4Format, layout: Layout) -> tuple[torch.Ten
     b = fmt.block
     if layout == "row":
         return x.reshape(r, c // b, b), (2,)
+    if layout == "col":
+        return x.reshape(r // b, b, c), (1,)
     if layout == "block2d":
         return x.reshape(r // b, b, c // b, b), (1, 3)
-    raise ValueError(f"unknown FP4 layout {layout!r}; valid: row, block2d")
+    raise ValueError(f"unknown FP4 layout {layout!r}; valid: row, col, block2d")
+
+
+def _scale_broadcast(s: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Stored block scales shaped to multiply ``_grouped``'s view."""
+    if layout == "row":
+        return s.reshape(s.shape[0], s.shape[1], 1)
+    if layout == "col":
+        return s.reshape(s.shape[0], 1, s.shape[1])
+    return s.reshape(s.shape[0], 1, s.shape[1], 1)
 
 
 def quantize_fp4(
@@ -192,7 +226,7 @@ def quantize_fp4(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [R, C] -> (E2M1 values [R, C] float32, block scales float32, tensor scale or None).
 
-    Block scales: [R, C/b] ("row") or [R/b, C/b] ("block2d"). The dequantized
+    Block scales: [R, C/b] ("row"), [R/b, C] ("col") or [R/b, C/b] ("block2d"). The dequantized
     tensor is ``values · block scale · tensor scale`` (see ``dequantize_fp4``).
     ``tensor_amax``: NVFP4's amax for the tensor scale (default: x's own).
     """
@@ -206,7 +240,7 @@ def quantize_fp4(
     s, factor, op = block_scales(amax, fmt, ts)
     g.mul_(factor) if op == "mul" else g.div_(factor)
     round_e2m1_(y, stochastic=stochastic, generator=generator)
-    return y, s.reshape(s.shape[0], -1) if layout == "row" else s.reshape(s.shape[0], s.shape[2]), ts
+    return y, s.reshape(s.shape[0], -1), ts  # drop the grouped view's singleton dims
 
 
 def dequantize_fp4(values: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: FP4Format, layout: Layout = "row") -> torch.Tensor:
@@ -219,8 +253,7 @@ def _dequantize_(values: torch.Tensor, scales: torch.Tensor, tensor_scale: torch
     """``dequantize_fp4`` in place on float32 ``values``."""
     s = scales if tensor_scale is None else tensor_scale * scales  # torchao: per_tensor_scale * e4m3 scale
     g, _ = _grouped(values, fmt, layout)
-    s = s.reshape(s.shape[0], s.shape[1], 1) if layout == "row" else s.reshape(s.shape[0], 1, s.shape[1], 1)
-    return g.mul_(s).reshape(values.shape)
+    return g.mul_(_scale_broadcast(s, layout)).reshape(values.shape)
 
 
 def fake_quantize_fp4(x: torch.Tensor, fmt: FP4Format, layout: Layout = "row", **kw) -> torch.Tensor:

@@ -12,7 +12,7 @@ forward        x: 1 x b blocks along K         nearest-even
 grad-input     dy: 1 x b blocks along N        **stochastic**
                W: the *same* 2-D quantized W   (no re-quantization: fwd and bwd agree)
 grad-weight    RHT(dy), RHT(x) along M,        dy: **stochastic**, x: nearest-even
-               then 1 x b blocks along M
+               then b x 1 blocks along M
 =============  ==============================  =====================================
 
 b = 16 (NVFP4: E4M3 block scales + FP32 tensor scale) or 32 (MXFP4: E8M0
@@ -133,9 +133,10 @@ class _Fp4LinearFunction(torch.autograd.Function):
                 gp, xp = _pad_rows(g2.float(), tile), _pad_rows(x2.float(), tile)
                 if r.hadamard_wgrad:
                     gp, xp = random_hadamard(gp, ctx.state.signs), random_hadamard(xp, ctx.state.signs)
-                gt = _fq(gp.t().contiguous(), f, "row", cd, state=sr)  # [N, M'] blocks along M
-                xt = _fq(xp.t().contiguous(), f, "row", cd)  # [K, M']
-                grad_w = cpu_gemm.mm(gt, xt.t())
+                # blocks along M, down the columns: no transposed copies of [M', N] / [M', K]
+                gt = _fq(gp, f, "col", cd, state=sr)  # [M', N]
+                xt = _fq(xp, f, "col", cd)  # [M', K]
+                grad_w = cpu_gemm.mm(gt.t(), xt)
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None, None
 

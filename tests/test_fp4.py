@@ -98,7 +98,21 @@ def test_block2d_uses_one_scale_per_tile():
     assert not torch.equal(fake_quantize_fp4(x, NVFP4, "row").t(), fake_quantize_fp4(x.t().contiguous(), NVFP4, "row"))
 
 
-@pytest.mark.parametrize("fmt,layout,shape", [(NVFP4, "row", (4, 24)), (MXFP4, "row", (4, 48)), (NVFP4, "block2d", (8, 32))])
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=str)
+def test_col_layout_is_row_layout_of_the_transpose_bit_for_bit(fmt):
+    """The grad-weight operands are quantized in blocks down dim 0 ("col") instead of being
+    transposed first: same blocks, same scales, same values, no transposed copy."""
+    x = _test_tensor().t().contiguous()  # [256, 64]: zero, outlier and subnormal-range blocks down columns
+    v, s, ts = quantize_fp4(x, fmt, "col")
+    vt, st, tst = quantize_fp4(x.t().contiguous(), fmt, "row")
+    assert s.shape == (256 // fmt.block, 64)
+    assert torch.equal(v, vt.t()) and torch.equal(s, st.t()) and (ts is None or torch.equal(ts, tst))
+    assert torch.equal(fake_quantize_fp4(x, fmt, "col"), fake_quantize_fp4(x.t().contiguous(), fmt, "row").t())
+    assert torch.equal(dequantize_fp4(v, s, ts, fmt, "col"), fake_quantize_fp4(x, fmt, "col"))
+
+
+@pytest.mark.parametrize("fmt,layout,shape", [(NVFP4, "row", (4, 24)), (MXFP4, "row", (4, 48)), (NVFP4, "block2d", (8, 32)),
+                                              (NVFP4, "col", (24, 4)), (MXFP4, "col", (48, 4))])
 def test_ragged_shapes_are_errors(fmt, layout, shape):
     with pytest.raises(ValueError, match="not whole"):
         quantize_fp4(torch.randn(*shape), fmt, layout)
@@ -178,6 +192,22 @@ def test_stochastic_rounding_is_unbiased_and_on_grid():
     z = round_e2m1_(torch.full((100_000,), -4.6), stochastic=True, generator=gen)
     assert set(z.unique().tolist()) == {-4.0, -6.0} and z.mean().item() == pytest.approx(-4.6, abs=0.02)
     assert round_e2m1_(torch.tensor([7.0, -0.0, 6.0]), stochastic=True, generator=gen).tolist() == [6.0, 0.0, 6.0]
+
+
+@pytest.mark.parametrize("v,lo,hi", [(0.1, 0.0, 0.5), (0.3, 0.0, 0.5), (0.7, 0.5, 1.0), (0.99, 0.5, 1.0), (1.75, 1.5, 2.0),
+                                     (2.2, 2.0, 3.0), (3.9, 3.0, 4.0), (5.5, 4.0, 6.0), (-0.3, -0.5, 0.0), (-2.2, -3.0, -2.0)])
+def test_stochastic_rounding_rounds_up_with_probability_frac_in_every_binade(v, lo, hi):
+    """The bit trick (22 random bits added below E2M1's mantissa bit, then truncated) is
+    exact in every binade, the subnormal one (spacing 0.5 below 1) and the carries into the
+    next exponent (1.75 -> 2) included; grid values and zeros stay put."""
+    n = 200_000
+    y = round_e2m1_(torch.full((n,), v), stochastic=True, generator=torch.Generator().manual_seed(1))
+    assert set(y.unique().tolist()) <= {lo, hi}
+    p_up = (y == (hi if v > 0 else lo)).float().mean().item()
+    want = (abs(v) - min(abs(lo), abs(hi))) / abs(hi - lo)
+    assert p_up == pytest.approx(want, abs=4 * (want * (1 - want) / n) ** 0.5 + 1e-6)
+    grid = torch.tensor([-6.0, -4.0, -3.0, -2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    assert torch.equal(round_e2m1_(grid.clone(), stochastic=True, generator=torch.Generator().manual_seed(2)), grid)
 
 
 def test_stochastic_rounding_is_reproducible_from_the_generator_state():

@@ -77,6 +77,30 @@ def test_linear_forward_and_grads_follow_the_recipe(fmt):
     assert torch.equal(x.grad, gx) and torch.equal(lin.weight.grad, gw)  # same seed: same draws
 
 
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=str)
+def test_weight_gradient_is_the_recipe_written_out(fmt):
+    """grad-weight = Q(T dy)^T Q(T x) with T the random Hadamard transform along the (zero-padded)
+    token dim and Q blocks of b along that dim: written out here with explicit transposes and
+    row blocks, which the layer avoids (it quantizes down the columns)."""
+    from fp8rl_core.fp4 import random_hadamard
+
+    torch.manual_seed(1)
+    lin = nn.Linear(64, 32, bias=False)
+    x = torch.randn(40, 64, requires_grad=True)
+    state = Fp4State(3)
+    fp4 = Fp4TrainingLinear.from_linear(lin, Fp4Recipe(fmt, stochastic_grad=False), state)
+    g = torch.randn(40, 32)
+    fp4(x).backward(g)
+    m = -(-40 // max(16, fmt.block)) * max(16, fmt.block)
+    pad = lambda t: torch.cat([t, t.new_zeros(m - t.shape[0], t.shape[1])])  # noqa: E731
+    hg, hx = random_hadamard(pad(g), state.signs), random_hadamard(pad(x.detach()), state.signs)
+    want = fake_quantize_fp4(hg.t().contiguous(), fmt, "row") @ fake_quantize_fp4(hx.t().contiguous(), fmt, "row").t()
+    torch.testing.assert_close(lin.weight.grad, want, rtol=1e-5, atol=1e-6)
+    # blocks along the token dim matter: quantizing along the feature dims instead is far off
+    wrong = fake_quantize_fp4(hg, fmt, "row").t() @ fake_quantize_fp4(hx, fmt, "row")
+    assert not torch.allclose(lin.weight.grad, wrong, rtol=1e-3, atol=1e-4)
+
+
 def test_stochastic_rounding_makes_the_weight_gradient_unbiased():
     torch.manual_seed(1)
     lin = nn.Linear(32, 16, bias=False)
