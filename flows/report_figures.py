@@ -218,9 +218,24 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# (failure-signals column, markdown header, format): the failure's signals (DESIGN.md section 2,
+# issue 14) per run, from the ``failure-signals`` query; the sweep table shows them per cell.
+FAILURE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("first_surge_step", "first entropy surge", "d"),
+    ("garbled_peak", "garbled peak %", "pct"),
+    ("garbled_last10", "garbled last-10 %", "pct"),
+    ("clip_lower_mean", "A<0 clipped % (low)", "pct2"),
+    ("clip_upper_mean", "A>0 clipped % (high)", "pct2"),
+    ("accuracy_first10", "train acc first-10 %", "pct"),
+    ("accuracy_last10", "train acc last-10 %", "pct"),
+)
+
+
 def _fmt(value: Any, kind: str) -> str:
     if value is None or (isinstance(value, float) and value != value):
         return "—"
+    if kind == "d":
+        return str(int(value))
     if kind == "pct":
         return f"{100 * value:.1f}"
     if kind == "pct2":
@@ -232,12 +247,13 @@ def _fmt(value: Any, kind: str) -> str:
     return f"{value:.{int(kind[1:])}f}"
 
 
-def paper_table_markdown(rows: list[dict], keys: list[str]) -> str:
-    """A GitHub-flavoured markdown table of ``rows``: ``keys`` first, then TABLE_COLUMNS formatted."""
-    head = keys + [h for _, h, _ in TABLE_COLUMNS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(keys) + ["---:"] * len(TABLE_COLUMNS)) + "|"]
+def paper_table_markdown(rows: list[dict], keys: list[str],
+                         columns: tuple[tuple[str, str, str], ...] = TABLE_COLUMNS) -> str:
+    """A GitHub-flavoured markdown table of ``rows``: ``keys`` first, then ``columns`` formatted."""
+    head = keys + [h for _, h, _ in columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(keys) + ["---:"] * len(columns)) + "|"]
     for r in rows:
-        cells = [str(r.get(k, "")) for k in keys] + [_fmt(r.get(c), kind) for c, _, kind in TABLE_COLUMNS]
+        cells = [str(r.get(k, "")) for k in keys] + [_fmt(r.get(c), kind) for c, _, kind in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -59,7 +59,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flows.configuration import ConfigError, config_from_dict, dump_config, resolve_preset
-from flows.report_figures import TABLE_COLUMNS, paper_table_markdown
+from flows.report_figures import FAILURE_COLUMNS, TABLE_COLUMNS, paper_table_markdown
 from fp8rl_core.config import CampaignConfig
 from storage.layout import config_hash, is_run_dir, read_run_info, write_text_atomic
 
@@ -376,10 +376,13 @@ def comparison_table(sweep_dir: Path, spec: SweepSpec, cells: list[Cell],
     have = [c.id for c in cells if is_run_dir(Path(sweep_dir) / c.id)]
     by_run: dict[str, dict] = {}
     if have:
-        named = get_query("paper-table")
         con = connect(sweep_dir, runs=have)
-        set_params(con, {k: d for k, (d, _) in named.params.items()})
-        by_run = {r["run_id"]: r for r in query(con, named.sql).to_pylist()}
+        for name, columns in (("paper-table", None), ("failure-signals", [c for c, _, _ in FAILURE_COLUMNS])):
+            named = get_query(name)
+            set_params(con, {k: d for k, (d, _) in named.params.items()})
+            for r in query(con, named.sql).to_pylist():
+                keep = r if columns is None else {k: r.get(k) for k in columns}
+                by_run.setdefault(r["run_id"], {}).update(keep)
     rows = []
     for c in cells:
         state = status.get(c.id) or cell_state(sweep_dir, c)
@@ -396,12 +399,17 @@ def _mean_over_seeds(spec: SweepSpec, rows: list[dict]) -> list[dict]:
     for key, members in groups.items():
         row: dict[str, Any] = dict(zip(spec.axes, key))
         row["seeds"] = sum(m["status"] == "finished" for m in members)
-        for col, _, _ in TABLE_COLUMNS:
+        for col, _, _ in TABLE_COLUMNS + FAILURE_COLUMNS:
             vals = [m[col] for m in members if isinstance(m.get(col), (int, float)) and m[col] == m[col]]
             row[col] = sum(vals) / len(vals) if vals else None
             if col in SPREAD_COLUMNS:  # the seeds' spread, shown next to the mean
                 header, scale = SPREAD_COLUMNS[col]
                 row[header] = _spread(vals, scale)
+        # a surge is an event, not a quantity: how many seeds had one, and when each began
+        onsets = [m.get("first_surge_step") for m in members if m["status"] == "finished"]
+        row["first_surge_step"] = None
+        row["seeds with a surge"] = f"{sum(o is not None for o in onsets)}/{len(onsets)}" + (
+            f" (steps {', '.join(str(int(o)) for o in onsets if o is not None)})" if any(o is not None for o in onsets) else "")
         out.append(row)
     return out
 
@@ -409,7 +417,10 @@ def _mean_over_seeds(spec: SweepSpec, rows: list[dict]) -> list[dict]:
 # columns whose seed-to-seed spread the mean table shows: column -> (header, scale)
 SPREAD_COLUMNS = {"best_eval_average": ("best eval % min–max (sd)", 100.0),
                   "late_eval_average": ("2nd-half eval % min–max (sd)", 100.0),
-                  "lower_clip_vs_bf16": ("lower-clip vs BF16 min–max (sd)", 1.0)}
+                  "lower_clip_vs_bf16": ("lower-clip vs BF16 min–max (sd)", 1.0),
+                  "garbled_last10": ("garbled last-10 % min–max (sd)", 100.0),
+                  "accuracy_last10": ("train acc last-10 % min–max (sd)", 100.0)}
+_TABLE_SPREADS = ("best_eval_average", "late_eval_average", "lower_clip_vs_bf16")  # the failure table has the rest
 
 
 def _spread(vals: list[float], scale: float) -> str:
@@ -437,11 +448,22 @@ def write_tables(sweep_dir: Path, spec: SweepSpec, rows: list[dict]) -> str:
     if any(r["status"] != "finished" for r in rows):
         keys.append("status")
     md = f"## Sweep {spec.name}\n\n{paper_table_markdown(rows, keys)}\n"
-    if len(spec.seeds) > 1:
-        md += (f"\n### Mean over seeds\n\n"
-               f"{paper_table_markdown(_mean_over_seeds(spec, rows), list(spec.axes) + ['seeds'] + [h for h, _ in SPREAD_COLUMNS.values()])}\n")
+    means = _mean_over_seeds(spec, rows) if len(spec.seeds) > 1 else []
+    if means:
+        spreads = [SPREAD_COLUMNS[c][0] for c in _TABLE_SPREADS]
+        md += f"\n### Mean over seeds\n\n{paper_table_markdown(means, list(spec.axes) + ['seeds'] + spreads)}\n"
     md += ("\nShares in %; entropy in nats; NMAE and over-clipping on BF16 shadow steps; "
            "column definitions: `fp8rl query --list` (paper-table).\n")
+    md += f"\n### Failure signals\n\n{paper_table_markdown(rows, keys, FAILURE_COLUMNS)}\n"
+    if means:
+        spreads = [SPREAD_COLUMNS[c][0] for c in SPREAD_COLUMNS if c not in _TABLE_SPREADS]
+        fail_cols = tuple(c for c in FAILURE_COLUMNS if c[0] != "first_surge_step")
+        md += (f"\n### Failure signals, mean over seeds\n\n"
+               f"{paper_table_markdown(means, list(spec.axes) + ['seeds', 'seeds with a surge'] + spreads, fail_cols)}\n")
+    md += ("\nFailure signals (DESIGN.md section 2; `fp8rl query <dir> --name failure-signals`): an entropy "
+           "surge is a step above 1.5x the median entropy of the previous 10 steps for at least 3 steps; a "
+           "garbled response is one the task's answer parser cannot read; A<0 / A>0 clipped: the mean share "
+           "of tokens clipped below L with negative advantage / above H with positive advantage.\n")
     write_text_atomic(Path(sweep_dir) / "table.md", md)
     return md
 

@@ -208,7 +208,13 @@ def test_seeds_multiply_cells_and_average(tmp_path: Path) -> None:
     rows = list(csv.DictReader((out / "table.csv").open()))
     assert [r["cell"] for r in rows][:2] == ["bf16.standard.s0", "bf16.standard.s1"] and len(rows) == 6
     assert load_config(out / "bf16.standard.s1" / "config.yaml").seed == 1
-    assert "### Mean over seeds" in (out / "table.md").read_text()
+    md = (out / "table.md").read_text()
+    assert "### Mean over seeds" in md
+    # the failure signals per cell and over seeds: the fake's entropy rises by 0.1 a step for
+    # 3 steps, under the 10-step history a surge needs, so no seed has one
+    assert "### Failure signals\n" in md and "### Failure signals, mean over seeds" in md
+    assert "| fp8 | calibrated | 2 | 0/2 |" in md
+    assert {r["accuracy_last10"] for r in rows} == {""} and "garbled_last10" in rows[0]
 
 
 @pytest.mark.parametrize("text, message", [

@@ -11,6 +11,8 @@
 --   surge_steps          steps that open a surge (overlapping onsets counted; the
 --                        Python function counts each surge once)
 --   garbled_peak / garbled_final   max / last steps.garbled_share
+--   garbled_first10 / garbled_last10   mean garbled share of the first / last 10 steps
+--                        (a rising garbled share: last10 well above first10)
 --   clip_lower_mean / clip_upper_mean   mean share of tokens clipped with A<0 below L
 --                        / with A>0 above H
 --   accuracy_first10 / accuracy_last10   mean training accuracy of the first / last 10 steps
@@ -41,6 +43,8 @@ SELECT
     sum(surge_onset::INTEGER) AS surge_steps,
     max(garbled_share) AS garbled_peak,
     arg_max(garbled_share, step) AS garbled_final,
+    avg(CASE WHEN k <= 10 THEN garbled_share END) AS garbled_first10,
+    avg(CASE WHEN k_desc <= 10 THEN garbled_share END) AS garbled_last10,
     avg(clipfrac_lower) AS clip_lower_mean,
     avg(clipfrac_upper) AS clip_upper_mean,
     avg(CASE WHEN k <= 10 THEN accuracy END) AS accuracy_first10,
