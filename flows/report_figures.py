@@ -236,6 +236,8 @@ def _fmt(value: Any, kind: str) -> str:
         return "—"
     if kind == "d":
         return str(int(value))
+    if kind == "s":  # text made elsewhere (a seed spread)
+        return str(value)
     if kind == "pct":
         return f"{100 * value:.1f}"
     if kind == "pct2":

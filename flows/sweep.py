@@ -456,11 +456,11 @@ def write_tables(sweep_dir: Path, spec: SweepSpec, rows: list[dict]) -> str:
            "column definitions: `fp8rl query --list` (paper-table).\n")
     md += f"\n### Failure signals\n\n{paper_table_markdown(rows, keys, FAILURE_COLUMNS)}\n"
     if means:
-        spreads = [SPREAD_COLUMNS[c][0] for c in SPREAD_COLUMNS if c not in _TABLE_SPREADS]
-        fail_cols = tuple(c for c in FAILURE_COLUMNS if c[0] != "first_surge_step")
+        spreads = tuple((h, h, "s") for c, (h, _) in SPREAD_COLUMNS.items() if c not in _TABLE_SPREADS)
+        fail_cols = tuple(c for c in FAILURE_COLUMNS if c[0] != "first_surge_step") + spreads
         md += (f"\n### Failure signals, mean over seeds\n\n"
-               f"{paper_table_markdown(means, list(spec.axes) + ['seeds', 'seeds with a surge'] + spreads, fail_cols)}\n")
-    md += ("\nFailure signals (DESIGN.md section 2; `fp8rl query <dir> --name failure-signals`): an entropy "
+               f"{paper_table_markdown(means, list(spec.axes) + ['seeds', 'seeds with a surge'], fail_cols)}\n")
+    md += ("\nFailure signals (DESIGN.md section 2; `fp8rl query <dir> --named failure-signals`): an entropy "
            "surge is a step above 1.5x the median entropy of the previous 10 steps for at least 3 steps; a "
            "garbled response is one the task's answer parser cannot read; A<0 / A>0 clipped: the mean share "
            "of tokens clipped below L with negative advantage / above H with positive advantage.\n")
