@@ -127,7 +127,7 @@ def round_e2m1_(y: torch.Tensor, *, stochastic: bool = False, generator: torch.G
     bits.bitwise_and_(0x7FFFFFFF)  # y <- |y|
     small = (y < 1.0).to(torch.float32)
     y.add_(small)
-    bits.add_(_random_bits22(y.numel(), generator).view(y.shape))
+    bits.add_(_random_bits22(y.numel(), generator).view(y.shape).to(y.device))
     bits.bitwise_and_(-(1 << 22))  # keep the exponent and the top mantissa bit
     y.sub_(small)
     bits.bitwise_or_(sign)
@@ -136,7 +136,7 @@ def round_e2m1_(y: torch.Tensor, *, stochastic: bool = False, generator: torch.G
 
 def _random_bits22(n: int, generator: torch.Generator) -> torch.Tensor:
     """n int32 values, each 22 uniform random bits from ``generator`` (two per 64-bit draw)."""
-    words = torch.empty((n + 1) // 2, dtype=torch.int64).random_(generator=generator)  # [0, 2**63)
+    words = torch.empty((n + 1) // 2, dtype=torch.int64, device=generator.device).random_(generator=generator)  # [0, 2**63)
     return words.view(torch.int32)[:n].bitwise_and_(0x3FFFFF)
 
 
