@@ -79,14 +79,20 @@ def sweep_command(
                            f"rollout={cfg.precision.rollout} clip={cfg.calibration.mode} seed={cfg.seed} steps={cfg.steps}")
             return
         from flows import child_guard
+        from flows.prefect_env import quiet_console_failures
         from flows.sweep import sweep_flow
 
         child_guard.start()  # Prefect's temporary server dies with this process, even on SIGKILL
-
+        quiet_console_failures()  # a failed cell is the sweep's one line, not Prefect's tracebacks
         summary = sweep_flow(str(sweep_file), None if out is None else str(out), fail_fast=fail_fast, report=report,
                              only=list(cells or []))
     except (ConfigError, StorageError) as err:
         raise _fail(str(err))
+    except KeyboardInterrupt:  # Ctrl-C: finished cells stay finished, the one in flight resumes
+        again = " ".join(["fp8rl sweep", str(sweep_file), *(["--out", str(out)] if out else []),
+                          *[f"--cells '{c}'" for c in cells or []]])
+        typer.echo(f"interrupted; `{again}` continues the sweep (finished cells are skipped)", err=True)
+        raise typer.Exit(130) from None
     if summary["failed"]:
         typer.echo(f"{len(summary['failed'])} cell(s) failed: {', '.join(summary['failed'])}; "
                    f"fix and re-run `fp8rl sweep {sweep_file}` (finished cells are skipped)", err=True)

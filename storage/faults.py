@@ -7,6 +7,8 @@ named point inside a stage (``mb<i>``: before mini-batch *i* of train;
 ``write:<table>``: a Parquet write of that table). Kinds:
 
 - ``kill``: SIGKILL this process (a crash with no clean-up, as the OOM killer does);
+- ``sigint``: SIGINT this process (a user's Ctrl-C; an error if SIGINT is ignored here,
+  as in a shell's background job, where a Ctrl-C could not arrive either);
 - ``transient``: raise :class:`InjectedTransientFault` (retried by the flow);
 - ``enospc`` / ``erofs``: raise the ``OSError`` a full / read-only disk gives.
 
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 ENV, MARKER_ENV = "FP8RL_FAULT", "FP8RL_FAULT_MARKER"
-KINDS = ("kill", "transient", "enospc", "erofs")
+KINDS = ("kill", "sigint", "transient", "enospc", "erofs")
 
 _SCOPE: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("fp8rl_fault_scope", default=None)
 
@@ -70,6 +72,11 @@ def _fire(fault: Fault, where: str, env: Mapping[str, str]) -> None:
         Path(marker).write_text(f"{fault}\n")
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "sigint":
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            raise RuntimeError(f"{ENV}: SIGINT is ignored in this process, so {fault} cannot stand for a Ctrl-C")
+        os.kill(os.getpid(), signal.SIGINT)
+        return
     if fault.kind == "transient":
         raise InjectedTransientFault(f"injected transient fault in {fault.stage} at step {fault.step} ({fault.point})")
     code = errno.ENOSPC if fault.kind == "enospc" else errno.EROFS

@@ -40,6 +40,11 @@ TABLES = {
 TIMING = ("_seconds", "_s", "per_second")
 
 
+def _default_sigint() -> None:
+    """In the child: SIGINT acts as at a terminal (a test runner or a background job may ignore it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run the CLI in its own process group, output to files (not pipes): after a
     SIGKILL, children such as Prefect's temporary server would hold pipes open."""
@@ -49,7 +54,8 @@ def _cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.
     full_env.update(env or {})
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=full_env,
-                                stdout=out, stderr=err, text=True, start_new_session=True)
+                                stdout=out, stderr=err, text=True, start_new_session=True,
+                                preexec_fn=_default_sigint)
         try:
             code = proc.wait(timeout=timeout)
         finally:
@@ -98,6 +104,21 @@ def test_a_normal_run_prints_progress_and_no_tracebacks(reference):
     out = (reference.parent / "output.txt").read_text()
     assert "Traceback" not in out and "database is locked" not in out
     assert "step    3/3" in out and "eval at step 0" in out and "fp8rl report" in out
+
+
+def test_ctrl_c_is_one_line_and_resume_equals_the_uninterrupted_run(reference, tmp_path):
+    """A SIGINT mid-train (a user's Ctrl-C) says how to resume, exits 130 and leaves the run resumable."""
+    d = tmp_path / "run"
+    r = _cli("run", "tiny-cpu", "--run-dir", str(d), *_sets(), env={"FP8RL_FAULT": "train@2:mb1=sigint"})
+    assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
+    assert r.stderr.strip().splitlines()[-1] == f"interrupted; the run stays resumable: `fp8rl resume {d.resolve()}`"
+    assert "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
+    r = _cli("resume", str(d))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    for table in TABLES:
+        assert _table(d, table) == _table(reference, table), f"{table} differs after resume (Ctrl-C)"
+    ref_w, got_w = _weights(reference), _weights(d)
+    assert all((ref_w[k] == got_w[k]).all() for k in ref_w)
 
 
 def test_transient_rollout_failure_is_retried_and_recorded(reference):

@@ -298,3 +298,29 @@ def test_mean_over_seeds_shows_the_spread() -> None:
     assert row["best_eval_average"] == pytest.approx(0.92) and row["seeds"] == 3
     assert row["best eval % min–max (sd)"] == "90.0–94.0 (2.0)"
     assert row["lower-clip vs BF16 min–max (sd)"] == "1.20–1.40 (0.10)"
+
+
+def test_cli_ctrl_c_names_the_command_that_continues(sweep_file: Path, tmp_path: Path, monkeypatch) -> None:
+    """A KeyboardInterrupt in a cell (Ctrl-C) is one line naming the command that continues, exit 130."""
+    import flows.child_guard
+    import flows.sweep
+
+    app = typer.Typer(pretty_exceptions_enable=False)
+
+    @app.callback()
+    def _root() -> None:
+        """test app"""
+
+    register(app)
+    out = tmp_path / "sweep"
+    fake = FakeCampaign(interrupt_in="fp8.standard.s0", after_steps=1)
+    monkeypatch.setattr(flows.child_guard, "start", lambda: None)
+    monkeypatch.setattr(flows.sweep, "_FLOW", lambda f, o, fail_fast, report, only: run_sweep_file(
+        f, o, campaign=fake, report=False, echo=lambda _line: None, only=only))
+    res = CliRunner().invoke(app, ["sweep", str(sweep_file), "--out", str(out), "--cells", "*.standard.*"])
+    assert res.exit_code == 130, res.output
+    last = res.output.strip().splitlines()[-1]
+    assert last == (f"interrupted; `fp8rl sweep {sweep_file} --out {out} --cells '*.standard.*'` "
+                    "continues the sweep (finished cells are skipped)"), res.output
+    assert "Traceback" not in res.output
+    assert cell_state(out, load_sweep(sweep_file)[1][0]) == FINISHED  # bf16.standard.s0 ran before the interrupt
