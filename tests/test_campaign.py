@@ -106,21 +106,6 @@ def test_a_normal_run_prints_progress_and_no_tracebacks(reference):
     assert "step    3/3" in out and "eval at step 0" in out and "fp8rl report" in out
 
 
-def test_ctrl_c_is_one_line_and_resume_equals_the_uninterrupted_run(reference, tmp_path):
-    """A SIGINT mid-train (a user's Ctrl-C) says how to resume, exits 130 and leaves the run resumable."""
-    d = tmp_path / "run"
-    r = _cli("run", "tiny-cpu", "--run-dir", str(d), *_sets(), env={"FP8RL_FAULT": "train@2:mb1=sigint"})
-    assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
-    assert r.stderr.strip().splitlines()[-1] == f"interrupted; the run stays resumable: `fp8rl resume {d.resolve()}`"
-    assert "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
-    r = _cli("resume", str(d))
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    for table in TABLES:
-        assert _table(d, table) == _table(reference, table), f"{table} differs after resume (Ctrl-C)"
-    ref_w, got_w = _weights(reference), _weights(d)
-    assert all((ref_w[k] == got_w[k]).all() for k in ref_w)
-
-
 def test_transient_rollout_failure_is_retried_and_recorded(reference):
     con = connect(reference)
     rows = query(con, "SELECT attempt, status FROM ledger WHERE step = 1 AND stage = 'rollout' ORDER BY attempt").to_pylist()
@@ -178,8 +163,9 @@ def _mount_tmpfs(where: Path, *opts: str) -> bool:
 
 
 def test_fault_matrix_each_fault_is_one_line_then_a_clean_resume(reference, tmp_path):
-    """Disk full, a path blocked by a file, a corrupt Parquet part, read-only storage — in turn on one
-    run: each is one line and exit 2 and loses nothing; the last resume equals the uninterrupted run.
+    """Disk full, a path blocked by a file, a corrupt Parquet part, read-only storage, then a Ctrl-C —
+    in turn on one run: each is one line (exit 2; the Ctrl-C exit 130) and loses nothing; the last
+    resume equals the uninterrupted run, tables and weights.
 
     (SIGKILL at the existing fault points: test_sigkill_then_resume_equals_the_uninterrupted_run.)
     """
@@ -205,10 +191,17 @@ def test_fault_matrix_each_fault_is_one_line_then_a_clean_resume(reference, tmp_
             subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
             _one_line_exit_2(_cli("resume", str(d)), "read-only file system")
             subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
+        # Ctrl-C (SIGINT) in step 3's train: one line naming the command that resumes, exit 130
+        r = _cli("resume", str(d), env={"FP8RL_FAULT": "train@3:mb1=sigint"})
+        assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
+        assert r.stderr.strip().splitlines()[-1] == f"interrupted; the run stays resumable: `fp8rl resume {d.resolve()}`"
+        assert "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
         r = _cli("resume", str(d))
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
         for table in TABLES:
             assert _table(d, table) == _table(reference, table), f"{table} differs after the faults and resume"
+        ref_w, got_w = _weights(reference), _weights(d)
+        assert ref_w.keys() == got_w.keys() and all((ref_w[k] == got_w[k]).all() for k in ref_w)
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
