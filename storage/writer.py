@@ -39,8 +39,8 @@ import pyarrow.parquet as pq
 
 from storage import faults
 from storage.errors import CorruptFile, SchemaError
-from storage.layout import (RunLayout, live_parts, new_write_id, parse_part_name, part_name, rank_of_part, read_run_info,
-                            scan_parts, stage_of_part)
+from storage.layout import (Part, RunLayout, live_parts, new_write_id, parse_part_name, part_name, rank_of_part,
+                            read_run_info, scan_parts, stage_of_part)
 from storage.schemas import MAIN_VARIANT, STORED_TABLES, TableSpec, get_table
 
 Rows = pa.Table | pa.RecordBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]]
@@ -322,8 +322,12 @@ class TableWriter:
 
     def live_files(self, table: str) -> list[Path]:
         """The files of ``table`` that queries read, in step order."""
+        return [p.path for p in self.live_parts(table)]
+
+    def live_parts(self, table: str) -> list[Part]:
+        """``live_files`` with each file's step and name fields (from its path: nothing is read)."""
         live, _ = live_parts(scan_parts(self.layout, get_table(table).name, self.run_id))
-        return [p.path for p in live]
+        return live
 
 
 def steps_from(step: int) -> range:
