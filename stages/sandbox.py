@@ -67,6 +67,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from stages import seccomp
+
 Isolation = Literal["namespaces+uid", "userns", "none"]
 ExecStatus = Literal["ok", "error", "timeout", "output_limit", "sandbox_error"]
 
@@ -94,6 +96,7 @@ class SandboxLimits:
     memory_mb: int = 1024  # RLIMIT_AS (address space; Python itself needs ~30 MiB)
     file_mb: int = 16  # RLIMIT_FSIZE: largest file the program may write
     tmp_mb: int = 32  # size of the program's private /tmp (tmpfs; counts as memory)
+    tmp_inodes: int = 1024  # files + folders the private /tmp may hold (kernel memory is not in tmp_mb)
     nproc: int = 32  # RLIMIT_NPROC for the throw-away uid (processes + threads)
     nofile: int = 64  # RLIMIT_NOFILE
     output_bytes: int = 1 << 20  # stdout cap; past it the program is killed (status "output_limit")
@@ -115,29 +118,56 @@ class ExecResult:
     seconds: float
     isolation: Isolation
     detail: str = ""
+    channel: bytes = b""  # what the program wrote to the result channel (fd 3), when one was opened
 
 
 # ----------------------------------------------------------------- the in-namespace prelude
-# Runs as root, pid 1 of the new pid namespace. argv: W U cpu as fsize nproc nofile tmpmb
-# (U = -1: no uid drop, the userns level). Kept small: it is on the hot path.
+# Runs as root, pid 1 of the new pid namespace. argv: W U cpu as fsize nproc nofile tmpmb tmpinodes
+# status_fd channel_fd pivot_nr (U = -1: no uid drop, the userns level; channel_fd = -1: none;
+# pivot_nr = 0: no seccomp table). W holds prog.py, view (the read-only host paths) and, when
+# there is a filter, seccomp.bpf. Kept small: it is on the hot path.
 PRELUDE = r"""
 import sys, os, resource as R, _ctypes as C
-W = sys.argv[1]; U = int(sys.argv[2]); cpu, as_, fs, npr, nof, tmb = map(int, sys.argv[3:9])
-with open(W + '/prog.py', 'rb') as f: src = f.read()
+A = sys.argv; W = A[1]; U, cpu, as_, fs, npr, nof, tmb, tino, SF, CF, PV = map(int, A[2:13])
+def rd(n):
+    try:
+        with open(W + '/' + n, 'rb') as f: return f.read()
+    except FileNotFoundError: return None
+src, view, filt = rd('prog.py'), rd('view').decode().split(), rd('seccomp.bpf')
 class I(C._SimpleCData): _type_ = 'i'
 class Fn(C.CFuncPtr): _flags_ = C.FUNCFLAG_CDECL | C.FUNCFLAG_USE_ERRNO; _restype_ = I
 class L: _handle = C.dlopen(None)
-mount, prctl = Fn(('mount', L)), Fn(('prctl', L))
+mount, prctl, syscall, umount2, sethost = (Fn((n, L)) for n in ('mount', 'prctl', 'syscall', 'umount2',
+                                                                   'sethostname'))
+def ck(r, what):
+    if r: e = C.get_errno(); raise OSError(e, 'sandbox: %s: %s' % (what, os.strerror(e)))
 def mnt(s, t, fst, fl, d):
-    if mount(s.encode(), t.encode(), fst.encode(), fl, d.encode() if d else None):
-        e = C.get_errno(); raise OSError(e, 'sandbox: mount %s: %s' % (t, os.strerror(e)))
+    ck(mount(s.encode() if s else None, t.encode(), fst.encode() if fst else None, fl,
+             d.encode() if d else None), 'mount ' + t)
+NS, ND, NX, RO, RM, BD, RC = 2, 4, 8, 1, 32, 4096, 16384
 own = ',uid=%d,gid=%d' % (U, U) if U >= 0 else ''
-mnt('tmpfs', '/tmp', 'tmpfs', 2 | 4 | 8, 'size=%dm,mode=0700%s' % (tmb, own))
-for d in ('/var/tmp', '/run/lock', '/dev/shm', '/dev/mqueue'):
-    if os.path.isdir(d): mnt('tmpfs', d, 'tmpfs', 1 | 2 | 4 | 8, 'size=4k,mode=0555')
-mnt('proc', '/proc', 'proc', 2 | 4 | 8, None)
+mnt('tmpfs', W, 'tmpfs', NS | ND, 'size=256k,nr_inodes=256,mode=0755')
+for d in ('tmp', 'proc', 'dev', 'old'): os.mkdir(W + '/' + d)
+for item in view:
+    p, _, tgt = item.partition('=')
+    if tgt: os.symlink(tgt, W + p); continue
+    os.makedirs(W + p); mnt(p, W + p, None, BD | RC, None); mnt(None, W + p, None, RM | BD | RO | NS | ND, None)
+mnt('tmpfs', W + '/tmp', 'tmpfs', NS | ND, 'size=%dm,nr_inodes=%d,mode=0700%s' % (tmb, tino, own))
+mnt('tmpfs', W + '/dev', 'tmpfs', NS | NX, 'size=16k,nr_inodes=32,mode=0755')
+for d in ('null', 'zero', 'random', 'urandom'):
+    open(W + '/dev/' + d, 'w').close(); mnt('/dev/' + d, W + '/dev/' + d, None, BD, None)
+for d, t in (('fd', '/proc/self/fd'), ('stdin', '/proc/self/fd/0'), ('stdout', '/proc/self/fd/1'),
+             ('stderr', '/proc/self/fd/2')): os.symlink(t, W + '/dev/' + d)
+mnt('proc', W + '/proc', 'proc', NS | ND | NX, None)
+if PV:
+    ck(syscall(PV, W.encode(), (W + '/old').encode()), 'pivot_root')
+    os.chdir('/'); ck(umount2(b'/old', 2), 'umount /old')
+else:
+    os.chroot(W); os.chdir('/')
+os.rmdir('/old')
+mnt(None, '/', None, RM | RO | NS | ND, None)
+ck(sethost(b'sandbox', 7), 'sethostname')
 with open('/tmp/prog.py', 'wb') as f: f.write(src)
-del src
 if U >= 0: os.chown('/tmp/prog.py', U, U)
 R.setrlimit(R.RLIMIT_CORE, (0, 0))
 R.setrlimit(R.RLIMIT_CPU, (cpu, cpu + 1))
@@ -147,13 +177,33 @@ R.setrlimit(R.RLIMIT_NOFILE, (nof, nof))
 if U >= 0:
     R.setrlimit(R.RLIMIT_NPROC, (npr, npr))
     os.setgroups([]); os.setresgid(U, U, U); os.setresuid(U, U, U)
-if prctl(38, 1, 0, 0, 0): raise OSError(C.get_errno(), 'sandbox: no_new_privs')
-os.chdir('/tmp')
-del mount, prctl, mnt, I, Fn, L, C, R, W, U, cpu, as_, fs, npr, nof, tmb, own, f, d
-sys.argv = ['prog.py']
-__g = {'__name__': '__main__', '__file__': '/tmp/prog.py', '__builtins__': __builtins__}
-__c = open('/tmp/prog.py', 'rb').read()
-exec(compile(__c, '/tmp/prog.py', 'exec'), __g)
+ck(prctl(38, 1, 0, 0, 0), 'no_new_privs')
+ck(prctl(4, 0, 0, 0, 0), 'dumpable')
+if filt:
+    class Ch(C._SimpleCData): _type_ = 'c'
+    class B(C.Array): _type_ = Ch; _length_ = len(filt)
+    buf = B.from_buffer_copy(filt)
+    ck(prctl(22, 2, (len(filt) // 8).to_bytes(8, 'little') + C.addressof(buf).to_bytes(8, 'little'), 0, 0),
+       'seccomp')
+pid = os.fork()
+if pid == 0:
+    os.close(SF)
+    if CF >= 0 and CF != 3: os.dup2(CF, 3); os.close(CF)
+    os.chdir('/tmp')
+    for k in [k for k in globals() if k[:2] != '__' and k not in ('src', 'sys', 'os')]: del globals()[k]
+    sys.argv = ['prog.py']
+    __g = {'__name__': '__main__', '__file__': '/tmp/prog.py', '__builtins__': __builtins__}
+    exec(compile(src, '/tmp/prog.py', 'exec'), __g)
+    sys.exit(0)
+if CF >= 0: os.close(CF)
+n = os.open('/dev/null', os.O_RDWR)
+for d in (0, 1, 2): os.dup2(n, d)
+while True:
+    try: w, st = os.waitpid(-1, 0)
+    except ChildProcessError: os._exit(0)
+    if w == pid:
+        os.write(SF, b'x %d' % os.WEXITSTATUS(st) if os.WIFEXITED(st) else b's %d' % os.WTERMSIG(st))
+        os._exit(0)
 """
 
 
@@ -183,7 +233,7 @@ def sandbox_python(explicit: str | None = None) -> str:
 
 def _unshare_cmd(level: Isolation) -> list[str]:
     exe = shutil.which("unshare") or "unshare"
-    base = [exe, "--net", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private"]
+    base = [exe, "--ipc", "--uts", "--net", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private"]
     if level == "userns":
         base.insert(1, "--user")
         base.insert(2, "--map-root-user")
@@ -191,25 +241,43 @@ def _unshare_cmd(level: Isolation) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
+def filesystem_view(python: str) -> tuple[str, ...]:
+    """The host paths a program sees, read-only: the interpreter's installation prefix
+    (``/usr`` for a system Python: interpreter, standard library, shared libraries) and
+    the top-level library folders; a top-level symlink (merged /usr: ``/lib -> usr/lib``)
+    is recreated as a symlink. Entries: ``"/path"`` (bind-mounted) or ``"/path=target"``."""
+    prefix = Path(python).resolve().parent.parent
+    tops = {Path("/usr"), Path("/" + prefix.relative_to("/").parts[0]) if prefix != Path("/") else Path("/usr")}
+    tops |= {Path(p) for p in ("/lib", "/lib64", "/lib32", "/bin")}
+    out = []
+    for t in sorted(tops):
+        if t.is_symlink():
+            out.append(f"{t}={os.readlink(t)}")
+        elif t.is_dir() and str(t) not in ("/tmp", "/proc", "/dev"):
+            out.append(str(t))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
 def probe_isolation(python: str | None = None) -> tuple[Isolation, str]:
     """The strongest isolation this machine gives, with a one-line reason.
 
     Probes by running a tiny program at each level: it must exit 0, see no
-    network interface up, and (for ``namespaces+uid``) run under the dropped uid.
+    network interface up, run in a fresh IPC namespace behind the minimal
+    filesystem view, and (for ``namespaces+uid``) run under the dropped uid.
+    The reason names the seccomp filter (or says it is missing: no table for
+    this architecture).
     """
     if shutil.which("unshare") is None:
         return "none", "util-linux 'unshare' not found"
     py = sandbox_python(python)
     reasons = []
     levels: list[Isolation] = ["namespaces+uid", "userns"] if os.geteuid() == 0 else ["userns"]
+    probe = ("import os, socket\ns = socket.socket()\n"
+             "try:\n    s.connect(('127.0.0.1', 9)); print('NET')\nexcept OSError:\n    print('NONET')\n"
+             "print(os.getuid(), sorted(os.listdir('/')) == ['bin', 'dev', 'lib', 'lib64', 'proc', 'tmp', 'usr']"
+             " or sorted(os.listdir('/')))\n")
     for level in levels:
-        probe = (
-            "import os, socket\n"
-            "s = socket.socket()\n"
-            "try:\n    s.connect(('127.0.0.1', 9)); print('NET')\n"
-            "except OSError:\n    print('NONET')\n"
-            "print(os.getuid())\n"
-        )
         try:
             res = _run(probe, b"", SandboxLimits(wall_s=20, python=py), level)
         except OSError as exc:
@@ -217,7 +285,9 @@ def probe_isolation(python: str | None = None) -> tuple[Isolation, str]:
             continue
         lines = res.stdout.split()
         if res.status == "ok" and lines[:1] == ["NONET"] and (level != "namespaces+uid" or lines[1:2] != ["0"]):
-            return level, f"{level} via {_unshare_cmd(level)[0]} (probe uid {lines[1] if len(lines) > 1 else '?'})"
+            filt = "seccomp filter on" if seccomp.build_filter() else f"no seccomp table for {os.uname().machine}"
+            return level, (f"{level} via {_unshare_cmd(level)[0]} (ipc, uts, net, mount, pid namespaces; "
+                           f"probe uid {lines[1] if len(lines) > 1 else '?'}; {filt})")
         reasons.append(f"{level}: probe {res.status} rc={res.returncode} {res.stderr.strip()[-200:]!r}")
     return "none", "; ".join(reasons)
 
@@ -230,40 +300,64 @@ def _children(pid: int) -> list[int]:
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the namespace's pid 1 (the kernel then kills the whole pid
-    namespace) and the process group of the launcher."""
+    """SIGKILL the namespace's pid 1 (the kernel then kills the whole pid namespace)
+    and let the launcher reap it; only a launcher that does not exit is killed too.
+    Killing both at once would orphan pid 1 to the host's init, which reaps it late."""
     for child in _children(proc.pid):
         try:
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
             pass
     try:
+        proc.wait(timeout=2.0)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def _run(source: str, stdin: bytes, lim: SandboxLimits, level: Isolation) -> ExecResult:
+def _run(source: str, stdin: bytes, lim: SandboxLimits, level: Isolation, channel: bool = False) -> ExecResult:
     t0 = time.monotonic()
     py = sandbox_python(lim.python)
     workdir = tempfile.mkdtemp(prefix="fp8rl-sbx-")
     os.chmod(workdir, 0o700)
+    fds: list[int] = []
     try:
         Path(workdir, "prog.py").write_text(source, encoding="utf-8")
         in_path = Path(workdir, "stdin")
         in_path.write_bytes(stdin)
+        if level == "none":
+            return _run_unisolated(source, in_path, lim, t0)
+        Path(workdir, "view").write_text("\n".join(filesystem_view(py)))
+        filt = seccomp.build_filter()
+        if filt:
+            Path(workdir, "seccomp.bpf").write_bytes(filt)
+        tab = seccomp.table()
+        status_r, status_w = os.pipe()
+        chan_r, chan_w = os.pipe() if channel else (-1, -1)
+        fds = [x for x in (status_r, status_w, chan_r, chan_w) if x >= 0]
         uid = random.randrange(*lim.uid_range) if level == "namespaces+uid" else -1
         mb = 1 << 20
         prelude_args = [workdir, str(uid), str(max(1, int(lim.cpu_s))), str(lim.memory_mb * mb),
-                        str(lim.file_mb * mb), str(lim.nproc), str(lim.nofile), str(lim.tmp_mb)]
-        if level == "none":
-            return _run_unisolated(source, in_path, lim, t0)
+                        str(lim.file_mb * mb), str(lim.nproc), str(lim.nofile), str(lim.tmp_mb), str(lim.tmp_inodes),
+                        str(status_w), str(chan_w), str(tab["pivot_root"] if tab else 0)]
         cmd = [*_unshare_cmd(level), "--", py, "-I", "-S", "-c", PRELUDE, *prelude_args]
         with open(in_path, "rb") as fin:
             proc = subprocess.Popen(cmd, stdin=fin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    env=dict(SCRUBBED_ENV), start_new_session=True, close_fds=True)
-        return _collect(proc, lim, t0, level)
+                                    env=dict(SCRUBBED_ENV), start_new_session=True, close_fds=True,
+                                    pass_fds=[x for x in (status_w, chan_w) if x >= 0])
+        os.close(status_w)
+        fds.remove(status_w)
+        if chan_w >= 0:
+            os.close(chan_w)
+            fds.remove(chan_w)
+        return _collect(proc, lim, t0, level, status_r, chan_r)
     finally:
+        for fd in fds:
+            os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -285,34 +379,45 @@ def _run_unisolated(source: str, in_path: Path, lim: SandboxLimits, t0: float) -
     return _collect(proc, lim, t0, "none")
 
 
-def _collect(proc: subprocess.Popen, lim: SandboxLimits, t0: float, level: Isolation) -> ExecResult:
-    out, err = bytearray(), bytearray()
-    status: ExecStatus | None = None
-    sel = selectors.DefaultSelector()
+def _read_all(proc: subprocess.Popen, lim: SandboxLimits, deadline: float, extra: dict[int, str]
+              ) -> tuple[dict[str, bytearray], ExecStatus | None]:
+    """Read stdout, stderr and the extra pipes until all close, the stdout cap or the deadline."""
     assert proc.stdout is not None and proc.stderr is not None
+    bufs = {"out": bytearray(), "err": bytearray(), "status": bytearray(), "chan": bytearray()}
+    caps = {"out": lim.output_bytes, "err": lim.stderr_bytes, "status": 64, "chan": lim.output_bytes}
+    sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, "out")
     sel.register(proc.stderr, selectors.EVENT_READ, "err")
-    deadline = t0 + lim.wall_s
+    for fd, name in extra.items():
+        sel.register(fd, selectors.EVENT_READ, name)
     try:
         while sel.get_map():
             left = deadline - time.monotonic()
             if left <= 0:
-                status = "timeout"
-                break
+                return bufs, "timeout"
             for key, _ in sel.select(timeout=left):
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     sel.unregister(key.fileobj)
                     continue
+                buf = bufs[key.data]
                 if key.data == "out":
-                    out += chunk
-                    if len(out) > lim.output_bytes:
-                        status = "output_limit"
-                        break
-                elif len(err) < lim.stderr_bytes:
-                    err += chunk[: lim.stderr_bytes - len(err)]
-            if status is not None:
-                break
+                    buf += chunk
+                    if len(buf) > lim.output_bytes:
+                        return bufs, "output_limit"
+                elif len(buf) < caps[key.data]:  # past its cap a pipe is drained and dropped, never killed for
+                    buf += chunk[: caps[key.data] - len(buf)]
+    finally:
+        sel.close()
+    return bufs, None
+
+
+def _collect(proc: subprocess.Popen, lim: SandboxLimits, t0: float, level: Isolation, status_fd: int = -1,
+             chan_fd: int = -1) -> ExecResult:
+    extra = {fd: name for fd, name in ((status_fd, "status"), (chan_fd, "chan")) if fd >= 0}
+    deadline = t0 + lim.wall_s
+    try:
+        bufs, status = _read_all(proc, lim, deadline, extra)
         if status is not None:
             _kill_tree(proc)
         try:
@@ -322,26 +427,31 @@ def _collect(proc: subprocess.Popen, lim: SandboxLimits, t0: float, level: Isola
             _kill_tree(proc)
             rc = proc.wait()
     finally:
-        sel.close()
+        assert proc.stdout is not None and proc.stderr is not None
         proc.stdout.close()
         proc.stderr.close()
         if proc.returncode is None:
             _kill_tree(proc)
             proc.wait()
-    stderr = err.decode("utf-8", "replace")
+    stderr = bufs["err"].decode("utf-8", "replace")
+    detail = ""
+    if level != "none":  # the exit of the program itself, as its namespace's init saw it
+        word, _, num = bytes(bufs["status"]).decode("ascii", "replace").partition(" ")
+        if word in ("x", "s") and num.isdigit():
+            rc = int(num) if word == "x" else -int(num)
+        elif status is None:  # the prelude never started the program
+            status = "sandbox_error"
+            detail = f"launcher exit {rc}, no program status"
     if status is None:
         status = "ok" if rc == 0 else "error"
-        if rc != 0 and "sandbox: " in stderr and level != "none":
-            status = "sandbox_error"
-    detail = ""
     if status == "timeout":
         detail = f"over the wall clock of {lim.wall_s}s"
     elif status == "output_limit":
         detail = f"stdout over {lim.output_bytes} bytes"
-    elif rc and rc < 0:
+    elif rc and rc < 0 and not detail:
         detail = f"killed by signal {-rc}"
-    return ExecResult(status, rc, bytes(out[: lim.output_bytes]).decode("utf-8", "replace"), stderr,
-                      time.monotonic() - t0, level, detail)
+    return ExecResult(status, rc, bytes(bufs["out"][: lim.output_bytes]).decode("utf-8", "replace"), stderr,
+                      time.monotonic() - t0, level, detail, bytes(bufs["chan"]))
 
 
 @dataclass
@@ -362,15 +472,16 @@ class Sandbox:
             )
 
     def run(self, source: str, stdin: str | bytes = b"", *, wall_s: float | None = None,
-            cpu_s: int | None = None) -> ExecResult:
+            cpu_s: int | None = None, channel: bool = False) -> ExecResult:
         """Run ``source`` (a Python program) with ``stdin``; ``wall_s`` and ``cpu_s`` override the limits
-        (a harness running many cases in one process needs more than one case's worth)."""
+        (a harness running many cases in one process needs more than one case's worth); ``channel``
+        opens the result channel (fd 3 of the program, :attr:`ExecResult.channel`)."""
         lim = self.limits
         if wall_s is not None or cpu_s is not None:
             lim = SandboxLimits(**{**lim.__dict__, "wall_s": wall_s if wall_s is not None else lim.wall_s,
                                    "cpu_s": cpu_s if cpu_s is not None else lim.cpu_s})
         data = stdin.encode("utf-8") if isinstance(stdin, str) else stdin
-        return _run(source, data, lim, self.isolation)
+        return _run(source, data, lim, self.isolation, channel)
 
 
 def describe() -> str:
