@@ -37,10 +37,12 @@ import ast
 import json
 import math
 import re
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from fractions import Fraction
+from typing import Any, Callable, Literal, Sequence
 
 from stages.sandbox import Sandbox, SandboxLimits
 
@@ -67,11 +69,25 @@ class StdioCase:
 
 
 @dataclass(frozen=True)
+class FunctionalCase:
+    """One ``assert`` of a ``check()``: ``call`` runs in the program (it mentions the
+    candidate); ``expected`` is the source of the value it must equal, evaluated only by
+    the grader; ``compare``: ``"eq"`` (Python ``==`` on plain data), ``"list"``
+    (``is_same_list(call, list_node(expected))``) or ``"tree"`` (``is_same_tree``, ``tree_node``)."""
+
+    call: str
+    expected: str
+    compare: Literal["eq", "list", "tree"] = "eq"
+
+
+@dataclass(frozen=True)
 class CodeTests:
-    """Parsed tests of one problem. ``stdio``: ``cases``; ``functional``:
-    ``statements`` (source of each statement of ``check``'s body, asserts are
-    the cases), ``candidate`` (the expression passed to ``check``) and
-    ``setup`` (top-level code of the test text other than ``check`` and its call)."""
+    """Parsed tests of one problem. ``stdio``: ``cases`` (``case_insensitive``: letters
+    compare in any case, where the statement says so); ``functional``: ``statements``
+    (source of each statement of ``check``'s body; a case's statement is its call only),
+    ``is_case``, ``functional_cases`` (one per assert, in order), ``candidate`` (the
+    expression passed to ``check``) and ``setup`` (top-level code of the test text other
+    than ``check`` and its call)."""
 
     kind: Literal["stdio", "functional"]
     cases: tuple[StdioCase, ...] = ()
@@ -79,6 +95,8 @@ class CodeTests:
     is_case: tuple[bool, ...] = ()
     candidate: str = ""
     setup: str = ""
+    functional_cases: tuple[FunctionalCase, ...] = ()
+    case_insensitive: bool = False
 
     @property
     def n_cases(self) -> int:
@@ -152,38 +170,98 @@ def _parse_functional(text: str) -> CodeTests:
             setup.append(ast.unparse(s))
     if call is None:
         raise ValueError("functional tests never call check(...)")
-    stmts = tuple(ast.unparse(s) for s in check.body)
-    is_case = tuple(isinstance(s, ast.Assert) for s in check.body)
-    if not any(is_case):
+    stmts, is_case, fcases = [], [], []
+    for s in check.body:
+        if isinstance(s, ast.Assert):
+            fc = _split_assert(s.test)
+            fcases.append(fc)
+            stmts.append(fc.call)
+        else:
+            stmts.append(ast.unparse(s))
+        is_case.append(isinstance(s, ast.Assert))
+    if not fcases:
         raise ValueError("check() has no assert")
     # the candidate is bound to check's parameter name
-    return CodeTests("functional", statements=stmts, is_case=is_case,
+    return CodeTests("functional", statements=tuple(stmts), is_case=tuple(is_case), functional_cases=tuple(fcases),
                      candidate=f"{arg} = {ast.unparse(call.args[0])}", setup="\n".join(setup))
 
 
+def _split_assert(test: ast.expr) -> FunctionalCase:
+    """``call == literal``, ``is_same_list(call, list_node(literal))`` or ``is_same_tree(call,
+    tree_node(literal))``; anything else would need its expected value inside the program."""
+    def literal(node: ast.expr) -> str:
+        src = ast.unparse(node)
+        try:
+            ast.literal_eval(src)
+        except (ValueError, SyntaxError, TypeError):
+            raise ValueError(f"assert's expected value is not a literal: {src[:80]}") from None
+        return src
+
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+        return FunctionalCase(ast.unparse(test.left), literal(test.comparators[0]))
+    if (isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and len(test.args) == 2
+            and test.func.id in ("is_same_list", "is_same_tree")):
+        exp = test.args[1]
+        build = "list_node" if test.func.id == "is_same_list" else "tree_node"
+        if isinstance(exp, ast.Call) and isinstance(exp.func, ast.Name) and exp.func.id == build and len(exp.args) == 1:
+            return FunctionalCase(ast.unparse(test.args[0]), literal(exp.args[0]),
+                                  "list" if build == "list_node" else "tree")
+    raise ValueError(f"assert of an unsupported shape: {ast.unparse(test)[:80]}")
+
+
 # ----------------------------------------------------------------- comparison
-def _num(tok: str) -> float | None:
+_INT_RE = re.compile(r"[+-]?\d+")
+_FRACTION_RE = re.compile(r"([+-]?\d+)/(\d+)")
+_ANY_CASE_RE = re.compile(r"\bin any (?:case|register)\b|\bany (?:letter )?case\b|\bcase[- ]insensitive\b", re.I)
+FLOAT_TOL = 1e-6
+
+
+def statement_allows_any_case(statement: str) -> bool:
+    """Whether a problem statement accepts letters in any case ("You may print each letter
+    in any case", "case-insensitive", Codeforces' "in any register"); default: exact."""
+    return bool(_ANY_CASE_RE.search(statement))
+
+
+def _number(tok: str) -> Fraction | float | None:
+    """A token's value as a number: integer, ``p/q`` or a finite float literal; ``None`` otherwise."""
+    if _INT_RE.fullmatch(tok):
+        return Fraction(int(tok))
+    m = _FRACTION_RE.fullmatch(tok)
+    if m:
+        return Fraction(int(m.group(1)), int(m.group(2))) if int(m.group(2)) else None
     try:
         v = float(tok)
     except ValueError:
         return None
-    return v if math.isfinite(v) else None
+    return v if math.isfinite(v) and tok.lower().lstrip("+-") not in ("inf", "nan", "infinity") else None
 
 
-def outputs_match(got: str, expected: str) -> bool:
-    """Token-wise equality (any whitespace separates tokens); numeric tokens within 1e-6 abs or rel."""
+def tokens_match(got: str, expected: str, case_insensitive: bool = False) -> bool:
+    """One token by the expected token's kind: an integer matches only an integer of the same
+    value; a float or ``p/q`` matches any number within 1e-6 absolute or relative (computed
+    exactly for two fractions); any other token matches exactly (or ignoring case, when allowed)."""
+    if got == expected:
+        return True
+    if _INT_RE.fullmatch(expected):
+        return bool(_INT_RE.fullmatch(got)) and int(got) == int(expected)
+    e = _number(expected)
+    if e is not None:
+        g = _number(got)
+        if g is None:
+            return False
+        if isinstance(g, Fraction) and isinstance(e, Fraction):
+            diff = abs(g - e)
+            return diff <= Fraction(FLOAT_TOL) or diff <= Fraction(FLOAT_TOL) * abs(e)
+        return math.isclose(float(g), float(e), rel_tol=FLOAT_TOL, abs_tol=FLOAT_TOL)
+    return case_insensitive and got.casefold() == expected.casefold()
+
+
+def outputs_match(got: str, expected: str, case_insensitive: bool = False) -> bool:
+    """Token-wise equality (any whitespace separates tokens) under :func:`tokens_match`."""
     g, e = got.split(), expected.split()
     if g == e:
         return True
-    if len(g) != len(e):
-        return False
-    for a, b in zip(g, e):
-        if a == b:
-            continue
-        x, y = _num(a), _num(b)
-        if x is None or y is None or not math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-6):
-            return False
-    return True
+    return len(g) == len(e) and all(tokens_match(a, b, case_insensitive) for a, b in zip(g, e))
 
 
 # ----------------------------------------------------------------- LeetCode harness
@@ -245,10 +323,11 @@ def is_same_tree(a, b):
 '''
 
 _HARNESS_HEAD = '''import os as __os, sys as __sys
-__res = __os.fdopen(__os.dup(1), "w", buffering=1)
+__res = __os.fdopen(3, "w", buffering=1)
 __null = __os.open("/dev/null", __os.O_WRONLY)
 __os.dup2(__null, 1)
 __sys.stdout = open(1, "w", closefd=False)
+__sys.set_int_max_str_digits(0)
 '''
 
 _HARNESS_TAIL = '''
@@ -258,10 +337,39 @@ class __CaseTimeout(BaseException):
 def __alarm(*_):
     raise __CaseTimeout()
 __sig.signal(__sig.SIGALRM, __alarm)
+def __enc(v, depth=0):
+    # plain data only, by exact type: the grader decodes it and decides equality in its own process
+    t = type(v)
+    if depth > 100:
+        raise ValueError("nested too deep")
+    if v is None or t is bool or t is str:
+        return ["v", v]
+    if t is int:
+        return ["i", hex(v)]
+    if t is float:
+        return ["f", repr(v)]
+    if t in (list, tuple, set, frozenset):
+        return [{list: "l", tuple: "t", set: "S", frozenset: "F"}[t], [__enc(x, depth + 1) for x in v]]
+    if t is dict:
+        return ["d", [[__enc(k, depth + 1), __enc(x, depth + 1)] for k, x in v.items()]]
+    if hasattr(v, "val") and hasattr(v, "next"):
+        out = []
+        while v is not None and len(out) <= 100000:
+            out.append(__enc(v.val, depth + 1)); v = v.next
+        return ["L", out]
+    if hasattr(v, "val") and hasattr(v, "left") and hasattr(v, "right"):
+        out, q = [], [v]
+        while q and len(out) <= 100000:
+            n = q.pop(0)
+            out.append(None if n is None else __enc(n.val, depth + 1))
+            if n is not None:
+                q += [n.left, n.right]
+        while out and out[-1] is None:
+            out.pop()
+        return ["T", out]
+    raise TypeError("a %s is not plain data" % t.__name__)
 __ns = dict(globals())
 __spec = __json.loads(__SPEC)
-def __run(src):
-    exec(compile(src, "<test>", "exec"), __ns)
 try:
     __sig.setitimer(__sig.ITIMER_REAL, __spec["per_test_s"])
     exec(compile(__spec["setup"] + "\\n" + __spec["candidate"], "<setup>", "exec"), __ns)
@@ -272,29 +380,146 @@ except BaseException as __e:
     __ok_setup = False
 __k = 0
 for __src, __case in zip(__spec["statements"], __spec["is_case"]):
-    __ok = __ok_setup
-    if __ok:
+    __out = None
+    if __ok_setup:
         try:
             __sig.setitimer(__sig.ITIMER_REAL, __spec["per_test_s"])
-            __run(__src)
-        except BaseException:
-            __ok = False
+            if __case:
+                __out = "ok " + __json.dumps(__enc(eval(compile(__src, "<test>", "eval"), __ns)))
+            else:
+                exec(compile(__src, "<test>", "exec"), __ns)
+        except BaseException as __e:
+            __out = "err " + type(__e).__name__
+            if not __case:
+                __ok_setup = False
         finally:
             __sig.setitimer(__sig.ITIMER_REAL, 0)
     if __case:
-        __res.write("%s %d %d\\n" % (__spec["tag"], __k, 1 if __ok else 0))
+        __res.write("%s %d %s\\n" % (__spec["nonce"], __k, __out or "err setup"))
         __k += 1
-    elif not __ok:
-        __ok_setup = False
 __res.flush()
 '''
 
 
-def leetcode_program(code: str, tests: CodeTests, per_test_s: float) -> str:
-    """One program: harness head, prelude, the solution, the harness that runs the asserts."""
+def leetcode_program(code: str, tests: CodeTests, per_test_s: float, nonce: str = "") -> str:
+    """One program: harness head, prelude, the solution, the harness that runs each case's call.
+    It holds the calls and never an expected value; each call's return value goes to the result
+    channel (fd 3) as tagged plain data, one line ``<nonce> <case> ok <json>`` per case."""
     spec = json.dumps({"statements": list(tests.statements), "is_case": list(tests.is_case), "candidate": tests.candidate,
-                       "setup": tests.setup, "per_test_s": per_test_s, "tag": RESULT_TAG})
+                       "setup": tests.setup, "per_test_s": per_test_s, "nonce": nonce or RESULT_TAG})
     return (_HARNESS_HEAD + LEETCODE_PRELUDE + "\n" + code + "\n\n__SPEC = " + repr(spec) + "\n" + _HARNESS_TAIL)
+
+
+# ----------------------------------------------------------------- the grader's side of a functional case
+@dataclass(frozen=True)
+class _Linked:
+    """A decoded linked list or tree (level order): equal only to another of the same kind."""
+
+    kind: str
+    values: tuple
+
+
+def decode_value(x: Any) -> Any:
+    """Plain data back from the program's tagged JSON; ``ValueError`` on anything else."""
+    if not isinstance(x, list) or len(x) != 2 or x[0] not in _DECODERS:
+        raise ValueError("not a tagged value")
+    return _DECODERS[x[0]](x[1])
+
+
+def _dec_scalar(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    raise ValueError("bad scalar")
+
+
+def _dec_int(v: Any) -> int:
+    if not isinstance(v, str):
+        raise ValueError("bad int")
+    return int(v, 16)
+
+
+def _dec_float(v: Any) -> float:
+    if not isinstance(v, str):
+        raise ValueError("bad float")
+    return float(v)
+
+
+def _dec_items(v: Any) -> list:
+    if not isinstance(v, list):
+        raise ValueError("bad sequence")
+    return [decode_value(x) for x in v]
+
+
+def _dec_dict(v: Any) -> dict:
+    if not isinstance(v, list) or not all(isinstance(p, list) and len(p) == 2 for p in v):
+        raise ValueError("bad dict")
+    return {decode_value(k): decode_value(x) for k, x in v}
+
+
+def _dec_linked(kind: str) -> Callable[[Any], "_Linked"]:
+    def dec(v: Any) -> _Linked:
+        if not isinstance(v, list):
+            raise ValueError("bad " + kind)
+        return _Linked(kind, tuple(None if x is None else decode_value(x) for x in v))
+    return dec
+
+
+_DECODERS: dict[str, Callable[[Any], Any]] = {
+    "v": _dec_scalar, "i": _dec_int, "f": _dec_float, "l": _dec_items, "t": lambda v: tuple(_dec_items(v)),
+    "S": lambda v: set(_dec_items(v)), "F": lambda v: frozenset(_dec_items(v)), "d": _dec_dict,
+    "L": _dec_linked("list"), "T": _dec_linked("tree")}
+
+
+def _tree_level_order(values: list) -> tuple:
+    """The canonical level order of ``tree_node(values)`` (the shape the harness encodes)."""
+    if not values or values[0] is None:
+        return ()
+    root: list = [values[0], None, None]
+    q, i = [root], 1
+    while q and i < len(values):
+        node = q.pop(0)
+        for side in (1, 2):
+            if i < len(values) and values[i] is not None:
+                node[side] = [values[i], None, None]
+                q.append(node[side])
+            i += 1
+    out, q = [], [root]
+    while q:
+        n = q.pop(0)
+        out.append(None if n is None else n[0])
+        if n is not None:
+            q += [n[1], n[2]]
+    while out and out[-1] is None:
+        out.pop()
+    return tuple(out)
+
+
+def functional_case_passes(case: FunctionalCase, record: str | None) -> bool:
+    """Whether a case's record (``ok <json>``) carries a value equal to the expected one."""
+    if record is None or not record.startswith("ok "):
+        return False
+    try:
+        got = decode_value(json.loads(record[3:]))
+        expected = ast.literal_eval(case.expected)
+        if case.compare == "eq":
+            return type(got) is not _Linked and bool(got == expected)
+        want = tuple(expected) if case.compare == "list" else _tree_level_order(list(expected))
+        return (got is None and not want) or got == _Linked(case.compare, want)
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError, OverflowError):
+        return False
+
+
+def read_records(channel: bytes, nonce: str, total: int) -> dict[int, str | None]:
+    """Case records of the run's nonce; a case claimed twice has no valid record (``None``)."""
+    out: dict[int, str | None] = {}
+    for line in channel.decode("utf-8", "replace").splitlines():
+        head, _, rest = line.partition(" ")
+        num, _, record = rest.partition(" ")
+        if head != nonce or not num.isdigit() or not 0 <= int(num) < total:
+            continue
+        k = int(num)
+        out[k] = None if k in out else record
+    return out
 
 
 # ----------------------------------------------------------------- grading
@@ -327,21 +552,7 @@ def grade_program(sandbox: Sandbox, code: str | None, tests: CodeTests, *, per_t
     if code is None:
         return CodeGrade(item_id, 0, total, "no_code", 0.0, "no code block")
     if tests.kind == "functional":
-        prog = leetcode_program(code, tests, per_test_s)
-        wall = min(end - time.monotonic(), per_test_s * (len(tests.statements) + 1) + 2.0)
-        res = sandbox.run(prog, b"", wall_s=max(0.1, wall), cpu_s=max(1, math.ceil(wall)))
-        if res.status == "sandbox_error":
-            return CodeGrade(item_id, 0, total, "sandbox_error", time.monotonic() - t0, res.stderr[-300:])
-        ok = set()
-        for line in res.stdout.splitlines():
-            parts = line.split()
-            if len(parts) == 3 and parts[0] == RESULT_TAG and parts[2] == "1":
-                ok.add(int(parts[1]))
-        passed = len({k for k in ok if 0 <= k < total})
-        detail = res.status if res.status != "ok" else ""
-        if res.stderr and passed < total:
-            detail = (detail + " " + res.stderr.strip().splitlines()[-1][:200]).strip() if res.stderr.strip() else detail
-        return CodeGrade(item_id, passed, total, "ok", time.monotonic() - t0, detail)
+        return _grade_functional(sandbox, code, tests, per_test_s, end, item_id, t0)
     passed = 0
     detail = ""
     for i, case in enumerate(tests.cases):
@@ -352,11 +563,35 @@ def grade_program(sandbox: Sandbox, code: str | None, tests: CodeTests, *, per_t
         res = sandbox.run(code, case.input, wall_s=min(per_test_s, left))
         if res.status == "sandbox_error":
             return CodeGrade(item_id, passed, total, "sandbox_error", time.monotonic() - t0, res.stderr[-300:])
-        if res.status == "ok" and outputs_match(res.stdout, case.output):
+        if res.status == "ok" and outputs_match(res.stdout, case.output, tests.case_insensitive):
             passed += 1
         elif not detail:
             tail = res.stderr.strip().splitlines()[-1][:200] if res.stderr.strip() else ""
             detail = " ".join(x for x in (f"case {i}:", res.status, res.detail, tail) if x)
+    return CodeGrade(item_id, passed, total, "ok", time.monotonic() - t0, detail)
+
+
+def _grade_functional(sandbox: Sandbox, code: str, tests: CodeTests, per_test_s: float, end: float, item_id: str,
+                      t0: float) -> CodeGrade:
+    """One sandbox run for all cases; a case passes when its record arrived on the result
+    channel and its value equals the expected one, decided here. The run's exit status adds
+    detail only: cases recorded before a crash or the wall clock keep their verdict."""
+    total = tests.n_cases
+    nonce = secrets.token_hex(8)
+    prog = leetcode_program(code, tests, per_test_s, nonce)
+    wall = min(end - time.monotonic(), per_test_s * (len(tests.statements) + 1) + 2.0)
+    res = sandbox.run(prog, b"", wall_s=max(0.1, wall), cpu_s=max(1, math.ceil(wall)), channel=True)
+    if res.status == "sandbox_error":
+        return CodeGrade(item_id, 0, total, "sandbox_error", time.monotonic() - t0, (res.detail + " " + res.stderr[-300:]))
+    records = read_records(res.channel, nonce, total)
+    verdicts = [functional_case_passes(c, records.get(k)) for k, c in enumerate(tests.functional_cases)]
+    passed = sum(verdicts)
+    detail = res.status if res.status != "ok" else ""
+    if passed < total:
+        k = verdicts.index(False)
+        detail = " ".join(x for x in (detail, f"case {k}: {(records.get(k) or 'no record')[:120]}") if x)
+        if res.stderr.strip():
+            detail += " " + res.stderr.strip().splitlines()[-1][:200]
     return CodeGrade(item_id, passed, total, "ok", time.monotonic() - t0, detail)
 
 

@@ -330,7 +330,9 @@ def _run(source: str, stdin: bytes, lim: SandboxLimits, level: Isolation, channe
         in_path = Path(workdir, "stdin")
         in_path.write_bytes(stdin)
         if level == "none":
-            return _run_unisolated(source, in_path, lim, t0)
+            chan_r, chan_w = os.pipe() if channel else (-1, -1)
+            fds = [chan_r] if chan_r >= 0 else []  # _run_unisolated closes chan_w once the child has it
+            return _run_unisolated(source, in_path, lim, t0, chan_r, chan_w)
         Path(workdir, "view").write_text("\n".join(filesystem_view(py)))
         filt = seccomp.build_filter()
         if filt:
@@ -361,7 +363,13 @@ def _run(source: str, stdin: bytes, lim: SandboxLimits, level: Isolation, channe
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _run_unisolated(source: str, in_path: Path, lim: SandboxLimits, t0: float) -> ExecResult:
+UNISOLATED_LAUNCHER = ("import os, sys\nf = int(sys.argv[1])\nif f >= 0 and f != 3:\n    os.dup2(f, 3); os.close(f)\n"
+                       "sys.argv = sys.argv[2:]\n"
+                       "exec(compile(open(sys.argv[0], 'rb').read(), sys.argv[0], 'exec'), {'__name__': '__main__'})\n")
+
+
+def _run_unisolated(source: str, in_path: Path, lim: SandboxLimits, t0: float, chan_r: int = -1,
+                    chan_w: int = -1) -> ExecResult:
     """Explicitly allowed fallback: rlimits + a process group, nothing else."""
     mb = 1 << 20
     prog = Path(in_path.parent, "prog.py")
@@ -373,10 +381,13 @@ def _run_unisolated(source: str, in_path: Path, lim: SandboxLimits, t0: float) -
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
     with open(in_path, "rb") as fin:
-        proc = subprocess.Popen([sandbox_python(lim.python), "-I", "-S", str(prog)], stdin=fin, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env=dict(SCRUBBED_ENV, HOME=str(in_path.parent)),
-                                cwd=in_path.parent, start_new_session=True, preexec_fn=limits)
-    return _collect(proc, lim, t0, "none")
+        proc = subprocess.Popen([sandbox_python(lim.python), "-I", "-S", "-c", UNISOLATED_LAUNCHER, str(chan_w),
+                                 str(prog)], stdin=fin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=dict(SCRUBBED_ENV, HOME=str(in_path.parent)), cwd=in_path.parent,
+                                start_new_session=True, preexec_fn=limits, pass_fds=[chan_w] if chan_w >= 0 else [])
+    if chan_w >= 0:
+        os.close(chan_w)
+    return _collect(proc, lim, t0, "none", -1, chan_r)
 
 
 def _read_all(proc: subprocess.Popen, lim: SandboxLimits, deadline: float, extra: dict[int, str]
