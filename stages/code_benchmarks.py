@@ -5,6 +5,9 @@ Every source becomes :class:`stages.benchmarks.BenchmarkProblem` records whose
 "tests": <tests as parse_tests reads them>}`` — so the rollout, score and
 evaluate stages carry it in ``reference_answer`` like a math gold answer, and
 the ``"code"`` / ``"code_expr"`` verifiers (:func:`grade_code_responses`) run it.
+A stdin/stdout problem whose statement accepts answers in any letter case
+(:func:`stages.code_grading.statement_allows_any_case`) carries ``"any_case": true``;
+every other comparison is case-exact.
 
 =============  ===================================================  =============================
 name           where                                                tests
@@ -29,14 +32,15 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fp8rl_core import code_task
 from fp8rl_core.config import CampaignConfig, CodeConfig, TaskConfig
 from stages.benchmarks import BenchmarkProblem, BenchmarkSet, LoadReport, resolve_data_dir
-from stages.code_grading import CodeGradingConfig, extract_code, grade_code_batch, parse_tests
+from stages.code_grading import (CodeGradingConfig, extract_code, grade_code_batch, parse_tests,
+                                 statement_allows_any_case)
 from stages.grading import GradeResult
 
 log = logging.getLogger(__name__)
@@ -116,7 +120,10 @@ def records_to_set(name: str, path: str, rows: Sequence[dict[str, Any]], source:
             report.skip(where, str(exc))
             continue
         style = "functional" if parsed_tests.kind == "functional" else "stdio"
-        spec = json.dumps({"style": "program", "tests": tests})
+        spec_d: dict[str, Any] = {"style": "program", "tests": tests}
+        if style == "stdio" and statement_allows_any_case(statement):
+            spec_d["any_case"] = True  # the statement accepts letters in any case
+        spec = json.dumps(spec_d)
         out.append(BenchmarkProblem(id=f"{name}/{rid}", problem=render_code_prompt(statement, style, code), answer=spec,
                                     source=name))
     report.n_records = len(out)
@@ -189,7 +196,7 @@ def grade_code_responses(ids: Sequence[str], responses: Sequence[str], specs: Se
     extracted: list[str | None] = []
     for resp, spec in zip(responses, specs):
         s = json.loads(spec)
-        tests.append(parse_tests(s["tests"]))
+        tests.append(replace(parse_tests(s["tests"]), case_insensitive=bool(s.get("any_case"))))
         if verifier == "code_expr" or s.get("style") == "expression":
             expr = code_task.extract_expression(resp)
             extracted.append(expr)

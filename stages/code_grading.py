@@ -4,31 +4,45 @@ Two test styles, as the shipped data sets define them:
 
 - ``stdio`` (Codeforces, TACO, APPS): a list of ``{"input", "output"}`` pairs;
   the program reads ``input`` on stdin, one sandbox run per case, and its
-  stdout must equal ``output`` under the usual whitespace rules
-  (:func:`outputs_match`: compared token by token, so line breaks, trailing
-  spaces and blank lines do not matter; tokens that both parse as numbers also
-  match within 1e-6 absolute or relative).
+  stdout must equal ``output`` token by token (:func:`outputs_match`: line
+  breaks, trailing spaces and blank lines do not matter). Each token is
+  compared by the *expected* token's kind: an integer exactly (only an integer
+  of the same value matches); a float or ``p/q`` within 1e-6 absolute or
+  relative (``0.333333333`` matches ``1/3``, ``5e-1`` matches ``0.5``); any
+  other token exactly, or ignoring letter case when the statement says answers
+  may be printed in any case (``"any_case"`` in the grading spec).
 - ``functional`` (LeetCode): a ``check(candidate)`` function of ``assert``
-  statements and a last line ``check(Solution().method)``. The solution and a
-  harness run in *one* sandbox run: the harness evaluates every statement of
-  ``check``'s body in order, each ``assert`` is one test case, each under its
-  own timer (``per_test_s``); an exception of any kind -- ``SystemExit``
-  included -- fails that case. Results go to a private duplicate of the
-  original stdout, one line per case as soon as it is known, so a run killed at
-  the wall clock still keeps the cases it finished; the program's own prints go
-  to /dev/null.
+  statements and a last line ``check(Solution().method)``. Each assert is split
+  at parse time into the call (``candidate(...)``) and the expected literal
+  (``== literal``, ``is_same_list(call, list_node(literal))``,
+  ``is_same_tree(call, tree_node(literal))``; any other shape is refused).
+  The program holds the solution and a harness that evaluates the *calls*,
+  each under its own timer (``per_test_s``); the expected values never enter
+  the program's process. Each return value crosses to the grader as tagged
+  plain data (ints, floats, strings, containers, linked lists and trees by
+  value) on the result channel -- fd 3, a pipe the sandbox opens before the
+  program starts -- one line per case, prefixed with a per-run nonce; the
+  grader decodes it and decides equality in its own process. An object that
+  is not plain data (a custom ``__eq__``) fails its case; a forged record is
+  only a claim about a return value, which the grader checks like any other;
+  a case claimed twice fails. The program's own prints go to /dev/null.
+
+What a run's outcome means (one meaning each):
+
+- exit status 0 (the program's own, reported by its namespace's init): the
+  only clean exit; a stdio case counts only after one.
+- non-zero exit or any signal, its own ``SIGKILL`` included: the case fails
+  (stdio); for functional tests the cases recorded before it keep their
+  verdict (a run killed at the wall clock keeps the cases it finished).
+- stdout past ``output_bytes``: the program is killed and the case fails; a
+  truncated output is never compared.
 
 Limits: ``per_test_s`` for one case, ``per_sample_s`` for all cases of one
 response (cases left when it runs out fail), and the batch deadline
 (``batch_wall_s`` of :class:`CodeGradingConfig`): :func:`grade_code_batch`
 never holds up the step longer than that -- responses not started by then score
-0 with status ``"deadline"``, running ones are cut at it.
-
-Known limit (reward hacking, not machine safety): the functional harness runs
-in the program's process, so a program written to tamper with the harness
-(patch builtins, return objects whose ``__eq__`` is always true, write forged
-result lines to the duplicated descriptor) can earn a reward it did not
-deserve; it cannot escape the sandbox. The stdio style has no such hole.
+0 with status ``"deadline"``, running ones are cut at it. docs/sandbox.md has
+the table of what the sandbox guarantees and what it does not.
 """
 
 from __future__ import annotations

@@ -3,50 +3,61 @@
 A program runs as follows (isolation level ``"namespaces+uid"``, the one this
 project's machines give a root process)::
 
-    host:  Popen([unshare --net --mount --pid --fork --propagation private
-                  --kill-child -- python -I -S -c PRELUDE ...],
-                 new session, scrubbed env, stdin from a file, stdout/stderr pipes)
-    ns:    PRELUDE, pid 1 of a fresh pid namespace, still root, in a fresh
-           network namespace (loopback only, down) and mount namespace:
-             - reads the program from the host's per-run folder (root-only),
-             - mounts a size-capped tmpfs over /tmp (the program's folder and
-               cwd), read-only empty tmpfs over /var/tmp, /run/lock, /dev/shm,
-               a fresh /proc of the pid namespace,
+    host:  Popen([unshare --ipc --uts --net --mount --pid --fork --kill-child
+                  --propagation private -- python -I -S -c PRELUDE ...],
+                 new session, scrubbed env, stdin from a file, stdout/stderr
+                 pipes, a status pipe, and with channel=True a result pipe)
+    ns:    PRELUDE, pid 1 of a fresh pid namespace, still root, in fresh IPC,
+           UTS, network (loopback only, down) and mount namespaces:
+             - reads the program, the view list and the seccomp filter from
+               the host's per-run folder (root-only),
+             - builds a new root on a tmpfs: the interpreter's installation
+               (``/usr``; ``/lib``, ``/lib64``, ``/bin`` as symlinks on merged
+               /usr) bind-mounted read-only, /dev with null/zero/random/urandom
+               only, a fresh /proc of the pid namespace, a private /tmp capped
+               in bytes (``tmp_mb``) and inodes (``tmp_inodes``);
+               ``pivot_root`` into it, the old root detached, the new root
+               remounted read-only; hostname ``sandbox``,
              - sets RLIMIT_CPU / AS / FSIZE / NPROC / CORE / NOFILE,
              - drops to a throw-away uid/gid (random, in ``uid_range``; no
-               groups, no capabilities, ``no_new_privs`` so set-uid binaries
-               cannot regain root) -- RLIMIT_NPROC counts per uid, so a fresh
-               uid makes the process cap this program's alone,
-             - runs the program in the same interpreter (no second start-up).
+               groups, no capabilities, ``no_new_privs``, not dumpable),
+             - installs the seccomp filter (:mod:`stages.seccomp`),
+             - forks the program (pid 2) and stays as its init: reaps every
+               process, writes the program's own exit status or signal to the
+               status pipe, exits (the kernel then kills what is left).
 
-Why each piece: the pid namespace makes "everything killed" a kernel guarantee
-(when its pid 1 exits or is killed, every process in it is killed, whatever
-``setsid``/double-fork tricks they played); the throw-away uid makes the program
-unable to write anywhere root owns (the project folder, the user's files) and
-unable to read other processes' environments; the mount namespace hides the
-world-writable folders (/tmp, /var/tmp, /dev/shm, /run/lock) behind private
-tmpfs mounts that vanish with the namespace, so "no file left outside the temp
-folder" holds by construction; the network namespace has no route anywhere,
-not even to the host's 127.0.0.1. The host side caps stdout/stderr (the program
-is killed past the cap), enforces the wall clock, kills the namespace's pid 1
-and the process group at the end and removes the per-run folder.
+Why each piece: the pid namespace makes "everything killed" a kernel guarantee;
+the IPC namespace makes SysV shared memory, queues, semaphores and POSIX
+message queues private to the run (they vanish with it, and /proc/sysvipc
+lists only the run's own); the minimal view leaves nothing of the host's to
+read -- no project, no data sets, no home, no host /proc; the throw-away uid
+makes the program unable to write what root owns or read other processes;
+the seccomp filter refuses nested namespaces (a user namespace would hand the
+program every capability inside it), mounts, keyrings (not namespaced: they
+would outlive the run), ptrace and a few other kernel interfaces. The program
+is pid 2, not pid 1, so its own signals mean what they mean anywhere (pid 1 of
+a namespace ignores its own SIGKILL). The host caps stdout, enforces the wall
+clock, kills the namespace's pid 1 at the end and lets the launcher reap it
+before the run returns (no process of the run outlives it), removes the
+per-run folder.
 
 Isolation levels (:func:`probe_isolation`, checked once per process):
 
 - ``"namespaces+uid"`` -- all of the above (root, or CAP_SYS_ADMIN + CAP_SETUID).
 - ``"userns"`` -- an unprivileged user namespace (``unshare --user
-  --map-root-user``): same namespaces, but no uid drop, so no per-program
-  process cap (RLIMIT_NPROC would count the user's other processes) and the
-  program can write what the user can, outside the hidden folders.
+  --map-root-user``): same namespaces, view and filter, but no uid drop, so no
+  per-program process cap (RLIMIT_NPROC would count the user's other processes).
 - ``"none"`` -- neither works: :class:`Sandbox` refuses to run
   (:class:`IsolationUnavailable`) unless built with ``allow_unisolated=True``,
   in which case programs run with rlimits and a process group only.
 
-bubblewrap is not used: this machine has no ``bwrap``; ``unshare`` (util-linux)
-is present wherever the project runs. The interpreter must be readable by the
-throw-away uid: ``python`` in :class:`SandboxLimits` defaults to the running
-interpreter when every folder on its path is world-traversable, else
-``/usr/bin/python3`` (here the venv lives under ``/root``, mode 0700).
+bubblewrap is not used: ``unshare`` (util-linux, essential on Debian) plus this
+prelude gives every piece above with no package to install and one process
+less per run; docs/sandbox.md has the reasoning and the guarantee table. The
+interpreter must be readable by the throw-away uid: ``python`` in
+:class:`SandboxLimits` defaults to the running interpreter when every folder on
+its path is world-traversable, else ``/usr/bin/python3`` (here the venv lives
+under ``/root``, mode 0700).
 """
 
 from __future__ import annotations
