@@ -3,7 +3,8 @@
 Two test styles, as the shipped data sets define them:
 
 - ``stdio`` (Codeforces, TACO, APPS): a list of ``{"input", "output"}`` pairs;
-  the program reads ``input`` on stdin, one sandbox run per case, and its
+  the program reads ``input`` on stdin -- one sandbox launch per response, a
+  fresh process per case (:meth:`stages.sandbox.Sandbox.run_cases`) -- and its
   stdout must equal ``output`` token by token (:func:`outputs_match`: line
   breaks, trailing spaces and blank lines do not matter). Each token is
   compared by the *expected* token's kind: an integer exactly (only an integer
@@ -567,16 +568,17 @@ def grade_program(sandbox: Sandbox, code: str | None, tests: CodeTests, *, per_t
         return CodeGrade(item_id, 0, total, "no_code", 0.0, "no code block")
     if tests.kind == "functional":
         return _grade_functional(sandbox, code, tests, per_test_s, end, item_id, t0)
-    passed = 0
-    detail = ""
-    for i, case in enumerate(tests.cases):
-        left = end - time.monotonic()
-        if left <= 0:
+    left = end - time.monotonic()
+    results = sandbox.run_cases(code, [c.input for c in tests.cases], case_wall_s=per_test_s,
+                                total_wall_s=max(0.1, left))
+    passed, detail = 0, ""
+    for i, (case, res) in enumerate(zip(tests.cases, results)):
+        if res is None:
             detail = detail or f"per-sample limit reached after {i} of {total} cases"
             break
-        res = sandbox.run(code, case.input, wall_s=min(per_test_s, left))
         if res.status == "sandbox_error":
-            return CodeGrade(item_id, passed, total, "sandbox_error", time.monotonic() - t0, res.stderr[-300:])
+            return CodeGrade(item_id, 0, total, "sandbox_error", time.monotonic() - t0,
+                             (res.detail + " " + res.stderr[-300:]).strip())
         if res.status == "ok" and outputs_match(res.stdout, case.output, tests.case_insensitive):
             passed += 1
         elif not detail:

@@ -76,7 +76,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 from stages import seccomp
 
@@ -139,12 +139,17 @@ class ExecResult:
 # there is a filter, seccomp.bpf. Kept small: it is on the hot path.
 PRELUDE = r"""
 import sys, os, resource as R, _ctypes as C
-A = sys.argv; W = A[1]; U, cpu, as_, fs, npr, nof, tmb, tino, SF, CF, PV = map(int, A[2:13])
+A = sys.argv; W = A[1]; U, cpu, as_, fs, npr, nof, tmb, tino, SF, CF, PV, MW, OB, EB = map(int, A[2:16])
 def rd(n):
     try:
         with open(W + '/' + n, 'rb') as f: return f.read()
     except FileNotFoundError: return None
-src, view, filt = rd('prog.py'), rd('view').decode().split(), rd('seccomp.bpf')
+src, view, filt, cases = rd('prog.py'), rd('view').decode().split(), rd('seccomp.bpf'), rd('cases')
+def split(b):
+    out = []
+    while b: n, _, b = b.partition(b'\n'); out.append(b[:int(n)]); b = b[int(n):]
+    return out
+cases = split(cases or b'')
 class I(C._SimpleCData): _type_ = 'i'
 class Fn(C.CFuncPtr): _flags_ = C.FUNCFLAG_CDECL | C.FUNCFLAG_USE_ERRNO; _restype_ = I
 class L: _handle = C.dlopen(None)
@@ -196,9 +201,9 @@ if filt:
     buf = B.from_buffer_copy(filt)
     ck(prctl(22, 2, (len(filt) // 8).to_bytes(8, 'little') + C.addressof(buf).to_bytes(8, 'little'), 0, 0),
        'seccomp')
-pid = os.fork()
-if pid == 0:
+def run_child(io):
     os.close(SF)
+    for i, fd in enumerate(io): os.dup2(fd, i); os.close(fd)
     if CF >= 0 and CF != 3: os.dup2(CF, 3); os.close(CF)
     os.chdir('/tmp')
     for k in [k for k in globals() if k[:2] != '__' and k not in ('src', 'sys', 'os')]: del globals()[k]
@@ -206,15 +211,52 @@ if pid == 0:
     __g = {'__name__': '__main__', '__file__': '/tmp/prog.py', '__builtins__': __builtins__}
     exec(compile(src, '/tmp/prog.py', 'exec'), __g)
     sys.exit(0)
-if CF >= 0: os.close(CF)
-n = os.open('/dev/null', os.O_RDWR)
-for d in (0, 1, 2): os.dup2(n, d)
-while True:
-    try: w, st = os.waitpid(-1, 0)
-    except ChildProcessError: os._exit(0)
-    if w == pid:
-        os.write(SF, b'x %d' % os.WEXITSTATUS(st) if os.WIFEXITED(st) else b's %d' % os.WTERMSIG(st))
-        os._exit(0)
+def code(st): return os.WEXITSTATUS(st) if os.WIFEXITED(st) else -os.WTERMSIG(st)
+def zap():
+    try: os.kill(-1, 9)
+    except ProcessLookupError: pass
+def reap(pid):
+    rc = None
+    while True:
+        try: w, st = os.waitpid(-1, 0)
+        except ChildProcessError: return rc
+        if w == pid: rc = code(st)
+if not MW:
+    pid = os.fork()
+    if pid == 0: run_child(())
+    if CF >= 0: os.close(CF)
+    n = os.open('/dev/null', os.O_RDWR)
+    for d in (0, 1, 2): os.dup2(n, d)
+    while True:
+        try: w, st = os.waitpid(-1, 0)
+        except ChildProcessError: os._exit(0)
+        if w == pid: os.write(SF, b'%d\n' % code(st)); os._exit(0)
+import select, time as T
+for k, data in enumerate(cases):
+    fi = os.memfd_create('stdin'); os.write(fi, data); os.lseek(fi, 0, 0)
+    ro, wo = os.pipe(); re_, we = os.pipe()
+    pid = os.fork()
+    if pid == 0: os.close(ro); os.close(re_); run_child((fi, wo, we))
+    for fd in (fi, wo, we): os.close(fd)
+    pf = os.pidfd_open(pid); out, err, live = bytearray(), bytearray(), {ro, re_, pf}
+    end, st = T.monotonic() + MW / 1000, b''
+    while live and not st:
+        left = end - T.monotonic()
+        if left <= 0: st = b'timeout'; break
+        for fd in select.select(list(live), [], [], left)[0]:
+            if fd == pf: live.discard(pf); zap(); continue
+            b = os.read(fd, 65536)
+            if not b: live.discard(fd)
+            elif fd == ro:
+                out += b
+                if len(out) > OB: st = b'output_limit'
+            elif len(err) < EB: err += b[:EB - len(err)]
+    zap(); rc = reap(pid)
+    for fd in (ro, re_, pf): os.close(fd)
+    if not st: st = b'ok' if rc == 0 else b'error'
+    rec = b'%d %s %d %d %d\n' % (k, st, rc if rc is not None else -9, len(out), len(err)) + bytes(out) + bytes(err)
+    while rec: rec = rec[os.write(SF, rec):]
+os._exit(0)
 """
 
 
@@ -330,7 +372,10 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         pass
 
 
-def _run(source: str, stdin: bytes, lim: SandboxLimits, level: Isolation, channel: bool = False) -> ExecResult:
+def _run(source: str, stdin: bytes, lim: SandboxLimits, level: Isolation, channel: bool = False,
+         cases: list[bytes] | None = None, case_wall_s: float = 0.0) -> ExecResult:
+    """One launch. With ``cases`` the namespace's init runs the program once per case (a fresh
+    fork each, ``case_wall_s`` each) and the result's ``channel`` holds its per-case records."""
     t0 = time.monotonic()
     py = sandbox_python(lim.python)
     workdir = tempfile.mkdtemp(prefix="fp8rl-sbx-")
@@ -345,6 +390,8 @@ def _run(source: str, stdin: bytes, lim: SandboxLimits, level: Isolation, channe
             fds = [chan_r] if chan_r >= 0 else []  # _run_unisolated closes chan_w once the child has it
             return _run_unisolated(source, in_path, lim, t0, chan_r, chan_w)
         Path(workdir, "view").write_text("\n".join(filesystem_view(py)))
+        if cases is not None:
+            Path(workdir, "cases").write_bytes(b"".join(b"%d\n%s" % (len(c), c) for c in cases))
         filt = seccomp.build_filter()
         if filt:
             Path(workdir, "seccomp.bpf").write_bytes(filt)
@@ -356,7 +403,9 @@ def _run(source: str, stdin: bytes, lim: SandboxLimits, level: Isolation, channe
         mb = 1 << 20
         prelude_args = [workdir, str(uid), str(max(1, int(lim.cpu_s))), str(lim.memory_mb * mb),
                         str(lim.file_mb * mb), str(lim.nproc), str(lim.nofile), str(lim.tmp_mb), str(lim.tmp_inodes),
-                        str(status_w), str(chan_w), str(tab["pivot_root"] if tab else 0)]
+                        str(status_w), str(chan_w), str(tab["pivot_root"] if tab else 0),
+                        str(max(1, int(case_wall_s * 1000)) if cases is not None else 0), str(lim.output_bytes),
+                        str(lim.stderr_bytes)]
         cmd = [*_unshare_cmd(level), "--", py, "-I", "-S", "-c", PRELUDE, *prelude_args]
         with open(in_path, "rb") as fin:
             proc = subprocess.Popen(cmd, stdin=fin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -367,7 +416,8 @@ def _run(source: str, stdin: bytes, lim: SandboxLimits, level: Isolation, channe
         if chan_w >= 0:
             os.close(chan_w)
             fds.remove(chan_w)
-        return _collect(proc, lim, t0, level, status_r, chan_r)
+        status_cap = 64 if cases is None else len(cases) * (lim.output_bytes + lim.stderr_bytes + 128) + 64
+        return _collect(proc, lim, t0, level, status_r, chan_r, status_cap, multi=cases is not None)
     finally:
         for fd in fds:
             os.close(fd)
@@ -401,12 +451,12 @@ def _run_unisolated(source: str, in_path: Path, lim: SandboxLimits, t0: float, c
     return _collect(proc, lim, t0, "none", -1, chan_r)
 
 
-def _read_all(proc: subprocess.Popen, lim: SandboxLimits, deadline: float, extra: dict[int, str]
-              ) -> tuple[dict[str, bytearray], ExecStatus | None]:
+def _read_all(proc: subprocess.Popen, lim: SandboxLimits, deadline: float, extra: dict[int, str],
+              status_cap: int = 64) -> tuple[dict[str, bytearray], ExecStatus | None]:
     """Read stdout, stderr and the extra pipes until all close, the stdout cap or the deadline."""
     assert proc.stdout is not None and proc.stderr is not None
     bufs = {"out": bytearray(), "err": bytearray(), "status": bytearray(), "chan": bytearray()}
-    caps = {"out": lim.output_bytes, "err": lim.stderr_bytes, "status": 64, "chan": lim.output_bytes}
+    caps = {"out": lim.output_bytes, "err": lim.stderr_bytes, "status": status_cap, "chan": lim.output_bytes}
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, "out")
     sel.register(proc.stderr, selectors.EVENT_READ, "err")
@@ -435,11 +485,11 @@ def _read_all(proc: subprocess.Popen, lim: SandboxLimits, deadline: float, extra
 
 
 def _collect(proc: subprocess.Popen, lim: SandboxLimits, t0: float, level: Isolation, status_fd: int = -1,
-             chan_fd: int = -1) -> ExecResult:
+             chan_fd: int = -1, status_cap: int = 64, multi: bool = False) -> ExecResult:
     extra = {fd: name for fd, name in ((status_fd, "status"), (chan_fd, "chan")) if fd >= 0}
     deadline = t0 + lim.wall_s
     try:
-        bufs, status = _read_all(proc, lim, deadline, extra)
+        bufs, status = _read_all(proc, lim, deadline, extra, status_cap)
         if status is not None:
             _kill_tree(proc)
         try:
@@ -457,10 +507,14 @@ def _collect(proc: subprocess.Popen, lim: SandboxLimits, t0: float, level: Isola
             proc.wait()
     stderr = bufs["err"].decode("utf-8", "replace")
     detail = ""
-    if level != "none":  # the exit of the program itself, as its namespace's init saw it
-        word, _, num = bytes(bufs["status"]).decode("ascii", "replace").partition(" ")
-        if word in ("x", "s") and num.isdigit():
-            rc = int(num) if word == "x" else -int(num)
+    said = bytes(bufs["status"]).decode("ascii", "replace").strip()
+    if multi:  # per-case records; the launcher's own outcome says only whether it finished
+        bufs["chan"] = bufs["status"]
+        if status is None and rc != 0:
+            status, detail = "sandbox_error", f"launcher exit {rc}"
+    elif level != "none":  # the exit of the program itself, as its namespace's init saw it
+        if said.lstrip("-").isdigit():
+            rc = int(said)
         elif status is None:  # the prelude never started the program
             status = "sandbox_error"
             detail = f"launcher exit {rc}, no program status"
@@ -474,6 +528,33 @@ def _collect(proc: subprocess.Popen, lim: SandboxLimits, t0: float, level: Isola
         detail = f"killed by signal {-rc}"
     return ExecResult(status, rc, bytes(bufs["out"][: lim.output_bytes]).decode("utf-8", "replace"), stderr,
                       time.monotonic() - t0, level, detail, bytes(bufs["chan"]))
+
+
+def _parse_case_records(buf: bytes, n: int, level: Isolation, case_wall_s: float,
+                        lim: SandboxLimits) -> list[ExecResult | None]:
+    """``k status rc len_out len_err\\n`` + stdout + stderr, per case, as the init wrote them."""
+    out: list[ExecResult | None] = [None] * n
+    pos = 0
+    while pos < len(buf):
+        nl = buf.find(b"\n", pos)
+        if nl < 0:
+            break
+        try:
+            k, st, rc, lo, le = buf[pos:nl].decode("ascii").split()
+            k_, rc_, lo_, le_ = int(k), int(rc), int(lo), int(le)
+        except ValueError:
+            break
+        body = buf[nl + 1: nl + 1 + lo_ + le_]
+        if len(body) < lo_ + le_ or not 0 <= k_ < n or st not in ("ok", "error", "timeout", "output_limit"):
+            break
+        detail = {"timeout": f"over the wall clock of {case_wall_s}s",
+                  "output_limit": f"stdout over {lim.output_bytes} bytes"}.get(st, "")
+        if not detail and rc_ < 0:
+            detail = f"killed by signal {-rc_}"
+        out[k_] = ExecResult(st, rc_, body[:lo_].decode("utf-8", "replace"),  # type: ignore[arg-type]
+                             body[lo_:].decode("utf-8", "replace"), 0.0, level, detail)
+        pos = nl + 1 + lo_ + le_
+    return out
 
 
 @dataclass
@@ -504,6 +585,27 @@ class Sandbox:
                                    "cpu_s": cpu_s if cpu_s is not None else lim.cpu_s})
         data = stdin.encode("utf-8") if isinstance(stdin, str) else stdin
         return _run(source, data, lim, self.isolation, channel)
+
+    def run_cases(self, source: str, inputs: Sequence[str | bytes], *, case_wall_s: float,
+                  total_wall_s: float) -> list[ExecResult | None]:
+        """Run ``source`` once per input in one launch: the namespace's init forks a fresh
+        process per case (its own stdin, stdout, stderr, CPU limit and ``case_wall_s``) and
+        kills everything the case started before the next one. Cases share the run's /tmp
+        and IPC namespace (none of them holds an expected output). ``None``: a case never
+        run within ``total_wall_s``; all :class:`ExecResult` alike when the launch failed."""
+        datas = [x.encode("utf-8") if isinstance(x, str) else x for x in inputs]
+        if self.isolation == "none":
+            out: list[ExecResult | None] = []
+            end = time.monotonic() + total_wall_s
+            for d in datas:
+                left = end - time.monotonic()
+                out.append(self.run(source, d, wall_s=min(case_wall_s, left)) if left > 0 else None)
+            return out
+        lim = SandboxLimits(**{**self.limits.__dict__, "wall_s": total_wall_s})
+        res = _run(source, b"", lim, self.isolation, cases=datas, case_wall_s=case_wall_s)
+        if res.status == "sandbox_error":
+            return [res] * len(datas)
+        return _parse_case_records(res.channel, len(datas), self.isolation, case_wall_s, lim)
 
 
 def describe() -> str:
