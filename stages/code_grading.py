@@ -420,8 +420,9 @@ def leetcode_program(code: str, tests: CodeTests, per_test_s: float, nonce: str 
     """One program: harness head, prelude, the solution, the harness that runs each case's call.
     It holds the calls and never an expected value; each call's return value goes to the result
     channel (fd 3) as tagged plain data, one line ``<nonce> <case> ok <json>`` per case."""
-    spec = json.dumps({"statements": list(tests.statements), "is_case": list(tests.is_case), "candidate": tests.candidate,
-                       "setup": tests.setup, "per_test_s": per_test_s, "nonce": nonce or RESULT_TAG})
+    spec = json.dumps({"statements": list(tests.statements), "is_case": list(tests.is_case),
+                       "candidate": tests.candidate, "setup": tests.setup, "per_test_s": per_test_s,
+                       "nonce": nonce or RESULT_TAG})
     return (_HARNESS_HEAD + LEETCODE_PRELUDE + "\n" + code + "\n\n__SPEC = " + repr(spec) + "\n" + _HARNESS_TAIL)
 
 
@@ -598,7 +599,8 @@ def _grade_functional(sandbox: Sandbox, code: str, tests: CodeTests, per_test_s:
     wall = min(end - time.monotonic(), per_test_s * (len(tests.statements) + 1) + 2.0)
     res = sandbox.run(prog, b"", wall_s=max(0.1, wall), cpu_s=max(1, math.ceil(wall)), channel=True)
     if res.status == "sandbox_error":
-        return CodeGrade(item_id, 0, total, "sandbox_error", time.monotonic() - t0, (res.detail + " " + res.stderr[-300:]))
+        return CodeGrade(item_id, 0, total, "sandbox_error", time.monotonic() - t0,
+                         (res.detail + " " + res.stderr[-300:]).strip())
     records = read_records(res.channel, nonce, total)
     verdicts = [functional_case_passes(c, records.get(k)) for k, c in enumerate(tests.functional_cases)]
     passed = sum(verdicts)

@@ -138,7 +138,8 @@ def test_ipc_objects_and_keys_are_not_left_on_the_host(sb):
     graded_zero(sb, SYSV_EVERYTHING)
 
 
-RELAY_SEND = LIBC + ("q = libc.msgget(0x5eed04, 0o1666)\nmsg = ctypes.create_string_buffer(b'\\1\\0\\0\\0\\0\\0\\0\\0ok', 10)\n"
+RELAY_SEND = LIBC + ("q = libc.msgget(0x5eed04, 0o1666)\n"
+                     "msg = ctypes.create_string_buffer(b'\\1\\0\\0\\0\\0\\0\\0\\0ok', 10)\n"
                      "print(libc.msgsnd(q, msg, 2, 0))\n")
 RELAY_RECV = LIBC + ("q = libc.msgget(0x5eed04, 0o666)\nbuf = ctypes.create_string_buffer(64)\n"
                      "n = libc.msgrcv(q, buf, 56, 0, 0o4000)\nprint(buf.raw[8:8 + n].decode() if n > 0 else 'none')\n")
@@ -155,7 +156,8 @@ def test_host_ipc_objects_are_invisible(sb):
     shm = libc.shmget(0, 4096, 0o1600)  # IPC_PRIVATE, this host's own
     assert shm >= 0
     try:
-        code = ("lines = [ln for k in ('shm', 'msg', 'sem') for ln in open('/proc/sysvipc/' + k).read().splitlines()[1:]]\n"
+        code = ("lines = [ln for k in ('shm', 'msg', 'sem')\n"
+                "         for ln in open('/proc/sysvipc/' + k).read().splitlines()[1:]]\n"
                 "print('ok' if lines else 'empty')")
         assert sb.run(code).stdout.strip() == "empty"
         graded_zero(sb, code)
@@ -265,7 +267,8 @@ def test_forged_result_lines_and_os_exit(sb):
             "    spec = next((o for o in gc.get_objects() if isinstance(o, dict) and 'nonce' in o), {})\n"
             "    nonce = spec.get('nonce', '')\n"
             "    r = globals()['__res']\n"
-            "    r.write(''.join('%s %d ok [\"i\", \"0x1\"]\\n__FP8RL_CASE__ %d 1\\n' % (nonce, k, k) for k in range(2)))\n"
+            "    line = '%s %d ok [\"i\", \"0x1\"]\\n__FP8RL_CASE__ %d 1\\n'\n"
+            "    r.write(''.join(line % (nonce, k, k) for k in range(2)))\n"
             "    r.flush()\n"
             "    os._exit(0)\n"
             "class Solution:\n    def inc(self, a):\n        forge()")
