@@ -3,9 +3,9 @@
 The unit is one *graded program with all its cases*, of two kinds:
 
 - stdio: ``print(sum(map(int, input().split())))`` against 3 stdin/stdout cases.
-  Sandboxed = :func:`stages.code_grading.grade_program` (one sandbox run per
-  case: namespaces, minimal filesystem view, throw-away uid, seccomp, rlimits,
-  init and reaping, token comparison by the problem's rules). Bare = for each
+  Sandboxed = :func:`stages.code_grading.grade_program` (one sandbox launch,
+  a fresh process per case: namespaces, minimal filesystem view, throw-away
+  uid, seccomp, rlimits, init and reaping, token comparison by the problem's rules). Bare = for each
   case ``subprocess.run([python, "-I", "-S", "-c", program], input=case)`` and the
   same :func:`~stages.code_grading.outputs_match`.
 - functional: a LeetCode-style ``Solution`` against a ``check()`` of 3 asserts.

@@ -320,3 +320,13 @@ def _code_config():
     from fp8rl_core.config import CodeConfig
 
     return CodeConfig()
+
+
+def test_a_case_leaves_no_process_to_the_next(sb):
+    """One launch runs every stdin case in a fresh process; what a case started is killed before the next."""
+    code = ("import os, sys, time\nif sys.stdin.read() == 'first':\n    if os.fork() == 0:\n"
+            "        os.setsid(); time.sleep(30)\n    print('forked')\n"
+            "else:\n    print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()) == [1, os.getpid()])")
+    res = sb.run_cases(code, ["first", "second"], case_wall_s=2.0, total_wall_s=5.0)
+    assert [(r.status, r.stdout.strip()) for r in res] == [("ok", "forked"), ("ok", "True")], res
+    assert left_since({"processes": set(), "ipc": set(_sysvipc()), "keys": set(_keys()), "files": set(_files())}) == {}
