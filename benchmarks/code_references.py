@@ -5,7 +5,7 @@ solutions pass every case of their own problem, and how many pass every case of 
 neighbouring problem (the next one with another entry point; must be 0). Also checks
 that every Codeforces test set parses. Needs the data folder (``FP8RL_DATA_DIR``).
 
-    FP8RL_DATA_DIR=../shared/data python benchmarks/code_references.py [--limit N]
+    FP8RL_DATA_DIR=../shared/data python benchmarks/code_references.py [--limit N] [--splits test,train]
 """
 
 from __future__ import annotations
@@ -27,13 +27,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--limit", type=int, default=None, help="first N problems of each split")
     ap.add_argument("--sandboxes", type=int, default=2)
+    ap.add_argument("--splits", default="test,train")
     args = ap.parse_args()
     root = resolve_data_dir(None)
     if root is None:
         print("no data folder: set FP8RL_DATA_DIR (../shared/data)", file=sys.stderr)
         sys.exit(2)
-    cfg = CodeGradingConfig(max_sandboxes=args.sandboxes)
+    cfg = CodeGradingConfig(max_sandboxes=args.sandboxes, batch_wall_s=1e9)  # a measurement, not a step: no deadline
     for split, name in (("test", "leetcode_test.json"), ("train", "leetcode_train.json")):
+        if split not in args.splits.split(","):
+            continue
         items = json.loads((root / "code_rl_rllm" / name).read_text())[: args.limit]
         tests = [parse_tests(x["tests"]) for x in items]
         entry = [t.candidate for t in tests]
