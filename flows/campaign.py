@@ -49,7 +49,7 @@ from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.artifacts import create_markdown_artifact, create_table_artifact  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
-from stages.context import RunEnv, TrainState, is_calibration_step, is_checkpoint_step, is_eval_step  # noqa: E402
+from stages.context import RunEnv, TrainState, is_checkpoint_step, is_eval_step  # noqa: E402
 from storage import faults, lock  # noqa: E402
 from stages.stage_comm import TRANSIENT, TransientStageError, is_transient  # noqa: E402,F401 (re-exported names)
 from flows.ui import publish_bounds, publish_failure, publish_step  # noqa: E402

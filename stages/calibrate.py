@@ -46,7 +46,7 @@ def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0
     cfg = env.cfg
     tok = read_step(env, "token_stats", step)
     if tok.column("logp_bf16").null_count == tok.num_rows:
-        raise RuntimeError(f"step {step}: token_stats has no BF16 shadow log-probs; calibration needs a shadow step")
+        raise ValueError(f"step {step}: token_stats has no BF16 shadow log-probs; calibration needs a shadow step")
     col = {name: tok.column(name).to_numpy(zero_copy_only=False) for name in
            ("logp_fp8", "old_logp_fp8", "logp_bf16", "old_logp_bf16", "advantage")}
     shadowed, sub_cols = subsample_columns(col, tok.column("sample_id").to_numpy(), cfg, step)  # issue 15

@@ -1,7 +1,9 @@
-"""When a step runs the BF16 shadow passes, and the drift signal of every step (issue 15).
+"""When a step runs the BF16 shadow passes, and the drift signal of every step.
 
-``calibration.schedule: fixed`` keeps the paper's rule (steps 1, 1+K, ...:
-``stages.context.is_calibration_step``). ``drift`` decides from the previous
+The decision is taken here, once, by the train stage, and recorded in its
+``steps`` row (``steps.shadow``); everything after reads that record
+(``stages.io.shadow_steps``). ``calibration.schedule: fixed`` keeps the
+paper's rule (steps 1, 1+K, ...). ``drift`` decides from the previous
 step's drift signal (``fp8rl_core.drift``), read back from its ``steps`` row,
 and the step of the last calibration (``state.calibrator.last_step``, which
 checkpoints carry): both come from persisted state, so a resumed or replayed
@@ -22,7 +24,7 @@ import torch
 
 from fp8rl_core.drift import Schedule, negative_ratios, thin
 from fp8rl_core.losses import importance_ratio
-from stages.context import RunEnv, TrainState, is_calibration_step
+from stages.context import RunEnv, TrainState
 from stages.io import read_step
 
 _REFERENCE: dict[tuple[str, str, int], torch.Tensor] = {}
@@ -43,14 +45,13 @@ def shadow_this_step(env: RunEnv, state: TrainState, step: int) -> bool:
     """Does ``step`` run the BF16 shadow passes (and hence calibrate)?"""
     from stages.guard import guard_forces_shadow
 
-    cfg = env.cfg
     if step >= 1 and guard_forces_shadow(env, step):
         return True
-    if cfg.calibration.schedule == "fixed":
-        return is_calibration_step(cfg, step)
-    last = state.calibrator.last_step
+    sched, last = Schedule.from_config(env.cfg.calibration), state.calibrator.last_step
+    if sched.kind == "fixed":
+        return sched.calibrates(step, None, None)
     prev = _previous_signal(env, step - 1) if last is not None and step - 1 >= 1 else None
-    return Schedule.from_config(cfg.calibration).calibrates(step, last, prev)
+    return sched.calibrates(step, last, prev)
 
 
 def _reference(env: RunEnv, step: int) -> torch.Tensor | None:

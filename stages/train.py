@@ -26,7 +26,7 @@ from fp8rl_core.diagnostics import (
 from fp8rl_core.failure_signals import garbled_share
 from fp8rl_core.losses import importance_ratio
 from fp8rl_core.noise_sources import noise_sources
-from stages.context import RunEnv, TrainState, is_calibration_step, step_seed
+from stages.context import RunEnv, TrainState, step_seed
 from stages.grading import answer_parser
 from stages.guard import injected_lr
 from stages.io import read_step
