@@ -96,6 +96,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from fp8rl_core.bapo import PUBLISHED, UpdateBoundsRule
 from fp8rl_core.config import CalibrationConfig
 from fp8rl_core.registry import Registry
 
@@ -394,6 +395,16 @@ def _mode_bapo(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, 
     (``fp8rl_core.bapo``); a calibration step only records statistics at the
     standard bounds, which BAPO does not use."""
     return _mode_standard(tok, ctx)
+
+
+UPDATE_BOUNDS: Registry[UpdateBoundsRule] = Registry("per-update clip-bound rule")
+"""Clip modes whose bounds the trainer picks before every update: their hooks (``fp8rl_core.bapo``)."""
+UPDATE_BOUNDS.register("bapo")(PUBLISHED)
+
+
+def per_update_rule(mode: str) -> UpdateBoundsRule | None:
+    """The trainer's per-update hooks of clip mode ``mode``, or None for a mode whose bounds hold for a step."""
+    return UPDATE_BOUNDS.get(mode) if mode in UPDATE_BOUNDS else None
 
 
 @CLIP_MODES.register("bapo_joint_every_k")

@@ -150,7 +150,7 @@ class AlgorithmConfig(_Frozen):
     @field_validator("loss")
     @classmethod
     def _known_loss(cls, v: str) -> str:
-        from fp8rl_core.losses import POLICY_LOSSES  # the registry is the one list of losses
+        from fp8rl_core.registered import POLICY_LOSSES  # the registry is the one list of losses
 
         if v not in POLICY_LOSSES:
             raise ValueError(f"unknown policy loss {v!r}; valid: {', '.join(POLICY_LOSSES.names())}")

@@ -18,7 +18,8 @@ from fp8rl_core.calibration import calibrate
 from fp8rl_core.losses import importance_ratio
 from stages.context import RunEnv, TrainState
 from stages.io import read_step
-from stages.schedule import gspo_calibration_tensors, subsample_columns
+from fp8rl_core.registered import CALIBRATION_UNITS
+from stages.schedule import subsample_columns
 
 
 def _ratio(logp: np.ndarray, old: np.ndarray) -> torch.Tensor:
@@ -49,16 +50,17 @@ def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0
         raise ValueError(f"step {step}: token_stats has no BF16 shadow log-probs; calibration needs a shadow step")
     col = {name: tok.column(name).to_numpy(zero_copy_only=False) for name in
            ("logp_fp8", "old_logp_fp8", "logp_bf16", "old_logp_bf16", "advantage")}
-    shadowed, sub_cols = subsample_columns(col, tok.column("sample_id").to_numpy(), cfg, step)  # issue 15
+    shadowed, sub_cols = subsample_columns(col, tok.column("sample_id").to_numpy(), cfg, step)
     r8 = _ratio(col["logp_fp8"], col["old_logp_fp8"])
     r16 = _ratio(np.nan_to_num(col["logp_bf16"]), np.nan_to_num(col["old_logp_bf16"]))
     adv = torch.from_numpy(col["advantage"].astype(np.float32))
     mask = torch.from_numpy(shadowed)  # every token, or the subsampled shadow's
     cal_cfg = cfg.calibration
     weights = _tis_weights(env, step, tok, col["old_logp_fp8"]) if cfg.calibration.tis_weighted_balance else None
-    if cfg.algorithm.loss == "gspo":  # issue 15: calibrate GSPO's sequence ratios, on their own grid
-        r8, r16, adv, mask, cal_cfg = gspo_calibration_tensors(col, tok.column("sample_id").to_numpy(), mask, cfg)
-        weights = None  # sequence level: no per-token TIS weighting
+    units = CALIBRATION_UNITS.get(cfg.algorithm.loss)  # the units the loss clips: None = tokens
+    if units is not None:  # e.g. GSPO's sequence ratios, on their own grid
+        r8, r16, adv, mask, cal_cfg = units(col, tok.column("sample_id").to_numpy(), mask, cfg.calibration)
+        weights = None  # not tokens: no per-token TIS weighting
     res = calibrate(r8, r16, adv, mask, eps_low=cfg.algorithm.eps_low, eps_high=cfg.algorithm.eps_high,
                     config=cal_cfg, previous=state.calibrator, dual_clip=cfg.algorithm.dual_clip, weights=weights)
     row = {

@@ -136,15 +136,3 @@ def subsample_columns(cols: dict[str, np.ndarray], sample_ids: np.ndarray, cfg, 
                                  n_total=n, generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 10)))
     out.update(alpha_level_error=b.level_error, lower_error_bound=b.lower_error_bound, lower_error_bootstrap=boot)
     return has16, out
-
-
-def gspo_calibration_tensors(cols: dict[str, np.ndarray], sample_ids: np.ndarray, token_mask: torch.Tensor, cfg):
-    """(s8, s16, A, valid, config) of a calibration step for GSPO: sequences as the calibration units."""
-    from fp8rl_core.gspo import gspo_calibration_config, sequence_calibration_inputs
-
-    t = {k: torch.from_numpy(np.asarray(v, dtype=np.float64)) for k, v in cols.items()}
-    s8, s16, a, ok = sequence_calibration_inputs(
-        t["logp_fp8"], t["old_logp_fp8"], t["logp_bf16"], t["old_logp_bf16"], t["advantage"],
-        torch.from_numpy(np.asarray(sample_ids, dtype=np.int64)), token_mask,
-    )
-    return s8, s16, a, ok, gspo_calibration_config(cfg.calibration)
