@@ -1,4 +1,4 @@
-"""Replay recalibration schedules on a diagnostic campaign (issue 15).
+"""Replay recalibration schedules on a diagnostic campaign.
 
 A diagnostic campaign runs the BF16 shadow passes on every step
 (``--set calibration.interval=1``), so its ``token_stats`` hold r8 and r16 for

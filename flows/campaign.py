@@ -51,7 +51,8 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 from stages.context import RunEnv, TrainState, is_checkpoint_step, is_eval_step  # noqa: E402
 from storage import faults, lock  # noqa: E402
-from stages.stage_comm import TRANSIENT, TransientStageError, is_transient  # noqa: E402,F401 (re-exported names)
+from stages.checkpoint import eval_scores, restore_latest  # noqa: E402
+from stages.stage_comm import TRANSIENT, TransientStageError, broadcast, is_transient  # noqa: E402,F401 (re-exported)
 from flows.ui import publish_bounds, publish_failure, publish_step  # noqa: E402
 
 
@@ -162,7 +163,7 @@ def _after_go(fn: Callable[..., tuple[dict, Any]]) -> Callable[..., tuple[dict, 
     faults checked) broadcasts the go; the others wait for it (identity in one process)."""
 
     def run(env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, Any]:
-        msg = _broadcast(env, _GO)
+        msg = broadcast(env, _GO)
         if msg != _GO:
             raise _EarlyOutcome(msg)
         return fn(env, state, step, **kw)
@@ -211,15 +212,6 @@ def _ledger_info(env: RunEnv, step: int, stage: str) -> dict:
     return rec.info if rec is not None else {}
 
 
-def _eval_scores_from(summary: dict) -> dict:
-    return {k: float(v) for k, v in (summary.get("scores") or {}).items() if isinstance(v, (int, float))}
-
-
-def _broadcast(env: RunEnv, obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (identity in one process)."""
-    return obj if env.world_size == 1 else env.stage_comm.broadcast(obj)
-
-
 def _on_main(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, TrainState]:
     """A stage rank 0 alone runs (calibration, evaluation) as a Prefect
     task; the state it moves (sampler, calibrator) is broadcast so all ranks continue alike.
@@ -227,7 +219,7 @@ def _on_main(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> 
     out = task_obj(env, state, step, **kw) if env.is_main else ({}, state)
     if env.world_size == 1:
         return out
-    summary, sampler, calibrator = _broadcast(env, (out[0], out[1].sampler, out[1].calibrator))
+    summary, sampler, calibrator = broadcast(env, (out[0], out[1].sampler, out[1].calibrator))
     return summary, state.replace(sampler=sampler, calibrator=calibrator)
 
 
@@ -248,12 +240,12 @@ def _main_attempt(task_obj, env: RunEnv, state: TrainState, step: int, *, last: 
         summary, new = task_obj.with_options(retries=0)(env, state, step, **kw)
     except Exception as err:
         verdict = "retry" if is_transient(err) and not last else "fatal"
-        _broadcast(env, (verdict, f"{type(err).__name__}: {err}".splitlines()[0]))
+        broadcast(env, (verdict, f"{type(err).__name__}: {err}".splitlines()[0]))
         if verdict == "fatal":
             raise
         _logger().warning("%s of step %d failed (%s); all ranks retry", task_obj.name, step, err)
         return None
-    _broadcast(env, ("ok", (summary, new.sampler, new.calibrator)))
+    broadcast(env, ("ok", (summary, new.sampler, new.calibrator)))
     return summary, new
 
 
@@ -263,11 +255,11 @@ def _peer_attempt(task_obj, env: RunEnv, state: TrainState, step: int, *, attemp
     local = None
     try:
         task_obj.stage_fn(env, state, step, attempt=attempt, **kw)
-        outcome = _broadcast(env, None)
+        outcome = broadcast(env, None)
     except _EarlyOutcome as early:  # rank 0 failed before the body: nothing ran here
         outcome = early.outcome
     except Exception as err:  # every rank raised together (stages.stage_comm); rank 0 decides
-        local, outcome = err, _broadcast(env, None)
+        local, outcome = err, broadcast(env, None)
     verdict, body = outcome
     if verdict == "ok":
         summary, sampler, calibrator = body
@@ -343,7 +335,7 @@ def run_step(env: RunEnv, state: TrainState, step: int, progress: Progress,
     if env.is_main:
         done = env.ledger.done_stages(step, variant=env.variant)
         info = {k: _ledger_info(env, step, k) for k in ("rollout", "score", "evaluate") if k in done}
-    done, info = _broadcast(env, (done, info))
+    done, info = broadcast(env, (done, info))
     summary: dict[str, Any] = {}
     last_eval = dict(last_eval or {})
     timings: dict[str, float] = {}
@@ -374,11 +366,11 @@ def run_step(env: RunEnv, state: TrainState, step: int, progress: Progress,
             publish_step(env, step)
     if is_eval_step(cfg, step):
         if "evaluate" in done:
-            last_eval = _eval_scores_from(info["evaluate"])
+            last_eval = eval_scores(info["evaluate"])
         else:
             _sync_engine(env, state, synced)
             out, state = _on_main(evaluate_task, env, state, step)
-            last_eval = _eval_scores_from(out)
+            last_eval = eval_scores(out)
             if env.is_main:
                 progress.eval(step, last_eval)
                 _eval_artifact(env, step, last_eval)
@@ -413,22 +405,6 @@ def _artifact_key(run_id: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in run_id.lower())[:60]
 
 
-def restore_latest(env: RunEnv, state: TrainState, *, before_step: int | None = None) -> tuple[int, TrainState, dict]:
-    """Restore the newest complete checkpoint (of a step < ``before_step``); all ranks together.
-
-    Returns ``(first step to run, restored state, eval scores recorded at that step)``."""
-    from stages.checkpoint import restore
-    from storage.checkpoints import latest_complete
-
-    at_most = None if before_step is None else before_step - 1
-    path = _broadcast(env, latest_complete(env.run_dir, at_most=at_most) if env.is_main else None)
-    if path is None:
-        return 0, state, {}
-    step, state = restore(env, state, path)
-    ev = _broadcast(env, _ledger_info(env, step, "evaluate") if env.is_main else None)
-    return step + 1, state, _eval_scores_from(ev)
-
-
 def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | None = None) -> dict:
     """The step loop every rank runs (rank 0 inside :func:`campaign_flow`)."""
     from flows.configuration import load_config
@@ -445,7 +421,7 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
         raise
     trackers = _open_trackers(env) if cfg.trackers and env.is_main else None  # no tracker code imported unless configured
     try:
-        from flows.guard import CampaignGuard, recover_pending  # issue 15
+        from flows.guard import CampaignGuard, recover_pending
         from fp8rl_core.cpu_gemm import cpu_bf16_gemm
 
         with cpu_bf16_gemm(cfg.precision.cpu_bf16_gemm, env.device):  # the whole loop's thread, backward included

@@ -109,7 +109,7 @@ class RolloutConfig(_Frozen):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM: share of GPU memory (colocated with training).")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel degree.")
     sleep_between_steps: bool = Field(True, description="vLLM: sleep the engine during training (colocated).")
-    # vLLM engine details (issue #12)
+    # vLLM engine details
     sleep_level: int = Field(1, ge=0, le=2, description="vLLM: llm.sleep level after rollout (0 pause, 1 offload weights, 2 discard weights).")
     weight_sync: Literal["ipc", "nccl", "path"] = Field("ipc", description="vLLM: weight transfer to the engine: CUDA IPC handles (colocated), NCCL broadcast (other GPUs), or bf16 safetensors files.")
     verify_sync: Literal["first", "always", "never"] = Field("first", description="vLLM: check with the engine's weight checksums that every layer was reloaded and re-processed.")
@@ -218,7 +218,7 @@ class CalibrationConfig(_Frozen):
     relaxed_eps_low: float = Field(0.3, gt=0, lt=1, description="relaxed_lower: the fixed, wider eps_low (L = 1 - this) used by the loss; alpha and over-clipping stay measured against algorithm.eps_low. Sweep: 0.3, 0.4 (our choice).")
     tis_weighted_balance: bool = Field(False, description="calibrated: weight each token of Pos/Neg by its TIS weight (the factor that really scales its gradient).")
     bapo: BapoConfig = Field(default_factory=BapoConfig)
-    # issue 15: when to recalibrate (fp8rl_core.drift) and how much of the batch the shadow passes see
+    # when to recalibrate (fp8rl_core.drift) and how much of the batch the shadow passes see
     schedule: Literal["fixed", "drift"] = Field("fixed", description="Recalibration schedule: every `interval` steps (fixed, the paper's) or when the drift signal crosses `drift_threshold` (fp8rl_core.drift).")
     drift_signal: Literal["ks", "quantile"] = Field("ks", description="Drift schedule's signal (fp8rl_core.drift): `ks`, the KS distance of the A<0 FP8 ratios vs the last calibration step; `quantile`, how far L would move if BF16's clip share had not (|q(alpha_c) - L|, in ratio units).")
     drift_threshold: float = Field(0.1, gt=0, le=1, description="Drift schedule: the signal above which the next step recalibrates (KS distance, or |dL| for `quantile`; our choice).")
@@ -227,7 +227,7 @@ class CalibrationConfig(_Frozen):
     shadow_target_error: float | None = Field(None, gt=0, lt=1, description="Subsampled shadow passes (fp8rl_core.subsample): target error of the alpha quantile, in quantile levels; None = shadow the whole batch.")
     shadow_failure_prob: float = Field(0.05, gt=0, lt=1, description="Subsampled shadow: probability that the stated quantile-error bound fails (DKW delta).")
     shadow_min_sequences: int = Field(16, ge=1, description="Subsampled shadow: at least this many sequences.")
-    # issue 15: Calibrated Clipping on GSPO's sequence ratios (fp8rl_core.gspo); scaled from the token-level defaults by 3e-4 / 0.2
+    # Calibrated Clipping on GSPO's sequence ratios (fp8rl_core.gspo); scaled from the token-level defaults by 3e-4 / 0.2
     gspo_lower_min: float = Field(0.9994, gt=0, description="GSPO calibration: L search interval minimum (1 - 2 * 3e-4; our choice).")
     gspo_lower_max: float = Field(1.0, gt=0, description="GSPO calibration: L search interval maximum.")
     gspo_upper_min: float = Field(1.0, gt=0, description="GSPO calibration: H grid minimum.")
@@ -329,7 +329,7 @@ class TrackingConfig(_Frozen):
 
 
 class GuardConfig(_Frozen):
-    """Issue 15: a monitor over the step rows that rolls a campaign back (fp8rl_core.guard, flows.guard)."""
+    """A monitor over the step rows that rolls a campaign back (fp8rl_core.guard, flows.guard)."""
 
     enabled: bool = Field(True, description="Watch every step; on a trip restore the last good checkpoint and apply the remedy.")
     surge_factor: float = Field(1.5, gt=1, description="Surge: value > factor x the median of the `window` steps before (DESIGN).")
@@ -382,11 +382,3 @@ class CampaignConfig(_Frozen):
                 f"algorithm.ppo_mini_batch_size={self.algorithm.ppo_mini_batch_size}"
             )
         return self
-
-    def initial_bounds(self) -> tuple[float, float]:
-        """(L, H) in force before the first calibration."""
-        c = self.calibration
-        eps_low = c.relaxed_eps_low if c.mode == "relaxed_lower" else self.algorithm.eps_low
-        lo = c.initial_lower if c.initial_lower is not None else 1.0 - eps_low
-        hi = c.initial_upper if c.initial_upper is not None else 1.0 + self.algorithm.eps_high
-        return lo, hi

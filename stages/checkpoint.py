@@ -111,3 +111,25 @@ def restore(env: RunEnv, state: TrainState, path: str | Path) -> tuple[int, Trai
         sampler=SamplerState.from_dict(ck.sampler_state), calibrator=calibrator,
         policy_version=int(ck.extra.get("policy_version", ck.step)),
     )
+
+
+def eval_scores(info: dict | None) -> dict[str, float]:
+    """The numeric scores of an ``evaluate`` ledger record's info (or of an evaluate stage's summary)."""
+    return {k: float(v) for k, v in ((info or {}).get("scores") or {}).items() if isinstance(v, (int, float))}
+
+
+def restore_latest(env: RunEnv, state: TrainState, *, before_step: int | None = None) -> tuple[int, TrainState, dict]:
+    """Restore the newest complete checkpoint (of a step < ``before_step``); all ranks together.
+
+    Returns ``(first step to run, restored state, eval scores recorded at that step)``."""
+    from stages.stage_comm import broadcast
+    from storage.checkpoints import latest_complete
+
+    at_most = None if before_step is None else before_step - 1
+    path = broadcast(env, latest_complete(env.run_dir, at_most=at_most) if env.is_main else None)
+    if path is None:
+        return 0, state, {}
+    step, state = restore(env, state, path)
+    rec = env.ledger.current(variant=env.variant).get((step, "evaluate")) if env.is_main else None
+    ev = broadcast(env, rec.info if rec is not None else {} if env.is_main else None)
+    return step + 1, state, eval_scores(ev)

@@ -1,4 +1,4 @@
-"""Stage-side hooks of the guard (issue 15; the monitor and rollback are ``flows.guard``).
+"""Stage-side hooks of the guard (the monitor and rollback are ``flows.guard``).
 
 - ``guard_forces_shadow``: after a rollback with remedy ``recalibrate_now`` /
   ``recalibrate_every_step``, the steps right after the restored checkpoint run

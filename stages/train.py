@@ -125,7 +125,7 @@ def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard, tis_c
     mask = (batch.response_mask > 0) & torch.isfinite(res.logp_bf16) & torch.isfinite(res.old_logp_bf16)  # subsampled shadow: its rows
     out = {k: float(v) for k, v in noise_amplification(res.logp_fp8, res.logp_bf16, res.old_logp_fp8, res.old_logp_bf16, mask).items()}
     out.update(noise_sources(res.logp_fp8, res.old_logp_fp8, res.logp_bf16, res.old_logp_bf16, batch.rollout_logp, mask,
-                             tis_cap=tis_cap))  # issue 15: ratio noise vs TIS-weight noise
+                             tis_cap=tis_cap))  # ratio noise vs TIS-weight noise
     r8 = importance_ratio(res.logp_fp8, res.old_logp_fp8)
     r16 = importance_ratio(res.logp_bf16, res.old_logp_bf16)
     adv = batch.advantages[:, None].expand_as(r8)
@@ -160,12 +160,12 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     rows = read_step(env, "rollouts", step)
     scores = read_step(env, "scores", step)
     batch = build_batch(rows, scores, env.tokenizer.pad_token_id)
-    shadow = shadow_this_step(env, state, step)  # fixed K, drift, or a guard remedy (issue 15)
+    shadow = shadow_this_step(env, state, step)  # fixed K, drift, or a guard remedy
     bounds = state.calibrator.bounds
     standard = (1.0 - cfg.algorithm.eps_low, 1.0 + cfg.algorithm.eps_high)
     if batch.size == 0:
         raise RuntimeError(f"step {step}: no kept samples to train on (all groups dropped by dynamic sampling)")
-    with injected_lr(state, step, attempt):  # test hook of the guard (issue 15); a no-op unless FP8RL_INJECT_LR is set
+    with injected_lr(state, step, attempt):  # test hook of the guard; a no-op unless FP8RL_INJECT_LR is set
         res = policy_update(
             state.policy, state.optimizer, state.scheduler, batch, cfg, bounds=bounds, shadow=shadow,
             seed=step_seed(cfg.seed, step, 7), collective=env.collective,

@@ -72,7 +72,10 @@ def test_unknown_precision_lists_choices():
 
 def test_initial_bounds_default_to_the_epsilons():
     cfg = CampaignConfig()
-    assert cfg.initial_bounds() == pytest.approx((0.8, 1.28))
+    from fp8rl_core.calibration import initial_bounds
+
+    a = cfg.algorithm
+    assert initial_bounds(eps_low=a.eps_low, eps_high=a.eps_high, config=cfg.calibration) == pytest.approx((0.8, 1.28))
 
 
 def test_missing_preset_is_a_clear_error():
