@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from fp8rl_core.config import CampaignConfig
 from flows.prefect_env import configure_prefect_env, quiet_third_party
+from fp8rl_core.config import CampaignConfig
 
 configure_prefect_env()
 quiet_third_party()
@@ -49,11 +49,11 @@ from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.artifacts import create_markdown_artifact, create_table_artifact  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
-from stages.context import RunEnv, TrainState, is_checkpoint_step, is_eval_step  # noqa: E402
-from storage import faults, lock  # noqa: E402
-from stages.checkpoint import eval_scores, restore_latest  # noqa: E402
-from stages.stage_comm import TRANSIENT, TransientStageError, broadcast, is_transient  # noqa: E402,F401 (re-exported)
 from flows.ui import publish_bounds, publish_failure, publish_step  # noqa: E402
+from stages.checkpoint import eval_scores, restore_latest  # noqa: E402
+from stages.context import RunEnv, TrainState, is_checkpoint_step, is_eval_step  # noqa: E402
+from stages.stage_comm import TRANSIENT, TransientStageError, broadcast, is_transient  # noqa: E402,F401 (re-exported)
+from storage import faults, lock  # noqa: E402
 
 
 def _is_transient(task_obj, task_run, state) -> bool:

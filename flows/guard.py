@@ -38,8 +38,8 @@ import math
 from typing import Any
 
 from fp8rl_core.guard import Trip, check, last_good_step
-from storage import faults
 from stages.context import RunEnv, TrainState
+from storage import faults
 
 
 class GuardStop(RuntimeError):

@@ -104,10 +104,10 @@ def _check_span(env: RunEnv, steps: range, needs: str) -> None:
 
 
 def _rerun_evaluate(run_dir: Path, cfg: CampaignConfig, steps: range, variant: str) -> int:
+    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
     from stages.checkpoint import restore
     from stages.context import open_run
     from stages.evaluate import run_evaluate
-    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
     from storage.checkpoints import list_checkpoints
 
     todo = [(s, path) for s, path in list_checkpoints(run_dir) if s in steps]

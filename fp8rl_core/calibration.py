@@ -474,7 +474,7 @@ class CalibratorState:
         unknown, missing = set(d) - names, {"lower", "upper"} - set(d)
         if unknown or missing:
             raise ValueError(f"CalibratorState.from_dict: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
-        last, alpha = d.get("last_step"), d.get("alpha")  # alpha: absent from checkpoints older than the quantile signal
+        last, alpha = d.get("last_step"), d.get("alpha")  # alpha: absent from older checkpoints
         return cls(float(d["lower"]), float(d["upper"]), int(d.get("n_calibrations", 0)), None if last is None else int(last),
                    None if alpha is None else float(alpha))
 

@@ -46,8 +46,17 @@ import numpy as np
 import torch
 
 from fp8rl_core.losses import (
-    AGGREGATIONS, CALIBRATION_UNITS, LOG_RATIO_CLAMP, LOSS_BOUNDS, LOSS_STATISTICS, POLICY_LOSSES, _add_common_metrics,
-    _check_inputs, _sanitize, aggregate, clip_metrics,
+    AGGREGATIONS,
+    CALIBRATION_UNITS,
+    LOG_RATIO_CLAMP,
+    LOSS_BOUNDS,
+    LOSS_STATISTICS,
+    POLICY_LOSSES,
+    _add_common_metrics,
+    _check_inputs,
+    _sanitize,
+    aggregate,
+    clip_metrics,
 )
 
 if TYPE_CHECKING:  # annotations only: fp8rl_core.config imports the registries, never the reverse

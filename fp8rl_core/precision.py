@@ -32,9 +32,9 @@ inference copy of the policy for CPU generation, whose decoder linears are
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import copy
 import dataclasses
+import fnmatch
 import logging
 import warnings
 from dataclasses import dataclass
@@ -46,8 +46,8 @@ from torch import nn
 from fp8rl_core.fp4 import MXFP4, NVFP4, FP4Format
 from fp8rl_core.fp4_linear import Fp4Recipe, Fp4RolloutLinear, Fp4State, Fp4TrainingLinear
 from fp8rl_core.fp8_linear import Fp8Recipe, Fp8RolloutLinear, Fp8TrainingLinear, SharedInputCache
-from fp8rl_core.registry import Registry
 from fp8rl_core.quiet_imports import silence_torchao_import_noise  # noqa: F401  (re-exported)
+from fp8rl_core.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -487,7 +487,8 @@ def fp4_shape_problem(lin: nn.Linear, fmt: FP4Format) -> str | None:
 
 def _train_fp4(req: _TrainRequest, fmt: FP4Format) -> ConversionReport:
     if req.emulate is False:
-        raise ValueError(f"precision {req.mode!r}: no real FP4 kernels are wired (emulation only); pass emulate=None or True")
+        raise ValueError(f"precision {req.mode!r}: no real FP4 kernels are wired (emulation only); "
+                         "pass emulate=None or True")
     found, keep = _decoder_linears(req.model)
     patterns = tuple(getattr(req, "keep_high_precision", ()) or ())
     listed = [f for f in found if any(fnmatch.fnmatchcase(f[0], p) for p in patterns)]
@@ -510,4 +511,5 @@ for _mode, _fmt in FP4_TRAIN_MODES.items():
     TRAIN_PRECISIONS.register(_mode)(lambda req, _fmt=_fmt: _train_fp4(req, _fmt))
 
 for _mode, _fmt in FP4_ROLLOUT_MODES.items():
-    ROLLOUT_PRECISIONS.register(_mode)(lambda lin, _fmt=_fmt: Fp4RolloutLinear(lin.in_features, lin.out_features, fmt=_fmt))
+    ROLLOUT_PRECISIONS.register(_mode)(
+        lambda lin, _fmt=_fmt: Fp4RolloutLinear(lin.in_features, lin.out_features, fmt=_fmt))

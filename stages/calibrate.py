@@ -16,9 +16,9 @@ import torch
 
 from fp8rl_core.calibration import calibrate
 from fp8rl_core.losses import importance_ratio
+from fp8rl_core.registered import CALIBRATION_UNITS
 from stages.context import RunEnv, TrainState
 from stages.io import read_step
-from fp8rl_core.registered import CALIBRATION_UNITS
 from stages.schedule import subsample_columns
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fp8rl_core import code_task
-from fp8rl_core.config import CampaignConfig, CodeConfig, TaskConfig
+from fp8rl_core.config import CodeConfig, TaskConfig
 from stages.benchmarks import BenchmarkProblem, BenchmarkSet, LoadReport, resolve_data_dir
 from stages.code_grading import CodeGradingConfig, extract_code, grade_code_batch, parse_tests
 from stages.grade_result import GradeResult

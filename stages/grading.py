@@ -34,12 +34,11 @@ import math
 import multiprocessing as mp
 import os
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
-from fp8rl_core.verifiers import extract_final_answer, get_verifier, math_equal
 from fp8rl_core.task import extract_answer
+from fp8rl_core.verifiers import extract_final_answer, get_verifier, math_equal
 from stages.grade_result import GradeResult, Status  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)

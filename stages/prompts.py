@@ -170,7 +170,8 @@ def make_code_source(cfg: CampaignConfig | TaskConfig, code: CodeConfig | None =
 
         return TinyCodeSource()
     name = "leetcode_train" if task.kind == "leetcode" else task.kind
-    bs = load_code_benchmark(name, data_dir(task), None, task=task, code=code, path=task.path, hub=task.path is not None)
+    bs = load_code_benchmark(name, data_dir(task), None, task=task, code=code, path=task.path,
+                             hub=task.path is not None)
     src = ListSource([PromptItem(q.id, q.problem, q.answer, task.kind) for q in bs], task.kind)
     src.verifier = "code"
     return src

@@ -54,6 +54,14 @@ def shadow_this_step(env: RunEnv, state: TrainState, step: int) -> bool:
     return sched.calibrates(step, last, prev)
 
 
+def shadow_plan(env: RunEnv, state: TrainState, step: int, advantages: torch.Tensor,
+                response_mask: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+    """The train stage's one question to the schedule: (shadow passes on ``step``?, ``[N]`` bool rows to
+    shadow or None for all). The answer is recorded as ``steps.shadow``."""
+    shadow = shadow_this_step(env, state, step)
+    return shadow, (shadow_subset(env, step, advantages, response_mask) if shadow else None)
+
+
 def _reference(env: RunEnv, step: int) -> torch.Tensor | None:
     key = (str(env.run_dir), env.input_variant or env.variant, step)
     if key not in _REFERENCE:

@@ -30,7 +30,7 @@ from stages.context import RunEnv, TrainState, step_seed
 from stages.grading import answer_parser
 from stages.guard import injected_lr
 from stages.io import read_step
-from stages.schedule import drift_metrics, shadow_subset, shadow_this_step
+from stages.schedule import drift_metrics, shadow_plan
 from stages.train_core import TrainBatch, UpdateResult, policy_update, token_multiple
 
 ENTROPY_BIN_EDGES = (0.0, 0.1, 0.5, 1.0, 2.0, float("inf"))
@@ -160,7 +160,7 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     rows = read_step(env, "rollouts", step)
     scores = read_step(env, "scores", step)
     batch = build_batch(rows, scores, env.tokenizer.pad_token_id)
-    shadow = shadow_this_step(env, state, step)  # fixed K, drift, or a guard remedy
+    shadow, shadow_rows = shadow_plan(env, state, step, batch.advantages, batch.response_mask)  # K, drift or guard
     bounds = state.calibrator.bounds
     standard = (1.0 - cfg.algorithm.eps_low, 1.0 + cfg.algorithm.eps_high)
     if batch.size == 0:
@@ -169,7 +169,7 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
         res = policy_update(
             state.policy, state.optimizer, state.scheduler, batch, cfg, bounds=bounds, shadow=shadow,
             seed=step_seed(cfg.seed, step, 7), collective=env.collective,
-            shadow_rows=shadow_subset(env, step, batch.advantages, batch.response_mask) if shadow else None,
+            shadow_rows=shadow_rows,
         )
     state = state.replace(policy_version=step)
     # per-token rows: each rank writes the rows it trained, as its own part file

@@ -61,11 +61,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fp8rl_core.bapo import UpdateBoundsRule
+from fp8rl_core.calibration import per_update_rule
 from fp8rl_core.config import CampaignConfig
 from fp8rl_core.fp8_linear import TOKEN_MULTIPLE
 from fp8rl_core.logprobs import sequence_logprobs
-from fp8rl_core.bapo import UpdateBoundsRule
-from fp8rl_core.calibration import per_update_rule
 from fp8rl_core.losses import importance_ratio, loss_bounds, tis_weights
 from fp8rl_core.precision import bf16_shadow
 from fp8rl_core.registered import LOSS_STATISTICS, POLICY_LOSSES
@@ -459,7 +459,7 @@ def optimizer_step(model, optimizer, scheduler, loss: float, cfg: CampaignConfig
 
 def minibatch_update(model, optimizer, scheduler, rows: StepRows, k: int, t: StepTensors, cfg: CampaignConfig, *,
                      bounds: tuple[float, float], shadow: bool, collective: Collective, log: UpdateLog,
-                     timings: dict[str, float]) -> None:
+                     timings: dict[str, float], rule: UpdateBoundsRule | None = None) -> None:
     """Phase 2, one update: the BF16 shadow of π_θ (epoch 0 of shadow steps), the clip mode's
     per-update bounds if it has them, the micro-batches' forward/backward, the optimizer step."""
     epoch, mb_index = divmod(k, rows.per_epoch)
@@ -473,8 +473,7 @@ def minibatch_update(model, optimizer, scheduler, rows: StepRows, k: int, t: Ste
         _no_grad_logprobs(model, rows, micros, cfg.precision.train, shadow=True, out=t.logp16)
         timings["shadow_s"] += time.perf_counter() - t0
     lower, upper = bounds
-    rule = per_update_rule(cfg.calibration.mode)
-    if rule is not None:
+    if rule is not None:  # a clip mode with bounds per update (its registry hooks)
         b = update_bounds(model, rows, micros, t, cfg, rule, collective)
         log.per_update.append(b)
         if epoch == 0:
@@ -520,20 +519,21 @@ def policy_update(
     rows = split_rows(batch, cfg, seed, collective, next(model.parameters()).device, shadow_rows)
     timings: dict[str, float] = {}
     model.train()
+    rule = per_update_rule(cfg.calibration.mode)  # None unless the clip mode picks bounds per update
     t = old_logprobs(model, rows, cfg, shadow=shadow, timings=timings)  # 1. π_old (+ BF16 shadow)
     log = UpdateLog(minibatch=torch.zeros(rows.n, dtype=torch.long))
     t_train = time.perf_counter()
     for k in range(len(rows.plan)):  # 2. one optimizer update per mini-batch, every epoch
         minibatch_update(model, optimizer, scheduler, rows, k, t, cfg, bounds=bounds, shadow=shadow,
-                         collective=collective, log=log, timings=timings)
+                         collective=collective, log=log, timings=timings, rule=rule)
     timings["update_s"] = time.perf_counter() - t_train
     return gather_step_stats(batch, rows, t, log, cfg, bounds=bounds, collective=collective,  # 3. statistics
-                             lr=float(scheduler.get_last_lr()[0]), timings=timings)
+                             lr=float(scheduler.get_last_lr()[0]), timings=timings, rule=rule)
 
 
 def gather_step_stats(batch: TrainBatch, rows: StepRows, t: StepTensors, log: UpdateLog, cfg: CampaignConfig, *,
                       bounds: tuple[float, float], collective: Collective, lr: float,
-                      timings: dict[str, float]) -> UpdateResult:
+                      timings: dict[str, float], rule: UpdateBoundsRule | None = None) -> UpdateResult:
     """Phase 3: every rank's per-token tensors gathered into ``[N, T]`` (global, CPU), and the step's
     statistics computed on them by the same code as in one process."""
     n, mine = rows.n, rows.mine
@@ -550,7 +550,6 @@ def gather_step_stats(batch: TrainBatch, rows: StepRows, t: StepTensors, log: Up
                                      is_w=t.is_w).items()}
     minibatch = log.minibatch if collective.world_size == 1 else _owned_max(collective, log.minibatch, mine, n)
     metrics = step_metrics(batch, g["logp8"], g["old8"], g["entropy"], g["is_w"], cfg, bounds=bounds)
-    rule = per_update_rule(cfg.calibration.mode)
     if rule is not None:  # clip statistics at each row's own update bounds
         fmask = batch.response_mask.float()
         metrics.update({k: float(v) for k, v in rule.clip_stats(

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+from conftest import micro_config
 from typer.testing import CliRunner
 
-from conftest import micro_config
 from flows.cli import app
 from flows.configuration import dump_config
 from stages.io import RunTables, read_step, shadow_steps
@@ -69,7 +69,8 @@ def _recalibrated(run: Path, variant: str) -> list[int]:
 
 def one_line_exit_2(r, *needles: str) -> None:
     err = r.stderr.strip()
-    assert r.exit_code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), (r.exit_code, err, r.exception)
+    assert r.exit_code == 2, (r.exit_code, err, r.exception)
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
     assert all(n in err for n in needles), err
 
 

@@ -11,13 +11,13 @@ import math
 
 import pytest
 import torch
+from test_train_scaleout import _batch, _cfg, _model
 
 from fp8rl_core.bapo import UpdateBoundsRule
 from fp8rl_core.calibration import CLIP_MODES, UPDATE_BOUNDS
 from fp8rl_core.losses import LOSS_BOUNDS
 from fp8rl_core.registered import CALIBRATION_UNITS, LOSS_STATISTICS, POLICY_LOSSES
 from stages import train_core as tc
-from test_train_scaleout import _batch, _cfg, _model
 
 
 def _setup(n: int = 16, shadow_rows=None, **algo):
@@ -74,7 +74,8 @@ def test_micro_batch_pass_sums_to_the_mini_batchs_loss_and_records_epoch_zero():
     lp = tc.policy_logprobs(model, x.input_ids[real], x.attention_mask[real], mode="bf16")[0]
     whole, _ = POLICY_LOSSES.get("ppo")(lp, t.old8[real], t.adv_tok[real], t.mask[real], lower=0.8, upper=1.28,
                                         is_weights=t.is_w[real], global_token_count=tokens)
-    assert total == pytest.approx(float(whole.detach()), abs=1e-5)  # token-mean over the global count: micro-batches add up
+    # token-mean over the global token count: the micro-batches' losses add up to the mini-batch's
+    assert total == pytest.approx(float(whole.detach()), abs=1e-5)
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
     assert torch.allclose(t.logp8[real], lp.detach())
 
@@ -93,7 +94,7 @@ def test_optimizer_step_skips_a_non_finite_loss_and_leaves_the_weights():
     assert log.skipped == 1 and log.grad_norms == [pytest.approx(math.sqrt(sum(p.numel() for p in before))), 0.0]
 
 
-def test_minibatch_update_takes_its_bounds_from_the_clip_modes_hook(monkeypatch):
+def test_minibatch_update_takes_its_bounds_from_the_clip_modes_hook():
     cfg, model, rows = _setup()
     opt, sched = tc.make_optimizer(model, cfg)
     t = tc.old_logprobs(model, rows, cfg, shadow=False, timings={})
@@ -107,10 +108,9 @@ def test_minibatch_update_takes_its_bounds_from_the_clip_modes_hook(monkeypatch)
         return Picked()
 
     rule = UpdateBoundsRule(bounds, clip_stats=None, summarize=None)
-    monkeypatch.setattr(tc, "per_update_rule", lambda mode: rule)
     log = tc.UpdateLog(minibatch=torch.zeros(16, dtype=torch.long))
     tc.minibatch_update(model, opt, sched, rows, 1, t, cfg, bounds=(0.8, 1.28), shadow=False, collective=tc.LOCAL,
-                        log=log, timings={})
+                        log=log, timings={}, rule=rule)
     assert seen == [(8 * t.mask.shape[1], False)]  # the mini-batch's tokens, one process
     assert log.epoch0_bounds == {1: (0.5, 1.5)} and len(log.per_update) == 1 and len(log.losses) == 1
     assert sorted(torch.cat(rows.plan[1]).tolist()) == sorted((log.minibatch == 1).nonzero().flatten().tolist())
@@ -126,6 +126,11 @@ def test_gather_step_stats_in_one_process_returns_the_rows_as_they_are():
     m = res.metrics
     assert (m["loss"], m["grad_norm"], m["grad_norm_max"], m["updates"], m["lr"]) == (2.0, 3.0, 4.0, 2.0, 1e-3)
     assert m["lower_bound"] == 0.8 and m["upper_bound"] == 1.28
+
+
+def test_bapo_is_the_one_clip_mode_with_per_update_bounds():
+    assert tc.per_update_rule("bapo") is UPDATE_BOUNDS.get("bapo")
+    assert all(tc.per_update_rule(m) is None for m in CLIP_MODES.names() if m != "bapo")
 
 
 def test_every_loss_has_every_hook_and_every_per_update_mode_is_a_clip_mode():
