@@ -60,7 +60,7 @@ def rerun_stage(run_dir: Path, cfg: CampaignConfig, stage: str, steps: range, *,
             if s >= 1 and "rollout" in env.ledger.done_stages(s):
                 with env.ledger.stage(s, "score", variant=variant) as rec:
                     summary, state = run_score(env, state, s)
-                    rec.outputs.extend(summary["outputs"])
+                    rec.outputs.extend(summary.outputs)
                 written += 1
     elif stage == "calibrate":
         from stages.calibrate import run_calibrate
@@ -76,7 +76,7 @@ def rerun_stage(run_dir: Path, cfg: CampaignConfig, stage: str, steps: range, *,
             if "train" in env.ledger.done_stages(s):
                 with env.ledger.stage(s, "calibrate", variant=variant) as rec:
                     summary, state = run_calibrate(env, state, s)
-                    rec.outputs.extend(summary["outputs"])
+                    rec.outputs.extend(summary.outputs)
                 written += 1
     elif stage == "evaluate":
         written = _rerun_evaluate(run_dir, cfg, steps, variant)
@@ -122,7 +122,7 @@ def _rerun_evaluate(run_dir: Path, cfg: CampaignConfig, steps: range, variant: s
                 _, state = restore(env, state, path)
                 with env.ledger.stage(s, "evaluate", variant=variant) as rec:
                     summary, state = run_evaluate(env, state, s)
-                    rec.outputs.extend(summary["outputs"])
+                    rec.outputs.extend(summary.outputs)
                 written += 1
     finally:
         env.close()

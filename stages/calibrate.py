@@ -19,6 +19,7 @@ from fp8rl_core.losses import importance_ratio
 from fp8rl_core.registered import CALIBRATION_UNITS
 from stages.context import RunEnv, TrainState
 from stages.io import read_step
+from stages.result import StageResult
 from stages.schedule import subsample_columns
 
 
@@ -41,7 +42,7 @@ def _tis_weights(env: RunEnv, step: int, tok, old_logp_fp8: np.ndarray) -> torch
     return tis_weights(torch.from_numpy(old_logp_fp8.astype(np.float32)), torch.from_numpy(rollout), cap=env.cfg.algorithm.tis_cap)
 
 
-def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[dict, TrainState]:
+def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[StageResult, TrainState]:
     """Calibrate on ``step``'s tokens; write ``bounds``; return the state with the moved calibrator."""
     t0 = time.perf_counter()
     cfg = env.cfg
@@ -80,5 +81,5 @@ def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0
     path = env.writer.write("bounds", step, row, stage="calibrate", attempt=attempt, variant=env.variant)
     calibrator = state.calibrator.updated(res, step)
     seconds = time.perf_counter() - t0
-    return {"outputs": [str(path)], "lower": res.lower, "upper": res.upper, "alpha": res.alpha,
-            "calibrator": calibrator.to_dict(), "seconds": seconds}, state.replace(calibrator=calibrator)
+    info = {"lower": res.lower, "upper": res.upper, "alpha": res.alpha, "calibrator": calibrator.to_dict()}
+    return StageResult(outputs=[str(path)], seconds=seconds, info=info), state.replace(calibrator=calibrator)

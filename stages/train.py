@@ -21,7 +21,11 @@ import pyarrow as pa
 import torch
 
 from fp8rl_core.diagnostics import (
-    entropy_binned_clip_shares, is_garbled, noise_amplification, over_clipped_mask, under_clipped_mask,
+    entropy_binned_clip_shares,
+    is_garbled,
+    noise_amplification,
+    over_clipped_mask,
+    under_clipped_mask,
 )
 from fp8rl_core.failure_signals import garbled_share
 from fp8rl_core.losses import importance_ratio
@@ -30,6 +34,7 @@ from stages.context import RunEnv, TrainState, step_seed
 from stages.grading import answer_parser
 from stages.guard import injected_lr
 from stages.io import read_step
+from stages.result import StageResult
 from stages.schedule import drift_metrics, shadow_plan
 from stages.train_core import TrainBatch, UpdateResult, policy_update, token_multiple
 
@@ -148,7 +153,7 @@ def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard, tis_c
 
 
 def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
-              timings: dict[str, float] | None = None) -> tuple[dict, TrainState]:
+              timings: dict[str, float] | None = None) -> tuple[StageResult, TrainState]:
     """Update the policy on ``step``'s batch; write ``token_stats`` and ``steps``.
 
     ``timings``: the step's earlier stage times (``<stage>_seconds``), written in
@@ -210,4 +215,4 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     steps_row = {k: [float(v)] for k, v in m.items() if isinstance(v, (int, float))}
     if env.is_main:  # per-step tables: rank 0 alone
         outputs.append(str(env.writer.write("steps", step, steps_row, stage="train", attempt=attempt, variant=env.variant)))
-    return {"outputs": outputs, "metrics": m, "seconds": train_seconds}, state
+    return StageResult(outputs=outputs, seconds=train_seconds, metrics=m, shadow=shadow), state
