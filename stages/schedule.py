@@ -41,11 +41,14 @@ def _previous_signal(env: RunEnv, step: int) -> float | None:
     return float(vals[-1]) if vals else None
 
 
-def shadow_this_step(env: RunEnv, state: TrainState, step: int) -> bool:
-    """Does ``step`` run the BF16 shadow passes (and hence calibrate)?"""
-    from stages.guard import guard_forces_shadow
+def shadow_this_step(env: RunEnv, state: TrainState, step: int, *, forced: bool | None = None) -> bool:
+    """Does ``step`` run the BF16 shadow passes (and hence calibrate)? ``forced``: a guard remedy's
+    answer when the caller has it (``stages.guard.train_hooks``); None asks the guard here."""
+    if forced is None:
+        from stages.guard import guard_forces_shadow
 
-    if step >= 1 and guard_forces_shadow(env, step):
+        forced = step >= 1 and guard_forces_shadow(env, step)
+    if forced:
         return True
     sched, last = Schedule.from_config(env.cfg.calibration), state.calibrator.last_step
     if sched.kind == "fixed":
@@ -54,11 +57,11 @@ def shadow_this_step(env: RunEnv, state: TrainState, step: int) -> bool:
     return sched.calibrates(step, last, prev)
 
 
-def shadow_plan(env: RunEnv, state: TrainState, step: int, advantages: torch.Tensor,
-                response_mask: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+def shadow_plan(env: RunEnv, state: TrainState, step: int, advantages: torch.Tensor, response_mask: torch.Tensor,
+                *, forced: bool | None = None) -> tuple[bool, torch.Tensor | None]:
     """The train stage's one question to the schedule: (shadow passes on ``step``?, ``[N]`` bool rows to
-    shadow or None for all). The answer is recorded as ``steps.shadow``."""
-    shadow = shadow_this_step(env, state, step)
+    shadow or None for all). ``forced``: see :func:`shadow_this_step`. Recorded as ``steps.shadow``."""
+    shadow = shadow_this_step(env, state, step, forced=forced)
     return shadow, (shadow_subset(env, step, advantages, response_mask) if shadow else None)
 
 

@@ -32,11 +32,11 @@ from fp8rl_core.losses import importance_ratio
 from fp8rl_core.noise_sources import noise_sources
 from stages.context import RunEnv, TrainState, step_seed
 from stages.grading import answer_parser
-from stages.guard import injected_lr
+from stages.guard import train_hooks
 from stages.io import read_step
 from stages.result import StageResult
 from stages.schedule import drift_metrics, shadow_plan
-from stages.train_core import TrainBatch, UpdateResult, policy_update, token_multiple
+from stages.train_core import TrainBatch, UpdateResult, lr_override, policy_update, token_multiple
 
 ENTROPY_BIN_EDGES = (0.0, 0.1, 0.5, 1.0, 2.0, float("inf"))
 
@@ -165,12 +165,14 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     rows = read_step(env, "rollouts", step)
     scores = read_step(env, "scores", step)
     batch = build_batch(rows, scores, env.tokenizer.pad_token_id)
-    shadow, shadow_rows = shadow_plan(env, state, step, batch.advantages, batch.response_mask)  # K, drift or guard
+    hooks = train_hooks(env, step, attempt)  # a guard remedy forcing the shadow passes; its LR test hook
+    shadow, shadow_rows = shadow_plan(env, state, step, batch.advantages, batch.response_mask,
+                                      forced=hooks.forces_shadow)  # fixed K, drift, or the guard's remedy
     bounds = state.calibrator.bounds
     standard = (1.0 - cfg.algorithm.eps_low, 1.0 + cfg.algorithm.eps_high)
     if batch.size == 0:
         raise RuntimeError(f"step {step}: no kept samples to train on (all groups dropped by dynamic sampling)")
-    with injected_lr(state, step, attempt):  # test hook of the guard; a no-op unless FP8RL_INJECT_LR is set
+    with lr_override(state.optimizer, state.scheduler, hooks.injected_lr):  # None unless FP8RL_INJECT_LR is set
         res = policy_update(
             state.policy, state.optimizer, state.scheduler, batch, cfg, bounds=bounds, shadow=shadow,
             seed=step_seed(cfg.seed, step, 7), collective=env.collective,

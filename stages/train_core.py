@@ -57,7 +57,9 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -259,6 +261,25 @@ def make_optimizer(model: torch.nn.Module, cfg: CampaignConfig) -> tuple[torch.o
     opt = torch.optim.AdamW(params, lr=a.lr, betas=a.betas, weight_decay=a.weight_decay, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(a.warmup_steps))
     return opt, sched
+
+
+@contextmanager
+def lr_override(optimizer: torch.optim.Optimizer, scheduler, lr: float | None) -> Iterator[None]:
+    """Train at learning rate ``lr`` inside the block (None: unchanged); the schedule's own LRs come back after."""
+    if lr is None:
+        yield
+        return
+    groups = optimizer.param_groups
+    saved_base, saved_lr = list(scheduler.base_lrs), [g["lr"] for g in groups]
+    scheduler.base_lrs = [lr for _ in saved_base]
+    for g in groups:
+        g["lr"] = lr
+    try:
+        yield
+    finally:
+        scheduler.base_lrs = saved_base
+        for g, v in zip(groups, saved_lr):
+            g["lr"] = v
 
 
 def local_rows(batch: TrainBatch, mine: torch.Tensor, world_size: int) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None]:
