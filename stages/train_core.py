@@ -120,7 +120,7 @@ class UpdateResult:
     skipped_updates: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     rows: torch.Tensor | None = None  # global rows this rank trained (its share of the per-token tables)
-    row_bounds: torch.Tensor | None = None  # [N, 2] (L, H) of each row's epoch-0 update when bounds vary per update (BAPO)
+    row_bounds: torch.Tensor | None = None  # [N, 2] (L, H) of each row's epoch-0 update (bounds per update: BAPO)
 
 
 # --------------------------------------------------------------------------- collectives
@@ -254,7 +254,8 @@ def _lr_lambda(warmup: int):
     return lambda n: min(1.0, (n + 1) / warmup) if warmup > 0 else 1.0
 
 
-def make_optimizer(model: torch.nn.Module, cfg: CampaignConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(model: torch.nn.Module,
+                   cfg: CampaignConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the fp32 master weights (on their device) plus a linear-warmup schedule (per update)."""
     a = cfg.algorithm
     params = [p for p in model.parameters() if p.requires_grad]
@@ -282,7 +283,8 @@ def lr_override(optimizer: torch.optim.Optimizer, scheduler, lr: float | None) -
             g["lr"] = v
 
 
-def local_rows(batch: TrainBatch, mine: torch.Tensor, world_size: int) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None]:
+def local_rows(batch: TrainBatch, mine: torch.Tensor,
+               world_size: int) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None]:
     """This rank's rows of the global ``batch`` (in global order) and, under several ranks, a padding row.
 
     Returns ``(local, rows, pad)``: ``local`` the ``[n_r (+1), T]`` batch, ``rows``
@@ -593,7 +595,8 @@ def gather_step_stats(batch: TrainBatch, rows: StepRows, t: StepTensors, log: Up
 
 def _owned_max(collective: Collective, minibatch: torch.Tensor, mine: torch.Tensor, n: int) -> torch.Tensor:
     """Each row's mini-batch index, as set by the rank that trained it."""
-    return torch.zeros(n, dtype=torch.long).index_copy_(0, collective.gather_rows(mine), collective.gather_rows(minibatch[mine]))
+    rows, owned = collective.gather_rows(mine), collective.gather_rows(minibatch[mine])
+    return torch.zeros(n, dtype=torch.long).index_copy_(0, rows, owned)
 
 
 def step_metrics(batch: TrainBatch, logp8, old8, entropy, is_w, cfg: CampaignConfig, *, bounds) -> dict[str, float]:
