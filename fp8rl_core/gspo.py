@@ -40,8 +40,6 @@ step 1e-5, max change per calibration 7.5e-5 (config ``gspo_*`` fields).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
@@ -59,8 +57,8 @@ from fp8rl_core.losses import (
     clip_metrics,
 )
 
-if TYPE_CHECKING:  # annotations only: fp8rl_core.config imports the registries, never the reverse
-    from fp8rl_core.config import CalibrationConfig
+# The calibration config arrives as an argument (``fp8rl_core.config.CalibrationConfig``), never imported:
+# fp8rl_core.config imports the loss registries to validate ``algorithm.loss``, so the arrow points that way.
 
 __all__ = [
     "GSPO_EPS_HIGH",
@@ -166,7 +164,7 @@ def sequence_calibration_inputs(
     return s8, s16, a, ~bad
 
 
-def gspo_calibration_config(cfg: CalibrationConfig) -> CalibrationConfig:
+def gspo_calibration_config(cfg):
     """``cfg`` with the sequence-level grid, search intervals and step cap (``gspo_*`` fields)."""
     return cfg.model_copy(update={
         "lower_min": cfg.gspo_lower_min, "lower_max": cfg.gspo_lower_max,
@@ -177,7 +175,7 @@ def gspo_calibration_config(cfg: CalibrationConfig) -> CalibrationConfig:
 
 @CALIBRATION_UNITS.register("gspo")
 def sequence_calibration_units(cols: dict[str, np.ndarray], sample_ids: np.ndarray, token_mask: torch.Tensor,
-                               cfg: CalibrationConfig):
+                               cfg):
     """(s8, s16, A, valid, config) of a calibration step for GSPO: sequences as the calibration units."""
     t = {k: torch.from_numpy(np.asarray(v, dtype=np.float64)) for k, v in cols.items()}
     s8, s16, a, ok = sequence_calibration_inputs(
