@@ -17,6 +17,12 @@ tested on tensors. Per step (DESIGN.md sections 2-3):
 5. a non-finite loss or gradient skips the update (recorded), leaving the policy
    as it was.
 
+Phases (:func:`policy_update` calls them in order): :func:`split_rows` (the plan
+and this rank's rows), :func:`old_logprobs` (steps 1-2), :func:`minibatch_update`
+per mini-batch (steps 3-5: the BF16 shadow of π_θ, the clip mode's per-update
+bounds, :func:`micro_batch_pass` over the micro-batches, :func:`optimizer_step`),
+and :func:`gather_step_stats` (the step's statistics over every rank's tokens).
+
 One forward path: every forward of a step — π_old, π_θ and both shadow passes —
 goes through :func:`policy_logprobs`, which calls
 :func:`fp8rl_core.logprobs.sequence_logprobs` (autocast of the inputs' device,
