@@ -21,6 +21,7 @@ run: $(STAMP)
 	$(BIN)/fp8rl run
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 clean:

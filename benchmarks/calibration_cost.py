@@ -1,4 +1,4 @@
-"""Cost of Calibrated Clipping next to the policy loss it serves (issue 3).
+"""Cost of Calibrated Clipping next to the policy loss it serves.
 
 For N tokens (default 1M, 10M, 50M) this times
 

@@ -1,4 +1,4 @@
-"""2-rank FSDP2 train step (gloo, 1 thread each) vs 1 process (2 threads), same global batch (issue 11).
+"""2-rank FSDP2 train step (gloo, 1 thread each) vs 1 process (2 threads), same global batch.
 
 Both run ``policy_update`` on the same global batch, mini-batches and
 micro-batches (the ranks together run the 1-process micro-batches); the script

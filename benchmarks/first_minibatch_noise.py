@@ -1,4 +1,4 @@
-"""How far the first mini-batch's ratios sit from 1 in each training precision (issue 6).
+"""How far the first mini-batch's ratios sit from 1 in each training precision.
 
 Before the first update π_θ = π_old, so every ratio of the first mini-batch is 1
 in exact arithmetic. In BF16 it is (the forward does not depend on batch

@@ -1,7 +1,7 @@
 """FP8 emulation overhead on CPU: train-step and rollout time of each FP8 mode / BF16.
 
 Question answered: what does running the FP8 (and FP4) precision modes cost on
-a CPU, where they are emulated? Goal (issue 2): <= 1.5x BF16 for a training step and
+a CPU, where they are emulated? Goal: <= 1.5x BF16 for a training step and
 <= 1.5x for rollout on the 2-core CPU (torchao's emulate path alone measured
 ~2.7x and ~4x here; pass ``--torchao`` to time it side by side).
 
@@ -38,7 +38,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402  (after fp8
 
 TRAIN_MODES = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")
 ROLLOUT_MODES = ("bf16", "fp8_per_tensor", "fp8_per_block")
-# FP4 (issue 14): emulated NVFP4 / MXFP4 training (NVIDIA's recipe) and W4A4 rollout, timed beside FP8
+# FP4: emulated NVFP4 / MXFP4 training (NVIDIA's recipe) and W4A4 rollout, timed beside FP8
 # in the same interleaved rounds; the 1.5x goal is FP8's, FP4's ratios are reported, not judged.
 FP4_TRAIN_MODES = ("nvfp4", "mxfp4")
 FP4_ROLLOUT_MODES = ("nvfp4_w4a4", "mxfp4_w4a4")

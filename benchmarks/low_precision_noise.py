@@ -1,4 +1,4 @@
-"""Probability NMAE, ratio NMAE and their quotient per low-precision format (issue 14).
+"""Probability NMAE, ratio NMAE and their quotient per low-precision format.
 
 Question answered: how much noise does each training format put into π_θ and into
 the importance ratios, relative to the BF16 shadow pass, on real RL steps — and

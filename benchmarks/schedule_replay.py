@@ -1,4 +1,4 @@
-"""Replay recalibration schedules on a diagnostic campaign (issue 15).
+"""Replay recalibration schedules on a diagnostic campaign.
 
 A diagnostic campaign runs the BF16 shadow passes on every step
 (``--set calibration.interval=1``), so its ``token_stats`` hold r8 and r16 for
@@ -37,8 +37,10 @@ def load_records(run_dir: Path) -> tuple[list[StepTokens], dict[int, tuple[float
 
     cfg = load_config(run_dir / "config.yaml")
     con = connect(run_dir)
-    t = query(con, "SELECT step, sample_id, position, advantage, logp_fp8, old_logp_fp8, logp_bf16, old_logp_bf16 "
-                   "FROM token_stats WHERE logp_bf16 IS NOT NULL ORDER BY step, sample_id, position")
+    # the steps the campaign recorded as shadow steps (steps.shadow), and their shadowed tokens
+    t = query(con, "SELECT t.step, sample_id, position, advantage, logp_fp8, old_logp_fp8, logp_bf16, old_logp_bf16 "
+                   "FROM token_stats t JOIN steps s ON s.run_id = t.run_id AND s.step = t.step "
+                   "WHERE s.shadow = 1 AND logp_bf16 IS NOT NULL ORDER BY t.step, sample_id, position")
     cols = {c: t.column(c).to_numpy(zero_copy_only=False) for c in t.column_names}
     recs = []
     steps = cols["step"]

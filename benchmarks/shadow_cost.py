@@ -1,4 +1,4 @@
-"""Shadow passes' share of campaign time: fixed K = 20, drift, subsampled (issue 15).
+"""Shadow passes' share of campaign time: fixed K = 20, drift, subsampled.
 
 Measured side by side in one process on one batch of the tiny campaign: per
 repetition, interleaved, one rollout + score and three train steps -- without

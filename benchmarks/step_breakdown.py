@@ -10,10 +10,10 @@ splits the wall time of the step loop into
 * orchestration: the rest of the loop's wall time (Prefect task runs, states,
   artifacts, our own bookkeeping between stages).
 
-Goal (issue 7): orchestration + storage <= 10% of the step time.
+Goal: orchestration + storage <= 10% of the step time.
 
 With trackers configured (``--set 'trackers=[tensorboard, mlflow, wandb]'``)
-it also reports the sinks' share (issue 17): the tee on the campaign's
+it also reports the sinks' share: the tee on the campaign's
 thread (turning rows into points and queueing them, inside the Parquet
 writes' time, so subtracted from it), the wait for the sinks to flush at the
 end, and the time each sink's own thread spent (concurrent with the steps;

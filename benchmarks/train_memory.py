@@ -1,4 +1,4 @@
-"""Peak memory of a train step grows with the micro-batch, not the mini-batch (issue 6).
+"""Peak memory of a train step grows with the micro-batch, not the mini-batch.
 
 Each setting runs in a fresh subprocess: build the tiny policy (FP8 tensorwise,
 emulated), a batch of 512 sequences (14 prompt + 10 response tokens), then one

@@ -1,4 +1,4 @@
-"""Overhead of the train stage's update over the bare model passes it cannot avoid (issue 11).
+"""Overhead of the train stage's update over the bare model passes it cannot avoid.
 
 The update needs one forward without grad (π_old) and one forward+backward (π_θ)
 of every micro-batch. This script times, side by side on the same batch and

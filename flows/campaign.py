@@ -1,4 +1,8 @@
-"""The campaign flow: rollout → score → train → calibrate (every K) → evaluate (every E) → checkpoint (every C).
+"""The campaign flow: rollout → score → train → calibrate (shadow steps) → evaluate (every E) → checkpoint (every C).
+
+This module holds the DAG and its Prefect tasks; the stages are plain functions
+in ``stages/`` returning a :class:`stages.result.StageResult`, and how ranks agree
+on an attempt's outcome is :mod:`stages.rank_outcome`.
 
 Prefect gives retries, timeouts, states, logs and artifacts; the ledger in the
 run directory is the truth for resume. Each stage is one Prefect task:
@@ -19,10 +23,10 @@ Transient = :class:`TransientStageError`, ``OSError``, ``TimeoutError``,
 bug, a bad config) fails at once.
 
 Under several ranks rollout and score run on every rank together
-(:func:`_on_ranks`): Prefect's own retries would re-run rank 0 alone and
-deadlock, so each attempt ends with rank 0 broadcasting its outcome (ok, retry,
-fatal) and all ranks follow it; rank 0 runs each attempt as its own Prefect task
-run, so the ledger and the UI record every attempt.
+(:func:`stages.rank_outcome.on_ranks`): Prefect's own retries would re-run rank 0
+alone and deadlock, so each attempt ends with rank 0 broadcasting its outcome
+(ok, retry, fatal) and all ranks follow it; rank 0 runs each attempt as its own
+Prefect task run, so the ledger and the UI record every attempt.
 
 Prefect caching is deliberately off (``NO_CACHE``): stage inputs are an
 in-process policy and optimizer, and the ledger, not a cache key, decides what
@@ -39,20 +43,22 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from flows.prefect_api import (
+    NO_CACHE,
+    create_markdown_artifact,
+    create_table_artifact,
+    flow,
+    get_run_logger,
+    task,
+)
+from flows.ui import publish_bounds, publish_failure, publish_step
 from fp8rl_core.config import CampaignConfig
-from flows.prefect_env import configure_prefect_env, quiet_third_party
-
-configure_prefect_env()
-quiet_third_party()
-
-from prefect import flow, get_run_logger, task  # noqa: E402
-from prefect.artifacts import create_markdown_artifact, create_table_artifact  # noqa: E402
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-
-from stages.context import RunEnv, TrainState, is_calibration_step, is_checkpoint_step, is_eval_step  # noqa: E402
-from storage import faults, lock  # noqa: E402
-from stages.stage_comm import TRANSIENT, TransientStageError, is_transient  # noqa: E402,F401 (re-exported names)
-from flows.ui import publish_bounds, publish_failure, publish_step  # noqa: E402
+from stages.checkpoint import eval_scores, restore_latest
+from stages.context import RunEnv, TrainState, is_checkpoint_step, is_eval_step
+from stages.rank_outcome import RankedStage, after_go, on_all, on_main, on_ranks
+from stages.result import StageResult
+from stages.stage_comm import TRANSIENT, TransientStageError, broadcast, is_transient  # noqa: F401 (re-exported)
+from storage import faults, lock
 
 
 def _is_transient(task_obj, task_run, state) -> bool:
@@ -79,25 +85,25 @@ def _jsonable(d: dict) -> dict:
     return out
 
 
-def _run_stage(name: str, fn: Callable[..., tuple[dict, Any]], env: RunEnv, state: TrainState, step: int,
-               **kw: Any) -> tuple[dict, TrainState]:
+def _run_stage(name: str, fn: Callable[..., tuple[StageResult, Any]], env: RunEnv, state: TrainState, step: int,
+               **kw: Any) -> tuple[StageResult, TrainState]:
     attempt = env.ledger.next_attempt(step, name, variant=env.variant)
     with env.ledger.stage(step, name, attempt=attempt, variant=env.variant) as rec:
         with faults.stage_scope(name, step):  # FP8RL_FAULT test hook
-            summary, state = fn(env, state, step, attempt=attempt, **kw)
-        rec.outputs.extend(summary.get("outputs", []))
-        rec.info.update(_jsonable({k: v for k, v in summary.items() if k not in ("outputs", "metrics")}))
-    return summary, state
+            result, state = fn(env, state, step, attempt=attempt, **kw)
+        rec.outputs.extend(result.outputs)
+        rec.info.update(_jsonable(result.ledger_info()))
+    return result, state
 
 
 def _stage_task(name: str, retries: int, timeout_s: float | None = None):
-    def deco(fn: Callable[..., tuple[dict, Any]]):
+    def deco(fn: Callable[..., tuple[StageResult, Any]]):
         @task(
             name=name, retries=retries, retry_delay_seconds=1, retry_condition_fn=_is_transient if retries else None,
             cache_policy=NO_CACHE, persist_result=False, timeout_seconds=timeout_s,
             task_run_name=f"{name}-step-{{step}}",
         )
-        def run(env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, TrainState]:
+        def run(env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
             try:
                 return _run_stage(name, fn, env, state, step, **kw)
             except BaseException as err:
@@ -146,32 +152,8 @@ def _checkpoint(env, state, step, **kw):
     return run_checkpoint(env, state, step, **kw)
 
 
-_GO = "go"
-
-
-class _EarlyOutcome(Exception):
-    """Rank 0 failed an attempt before its stage body began: its outcome arrived instead of the go."""
-
-    def __init__(self, outcome: tuple) -> None:
-        super().__init__(outcome[1])
-        self.outcome = outcome
-
-
-def _after_go(fn: Callable[..., tuple[dict, Any]]) -> Callable[..., tuple[dict, Any]]:
-    """A stage body all ranks enter together: rank 0 once inside its task run (ledger opened, start
-    faults checked) broadcasts the go; the others wait for it (identity in one process)."""
-
-    def run(env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, Any]:
-        msg = _broadcast(env, _GO)
-        if msg != _GO:
-            raise _EarlyOutcome(msg)
-        return fn(env, state, step, **kw)
-
-    return run
-
-
-rollout_task = _stage_task("rollout", retries=2, timeout_s=3600)(_after_go(_rollout))
-score_task = _stage_task("score", retries=2, timeout_s=3600)(_after_go(_score))
+rollout_task = _stage_task("rollout", retries=2, timeout_s=3600)(after_go(_rollout))
+score_task = _stage_task("score", retries=2, timeout_s=3600)(after_go(_score))
 train_task = _stage_task("train", retries=0)(_train)
 calibrate_task = _stage_task("calibrate", retries=1)(_calibrate)
 evaluate_task = _stage_task("evaluate", retries=2, timeout_s=3600)(_evaluate)
@@ -211,26 +193,6 @@ def _ledger_info(env: RunEnv, step: int, stage: str) -> dict:
     return rec.info if rec is not None else {}
 
 
-def _eval_scores_from(summary: dict) -> dict:
-    return {k: float(v) for k, v in (summary.get("scores") or {}).items() if isinstance(v, (int, float))}
-
-
-def _broadcast(env: RunEnv, obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (identity in one process)."""
-    return obj if env.world_size == 1 else env.stage_comm.broadcast(obj)
-
-
-def _on_main(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, TrainState]:
-    """A stage rank 0 alone runs (calibration, evaluation) as a Prefect
-    task; the state it moves (sampler, calibrator) is broadcast so all ranks continue alike.
-    If it fails, rank 0 exits and torchrun stops every rank: failure acts on all together."""
-    out = task_obj(env, state, step, **kw) if env.is_main else ({}, state)
-    if env.world_size == 1:
-        return out
-    summary, sampler, calibrator = _broadcast(env, (out[0], out[1].sampler, out[1].calibrator))
-    return summary, state.replace(sampler=sampler, calibrator=calibrator)
-
-
 def _logger():
     """The Prefect run logger inside a flow run, else the package logger."""
     try:
@@ -241,68 +203,25 @@ def _logger():
         return logging.getLogger("fp8rl")
 
 
-def _main_attempt(task_obj, env: RunEnv, state: TrainState, step: int, *, last: bool,
-                  **kw: Any) -> tuple[dict, TrainState] | None:
-    """Rank 0's attempt: one Prefect task run; broadcasts ok / retry / fatal; ``None`` means retry."""
-    try:
-        summary, new = task_obj.with_options(retries=0)(env, state, step, **kw)
-    except Exception as err:
-        verdict = "retry" if is_transient(err) and not last else "fatal"
-        _broadcast(env, (verdict, f"{type(err).__name__}: {err}".splitlines()[0]))
-        if verdict == "fatal":
-            raise
-        _logger().warning("%s of step %d failed (%s); all ranks retry", task_obj.name, step, err)
-        return None
-    _broadcast(env, ("ok", (summary, new.sampler, new.calibrator)))
-    return summary, new
+def _ranked(task_obj) -> RankedStage:
+    """The stage task as the ranks run it (``stages.rank_outcome``)."""
+    return RankedStage(task_obj.name, task_obj.retries, task_obj, task_obj.with_options(retries=0),
+                       task_obj.stage_fn)
 
 
-def _peer_attempt(task_obj, env: RunEnv, state: TrainState, step: int, *, attempt: int,
-                  **kw: Any) -> tuple[dict, TrainState] | None:
-    """A non-main rank's attempt: the bare stage, then rank 0's outcome; ``None`` means retry."""
-    local = None
-    try:
-        task_obj.stage_fn(env, state, step, attempt=attempt, **kw)
-        outcome = _broadcast(env, None)
-    except _EarlyOutcome as early:  # rank 0 failed before the body: nothing ran here
-        outcome = early.outcome
-    except Exception as err:  # every rank raised together (stages.stage_comm); rank 0 decides
-        local, outcome = err, _broadcast(env, None)
-    verdict, body = outcome
-    if verdict == "ok":
-        summary, sampler, calibrator = body
-        return summary, state.replace(sampler=sampler, calibrator=calibrator)
-    if verdict == "retry":
-        return None
-    raise RuntimeError(f"{task_obj.name} of step {step} failed on rank 0, so rank {env.rank} stops: {body}") from local
+def _on_ranks(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
+    return on_ranks(_ranked(task_obj), env, state, step, log=_logger(), **kw)
 
 
-def _on_ranks(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, TrainState]:
-    """A stage every rank runs together (rollout, score), retried on all ranks together.
-
-    One process: the Prefect task with its own retries (as every other stage).
-    Several ranks: up to ``retries + 1`` attempts; each ends with rank 0's outcome
-    broadcast (ok with the summary and sampler / retry on a transient error / fatal),
-    which every rank follows."""
-    if env.world_size == 1:
-        return task_obj(env, state, step, **kw)
-    attempts = task_obj.retries + 1
-    for attempt in range(attempts):
-        if env.is_main:
-            out = _main_attempt(task_obj, env, state, step, last=attempt == attempts - 1, **kw)
-        else:
-            out = _peer_attempt(task_obj, env, state, step, attempt=attempt, **kw)
-        if out is not None:
-            return out
-    raise AssertionError("unreachable: the last attempt is ok or fatal")
+def _on_main(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
+    return on_main(_ranked(task_obj), env, state, step, **kw)
 
 
-def _on_all(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, TrainState]:
-    """A collective stage (train, checkpoint): rank 0 runs it as a Prefect task (ledger, no
-    retries: a retry on one rank would deadlock the others), the others as the bare stage."""
-    if env.is_main:
-        return task_obj(env, state, step, **kw)
-    return task_obj.stage_fn(env, state, step, attempt=0, **kw)
+def _on_all(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
+    return on_all(_ranked(task_obj), env, state, step, **kw)
+
+
+_after_go = after_go  # the name the rank tests use
 
 
 class _StateView:
@@ -327,64 +246,63 @@ def _sync_engine(env: RunEnv, state: TrainState, synced: dict) -> None:
     synced["version"] = state.policy_version
 
 
-def run_step(env: RunEnv, state: TrainState, step: int, progress: Progress,
-             last_eval: dict | None = None, synced: dict | None = None) -> tuple[dict, TrainState, dict]:
-    """All stages of one step; returns ``(train summary, new state, latest eval scores)``.
+def _rollout_and_score(env: RunEnv, state: TrainState, step: int, done: set, info: dict,
+                       synced: dict) -> tuple[dict[str, float], TrainState]:
+    """Rollout and score of ``step`` on every rank (a done one gives back its sampler); their times."""
+    from stages.prompts import SamplerState
+
+    timings: dict[str, float] = {}
+    for name, stage_task in (("rollout", rollout_task), ("score", score_task)):
+        if name in done:
+            state = state.replace(sampler=SamplerState.from_dict(info[name].get("sampler")))
+            continue
+        _sync_engine(env, state, synced)  # DAPO refills generate too
+        out, state = _on_ranks(stage_task, env, state, step)
+        timings[f"{name}_seconds"] = out.seconds
+        for k, v in out.timings.items():  # engine memory; refill rounds' generation time adds to rollout's
+            timings[k] = timings.get(k, 0.0) + v if k.endswith("_seconds") else v
+    return timings, state
+
+
+def run_step(env: RunEnv, state: TrainState, step: int, progress: Progress, last_eval: dict | None = None,
+             synced: dict | None = None) -> tuple[StageResult, TrainState, dict]:
+    """All stages of one step; returns ``(train result, new state, latest eval scores)``.
 
     Stages the ledger marks done are not redone, except train/calibrate/checkpoint,
     which replay after a restore (weights must be rebuilt); a done rollout or score
     gives back the sampler position it recorded. Every rank runs this loop; rank 0
     reads the ledger and tells the others."""
-    from stages.prompts import SamplerState
-
-    cfg = env.cfg
     synced = {} if synced is None else synced
     done, info = None, {}
     if env.is_main:
         done = env.ledger.done_stages(step, variant=env.variant)
         info = {k: _ledger_info(env, step, k) for k in ("rollout", "score", "evaluate") if k in done}
-    done, info = _broadcast(env, (done, info))
-    summary: dict[str, Any] = {}
-    last_eval = dict(last_eval or {})
-    timings: dict[str, float] = {}
+    done, info = broadcast(env, (done, info))
+    trained, last_eval = StageResult(), dict(last_eval or {})
     if step > 0:
-        if "rollout" in done:
-            state = state.replace(sampler=SamplerState.from_dict(info["rollout"].get("sampler")))
-        else:
-            _sync_engine(env, state, synced)
-            out, state = _on_ranks(rollout_task, env, state, step)
-            timings["rollout_seconds"] = out.get("seconds", 0.0)
-            timings.update(out.get("engine_memory") or {})
-        if "score" in done:
-            state = state.replace(sampler=SamplerState.from_dict(info["score"].get("sampler")))
-        else:
-            _sync_engine(env, state, synced)  # DAPO refills generate too
-            out, state = _on_ranks(score_task, env, state, step)
-            timings["score_seconds"] = out.get("seconds", 0.0)
-            if out.get("refill_seconds"):
-                timings["rollout_seconds"] = timings.get("rollout_seconds", 0.0) + out["refill_seconds"]
-        summary, state = _on_all(train_task, env, state, step, timings=timings)
-        if summary.get("metrics", {}).get("shadow"):  # train ran the shadow passes (stages.schedule: fixed K, drift, guard)
+        timings, state = _rollout_and_score(env, state, step, done, info, synced)
+        trained, state = _on_all(train_task, env, state, step, timings=timings)
+        if trained.shadow:  # the schedule's decision (fixed K, drift, a guard remedy), as steps.shadow records it
             cal, state = _on_main(calibrate_task, env, state, step)
             if env.is_main:
-                _bounds_artifact(env, step, cal)
+                _bounds_artifact(env, step, cal.info)
                 publish_bounds(env, step)
         if env.is_main:
-            progress.step(step, summary.get("metrics", {}))
+            progress.step(step, trained.metrics)
             publish_step(env, step)
-    if is_eval_step(cfg, step):
+    if is_eval_step(env.cfg, step):
         if "evaluate" in done:
-            last_eval = _eval_scores_from(info["evaluate"])
+            last_eval = eval_scores(info["evaluate"])
         else:
             _sync_engine(env, state, synced)
-            out, state = _on_main(evaluate_task, env, state, step)
-            last_eval = _eval_scores_from(out)
+            out, state = _on_main(evaluate_task, env, state, step)  # the one evaluation call site
+            last_eval = dict(out.scores)
             if env.is_main:
                 progress.eval(step, last_eval)
                 _eval_artifact(env, step, last_eval)
-    if is_checkpoint_step(cfg, step):
+    if is_checkpoint_step(env.cfg, step):
         _, state = _on_all(checkpoint_task, env, state, step, metrics=dict(last_eval))
-    return summary, state, last_eval
+    return trained, state, last_eval
 
 
 def _bounds_artifact(env: RunEnv, step: int, cal: dict) -> None:
@@ -413,22 +331,6 @@ def _artifact_key(run_id: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in run_id.lower())[:60]
 
 
-def restore_latest(env: RunEnv, state: TrainState, *, before_step: int | None = None) -> tuple[int, TrainState, dict]:
-    """Restore the newest complete checkpoint (of a step < ``before_step``); all ranks together.
-
-    Returns ``(first step to run, restored state, eval scores recorded at that step)``."""
-    from stages.checkpoint import restore
-    from storage.checkpoints import latest_complete
-
-    at_most = None if before_step is None else before_step - 1
-    path = _broadcast(env, latest_complete(env.run_dir, at_most=at_most) if env.is_main else None)
-    if path is None:
-        return 0, state, {}
-    step, state = restore(env, state, path)
-    ev = _broadcast(env, _ledger_info(env, step, "evaluate") if env.is_main else None)
-    return step + 1, state, _eval_scores_from(ev)
-
-
 def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | None = None) -> dict:
     """The step loop every rank runs (rank 0 inside :func:`campaign_flow`)."""
     from flows.configuration import load_config
@@ -445,7 +347,7 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
         raise
     trackers = _open_trackers(env) if cfg.trackers and env.is_main else None  # no tracker code imported unless configured
     try:
-        from flows.guard import CampaignGuard, recover_pending  # issue 15
+        from flows.guard import CampaignGuard, recover_pending
         from fp8rl_core.cpu_gemm import cpu_bf16_gemm
 
         with cpu_bf16_gemm(cfg.precision.cpu_bf16_gemm, env.device):  # the whole loop's thread, backward included
@@ -459,8 +361,8 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
             guard = CampaignGuard(env)
             step = start
             while step <= last:
-                summary, state, last_eval = run_step(env, state, step, progress, last_eval, synced)
-                metrics = summary.get("metrics", metrics)
+                trained, state, last_eval = run_step(env, state, step, progress, last_eval, synced)
+                metrics = trained.metrics or metrics
                 # step + 1, or (all ranks together) the step after the checkpoint a guard rollback restored
                 step, state, last_eval = guard.after_step(state, step, metrics, last_eval)
         return {"run_dir": str(run_dir), "last_step": last, "final_metrics": _jsonable(metrics), "last_eval": last_eval,

@@ -101,7 +101,7 @@ def _run_flow(run_dir: Path, *, resume: bool, nproc_per_node: int = 1) -> dict:
     """The campaign flow under the run's single-writer lock; I/O failures are one line, exit 2.
 
     With ``nproc_per_node > 1`` this process (the launcher) holds the lock while
-    torchrun runs the ranks (issue 11); the ranks are told so and do not take it.
+    torchrun runs the ranks; the ranks are told so and do not take it.
     """
     from flows import child_guard
     from storage.errors import StorageError
@@ -109,7 +109,7 @@ def _run_flow(run_dir: Path, *, resume: bool, nproc_per_node: int = 1) -> dict:
     with io_errors(run_dir, resume_hint=run_dir), _locked(run_dir):
         child_guard.start()  # Prefect's temporary server dies with this process, even on SIGKILL
         try:
-            if nproc_per_node > 1:  # SPMD under torchrun (issue 11)
+            if nproc_per_node > 1:  # SPMD under torchrun
                 from flows.spmd import launch
 
                 return launch(run_dir, resume=resume, nproc_per_node=nproc_per_node)

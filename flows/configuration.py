@@ -82,9 +82,15 @@ def config_from_dict(data: dict, *, source: str = "<dict>", overrides: list[str]
     src = source + (" (with --set overrides)" if overrides else "")
     _refuse_bools_as_numbers(tree, src)
     try:
-        return CampaignConfig.model_validate(tree)
+        cfg = CampaignConfig.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_format_error(src, err)) from None
+    from fp8rl_core.registered import unknown_names  # the registries are the one list of names
+
+    bad = unknown_names(cfg)
+    if bad:
+        raise ConfigError(f"{src}: " + "; ".join(bad))
+    return cfg
 
 
 def _refuse_bools_as_numbers(tree: dict, src: str) -> None:

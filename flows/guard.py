@@ -1,4 +1,4 @@
-"""The campaign guard: watch the step rows, roll back on a trip, continue with a remedy (issue 15).
+"""The campaign guard: watch the step rows, roll back on a trip, continue with a remedy.
 
 After every step the flow hands the step's metrics to :class:`CampaignGuard`.
 It runs the detectors of :mod:`fp8rl_core.guard` over the live step rows
@@ -38,8 +38,8 @@ import math
 from typing import Any
 
 from fp8rl_core.guard import Trip, check, last_good_step
-from storage import faults
 from stages.context import RunEnv, TrainState
+from storage import faults
 
 
 class GuardStop(RuntimeError):
@@ -105,7 +105,7 @@ class CampaignGuard:
     def after_step(self, state: TrainState, step: int, metrics: dict[str, Any], last_eval: dict
                    ) -> tuple[int, TrainState, dict]:
         """``(next step, state, last eval)``: ``step + 1`` unchanged, or after a rollback."""
-        from flows.campaign import _broadcast
+        from stages.stage_comm import broadcast
 
         if not self.cfg.enabled or step < 1:
             return step + 1, state, last_eval
@@ -114,7 +114,7 @@ class CampaignGuard:
             self.rows = [r for r in self.rows if int(r["step"]) < step] + [{"step": step, **metrics}]
             trip = check(self.rows, self.cfg, at_last=True)
             decision = None if trip is None else self._record(trip)
-        decision = _broadcast(self.env, decision)
+        decision = broadcast(self.env, decision)
         if decision is None:
             return step + 1, state, last_eval
         if decision["action"] == "stop":
@@ -151,7 +151,7 @@ class CampaignGuard:
 
     def _restore(self, state: TrainState, c: int) -> tuple[int, TrainState, dict]:
         """All ranks: restore checkpoint c, apply the remedy to the state."""
-        from flows.campaign import restore_latest
+        from stages.checkpoint import restore_latest
 
         nxt, state, last_eval = restore_latest(self.env, state, before_step=c + 1)
         if self.cfg.remedy == "tighten":

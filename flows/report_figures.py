@@ -31,43 +31,9 @@ by :func:`paper_table_markdown`, shared by ``fp8rl report`` and ``fp8rl sweep``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
-
-@dataclass(frozen=True)
-class Panel:
-    """One axes: the result columns matching ``columns`` (a regex, full match).
-
-    ``each``: one panel per matching column, titled by the column name (for
-    columns the SQL creates dynamically, such as one per benchmark or stage).
-    ``labels``: legend text per column (default: the column name).
-    """
-
-    columns: str
-    title: str = ""
-    ylabel: str = ""
-    each: bool = False
-    labels: tuple[tuple[str, str], ...] = ()
-    log_y: bool = False
-
-
-@dataclass(frozen=True)
-class Figure:
-    """A figure: file stem ``name``, heading, caption, SQL, panels.
-
-    ``no_data``: why the figure can be empty (shown when it is).
-    ``markers``: draw points too (sparse series: evaluations, calibrations).
-    """
-
-    name: str
-    title: str
-    caption: str
-    sql: str
-    panels: tuple[Panel, ...]
-    no_data: str = "no rows in these runs"
-    markers: bool = False
-
+from flows.report_spec import Figure, Panel
 
 # Edges of the token-entropy bins (nats), the same as stages/train.py's
 # ENTROPY_BIN_EDGES so the figure and the trainer's per-bin metrics agree.
@@ -219,7 +185,7 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
 
 
 # (failure-signals column, markdown header, format): the failure's signals (DESIGN.md section 2,
-# issue 14) per run, from the ``failure-signals`` query; the sweep table shows them per cell.
+# per run, from the ``failure-signals`` query; the sweep table shows them per cell.
 FAILURE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("first_surge_step", "first entropy surge", "d"),
     ("garbled_peak", "garbled peak %", "pct"),
@@ -260,7 +226,7 @@ def paper_table_markdown(rows: list[dict], keys: list[str],
     return "\n".join(lines)
 
 
-# issue 15: noise sources, drift signal, guard trips (their own module; appended here)
-from flows.report_figures_calibration import EXTRA_FIGURES  # noqa: E402
+# noise sources, drift signal, guard trips (their own module; appended here)
+from flows.report_figures_calibration import EXTRA_FIGURES  # noqa: E402  (it imports only flows.report_spec)
 
 FIGURES = FIGURES + EXTRA_FIGURES

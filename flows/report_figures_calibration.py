@@ -1,8 +1,8 @@
-"""Report figures of issue 15: noise sources, the drift signal, guard trips (appended to ``FIGURES``)."""
+"""Report figures of the noise sources, the drift signal and guard trips (appended to ``FIGURES``)."""
 
 from __future__ import annotations
 
-from flows.report_figures import Figure, Panel
+from flows.report_spec import Figure, Panel
 
 EXTRA_FIGURES: tuple[Figure, ...] = (
     Figure(

@@ -10,7 +10,11 @@ outputs are never touched.
 
 The what-if calibration chains its own calibrator state: it starts from the
 bounds the campaign had in force at the first step of the range (read from the
-campaign's ``bounds`` history) and feeds each result into the next.
+campaign's ``bounds`` history) and feeds each result into the next. Which steps
+calibrate is what the campaign recorded (``steps.shadow``: fixed K, drift, or a
+guard's remedy), never a rule re-derived here. A range beyond the run, or with
+no step holding what the stage reads, is an error (one line, exit 2), not an
+empty variant.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from pathlib import Path
 
 from fp8rl_core.calibration import CalibratorState
 from fp8rl_core.config import CampaignConfig
-from stages.context import MAIN, RunEnv, is_calibration_step, open_storage_only
+from stages.context import MAIN, RunEnv, open_storage_only
+from stages.io import shadow_steps
+from storage.ledger import DONE
 
 
 def _bounds_in_force(env: RunEnv, step: int) -> CalibratorState | None:
@@ -43,6 +49,8 @@ def rerun_stage(run_dir: Path, cfg: CampaignConfig, stage: str, steps: range, *,
         raise ValueError("a re-run must not write the campaign's own variant 'main'")
     env, state = open_storage_only(cfg, run_dir, variant=variant, input_variant=MAIN)
     written = 0
+    if stage in ("score", "calibrate"):
+        _check_span(env, steps, "rollout" if stage == "score" else "train")
     if stage == "score":
         from stages.score import run_score
 
@@ -52,19 +60,23 @@ def rerun_stage(run_dir: Path, cfg: CampaignConfig, stage: str, steps: range, *,
             if s >= 1 and "rollout" in env.ledger.done_stages(s):
                 with env.ledger.stage(s, "score", variant=variant) as rec:
                     summary, state = run_score(env, state, s)
-                    rec.outputs.extend(summary["outputs"])
+                    rec.outputs.extend(summary.outputs)
                 written += 1
     elif stage == "calibrate":
         from stages.calibrate import run_calibrate
 
+        todo = shadow_steps(env, steps)
+        if not todo:
+            raise ValueError(f"steps {_span(steps)}: no step ran the BF16 shadow passes, so none can calibrate "
+                             f"(shadow steps of the run: {_listing(shadow_steps(env, range(1, cfg.steps + 1)))})")
         prev = _bounds_in_force(env, steps.start)
         if prev is not None:
             state = state.replace(calibrator=prev)
-        for s in steps:
-            if is_calibration_step(cfg, s) and "train" in env.ledger.done_stages(s):
+        for s in todo:
+            if "train" in env.ledger.done_stages(s):
                 with env.ledger.stage(s, "calibrate", variant=variant) as rec:
                     summary, state = run_calibrate(env, state, s)
-                    rec.outputs.extend(summary["outputs"])
+                    rec.outputs.extend(summary.outputs)
                 written += 1
     elif stage == "evaluate":
         written = _rerun_evaluate(run_dir, cfg, steps, variant)
@@ -73,24 +85,45 @@ def rerun_stage(run_dir: Path, cfg: CampaignConfig, stage: str, steps: range, *,
     return written
 
 
+def _span(steps: range) -> str:
+    return f"{steps.start}:{steps.stop - 1}"
+
+
+def _listing(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:12])) + (", ..." if len(steps) > 12 else "") if steps else "none"
+
+
+def _check_span(env: RunEnv, steps: range, needs: str) -> None:
+    """Refuse an empty range, or one reaching past the last step whose ``needs`` stage is done."""
+    done = sorted({s for (s, st), r in env.ledger.current(variant=MAIN).items() if st == needs and r.status == DONE})
+    if not steps:
+        raise ValueError(f"steps {_span(steps)}: an empty range")
+    if not done or steps.stop - 1 > done[-1]:
+        last = f"its last step with {needs} done is {done[-1]}" if done else f"no step has {needs} done"
+        raise ValueError(f"steps {_span(steps)} go beyond the run: {last}")
+
+
 def _rerun_evaluate(run_dir: Path, cfg: CampaignConfig, steps: range, variant: str) -> int:
+    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
     from stages.checkpoint import restore
     from stages.context import open_run
     from stages.evaluate import run_evaluate
-    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
     from storage.checkpoints import list_checkpoints
 
+    todo = [(s, path) for s, path in list_checkpoints(run_dir) if s in steps]
+    if not todo:
+        raise ValueError(f"steps {_span(steps)}: no checkpoint to evaluate (checkpointed steps: "
+                         f"{_listing([s for s, _ in list_checkpoints(run_dir)])})")
     env, state = open_run(cfg, run_dir, variant=variant)
     written = 0
     try:
         with cpu_bf16_gemm(cfg.precision.cpu_bf16_gemm, env.device):
-            for s, path in list_checkpoints(run_dir):
-                if s in steps:
-                    _, state = restore(env, state, path)
-                    with env.ledger.stage(s, "evaluate", variant=variant) as rec:
-                        summary, state = run_evaluate(env, state, s)
-                        rec.outputs.extend(summary["outputs"])
-                    written += 1
+            for s, path in todo:
+                _, state = restore(env, state, path)
+                with env.ledger.stage(s, "evaluate", variant=variant) as rec:
+                    summary, state = run_evaluate(env, state, s)
+                    rec.outputs.extend(summary.outputs)
+                written += 1
     finally:
         env.close()
     return written

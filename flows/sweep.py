@@ -251,12 +251,13 @@ def marker_path(sweep_dir: Path, cell: Cell) -> Path:
 
 def ledger_finished(run_dir: Path, cfg: CampaignConfig) -> bool:
     """True when the ledger has every stage of the campaign's final step done."""
-    from stages.context import is_calibration_step, is_checkpoint_step, is_eval_step
+    from stages.context import is_checkpoint_step, is_eval_step
+    from stages.io import RunTables, shadow_steps
     from storage.ledger import Ledger
 
     last = cfg.steps
     need = {"rollout", "score", "train"}
-    need |= {"calibrate"} if is_calibration_step(cfg, last) else set()
+    need |= {"calibrate"} if shadow_steps(RunTables.open(run_dir), [last]) else set()  # what its train stage decided
     need |= {"evaluate"} if is_eval_step(cfg, last) else set()
     need |= {"checkpoint"} if is_checkpoint_step(cfg, last) else set()
     return need <= Ledger(run_dir).done_stages(last)

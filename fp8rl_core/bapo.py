@@ -223,6 +223,29 @@ def summarize_updates(results: Sequence[BapoResult]) -> dict[str, float]:
     return out
 
 
+@dataclass(frozen=True)
+class UpdateBoundsRule:
+    """The trainer's hooks of a clip mode that picks (L, H) before every update (BAPO as published).
+
+    ``bounds(ratio, advantages, mask, calibration_config, distributed)``: the
+    update's bounds (a result with ``.lower`` and ``.upper``) from its current
+    ratios, summed over ranks when ``distributed``; ``clip_stats``: the step's
+    clip statistics with each row at its own update's bounds
+    (:func:`step_clip_stats`); ``summarize``: step metrics over the updates'
+    results (:func:`summarize_updates`). Registered by clip-mode name in
+    ``fp8rl_core.calibration.UPDATE_BOUNDS``.
+    """
+
+    bounds: Callable[..., BapoResult]
+    clip_stats: Callable[..., dict[str, float]]
+    summarize: Callable[[Sequence[BapoResult]], dict[str, float]]
+
+
+def _published_bounds(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, calibration,
+                      distributed: bool) -> BapoResult:
+    return bapo_bounds(ratio, advantages, mask, calibration.bapo, reduce=dist_sum if distributed else None)
+
+
 def minibatch_bounds(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -284,3 +307,7 @@ def step_clip_stats(
             vals = [(p[key], p["n_tokens"]) for p in parts if p["n_tokens"]]
             out[key] = sum(v * w for v, w in vals) / n if n else 0.0
     return out
+
+
+PUBLISHED = UpdateBoundsRule(_published_bounds, step_clip_stats, summarize_updates)
+"""BAPO as published: bounds per update from its current ratios (registered as clip mode ``bapo``)."""

@@ -96,6 +96,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from fp8rl_core.bapo import PUBLISHED, UpdateBoundsRule
 from fp8rl_core.config import CalibrationConfig
 from fp8rl_core.registry import Registry
 
@@ -396,6 +397,16 @@ def _mode_bapo(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, 
     return _mode_standard(tok, ctx)
 
 
+UPDATE_BOUNDS: Registry[UpdateBoundsRule] = Registry("per-update clip-bound rule")
+"""Clip modes whose bounds the trainer picks before every update: their hooks (``fp8rl_core.bapo``)."""
+UPDATE_BOUNDS.register("bapo")(PUBLISHED)
+
+
+def per_update_rule(mode: str) -> UpdateBoundsRule | None:
+    """The trainer's per-update hooks of clip mode ``mode``, or None for a mode whose bounds hold for a step."""
+    return UPDATE_BOUNDS.get(mode) if mode in UPDATE_BOUNDS else None
+
+
 @CLIP_MODES.register("bapo_joint_every_k")
 def _mode_bapo_joint_every_k(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, float, float, str]:
     """Our earlier BAPO-like variant (formerly ``bapo``), NOT the published method:
@@ -463,7 +474,7 @@ class CalibratorState:
         unknown, missing = set(d) - names, {"lower", "upper"} - set(d)
         if unknown or missing:
             raise ValueError(f"CalibratorState.from_dict: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
-        last, alpha = d.get("last_step"), d.get("alpha")  # alpha: absent from checkpoints before issue 15's quantile signal
+        last, alpha = d.get("last_step"), d.get("alpha")  # alpha: absent from older checkpoints
         return cls(float(d["lower"]), float(d["upper"]), int(d.get("n_calibrations", 0)), None if last is None else int(last),
                    None if alpha is None else float(alpha))
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-TrainPrecision = Literal["bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "nvfp4", "mxfp4"]
-RolloutPrecision = Literal["bf16", "fp8_per_tensor", "fp8_per_block", "nvfp4_w4a4", "mxfp4_w4a4"]
-ClipMode = Literal["standard", "calibrated", "relaxed_lower", "calibrated_lower_only", "bapo", "bapo_joint_every_k"]
-LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+# Fields that name a registry entry (algorithm.advantage, .loss and .loss_agg, precision.train and .rollout,
+# calibration.mode) are plain strings: the registries are the one list of names, and
+# fp8rl_core.registered.unknown_names checks a config against them where configs are loaded.
 
 
 class _Frozen(BaseModel):
@@ -109,7 +108,7 @@ class RolloutConfig(_Frozen):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM: share of GPU memory (colocated with training).")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel degree.")
     sleep_between_steps: bool = Field(True, description="vLLM: sleep the engine during training (colocated).")
-    # vLLM engine details (issue #12)
+    # vLLM engine details
     sleep_level: int = Field(1, ge=0, le=2, description="vLLM: llm.sleep level after rollout (0 pause, 1 offload weights, 2 discard weights).")
     weight_sync: Literal["ipc", "nccl", "path"] = Field("ipc", description="vLLM: weight transfer to the engine: CUDA IPC handles (colocated), NCCL broadcast (other GPUs), or bf16 safetensors files.")
     verify_sync: Literal["first", "always", "never"] = Field("first", description="vLLM: check with the engine's weight checksums that every layer was reloaded and re-processed.")
@@ -120,9 +119,10 @@ class RolloutConfig(_Frozen):
 
 
 class AlgorithmConfig(_Frozen):
-    advantage: Literal["grpo", "drgrpo"] = Field("grpo", description="Advantage estimator (registry name).")
+    advantage: str = Field("grpo", description="Advantage estimator: a name in "
+                           "fp8rl_core.advantages.ADVANTAGE_ESTIMATORS (grpo, drgrpo).")
     loss: str = Field("ppo", description="Policy loss: a name in fp8rl_core.losses.POLICY_LOSSES (ppo, cispo, gspo); gspo: sequence-level ratio (fp8rl_core.gspo), use eps_low=3e-4, eps_high=4e-4.")
-    loss_agg: LossAgg = Field("token-mean", description="Loss aggregation mode.")
+    loss_agg: str = Field("token-mean", description="Loss aggregation mode: a name in fp8rl_core.losses.AGGREGATIONS.")
     eps_low: float = Field(0.2, ge=0, lt=1, description="PPO lower clip epsilon (ratio lower bound 1-eps_low).")
     eps_high: float = Field(0.28, ge=0, description="PPO upper clip epsilon (ratio upper bound 1+eps_high).")
     dual_clip: float = Field(3.0, gt=1, description="Dual-clip constant c for negative advantages.")
@@ -147,15 +147,6 @@ class AlgorithmConfig(_Frozen):
     token_stats_sample: float = Field(0.05, ge=0, le=1, description="Share of tokens written to token_stats on non-calibration steps.")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder block's activations in backward (stores block inputs only).")
 
-    @field_validator("loss")
-    @classmethod
-    def _known_loss(cls, v: str) -> str:
-        from fp8rl_core.losses import POLICY_LOSSES  # the registry is the one list of losses
-
-        if v not in POLICY_LOSSES:
-            raise ValueError(f"unknown policy loss {v!r}; valid: {', '.join(POLICY_LOSSES.names())}")
-        return v
-
     @model_validator(mode="after")
     def _batches(self) -> "AlgorithmConfig":
         if self.ppo_mini_batch_size % self.micro_batch_size:
@@ -169,8 +160,12 @@ class AlgorithmConfig(_Frozen):
 
 
 class PrecisionConfig(_Frozen):
-    train: TrainPrecision = Field("fp8_tensorwise", description="Training matmul precision of the decoder linears.")
-    rollout: RolloutPrecision = Field("fp8_per_tensor", description="Rollout W8A8 scheme (vLLM online quantization names).")
+    train: str = Field("fp8_tensorwise", description="Training matmul precision of the decoder linears: a name in "
+                       "fp8rl_core.precision.TRAIN_PRECISIONS (bf16, fp8_tensorwise, fp8_rowwise, fp8_blockwise, "
+                       "nvfp4, mxfp4).")
+    rollout: str = Field("fp8_per_tensor", description="Rollout scheme (vLLM online quantization names): a name in "
+                         "fp8rl_core.precision.ROLLOUT_PRECISIONS (bf16, fp8_per_tensor, fp8_per_block, nvfp4_w4a4, "
+                         "mxfp4_w4a4).")
     emulate: bool | None = Field(None, description="Emulate FP8 matmuls; None = auto (emulate unless CUDA SM89+).")
     round_scales_to_power_of_2: bool = Field(False, description="Round FP8 scales down to powers of two.")
     cpu_bf16_gemm: Literal["native", "fp32"] = Field("native", description="CPU only: native = PyTorch's BF16 GEMM kernels; fp32 = FP32 GEMMs on BF16 operands, output rounded to BF16 (the GPU's BF16 GEMM rule, 5-10x faster on CPUs without BF16 hardware; fp8rl_core.cpu_gemm). Ignored on CUDA.")
@@ -205,7 +200,7 @@ class BapoConfig(_Frozen):
 class CalibrationConfig(_Frozen):
     """Calibrated Clipping (DESIGN.md section 2) and the comparison modes."""
 
-    mode: ClipMode = Field("calibrated", description="Clip-bound policy: standard, calibrated, relaxed_lower (fixed wider eps_low), calibrated_lower_only, bapo (per update, as published), bapo_joint_every_k (our earlier variant).")
+    mode: str = Field("calibrated", description="Clip-bound policy, a name in fp8rl_core.calibration.CLIP_MODES: standard, calibrated, relaxed_lower (fixed wider eps_low), calibrated_lower_only, bapo (per update, as published), bapo_joint_every_k (our earlier variant).")
     interval: int = Field(20, ge=1, description="Calibrate every K steps (BF16 shadow passes run on those steps).")
     lower_min: float = Field(0.6, gt=0, description="Search interval of the lower bound L: minimum.")
     lower_max: float = Field(1.0, gt=0, description="Search interval of L: maximum.")
@@ -218,7 +213,7 @@ class CalibrationConfig(_Frozen):
     relaxed_eps_low: float = Field(0.3, gt=0, lt=1, description="relaxed_lower: the fixed, wider eps_low (L = 1 - this) used by the loss; alpha and over-clipping stay measured against algorithm.eps_low. Sweep: 0.3, 0.4 (our choice).")
     tis_weighted_balance: bool = Field(False, description="calibrated: weight each token of Pos/Neg by its TIS weight (the factor that really scales its gradient).")
     bapo: BapoConfig = Field(default_factory=BapoConfig)
-    # issue 15: when to recalibrate (fp8rl_core.drift) and how much of the batch the shadow passes see
+    # when to recalibrate (fp8rl_core.drift) and how much of the batch the shadow passes see
     schedule: Literal["fixed", "drift"] = Field("fixed", description="Recalibration schedule: every `interval` steps (fixed, the paper's) or when the drift signal crosses `drift_threshold` (fp8rl_core.drift).")
     drift_signal: Literal["ks", "quantile"] = Field("ks", description="Drift schedule's signal (fp8rl_core.drift): `ks`, the KS distance of the A<0 FP8 ratios vs the last calibration step; `quantile`, how far L would move if BF16's clip share had not (|q(alpha_c) - L|, in ratio units).")
     drift_threshold: float = Field(0.1, gt=0, le=1, description="Drift schedule: the signal above which the next step recalibrates (KS distance, or |dL| for `quantile`; our choice).")
@@ -227,7 +222,7 @@ class CalibrationConfig(_Frozen):
     shadow_target_error: float | None = Field(None, gt=0, lt=1, description="Subsampled shadow passes (fp8rl_core.subsample): target error of the alpha quantile, in quantile levels; None = shadow the whole batch.")
     shadow_failure_prob: float = Field(0.05, gt=0, lt=1, description="Subsampled shadow: probability that the stated quantile-error bound fails (DKW delta).")
     shadow_min_sequences: int = Field(16, ge=1, description="Subsampled shadow: at least this many sequences.")
-    # issue 15: Calibrated Clipping on GSPO's sequence ratios (fp8rl_core.gspo); scaled from the token-level defaults by 3e-4 / 0.2
+    # Calibrated Clipping on GSPO's sequence ratios (fp8rl_core.gspo); scaled from the token-level defaults by 3e-4 / 0.2
     gspo_lower_min: float = Field(0.9994, gt=0, description="GSPO calibration: L search interval minimum (1 - 2 * 3e-4; our choice).")
     gspo_lower_max: float = Field(1.0, gt=0, description="GSPO calibration: L search interval maximum.")
     gspo_upper_min: float = Field(1.0, gt=0, description="GSPO calibration: H grid minimum.")
@@ -329,7 +324,7 @@ class TrackingConfig(_Frozen):
 
 
 class GuardConfig(_Frozen):
-    """Issue 15: a monitor over the step rows that rolls a campaign back (fp8rl_core.guard, flows.guard)."""
+    """A monitor over the step rows that rolls a campaign back (fp8rl_core.guard, flows.guard)."""
 
     enabled: bool = Field(True, description="Watch every step; on a trip restore the last good checkpoint and apply the remedy.")
     surge_factor: float = Field(1.5, gt=1, description="Surge: value > factor x the median of the `window` steps before (DESIGN).")
@@ -382,11 +377,3 @@ class CampaignConfig(_Frozen):
                 f"algorithm.ppo_mini_batch_size={self.algorithm.ppo_mini_batch_size}"
             )
         return self
-
-    def initial_bounds(self) -> tuple[float, float]:
-        """(L, H) in force before the first calibration."""
-        c = self.calibration
-        eps_low = c.relaxed_eps_low if c.mode == "relaxed_lower" else self.algorithm.eps_low
-        lo = c.initial_lower if c.initial_lower is not None else 1.0 - eps_low
-        hi = c.initial_upper if c.initial_upper is not None else 1.0 + self.algorithm.eps_high
-        return lo, hi

@@ -35,7 +35,8 @@ calibrate when ``since >= max_interval``, or when ``since >= min_interval`` and
 ``D_t > threshold``. The live schedule can only act on the *previous* step's
 signal: the shadow passes of step t+1 must start before its FP8 ratios exist.
 Step 1 always calibrates. With ``schedule: fixed`` steps 1, 1+K, 1+2K, ...
-calibrate (``stages.context.is_calibration_step``).
+calibrate. Whatever the schedule, the train stage records its decision in
+``steps.shadow``, which every later reader (re-run, sweep, report) uses.
 
 Schedule replay (``replay``). A diagnostic campaign runs the shadow passes on
 every step (``calibration.interval: 1``) and so records, per step, the tokens a

@@ -40,10 +40,25 @@ step 1e-5, max change per calibration 7.5e-5 (config ``gspo_*`` fields).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from fp8rl_core.config import CalibrationConfig
-from fp8rl_core.losses import AGGREGATIONS, LOG_RATIO_CLAMP, LOSS_BOUNDS, POLICY_LOSSES, _add_common_metrics, _check_inputs, _sanitize, aggregate, clip_metrics
+from fp8rl_core.losses import (
+    AGGREGATIONS,
+    CALIBRATION_UNITS,
+    LOG_RATIO_CLAMP,
+    LOSS_BOUNDS,
+    LOSS_STATISTICS,
+    POLICY_LOSSES,
+    _add_common_metrics,
+    _check_inputs,
+    _sanitize,
+    aggregate,
+    clip_metrics,
+)
+
+# The calibration config arrives as an argument (``fp8rl_core.config.CalibrationConfig``), never imported:
+# fp8rl_core.config imports the loss registries to validate ``algorithm.loss``, so the arrow points that way.
 
 __all__ = [
     "GSPO_EPS_HIGH",
@@ -75,6 +90,7 @@ def sequence_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tenso
 LOSS_BOUNDS.register("gspo")(lambda lower, upper, algorithm: (lower, upper))
 
 
+@LOSS_STATISTICS.register("gspo")  # clip statistics on sequence ratios
 @POLICY_LOSSES.register("gspo")
 def gspo_loss(
     logp: torch.Tensor,
@@ -148,10 +164,22 @@ def sequence_calibration_inputs(
     return s8, s16, a, ~bad
 
 
-def gspo_calibration_config(cfg: CalibrationConfig) -> CalibrationConfig:
+def gspo_calibration_config(cfg):
     """``cfg`` with the sequence-level grid, search intervals and step cap (``gspo_*`` fields)."""
     return cfg.model_copy(update={
         "lower_min": cfg.gspo_lower_min, "lower_max": cfg.gspo_lower_max,
         "upper_min": cfg.gspo_upper_min, "upper_max": cfg.gspo_upper_max,
         "upper_step": cfg.gspo_upper_step, "max_delta": cfg.gspo_max_delta,
     })
+
+
+@CALIBRATION_UNITS.register("gspo")
+def sequence_calibration_units(cols: dict[str, np.ndarray], sample_ids: np.ndarray, token_mask: torch.Tensor,
+                               cfg):
+    """(s8, s16, A, valid, config) of a calibration step for GSPO: sequences as the calibration units."""
+    t = {k: torch.from_numpy(np.asarray(v, dtype=np.float64)) for k, v in cols.items()}
+    s8, s16, a, ok = sequence_calibration_inputs(
+        t["logp_fp8"], t["old_logp_fp8"], t["logp_bf16"], t["old_logp_bf16"], t["advantage"],
+        torch.from_numpy(np.asarray(sample_ids, dtype=np.int64)), token_mask,
+    )
+    return s8, s16, a, ok, gspo_calibration_config(cfg)

@@ -109,6 +109,12 @@ class PolicyLoss(Protocol):
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 AGGREGATIONS: Registry[Callable[..., torch.Tensor]] = Registry("loss aggregation mode")
 LOSS_BOUNDS: Registry[Callable[[float, float, object], tuple[float, float]]] = Registry("policy loss bounds")
+# Hooks of a loss beyond the loss itself, by loss name (every loss registers in each):
+LOSS_STATISTICS: Registry[PolicyLoss] = Registry("policy loss statistics")
+"""The function whose metrics are a step's clip statistics at the bounds in force (token losses: ``policy_loss``)."""
+CALIBRATION_UNITS: Registry[Callable | None] = Registry("policy loss calibration units")
+"""None: calibrate on tokens; else ``(columns, sample_ids, token_mask, calibration_config) -> (r8, r16, A, valid,
+calibration_config)``, the units the loss clips (``fp8rl_core.gspo``: sequences)."""
 
 
 def loss_bounds(loss: str, lower: float, upper: float, algorithm) -> tuple[float, float]:
@@ -405,4 +411,6 @@ def _add_common_metrics(metrics: dict[str, float], loss: torch.Tensor, is_weight
         metrics["is_weight_mean"] = float(w_sum) / max(metrics["n_tokens"], 1.0)
 
 
-from fp8rl_core import gspo as _gspo  # noqa: E402,F401  registers "gspo" (sequence level) beside the token losses
+for _name in ("ppo", "cispo"):  # token losses: clip statistics of the PPO rule, calibration on tokens
+    LOSS_STATISTICS.register(_name)(policy_loss)
+    CALIBRATION_UNITS.register(_name)(None)

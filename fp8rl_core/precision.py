@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import fnmatch
 import logging
 import warnings
 from dataclasses import dataclass
@@ -42,10 +43,11 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from fp8rl_core.fp4_linear import Fp4RolloutLinear
+from fp8rl_core.fp4 import MXFP4, NVFP4, FP4Format
+from fp8rl_core.fp4_linear import Fp4Recipe, Fp4RolloutLinear, Fp4State, Fp4TrainingLinear
 from fp8rl_core.fp8_linear import Fp8Recipe, Fp8RolloutLinear, Fp8TrainingLinear, SharedInputCache
-from fp8rl_core.registry import Registry
 from fp8rl_core.quiet_imports import silence_torchao_import_noise  # noqa: F401  (re-exported)
+from fp8rl_core.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -465,4 +467,49 @@ def rollout_model_dtype(model: nn.Module) -> torch.dtype:
 
 
 # FP4 modes (nvfp4 / mxfp4 training, *_w4a4 rollout) register themselves in the registries above.
-from fp8rl_core import fp4_precision as _fp4_precision  # noqa: E402,F401
+
+
+# --------------------------------------------------------------------------- FP4 modes (emulated)
+
+
+FP4_TRAIN_MODES = {"nvfp4": NVFP4, "mxfp4": MXFP4}
+FP4_ROLLOUT_MODES = {"nvfp4_w4a4": NVFP4, "mxfp4_w4a4": MXFP4}
+
+
+def fp4_shape_problem(lin: nn.Linear, fmt: FP4Format) -> str | None:
+    """Why ``fmt``'s training recipe cannot take this linear, or None."""
+    b = fmt.block
+    if lin.in_features % b or lin.out_features % b:
+        return (f"{fmt.name} training needs in and out features divisible by {b} ({b}x{b} weight tiles, "
+                f"1x{b} activation blocks), layer is {lin.in_features}->{lin.out_features}")
+    return None
+
+
+def _train_fp4(req: _TrainRequest, fmt: FP4Format) -> ConversionReport:
+    if req.emulate is False:
+        raise ValueError(f"precision {req.mode!r}: no real FP4 kernels are wired (emulation only); "
+                         "pass emulate=None or True")
+    found, keep = _decoder_linears(req.model)
+    patterns = tuple(getattr(req, "keep_high_precision", ()) or ())
+    listed = [f for f in found if any(fnmatch.fnmatchcase(f[0], p) for p in patterns)]
+    todo = [f for f in found if f not in listed]
+    bad = [(name, why) for name, _, _, lin in todo if (why := fp4_shape_problem(lin, fmt)) is not None]
+    if bad:
+        name, why = bad[0]
+        raise ValueError(
+            f"precision {req.mode!r}: layer {name}: {why}; list it in precision.keep_high_precision "
+            f"to keep it in BF16 ({len(bad)} layer(s) affected)"
+        )
+    state = Fp4State(getattr(req, "seed", 0))
+    recipe = Fp4Recipe(fmt)
+    converted, _ = _swap(todo, lambda lin: Fp4TrainingLinear.from_linear(lin, recipe, state), lambda lin: None)
+    skipped = tuple((name, "listed in precision.keep_high_precision") for name, *_ in listed)
+    return ConversionReport(req.mode, "fp8rl-emulated-fp4", True, converted, skipped, tuple(keep))
+
+
+for _mode, _fmt in FP4_TRAIN_MODES.items():
+    TRAIN_PRECISIONS.register(_mode)(lambda req, _fmt=_fmt: _train_fp4(req, _fmt))
+
+for _mode, _fmt in FP4_ROLLOUT_MODES.items():
+    ROLLOUT_PRECISIONS.register(_mode)(
+        lambda lin, _fmt=_fmt: Fp4RolloutLinear(lin.in_features, lin.out_features, fmt=_fmt))

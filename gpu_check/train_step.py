@@ -1,4 +1,4 @@
-"""GPU check, trainer part (issue 11): one full train step on CUDA with torchao's real FP8 kernels.
+"""GPU check, trainer part: one full train step on CUDA with torchao's real FP8 kernels.
 
 ``run(emit)`` is called by the project's one GPU script (``make gpu-check``,
 ``gpu_check/main.py``); ``emit(line)`` prints a line. On a CUDA machine it

@@ -16,9 +16,11 @@ import torch
 
 from fp8rl_core.calibration import calibrate
 from fp8rl_core.losses import importance_ratio
+from fp8rl_core.registered import CALIBRATION_UNITS
 from stages.context import RunEnv, TrainState
 from stages.io import read_step
-from stages.schedule import gspo_calibration_tensors, subsample_columns
+from stages.result import StageResult
+from stages.schedule import subsample_columns
 
 
 def _ratio(logp: np.ndarray, old: np.ndarray) -> torch.Tensor:
@@ -40,25 +42,26 @@ def _tis_weights(env: RunEnv, step: int, tok, old_logp_fp8: np.ndarray) -> torch
     return tis_weights(torch.from_numpy(old_logp_fp8.astype(np.float32)), torch.from_numpy(rollout), cap=env.cfg.algorithm.tis_cap)
 
 
-def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[dict, TrainState]:
+def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[StageResult, TrainState]:
     """Calibrate on ``step``'s tokens; write ``bounds``; return the state with the moved calibrator."""
     t0 = time.perf_counter()
     cfg = env.cfg
     tok = read_step(env, "token_stats", step)
     if tok.column("logp_bf16").null_count == tok.num_rows:
-        raise RuntimeError(f"step {step}: token_stats has no BF16 shadow log-probs; calibration needs a shadow step")
+        raise ValueError(f"step {step}: token_stats has no BF16 shadow log-probs; calibration needs a shadow step")
     col = {name: tok.column(name).to_numpy(zero_copy_only=False) for name in
            ("logp_fp8", "old_logp_fp8", "logp_bf16", "old_logp_bf16", "advantage")}
-    shadowed, sub_cols = subsample_columns(col, tok.column("sample_id").to_numpy(), cfg, step)  # issue 15
+    shadowed, sub_cols = subsample_columns(col, tok.column("sample_id").to_numpy(), cfg, step)
     r8 = _ratio(col["logp_fp8"], col["old_logp_fp8"])
     r16 = _ratio(np.nan_to_num(col["logp_bf16"]), np.nan_to_num(col["old_logp_bf16"]))
     adv = torch.from_numpy(col["advantage"].astype(np.float32))
     mask = torch.from_numpy(shadowed)  # every token, or the subsampled shadow's
     cal_cfg = cfg.calibration
     weights = _tis_weights(env, step, tok, col["old_logp_fp8"]) if cfg.calibration.tis_weighted_balance else None
-    if cfg.algorithm.loss == "gspo":  # issue 15: calibrate GSPO's sequence ratios, on their own grid
-        r8, r16, adv, mask, cal_cfg = gspo_calibration_tensors(col, tok.column("sample_id").to_numpy(), mask, cfg)
-        weights = None  # sequence level: no per-token TIS weighting
+    units = CALIBRATION_UNITS.get(cfg.algorithm.loss)  # the units the loss clips: None = tokens
+    if units is not None:  # e.g. GSPO's sequence ratios, on their own grid
+        r8, r16, adv, mask, cal_cfg = units(col, tok.column("sample_id").to_numpy(), mask, cfg.calibration)
+        weights = None  # not tokens: no per-token TIS weighting
     res = calibrate(r8, r16, adv, mask, eps_low=cfg.algorithm.eps_low, eps_high=cfg.algorithm.eps_high,
                     config=cal_cfg, previous=state.calibrator, dual_clip=cfg.algorithm.dual_clip, weights=weights)
     row = {
@@ -78,5 +81,5 @@ def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0
     path = env.writer.write("bounds", step, row, stage="calibrate", attempt=attempt, variant=env.variant)
     calibrator = state.calibrator.updated(res, step)
     seconds = time.perf_counter() - t0
-    return {"outputs": [str(path)], "lower": res.lower, "upper": res.upper, "alpha": res.alpha,
-            "calibrator": calibrator.to_dict(), "seconds": seconds}, state.replace(calibrator=calibrator)
+    info = {"lower": res.lower, "upper": res.upper, "alpha": res.alpha, "calibrator": calibrator.to_dict()}
+    return StageResult(outputs=[str(path)], seconds=seconds, info=info), state.replace(calibrator=calibrator)

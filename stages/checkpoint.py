@@ -23,6 +23,7 @@ from fp8rl_core.calibration import CalibratorState
 from fp8rl_core.fp4_linear import fp4_rng_state, load_fp4_rng_state
 from stages.context import RunEnv, TrainState
 from stages.prompts import SamplerState
+from stages.result import StageResult
 from storage.checkpoints import apply_retention, list_checkpoints, load_checkpoint, save_checkpoint
 
 DCP_DIR = ".dcp"
@@ -46,7 +47,7 @@ def _barrier(env: RunEnv) -> None:
 
 
 def run_checkpoint(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
-                   metrics: dict | None = None) -> tuple[dict, TrainState]:
+                   metrics: dict | None = None) -> tuple[StageResult, TrainState]:
     """Save ``state`` (and the process RNG) as ``checkpoints/step_<step>``; apply retention.
 
     A collective under several ranks: every rank calls it."""
@@ -60,7 +61,7 @@ def run_checkpoint(env: RunEnv, state: TrainState, step: int, *, attempt: int = 
     _barrier(env)
     save_sharded(dcp_path, state.policy, state.optimizer)
     model = state.policy if env.world_size == 1 else _FullStateExport(state.policy, full_model_state(state.policy))
-    out: dict = {"outputs": [], "removed": []}
+    out = StageResult(info={"removed": []})
     if env.is_main:
         path = save_checkpoint(
             env.run_dir, step, model=model, tokenizer=env.tokenizer, optimizer=None,
@@ -72,9 +73,9 @@ def run_checkpoint(env: RunEnv, state: TrainState, step: int, *, attempt: int = 
         )
         removed = apply_retention(env.run_dir, keep_last=cfg.checkpoint.keep_last, best_metric=cfg.checkpoint.keep_best_metric)
         _drop_orphan_shards(env)
-        out = {"outputs": [str(path)], "removed": [str(p) for p in removed]}
+        out = StageResult(outputs=[str(path)], info={"removed": [str(p) for p in removed]})
     _barrier(env)
-    out["seconds"] = time.perf_counter() - t0
+    out.seconds = time.perf_counter() - t0
     return out, state
 
 
@@ -111,3 +112,25 @@ def restore(env: RunEnv, state: TrainState, path: str | Path) -> tuple[int, Trai
         sampler=SamplerState.from_dict(ck.sampler_state), calibrator=calibrator,
         policy_version=int(ck.extra.get("policy_version", ck.step)),
     )
+
+
+def eval_scores(info: dict | None) -> dict[str, float]:
+    """The numeric scores of an ``evaluate`` ledger record's info (or of an evaluate stage's summary)."""
+    return {k: float(v) for k, v in ((info or {}).get("scores") or {}).items() if isinstance(v, (int, float))}
+
+
+def restore_latest(env: RunEnv, state: TrainState, *, before_step: int | None = None) -> tuple[int, TrainState, dict]:
+    """Restore the newest complete checkpoint (of a step < ``before_step``); all ranks together.
+
+    Returns ``(first step to run, restored state, eval scores recorded at that step)``."""
+    from stages.stage_comm import broadcast
+    from storage.checkpoints import latest_complete
+
+    at_most = None if before_step is None else before_step - 1
+    path = broadcast(env, latest_complete(env.run_dir, at_most=at_most) if env.is_main else None)
+    if path is None:
+        return 0, state, {}
+    step, state = restore(env, state, path)
+    rec = env.ledger.current(variant=env.variant).get((step, "evaluate")) if env.is_main else None
+    ev = broadcast(env, rec.info if rec is not None else {} if env.is_main else None)
+    return step + 1, state, eval_scores(ev)

@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fp8rl_core import code_task
-from fp8rl_core.config import CampaignConfig, CodeConfig, TaskConfig
+from fp8rl_core.config import CodeConfig, TaskConfig
 from stages.benchmarks import BenchmarkProblem, BenchmarkSet, LoadReport, resolve_data_dir
 from stages.code_grading import (CodeGradingConfig, extract_code, grade_code_batch, parse_tests,
                                  statement_allows_any_case)
-from stages.grading import GradeResult
+from stages.grade_result import GradeResult
 
 log = logging.getLogger(__name__)
 
@@ -212,30 +212,3 @@ def grade_code_responses(ids: Sequence[str], responses: Sequence[str], specs: Se
                                                           ("error" if g.status != "ok" else "ok"))
         out.append(GradeResult(g.id, g.correct, ex, status, g.seconds, g.detail, fraction=g.fraction))
     return out
-
-
-def make_code_source(cfg: CampaignConfig | TaskConfig, code: CodeConfig | None = None):
-    """Training prompts of a code task kind (a ``stages.prompts.ListSource`` or the lazy tiny source)."""
-    from stages.prompts import ListSource, PromptItem, PromptSource, data_dir
-
-    task = cfg.task if isinstance(cfg, CampaignConfig) else cfg
-    code = code or (cfg.code if isinstance(cfg, CampaignConfig) else CodeConfig())
-    if task.kind == "code_tiny":
-        class TinyCodeSource(PromptSource):
-            verifier = "code_expr"
-            dataset = "code_tiny"
-
-            def __len__(self) -> int:
-                return task.train_size
-
-            def __getitem__(self, index: int) -> PromptItem:
-                p = code_task.make_problem(index, "train", task.seed)
-                spec = json.dumps({"style": "expression", "tests": json.loads(p.tests)})
-                return PromptItem(p.id, p.prompt, spec, "code_tiny")
-
-        return TinyCodeSource()
-    name = "leetcode_train" if task.kind == "leetcode" else task.kind
-    bs = load_code_benchmark(name, data_dir(task), None, task=task, code=code, path=task.path, hub=task.path is not None)
-    src = ListSource([PromptItem(q.id, q.problem, q.answer, task.kind) for q in bs], task.kind)
-    src.verifier = "code"
-    return src

@@ -56,7 +56,10 @@ def rollout_seed(seed: int, step: int, round_: int, prompt_index: int) -> int:
 
 
 def is_calibration_step(cfg: CampaignConfig, step: int) -> bool:
-    """Shadow passes and calibration run on steps 1, 1+K, 1+2K, ... (step 0 is the base eval)."""
+    """The fixed-K rule: steps 1, 1+K, 1+2K, ... (step 0 is the base eval).
+
+    What a run actually did (fixed K, drift or a guard's remedy) is its ``steps.shadow``
+    (``stages.io.shadow_steps``); this rule is for planning and tests only."""
     return step >= 1 and (step - 1) % cfg.calibration.interval == 0
 
 

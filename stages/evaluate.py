@@ -17,6 +17,7 @@ import pyarrow as pa
 from fp8rl_core.config import BenchmarkEval, CampaignConfig
 from stages.context import RunEnv, TrainState, step_seed
 from stages.prompts import PromptItem, data_dir
+from stages.result import StageResult
 
 
 def eval_problems(cfg: CampaignConfig, bench: BenchmarkEval) -> tuple[list[PromptItem], str]:
@@ -88,7 +89,7 @@ def evaluate_benchmark(env: RunEnv, state: TrainState, step: int, bench: Benchma
     return rows, metric_rows
 
 
-def run_evaluate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[dict, TrainState]:
+def run_evaluate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[StageResult, TrainState]:
     """Evaluate every configured benchmark at ``step``; write ``evals`` and ``eval_scores``."""
     t0 = time.perf_counter()
     all_rows, all_metrics = [], []
@@ -103,7 +104,7 @@ def run_evaluate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0)
     seconds = time.perf_counter() - t0
     scores = {f"{m['benchmark']}/{m['metric'][:-1]}{m['k']}": float(m["value"]) for m in all_metrics}
     scores.update(benchmark_average(all_metrics))
-    return {"outputs": outputs, "scores": scores, "seconds": seconds}, state
+    return StageResult(outputs=outputs, seconds=seconds, scores=scores), state
 
 
 AVERAGE_KEY = "average/avg@k"

@@ -34,33 +34,16 @@ import math
 import multiprocessing as mp
 import os
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
-from fp8rl_core.verifiers import extract_final_answer, get_verifier, math_equal
 from fp8rl_core.task import extract_answer
+from fp8rl_core.verifiers import extract_final_answer, get_verifier, math_equal
+from stages.grade_result import GradeResult, Status  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
 INLINE_VERIFIERS = frozenset({"synthetic"})  # cheap and signal-free: graded in the caller
-Status = Literal["ok", "timeout", "error", "no_answer"]
-
-
-@dataclass(frozen=True)
-class GradeResult:
-    """Outcome of one item. ``extracted`` is the final answer read from the
-    response (``None``: no answer), for majority voting and logs."""
-
-    id: str
-    correct: bool
-    extracted: str | None
-    status: Status
-    seconds: float
-    detail: str = ""
-    fraction: float | None = None  # code verifiers: share of test cases passed
-
-
 def resolve_verifier(name: str) -> Callable[[str, str], bool]:
     """A registered verifier name (``"math"``, ``"synthetic"``) or an importable
     ``"package.module:function"`` — the latter lets a caller plug in its own

@@ -1,22 +1,21 @@
-"""Stage-side hooks of the guard (issue 15; the monitor and rollback are ``flows.guard``).
+"""Stage-side hooks of the guard (the monitor and rollback are ``flows.guard``).
 
 - ``guard_forces_shadow``: after a rollback with remedy ``recalibrate_now`` /
   ``recalibrate_every_step``, the steps right after the restored checkpoint run
   the shadow passes and calibrate. Read from the ledger's ``guard`` records, so
   a resumed run keeps the remedy.
-- ``injected_lr``: the test hook of an injected, finite surge:
+- ``GuardHooks.injected_lr``: the test hook of an injected, finite surge:
   ``FP8RL_INJECT_LR="A:B=LR"`` trains steps A..B at learning rate LR on their
   first train attempt only (a replay after the rollback runs clean). Unset in
-  normal runs.
+  normal runs. Both are read by :func:`train_hooks`, once per train attempt.
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass
 
-from stages.context import RunEnv, TrainState
+from stages.context import RunEnv
 
 
 def guard_records(env: RunEnv) -> list:
@@ -44,20 +43,14 @@ def _injection(step: int) -> float | None:
     return float(lr) if int(a) <= step <= int(b or a) else None
 
 
-@contextmanager
-def injected_lr(state: TrainState, step: int, attempt: int) -> Iterator[None]:
-    lr = _injection(step) if attempt == 0 else None
-    if lr is None:
-        yield
-        return
-    sched, groups = state.scheduler, state.optimizer.param_groups
-    saved_base, saved_lr = list(sched.base_lrs), [g["lr"] for g in groups]
-    sched.base_lrs = [lr for _ in saved_base]
-    for g in groups:
-        g["lr"] = lr
-    try:
-        yield
-    finally:
-        sched.base_lrs = saved_base
-        for g, v in zip(groups, saved_lr):
-            g["lr"] = v
+@dataclass(frozen=True)
+class GuardHooks:
+    """What the guard asks of one train attempt, read in one call before the update."""
+
+    forces_shadow: bool  # a rollback's remedy makes this step run the shadow passes (and calibrate)
+    injected_lr: float | None  # the test hook's learning rate for this attempt, else None
+
+
+def train_hooks(env: RunEnv, step: int, attempt: int) -> GuardHooks:
+    """The guard's hooks for ``step``'s train attempt ``attempt`` (the LR injection acts on attempt 0 only)."""
+    return GuardHooks(step >= 1 and guard_forces_shadow(env, step), _injection(step) if attempt == 0 else None)

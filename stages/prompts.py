@@ -9,6 +9,7 @@ campaign draws exactly the prompts an uninterrupted one would.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from fp8rl_core.config import TaskConfig
+from fp8rl_core import code_task
 from fp8rl_core import task as synthetic
+from fp8rl_core.config import CampaignConfig, CodeConfig, TaskConfig
 
 
 @dataclass(frozen=True)
@@ -112,8 +114,6 @@ def make_source(cfg: TaskConfig) -> PromptSource:
     if cfg.kind == "stress":
         return StressSource(cfg)
     if cfg.kind in ("code_tiny", "leetcode", "taco", "apps", "eurus_code"):
-        from stages.code_benchmarks import make_code_source
-
         return make_code_source(cfg)
     from stages.benchmarks import load_train_prompts, render_prompt
 
@@ -147,3 +147,31 @@ def draw_prompts(source: PromptSource, state: SamplerState, count: int, seed: in
         out.extend(source[int(i)] for i in perm[pos : pos + take])
         pos += take
     return out, SamplerState(epoch, pos)
+
+
+def make_code_source(cfg: CampaignConfig | TaskConfig, code: CodeConfig | None = None) -> PromptSource:
+    """Training prompts of a code task kind (a ``stages.prompts.ListSource`` or the lazy tiny source)."""
+    from stages.code_benchmarks import load_code_benchmark
+
+    task = cfg.task if isinstance(cfg, CampaignConfig) else cfg
+    code = code or (cfg.code if isinstance(cfg, CampaignConfig) else CodeConfig())
+    if task.kind == "code_tiny":
+        class TinyCodeSource(PromptSource):
+            verifier = "code_expr"
+            dataset = "code_tiny"
+
+            def __len__(self) -> int:
+                return task.train_size
+
+            def __getitem__(self, index: int) -> PromptItem:
+                p = code_task.make_problem(index, "train", task.seed)
+                spec = json.dumps({"style": "expression", "tests": json.loads(p.tests)})
+                return PromptItem(p.id, p.prompt, spec, "code_tiny")
+
+        return TinyCodeSource()
+    name = "leetcode_train" if task.kind == "leetcode" else task.kind
+    bs = load_code_benchmark(name, data_dir(task), None, task=task, code=code, path=task.path,
+                             hub=task.path is not None)
+    src = ListSource([PromptItem(q.id, q.problem, q.answer, task.kind) for q in bs], task.kind)
+    src.verifier = "code"
+    return src

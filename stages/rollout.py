@@ -13,7 +13,6 @@ step t come from the policy after step t-1's update (``policy_version = t - 1``)
 from __future__ import annotations
 
 import time
-
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -22,6 +21,7 @@ from stages.context import RunEnv, TrainState
 from stages.engines.base import RolloutBatch, RolloutSample
 from stages.prompt_format import encode_prompts
 from stages.prompts import PromptItem, draw_prompts
+from stages.result import StageResult
 from stages.rollout_plan import GenerationBlock, blocks_of_rank, generation_blocks, generation_lanes
 from stages.stage_comm import on_main, together
 
@@ -151,7 +151,7 @@ def _throughput(shares: list[dict[int, RolloutBatch]]) -> tuple[int, float]:
 
 
 def run_rollout(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0, round_: int = 0,
-                first_sample_id: int = 0) -> tuple[dict, TrainState]:
+                first_sample_id: int = 0) -> tuple[StageResult, TrainState]:
     """Rollout of ``step`` (refill round ``round_``) on every rank together; rank 0 writes ``rollouts``.
 
     Every rank generates its blocks; the shares are gathered on rank 0, which
@@ -171,15 +171,13 @@ def run_rollout(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0, 
     plan, after, share, engine_memory = together(comm, local)
     shares = comm.gather(share)  # [W] on rank 0, None elsewhere
 
-    def write() -> dict:
+    def write() -> StageResult:
         rows = rows_from_batches(env, state, plan, _merge_shares(shares), round_=round_, first_sample_id=first_sample_id)
         stage = "rollout" if round_ == 0 else f"rollout{round_}"
         path = env.writer.write("rollouts", step, rows, stage=stage, attempt=attempt, variant=env.variant)
         tokens, per_second = _throughput(shares)
-        return {
-            "outputs": [str(path)], "samples": rows.num_rows, "tokens_per_second": per_second,
-            "generated_tokens": tokens, "seconds": time.perf_counter() - t0, "sampler": after.to_dict(),
-            "engine_memory": engine_memory,
-        }
+        return StageResult(outputs=[str(path)], seconds=time.perf_counter() - t0, sampler=after.to_dict(),
+                           timings=dict(engine_memory or {}),
+                           info={"samples": rows.num_rows, "tokens_per_second": per_second, "generated_tokens": tokens})
 
     return on_main(comm, write), state.replace(sampler=after)

@@ -1,7 +1,9 @@
-"""When a step runs the BF16 shadow passes, and the drift signal of every step (issue 15).
+"""When a step runs the BF16 shadow passes, and the drift signal of every step.
 
-``calibration.schedule: fixed`` keeps the paper's rule (steps 1, 1+K, ...:
-``stages.context.is_calibration_step``). ``drift`` decides from the previous
+The decision is taken here, once, by the train stage, and recorded in its
+``steps`` row (``steps.shadow``); everything after reads that record
+(``stages.io.shadow_steps``). ``calibration.schedule: fixed`` keeps the
+paper's rule (steps 1, 1+K, ...). ``drift`` decides from the previous
 step's drift signal (``fp8rl_core.drift``), read back from its ``steps`` row,
 and the step of the last calibration (``state.calibrator.last_step``, which
 checkpoints carry): both come from persisted state, so a resumed or replayed
@@ -22,7 +24,7 @@ import torch
 
 from fp8rl_core.drift import Schedule, negative_ratios, thin
 from fp8rl_core.losses import importance_ratio
-from stages.context import RunEnv, TrainState, is_calibration_step
+from stages.context import RunEnv, TrainState
 from stages.io import read_step
 
 _REFERENCE: dict[tuple[str, str, int], torch.Tensor] = {}
@@ -39,18 +41,28 @@ def _previous_signal(env: RunEnv, step: int) -> float | None:
     return float(vals[-1]) if vals else None
 
 
-def shadow_this_step(env: RunEnv, state: TrainState, step: int) -> bool:
-    """Does ``step`` run the BF16 shadow passes (and hence calibrate)?"""
-    from stages.guard import guard_forces_shadow
+def shadow_this_step(env: RunEnv, state: TrainState, step: int, *, forced: bool | None = None) -> bool:
+    """Does ``step`` run the BF16 shadow passes (and hence calibrate)? ``forced``: a guard remedy's
+    answer when the caller has it (``stages.guard.train_hooks``); None asks the guard here."""
+    if forced is None:
+        from stages.guard import guard_forces_shadow
 
-    cfg = env.cfg
-    if step >= 1 and guard_forces_shadow(env, step):
+        forced = step >= 1 and guard_forces_shadow(env, step)
+    if forced:
         return True
-    if cfg.calibration.schedule == "fixed":
-        return is_calibration_step(cfg, step)
-    last = state.calibrator.last_step
+    sched, last = Schedule.from_config(env.cfg.calibration), state.calibrator.last_step
+    if sched.kind == "fixed":
+        return sched.calibrates(step, None, None)
     prev = _previous_signal(env, step - 1) if last is not None and step - 1 >= 1 else None
-    return Schedule.from_config(cfg.calibration).calibrates(step, last, prev)
+    return sched.calibrates(step, last, prev)
+
+
+def shadow_plan(env: RunEnv, state: TrainState, step: int, advantages: torch.Tensor, response_mask: torch.Tensor,
+                *, forced: bool | None = None) -> tuple[bool, torch.Tensor | None]:
+    """The train stage's one question to the schedule: (shadow passes on ``step``?, ``[N]`` bool rows to
+    shadow or None for all). ``forced``: see :func:`shadow_this_step`. Recorded as ``steps.shadow``."""
+    shadow = shadow_this_step(env, state, step, forced=forced)
+    return shadow, (shadow_subset(env, step, advantages, response_mask) if shadow else None)
 
 
 def _reference(env: RunEnv, step: int) -> torch.Tensor | None:
@@ -135,15 +147,3 @@ def subsample_columns(cols: dict[str, np.ndarray], sample_ids: np.ndarray, cfg, 
                                  n_total=n, generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 10)))
     out.update(alpha_level_error=b.level_error, lower_error_bound=b.lower_error_bound, lower_error_bootstrap=boot)
     return has16, out
-
-
-def gspo_calibration_tensors(cols: dict[str, np.ndarray], sample_ids: np.ndarray, token_mask: torch.Tensor, cfg):
-    """(s8, s16, A, valid, config) of a calibration step for GSPO: sequences as the calibration units."""
-    from fp8rl_core.gspo import gspo_calibration_config, sequence_calibration_inputs
-
-    t = {k: torch.from_numpy(np.asarray(v, dtype=np.float64)) for k, v in cols.items()}
-    s8, s16, a, ok = sequence_calibration_inputs(
-        t["logp_fp8"], t["old_logp_fp8"], t["logp_bf16"], t["old_logp_bf16"], t["advantage"],
-        torch.from_numpy(np.asarray(sample_ids, dtype=np.int64)), token_mask,
-    )
-    return s8, s16, a, ok, gspo_calibration_config(cfg.calibration)

@@ -25,6 +25,7 @@ import torch
 from fp8rl_core.advantages import ADVANTAGE_ESTIMATORS, dynamic_sampling_mask, overlong_penalty
 from stages.context import RunEnv, TrainState
 from stages.io import read_step
+from stages.result import StageResult
 from stages.stage_comm import on_main, together
 
 
@@ -115,7 +116,7 @@ def _score_table(env: RunEnv, rows: pa.Table, graded: list) -> tuple[pa.Table, d
     return table, cols
 
 
-def run_score(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[dict, TrainState]:
+def run_score(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[StageResult, TrainState]:
     """Grade the rollouts of ``step`` (with DAPO refill rounds) and write ``scores``; every rank together.
 
     ``state`` is the state after the step's rollout; refill rounds advance its
@@ -150,14 +151,14 @@ def run_score(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) ->
         more = grade_shared(env, rows.slice(graded_rows))
         graded = None if more is None else graded + more
 
-    def write() -> dict:
+    def write() -> StageResult:
         table, cols = _score_table(env, rows, graded)
         path = env.writer.write("scores", step, table, stage="score", attempt=attempt, variant=env.variant)
-        return {
-            "outputs": [str(path)], "reward_mean": float(cols["reward"].mean()),
-            "accuracy": float(cols["correct"].mean()), "kept": int(cols["kept"].sum()), "refill_rounds": rounds,
-            "seconds": time.perf_counter() - t0 - refill_seconds, "refill_seconds": refill_seconds,
-            "sampler": state.sampler.to_dict(),
-        }
+        return StageResult(
+            outputs=[str(path)], seconds=time.perf_counter() - t0 - refill_seconds, sampler=state.sampler.to_dict(),
+            timings={"rollout_seconds": refill_seconds} if refill_seconds else {},  # refills generate: rollout time
+            info={"reward_mean": float(cols["reward"].mean()), "accuracy": float(cols["correct"].mean()),
+                  "kept": int(cols["kept"].sum()), "refill_rounds": rounds, "refill_seconds": refill_seconds},
+        )
 
     return on_main(comm, write), state

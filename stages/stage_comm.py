@@ -136,3 +136,8 @@ def on_main(comm: StageComm, fn: Callable[[], T]) -> T:
     status, value = comm.broadcast((None if own is None else _status(own), value))
     _raise_first_failure(comm, [status], own)
     return value
+
+
+def broadcast(env, obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank of ``env`` (identity in one process)."""
+    return obj if env.world_size == 1 else env.stage_comm.broadcast(obj)

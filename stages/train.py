@@ -21,17 +21,22 @@ import pyarrow as pa
 import torch
 
 from fp8rl_core.diagnostics import (
-    entropy_binned_clip_shares, is_garbled, noise_amplification, over_clipped_mask, under_clipped_mask,
+    entropy_binned_clip_shares,
+    is_garbled,
+    noise_amplification,
+    over_clipped_mask,
+    under_clipped_mask,
 )
 from fp8rl_core.failure_signals import garbled_share
 from fp8rl_core.losses import importance_ratio
 from fp8rl_core.noise_sources import noise_sources
-from stages.context import RunEnv, TrainState, is_calibration_step, step_seed
+from stages.context import RunEnv, TrainState, step_seed
 from stages.grading import answer_parser
-from stages.guard import injected_lr
+from stages.guard import train_hooks
 from stages.io import read_step
-from stages.schedule import drift_metrics, shadow_subset, shadow_this_step
-from stages.train_core import TrainBatch, UpdateResult, policy_update, token_multiple
+from stages.result import StageResult
+from stages.schedule import drift_metrics, shadow_plan
+from stages.train_core import TrainBatch, UpdateResult, lr_override, policy_update, token_multiple
 
 ENTROPY_BIN_EDGES = (0.0, 0.1, 0.5, 1.0, 2.0, float("inf"))
 
@@ -125,7 +130,7 @@ def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard, tis_c
     mask = (batch.response_mask > 0) & torch.isfinite(res.logp_bf16) & torch.isfinite(res.old_logp_bf16)  # subsampled shadow: its rows
     out = {k: float(v) for k, v in noise_amplification(res.logp_fp8, res.logp_bf16, res.old_logp_fp8, res.old_logp_bf16, mask).items()}
     out.update(noise_sources(res.logp_fp8, res.old_logp_fp8, res.logp_bf16, res.old_logp_bf16, batch.rollout_logp, mask,
-                             tis_cap=tis_cap))  # issue 15: ratio noise vs TIS-weight noise
+                             tis_cap=tis_cap))  # ratio noise vs TIS-weight noise
     r8 = importance_ratio(res.logp_fp8, res.old_logp_fp8)
     r16 = importance_ratio(res.logp_bf16, res.old_logp_bf16)
     adv = batch.advantages[:, None].expand_as(r8)
@@ -148,7 +153,7 @@ def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard, tis_c
 
 
 def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
-              timings: dict[str, float] | None = None) -> tuple[dict, TrainState]:
+              timings: dict[str, float] | None = None) -> tuple[StageResult, TrainState]:
     """Update the policy on ``step``'s batch; write ``token_stats`` and ``steps``.
 
     ``timings``: the step's earlier stage times (``<stage>_seconds``), written in
@@ -160,16 +165,18 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     rows = read_step(env, "rollouts", step)
     scores = read_step(env, "scores", step)
     batch = build_batch(rows, scores, env.tokenizer.pad_token_id)
-    shadow = shadow_this_step(env, state, step)  # fixed K, drift, or a guard remedy (issue 15)
+    hooks = train_hooks(env, step, attempt)  # a guard remedy forcing the shadow passes; its LR test hook
+    shadow, shadow_rows = shadow_plan(env, state, step, batch.advantages, batch.response_mask,
+                                      forced=hooks.forces_shadow)  # fixed K, drift, or the guard's remedy
     bounds = state.calibrator.bounds
     standard = (1.0 - cfg.algorithm.eps_low, 1.0 + cfg.algorithm.eps_high)
     if batch.size == 0:
         raise RuntimeError(f"step {step}: no kept samples to train on (all groups dropped by dynamic sampling)")
-    with injected_lr(state, step, attempt):  # test hook of the guard (issue 15); a no-op unless FP8RL_INJECT_LR is set
+    with lr_override(state.optimizer, state.scheduler, hooks.injected_lr):  # None unless FP8RL_INJECT_LR is set
         res = policy_update(
             state.policy, state.optimizer, state.scheduler, batch, cfg, bounds=bounds, shadow=shadow,
             seed=step_seed(cfg.seed, step, 7), collective=env.collective,
-            shadow_rows=shadow_subset(env, step, batch.advantages, batch.response_mask) if shadow else None,
+            shadow_rows=shadow_rows,
         )
     state = state.replace(policy_version=step)
     # per-token rows: each rank writes the rows it trained, as its own part file
@@ -210,4 +217,4 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     steps_row = {k: [float(v)] for k, v in m.items() if isinstance(v, (int, float))}
     if env.is_main:  # per-step tables: rank 0 alone
         outputs.append(str(env.writer.write("steps", step, steps_row, stage="train", attempt=attempt, variant=env.variant)))
-    return {"outputs": outputs, "metrics": m, "seconds": train_seconds}, state
+    return StageResult(outputs=outputs, seconds=train_seconds, metrics=m, shadow=shadow), state

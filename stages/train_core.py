@@ -17,6 +17,12 @@ tested on tensors. Per step (DESIGN.md sections 2-3):
 5. a non-finite loss or gradient skips the update (recorded), leaving the policy
    as it was.
 
+Phases (:func:`policy_update` calls them in order): :func:`split_rows` (the plan
+and this rank's rows), :func:`old_logprobs` (steps 1-2), :func:`minibatch_update`
+per mini-batch (steps 3-5: the BF16 shadow of π_θ, the clip mode's per-update
+bounds, :func:`micro_batch_pass` over the micro-batches, :func:`optimizer_step`),
+and :func:`gather_step_stats` (the step's statistics over every rank's tokens).
+
 One forward path: every forward of a step — π_old, π_θ and both shadow passes —
 goes through :func:`policy_logprobs`, which calls
 :func:`fp8rl_core.logprobs.sequence_logprobs` (autocast of the inputs' device,
@@ -57,17 +63,20 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
+from fp8rl_core.bapo import UpdateBoundsRule
+from fp8rl_core.calibration import per_update_rule
 from fp8rl_core.config import CampaignConfig
 from fp8rl_core.fp8_linear import TOKEN_MULTIPLE
 from fp8rl_core.logprobs import sequence_logprobs
-from fp8rl_core import bapo as bapo_rule
-from fp8rl_core.losses import POLICY_LOSSES, importance_ratio, loss_bounds, policy_loss, tis_weights
-import fp8rl_core.gspo  # noqa: F401,E402  registers the "gspo" loss (issue 15)
+from fp8rl_core.losses import importance_ratio, loss_bounds, tis_weights
 from fp8rl_core.precision import bf16_shadow
+from fp8rl_core.registered import LOSS_STATISTICS, POLICY_LOSSES
 from stages.minibatch_plan import check_world_size, minibatch_plan, pad_micros, plan_depth  # noqa: F401  (re-exported)
 
 
@@ -117,7 +126,7 @@ class UpdateResult:
     skipped_updates: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     rows: torch.Tensor | None = None  # global rows this rank trained (its share of the per-token tables)
-    row_bounds: torch.Tensor | None = None  # [N, 2] (L, H) of each row's epoch-0 update when bounds vary per update (BAPO)
+    row_bounds: torch.Tensor | None = None  # [N, 2] (L, H) of each row's epoch-0 update (bounds per update: BAPO)
 
 
 # --------------------------------------------------------------------------- collectives
@@ -251,7 +260,8 @@ def _lr_lambda(warmup: int):
     return lambda n: min(1.0, (n + 1) / warmup) if warmup > 0 else 1.0
 
 
-def make_optimizer(model: torch.nn.Module, cfg: CampaignConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(model: torch.nn.Module,
+                   cfg: CampaignConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the fp32 master weights (on their device) plus a linear-warmup schedule (per update)."""
     a = cfg.algorithm
     params = [p for p in model.parameters() if p.requires_grad]
@@ -260,7 +270,27 @@ def make_optimizer(model: torch.nn.Module, cfg: CampaignConfig) -> tuple[torch.o
     return opt, sched
 
 
-def local_rows(batch: TrainBatch, mine: torch.Tensor, world_size: int) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None]:
+@contextmanager
+def lr_override(optimizer: torch.optim.Optimizer, scheduler, lr: float | None) -> Iterator[None]:
+    """Train at learning rate ``lr`` inside the block (None: unchanged); the schedule's own LRs come back after."""
+    if lr is None:
+        yield
+        return
+    groups = optimizer.param_groups
+    saved_base, saved_lr = list(scheduler.base_lrs), [g["lr"] for g in groups]
+    scheduler.base_lrs = [lr for _ in saved_base]
+    for g in groups:
+        g["lr"] = lr
+    try:
+        yield
+    finally:
+        scheduler.base_lrs = saved_base
+        for g, v in zip(groups, saved_lr):
+            g["lr"] = v
+
+
+def local_rows(batch: TrainBatch, mine: torch.Tensor,
+               world_size: int) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None]:
     """This rank's rows of the global ``batch`` (in global order) and, under several ranks, a padding row.
 
     Returns ``(local, rows, pad)``: ``local`` the ``[n_r (+1), T]`` batch, ``rows``
@@ -280,6 +310,212 @@ def local_rows(batch: TrainBatch, mine: torch.Tensor, world_size: int) -> tuple[
 
 
 # --------------------------------------------------------------------------- the update
+
+
+@dataclass
+class StepRows:
+    """This rank's share of a step's global batch: its rows, its micro-batches, its padding row.
+
+    ``plan`` (every epoch's mini-batches, each a list of this rank's micro-batches
+    of *global* row indices) comes from :func:`minibatch_plan`; ``local`` holds
+    this rank's rows (plus the padding row under several ranks) on the device.
+    """
+
+    n: int  # rows of the global batch
+    plan: list[list[torch.Tensor]]
+    per_epoch: int  # mini-batches per epoch
+    mine: torch.Tensor  # [n_r] global rows this rank trains (sorted)
+    local: TrainBatch  # [n_r (+1 padding row), T] on the device
+    local_global: torch.Tensor  # [n_r (+1)] global row of each local row
+    pad: torch.Tensor | None  # [1] local index of the padding row (None in one process)
+    where: torch.Tensor  # [N] global row -> local row (-1: another rank's)
+    depth: list[int]  # micro-batches every rank runs in each mini-batch
+    sub: torch.Tensor | None  # [n_r (+1)] bool rows with shadow passes (None: all)
+
+    def real(self, k: int) -> list[torch.Tensor]:
+        """Local row indices of mini-batch ``k``'s micro-batches (this rank's, no padding)."""
+        return [self.where[m] for m in self.plan[k]]
+
+    def padded(self, k: int) -> list[torch.Tensor]:
+        """Mini-batch ``k``'s micro-batches, topped up with padding ones to every rank's count."""
+        return pad_micros(self.real(k), self.depth[k], self.pad)
+
+    def shadowed(self, r: torch.Tensor) -> torch.Tensor:
+        """The shadowed rows of micro-batch ``r``; under several ranks never empty (padding instead)."""
+        r = r if self.sub is None else r[self.sub[r]]
+        return r if r.numel() or self.pad is None else self.pad
+
+
+def split_rows(batch: TrainBatch, cfg: CampaignConfig, seed: int, collective: Collective, device: torch.device,
+               shadow_rows: torch.Tensor | None) -> StepRows:
+    """Plan the step's mini-batches and take this rank's rows of ``batch`` onto ``device``."""
+    n = batch.size
+    plan = minibatch_plan(n, cfg, seed, rank=collective.rank, world_size=collective.world_size)
+    per_epoch = len(plan) // cfg.algorithm.ppo_epochs
+    mine = torch.unique(torch.cat([m for mbs in plan[:per_epoch] for m in mbs] or [torch.zeros(0, dtype=torch.long)]))
+    local, local_global, pad = local_rows(batch, mine, collective.world_size)
+    where = torch.full((n,), -1, dtype=torch.long)
+    where[mine] = torch.arange(mine.numel())
+    sub = None if shadow_rows is None or bool(shadow_rows.all()) else shadow_rows.bool()[local_global].to(device)
+    return StepRows(n, plan, per_epoch, mine, local.to(device), local_global, pad, where,
+                    plan_depth(n, cfg, seed, collective.world_size), sub)
+
+
+@dataclass
+class StepTensors:
+    """Per-token tensors of one rank's rows (``[n_r (+1), T]``, float32): the update's inputs and records."""
+
+    mask: torch.Tensor  # response mask
+    adv_tok: torch.Tensor  # advantage on every response token
+    old8: torch.Tensor  # π_old, training precision
+    old16: torch.Tensor | None  # π_old, BF16 shadow (shadow steps)
+    logp16: torch.Tensor | None  # π_θ before each epoch-0 update, BF16 shadow (shadow steps)
+    is_w: torch.Tensor | None  # TIS weights (algorithm.tis)
+    logp8: torch.Tensor  # π_θ of each row's epoch-0 update, training precision
+    entropy: torch.Tensor
+
+
+def _no_grad_logprobs(model, rows: StepRows, micros: list[torch.Tensor], mode: str, *, shadow: bool,
+                      out: torch.Tensor) -> None:
+    """Fill ``out`` with the no-grad log-probs of ``micros`` (BF16 shadow rows only when ``shadow``)."""
+    x = rows.local
+    with torch.no_grad():
+        for r in micros:
+            r = rows.shadowed(r) if shadow else r
+            if r.numel():
+                out[r] = policy_logprobs(model, x.input_ids[r], x.attention_mask[r], mode=mode, shadow=shadow)[0]
+
+
+def old_logprobs(model, rows: StepRows, cfg: CampaignConfig, *, shadow: bool,
+                 timings: dict[str, float]) -> StepTensors:
+    """Phase 1: π_old in the training precision and, on shadow steps, in BF16; the TIS weights.
+
+    Runs in the micro-batches of the first epoch's plan (the same ones on 1 or W
+    ranks). Rows without a shadow pass (subsampled shadow) hold NaN BF16 values.
+    """
+    a, mode, x = cfg.algorithm, cfg.precision.train, rows.local
+    first = [r for k in range(rows.per_epoch) for r in rows.padded(k)]
+    mask = x.response_mask.float()  # [n_r (+1), T]
+    t0 = time.perf_counter()
+    old8 = torch.zeros(x.input_ids.shape, dtype=torch.float32, device=mask.device)
+    _no_grad_logprobs(model, rows, first, mode, shadow=False, out=old8)
+    timings["old_logp_s"] = time.perf_counter() - t0
+    old16 = logp16 = None
+    if shadow:
+        t0 = time.perf_counter()
+        old16 = torch.full_like(old8, float("nan") if rows.sub is not None else 0.0)
+        _no_grad_logprobs(model, rows, first, mode, shadow=True, out=old16)
+        logp16 = torch.zeros_like(old8) if rows.sub is None else torch.full_like(old8, float("nan"))
+        timings["shadow_s"] = time.perf_counter() - t0
+    is_w = tis_weights(old8, x.rollout_logp, cap=a.tis_cap) * mask if a.tis else None
+    return StepTensors(mask, x.advantages.float()[:, None] * mask, old8, old16, logp16, is_w,
+                       torch.zeros_like(old8), torch.zeros_like(old8))
+
+
+@dataclass
+class UpdateLog:
+    """What the mini-batch updates of a step leave behind besides the weights."""
+
+    minibatch: torch.Tensor  # [N] mini-batch index of each global row in epoch 0
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    skipped: int = 0
+    per_update: list = field(default_factory=list)  # per-update bound results (a per-update clip mode)
+    epoch0_bounds: dict[int, tuple[float, float]] = field(default_factory=dict)  # mini-batch -> (L, H)
+
+
+def update_bounds(model, rows: StepRows, micros: list[torch.Tensor], t: StepTensors, cfg: CampaignConfig,
+                  rule: UpdateBoundsRule, collective: Collective):
+    """(L, H) of a clip mode that picks bounds before every update (its registry hook), from the
+    update's current ratios over every rank's tokens; returns the hook's result (``.lower``, ``.upper``)."""
+    x, mode = rows.local, cfg.precision.train
+    with torch.no_grad():
+        cur = [importance_ratio(policy_logprobs(model, x.input_ids[r], x.attention_mask[r], mode=mode)[0], t.old8[r])
+               for r in micros]
+    return rule.bounds(torch.cat([c.reshape(-1) for c in cur]), torch.cat([t.adv_tok[r].reshape(-1) for r in micros]),
+                       torch.cat([t.mask[r].reshape(-1) for r in micros]), cfg.calibration,
+                       collective.world_size > 1)
+
+
+def micro_batch_pass(model, rows: StepRows, micros: list[torch.Tensor], t: StepTensors, cfg: CampaignConfig, *,
+                     bounds: tuple[float, float], tokens: float, seqs: float, world_size: int,
+                     record: bool) -> float:
+    """Forward and backward of one mini-batch's micro-batches, gradients accumulated; returns the summed loss.
+
+    ``tokens``/``seqs``: the mini-batch's global token and sequence counts (loss
+    denominators); ``bounds``: the loss's own (L, H). ``record``: keep π_θ and the
+    entropy of these rows (epoch 0). Padding micro-batches have mask 0: they add
+    0 to every sum.
+    """
+    a, x = cfg.algorithm, rows.local
+    loss_fn = POLICY_LOSSES.get(a.loss)
+    total = 0.0
+    for r in micros:
+        lp, ent = policy_logprobs(model, x.input_ids[r], x.attention_mask[r], mode=cfg.precision.train,
+                                  with_entropy=True)
+        loss, _ = loss_fn(
+            lp, t.old8[r], t.adv_tok[r], t.mask[r], lower=bounds[0], upper=bounds[1], dual_clip=a.dual_clip,
+            is_weights=None if t.is_w is None else t.is_w[r], agg=a.loss_agg,
+            global_token_count=max(tokens, 1.0), global_seq_count=seqs, norm_len=float(cfg.rollout.max_new_tokens),
+        )
+        if a.entropy_coef > 0:
+            loss = loss - a.entropy_coef * (ent * t.mask[r]).sum() / max(tokens, 1.0)
+        (loss * float(world_size)).backward()  # FSDP/DDP average gradients over ranks: undo it for global sums
+        total += float(loss.detach())
+        if record:
+            t.logp8[r], t.entropy[r] = lp.detach(), ent.detach()
+    return total
+
+
+def optimizer_step(model, optimizer, scheduler, loss: float, cfg: CampaignConfig, collective: Collective,
+                   log: UpdateLog) -> None:
+    """Clip the gradient and step, unless the loss or the gradient norm is not finite (then skip, recorded)."""
+    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.algorithm.grad_clip)
+    grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)  # a DTensor under FSDP2
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        optimizer.step()
+        scheduler.step()
+        if collective.world_size > 1:
+            from stages.distributed import after_optimizer_step
+
+            after_optimizer_step(model)
+    else:
+        log.skipped += 1
+        optimizer.zero_grad(set_to_none=True)
+    log.losses.append(loss)
+    log.grad_norms.append(grad_norm)
+
+
+def minibatch_update(model, optimizer, scheduler, rows: StepRows, k: int, t: StepTensors, cfg: CampaignConfig, *,
+                     bounds: tuple[float, float], shadow: bool, collective: Collective, log: UpdateLog,
+                     timings: dict[str, float], rule: UpdateBoundsRule | None = None) -> None:
+    """Phase 2, one update: the BF16 shadow of π_θ (epoch 0 of shadow steps), the clip mode's
+    per-update bounds if it has them, the micro-batches' forward/backward, the optimizer step."""
+    epoch, mb_index = divmod(k, rows.per_epoch)
+    micros = rows.padded(k)
+    if epoch == 0:
+        for m in rows.plan[k]:
+            log.minibatch[m] = mb_index
+        maybe_fault("train", mb_index)
+    if shadow and epoch == 0:
+        t0 = time.perf_counter()
+        _no_grad_logprobs(model, rows, micros, cfg.precision.train, shadow=True, out=t.logp16)
+        timings["shadow_s"] += time.perf_counter() - t0
+    lower, upper = bounds
+    if rule is not None:  # a clip mode with bounds per update (its registry hooks)
+        b = update_bounds(model, rows, micros, t, cfg, rule, collective)
+        log.per_update.append(b)
+        if epoch == 0:
+            log.epoch0_bounds.setdefault(mb_index, (b.lower, b.upper))
+        lower, upper = b.lower, b.upper
+    real = rows.real(k)
+    tokens = collective.sum(float(sum(float(t.mask[r].sum()) for r in real)))
+    seqs = collective.sum(float(sum(r.numel() for r in real)))
+    optimizer.zero_grad(set_to_none=True)
+    loss = micro_batch_pass(model, rows, micros, t, cfg, bounds=loss_bounds(cfg.algorithm.loss, lower, upper,
+                            cfg.algorithm), tokens=tokens, seqs=seqs, world_size=collective.world_size,
+                            record=epoch == 0)
+    optimizer_step(model, optimizer, scheduler, collective.sum(loss), cfg, collective, log)
 
 
 def policy_update(
@@ -308,166 +544,65 @@ def policy_update(
     these sequences (subsampled shadow passes, ``fp8rl_core.subsample``); the
     BF16 log-probs of the other rows are NaN.
     """
-    a, mode = cfg.algorithm, cfg.precision.train
     check_world_size(cfg, collective.world_size)
-    device = next(model.parameters()).device
-    full = batch
-    n = full.size
-    plan = minibatch_plan(n, cfg, seed, rank=collective.rank, world_size=collective.world_size)
-    per_epoch = len(plan) // a.ppo_epochs
-    mine = torch.unique(torch.cat([m for mbs in plan[:per_epoch] for m in mbs] or [torch.zeros(0, dtype=torch.long)]))
-    local, local_global, pad = local_rows(full, mine, collective.world_size)  # this rank's rows (+ padding row)
-    local = local.to(device)
-    where = torch.full((n,), -1, dtype=torch.long)
-    where[mine] = torch.arange(mine.numel())  # global row -> local row
-    depth = plan_depth(n, cfg, seed, collective.world_size)
-
-    def padded(k: int) -> list[torch.Tensor]:
-        """Local row indices of mini-batch k's micro-batches, padded to every rank's count."""
-        return pad_micros([where[m] for m in plan[k]], depth[k], pad)
-
-    mask = local.response_mask.float()  # [n_r (+1 padding row), T]
-    adv_tok = local.advantages.float()[:, None] * mask
+    rows = split_rows(batch, cfg, seed, collective, next(model.parameters()).device, shadow_rows)
     timings: dict[str, float] = {}
     model.train()
-    ws = float(collective.world_size)  # FSDP/DDP average gradients over ranks: undo it for global sums
-
-    # 1. π_old (training precision) and its BF16 shadow, in micro-batches
-    # (in the micro-batches of the first epoch's plan: the same ones on 1 or W ranks)
-    first = [r for k in range(per_epoch) for r in padded(k)]
-
-    sub = None if shadow_rows is None or bool(shadow_rows.all()) else shadow_rows.bool()[local_global].to(device)
-
-    def shadowed(r: torch.Tensor) -> torch.Tensor:
-        """The shadowed rows of micro-batch ``r``; under several ranks never empty (padding instead)."""
-        r = r if sub is None else r[sub[r]]
-        return r if r.numel() or pad is None else pad
-
-    def no_grad_pass(shadow_pass: bool) -> torch.Tensor:
-        fill = float("nan") if shadow_pass and sub is not None else 0.0
-        out = torch.full(local.input_ids.shape, fill, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            for r in first:
-                r = shadowed(r) if shadow_pass else r
-                if r.numel():
-                    out[r] = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, shadow=shadow_pass)[0]
-        return out
-
-    t0 = time.perf_counter()
-    old8 = no_grad_pass(False)
-    timings["old_logp_s"] = time.perf_counter() - t0
-    old16 = logp16 = None
-    if shadow:
-        t0 = time.perf_counter()
-        old16 = no_grad_pass(True)
-        logp16 = torch.zeros_like(old8) if sub is None else torch.full_like(old8, float("nan"))
-        timings["shadow_s"] = time.perf_counter() - t0
-    is_w = tis_weights(old8, local.rollout_logp, cap=a.tis_cap) * mask if a.tis else None
-
-    # 2. mini-batch updates
-    logp8, entropy = torch.zeros_like(old8), torch.zeros_like(old8)
-    minibatch = torch.zeros(n, dtype=torch.long)
-    loss_fn = POLICY_LOSSES.get(a.loss)
-    lower, upper = bounds
-    lb = loss_bounds(a.loss, lower, upper, a)  # the loss's own reading of (L, H), from the registry
-    bapo_on, bapo_results, bapo_mb = cfg.calibration.mode == "bapo", [], {}  # BAPO: bounds per update
-    losses, grad_norms, skipped = [], [], 0
+    rule = per_update_rule(cfg.calibration.mode)  # None unless the clip mode picks bounds per update
+    t = old_logprobs(model, rows, cfg, shadow=shadow, timings=timings)  # 1. π_old (+ BF16 shadow)
+    log = UpdateLog(minibatch=torch.zeros(rows.n, dtype=torch.long))
     t_train = time.perf_counter()
-    for k, micros in enumerate(plan):
-        epoch, mb_index = divmod(k, per_epoch)
-        real = [where[m] for m in micros]  # local row indices
-        rows = padded(k)  # + padding micro-batches: mask 0, so they add 0 to every sum below
-        if epoch == 0:
-            for m in micros:
-                minibatch[m] = mb_index
-            maybe_fault("train", mb_index)
-        if shadow and epoch == 0:
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                for r in map(shadowed, rows):
-                    if r.numel():
-                        logp16[r] = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, shadow=True)[0]
-            timings["shadow_s"] += time.perf_counter() - t0
-        if bapo_on:  # BAPO as published: bounds from this update's current ratios (global sums), no BF16 pass
-            with torch.no_grad():
-                cur = [importance_ratio(policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode)[0],
-                                        old8[r]) for r in rows]
-            b = bapo_rule.bapo_bounds(torch.cat([c.reshape(-1) for c in cur]),
-                                      torch.cat([adv_tok[r].reshape(-1) for r in rows]),
-                                      torch.cat([mask[r].reshape(-1) for r in rows]), cfg.calibration.bapo,
-                                      reduce=bapo_rule.dist_sum if collective.world_size > 1 else None)
-            bapo_results.append(b)
-            if epoch == 0:
-                bapo_mb.setdefault(mb_index, (b.lower, b.upper))  # epoch 0's bounds, for the step's clip statistics
-            lb = loss_bounds(a.loss, b.lower, b.upper, a)
-        mb_tokens = collective.sum(float(sum(float(mask[r].sum()) for r in real)))
-        mb_seqs = collective.sum(float(sum(r.numel() for r in real)))
-        optimizer.zero_grad(set_to_none=True)
-        mb_loss = 0.0
-        for r in rows:
-            lp, ent = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, with_entropy=True)
-            loss, _ = loss_fn(
-                lp, old8[r], adv_tok[r], mask[r], lower=lb[0], upper=lb[1], dual_clip=a.dual_clip,
-                is_weights=None if is_w is None else is_w[r], agg=a.loss_agg,
-                global_token_count=max(mb_tokens, 1.0), global_seq_count=mb_seqs, norm_len=float(cfg.rollout.max_new_tokens),
-            )
-            if a.entropy_coef > 0:
-                loss = loss - a.entropy_coef * (ent * mask[r]).sum() / max(mb_tokens, 1.0)
-            (loss * ws).backward()
-            mb_loss += float(loss.detach())
-            if epoch == 0:
-                logp8[r], entropy[r] = lp.detach(), ent.detach()
-        mb_loss = collective.sum(mb_loss)
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
-        grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)  # a DTensor under FSDP2
-        if math.isfinite(mb_loss) and math.isfinite(grad_norm):
-            optimizer.step()
-            scheduler.step()
-            if collective.world_size > 1:
-                from stages.distributed import after_optimizer_step
-
-                after_optimizer_step(model)
-        else:
-            skipped += 1
-            optimizer.zero_grad(set_to_none=True)
-        losses.append(mb_loss)
-        grad_norms.append(grad_norm)
+    for k in range(len(rows.plan)):  # 2. one optimizer update per mini-batch, every epoch
+        minibatch_update(model, optimizer, scheduler, rows, k, t, cfg, bounds=bounds, shadow=shadow,
+                         collective=collective, log=log, timings=timings, rule=rule)
     timings["update_s"] = time.perf_counter() - t_train
+    return gather_step_stats(batch, rows, t, log, cfg, bounds=bounds, collective=collective,  # 3. statistics
+                             lr=float(scheduler.get_last_lr()[0]), timings=timings, rule=rule)
 
-    # 3. step metrics over every token of the step (gathered: global, same code as one process)
-    def glob(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
+
+def gather_step_stats(batch: TrainBatch, rows: StepRows, t: StepTensors, log: UpdateLog, cfg: CampaignConfig, *,
+                      bounds: tuple[float, float], collective: Collective, lr: float,
+                      timings: dict[str, float], rule: UpdateBoundsRule | None = None) -> UpdateResult:
+    """Phase 3: every rank's per-token tensors gathered into ``[N, T]`` (global, CPU), and the step's
+    statistics computed on them by the same code as in one process."""
+    n, mine = rows.n, rows.mine
+
+    def glob(x: torch.Tensor | None) -> torch.Tensor | None:
+        if x is None:
             return None
-        out = torch.zeros((n, *t.shape[1:]), dtype=t.dtype)
-        own = t[: mine.numel()]  # without the padding row
+        out = torch.zeros((n, *x.shape[1:]), dtype=x.dtype)
+        own = x[: mine.numel()]  # without the padding row
         out[collective.gather_rows(mine)] = collective.gather_rows(own.detach().float().cpu())
         return out
 
-    g = {k: glob(v) for k, v in dict(logp8=logp8, old8=old8, logp16=logp16, old16=old16, entropy=entropy,
-                                     is_w=is_w).items()}
-    minibatch = minibatch if collective.world_size == 1 else _owned_max(collective, minibatch, mine, n)
-    metrics = step_metrics(full, g["logp8"], g["old8"], g["entropy"], g["is_w"], cfg, bounds=bounds)
-    if bapo_on:  # clip statistics at each row's own update bounds
-        fmask = full.response_mask.float()
-        metrics.update({k: float(v) for k, v in bapo_rule.step_clip_stats(
-            g["logp8"], g["old8"], full.advantages.float()[:, None] * fmask, fmask, minibatch, bapo_mb,
-            dual_clip=a.dual_clip, is_weights=g["is_w"]).items()})
-    metrics.update(bapo_rule.summarize_updates(bapo_results))
+    g = {k: glob(v) for k, v in dict(logp8=t.logp8, old8=t.old8, logp16=t.logp16, old16=t.old16, entropy=t.entropy,
+                                     is_w=t.is_w).items()}
+    minibatch = log.minibatch if collective.world_size == 1 else _owned_max(collective, log.minibatch, mine, n)
+    metrics = step_metrics(batch, g["logp8"], g["old8"], g["entropy"], g["is_w"], cfg, bounds=bounds)
+    if rule is not None:  # clip statistics at each row's own update bounds
+        fmask = batch.response_mask.float()
+        metrics.update({k: float(v) for k, v in rule.clip_stats(
+            g["logp8"], g["old8"], batch.advantages.float()[:, None] * fmask, fmask, minibatch, log.epoch0_bounds,
+            dual_clip=cfg.algorithm.dual_clip, is_weights=g["is_w"]).items()})
+        metrics.update(rule.summarize(log.per_update))
+    gn = log.grad_norms
     metrics.update(
-        loss=_mean(losses), grad_norm=_mean(grad_norms), grad_norm_max=max(grad_norms) if grad_norms else 0.0,
-        lr=float(scheduler.get_last_lr()[0]), skipped_updates=float(skipped), updates=float(len(losses)),
+        loss=_mean(log.losses), grad_norm=_mean(gn), grad_norm_max=max(gn) if gn else 0.0,
+        lr=lr, skipped_updates=float(log.skipped), updates=float(len(log.losses)),
     )
+    row_bounds = None if rule is None else torch.tensor([log.epoch0_bounds[int(k)] for k in minibatch],
+                                                         dtype=torch.float32)
     return UpdateResult(
         metrics=metrics, logp_fp8=g["logp8"], old_logp_fp8=g["old8"], logp_bf16=g["logp16"], old_logp_bf16=g["old16"],
-        entropy=g["entropy"], tis_weight=g["is_w"], minibatch=minibatch, skipped_updates=skipped, timings=timings,
-        rows=mine,
-        row_bounds=torch.tensor([bapo_mb[int(k)] for k in minibatch], dtype=torch.float32) if bapo_on else None,
+        entropy=g["entropy"], tis_weight=g["is_w"], minibatch=minibatch, skipped_updates=log.skipped, timings=timings,
+        rows=mine, row_bounds=row_bounds,
     )
 
 
 def _owned_max(collective: Collective, minibatch: torch.Tensor, mine: torch.Tensor, n: int) -> torch.Tensor:
     """Each row's mini-batch index, as set by the rank that trained it."""
-    return torch.zeros(n, dtype=torch.long).index_copy_(0, collective.gather_rows(mine), collective.gather_rows(minibatch[mine]))
+    rows, owned = collective.gather_rows(mine), collective.gather_rows(minibatch[mine])
+    return torch.zeros(n, dtype=torch.long).index_copy_(0, rows, owned)
 
 
 def step_metrics(batch: TrainBatch, logp8, old8, entropy, is_w, cfg: CampaignConfig, *, bounds) -> dict[str, float]:
@@ -476,7 +611,7 @@ def step_metrics(batch: TrainBatch, logp8, old8, entropy, is_w, cfg: CampaignCon
     mask = batch.response_mask.float()
     adv_tok = batch.advantages.float()[:, None] * mask
     with torch.no_grad():
-        stats_fn = POLICY_LOSSES.get("gspo") if a.loss == "gspo" else policy_loss  # gspo: sequence-ratio clip shares
+        stats_fn = LOSS_STATISTICS.get(a.loss)  # the loss's own clip statistics (gspo: sequence ratios)
         _, stats = stats_fn(logp8, old8, adv_tok, mask, lower=bounds[0], upper=bounds[1], dual_clip=a.dual_clip,
                             is_weights=is_w, agg="token-mean")
     ntok = float(mask.sum().clamp_min(1.0))

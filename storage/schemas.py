@@ -360,7 +360,7 @@ BOUNDS = TableSpec(
         Column("negative_tokens", pa.int64(), "Of which with A < 0."),
         Column("nonfinite_tokens", pa.int64(), "Tokens with a non-finite ratio, left out of the calibration."),
         Column("status", pa.string(), "Calibration outcome ('ok', or why the previous bounds were kept)."),
-        # issue 15: subsampled shadow passes (fp8rl_core.subsample)
+        # subsampled shadow passes (fp8rl_core.subsample)
         Column("shadow_sequences", pa.int64(), "Sequences the BF16 shadow passes ran on (m)."),
         Column("total_sequences", pa.int64(), "Sequences of the batch (N); m = N: full shadow."),
         Column("alpha_level_error", _F64, "Stated error of the subset's L in quantile levels (Hoeffding-Serfling, sequences as unit)."),

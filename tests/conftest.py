@@ -25,7 +25,7 @@ os.environ.setdefault("FP8RL_BOOTSTRAP_CACHE", str(_SESSION_TMP / "bootstrap"))
 # Campaigns and bootstraps the tests start run on one torch thread: two xdist workers
 # share two cores (make test: -n 2), and 2-thread processes side by side spin in OpenMP barriers.
 os.environ.setdefault("FP8RL_MAX_THREADS", "1")
-# Strict FP8 shape contracts (issue 11): the emulation rejects what the GPU kernels reject.
+# Strict FP8 shape contracts: the emulation rejects what the GPU kernels reject.
 os.environ.setdefault("FP8RL_STRICT_FP8_SHAPES", "1")
 
 MICRO_OVERRIDES = [

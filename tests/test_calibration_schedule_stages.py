@@ -1,4 +1,4 @@
-"""Issue 15 wiring on the micro campaign's stages: drift schedule, subsampled shadow, GSPO calibration, noise columns."""
+"""Drift schedule, subsampled shadow passes, GSPO calibration and the noise columns, through the micro campaign's stages."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The campaign end to end through the CLI and Prefect (issue 7's checks).
+"""The campaign end to end through the CLI and Prefect.
 
 One uninterrupted micro campaign is the reference (with an injected transient
 rollout failure, which Prefect retries and the ledger records). Two more runs

@@ -72,7 +72,10 @@ def test_unknown_precision_lists_choices():
 
 def test_initial_bounds_default_to_the_epsilons():
     cfg = CampaignConfig()
-    assert cfg.initial_bounds() == pytest.approx((0.8, 1.28))
+    from fp8rl_core.calibration import initial_bounds
+
+    a = cfg.algorithm
+    assert initial_bounds(eps_low=a.eps_low, eps_high=a.eps_high, config=cfg.calibration) == pytest.approx((0.8, 1.28))
 
 
 def test_missing_preset_is_a_clear_error():
@@ -103,3 +106,23 @@ def test_best_average_metric_and_the_dapo_record_parser():
                        "the problem.\n\nWhat is 2+3?\n\nRemember to put your answer on its own line after \"Answer:\"."}],
            "reward_model": {"ground_truth": "5", "style": "rule-lean"}, "extra_info": {"index": "abc"}}
     assert TRAIN_SOURCES.get("dapo_math").parser(rec, 0) == ("abc", "What is 2+3?", "5")
+
+
+@pytest.mark.parametrize("key, value, kind", [
+    ("precision.train", "fp8_columnwise", "training precision mode"),
+    ("precision.rollout", "fp8_per_row", "rollout precision mode"),
+    ("calibration.mode", "calibrate", "clip mode"),
+    ("algorithm.loss", "ppoo", "policy loss"),
+    ("algorithm.advantage", "grp", "advantage estimator"),
+    ("algorithm.loss_agg", "token_mean", "loss aggregation mode"),
+])
+def test_a_name_no_registry_holds_is_an_error_naming_the_key_and_the_valid_names(key, value, kind):
+    """The registries are the one list of names: no Literal repeats them, the check at load reads them."""
+    from fp8rl_core.registered import NAMED_BY_REGISTRY
+
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny-cpu", [f"{key}={value}"])
+    msg = str(err.value)
+    assert f"{key}: unknown {kind} {value!r}; valid: " in msg
+    valid = NAMED_BY_REGISTRY[key][1].names()
+    assert all(name in msg for name in valid) and len(valid) >= 2

@@ -1,4 +1,4 @@
-"""Datasets by name or path through ``datasets`` (issue 17, part 3), offline.
+"""Datasets by name or path through ``datasets``, offline.
 
 A local folder laid out as a Hub dataset repository (sharded Parquet data
 files, two configs, plus the README's ``configs`` block) is loaded by name with

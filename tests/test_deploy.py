@@ -1,4 +1,4 @@
-"""Scheduling (issue 7, item 4): a deployed campaign runs on a work pool, from a Prefect server.
+"""Scheduling: a deployed campaign runs on a work pool, from a Prefect server.
 
 The slow tests share one real server — ``prefect server start`` on 127.0.0.1, a
 free port, its own ``PREFECT_HOME`` — and drive it only through the commands a

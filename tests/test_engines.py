@@ -1,6 +1,6 @@
 """The rollout-engine interface and the transformers engine, on the tiny model.
 
-The central check (issue 6): the log-probs the engine returns for its own samples
+The central check: the log-probs the engine returns for its own samples
 equal a recomputation in the same precision — the train stage's
 ``sequence_logprobs`` for bf16, a full forward of the same W8A8 copy for the FP8
 modes. In fp32 (``bf16_autocast=False``) they agree to 1e-4, which pins down the

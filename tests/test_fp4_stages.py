@@ -1,4 +1,4 @@
-"""FP4 precisions and the stress task through the stages (issue 14's pipeline checks).
+"""FP4 precisions and the stress task through the stages.
 
 One full campaign step in each new precision writes every table with r8/r16 (here:
 FP4 vs BF16) on the calibration step; a checkpoint/restore in FP4 continues the

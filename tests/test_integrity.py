@@ -1,4 +1,4 @@
-"""Nothing silently wrong (issue 16): one test per defect, each failing on the code before it.
+"""Nothing silently wrong: one test per defect, each failing on the code before it.
 
 Everything here is fast: runs are made with the storage API (no campaign), the
 CLI runs in-process (typer's runner) except where a second process is the point

@@ -173,7 +173,7 @@ def test_micro_batches_precision_modes_and_gradients(model):
     torch.testing.assert_close(split, full, rtol=0, atol=5e-3)
     fp8 = copy.deepcopy(model)
     convert_for_training(fp8, "fp8_rowwise")
-    # 4 x 8 = 32 tokens: the FP8 weight-gradient kernel needs a multiple of 16 (strict shapes, issue 11)
+    # 4 x 8 = 32 tokens: the FP8 weight-gradient kernel needs a multiple of 16 (strict shapes)
     lp8, ent8 = sequence_logprobs(fp8, ids[:4], mask[:4], mode="fp8_rowwise")
     assert lp8.requires_grad and not torch.equal(lp8.detach(), full[:4])
     (lp8.sum() + ent8.sum()).backward()

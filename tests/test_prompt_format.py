@@ -1,4 +1,4 @@
-"""Real checkpoints and chat templates (issue 17, part 2), with nothing downloaded.
+"""Real checkpoints and chat templates ( part 2), with nothing downloaded.
 
 A random-init ``Qwen3ForCausalLM`` is saved with a tokenizer that carries a
 Qwen-style chat template (``<|im_start|>role\\n…<|im_end|>``) and, like many

@@ -58,7 +58,7 @@ def _ledger_events(run_id: str, steps: int, *, calib_every: int, eval_every: int
 
 
 def _guard_events(run_id: str, steps: int) -> list[dict]:
-    """One guard rollback (issue 15) in the middle of a run (it takes no time, so wall_seconds is unchanged)."""
+    """One guard rollback in the middle of a run (it takes no time, so wall_seconds is unchanged)."""
     t = datetime(2026, 1, 1, tzinfo=timezone.utc).isoformat()
     key = {"run_id": run_id, "step": steps // 2 - 2, "stage": "guard", "attempt": 0, "variant": "main"}
     info = {"kind": "entropy_surge", "detected_step": steps // 2, "first_bad_step": steps // 2 - 1,
@@ -193,7 +193,7 @@ def test_runs_are_overlaid_one_line_per_run(report) -> None:
     bounds = next(f for f in report.figures if f.figure.name == "bounds")
     assert bounds.rows == 8 and bounds.panels[0].lines == 4  # raw and smoothed L, two runs, 4 calibrations each
     timings = next(f for f in report.figures if f.figure.name == "timings")
-    assert {p.title for p in timings.panels} == set(STAGE_SECONDS) | {"guard"}  # the fabricated guard rollback (issue 15)
+    assert {p.title for p in timings.panels} == set(STAGE_SECONDS) | {"guard"}  # the fabricated guard rollback
 
 
 def test_html_references_only_files_that_exist(report) -> None:

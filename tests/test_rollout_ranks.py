@@ -1,4 +1,4 @@
-"""Each rank rolls out and scores its own prompts; retries act on all ranks together (issue 11).
+"""Each rank rolls out and scores its own prompts; retries act on all ranks together.
 
 * the generation blocks of a step do not depend on the world size: for W = 1, 2, 3
   the ranks' blocks together are the same blocks with the same seeds, every

@@ -11,11 +11,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import micro_config
 
 import flows.campaign as campaign
-from conftest import micro_config
 from stages.context import TrainState, is_calibration_step
 from stages.prompts import SamplerState
+from stages.result import StageResult
 from storage.layout import create_run
 from storage.ledger import Ledger
 
@@ -34,12 +35,14 @@ def setup(tmp_path: Path, monkeypatch):
         def task(env_, state_, step, **kw):
             calls.append((name, step))
             if name == "evaluate":
-                return {"scores": {"synthetic/avg@2": 0.25}}, state_
+                return StageResult(scores={"synthetic/avg@2": 0.25}), state_
             if name == "calibrate":
-                return {"lower": 0.8, "upper": 1.28, "alpha": 0.01}, state_
+                return StageResult(info={"lower": 0.8, "upper": 1.28, "alpha": 0.01}), state_
             if name == "train":  # the train stage reports whether it ran the shadow passes
-                return {"metrics": {"reward_mean": 0.5, "shadow": float(is_calibration_step(env_.cfg, step))}}, state_
-            return {"metrics": {"reward_mean": 0.5}}, state_
+                return StageResult(metrics={"reward_mean": 0.5}, shadow=is_calibration_step(env_.cfg, step)), state_
+            return StageResult(metrics={"reward_mean": 0.5}), state_
+        # what the rank protocol reads of a stage task (one process: only the call itself)
+        task.name, task.retries, task.stage_fn, task.with_options = name, 0, task, lambda retries: task
         return task
 
     for name in STAGES:
@@ -117,11 +120,11 @@ def test_the_stage_runner_records_a_failure_and_the_next_attempt(tmp_path: Path)
 
     def ok(env_, state_, step, attempt):
         seen.append(attempt)
-        return {"outputs": [], "n": 3}, state_
+        return StageResult(info={"n": 3}), state_
 
     with pytest.raises(OSError):
         campaign._run_stage("score", boom, env, None, 1)
     out, _ = campaign._run_stage("score", ok, env, None, 1)
-    assert out["n"] == 3 and seen == [1]
+    assert out.info["n"] == 3 and seen == [1]
     recs = [(r.attempt, r.status) for r in env.ledger.records() if r.stage == "score"]
     assert recs == [(0, "failed"), (1, "done")]

@@ -1,4 +1,4 @@
-"""A 2-rank campaign under torchrun (gloo, 1 thread each) against the same campaign in 1 process (issue 11).
+"""A 2-rank campaign under torchrun (gloo, 1 thread each) against the same campaign in 1 process.
 
 Same config, seed and global batch; the 2 ranks together run the 1-process
 micro-batches, and each rank generates one of the step's two generation blocks

@@ -1,6 +1,6 @@
 """Stages on the tiny model, without Prefect: every precision mode runs a full step.
 
-Checks of issue 6: one step in each precision mode writes every table; on a
+Checks of one step in each precision mode writes every table; on a
 calibration step r8 and r16 exist for every token; with bf16 everywhere the
 shadow pass reproduces the training log-probs and the first mini-batch's ratios
 are 1; the engine's log-probs of its own samples match the trainer's
@@ -112,7 +112,7 @@ def test_bf16_shadow_reproduces_training_logprobs(tmp_path):
 
 def test_fp8_first_minibatch_ratios_are_exactly_one(tmp_path):
     """π_old is computed in the same micro-batches as the first epoch's training forward
-    (issue 11), so even FP8 tensorwise, whose activation scale depends on what shares a
+   , so even FP8 tensorwise, whose activation scale depends on what shares a
     micro-batch, gives r8 = 1 exactly on the first mini-batch (before: max |r8 − 1| = 0.35,
     from batch-composition noise of the dynamic scales); r16 = 1 likewise."""
     ctx = _context(tmp_path, *MODES["fp8-tensorwise"])

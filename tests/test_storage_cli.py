@@ -62,7 +62,7 @@ def campaign(tmp_path_factory) -> Path:
                 for b, base in (("aime24", 0.1), ("math500", 0.5))], stage="evaluate")
             with led.stage(step, "train"):
                 pass
-        with led.stage(3, "guard") as rec:  # a guard rollback (issue 15), as flows.guard records it
+        with led.stage(3, "guard") as rec:  # a guard rollback, as flows.guard records it
             rec.info.update(kind="entropy_surge", detected_step=3, first_bad_step=2, rollback_to=1,
                             action="rollback", remedy="recalibrate_every_step", detail="test", set_aside_files=4)
     return root

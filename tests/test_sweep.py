@@ -222,7 +222,7 @@ def test_seeds_multiply_cells_and_average(tmp_path: Path) -> None:
     (SWEEP.replace("calibration.mode: calibrated", "calibration.mod: calibrated"),
      r"cell fp8\.calibrated\.s0: calibration\.mod: unknown key"),
     (SWEEP.replace("precision.train: bf16,", "precision.train: bf8,"),
-     r"cell bf16\.standard\.s0: precision\.train: Input should be"),
+     r"cell bf16\.standard\.s0: precision\.train: unknown training precision mode 'bf8'; valid: bf16, "),
     (SWEEP.replace("{precision: bf16, clip: calibrated}", "{precision: bf16, clip: calibratd}"),
      r"exclude\.0\.clip: unknown label 'calibratd'; labels: standard, calibrated"),
     (SWEEP.replace("{precision: bf16, clip: calibrated}", "{precison: bf16}"), r"exclude\.0\.precison: unknown axis"),

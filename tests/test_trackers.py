@@ -1,4 +1,4 @@
-"""Experiment trackers fed from the Parquet rows (issue 17, part 1), and the campaign in Prefect's UI (part 4).
+"""Experiment trackers fed from the Parquet rows ( part 1), and the campaign in Prefect's UI (part 4).
 
 One micro campaign runs in-process with all three sinks (TensorBoard, MLflow on
 its default SQLite store, W&B offline), is resumed from the train stage of its

@@ -1,4 +1,4 @@
-"""The trainer on explicit devices, kernel shape contracts, and FSDP2 data parallelism (issue 11).
+"""The trainer on explicit devices, kernel shape contracts, and FSDP2 data parallelism.
 
 * every forward of a train step (π_old, π_θ, both shadow passes) runs through the
   one log-prob path: under the BF16 autocast of its inputs' device, with position

@@ -229,7 +229,7 @@ def test_generate_builds_one_seeded_request_per_prompt(policy, tokenizer, fake_v
 
 
 def test_per_prompt_seeds_make_a_groups_samples_independent_of_its_call(policy, tokenizer, fake_vllm):
-    """``seeds=`` (issue 11): a prompt's group depends on its own seed, not on the call it rides in."""
+    """``seeds=``: a prompt's group depends on its own seed, not on the call it rides in."""
     engine = make(policy, tokenizer, fake_vllm)
     args = dict(n=3, temperature=1.0, top_p=1.0, max_new_tokens=8)
     both = engine.generate([[1, 5], [1, 6, 7]], seed=1, seeds=[40, 41], **args)

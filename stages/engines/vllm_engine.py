@@ -367,16 +367,8 @@ class VLLMEngine(RolloutEngine):
         gen_eos = getattr(gen_cfg, "eos_token_id", None)
         eos.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
         self.eos_ids = frozenset(int(e) for e in eos if e is not None)
-        kwargs = build_llm_kwargs(
-            config,
-            precision,
-            model_path=self.model_path,
-            seed=seed,
-            logprobs_mode=logprobs_mode,
-            max_model_len=max_model_len,
-            llm_options=llm_options,
-            weight_sync=weight_sync,
-        )
+        kwargs = build_llm_kwargs(config, precision, model_path=self.model_path, seed=seed, logprobs_mode=logprobs_mode,
+                                  max_model_len=max_model_len, llm_options=llm_options, weight_sync=weight_sync)
         spmd = spmd_llm_options(config, rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
         kwargs.update({k: v for k, v in spmd.items() if k not in (llm_options or {})})
         if weight_sync == "ipc" and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
