@@ -14,8 +14,11 @@ Checks, per run:
 - ``ledger.jsonl``: lines that do not parse (a torn last line is a warning, a
   bad line in the middle an error), finished records whose outputs are neither
   live nor set aside;
-- every ``checkpoints/step_<n>/`` against its manifest (sizes and sha256);
-  checkpoints deleted by retention are known from ``checkpoints/pruned.jsonl``.
+- every ``checkpoints/step_<n>/`` against its manifest, its sharded (DCP)
+  state in ``checkpoints/.dcp/step_<n>/`` included: sizes, and with
+  ``deep=True`` sha256; checkpoints deleted by retention are known from
+  ``checkpoints/pruned.jsonl``; leftover ``checkpoints/.dcp/.tmp-*`` folders
+  (an interrupted sharded save) are a warning.
 
 Errors make ``fp8rl doctor`` exit 1; warnings alone do not.
 """
@@ -28,7 +31,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from storage.catalog import footer_problem
-from storage.checkpoints import list_checkpoints, pruned_checkpoints, verify_checkpoint
+from storage.checkpoints import DCP_DIR, list_checkpoints, pruned_checkpoints, verify_checkpoint
 from storage.errors import DuplicateRun, NotARunDirectory, SchemaVersionError, StorageError
 from storage.layout import Part, RunLayout, find_runs, is_run_dir, live_parts, parse_part_name, read_run_info
 from storage.ledger import DONE, Ledger
@@ -164,10 +167,10 @@ def check_run(run_dir: str | Path, *, deep: bool = False) -> list[Problem]:
             out.append(Problem(WARNING, str(f), "leftover temporary file of an interrupted write; safe to delete"))
     out += _check_ledger(layout, files)
     if layout.checkpoints.is_dir():
-        for d in sorted(layout.checkpoints.glob(".tmp-*")):
+        for d in sorted([*layout.checkpoints.glob(".tmp-*"), *layout.checkpoints.glob(f"{DCP_DIR}/.tmp-*")]):
             out.append(Problem(WARNING, str(d), "leftover half-written checkpoint; safe to delete"))
     for _, path in list_checkpoints(layout.root):
-        for msg in verify_checkpoint(path, hashes=True):
+        for msg in verify_checkpoint(path, hashes=deep):
             where, _, what = msg.partition(": ")
             out.append(Problem(ERROR, where, what))
     return out
