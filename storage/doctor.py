@@ -11,8 +11,10 @@ Checks, per run:
   between rename and set-aside: harmless, reported as a warning);
 - leftover ``tmp/*.tmp`` files and ``checkpoints/.tmp-*`` folders (interrupted
   writes: harmless, safe to delete);
-- ``ledger.jsonl``: lines that do not parse (a torn last line is a warning, a
-  bad line in the middle an error), finished records whose outputs are neither
+- ``ledger.jsonl``: lines that do not parse (a torn last line is a warning, and
+  so is a torn record in the middle that an older version repaired by starting
+  the next record on a fresh line; any other bad line is an error; torn tails
+  moved to ``ledger.quarantine.jsonl`` by a repair are not in the ledger), finished records whose outputs are neither
   live nor set aside;
 - every ``checkpoints/step_<n>/`` against its manifest, its sharded (DCP)
   state in ``checkpoints/.dcp/step_<n>/`` included: sizes, and with
@@ -34,7 +36,7 @@ from storage.catalog import footer_problem
 from storage.checkpoints import DCP_DIR, list_checkpoints, pruned_checkpoints, verify_checkpoint
 from storage.errors import DuplicateRun, NotARunDirectory, SchemaVersionError, StorageError
 from storage.layout import Part, RunLayout, find_runs, is_run_dir, live_parts, parse_part_name, read_run_info
-from storage.ledger import DONE, Ledger
+from storage.ledger import DONE, Ledger, looks_torn
 from storage.schemas import META_TABLE, META_VERSION, STORED_TABLES, check_schema_version
 
 ERROR, WARNING = "error", "warning"
@@ -134,11 +136,15 @@ def _check_ledger(layout: RunLayout, live_files: set[str]) -> list[Problem]:
     ledger = Ledger(layout.root)
     events, bad = ledger.events()
     if bad:
-        n_lines = ledger.path.read_bytes().rstrip(b"\n").count(b"\n") + 1
+        lines = ledger.path.read_bytes().rstrip(b"\n").split(b"\n")
         for line in bad:
-            torn = line == n_lines
-            out.append(Problem(WARNING if torn else ERROR, f"{ledger.path}:{line}",
-                               "torn last record (crash while appending); ignored" if torn else "unparseable record"))
+            if line == len(lines):
+                what, severity = "torn last record (crash while appending); ignored", WARNING
+            elif looks_torn(lines[line - 1]):  # repaired by a version that started the next record on a fresh line
+                what, severity = "torn record of a crash, repaired (the next record starts a fresh line); ignored", WARNING
+            else:
+                what, severity = "unparseable record", ERROR
+            out.append(Problem(severity, f"{ledger.path}:{line}", what))
     pruned = pruned_checkpoints(layout.root)
     for r in ledger.records(variant=None):
         if r.status != DONE:
