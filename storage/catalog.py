@@ -25,6 +25,11 @@ How the views are built:
 - each file's Parquet header and footer magic are checked (a few bytes); a
   truncated or foreign file is skipped and listed in ``catalog_problems``
   instead of failing every query on that table (``fp8rl doctor`` names it);
+- each file's footer says what it holds (table, run id, step, variant in its
+  key-value metadata; for files written before those keys, the ``run_id`` and
+  ``step`` column statistics): a part whose footer disagrees with its location
+  (a ``steps`` part in ``scores/``, another run's part copied into this run's
+  partition) is skipped and listed the same way. Only the footer is read;
 - ``run_id`` and ``step`` (BIGINT) are read from the files, which carry them
   (self-describing even when copied alone); the ``run=/step=`` hive path is
   what listing and ``runs=`` use, so DuckDB's own hive parsing is off (it
@@ -53,9 +58,9 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from storage.layout import RunLayout, find_runs, live_parts, scan_parts
+from storage.layout import META_RUN_ID, META_STEP, META_VARIANT, Part, RunLayout, find_runs, live_parts, scan_parts
 from storage.ledger import Ledger
-from storage.schemas import MAIN_VARIANT, STORED_TABLES, TABLES, TableSpec
+from storage.schemas import MAIN_VARIANT, META_TABLE, STORED_TABLES, TABLES, TableSpec
 
 _SOURCE = "_catalog_source"
 _PROBLEMS = "catalog_problems"
@@ -90,6 +95,49 @@ def quick_parquet_check(path: Path) -> str | None:
     if magic != b"PAR1" or footer_len + 12 > size:
         return "truncated Parquet (no valid footer)"
     return None
+
+
+def _stats_value(meta: Any, column: str) -> Any:
+    """The one value of ``column`` per its row-group statistics, or None if unknown or not single-valued."""
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    if column not in names or meta.num_row_groups == 0:
+        return None
+    idx, seen = names.index(column), set()
+    for rg in range(meta.num_row_groups):
+        st = meta.row_group(rg).column(idx).statistics
+        if st is None or not st.has_min_max:
+            return None
+        seen |= {st.min, st.max}
+    return seen.pop() if len(seen) == 1 else ("mixed", *sorted(map(str, seen)))
+
+
+def identity_problem(part: Part) -> str | None:
+    """None if ``part``'s footer agrees with its location (table, run, step, variant), else why not.
+
+    Reads the footer only. A key the file does not carry (written before it was
+    added) is taken from the column statistics, or not checked. A footer that
+    does not parse is left to :func:`footer_problem`.
+    """
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_metadata(part.path)
+    except Exception:  # pyarrow raises several types; a damaged footer is found and named by footer_problem
+        return None
+    kv = meta.metadata or {}
+    said = {"table": kv.get(META_TABLE), "run_id": kv.get(META_RUN_ID), "step": kv.get(META_STEP),
+            "variant": kv.get(META_VARIANT)}
+    said = {k: v.decode(errors="replace") for k, v in said.items() if v is not None}
+    for col in ("run_id", "step"):
+        if col not in said and (v := _stats_value(meta, col)) is not None:
+            said[col] = str(v) if not isinstance(v, tuple) else "..".join(v[1:])
+    where = {"table": part.table, "run_id": part.run_id, "step": str(part.step),
+             "variant": part.name.variant if part.name is not None else None}
+    wrong = [f"{k} {said[k]!r}" for k in where if k in said and where[k] is not None and said[k] != where[k]]
+    if not wrong:
+        return None
+    here = ", ".join(f"{k} {where[k]!r}" for k in where if where[k] is not None)
+    return f"misplaced part: it holds {', '.join(wrong)} but its location is {here}"
 
 
 def footer_problem(path: str | Path, con: duckdb.DuckDBPyConnection | None = None) -> str | None:
@@ -181,10 +229,15 @@ def _live_files(spec: TableSpec, infos: list, problems: list[tuple[str, str]],
     files: list[str] = []
     for info in infos:
         parts = scan_parts(RunLayout(info.path), spec.name, info.run_id)
+        placed = []
         for p in parts:
             if p.name is None:
                 problems.append((str(p.path), "file name not written by fp8rl storage; ignored"))
-        live, _ = live_parts(parts)
+            elif str(p.path) not in excluded and quick_parquet_check(p.path) is None and (why := identity_problem(p)):
+                problems.append((str(p.path), f"{why}; skipped (run `fp8rl doctor`)"))
+            else:
+                placed.append(p)  # (a misplaced part never hides the part it claims to replace)
+        live, _ = live_parts(placed)
         for p in live:
             why = excluded.get(str(p.path)) or quick_parquet_check(p.path)
             if why is None:

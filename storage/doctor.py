@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from storage.catalog import footer_problem
 from storage.checkpoints import DCP_DIR, list_checkpoints, pruned_checkpoints, verify_checkpoint
 from storage.errors import DuplicateRun, NotARunDirectory, SchemaVersionError, StorageError
-from storage.layout import Part, RunLayout, find_runs, is_run_dir, live_parts, parse_part_name, read_run_info
+from storage.layout import META_RUN_ID, META_STEP, META_VARIANT, Part, RunLayout, find_runs, is_run_dir, live_parts, parse_part_name, read_run_info
 from storage.ledger import DONE, Ledger, looks_torn
 from storage.schemas import META_TABLE, META_VERSION, STORED_TABLES, check_schema_version
 
@@ -67,6 +67,12 @@ def _check_parquet(path: Path, table: str, run_id: str, step: int, deep: bool) -
     kv = pf.schema_arrow.metadata or {}
     if kv.get(META_TABLE, b"").decode() not in ("", table):
         out.append(Problem(ERROR, str(path), f"holds table {kv[META_TABLE].decode()!r}, not {table!r}"))
+    name = parse_part_name(path.name)
+    if name is not None and kv.get(META_VARIANT, name.variant.encode()).decode() != name.variant:
+        out.append(Problem(ERROR, str(path), f"holds variant {kv[META_VARIANT].decode()!r}, not {name.variant!r}"))
+    for key, col, want in ((META_RUN_ID, "run_id", run_id), (META_STEP, "step", str(step))):
+        if kv.get(key, want.encode()).decode() != want:
+            out.append(Problem(ERROR, str(path), f"metadata says {col} {kv[key].decode()!r}, not {want!r} of its path"))
     try:
         check_schema_version(kv.get(META_VERSION, b"").decode() or None, "file")
     except SchemaVersionError as err:

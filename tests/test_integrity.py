@@ -421,3 +421,35 @@ def test_query_is_read_only(tmp_path: Path, sql: str) -> None:
     out = tmp_path / "leak.csv"
     one_line_exit_2(cli("query", run, sql.format(out=out)), "read-only")
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------- a Parquet part proves what it is
+
+
+def test_a_part_of_another_table_in_a_partition_is_skipped_by_name(tmp_path: Path) -> None:
+    from storage.layout import part_name
+
+    run = _run_with_rows(tmp_path / "runs", "A")
+    stray = sorted((run / "tables" / "steps").rglob("step=2/*.parquet"))[-1]
+    dest = run / "tables" / "rollouts" / "run=A" / "step=2" / part_name("rollout", 1, "main").filename  # newer write
+    shutil.copy(stray, dest)
+    con = connect(run)
+    assert [p for p, _ in problems(con)] == [str(dest)]
+    assert "misplaced part" in problems(con)[0][1] and "'steps'" in problems(con)[0][1]
+    rows = query(con, "SELECT step, count(*) AS n, count(prompt_id) AS p FROM rollouts GROUP BY step ORDER BY step")
+    assert rows.to_pylist() == [{"step": 1, "n": 4, "p": 4}, {"step": 2, "n": 4, "p": 4}]  # step 2 not replaced
+    assert "reward_mean" not in query(con, "SELECT * FROM rollouts LIMIT 0").column_names  # no leaked columns
+    r = cli("query", run, "SELECT count(*) FROM rollouts")
+    assert r.exit_code == 0 and f"warning: {dest}: misplaced part" in r.stderr, r.stderr
+
+
+def test_a_part_of_another_run_copied_into_a_partition_is_skipped_by_name(tmp_path: Path) -> None:
+    b = _run_with_rows(tmp_path / "runs", "B", steps=1)
+    a = _run_with_rows(tmp_path / "runs", "A")  # later: its part's write id is newer than B's
+    theirs = next((a / "tables" / "rollouts").rglob("step=1/*.parquet"))
+    dest = b / "tables" / "rollouts" / "run=B" / "step=1" / theirs.name
+    shutil.copy(theirs, dest)  # (A's run_id column says so too: the footer says it without reading a page)
+    con = connect(tmp_path / "runs")
+    assert [p for p, _ in problems(con)] == [str(dest)] and "run_id 'A'" in problems(con)[0][1]
+    counts = query(con, "SELECT run_id, count(*) AS n FROM rollouts GROUP BY ALL ORDER BY run_id").to_pylist()
+    assert counts == [{"run_id": "A", "n": 8}, {"run_id": "B", "n": 4}]
