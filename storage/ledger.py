@@ -31,6 +31,7 @@ one touched last. ``set_aside`` events hide earlier records from a point on
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -135,6 +136,7 @@ class Ledger:
         line = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode()
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # appenders in turn: a line being written is never taken for a torn one
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 self._repair_torn_tail(fd, size)
