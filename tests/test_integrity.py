@@ -453,3 +453,103 @@ def test_a_part_of_another_run_copied_into_a_partition_is_skipped_by_name(tmp_pa
     assert [p for p, _ in problems(con)] == [str(dest)] and "run_id 'A'" in problems(con)[0][1]
     counts = query(con, "SELECT run_id, count(*) AS n FROM rollouts GROUP BY ALL ORDER BY run_id").to_pylist()
     assert counts == [{"run_id": "A", "n": 8}, {"run_id": "B", "n": 4}]
+
+
+# --------------------------------------------------------------------------- a checkpoint is verified before it is trusted
+
+
+def _flip(path: Path, at: int) -> None:
+    b = bytearray(path.read_bytes())
+    b[at] ^= 0xFF
+    path.write_bytes(bytes(b))
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path: Path):
+    """A run (micro config, untrained policy) with checkpoints of steps 1 and 2; yields (env, state, weights of 1)."""
+    import torch
+
+    from stages.checkpoint import run_checkpoint
+    from stages.context import open_run
+
+    cfg = micro_config()
+    run = create_run(tmp_path, "ck", config=dump_config(cfg)).root
+    env, state = open_run(cfg, run)
+    try:
+        run_checkpoint(env, state, 1)
+        weights = {k: v.clone() for k, v in state.policy.state_dict().items()}
+        with torch.no_grad():
+            for p in state.policy.parameters():
+                p.add_(1.0)
+        run_checkpoint(env, state, 2)
+        yield env, state, weights
+    finally:
+        env.close()
+
+
+def _dcp_shard(run: Path, step: int) -> Path:
+    return next((run / "checkpoints" / ".dcp" / f"step_{step}").glob("*.distcp"))
+
+
+@pytest.mark.parametrize("damage", ["flipped bits", "truncated"])
+def test_a_damaged_dcp_shard_is_set_aside_and_resume_falls_back(two_checkpoints, damage: str) -> None:
+    import torch
+
+    from stages.checkpoint import restore
+    from storage.checkpoints import latest_complete, set_aside_broken, verify_checkpoint
+    from storage.doctor import check_run
+
+    env, state, weights = two_checkpoints
+    run, shard = env.run_dir, _dcp_shard(env.run_dir, 2)
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    else:
+        _flip(shard, shard.stat().st_size // 2)
+    assert verify_checkpoint(run / "checkpoints" / "step_2") != []
+    assert latest_complete(run) == run / "checkpoints" / "step_1"
+    found = [str(p) for p in check_run(run, deep=True)]
+    assert any(str(shard) in p for p in found), found
+    assert any(str(shard) in p for p in map(str, check_run(run))) == (damage == "truncated")  # sizes only
+    moved = set_aside_broken(run)
+    assert [(p.name, a) for p, _, a in moved] == [("step_2", run / "superseded" / "checkpoints" / "step_2")]
+    assert not (run / "checkpoints" / ".dcp" / "step_2").exists()
+    step, restored = restore(env, state, latest_complete(run))
+    assert step == 1 and all(torch.equal(v, weights[k]) for k, v in restored.policy.state_dict().items())
+
+
+def test_a_dcp_save_that_fails_midway_leaves_the_previous_checkpoint_whole(two_checkpoints, monkeypatch) -> None:
+    import torch
+
+    from stages.checkpoint import restore, run_checkpoint
+    from storage import faults
+    from storage.checkpoints import latest_complete, verify_checkpoint
+
+    env, state, _ = two_checkpoints
+    run = env.run_dir
+    want = {k: v.clone() for k, v in state.policy.state_dict().items()}
+    monkeypatch.setenv(faults.ENV, "checkpoint@2:write:dcp=enospc")
+    with torch.no_grad():
+        for p in state.policy.parameters():
+            p.add_(1.0)
+    with faults.stage_scope("checkpoint", 2), pytest.raises(OSError, match="No space left"):
+        run_checkpoint(env, state, 2)  # re-checkpointing step 2 on a full disk: the cause, not a DCP traceback
+    assert verify_checkpoint(run / "checkpoints" / "step_2") == []  # the old one, shards and all
+    assert not list((run / "checkpoints" / ".dcp").glob(".tmp-*"))  # the half-written folder is gone
+    assert latest_complete(run) == run / "checkpoints" / "step_2"
+    monkeypatch.delenv(faults.ENV)
+    step, restored = restore(env, state, run / "checkpoints" / "step_2")
+    assert step == 2 and all(torch.equal(v, want[k]) for k, v in restored.policy.state_dict().items())
+
+
+def test_the_manifest_lists_every_file_resume_reads(two_checkpoints) -> None:
+    import json
+
+    env, _, _ = two_checkpoints
+    ck = env.run_dir / "checkpoints" / "step_2"
+    manifest = json.loads((ck / "manifest.json").read_text())
+    dcp = ck.parent / manifest["dcp"]["dir"]
+    assert set(manifest["dcp"]["files"]) == {p.name for p in dcp.iterdir()} >= {".metadata"}
+    assert {"state.json", "rng.json"} <= set(manifest["files"])  # scheduler, sampler, calibrator: in state.json
+    state = json.loads((ck / "state.json").read_text())
+    assert state["sampler_state"] is not None and state["calibrator_state"] is not None
+    assert "scheduler" in state["extra"]
