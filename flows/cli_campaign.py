@@ -120,6 +120,10 @@ def _run_flow(run_dir: Path, *, resume: bool, nproc_per_node: int = 1) -> dict:
             return campaign_flow(str(run_dir), resume=resume)
         except StorageError as err:  # a corrupt input file, a run directory that changed under us
             raise _fail(f"{err}; the run stays resumable: `fp8rl resume {run_dir}`") from None
+        except RuntimeError as err:
+            if type(err).__name__ == "GuardStop":  # (flows.guard imports torch: not imported to test the type)
+                raise _fail(f"the guard stopped the campaign: {err}") from None
+            raise
         except KeyboardInterrupt:  # Ctrl-C: the stage in flight is redone on resume
             typer.echo(f"interrupted; the run stays resumable: `fp8rl resume {run_dir}`", err=True)
             raise typer.Exit(130) from None

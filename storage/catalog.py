@@ -173,24 +173,47 @@ def _excluded(con: duckdb.DuckDBPyConnection) -> dict[str, str]:
     return dict(con.sql(f"SELECT path, problem FROM {_EXCLUDED}").fetchall())
 
 
-def connect(root: str | Path, *, runs: Iterable[str] | None = None, threads: int | None = None) -> duckdb.DuckDBPyConnection:
+def connect(root: str | Path, *, runs: Iterable[str] | None = None, threads: int | None = None,
+            sandbox: bool = True) -> duckdb.DuckDBPyConnection:
     """Open an in-memory DuckDB connection with the views of the runs under ``root``.
 
     ``runs``: only these run ids (UnknownRun lists the available ones).
     Raises NotARunDirectory if ``root`` holds no run directory.
+    ``sandbox``: SQL on the connection reads the run directories found now and
+    nothing else (:func:`sandbox_runs`).
     """
     con = duckdb.connect(":memory:")
     if threads is not None:
         con.execute(f"SET threads = {int(threads)}")
     runs = list(runs) if runs else None
-    find_runs(root, runs)  # fail early, before creating anything
+    infos = find_runs(root, runs)  # fail early, before creating anything
     con.execute(f"CREATE TABLE {_SOURCE} (root VARCHAR, run VARCHAR)")
     con.execute(f"CREATE TABLE {_EXCLUDED} (path VARCHAR, problem VARCHAR)")
     con.execute(f"CREATE TABLE {_FILES} (path VARCHAR)")
+    if sandbox and runs is None:
+        runs = [i.run_id for i in infos]  # the views keep to the runs the sandbox allows
     rows = [(str(Path(root).resolve()), r) for r in (runs or [None])]
     con.executemany(f"INSERT INTO {_SOURCE} VALUES (?, ?)", rows)
+    if sandbox:
+        sandbox_runs(con, [i.path for i in infos])
     refresh(con)
     return con
+
+
+def sandbox_runs(con: duckdb.DuckDBPyConnection, run_dirs: Iterable[str | Path]) -> None:
+    """Let SQL on ``con`` read files in ``run_dirs`` only, and install or load no extension.
+
+    DuckDB's ``enable_external_access = false`` with ``allowed_directories``
+    (each run directory as given and as resolved, so a symlinked run still
+    reads), locked so SQL cannot change it back. Registered Arrow tables still
+    work. A refused read is a ``duckdb.PermissionException``.
+    """
+    allowed = sorted({d for p in run_dirs for d in (os.path.abspath(p), os.path.realpath(p))})
+    con.execute("SET allowed_directories = ?", [[d.rstrip("/") + "/" for d in allowed]])
+    con.execute("SET autoinstall_known_extensions = false")
+    con.execute("SET autoload_known_extensions = false")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
 
 
 def _source(con: duckdb.DuckDBPyConnection) -> tuple[str, list[str] | None]:
@@ -346,7 +369,7 @@ def query(con: duckdb.DuckDBPyConnection, sql: str, *, retries: int = 10) -> pa.
                 raise
             time.sleep(min(0.02 * (attempt + 1), 0.2))
             refresh(con)
-        except (duckdb.ParserException, duckdb.CatalogException, duckdb.BinderException):
+        except (duckdb.ParserException, duckdb.CatalogException, duckdb.BinderException, duckdb.PermissionException):
             raise
         except duckdb.Error:
             # a data page DuckDB cannot decode: find the file(s), skip them, say so, retry

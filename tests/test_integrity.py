@@ -553,3 +553,36 @@ def test_the_manifest_lists_every_file_resume_reads(two_checkpoints) -> None:
     state = json.loads((ck / "state.json").read_text())
     assert state["sampler_state"] is not None and state["calibrator_state"] is not None
     assert "scheduler" in state["extra"]
+
+
+# --------------------------------------------------------------------------- fp8rl query sees only runs
+
+
+@pytest.mark.parametrize("sql", ["SELECT * FROM read_csv('/etc/passwd')", "SELECT * FROM read_text('/etc/hostname')",
+                                 "SELECT * FROM glob('/root/**')", "SELECT * FROM read_parquet('{outside}')",
+                                 "SELECT * FROM read_json('https://example.com/x.json')"])
+def test_query_reads_nothing_but_the_runs(tmp_path: Path, sql: str) -> None:
+    import duckdb
+
+    run = _run_with_rows(tmp_path / "runs", "A")
+    outside = tmp_path / "outside.parquet"
+    duckdb.sql(f"COPY (SELECT 1 AS x) TO '{outside}'")
+    one_line_exit_2(cli("query", run, sql.format(outside=outside)), "queries read the run directories")
+
+
+def test_query_still_reads_symlinked_runs_and_its_own_views(tmp_path: Path) -> None:
+    import duckdb
+
+    real = _run_with_rows(tmp_path / "elsewhere", "B")
+    _run_with_rows(tmp_path / "runs", "A")
+    (tmp_path / "runs" / "B").symlink_to(real)
+    con = connect(tmp_path / "runs")
+    rows = query(con, "SELECT run_id, count(*) AS n FROM rollouts GROUP BY ALL ORDER BY run_id").to_pylist()
+    assert rows == [{"run_id": "A", "n": 8}, {"run_id": "B", "n": 8}]
+    assert query(con, "SELECT count(*) AS n FROM ledger").to_pylist() == [{"n": 8}]  # a registered Arrow table
+    part = next((real / "tables" / "steps").rglob("*.parquet"))
+    assert query(con, f"SELECT count(*) AS n FROM read_parquet('{part}')").to_pylist() == [{"n": 1}]
+    with pytest.raises(duckdb.PermissionException):
+        query(con, "SELECT * FROM read_csv('/etc/passwd')")
+    with pytest.raises(duckdb.Error):
+        con.execute("SET enable_external_access = true")  # locked
