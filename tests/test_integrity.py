@@ -586,3 +586,35 @@ def test_query_still_reads_symlinked_runs_and_its_own_views(tmp_path: Path) -> N
         query(con, "SELECT * FROM read_csv('/etc/passwd')")
     with pytest.raises(duckdb.Error):
         con.execute("SET enable_external_access = true")  # locked
+
+
+# --------------------------------------------------------------------------- one error path
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["algorithm.lr=.inf"], "algorithm.lr: Input should be a finite number"),
+    (["algorithm.eps_high=nan"], "algorithm.eps_high: Input should be a finite number"),
+    (["calibration.initial_lower=1.5", "calibration.initial_upper=1.2"], "0 < lower <= upper"),
+])
+def test_non_finite_and_inverted_values_are_refused_before_anything_is_written(tmp_path: Path, sets, needle) -> None:
+    d = tmp_path / "run"
+    args = [x for s in sets for x in ("--set", s)]
+    one_line_exit_2(cli("run", "tiny-cpu", "--run-dir", d, *args), needle)
+    assert not d.exists()
+
+
+@pytest.mark.parametrize("text", ["{}\n", "# nothing\n{}\n"])
+def test_a_config_with_no_settings_is_refused_like_an_empty_one(tmp_path: Path, text: str) -> None:
+    (tmp_path / "c.yaml").write_text(text)
+    one_line_exit_2(cli("run", tmp_path / "c.yaml", "--run-dir", tmp_path / "run"), "empty")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_bytes(b"steps: 3\nname: caf\xe9\n")
+    one_line_exit_2(cli("config", tmp_path / "c.yaml"), "not UTF-8")
+
+
+def test_report_out_below_a_file_is_one_line(micro_run: Path, tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    one_line_exit_2(cli("report", micro_run, "--out", tmp_path / "afile" / "report"), str(tmp_path / "afile"))
