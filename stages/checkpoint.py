@@ -108,9 +108,7 @@ def run_checkpoint(env: RunEnv, state: TrainState, step: int, *, attempt: int = 
 
     t0 = time.perf_counter()
     cfg = env.cfg
-    tmp_dcp = new_dcp_tmp_dir(env.layout.checkpoints, step) if env.is_main else None
-    if env.world_size > 1:
-        tmp_dcp = env.stage_comm.broadcast(tmp_dcp)
+    tmp_dcp = env.stage_comm.broadcast(new_dcp_tmp_dir(env.layout.checkpoints, step) if env.is_main else None)
     writer, written = hashing_dcp_writer(tmp_dcp)
     try:
         with dcp_errors():
@@ -119,7 +117,7 @@ def run_checkpoint(env: RunEnv, state: TrainState, step: int, *, attempt: int = 
         if env.world_size == 1:  # (under several ranks the next save's _drop_orphan_shards removes it)
             shutil.rmtree(tmp_dcp, ignore_errors=True)
         raise
-    shards = env.stage_comm.gather(written) if env.world_size > 1 else [written]
+    shards = env.stage_comm.gather(written)  # every rank's files, sizes and hashes, on rank 0
     model = state.policy if env.world_size == 1 else _FullStateExport(state.policy, full_model_state(state.policy))
     out: dict = {"outputs": [], "removed": []}
     if env.is_main:

@@ -67,6 +67,7 @@ _PROBLEMS = "catalog_problems"
 _EXCLUDED = "_catalog_excluded"  # files found corrupt on reading: (path, why), skipped from then on
 _FILES = "_catalog_files"  # the files the views read now
 _KEYS = ("run_id", "step", "variant")
+_IDENTITY_KEYS = {"table": META_TABLE, "run_id": META_RUN_ID, "step": META_STEP, "variant": META_VARIANT}
 
 
 def _sql_str(s: str) -> str:
@@ -111,6 +112,70 @@ def _stats_value(meta: Any, column: str) -> Any:
     return seen.pop() if len(seen) == 1 else ("mixed", *sorted(map(str, seen)))
 
 
+def _footer(path: Path) -> bytes | None:
+    """The Thrift-encoded footer of a Parquet file (a few KB), or None if it has no valid one."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size < 12:
+                return None
+            f.seek(size - 8)
+            length, magic = struct.unpack("<I4s", f.read(8))
+            if magic != b"PAR1" or length + 12 > size:
+                return None
+            f.seek(size - 8 - length)
+            return f.read(length)
+    except OSError:
+        return None
+
+
+def _varint(b: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while i < len(b):
+        value |= (b[i] & 0x7F) << shift
+        i += 1
+        if not b[i - 1] & 0x80:
+            break
+        shift += 7
+    return value, i
+
+
+def _footer_kv(footer: bytes, key: bytes) -> str | None:
+    """The value of ``key`` in the footer's key-value metadata, found without parsing the footer.
+
+    A ``KeyValue`` is Thrift compact ``0x18 <len> key 0x18 <len> value``; the
+    key-value list follows the row groups (their statistics) in the footer, so
+    its entry is the last match. None if absent (the caller then parses).
+    """
+    pattern = b"\x18" + bytes([len(key)]) + key + b"\x18"
+    i = footer.rfind(pattern)
+    if i < 0:
+        return None
+    length, j = _varint(footer, i + len(pattern))
+    return footer[j:j + length].decode(errors="replace")
+
+
+def _said_by_footer(path: Path) -> dict[str, str] | None:
+    """What the part's footer says it holds (table, run_id, step, variant), or None if it cannot be read."""
+    import pyarrow.parquet as pq
+
+    footer = _footer(path)
+    if footer is not None:
+        said = {k: v for k, key in _IDENTITY_KEYS.items() if (v := _footer_kv(footer, key)) is not None}
+        if len(said) == len(_IDENTITY_KEYS):
+            return said  # the common case: every key found in the raw footer
+    try:
+        meta = pq.read_metadata(path)
+    except Exception:  # pyarrow raises several types; a damaged footer is found and named by footer_problem
+        return None
+    kv = meta.metadata or {}
+    said = {k: kv[key].decode(errors="replace") for k, key in _IDENTITY_KEYS.items() if key in kv}
+    for col in ("run_id", "step"):
+        if col not in said and (v := _stats_value(meta, col)) is not None:
+            said[col] = str(v) if not isinstance(v, tuple) else "..".join(v[1:])
+    return said
+
+
 def identity_problem(part: Part) -> str | None:
     """None if ``part``'s footer agrees with its location (table, run, step, variant), else why not.
 
@@ -118,19 +183,9 @@ def identity_problem(part: Part) -> str | None:
     added) is taken from the column statistics, or not checked. A footer that
     does not parse is left to :func:`footer_problem`.
     """
-    import pyarrow.parquet as pq
-
-    try:
-        meta = pq.read_metadata(part.path)
-    except Exception:  # pyarrow raises several types; a damaged footer is found and named by footer_problem
+    said = _said_by_footer(part.path)
+    if said is None:
         return None
-    kv = meta.metadata or {}
-    said = {"table": kv.get(META_TABLE), "run_id": kv.get(META_RUN_ID), "step": kv.get(META_STEP),
-            "variant": kv.get(META_VARIANT)}
-    said = {k: v.decode(errors="replace") for k, v in said.items() if v is not None}
-    for col in ("run_id", "step"):
-        if col not in said and (v := _stats_value(meta, col)) is not None:
-            said[col] = str(v) if not isinstance(v, tuple) else "..".join(v[1:])
     where = {"table": part.table, "run_id": part.run_id, "step": str(part.step),
              "variant": part.name.variant if part.name is not None else None}
     wrong = [f"{k} {said[k]!r}" for k in where if k in said and where[k] is not None and said[k] != where[k]]
