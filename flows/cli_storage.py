@@ -206,7 +206,8 @@ def query_command(
 
 def doctor_command(
     run_dir: Path = typer.Argument(..., help="A run directory, or a folder of run directories."),
-    deep: bool = typer.Option(False, "--deep", help="Also decode every Parquet page and hash every checkpoint file (slower)."),
+    deep: bool = typer.Option(False, "--deep",
+                              help="Also decode every Parquet page and hash every checkpoint file (slower)."),
 ) -> None:
     """Check tables, ledger and checkpoints of a run; exit 1 if anything is broken."""
     from storage.doctor import ERROR, check

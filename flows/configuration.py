@@ -115,7 +115,8 @@ def load_config(preset: str | Path | None = None, overrides: list[str] | tuple[s
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); a config is a YAML file") from None
     if data is None or data == {}:
-        raise ConfigError(f"{path}: the config file is empty (no settings); start from a preset, e.g. configs/{DEFAULT_PRESET}.yaml")
+        raise ConfigError(f"{path}: the config file is empty (no settings); "
+                          f"start from a preset, e.g. configs/{DEFAULT_PRESET}.yaml")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return config_from_dict(data, source=str(path), overrides=overrides)

@@ -35,7 +35,8 @@ import pyarrow.parquet as pq
 from storage.catalog import footer_problem
 from storage.checkpoints import DCP_DIR, list_checkpoints, pruned_checkpoints, verify_checkpoint
 from storage.errors import DuplicateRun, NotARunDirectory, SchemaVersionError, StorageError
-from storage.layout import META_RUN_ID, META_STEP, META_VARIANT, Part, RunLayout, find_runs, is_run_dir, live_parts, parse_part_name, read_run_info
+from storage.layout import (META_RUN_ID, META_STEP, META_VARIANT, Part, RunLayout, find_runs, is_run_dir, live_parts,
+                            parse_part_name, read_run_info)
 from storage.ledger import DONE, Ledger, looks_torn
 from storage.schemas import META_TABLE, META_VERSION, STORED_TABLES, check_schema_version
 
@@ -147,7 +148,8 @@ def _check_ledger(layout: RunLayout, live_files: set[str]) -> list[Problem]:
             if line == len(lines):
                 what, severity = "torn last record (crash while appending); ignored", WARNING
             elif looks_torn(lines[line - 1]):  # repaired by a version that started the next record on a fresh line
-                what, severity = "torn record of a crash, repaired (the next record starts a fresh line); ignored", WARNING
+                what, severity = ("torn record of a crash, repaired (the next record starts a fresh line); "
+                                  "ignored"), WARNING
             else:
                 what, severity = "unparseable record", ERROR
             out.append(Problem(severity, f"{ledger.path}:{line}", what))

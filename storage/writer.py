@@ -39,8 +39,8 @@ import pyarrow.parquet as pq
 
 from storage import faults
 from storage.errors import CorruptFile, SchemaError
-from storage.layout import (META_RUN_ID, META_STEP, META_VARIANT, Part, RunLayout, live_parts, new_write_id, parse_part_name, part_name, rank_of_part,
-                            read_run_info, scan_parts, stage_of_part)
+from storage.layout import (META_RUN_ID, META_STEP, META_VARIANT, Part, RunLayout, live_parts, new_write_id,
+                            parse_part_name, part_name, rank_of_part, read_run_info, scan_parts, stage_of_part)
 from storage.schemas import MAIN_VARIANT, STORED_TABLES, TableSpec, get_table
 
 Rows = pa.Table | pa.RecordBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]]

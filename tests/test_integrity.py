@@ -455,7 +455,7 @@ def test_a_part_of_another_run_copied_into_a_partition_is_skipped_by_name(tmp_pa
     assert counts == [{"run_id": "A", "n": 8}, {"run_id": "B", "n": 4}]
 
 
-# --------------------------------------------------------------------------- a checkpoint is verified before it is trusted
+# --------------------------------------------------------------------------- a checkpoint is verified first
 
 
 def _flip(path: Path, at: int) -> None:
