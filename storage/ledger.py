@@ -105,6 +105,7 @@ class _Fold:
     current: dict = field(default_factory=dict)  # (variant, step) -> {stage: record touched last}
     attempts: dict = field(default_factory=dict)  # (step, stage, variant) -> highest attempt, set aside included
     bad: list = field(default_factory=list)  # line numbers that did not parse
+    mark: bytes = b""  # the last line folded (its newline included)
 
 
 def _last_line_start(fd: int, size: int) -> int:
@@ -263,8 +264,13 @@ class Ledger:
         try:
             st = os.fstat(fd)
             fold = self._fold
+            if fold.mark:  # the line just before the offset: a file rewritten in place is folded afresh
+                self.bytes_read += len(fold.mark)
+                if os.pread(fd, len(fold.mark), fold.offset - len(fold.mark)) != fold.mark:
+                    fold = _Fold()
             if st.st_ino != fold.inode or st.st_size < fold.offset:
-                fold = self._fold = _Fold(inode=st.st_ino)
+                fold = _Fold(inode=st.st_ino)
+            self._fold = fold
             if st.st_size > fold.offset:
                 data = os.pread(fd, st.st_size - fold.offset, fold.offset)
                 self.bytes_read += len(data)
@@ -274,6 +280,8 @@ class Ledger:
                     if line.strip():
                         self._apply(fold, line, fold.lines)
                 fold.offset += whole
+                if whole:  # (data starts on a line: the offset is always just after a newline)
+                    fold.mark = data[data.rfind(b"\n", 0, whole - 1) + 1:whole]
         finally:
             os.close(fd)
         return fold

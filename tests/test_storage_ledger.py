@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,16 @@ def test_ledger_reads_per_step_do_not_grow_with_its_length(tmp_path: Path) -> No
     # every step reads only what it appended: the same bytes however long the ledger is
     assert cost[10_000][0] == cost[100][0] < 4096, cost
     assert cost[10_000][1] < 3 * cost[100][1] + 0.001, cost  # median seconds of a step's queries
+
+
+def test_a_ledger_rewritten_or_replaced_is_folded_afresh(run_dir: Path) -> None:
+    led = Ledger(run_dir)
+    _complete(led, 0, ["rollout", "score"])
+    assert led.done_stages(0) == {"rollout", "score"}
+    text = led.path.read_text()
+    led.path.write_text(text.replace('"step":0', '"step":7') * 2)  # in place (same inode), longer
+    assert led.done_stages(0) == set() and led.done_stages(7) == {"rollout", "score"}
+    tmp = led.path.with_name("new.jsonl")
+    tmp.write_text(text.replace('"stage":"score"', '"stage":"train"'))
+    os.replace(tmp, led.path)  # another file
+    assert led.done_stages(0) == {"rollout", "train"} and led.done_stages(7) == set()
