@@ -189,7 +189,7 @@ class Progress:
 
 
 def _ledger_info(env: RunEnv, step: int, stage: str) -> dict:
-    rec = env.ledger.current(variant=env.variant).get((step, stage))
+    rec = env.ledger.current_record(step, stage, variant=env.variant)
     return rec.info if rec is not None else {}
 
 

@@ -120,6 +120,10 @@ def _run_flow(run_dir: Path, *, resume: bool, nproc_per_node: int = 1) -> dict:
             return campaign_flow(str(run_dir), resume=resume)
         except StorageError as err:  # a corrupt input file, a run directory that changed under us
             raise _fail(f"{err}; the run stays resumable: `fp8rl resume {run_dir}`") from None
+        except RuntimeError as err:
+            if type(err).__name__ == "GuardStop":  # (flows.guard imports torch: not imported to test the type)
+                raise _fail(f"the guard stopped the campaign: {err}") from None
+            raise
         except KeyboardInterrupt:  # Ctrl-C: the stage in flight is redone on resume
             typer.echo(f"interrupted; the run stays resumable: `fp8rl resume {run_dir}`", err=True)
             raise typer.Exit(130) from None
@@ -248,18 +252,16 @@ def resume(
 
 
 def _report_broken_checkpoints(run_dir: Path) -> None:
-    """Say which checkpoints resume passes over because they do not verify (and why)."""
-    from storage.checkpoints import latest_complete, list_checkpoints, verify_checkpoint
+    """Set aside the checkpoints newer than the newest that verifies (sizes and hashes, DCP shards
+    included), one line each: resume restarts from that one."""
+    from storage.checkpoints import latest_complete, set_aside_broken
 
-    newest = latest_complete(run_dir)
-    for s, path in reversed(list_checkpoints(run_dir)):
-        if newest is not None and path == newest:
-            break
-        why = verify_checkpoint(path, hashes=True)
-        if why:
-            typer.echo(f"warning: checkpoint {path} is incomplete or damaged ({why[0]}); resume restarts from "
-                       f"{newest.name if newest is not None else 'the start'} and sets it aside when step {s} "
-                       "is checkpointed again", err=True)
+    with io_errors(run_dir, resume_hint=run_dir):
+        moved = set_aside_broken(run_dir)
+        newest = latest_complete(run_dir, hashes=False) if moved else None
+    for path, why, aside in moved:
+        typer.echo(f"warning: checkpoint {path.name} is incomplete or damaged ({why}); set aside to {aside}; "
+                   f"resume restarts from {newest.name if newest is not None else 'the start'}", err=True)
 
 
 def rerun(

@@ -20,6 +20,7 @@ from typing import Optional
 import typer
 
 from flows.cli_common import fail as _fail
+from flows.cli_common import io_errors
 
 
 def report_command(
@@ -35,7 +36,8 @@ def report_command(
     if out is None:
         out = roots[0] / "report" if len(roots) == 1 else Path(f"report-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     try:
-        rep = build_report(roots, out)
+        with io_errors(out):  # an --out below a file, a full disk: one line
+            rep = build_report(roots, out)
     except StorageError as err:
         raise _fail(str(err))
     empty = [f.figure.name for f in rep.figures if f.png is None]

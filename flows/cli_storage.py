@@ -192,6 +192,10 @@ def query_command(
         raise _fail(str(err))
     except duckdb.ParserException as err:
         raise _fail(f"SQL syntax error: {_one_line(err).removeprefix('Parser Error: ')}")
+    except duckdb.PermissionException as err:
+        why = _one_line(err).removeprefix("Permission Error: ").split(" - ")[0]
+        raise _fail(f"{why}: queries read the run directories under {root} only "
+                    "(no other files, no URLs, no extensions)")
     except duckdb.CatalogException as err:
         views = "steps, token_stats, bounds, rollouts, scores, evals, eval_scores, ledger, runs (+ <table>_variants)"
         raise _fail(f"{_one_line(err)} (views: {views})")
@@ -202,7 +206,8 @@ def query_command(
 
 def doctor_command(
     run_dir: Path = typer.Argument(..., help="A run directory, or a folder of run directories."),
-    deep: bool = typer.Option(False, "--deep", help="Also decode every Parquet page (slower)."),
+    deep: bool = typer.Option(False, "--deep",
+                              help="Also decode every Parquet page and hash every checkpoint file (slower)."),
 ) -> None:
     """Check tables, ledger and checkpoints of a run; exit 1 if anything is broken."""
     from storage.doctor import ERROR, check

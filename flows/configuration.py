@@ -70,7 +70,7 @@ def _format_error(source: str, err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             parts.append(f"{loc}: unknown key")
         else:
-            parts.append(f"{loc}: {e['msg']}")
+            parts.append(f"{loc}: {e['msg'].removeprefix('Value error, ')}")
     return f"{source}: " + "; ".join(parts)
 
 
@@ -118,8 +118,11 @@ def load_config(preset: str | Path | None = None, overrides: list[str] | tuple[s
         raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read ({err.strerror or err})") from None
-    if data is None:
-        raise ConfigError(f"{path}: the config file is empty; start from a preset, e.g. configs/{DEFAULT_PRESET}.yaml")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); a config is a YAML file") from None
+    if data is None or data == {}:
+        raise ConfigError(f"{path}: the config file is empty (no settings); "
+                          f"start from a preset, e.g. configs/{DEFAULT_PRESET}.yaml")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return config_from_dict(data, source=str(path), overrides=overrides)

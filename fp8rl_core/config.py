@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Frozen):
@@ -376,4 +376,8 @@ class CampaignConfig(_Frozen):
                 f"rollout.prompts_per_step * rollout.samples_per_prompt = {n} must be a multiple of "
                 f"algorithm.ppo_mini_batch_size={self.algorithm.ppo_mini_batch_size}"
             )
+        lo, hi = self.initial_bounds()
+        if not 0 < lo <= hi:
+            raise ValueError(f"the initial clip bounds must satisfy 0 < lower <= upper, got calibration.initial_lower "
+                             f"{lo} and calibration.initial_upper {hi} (None resolves from algorithm.eps_low/eps_high)")
         return self

@@ -1,8 +1,10 @@
 """Checkpoint stage: save everything needed to continue bit-for-bit, apply retention.
 
 Model and optimizer state go through ``torch.distributed.checkpoint`` (DCP) into
-``checkpoints/.dcp/step_<n>/``: every rank writes its own shards, and loading
-reshards, so a checkpoint written by W ranks restores on any number of ranks
+``checkpoints/.dcp/step_<n>/``: every rank writes its own shards (into a
+temporary folder, hashing each file as it is written; rank 0 gathers the sizes
+and hashes into the checkpoint's manifest and renames the folder into place
+with the checkpoint), and loading reshards, so a checkpoint written by W ranks restores on any number of ranks
 (one process included). The rest goes through :mod:`storage.checkpoints` into
 ``checkpoints/step_<n>/`` (written last, atomically, by rank 0; its manifest is
 what makes the checkpoint complete): the policy as a ``from_pretrained`` folder
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from fp8rl_core.calibration import CalibratorState
@@ -24,9 +27,60 @@ from fp8rl_core.fp4_linear import fp4_rng_state, load_fp4_rng_state
 from stages.context import RunEnv, TrainState
 from stages.prompts import SamplerState
 from stages.result import StageResult
-from storage.checkpoints import apply_retention, list_checkpoints, load_checkpoint, save_checkpoint
+from storage import faults
+from storage.checkpoints import (DCP_DIR, HashingStream, apply_retention, list_checkpoints, load_checkpoint,
+                                 new_dcp_tmp_dir, save_checkpoint)
 
-DCP_DIR = ".dcp"
+
+def hashing_dcp_writer(path: Path):
+    """A DCP ``FileSystemWriter`` into ``path`` and the dict it fills, file name -> size and sha256,
+    computed while each file is written (``write:dcp`` is a fault point before each file)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    files: dict[str, dict] = {}
+
+    class _HashingFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, p, mode: str):
+            if "w" not in mode:
+                with super().create_stream(p, mode) as stream:
+                    yield stream
+                return
+            p = Path(p)
+            faults.point("write:dcp", path=p)
+
+            def record(size: int, sha: str, name: str = p.name) -> None:
+                files[name] = {"size": size, "sha256": sha}
+
+            with HashingStream(open(p, mode), record) as stream:
+                yield stream
+
+        def rename(self, p, new_path) -> None:
+            super().rename(p, new_path)
+            if Path(p).name in files:
+                files[Path(new_path).name] = files.pop(Path(p).name)
+
+    writer = FileSystemWriter(str(path))
+    writer.fs = _HashingFileSystem()
+    return writer, files
+
+
+@contextmanager
+def dcp_errors():
+    """Re-raise a DCP ``CheckpointException`` (a ``BaseException`` whose text is every rank's
+    traceback) as the error of a rank that failed: an ``OSError`` (a full disk) first, so that
+    it reaches the console as the one line an I/O failure is."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
+        causes = [exc for exc, _trace in err.failures.values() if isinstance(exc, BaseException)]
+        cause = next((c for c in causes if isinstance(c, OSError)), causes[0] if causes else None)
+        if cause is None:
+            raise RuntimeError(f"checkpoint save/load failed on ranks {sorted(err.failures)}") from None
+        raise cause from None
 
 
 class _FullStateExport:
@@ -55,14 +109,20 @@ def run_checkpoint(env: RunEnv, state: TrainState, step: int, *, attempt: int = 
 
     t0 = time.perf_counter()
     cfg = env.cfg
-    dcp_path = env.layout.checkpoints / DCP_DIR / f"step_{int(step)}"
-    if env.is_main and dcp_path.exists():
-        shutil.rmtree(dcp_path)  # a re-run of this step's checkpoint
-    _barrier(env)
-    save_sharded(dcp_path, state.policy, state.optimizer)
+    tmp_dcp = env.stage_comm.broadcast(new_dcp_tmp_dir(env.layout.checkpoints, step) if env.is_main else None)
+    writer, written = hashing_dcp_writer(tmp_dcp)
+    try:
+        with dcp_errors():
+            save_sharded(tmp_dcp, state.policy, state.optimizer, storage_writer=writer)
+    except BaseException:
+        if env.world_size == 1:  # (under several ranks the next save's _drop_orphan_shards removes it)
+            shutil.rmtree(tmp_dcp, ignore_errors=True)
+        raise
+    shards = env.stage_comm.gather(written)  # every rank's files, sizes and hashes, on rank 0
     model = state.policy if env.world_size == 1 else _FullStateExport(state.policy, full_model_state(state.policy))
     out = StageResult(info={"removed": []})
     if env.is_main:
+        dcp_files = {name: meta for per_rank in shards for name, meta in per_rank.items()}
         path = save_checkpoint(
             env.run_dir, step, model=model, tokenizer=env.tokenizer, optimizer=None,
             sampler_state=state.sampler.to_dict(), calibrator_state=state.calibrator.to_dict(),
@@ -70,6 +130,7 @@ def run_checkpoint(env: RunEnv, state: TrainState, step: int, *, attempt: int = 
             extra={"scheduler": state.scheduler.state_dict(), "policy_version": state.policy_version,
                    "dcp": f"{DCP_DIR}/step_{int(step)}", "world_size": env.world_size,
                    "fp4_rng": fp4_rng_state(state.policy)},
+            dcp=(tmp_dcp, dcp_files),
         )
         removed = apply_retention(env.run_dir, keep_last=cfg.checkpoint.keep_last, best_metric=cfg.checkpoint.keep_best_metric)
         _drop_orphan_shards(env)
@@ -80,7 +141,8 @@ def run_checkpoint(env: RunEnv, state: TrainState, step: int, *, attempt: int = 
 
 
 def _drop_orphan_shards(env: RunEnv) -> None:
-    """DCP folders whose ``step_<n>`` checkpoint was removed by retention (or never committed, for older steps)."""
+    """DCP folders whose ``step_<n>`` checkpoint was removed by retention, or never committed (a save that
+    was interrupted left its temporary folder)."""
     base = env.layout.checkpoints / DCP_DIR
     if not base.is_dir():
         return
@@ -95,12 +157,13 @@ def restore(env: RunEnv, state: TrainState, path: str | Path) -> tuple[int, Trai
     world size) and return ``(step, state)`` with the checkpoint's schedule, sampler,
     calibrator and policy version. A collective under several ranks."""
     path = Path(path)
-    ck = load_checkpoint(path, restore_rng=True)
+    ck = load_checkpoint(path, restore_rng=True)  # sizes, the DCP shards' included, verified first
     dcp = ck.extra.get("dcp")
     if dcp:
         from stages.distributed import load_sharded
 
-        load_sharded(path.parent / dcp, state.policy, state.optimizer)
+        with dcp_errors():
+            load_sharded(path.parent / dcp, state.policy, state.optimizer)
     else:  # a checkpoint from before DCP: full weights + optimizer.pt, one process
         load_checkpoint(path, model=state.policy, optimizer=state.optimizer, restore_rng=False)
     sched = ck.extra.get("scheduler")

@@ -125,14 +125,16 @@ def _single_process_quiet():
     return stack
 
 
-def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Every rank writes its shards of model + optimizer state to ``path`` (DCP)."""
+def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 storage_writer=None) -> None:
+    """Every rank writes its shards of model + optimizer state to ``path`` (DCP; through
+    ``storage_writer`` if given, a ``FileSystemWriter`` for ``path``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, optimizer)
     with _single_process_quiet():
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path), storage_writer=storage_writer)
 
 
 def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

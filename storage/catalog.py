@@ -25,6 +25,11 @@ How the views are built:
 - each file's Parquet header and footer magic are checked (a few bytes); a
   truncated or foreign file is skipped and listed in ``catalog_problems``
   instead of failing every query on that table (``fp8rl doctor`` names it);
+- each file's footer says what it holds (table, run id, step, variant in its
+  key-value metadata; for files written before those keys, the ``run_id`` and
+  ``step`` column statistics): a part whose footer disagrees with its location
+  (a ``steps`` part in ``scores/``, another run's part copied into this run's
+  partition) is skipped and listed the same way. Only the footer is read;
 - ``run_id`` and ``step`` (BIGINT) are read from the files, which carry them
   (self-describing even when copied alone); the ``run=/step=`` hive path is
   what listing and ``runs=`` use, so DuckDB's own hive parsing is off (it
@@ -53,15 +58,16 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from storage.layout import RunLayout, find_runs, live_parts, scan_parts
+from storage.layout import META_RUN_ID, META_STEP, META_VARIANT, Part, RunLayout, find_runs, live_parts, scan_parts
 from storage.ledger import Ledger
-from storage.schemas import MAIN_VARIANT, STORED_TABLES, TABLES, TableSpec
+from storage.schemas import MAIN_VARIANT, META_TABLE, STORED_TABLES, TABLES, TableSpec
 
 _SOURCE = "_catalog_source"
 _PROBLEMS = "catalog_problems"
 _EXCLUDED = "_catalog_excluded"  # files found corrupt on reading: (path, why), skipped from then on
 _FILES = "_catalog_files"  # the files the views read now
 _KEYS = ("run_id", "step", "variant")
+_IDENTITY_KEYS = {"table": META_TABLE, "run_id": META_RUN_ID, "step": META_STEP, "variant": META_VARIANT}
 
 
 def _sql_str(s: str) -> str:
@@ -90,6 +96,103 @@ def quick_parquet_check(path: Path) -> str | None:
     if magic != b"PAR1" or footer_len + 12 > size:
         return "truncated Parquet (no valid footer)"
     return None
+
+
+def _stats_value(meta: Any, column: str) -> Any:
+    """The one value of ``column`` per its row-group statistics, or None if unknown or not single-valued."""
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    if column not in names or meta.num_row_groups == 0:
+        return None
+    idx, seen = names.index(column), set()
+    for rg in range(meta.num_row_groups):
+        st = meta.row_group(rg).column(idx).statistics
+        if st is None or not st.has_min_max:
+            return None
+        seen |= {st.min, st.max}
+    return seen.pop() if len(seen) == 1 else ("mixed", *sorted(map(str, seen)))
+
+
+def _footer(path: Path) -> bytes | None:
+    """The Thrift-encoded footer of a Parquet file (a few KB), or None if it has no valid one."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size < 12:
+                return None
+            f.seek(size - 8)
+            length, magic = struct.unpack("<I4s", f.read(8))
+            if magic != b"PAR1" or length + 12 > size:
+                return None
+            f.seek(size - 8 - length)
+            return f.read(length)
+    except OSError:
+        return None
+
+
+def _varint(b: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while i < len(b):
+        value |= (b[i] & 0x7F) << shift
+        i += 1
+        if not b[i - 1] & 0x80:
+            break
+        shift += 7
+    return value, i
+
+
+def _footer_kv(footer: bytes, key: bytes) -> str | None:
+    """The value of ``key`` in the footer's key-value metadata, found without parsing the footer.
+
+    A ``KeyValue`` is Thrift compact ``0x18 <len> key 0x18 <len> value``; the
+    key-value list follows the row groups (their statistics) in the footer, so
+    its entry is the last match. None if absent (the caller then parses).
+    """
+    pattern = b"\x18" + bytes([len(key)]) + key + b"\x18"
+    i = footer.rfind(pattern)
+    if i < 0:
+        return None
+    length, j = _varint(footer, i + len(pattern))
+    return footer[j:j + length].decode(errors="replace")
+
+
+def _said_by_footer(path: Path) -> dict[str, str] | None:
+    """What the part's footer says it holds (table, run_id, step, variant), or None if it cannot be read."""
+    import pyarrow.parquet as pq
+
+    footer = _footer(path)
+    if footer is not None:
+        said = {k: v for k, key in _IDENTITY_KEYS.items() if (v := _footer_kv(footer, key)) is not None}
+        if len(said) == len(_IDENTITY_KEYS):
+            return said  # the common case: every key found in the raw footer
+    try:
+        meta = pq.read_metadata(path)
+    except Exception:  # pyarrow raises several types; a damaged footer is found and named by footer_problem
+        return None
+    kv = meta.metadata or {}
+    said = {k: kv[key].decode(errors="replace") for k, key in _IDENTITY_KEYS.items() if key in kv}
+    for col in ("run_id", "step"):
+        if col not in said and (v := _stats_value(meta, col)) is not None:
+            said[col] = str(v) if not isinstance(v, tuple) else "..".join(v[1:])
+    return said
+
+
+def identity_problem(part: Part) -> str | None:
+    """None if ``part``'s footer agrees with its location (table, run, step, variant), else why not.
+
+    Reads the footer only. A key the file does not carry (written before it was
+    added) is taken from the column statistics, or not checked. A footer that
+    does not parse is left to :func:`footer_problem`.
+    """
+    said = _said_by_footer(part.path)
+    if said is None:
+        return None
+    where = {"table": part.table, "run_id": part.run_id, "step": str(part.step),
+             "variant": part.name.variant if part.name is not None else None}
+    wrong = [f"{k} {said[k]!r}" for k in where if k in said and where[k] is not None and said[k] != where[k]]
+    if not wrong:
+        return None
+    here = ", ".join(f"{k} {where[k]!r}" for k in where if where[k] is not None)
+    return f"misplaced part: it holds {', '.join(wrong)} but its location is {here}"
 
 
 def footer_problem(path: str | Path, con: duckdb.DuckDBPyConnection | None = None) -> str | None:
@@ -125,24 +228,47 @@ def _excluded(con: duckdb.DuckDBPyConnection) -> dict[str, str]:
     return dict(con.sql(f"SELECT path, problem FROM {_EXCLUDED}").fetchall())
 
 
-def connect(root: str | Path, *, runs: Iterable[str] | None = None, threads: int | None = None) -> duckdb.DuckDBPyConnection:
+def connect(root: str | Path, *, runs: Iterable[str] | None = None, threads: int | None = None,
+            sandbox: bool = True) -> duckdb.DuckDBPyConnection:
     """Open an in-memory DuckDB connection with the views of the runs under ``root``.
 
     ``runs``: only these run ids (UnknownRun lists the available ones).
     Raises NotARunDirectory if ``root`` holds no run directory.
+    ``sandbox``: SQL on the connection reads the run directories found now and
+    nothing else (:func:`sandbox_runs`).
     """
     con = duckdb.connect(":memory:")
     if threads is not None:
         con.execute(f"SET threads = {int(threads)}")
     runs = list(runs) if runs else None
-    find_runs(root, runs)  # fail early, before creating anything
+    infos = find_runs(root, runs)  # fail early, before creating anything
     con.execute(f"CREATE TABLE {_SOURCE} (root VARCHAR, run VARCHAR)")
     con.execute(f"CREATE TABLE {_EXCLUDED} (path VARCHAR, problem VARCHAR)")
     con.execute(f"CREATE TABLE {_FILES} (path VARCHAR)")
+    if sandbox and runs is None:
+        runs = [i.run_id for i in infos]  # the views keep to the runs the sandbox allows
     rows = [(str(Path(root).resolve()), r) for r in (runs or [None])]
     con.executemany(f"INSERT INTO {_SOURCE} VALUES (?, ?)", rows)
+    if sandbox:
+        sandbox_runs(con, [i.path for i in infos])
     refresh(con)
     return con
+
+
+def sandbox_runs(con: duckdb.DuckDBPyConnection, run_dirs: Iterable[str | Path]) -> None:
+    """Let SQL on ``con`` read files in ``run_dirs`` only, and install or load no extension.
+
+    DuckDB's ``enable_external_access = false`` with ``allowed_directories``
+    (each run directory as given and as resolved, so a symlinked run still
+    reads), locked so SQL cannot change it back. Registered Arrow tables still
+    work. A refused read is a ``duckdb.PermissionException``.
+    """
+    allowed = sorted({d for p in run_dirs for d in (os.path.abspath(p), os.path.realpath(p))})
+    con.execute("SET allowed_directories = ?", [[d.rstrip("/") + "/" for d in allowed]])
+    con.execute("SET autoinstall_known_extensions = false")
+    con.execute("SET autoload_known_extensions = false")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
 
 
 def _source(con: duckdb.DuckDBPyConnection) -> tuple[str, list[str] | None]:
@@ -181,10 +307,15 @@ def _live_files(spec: TableSpec, infos: list, problems: list[tuple[str, str]],
     files: list[str] = []
     for info in infos:
         parts = scan_parts(RunLayout(info.path), spec.name, info.run_id)
+        placed = []
         for p in parts:
             if p.name is None:
                 problems.append((str(p.path), "file name not written by fp8rl storage; ignored"))
-        live, _ = live_parts(parts)
+            elif str(p.path) not in excluded and quick_parquet_check(p.path) is None and (why := identity_problem(p)):
+                problems.append((str(p.path), f"{why}; skipped (run `fp8rl doctor`)"))
+            else:
+                placed.append(p)  # (a misplaced part never hides the part it claims to replace)
+        live, _ = live_parts(placed)
         for p in live:
             why = excluded.get(str(p.path)) or quick_parquet_check(p.path)
             if why is None:
@@ -293,7 +424,7 @@ def query(con: duckdb.DuckDBPyConnection, sql: str, *, retries: int = 10) -> pa.
                 raise
             time.sleep(min(0.02 * (attempt + 1), 0.2))
             refresh(con)
-        except (duckdb.ParserException, duckdb.CatalogException, duckdb.BinderException):
+        except (duckdb.ParserException, duckdb.CatalogException, duckdb.BinderException, duckdb.PermissionException):
             raise
         except duckdb.Error:
             # a data page DuckDB cannot decode: find the file(s), skip them, say so, retry

@@ -7,13 +7,24 @@
     optimizer.pt      optimizer.state_dict() (torch.save; loaded with weights_only=True)
     rng.json          python, numpy (legacy global) and torch (CPU, CUDA) RNG states
     state.json        step, sampler position, calibrator state, config, metrics, extra
-    manifest.json     every other file's size and sha256; written last
+    manifest.json     every other file's size and sha256, and those of the sharded
+                      (DCP) model + optimizer state it names; written last
+
+The sharded state of a checkpoint (``torch.distributed.checkpoint``) lives in
+``checkpoints/.dcp/step_<n>/``, written by every rank into a temporary
+``.dcp/.tmp-step_<n>-<hex>/`` folder through :class:`HashingStream` (sizes and
+hashes are computed as the bytes are written) and renamed into place together
+with the checkpoint folder, so a half-written DCP folder is never part of a
+complete checkpoint. The manifest lists its files under ``"dcp"``.
 
 Atomicity: everything is written into ``checkpoints/.tmp-step_<n>-<hex>/``,
 fsynced, and the folder renamed to ``step_<n>``. A checkpoint is *complete* iff
-its folder has that name and its manifest verifies; ``latest_complete`` skips
-any other (half-written, truncated, bit-rotted). Re-checkpointing a step sets
-the old folder aside under ``superseded/``.
+its folder has that name and its manifest verifies (every file it lists, the
+DCP shards included, present with its size; and, where hashes are checked, its
+sha256); ``latest_complete`` skips any other (half-written, truncated,
+bit-rotted) and :func:`set_aside_broken` moves those newer than the newest
+complete one under ``superseded/``. Re-checkpointing a step sets the old
+folder aside under ``superseded/``.
 
 Retention (``apply_retention``) keeps the last k complete checkpoints plus the
 best one by a metric recorded in ``state.json``, and deletes the rest: unlike
@@ -33,6 +44,7 @@ import random
 import re
 import secrets
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -44,8 +56,77 @@ from storage.errors import CheckpointError
 from storage.layout import RunLayout
 
 MANIFEST, STATE, RNG, OPTIMIZER, MODEL_DIR = "manifest.json", "state.json", "rng.json", "optimizer.pt", "model"
+DCP_DIR = ".dcp"
+DCP_METADATA = ".metadata"
 CHECKPOINT_FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class HashingStream:
+    """A binary file opened for writing whose size and sha256 are computed as it is written.
+
+    Writes are sequential (``seek`` is refused); ``on_close(size, sha256)`` is
+    called once, when the file is closed without an error.
+    """
+
+    def __init__(self, raw: Any, on_close: Callable[[int, str], None]) -> None:
+        self.raw, self._on_close = raw, on_close
+        self._hash, self.size, self.closed = hashlib.sha256(), 0, False
+
+    def write(self, data: Any) -> int:
+        n = self.raw.write(data)
+        view = memoryview(data).cast("B")
+        n = view.nbytes if n is None else n
+        self._hash.update(view[:n])
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def seek(self, *_: Any) -> int:
+        raise OSError("a hashing stream is written front to back; seek is not supported")
+
+    def seekable(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.raw.close()
+            self._on_close(self.size, self._hash.hexdigest())
+
+    def __enter__(self) -> "HashingStream":
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.closed = True
+            self.raw.close()
+
+
+def dcp_dir(checkpoints: Path, step: int) -> Path:
+    """Where the sharded state of the checkpoint of ``step`` lives."""
+    return checkpoints / DCP_DIR / f"step_{int(step)}"
+
+
+def new_dcp_tmp_dir(checkpoints: Path, step: int) -> Path:
+    """A fresh temporary folder for a DCP save of ``step`` (renamed into place by :func:`save_checkpoint`)."""
+    return checkpoints / DCP_DIR / f".tmp-step_{int(step)}-{secrets.token_hex(4)}"
 
 
 @dataclass
@@ -120,6 +201,45 @@ def restore_rng_state(state: dict) -> None:
         )
 
 
+def _write_hashed(path: Path, data: bytes, files: dict, root: Path) -> None:
+    """Write ``data`` to ``path`` through a :class:`HashingStream`, fsync it, record it in ``files``."""
+    rel = path.relative_to(root).as_posix()
+
+    def record(size: int, sha: str) -> None:
+        files[rel] = {"size": size, "sha256": sha}
+
+    with HashingStream(open(path, "wb"), record) as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _hash_rest(tmp: Path, files: dict) -> None:
+    """Size and sha256 of the files written by libraries (``save_pretrained``, ``torch.save``), fsynced."""
+    for p in sorted(tmp.rglob("*")):
+        rel = p.relative_to(tmp).as_posix()
+        if p.is_file() and rel not in files:
+            _fsync(p)
+            files[rel] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+
+
+def _commit(layout: RunLayout, tmp: Path, final: Path, dcp: tuple[Path, Path] | None) -> None:
+    """Set the old checkpoint of the step aside, rename the DCP folder and then the checkpoint into place."""
+    for old in (final, dcp[1] if dcp else None):
+        if old is not None and old.exists():
+            aside = layout.superseded_path(old)
+            if aside.exists():
+                aside = aside.with_name(f"{aside.name}-{secrets.token_hex(4)}")
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(old, aside)
+    if dcp is not None:
+        _fsync(dcp[0])
+        os.replace(dcp[0], dcp[1])
+        _fsync(dcp[1].parent)
+    os.replace(tmp, final)
+    _fsync(layout.checkpoints)
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -133,13 +253,16 @@ def save_checkpoint(
     metrics: dict | None = None,
     extra: dict | None = None,
     rng_state: dict | bool = True,
+    dcp: tuple[Path, dict] | None = None,
 ) -> Path:
     """Write ``checkpoints/step_<step>/`` atomically and return its path.
 
     ``model``: a transformers ``PreTrainedModel`` (saved with ``save_pretrained``,
     safetensors). ``optimizer``: a torch optimizer (its ``state_dict()``) or a
     state dict. ``rng_state``: True captures the global RNGs now, a dict is
-    stored as given, False stores none. The other arguments must be JSON-able.
+    stored as given, False stores none. ``dcp``: ``(temporary DCP folder, its
+    files' sizes and hashes as written)``: the folder becomes ``.dcp/step_<step>``
+    and the manifest lists its files. The other arguments must be JSON-able.
     """
     import torch
 
@@ -148,6 +271,7 @@ def save_checkpoint(
     final = layout.checkpoint_dir(step)
     tmp = layout.checkpoints / f".tmp-step_{int(step)}-{secrets.token_hex(4)}"
     tmp.mkdir()
+    files: dict = {}
     try:
         if model is not None:
             model.save_pretrained(tmp / MODEL_DIR)
@@ -157,7 +281,7 @@ def save_checkpoint(
             torch.save(optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer, tmp / OPTIMIZER)
         if rng_state:
             rng = capture_rng_state() if rng_state is True else rng_state
-            (tmp / RNG).write_text(json.dumps(rng))
+            _write_hashed(tmp / RNG, json.dumps(rng).encode(), files, tmp)
         state = {
             "format": CHECKPOINT_FORMAT,
             "step": int(step),
@@ -168,34 +292,40 @@ def save_checkpoint(
             "metrics": metrics or {},
             "extra": extra or {},
         }
-        (tmp / STATE).write_text(json.dumps(state, indent=1, default=_jsonable))
-        files = {}
-        for p in sorted(tmp.rglob("*")):
-            if p.is_file():
-                _fsync(p)
-                files[p.relative_to(tmp).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
-        manifest = {"format": CHECKPOINT_FORMAT, "step": int(step), "files": files}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _write_hashed(tmp / STATE, json.dumps(state, indent=1, default=_jsonable).encode(), files, tmp)
+        _hash_rest(tmp, files)
+        manifest: dict = {"format": CHECKPOINT_FORMAT, "step": int(step), "files": dict(sorted(files.items()))}
+        if dcp is not None:
+            manifest["dcp"] = {"dir": f"{DCP_DIR}/step_{int(step)}", "files": dict(sorted(dcp[1].items()))}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: it makes the folder a checkpoint
         _fsync(tmp / MANIFEST)
         _fsync(tmp)
-        if final.exists():
-            aside = layout.superseded_path(final)
-            if aside.exists():
-                aside = aside.with_name(f"{aside.name}-{secrets.token_hex(4)}")
-            aside.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(final, aside)
-        os.replace(tmp, final)
-        _fsync(layout.checkpoints)
+        _commit(layout, tmp, final, None if dcp is None else (Path(dcp[0]), dcp_dir(layout.checkpoints, step)))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
 
 
+def _check_files(base: Path, files: dict, hashes: bool) -> list[str]:
+    problems = []
+    for rel, meta in files.items():
+        p = base / rel
+        if not p.is_file():
+            problems.append(f"{p}: missing")
+        elif p.stat().st_size != meta["size"]:
+            problems.append(f"{p}: size {p.stat().st_size} != {meta['size']} in manifest")
+        elif hashes and _sha256(p) != meta["sha256"]:
+            problems.append(f"{p}: sha256 does not match the manifest")
+    return problems
+
+
 def verify_checkpoint(path: str | Path, *, hashes: bool = True) -> list[str]:
     """Problems of a checkpoint folder against its manifest ([] = complete).
 
-    ``hashes=False`` checks presence and sizes only (fast for large models).
+    Its sharded (DCP) state is checked too. ``hashes=False`` checks presence and
+    sizes only (fast for large models). A checkpoint written before the manifest
+    listed the DCP files is checked for the DCP metadata file only.
     """
     path = Path(path)
     mpath = path / MANIFEST
@@ -204,17 +334,17 @@ def verify_checkpoint(path: str | Path, *, hashes: bool = True) -> list[str]:
     try:
         manifest = json.loads(mpath.read_text())
         files = manifest["files"]
+        dcp = manifest.get("dcp")
+        dcp_files = None if dcp is None else (path.parent / dcp["dir"], dcp["files"])
     except (ValueError, KeyError, TypeError) as err:
         return [f"{mpath}: unreadable manifest ({err})"]
-    problems = []
-    for rel, meta in files.items():
-        p = path / rel
-        if not p.is_file():
-            problems.append(f"{p}: missing")
-        elif p.stat().st_size != meta["size"]:
-            problems.append(f"{p}: size {p.stat().st_size} != {meta['size']} in manifest")
-        elif hashes and _sha256(p) != meta["sha256"]:
-            problems.append(f"{p}: sha256 does not match the manifest")
+    problems = _check_files(path, files, hashes)
+    if dcp_files is not None:
+        problems += _check_files(*dcp_files, hashes)
+    elif not problems:
+        legacy = dcp_dir(path.parent, int(manifest.get("step", -1)))
+        if legacy.is_dir() and not (legacy / DCP_METADATA).is_file():
+            problems.append(f"{legacy / DCP_METADATA}: missing")
     return problems
 
 
@@ -235,6 +365,32 @@ def latest_complete(run_dir: str | Path, *, at_most: int | None = None, hashes: 
         if not verify_checkpoint(path, hashes=hashes):
             return path
     return None
+
+
+def set_aside_broken(run_dir: str | Path, *, hashes: bool = True) -> list[tuple[Path, str, Path]]:
+    """Move the checkpoints newer than the newest complete one under ``superseded/``.
+
+    Resume loads the newest complete checkpoint; the broken ones above it
+    (truncated, bit-rotted, half-written) would otherwise be mistaken for the
+    newest by a later reader. Returns ``(folder, first problem, where it went)``.
+    """
+    layout = RunLayout(Path(run_dir))
+    out = []
+    for step, path in reversed(list_checkpoints(run_dir)):
+        why = verify_checkpoint(path, hashes=hashes)
+        if not why:
+            break
+        moved = []
+        for old in (path, dcp_dir(layout.checkpoints, step)):
+            if old.exists():
+                aside = layout.superseded_path(old)
+                if aside.exists():
+                    aside = aside.with_name(f"{aside.name}-{secrets.token_hex(4)}")
+                aside.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(old, aside)
+                moved.append(aside)
+        out.append((path, why[0] + (f" (+{len(why) - 1} more)" if len(why) > 1 else ""), moved[0]))
+    return out
 
 
 def load_model_weights(model: Any, model_dir: str | Path, *, map_location: str = "cpu") -> None:

@@ -11,11 +11,16 @@ Checks, per run:
   between rename and set-aside: harmless, reported as a warning);
 - leftover ``tmp/*.tmp`` files and ``checkpoints/.tmp-*`` folders (interrupted
   writes: harmless, safe to delete);
-- ``ledger.jsonl``: lines that do not parse (a torn last line is a warning, a
-  bad line in the middle an error), finished records whose outputs are neither
+- ``ledger.jsonl``: lines that do not parse (a torn last line is a warning, and
+  so is a torn record in the middle that an older version repaired by starting
+  the next record on a fresh line; any other bad line is an error; torn tails
+  moved to ``ledger.quarantine.jsonl`` by a repair are not in the ledger), finished records whose outputs are neither
   live nor set aside;
-- every ``checkpoints/step_<n>/`` against its manifest (sizes and sha256);
-  checkpoints deleted by retention are known from ``checkpoints/pruned.jsonl``.
+- every ``checkpoints/step_<n>/`` against its manifest, its sharded (DCP)
+  state in ``checkpoints/.dcp/step_<n>/`` included: sizes, and with
+  ``deep=True`` sha256; checkpoints deleted by retention are known from
+  ``checkpoints/pruned.jsonl``; leftover ``checkpoints/.dcp/.tmp-*`` folders
+  (an interrupted sharded save) are a warning.
 
 Errors make ``fp8rl doctor`` exit 1; warnings alone do not.
 """
@@ -28,10 +33,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from storage.catalog import footer_problem
-from storage.checkpoints import list_checkpoints, pruned_checkpoints, verify_checkpoint
+from storage.checkpoints import DCP_DIR, list_checkpoints, pruned_checkpoints, verify_checkpoint
 from storage.errors import DuplicateRun, NotARunDirectory, SchemaVersionError, StorageError
-from storage.layout import Part, RunLayout, find_runs, is_run_dir, live_parts, parse_part_name, read_run_info
-from storage.ledger import DONE, Ledger
+from storage.layout import (META_RUN_ID, META_STEP, META_VARIANT, Part, RunLayout, find_runs, is_run_dir, live_parts,
+                            parse_part_name, read_run_info)
+from storage.ledger import DONE, Ledger, looks_torn
 from storage.schemas import META_TABLE, META_VERSION, STORED_TABLES, check_schema_version
 
 ERROR, WARNING = "error", "warning"
@@ -62,6 +68,12 @@ def _check_parquet(path: Path, table: str, run_id: str, step: int, deep: bool) -
     kv = pf.schema_arrow.metadata or {}
     if kv.get(META_TABLE, b"").decode() not in ("", table):
         out.append(Problem(ERROR, str(path), f"holds table {kv[META_TABLE].decode()!r}, not {table!r}"))
+    name = parse_part_name(path.name)
+    if name is not None and kv.get(META_VARIANT, name.variant.encode()).decode() != name.variant:
+        out.append(Problem(ERROR, str(path), f"holds variant {kv[META_VARIANT].decode()!r}, not {name.variant!r}"))
+    for key, col, want in ((META_RUN_ID, "run_id", run_id), (META_STEP, "step", str(step))):
+        if kv.get(key, want.encode()).decode() != want:
+            out.append(Problem(ERROR, str(path), f"metadata says {col} {kv[key].decode()!r}, not {want!r} of its path"))
     try:
         check_schema_version(kv.get(META_VERSION, b"").decode() or None, "file")
     except SchemaVersionError as err:
@@ -131,11 +143,16 @@ def _check_ledger(layout: RunLayout, live_files: set[str]) -> list[Problem]:
     ledger = Ledger(layout.root)
     events, bad = ledger.events()
     if bad:
-        n_lines = ledger.path.read_bytes().rstrip(b"\n").count(b"\n") + 1
+        lines = ledger.path.read_bytes().rstrip(b"\n").split(b"\n")
         for line in bad:
-            torn = line == n_lines
-            out.append(Problem(WARNING if torn else ERROR, f"{ledger.path}:{line}",
-                               "torn last record (crash while appending); ignored" if torn else "unparseable record"))
+            if line == len(lines):
+                what, severity = "torn last record (crash while appending); ignored", WARNING
+            elif looks_torn(lines[line - 1]):  # repaired by a version that started the next record on a fresh line
+                what, severity = ("torn record of a crash, repaired (the next record starts a fresh line); "
+                                  "ignored"), WARNING
+            else:
+                what, severity = "unparseable record", ERROR
+            out.append(Problem(severity, f"{ledger.path}:{line}", what))
     pruned = pruned_checkpoints(layout.root)
     for r in ledger.records(variant=None):
         if r.status != DONE:
@@ -164,10 +181,10 @@ def check_run(run_dir: str | Path, *, deep: bool = False) -> list[Problem]:
             out.append(Problem(WARNING, str(f), "leftover temporary file of an interrupted write; safe to delete"))
     out += _check_ledger(layout, files)
     if layout.checkpoints.is_dir():
-        for d in sorted(layout.checkpoints.glob(".tmp-*")):
+        for d in sorted([*layout.checkpoints.glob(".tmp-*"), *layout.checkpoints.glob(f"{DCP_DIR}/.tmp-*")]):
             out.append(Problem(WARNING, str(d), "leftover half-written checkpoint; safe to delete"))
     for _, path in list_checkpoints(layout.root):
-        for msg in verify_checkpoint(path, hashes=True):
+        for msg in verify_checkpoint(path, hashes=deep):
             where, _, what = msg.partition(": ")
             out.append(Problem(ERROR, where, what))
     return out

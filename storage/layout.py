@@ -42,6 +42,8 @@ TABLES_DIR = "tables"
 CHECKPOINTS_DIR = "checkpoints"
 SUPERSEDED_DIR = "superseded"
 TMP_DIR = "tmp"
+# What a Parquet part says it holds (file key-value metadata, beside fp8rl.table): checked against its location
+META_RUN_ID, META_STEP, META_VARIANT = b"fp8rl.run_id", b"fp8rl.step", b"fp8rl.variant"
 
 _PART = re.compile(r"^part-(?P<stage>[^-]+)-(?P<attempt>\d+)-(?P<write_id>[0-9a-f]+)-(?P<variant>.+)\.parquet$")
 

@@ -10,8 +10,17 @@ file, ``RUN_DIR/ledger.jsonl``, one event per line::
 
 Durability: each event is one ``write()`` on an ``O_APPEND`` descriptor
 followed by ``fsync``, so it is on disk before the stage goes on. A crash can at
-worst tear the *last* line; readers skip lines that do not parse, and the next
-append starts on a fresh line, so one torn record never corrupts the next.
+worst tear the *last* line; readers skip lines that do not parse. The next
+append repairs it: the torn bytes go to ``ledger.quarantine.jsonl`` with a
+record of the repair (when, at which offset, how many bytes), then the ledger
+is truncated to its last whole record. (Versions before that started the next
+record on a fresh line, leaving the torn one in the middle; ``fp8rl doctor``
+recognizes such a line as a repaired torn record.)
+
+Reading is incremental: a :class:`Ledger` keeps the offset of the last whole
+line it folded and, on each query, reads only what was appended since, so a
+query's cost per step does not grow with the ledger's length. A file that
+shrank or was replaced is read again from the start.
 
 Folding: events of one (step, stage, attempt, variant) fold into a record
 whose status is 'running' (start seen, no outcome: in progress or crashed),
@@ -22,6 +31,7 @@ one touched last. ``set_aside`` events hide earlier records from a point on
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -38,6 +48,7 @@ from storage.layout import RunLayout, read_run_info
 from storage.schemas import LEDGER, MAIN_VARIANT, STAGE_NAME, VARIANT_NAME, check_name
 
 RUNNING, DONE, FAILED = "running", "done", "failed"
+QUARANTINE_FILE = "ledger.quarantine.jsonl"
 
 
 @dataclass
@@ -82,6 +93,33 @@ def _parse_time(value: str | None) -> datetime | None:
     return datetime.fromisoformat(value) if value else None
 
 
+@dataclass
+class _Fold:
+    """What a :class:`Ledger` has folded so far: the file up to ``offset`` (whole lines only)."""
+
+    inode: int = -1
+    offset: int = 0
+    lines: int = 0
+    recs: dict = field(default_factory=dict)  # live (step, stage, attempt, variant) -> record, touch order
+    hidden: list = field(default_factory=list)  # records hidden by set_aside events
+    current: dict = field(default_factory=dict)  # (variant, step) -> {stage: record touched last}
+    attempts: dict = field(default_factory=dict)  # (step, stage, variant) -> highest attempt, set aside included
+    bad: list = field(default_factory=list)  # line numbers that did not parse
+    mark: bytes = b""  # the last line folded (its newline included)
+
+
+def _last_line_start(fd: int, size: int) -> int:
+    """Offset just after the last newline in the first ``size`` bytes of ``fd`` (0 if none)."""
+    end = size
+    while end > 0:
+        start = max(0, end - (1 << 16))
+        i = os.pread(fd, end - start, start).rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        end = start
+    return 0
+
+
 class Ledger:
     """Append and query the stage ledger of one run directory."""
 
@@ -89,6 +127,9 @@ class Ledger:
         self.layout = RunLayout(Path(run_dir))
         self.run_id = read_run_info(self.layout.root).run_id
         self.path = self.layout.ledger
+        self.quarantine = self.layout.root / QUARANTINE_FILE
+        self._fold = _Fold()
+        self.bytes_read = 0  # ledger bytes read by queries so far (reading is incremental)
 
     # -- writing -------------------------------------------------------------------------
 
@@ -96,13 +137,45 @@ class Ledger:
         line = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode()
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # appenders in turn: a line being written is never taken for a torn one
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":
-                line = b"\n" + line  # a torn last line: start ours on a fresh one
+                self._repair_torn_tail(fd, size)
             os.write(fd, line)
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def _repair_torn_tail(self, fd: int, size: int) -> None:
+        """Move a torn last line to the quarantine file (with a record of the repair), then truncate
+        the ledger to its last whole record."""
+        start = _last_line_start(fd, size)
+        torn = os.pread(fd, size - start, start)
+        rec = {"repair": "torn_tail", "at": _now().isoformat(), "ledger": self.path.name, "offset": start,
+               "length": len(torn), "bytes": torn.decode("utf-8", "backslashreplace"),
+               "why": "a crash while appending tore the last record; the ledger was truncated to its last whole one"}
+        qfd = os.open(self.quarantine, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(qfd, (json.dumps(rec) + "\n").encode())
+            os.fsync(qfd)
+        finally:
+            os.close(qfd)
+        os.ftruncate(fd, start)
+        os.fsync(fd)
+
+    def repairs(self) -> list[dict]:
+        """The torn-tail repairs recorded in the quarantine file (a torn last record of its own ignored)."""
+        try:
+            raw = self.quarantine.read_bytes()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in raw.splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
 
     def _event(self, kind: str, step: int, stage: str, attempt: int, variant: str, **extra: Any) -> None:
         check_name("stage", stage, STAGE_NAME)
@@ -162,7 +235,9 @@ class Ledger:
     # -- reading -------------------------------------------------------------------------
 
     def events(self) -> tuple[list[dict], list[int]]:
-        """All parseable events in order, and the line numbers (1-based) that did not parse."""
+        """All parseable events in order, and the line numbers (1-based) that did not parse.
+
+        Reads the whole file (for ``fp8rl doctor``); queries fold incrementally instead."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
@@ -171,71 +246,104 @@ class Ledger:
         for i, line in enumerate(raw.split(b"\n"), start=1):
             if not line.strip():
                 continue
-            try:
-                ev = json.loads(line)
-                if not isinstance(ev, dict) or "event" not in ev:
-                    raise ValueError("not an event")
-            except ValueError:
+            ev = _parse(line)
+            if ev is None:
                 bad.append(i)
                 continue
             ev["_seq"] = i
             events.append(ev)
         return events, bad
 
+    def _refresh(self) -> _Fold:
+        """Fold the whole lines appended since the last call (all of them if the file shrank or changed)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._fold = _Fold()
+            return self._fold
+        try:
+            st = os.fstat(fd)
+            fold = self._fold
+            if fold.mark:  # the line just before the offset: a file rewritten in place is folded afresh
+                self.bytes_read += len(fold.mark)
+                if os.pread(fd, len(fold.mark), fold.offset - len(fold.mark)) != fold.mark:
+                    fold = _Fold()
+            if st.st_ino != fold.inode or st.st_size < fold.offset:
+                fold = _Fold(inode=st.st_ino)
+            self._fold = fold
+            if st.st_size > fold.offset:
+                data = os.pread(fd, st.st_size - fold.offset, fold.offset)
+                self.bytes_read += len(data)
+                whole = data.rfind(b"\n") + 1  # a torn or in-flight last line waits for its newline
+                for line in data[:whole].split(b"\n")[:-1]:
+                    fold.lines += 1
+                    if line.strip():
+                        self._apply(fold, line, fold.lines)
+                fold.offset += whole
+                if whole:  # (data starts on a line: the offset is always just after a newline)
+                    fold.mark = data[data.rfind(b"\n", 0, whole - 1) + 1:whole]
+        finally:
+            os.close(fd)
+        return fold
+
+    def _apply(self, fold: _Fold, line: bytes, seq: int) -> None:
+        ev = _parse(line)
+        if ev is None:
+            fold.bad.append(seq)
+            return
+        kind = ev["event"]
+        if kind == "set_aside":
+            for key, r in list(fold.recs.items()):
+                if (ev.get("variant") in (None, r.variant)) and _after(r, ev["from_step"], ev.get("stages")):
+                    fold.hidden.append(fold.recs.pop(key))
+                    stages = fold.current.get((r.variant, r.step), {})
+                    if stages.get(r.stage) is r:
+                        del stages[r.stage]
+            return
+        try:
+            key = (int(ev["step"]), ev["stage"], int(ev["attempt"]), ev.get("variant", MAIN_VARIANT))
+        except (KeyError, TypeError, ValueError):
+            return
+        r = fold.recs.pop(key, None)  # re-inserted last: the dict stays in touch order
+        if r is None:
+            r = StageRecord(ev.get("run_id", self.run_id), *key)
+        fold.recs[key] = r
+        fold.current.setdefault((key[3], key[0]), {})[key[1]] = r
+        akey = (key[0], key[1], key[3])
+        fold.attempts[akey] = max(fold.attempts.get(akey, -1), key[2])
+        r.seq = seq
+        _fold_event(r, kind, ev)
+
     def records(self, *, variant: str | None = MAIN_VARIANT, include_set_aside: bool = False) -> list[StageRecord]:
         """Folded records in the order they were last touched (``variant=None``: all)."""
-        recs: dict[tuple, StageRecord] = {}
-        hidden: list[StageRecord] = []
-        for ev in self.events()[0]:
-            kind = ev["event"]
-            if kind == "set_aside":
-                for key, r in list(recs.items()):
-                    if (ev.get("variant") in (None, r.variant)) and _after(r, ev["from_step"], ev.get("stages")):
-                        hidden.append(recs.pop(key))
-                continue
-            try:
-                key = (int(ev["step"]), ev["stage"], int(ev["attempt"]), ev.get("variant", MAIN_VARIANT))
-            except (KeyError, TypeError, ValueError):
-                continue
-            r = recs.get(key)
-            if r is None:
-                r = recs[key] = StageRecord(ev.get("run_id", self.run_id), *key)
-            r.seq = ev["_seq"]
-            at = _parse_time(ev.get("at"))
-            if kind == "start":
-                r.status, r.started_at, r.host, r.pid = RUNNING, at, ev.get("host"), ev.get("pid")
-                r.finished_at, r.error = None, None
-                r.info = dict(ev.get("info") or {})
-            elif kind in ("finish", "fail"):
-                r.status, r.finished_at = (DONE if kind == "finish" else FAILED), at
-                r.outputs = list(ev.get("outputs") or [])
-                r.error = ev.get("error")
-                r.info = dict(ev.get("info") or {})
-        out = list(recs.values()) + (hidden if include_set_aside else [])
-        if variant is not None:
-            out = [r for r in out if r.variant == variant]
-        return sorted(out, key=lambda r: r.seq)
+        fold = self._refresh()
+        out = list(fold.recs.values())
+        if include_set_aside:
+            out = sorted(out + fold.hidden, key=lambda r: r.seq)
+        return out if variant is None else [r for r in out if r.variant == variant]
 
     def current(self, *, variant: str = MAIN_VARIANT) -> dict[tuple[int, str], StageRecord]:
         """(step, stage) -> the record of its most recently touched attempt."""
-        cur: dict[tuple[int, str], StageRecord] = {}
-        for r in self.records(variant=variant):  # in seq order: later wins
-            cur[(r.step, r.stage)] = r
-        return cur
+        fold = self._refresh()
+        cur = [r for (v, _), stages in fold.current.items() if v == variant for r in stages.values()]
+        return {(r.step, r.stage): r for r in sorted(cur, key=lambda r: r.seq)}
+
+    def current_record(self, step: int, stage: str, *, variant: str = MAIN_VARIANT) -> StageRecord | None:
+        """The record of the most recently touched attempt of (step, stage), or None."""
+        return self._refresh().current.get((variant, int(step)), {}).get(stage)
 
     def status(self, step: int, stage: str, *, variant: str = MAIN_VARIANT) -> str | None:
-        r = self.current(variant=variant).get((int(step), stage))
+        r = self.current_record(step, stage, variant=variant)
         return None if r is None else r.status
 
     def done_stages(self, step: int, *, variant: str = MAIN_VARIANT) -> set[str]:
         """Stages of ``step`` whose current attempt finished."""
-        return {s for (n, s), r in self.current(variant=variant).items() if n == step and r.status == DONE}
+        stages = self._refresh().current.get((variant, int(step)), {})
+        return {s for s, r in stages.items() if r.status == DONE}
 
     def next_attempt(self, step: int, stage: str, *, variant: str = MAIN_VARIANT) -> int:
         """1 + the highest attempt recorded for (step, stage) (set-aside ones included), or 0."""
-        attempts = [r.attempt for r in self.records(variant=variant, include_set_aside=True)
-                    if r.step == step and r.stage == stage]
-        return max(attempts) + 1 if attempts else 0
+        return self._refresh().attempts.get((int(step), stage, variant), -1) + 1
 
     def last_finished(self, *, variant: str = MAIN_VARIANT) -> tuple[int, str] | None:
         """(step, stage) of the most recently finished stage of the highest step with one."""
@@ -275,6 +383,34 @@ class Ledger:
             for r in self.records(variant=variant)
         ]
         return pa.Table.from_pylist(rows, schema=LEDGER.schema())
+
+
+def _parse(line: bytes) -> dict | None:
+    """The event of one ledger line, or None if it does not parse as one."""
+    try:
+        ev = json.loads(line)
+    except ValueError:
+        return None
+    return ev if isinstance(ev, dict) and "event" in ev else None
+
+
+def _fold_event(r: StageRecord, kind: str, ev: dict) -> None:
+    at = _parse_time(ev.get("at"))
+    if kind == "start":
+        r.status, r.started_at, r.host, r.pid = RUNNING, at, ev.get("host"), ev.get("pid")
+        r.finished_at, r.error = None, None
+        r.info = dict(ev.get("info") or {})
+    elif kind in ("finish", "fail"):
+        r.status, r.finished_at = (DONE if kind == "finish" else FAILED), at
+        r.outputs = list(ev.get("outputs") or [])
+        r.error = ev.get("error")
+        r.info = dict(ev.get("info") or {})
+
+
+def looks_torn(line: bytes) -> bool:
+    """A line that is the start of a ledger record cut short (a crash while appending), not garbage."""
+    line = line.strip()
+    return line.startswith(b'{"event":') and not line.endswith(b"}") and _parse(line) is None
 
 
 def _after(r: StageRecord, from_step: int, stages: Iterable[str] | None) -> bool:

@@ -39,8 +39,8 @@ import pyarrow.parquet as pq
 
 from storage import faults
 from storage.errors import CorruptFile, SchemaError
-from storage.layout import (Part, RunLayout, live_parts, new_write_id, parse_part_name, part_name, rank_of_part,
-                            read_run_info, scan_parts, stage_of_part)
+from storage.layout import (META_RUN_ID, META_STEP, META_VARIANT, Part, RunLayout, live_parts, new_write_id,
+                            parse_part_name, part_name, rank_of_part, read_run_info, scan_parts, stage_of_part)
 from storage.schemas import MAIN_VARIANT, STORED_TABLES, TableSpec, get_table
 
 Rows = pa.Table | pa.RecordBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]]
@@ -208,6 +208,8 @@ class TableWriter:
         data = conform(spec, rows_to_table(rows), run_id=self.run_id, step=step, variant=variant)
         if spec.fill is not None:
             data = spec.fill(data)
+        data = data.replace_schema_metadata({**(data.schema.metadata or {}), META_RUN_ID: self.run_id.encode(),
+                                             META_STEP: str(step).encode(), META_VARIANT: variant.encode()})
 
         self.layout.tmp.mkdir(parents=True, exist_ok=True)
         tmp = self.layout.tmp / f"{name.write_id}.parquet.tmp"

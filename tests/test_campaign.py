@@ -205,3 +205,51 @@ def test_fault_matrix_each_fault_is_one_line_then_a_clean_resume(reference, tmp_
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _dcp_shard(run_dir: Path, step: int) -> Path:
+    return next((run_dir / "checkpoints" / ".dcp" / f"step_{step}").glob("*.distcp"))
+
+
+def _set_aside_line(r, step: int) -> None:
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith(f"warning: checkpoint step_{step} ")]
+    assert len(lines) == 1 and "set aside" in lines[0] and "restarts from the start" in lines[0], r.stderr[-3000:]
+
+
+def test_fault_matrix_checkpoint_faults_end_in_the_uninterrupted_run(reference, tmp_path):
+    """The checkpoint's own faults, in turn on one run (one process: DCP checkpoints too): SIGKILL in the
+    middle of the sharded save (a half-written DCP folder), a full disk during it, then flipped bits and
+    a truncation in a shard of the newest checkpoint. The save faults are a crash or one line; a damaged
+    checkpoint is set aside with one line and resume falls back; the run ends equal to the uninterrupted one.
+    """
+    d = tmp_path / "run"
+    r = _cli("run", "tiny-cpu", "--run-dir", str(d), *_sets(), env={"FP8RL_FAULT": "checkpoint@2:write:dcp=kill"})
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr[-3000:])
+    assert list((d / "checkpoints" / ".dcp").glob(".tmp-step_2-*")) and not (d / "checkpoints" / "step_2").exists()
+    r = _cli("resume", str(d), env={"FP8RL_FAULT": "checkpoint@2:write:dcp=enospc"})
+    _one_line_exit_2(r, "no space left on device", f"fp8rl resume {d}")
+    assert not (d / "checkpoints" / "step_2").exists()
+    r = _cli("resume", str(d), env={"FP8RL_FAULT": "train@3:mb1=kill"})  # step 2's checkpoint, then a crash
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr[-3000:])
+    for damage in ("flip", "truncate"):
+        shard = _dcp_shard(d, 2)
+        data = bytearray(shard.read_bytes())
+        if damage == "flip":
+            data[len(data) // 2] ^= 0xFF
+        else:
+            del data[len(data) // 2:]
+        shard.write_bytes(bytes(data))
+        if damage == "flip":
+            assert _cli("doctor", str(d)).returncode == 0  # sizes agree: only hashes see flipped bits
+        assert _cli("doctor", "--deep", str(d)).returncode == 1
+        # the flip: resume sets step 2 aside, replays it (a new step 2 checkpoint) and is killed in step 3 again
+        r = _cli("resume", str(d), env={"FP8RL_FAULT": "train@3:mb1=kill"} if damage == "flip" else None)
+        _set_aside_line(r, 2)
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert r.returncode == (-signal.SIGKILL if damage == "flip" else 0), (r.returncode, r.stderr[-3000:])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    for table in TABLES:
+        assert _table(d, table) == _table(reference, table), f"{table} differs after the checkpoint faults"
+    ref_w, got_w = _weights(reference), _weights(d)
+    assert ref_w.keys() == got_w.keys() and all((ref_w[k] == got_w[k]).all() for k in ref_w)
+    assert _cli("doctor", "--deep", str(d)).returncode == 0

@@ -421,3 +421,200 @@ def test_query_is_read_only(tmp_path: Path, sql: str) -> None:
     out = tmp_path / "leak.csv"
     one_line_exit_2(cli("query", run, sql.format(out=out)), "read-only")
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------- a Parquet part proves what it is
+
+
+def test_a_part_of_another_table_in_a_partition_is_skipped_by_name(tmp_path: Path) -> None:
+    from storage.layout import part_name
+
+    run = _run_with_rows(tmp_path / "runs", "A")
+    stray = sorted((run / "tables" / "steps").rglob("step=2/*.parquet"))[-1]
+    dest = run / "tables" / "rollouts" / "run=A" / "step=2" / part_name("rollout", 1, "main").filename  # newer write
+    shutil.copy(stray, dest)
+    con = connect(run)
+    assert [p for p, _ in problems(con)] == [str(dest)]
+    assert "misplaced part" in problems(con)[0][1] and "'steps'" in problems(con)[0][1]
+    rows = query(con, "SELECT step, count(*) AS n, count(prompt_id) AS p FROM rollouts GROUP BY step ORDER BY step")
+    assert rows.to_pylist() == [{"step": 1, "n": 4, "p": 4}, {"step": 2, "n": 4, "p": 4}]  # step 2 not replaced
+    assert "reward_mean" not in query(con, "SELECT * FROM rollouts LIMIT 0").column_names  # no leaked columns
+    r = cli("query", run, "SELECT count(*) FROM rollouts")
+    assert r.exit_code == 0 and f"warning: {dest}: misplaced part" in r.stderr, r.stderr
+
+
+def test_a_part_of_another_run_copied_into_a_partition_is_skipped_by_name(tmp_path: Path) -> None:
+    b = _run_with_rows(tmp_path / "runs", "B", steps=1)
+    a = _run_with_rows(tmp_path / "runs", "A")  # later: its part's write id is newer than B's
+    theirs = next((a / "tables" / "rollouts").rglob("step=1/*.parquet"))
+    dest = b / "tables" / "rollouts" / "run=B" / "step=1" / theirs.name
+    shutil.copy(theirs, dest)  # (A's run_id column says so too: the footer says it without reading a page)
+    con = connect(tmp_path / "runs")
+    assert [p for p, _ in problems(con)] == [str(dest)] and "run_id 'A'" in problems(con)[0][1]
+    counts = query(con, "SELECT run_id, count(*) AS n FROM rollouts GROUP BY ALL ORDER BY run_id").to_pylist()
+    assert counts == [{"run_id": "A", "n": 8}, {"run_id": "B", "n": 4}]
+
+
+# --------------------------------------------------------------------------- a checkpoint is verified first
+
+
+def _flip(path: Path, at: int) -> None:
+    b = bytearray(path.read_bytes())
+    b[at] ^= 0xFF
+    path.write_bytes(bytes(b))
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path: Path):
+    """A run (micro config, untrained policy) with checkpoints of steps 1 and 2; yields (env, state, weights of 1)."""
+    import torch
+
+    from stages.checkpoint import run_checkpoint
+    from stages.context import open_run
+
+    cfg = micro_config()
+    run = create_run(tmp_path, "ck", config=dump_config(cfg)).root
+    env, state = open_run(cfg, run)
+    try:
+        run_checkpoint(env, state, 1)
+        weights = {k: v.clone() for k, v in state.policy.state_dict().items()}
+        with torch.no_grad():
+            for p in state.policy.parameters():
+                p.add_(1.0)
+        run_checkpoint(env, state, 2)
+        yield env, state, weights
+    finally:
+        env.close()
+
+
+def _dcp_shard(run: Path, step: int) -> Path:
+    return next((run / "checkpoints" / ".dcp" / f"step_{step}").glob("*.distcp"))
+
+
+@pytest.mark.parametrize("damage", ["flipped bits", "truncated"])
+def test_a_damaged_dcp_shard_is_set_aside_and_resume_falls_back(two_checkpoints, damage: str) -> None:
+    import torch
+
+    from stages.checkpoint import restore
+    from storage.checkpoints import latest_complete, set_aside_broken, verify_checkpoint
+    from storage.doctor import check_run
+
+    env, state, weights = two_checkpoints
+    run, shard = env.run_dir, _dcp_shard(env.run_dir, 2)
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    else:
+        _flip(shard, shard.stat().st_size // 2)
+    assert verify_checkpoint(run / "checkpoints" / "step_2") != []
+    assert latest_complete(run) == run / "checkpoints" / "step_1"
+    found = [str(p) for p in check_run(run, deep=True)]
+    assert any(str(shard) in p for p in found), found
+    assert any(str(shard) in p for p in map(str, check_run(run))) == (damage == "truncated")  # sizes only
+    moved = set_aside_broken(run)
+    assert [(p.name, a) for p, _, a in moved] == [("step_2", run / "superseded" / "checkpoints" / "step_2")]
+    assert not (run / "checkpoints" / ".dcp" / "step_2").exists()
+    step, restored = restore(env, state, latest_complete(run))
+    assert step == 1 and all(torch.equal(v, weights[k]) for k, v in restored.policy.state_dict().items())
+
+
+def test_a_dcp_save_that_fails_midway_leaves_the_previous_checkpoint_whole(two_checkpoints, monkeypatch) -> None:
+    import torch
+
+    from stages.checkpoint import restore, run_checkpoint
+    from storage import faults
+    from storage.checkpoints import latest_complete, verify_checkpoint
+
+    env, state, _ = two_checkpoints
+    run = env.run_dir
+    want = {k: v.clone() for k, v in state.policy.state_dict().items()}
+    monkeypatch.setenv(faults.ENV, "checkpoint@2:write:dcp=enospc")
+    with torch.no_grad():
+        for p in state.policy.parameters():
+            p.add_(1.0)
+    with faults.stage_scope("checkpoint", 2), pytest.raises(OSError, match="No space left"):
+        run_checkpoint(env, state, 2)  # re-checkpointing step 2 on a full disk: the cause, not a DCP traceback
+    assert verify_checkpoint(run / "checkpoints" / "step_2") == []  # the old one, shards and all
+    assert not list((run / "checkpoints" / ".dcp").glob(".tmp-*"))  # the half-written folder is gone
+    assert latest_complete(run) == run / "checkpoints" / "step_2"
+    monkeypatch.delenv(faults.ENV)
+    step, restored = restore(env, state, run / "checkpoints" / "step_2")
+    assert step == 2 and all(torch.equal(v, want[k]) for k, v in restored.policy.state_dict().items())
+
+
+def test_the_manifest_lists_every_file_resume_reads(two_checkpoints) -> None:
+    import json
+
+    env, _, _ = two_checkpoints
+    ck = env.run_dir / "checkpoints" / "step_2"
+    manifest = json.loads((ck / "manifest.json").read_text())
+    dcp = ck.parent / manifest["dcp"]["dir"]
+    assert set(manifest["dcp"]["files"]) == {p.name for p in dcp.iterdir()} >= {".metadata"}
+    assert {"state.json", "rng.json"} <= set(manifest["files"])  # scheduler, sampler, calibrator: in state.json
+    state = json.loads((ck / "state.json").read_text())
+    assert state["sampler_state"] is not None and state["calibrator_state"] is not None
+    assert "scheduler" in state["extra"]
+
+
+# --------------------------------------------------------------------------- fp8rl query sees only runs
+
+
+@pytest.mark.parametrize("sql", ["SELECT * FROM read_csv('/etc/passwd')", "SELECT * FROM read_text('/etc/hostname')",
+                                 "SELECT * FROM glob('/root/**')", "SELECT * FROM read_parquet('{outside}')",
+                                 "SELECT * FROM read_json('https://example.com/x.json')"])
+def test_query_reads_nothing_but_the_runs(tmp_path: Path, sql: str) -> None:
+    import duckdb
+
+    run = _run_with_rows(tmp_path / "runs", "A")
+    outside = tmp_path / "outside.parquet"
+    duckdb.sql(f"COPY (SELECT 1 AS x) TO '{outside}'")
+    one_line_exit_2(cli("query", run, sql.format(outside=outside)), "queries read the run directories")
+
+
+def test_query_still_reads_symlinked_runs_and_its_own_views(tmp_path: Path) -> None:
+    import duckdb
+
+    real = _run_with_rows(tmp_path / "elsewhere", "B")
+    _run_with_rows(tmp_path / "runs", "A")
+    (tmp_path / "runs" / "B").symlink_to(real)
+    con = connect(tmp_path / "runs")
+    rows = query(con, "SELECT run_id, count(*) AS n FROM rollouts GROUP BY ALL ORDER BY run_id").to_pylist()
+    assert rows == [{"run_id": "A", "n": 8}, {"run_id": "B", "n": 8}]
+    assert query(con, "SELECT count(*) AS n FROM ledger").to_pylist() == [{"n": 8}]  # a registered Arrow table
+    part = next((real / "tables" / "steps").rglob("*.parquet"))
+    assert query(con, f"SELECT count(*) AS n FROM read_parquet('{part}')").to_pylist() == [{"n": 1}]
+    with pytest.raises(duckdb.PermissionException):
+        query(con, "SELECT * FROM read_csv('/etc/passwd')")
+    with pytest.raises(duckdb.Error):
+        con.execute("SET enable_external_access = true")  # locked
+
+
+# --------------------------------------------------------------------------- one error path
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["algorithm.lr=.inf"], "algorithm.lr: Input should be a finite number"),
+    (["algorithm.eps_high=nan"], "algorithm.eps_high: Input should be a finite number"),
+    (["calibration.initial_lower=1.5", "calibration.initial_upper=1.2"], "0 < lower <= upper"),
+])
+def test_non_finite_and_inverted_values_are_refused_before_anything_is_written(tmp_path: Path, sets, needle) -> None:
+    d = tmp_path / "run"
+    args = [x for s in sets for x in ("--set", s)]
+    one_line_exit_2(cli("run", "tiny-cpu", "--run-dir", d, *args), needle)
+    assert not d.exists()
+
+
+@pytest.mark.parametrize("text", ["{}\n", "# nothing\n{}\n"])
+def test_a_config_with_no_settings_is_refused_like_an_empty_one(tmp_path: Path, text: str) -> None:
+    (tmp_path / "c.yaml").write_text(text)
+    one_line_exit_2(cli("run", tmp_path / "c.yaml", "--run-dir", tmp_path / "run"), "empty")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_bytes(b"steps: 3\nname: caf\xe9\n")
+    one_line_exit_2(cli("config", tmp_path / "c.yaml"), "not UTF-8")
+
+
+def test_report_out_below_a_file_is_one_line(micro_run: Path, tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    one_line_exit_2(cli("report", micro_run, "--out", tmp_path / "afile" / "report"), str(tmp_path / "afile"))

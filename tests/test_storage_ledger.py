@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -66,17 +67,22 @@ def test_last_finished_and_last_complete_step(run_dir: Path) -> None:
     assert led.last_finished() == (3, "rollout")
 
 
-def test_torn_last_line_is_skipped_and_next_append_is_clean(run_dir: Path) -> None:
+def test_torn_last_line_is_skipped_then_quarantined_by_the_next_append(run_dir: Path) -> None:
     led = Ledger(run_dir)
     _complete(led, 0, ["rollout"])
+    whole = led.path.stat().st_size
+    torn = b'{"event": "finish", "run_id": "r1", "st'
     with open(led.path, "ab") as f:
-        f.write(b'{"event": "finish", "run_id": "r1", "st')  # crash mid-append
+        f.write(torn)  # crash mid-append
     events, bad = led.events()
     assert len(events) == 2 and bad == [3]
+    assert led.done_stages(0) == {"rollout"}
     _complete(led, 1, ["rollout"])
     events, bad = led.events()
-    assert len(events) == 4 and bad == [3]
+    assert len(events) == 4 and bad == []  # truncated to its last whole record, then appended
     assert led.done_stages(1) == {"rollout"}
+    [rec] = led.repairs()
+    assert rec["offset"] == whole and rec["length"] == len(torn) and rec["bytes"] == torn.decode()
 
 
 def test_set_aside_hides_records_from_a_point(run_dir: Path) -> None:
@@ -132,3 +138,84 @@ def test_bad_names_are_rejected(run_dir: Path) -> None:
         led.start(0, "two words")
     with pytest.raises(ValueError, match="step and attempt"):
         led.start(-1, "train")
+
+
+def test_doctor_accepts_a_repaired_torn_record_old_style_and_new(run_dir: Path) -> None:
+    from storage.doctor import ERROR, WARNING, check_run
+
+    led = Ledger(run_dir)
+    _complete(led, 0, ["rollout"])
+    with open(led.path, "ab") as f:
+        f.write(b'{"event":"finish","run_id":"r1","st')  # crash mid-append
+    _complete(led, 1, ["rollout"])  # a resume appends: the torn tail is quarantined
+    assert [p for p in check_run(run_dir) if p.severity == ERROR] == []
+    # a run written before the quarantine: the torn record stays, the next one starts a fresh line
+    with open(led.path, "ab") as f:
+        f.write(b'{"event":"start","run_id":"r1","step":2,"sta\n')
+    _complete(led, 2, ["rollout"])
+    found = check_run(run_dir)
+    assert [p for p in found if p.severity == ERROR] == [], found
+    assert any(p.severity == WARNING and "repaired" in p.message for p in found)
+    # a garbled line that is not a torn record is still an error
+    with open(led.path, "ab") as f:
+        f.write(b'{"event":"start",\x00\x00garbage}\n')
+    _complete(led, 3, ["rollout"])
+    assert any(p.severity == ERROR and "unparseable" in p.message for p in check_run(run_dir))
+
+
+def _per_step_reads(led: Ledger, step: int) -> tuple[int, float]:
+    """The ledger calls of one campaign step: (ledger bytes its queries read, seconds they took)."""
+    import time
+
+    before, seconds = led.bytes_read, 0.0
+    for stage in ("rollout", "score", "train", "checkpoint"):
+        t0 = time.perf_counter()
+        led.done_stages(step)
+        attempt = led.next_attempt(step, stage)
+        seconds += time.perf_counter() - t0
+        with led.stage(step, stage, attempt=attempt):  # appends (fsync): not timed
+            pass
+        t0 = time.perf_counter()
+        led.current_record(step, stage)
+        seconds += time.perf_counter() - t0
+    return led.bytes_read - before, seconds
+
+
+def _synthetic_ledger(run_dir: Path, records: int) -> None:
+    import json
+
+    lines = []
+    for i in range(records // 2):
+        ev = {"run_id": "r1", "step": i // 4, "stage": ("rollout", "score", "train", "evaluate")[i % 4],
+              "attempt": 0, "variant": "main", "at": "2026-12-02T00:00:00+00:00"}
+        lines += [json.dumps({"event": "start", **ev}), json.dumps({"event": "finish", **ev, "outputs": []})]
+    (run_dir / "ledger.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_ledger_reads_per_step_do_not_grow_with_its_length(tmp_path: Path) -> None:
+    cost = {}
+    for n in (100, 10_000):
+        run_dir = create_run(tmp_path / f"n{n}", "r1").root  # one run id: records of the same length
+        _synthetic_ledger(run_dir, n)
+        led = Ledger(run_dir)
+        assert led.next_attempt(0, "rollout") == 1  # the first query folds the whole file once
+        steps = range(100_000, 100_030)
+        reads = [_per_step_reads(led, step) for step in steps]
+        assert led.done_stages(steps[-1]) == {"rollout", "score", "train", "checkpoint"}
+        cost[n] = (max(b for b, _ in reads), sorted(t for _, t in reads)[len(reads) // 2])
+    # every step reads only what it appended: the same bytes however long the ledger is
+    assert cost[10_000][0] == cost[100][0] < 4096, cost
+    assert cost[10_000][1] < 3 * cost[100][1] + 0.001, cost  # median seconds of a step's queries
+
+
+def test_a_ledger_rewritten_or_replaced_is_folded_afresh(run_dir: Path) -> None:
+    led = Ledger(run_dir)
+    _complete(led, 0, ["rollout", "score"])
+    assert led.done_stages(0) == {"rollout", "score"}
+    text = led.path.read_text()
+    led.path.write_text(text.replace('"step":0', '"step":7') * 2)  # in place (same inode), longer
+    assert led.done_stages(0) == set() and led.done_stages(7) == {"rollout", "score"}
+    tmp = led.path.with_name("new.jsonl")
+    tmp.write_text(text.replace('"stage":"score"', '"stage":"train"'))
+    os.replace(tmp, led.path)  # another file
+    assert led.done_stages(0) == {"rollout", "train"} and led.done_stages(7) == set()
