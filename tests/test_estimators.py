@@ -218,3 +218,33 @@ def test_micro_campaign_writes_the_interval(tmp_path):
     assert with_ci, rows
     for b in with_ci:
         assert b["lower_ci_low"] <= b["raw_lower"] <= b["lower_ci_high"] and 0 < b["lower_level"] < 1
+
+
+def _replay_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "schedule_replay.py"
+    spec = importlib.util.spec_from_file_location("schedule_replay", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_replay_scores_predictive_clip_share_error():
+    """Same tokens every step: the unsmoothed paper's L clips exactly BF16's count on the next step (error 0);
+    the smoothed L walks from 0.8 and misses it first; the spent shadow tokens follow K."""
+    from fp8rl_core.drift import StepTokens
+
+    mod = _replay_module()
+    gen = torch.Generator().manual_seed(5)
+    _, r16, adv, mask = _step_batch(gen, n=400, spread=0.3)
+    r8 = r16 ** 2  # FP8's spread twice BF16's: its L sits far below 0.8
+    recs = [StepTokens(s, r8, r16, adv, mask) for s in range(1, 11)]
+    kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip=3.0)
+    raw = mod.replay_estimator(recs, CalibrationConfig(max_delta=1.0), 1, **kw)
+    smooth = mod.replay_estimator(recs, CalibrationConfig(max_delta=0.01), 1, **kw)
+    assert raw["error"] == 0.0 and smooth["error"] > 0.0
+    every5 = mod.replay_estimator(recs, CalibrationConfig(estimator="pooled"), 5, **kw)
+    assert raw["spent"] == 10 * 400 and every5["spent"] == 2 * 400 and every5["calibrations"] == 2
+    assert every5["per_estimate"] == (400 + 800) / 2  # the second estimate pools the first step's tokens
