@@ -248,3 +248,21 @@ def test_replay_scores_predictive_clip_share_error():
     every5 = mod.replay_estimator(recs, CalibrationConfig(estimator="pooled"), 5, **kw)
     assert raw["spent"] == 10 * 400 and every5["spent"] == 2 * 400 and every5["calibrations"] == 2
     assert every5["per_estimate"] == (400 + 800) / 2  # the second estimate pools the first step's tokens
+
+
+def test_bounds_written_before_the_estimator_columns_read_with_nulls(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from storage.catalog import connect
+    from storage.layout import create_run
+
+    run_dir = create_run(tmp_path / "runs", "r1", config={"seed": 0}).root
+    old = pa.table({"run_id": ["r1"], "step": pa.array([1], pa.int64()), "variant": ["main"], "mode": ["calibrated"],
+                    "raw_lower": [0.7], "lower": [0.75], "upper": [1.3]})
+    old = old.replace_schema_metadata({b"fp8rl.schema_version": b"1", b"fp8rl.table": b"bounds"})
+    dest = run_dir / "tables" / "bounds" / "run=r1" / "step=1" / "part-calibrate-0-00000000000000000000-main.parquet"
+    dest.parent.mkdir(parents=True)
+    pq.write_table(old, dest)
+    rows = connect(run_dir).sql("SELECT lower, estimator, lower_ci_low, lower_ci_high, pooled_steps FROM bounds").fetchall()
+    assert rows == [(0.75, None, None, None, None)]
