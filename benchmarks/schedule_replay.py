@@ -71,17 +71,21 @@ def load_records(run_dir: Path) -> tuple[list[StepTokens], dict[int, tuple[float
     return recs, {int(r["step"]): (r["lower"], r["upper"]) for r in b}, cfg
 
 
+_NAN = float("nan")
+
+
 def replay_estimator(recs: list[StepTokens], config, interval: int, *, eps_low: float, eps_high: float,
                      dual_clip: float) -> dict:
     """Fixed-K replay of one calibration config: predictive clip-share error and shadow-token costs."""
     state = CalibratorState.initial(eps_low=eps_low, eps_high=eps_high, config=config)
     sched = Schedule("fixed", interval=interval)
-    errors, bias, spent, per_estimate, widths = [], [], 0, [], []
+    errors, bias, spent, per_estimate, widths, share16, raw = [], [], 0, [], [], [], []
     for rec in recs:
         neg8 = negative_ratios(rec.r8, rec.advantages, rec.mask)
         if state.last_step is not None and neg8.numel():  # the L in force at this step vs BF16's share here
             neg16 = negative_ratios(rec.r16, rec.advantages, rec.mask)
-            d = float((neg8 < state.lower).double().mean() - (neg16 < 1.0 - eps_low).double().mean())
+            share16.append(float((neg16 < 1.0 - eps_low).double().mean()))
+            d = float((neg8 < state.lower).double().mean()) - share16[-1]
             errors.append(abs(d))
             bias.append(d)
         if sched.calibrates(rec.step, state.last_step, None):
@@ -90,11 +94,12 @@ def replay_estimator(recs: list[StepTokens], config, interval: int, *, eps_low: 
             state = state.updated(res, rec.step)
             spent += int(rec.mask.sum())
             per_estimate.append(res.shadow_tokens)
+            raw.append(res.raw_lower)
             if res.lower_ci_low is not None:
                 widths.append(res.lower_ci_high - res.lower_ci_low)
     return {"error": float(np.mean(errors)), "bias": float(np.mean(bias)), "spent": spent,
-            "per_estimate": float(np.mean(per_estimate)), "ci_width": float(np.mean(widths)) if widths else float("nan"),
-            "calibrations": len(per_estimate)}
+            "per_estimate": float(np.mean(per_estimate)), "ci_width": float(np.mean(widths)) if widths else _NAN,
+            "calibrations": len(per_estimate), "raw_walk": float(np.mean(np.abs(np.diff(raw)))) if len(raw) > 1 else _NAN, "bf16_share": float(np.mean(share16)), "scored_steps": len(errors)}
 
 
 def score_estimators(recs: list[StepTokens], cfg, names: list[str], ks: list[int]) -> list[tuple]:
@@ -115,11 +120,13 @@ def print_estimators(rows: list[tuple], cfg) -> None:
     c = cfg.calibration
     print(f"estimators (window {c.estimator_window}, min clipped {c.estimator_min_clipped}, "
           f"CI level {c.estimator_ci_level}); error = mean |FP8 lower-clip share under L in force - BF16's|")
+    r0 = rows[0][3]
+    print(f"BF16's mean lower-clip share of the A<0 tokens on the {r0['scored_steps']} scored steps: {r0['bf16_share']:.5f}")
     print(f"{'estimator':<14} {'K':>3} {'smoothing':>9} {'clip-share err':>14} {'bias':>8} {'shadow tokens':>13} "
-          f"{'tokens/estimate':>15} {'CI width':>9}")
+          f"{'tokens/estimate':>15} {'CI width':>9} {'mean |dL raw|':>13}")
     for name, k, smooth, r in rows:
         print(f"{name:<14} {k:>3} {'on' if smooth else 'off':>9} {r['error']:>14.5f} {r['bias']:>+8.5f} "
-              f"{r['spent']:>13} {r['per_estimate']:>15.0f} {r['ci_width']:>9.4f}")
+              f"{r['spent']:>13} {r['per_estimate']:>15.0f} {r['ci_width']:>9.4f} {r['raw_walk']:>13.4f}")
 
 
 def main() -> None:
