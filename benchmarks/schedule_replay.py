@@ -24,7 +24,8 @@ the shadow tokens the schedule spends and the tokens each estimate rests on.
 Each estimator is replayed with the run's smoothing (``max_delta``) and without
 it (``max_delta`` = 1: the raw L in force, clamped to [lower_min, lower_max]).
 
-    python benchmarks/schedule_replay.py RUN_DIR --estimators quantile,pooled,k_floor,harrell_davis --estimator-ks 1,5,10 --no-schedules
+    python benchmarks/schedule_replay.py RUN_DIR --estimators quantile,pooled,k_floor,harrell_davis \
+        --estimator-ks 1,5,10 --no-schedules
 """
 
 from __future__ import annotations
@@ -97,9 +98,11 @@ def replay_estimator(recs: list[StepTokens], config, interval: int, *, eps_low: 
             raw.append(res.raw_lower)
             if res.lower_ci_low is not None:
                 widths.append(res.lower_ci_high - res.lower_ci_low)
-    return {"error": float(np.mean(errors)), "bias": float(np.mean(bias)), "spent": spent,
-            "per_estimate": float(np.mean(per_estimate)), "ci_width": float(np.mean(widths)) if widths else _NAN,
-            "calibrations": len(per_estimate), "raw_walk": float(np.mean(np.abs(np.diff(raw)))) if len(raw) > 1 else _NAN, "bf16_share": float(np.mean(share16)), "scored_steps": len(errors)}
+    return {"error": float(np.mean(errors)), "error_se": float(np.std(errors, ddof=1) / np.sqrt(len(errors))),
+            "bias": float(np.mean(bias)), "spent": spent, "per_estimate": float(np.mean(per_estimate)),
+            "ci_width": float(np.mean(widths)) if widths else _NAN, "calibrations": len(per_estimate),
+            "raw_walk": float(np.mean(np.abs(np.diff(raw)))) if len(raw) > 1 else _NAN,
+            "bf16_share": float(np.mean(share16)), "scored_steps": len(errors)}
 
 
 def score_estimators(recs: list[StepTokens], cfg, names: list[str], ks: list[int]) -> list[tuple]:
@@ -121,11 +124,13 @@ def print_estimators(rows: list[tuple], cfg) -> None:
     print(f"estimators (window {c.estimator_window}, min clipped {c.estimator_min_clipped}, "
           f"CI level {c.estimator_ci_level}); error = mean |FP8 lower-clip share under L in force - BF16's|")
     r0 = rows[0][3]
-    print(f"BF16's mean lower-clip share of the A<0 tokens on the {r0['scored_steps']} scored steps: {r0['bf16_share']:.5f}")
-    print(f"{'estimator':<14} {'K':>3} {'smoothing':>9} {'clip-share err':>14} {'bias':>8} {'shadow tokens':>13} "
-          f"{'tokens/estimate':>15} {'CI width':>9} {'mean |dL raw|':>13}")
+    print(f"BF16's mean lower-clip share of the A<0 tokens on the {r0['scored_steps']} scored steps: "
+          f"{r0['bf16_share']:.5f}")
+    print(f"{'estimator':<14} {'K':>3} {'smoothing':>9} {'clip-share err':>14} {'(se)':>8} {'bias':>8} "
+          f"{'shadow tokens':>13} {'tokens/estimate':>15} {'CI width':>9} {'mean |dL raw|':>13}")
     for name, k, smooth, r in rows:
-        print(f"{name:<14} {k:>3} {'on' if smooth else 'off':>9} {r['error']:>14.5f} {r['bias']:>+8.5f} "
+        print(f"{name:<14} {k:>3} {'on' if smooth else 'off':>9} {r['error']:>14.5f} {r['error_se']:>8.5f} "
+              f"{r['bias']:>+8.5f} "
               f"{r['spent']:>13} {r['per_estimate']:>15.0f} {r['ci_width']:>9.4f} {r['raw_walk']:>13.4f}")
 
 

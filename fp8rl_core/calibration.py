@@ -620,7 +620,8 @@ def _estimate(tok: CalibrationTokens, k16: int, previous, config: CalibrationCon
     if tok.n_neg == 0:
         return None
     pool = previous.pool if isinstance(previous, CalibratorState) else ()
-    inp = EstimatorInput(tok, k16, pool, config.estimator_window, config.estimator_min_clipped, config.estimator_ci_level)
+    inp = EstimatorInput(tok, k16, pool, config.estimator_window, config.estimator_min_clipped,
+                         config.estimator_ci_level)
     return LOWER_ESTIMATORS.get(config.estimator)(inp)
 
 

@@ -180,7 +180,8 @@ def test_unknown_estimator_is_named():
     from conftest import micro_config
     from flows.configuration import ConfigError
 
-    with pytest.raises(ConfigError, match=r"calibration.estimator: unknown lower-bound estimator 'median_of_means'.*k_floor"):
+    msg = r"calibration.estimator: unknown lower-bound estimator 'median_of_means'.*k_floor"
+    with pytest.raises(ConfigError, match=msg):
         micro_config("calibration.estimator=median_of_means")
     assert set(LOWER_ESTIMATORS.names()) == {"quantile", "pooled", "k_floor", "harrell_davis"}
 
@@ -264,5 +265,6 @@ def test_bounds_written_before_the_estimator_columns_read_with_nulls(tmp_path):
     dest = run_dir / "tables" / "bounds" / "run=r1" / "step=1" / "part-calibrate-0-00000000000000000000-main.parquet"
     dest.parent.mkdir(parents=True)
     pq.write_table(old, dest)
-    rows = connect(run_dir).sql("SELECT lower, estimator, lower_ci_low, lower_ci_high, pooled_steps FROM bounds").fetchall()
+    sql = "SELECT lower, estimator, lower_ci_low, lower_ci_high, pooled_steps FROM bounds"
+    rows = connect(run_dir).sql(sql).fetchall()
     assert rows == [(0.75, None, None, None, None)]
