@@ -161,11 +161,16 @@ def test_hd_interval_coverage(dist):
         assert abs(float(np.median(harrell_davis(np.sort(x, axis=1), p))) - q) < 0.02
 
 
-def test_pool_survives_a_checkpoint():
-    """The calibrator state (pool included) through state.json's JSON: a resumed run pools as the uninterrupted one."""
+def test_pool_survives_a_checkpoint(tmp_path):
+    """The calibrator state (pool included) through a checkpoint's state.json: a resumed run pools as the
+    uninterrupted one."""
+    from storage.checkpoints import load_checkpoint, save_checkpoint
+
     cfg = CalibrationConfig(estimator="pooled", estimator_window=4)
     out, state = _run_steps(cfg, 5, seed=11)
-    restored = CalibratorState.from_dict(json.loads(json.dumps(state.to_dict())))
+    path = save_checkpoint(tmp_path, 5, calibrator_state=state.to_dict(), rng_state=False)
+    restored = CalibratorState.from_dict(load_checkpoint(path, restore_rng=False).calibrator_state)
+    assert json.loads((path / "state.json").read_text())["calibrator_state"]["pool"][0]["ratios"]
     assert restored == state and len(restored.pool) == 3
     gen = torch.Generator().manual_seed(99)
     batch = _step_batch(gen)
