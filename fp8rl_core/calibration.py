@@ -22,7 +22,9 @@ Rule (mode ``calibrated``), over the n negative-advantage tokens:
 1. ``alpha`` = share of them with ``r16 < 1 - eps_low``; ``k = round(alpha n)``
    (= that count). Sort their r8: v1 <= ... <= vn. ``L = v1`` if k = 0,
    ``(vk + vk+1)/2`` if 0 < k < n, ``vn + 1e-6`` if k = n: FP8 clips the same
-   *number* of tokens as BF16 (ties aside).
+   *number* of tokens as BF16 (ties aside). This is ``calibration.estimator``
+   ``quantile`` (the default); ``fp8rl_core.estimators`` holds the others
+   (pooled over steps, a floor on k, Harrell-Davis with an interval).
 2. Smoothing of L: ``L = prev_L + clamp(raw_L - prev_L, -max_delta, max_delta)``,
    clamped to [lower_min, lower_max]. ``prev`` starts at the initial bounds
    (``config.initial_*`` or ``1 - eps_low, 1 + eps_high``).
@@ -91,13 +93,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable, Sequence
 
 import torch
 
 from fp8rl_core.bapo import PUBLISHED, UpdateBoundsRule
 from fp8rl_core.config import CalibrationConfig
+from fp8rl_core.estimators import LOWER_ESTIMATORS, EstimatorInput, LowerEstimate, PoolEntry
 from fp8rl_core.registry import Registry
 
 __all__ = [
@@ -302,6 +305,7 @@ class ModeContext:
     previous: tuple[float, float]
     k_bf16: int  # negatives that BF16 clips at 1 - eps_low
     target_balance: float
+    estimate: LowerEstimate | None = None  # raw L of ``config.estimator``; None without A<0 tokens
 
 
 ClipMode = Callable[[CalibrationTokens, ModeContext], tuple[float, float, float, float, str]]
@@ -340,7 +344,7 @@ def _calibrated_lower(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, 
     prev_l = ctx.previous[0]
     if tok.n_neg == 0:
         return prev_l, prev_l, "empty" if tok.n_tokens == 0 else "no_negative_tokens"
-    raw_l = tok.quantile_lower(ctx.k_bf16)
+    raw_l = ctx.estimate.raw_lower  # rule 1, or the estimator ``config.estimator`` names
     cfg = ctx.config
     lower = _smooth(prev_l, raw_l, cfg.max_delta, cfg.lower_min, cfg.lower_max)
     tok.prefetch("n8", [raw_l, prev_l, lower])  # one pass over the FP8 negatives for every L reported
@@ -450,6 +454,7 @@ class CalibratorState:
     n_calibrations: int = 0
     last_step: int | None = None
     alpha: float | None = None  # BF16's lower-clip share at the last calibration (the quantile drift signal's level)
+    pool: tuple[PoolEntry, ...] = ()  # earlier calibration steps a pooled estimator re-uses (fp8rl_core.estimators)
 
     @property
     def bounds(self) -> tuple[float, float]:
@@ -463,9 +468,11 @@ class CalibratorState:
     def updated(self, result: "CalibrationResult", step: int) -> "CalibratorState":
         """The state after applying ``result`` at ``step``."""
         alpha = result.alpha if math.isfinite(result.alpha) else self.alpha  # no A<0 token: keep the last level
-        return CalibratorState(result.lower, result.upper, self.n_calibrations + 1, step, alpha)
+        pool = result.pool if result.pool is not None else self.pool  # no A<0 token: the pool stays
+        return CalibratorState(result.lower, result.upper, self.n_calibrations + 1, step, alpha, pool)
 
-    def to_dict(self) -> dict[str, float | int | None]:
+    def to_dict(self) -> dict:
+        """Plain JSON-able values (the pool as lists of floats, which JSON round-trips exactly)."""
         return asdict(self)
 
     @classmethod
@@ -474,9 +481,10 @@ class CalibratorState:
         unknown, missing = set(d) - names, {"lower", "upper"} - set(d)
         if unknown or missing:
             raise ValueError(f"CalibratorState.from_dict: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
-        last, alpha = d.get("last_step"), d.get("alpha")  # alpha: absent from older checkpoints
+        last, alpha = d.get("last_step"), d.get("alpha")  # alpha, pool: absent from older checkpoints
+        pool = tuple(PoolEntry.from_dict(e) for e in d.get("pool") or ())
         return cls(float(d["lower"]), float(d["upper"]), int(d.get("n_calibrations", 0)), None if last is None else int(last),
-                   None if alpha is None else float(alpha))
+                   None if alpha is None else float(alpha), pool)
 
 
 @dataclass(frozen=True)
@@ -516,9 +524,18 @@ class CalibrationResult:
     n_positive: int
     n_nonfinite: int
     status: str
+    estimator: str = "quantile"
+    lower_level: float = _NAN  # the FP8 quantile level the raw L aims at
+    lower_ci_low: float | None = None  # the estimator's interval for raw L (None: it has none)
+    lower_ci_high: float | None = None
+    shadow_tokens: int = 0  # shadow-passed tokens the raw L rests on (pooled steps included)
+    pooled_steps: int = 0
+    pool: tuple[PoolEntry, ...] | None = field(default=None, repr=False)  # the calibrator's next pool; None: keep
 
     def to_dict(self) -> dict[str, float | int | str]:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("pool")
+        return d
 
 
 # --------------------------------------------------------------------------- entry points
@@ -572,7 +589,8 @@ def calibrate(
     std_l, std_h = 1.0 - eps_low, 1.0 + eps_high
     k16 = tok.count_below("n16", std_l)
     target = _ratio(tok.pos_contrib("p16", std_h), tok.neg_contrib("n16", std_l))
-    ctx = ModeContext(eps_low, eps_high, dual_clip, config, prev, k16, target)
+    est = _estimate(tok, k16, previous, config)
+    ctx = ModeContext(eps_low, eps_high, dual_clip, config, prev, k16, target, est)
     raw_l, raw_h, lower, upper, status = mode_fn(tok, ctx)
     tok.prefetch("n8", [prev[0], raw_l, lower])  # at most one more pass per side
     tok.prefetch("p8", [prev[1], raw_h, upper])
@@ -593,7 +611,25 @@ def calibrate(
         upper_clip_share_fp8_before=_share(tok.count_above("p8", prev[1]), npos),
         upper_clip_share_fp8_after=_share(tok.count_above("p8", raw_h), npos),
         n_tokens=tok.n_tokens, n_negative=nn, n_positive=npos, n_nonfinite=tok.n_nonfinite, status=status,
+        estimator=config.estimator, **_estimate_fields(est),
     )
+
+
+def _estimate(tok: CalibrationTokens, k16: int, previous, config: CalibrationConfig) -> LowerEstimate | None:
+    """Raw L of ``config.estimator`` (None without A<0 tokens), fed the calibrator's pool."""
+    if tok.n_neg == 0:
+        return None
+    pool = previous.pool if isinstance(previous, CalibratorState) else ()
+    inp = EstimatorInput(tok, k16, pool, config.estimator_window, config.estimator_min_clipped,
+                         config.estimator_ci_level)
+    return LOWER_ESTIMATORS.get(config.estimator)(inp)
+
+
+def _estimate_fields(est: LowerEstimate | None) -> dict:
+    if est is None:
+        return {}
+    return {"lower_level": est.level, "lower_ci_low": est.ci_low, "lower_ci_high": est.ci_high,
+            "shadow_tokens": est.shadow_tokens, "pooled_steps": est.pooled_steps, "pool": est.pool}
 
 
 def pos_neg_contrib(

@@ -213,6 +213,18 @@ class CalibrationConfig(_Frozen):
     relaxed_eps_low: float = Field(0.3, gt=0, lt=1, description="relaxed_lower: the fixed, wider eps_low (L = 1 - this) used by the loss; alpha and over-clipping stay measured against algorithm.eps_low. Sweep: 0.3, 0.4 (our choice).")
     tis_weighted_balance: bool = Field(False, description="calibrated: weight each token of Pos/Neg by its TIS weight (the factor that really scales its gradient).")
     bapo: BapoConfig = Field(default_factory=BapoConfig)
+    # how the raw L is estimated from the shadow tokens (fp8rl_core.estimators)
+    estimator: str = Field("quantile", description=(
+        "Raw-L estimator, a name in fp8rl_core.estimators.LOWER_ESTIMATORS: quantile (the paper's rule, one step), "
+        "pooled (last `estimator_window` calibration steps aligned by quantile level), k_floor (widen the pool "
+        "until BF16 clips `estimator_min_clipped` tokens), harrell_davis (smoothed quantile with a confidence "
+        "interval)."))
+    estimator_window: int = Field(4, ge=1, description=(
+        "pooled: calibration steps pooled (this one included); k_floor: the most it may pool (our choice)."))
+    estimator_min_clipped: int = Field(10, ge=1, description=(
+        "k_floor: widen the pool until BF16 clips at least this many A<0 tokens (our choice)."))
+    estimator_ci_level: float = Field(0.9, gt=0, lt=1, description=(
+        "harrell_davis: coverage of the interval recorded in bounds.lower_ci_low/high."))
     # when to recalibrate (fp8rl_core.drift) and how much of the batch the shadow passes see
     schedule: Literal["fixed", "drift"] = Field("fixed", description="Recalibration schedule: every `interval` steps (fixed, the paper's) or when the drift signal crosses `drift_threshold` (fp8rl_core.drift).")
     drift_signal: Literal["ks", "quantile"] = Field("ks", description="Drift schedule's signal (fp8rl_core.drift): `ks`, the KS distance of the A<0 FP8 ratios vs the last calibration step; `quantile`, how far L would move if BF16's clip share had not (|q(alpha_c) - L|, in ratio units).")

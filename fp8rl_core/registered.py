@@ -14,6 +14,7 @@ from __future__ import annotations
 from fp8rl_core import gspo  # noqa: F401  registers "gspo"
 from fp8rl_core.advantages import ADVANTAGE_ESTIMATORS
 from fp8rl_core.calibration import CLIP_MODES
+from fp8rl_core.estimators import LOWER_ESTIMATORS
 from fp8rl_core.losses import AGGREGATIONS, CALIBRATION_UNITS, LOSS_BOUNDS, LOSS_STATISTICS, POLICY_LOSSES
 from fp8rl_core.precision import ROLLOUT_PRECISIONS, TRAIN_PRECISIONS
 
@@ -27,6 +28,7 @@ NAMED_BY_REGISTRY = {
     "precision.train": (lambda c: c.precision.train, TRAIN_PRECISIONS),
     "precision.rollout": (lambda c: c.precision.rollout, ROLLOUT_PRECISIONS),
     "calibration.mode": (lambda c: c.calibration.mode, CLIP_MODES),
+    "calibration.estimator": (lambda c: c.calibration.estimator, LOWER_ESTIMATORS),
 }
 
 

@@ -75,7 +75,9 @@ def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0
         "upper_clip_share_pos_before": [res.upper_clip_share_fp8_before], "upper_clip_share_pos_after": [res.upper_clip_share_fp8_after],
         "upper_clip_share_pos_bf16": [res.upper_clip_share_bf16],
         "tokens": [res.n_tokens], "negative_tokens": [res.n_negative], "nonfinite_tokens": [res.n_nonfinite],
-        "status": [res.status],
+        "status": [res.status], "estimator": [res.estimator], "lower_level": [res.lower_level],
+        "lower_ci_low": [res.lower_ci_low], "lower_ci_high": [res.lower_ci_high],
+        "estimator_shadow_tokens": [res.shadow_tokens], "pooled_steps": [res.pooled_steps],
         **{k: [v] for k, v in sub_cols.items()},
     }
     path = env.writer.write("bounds", step, row, stage="calibrate", attempt=attempt, variant=env.variant)

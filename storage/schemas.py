@@ -367,6 +367,16 @@ BOUNDS = TableSpec(
         Column("lower_error_bound", _F64, "Stated bound on |L_subset - L_full| (ratio units), holds with prob >= 1 - shadow_failure_prob."),
         Column("lower_error_bootstrap", _F64, "Bootstrap (over sequences) (1 - delta)-quantile of the L error: tighter, approximate."),
         Column("shadow_failure_prob", _F64, "delta of the stated bounds."),
+        # the raw-L estimator (fp8rl_core.estimators); NULL in runs written before it was recorded
+        Column("estimator", pa.string(),
+               "Raw-L estimator (calibration.estimator): 'quantile' (the paper's rule), 'pooled', ..."),
+        Column("lower_level", _F64,
+               "Quantile level of the A<0 FP8 ratios the raw L aims at (pooled level for pooled estimators)."),
+        Column("lower_ci_low", _F64, "Lower end of the estimator's confidence interval for raw L (NULL: it has none)."),
+        Column("lower_ci_high", _F64, "Upper end of that interval (level calibration.estimator_ci_level)."),
+        Column("estimator_shadow_tokens", pa.int64(),
+               "Shadow-passed tokens the raw L rests on (pooled steps included)."),
+        Column("pooled_steps", pa.int64(), "Calibration steps the raw L pooled (1 = this step only)."),
     ),
 )
 
