@@ -388,7 +388,10 @@ class CampaignConfig(_Frozen):
                 f"rollout.prompts_per_step * rollout.samples_per_prompt = {n} must be a multiple of "
                 f"algorithm.ppo_mini_batch_size={self.algorithm.ppo_mini_batch_size}"
             )
-        lo, hi = self.initial_bounds()
+        c, a = self.calibration, self.algorithm
+        # a bound left unset resolves to 1 -/+ eps (eps >= 0), so only a set one can invert the pair
+        lo = c.initial_lower if c.initial_lower is not None else 1.0 - a.eps_low
+        hi = c.initial_upper if c.initial_upper is not None else 1.0 + a.eps_high
         if not 0 < lo <= hi:
             raise ValueError(f"the initial clip bounds must satisfy 0 < lower <= upper, got calibration.initial_lower "
                              f"{lo} and calibration.initial_upper {hi} (None resolves from algorithm.eps_low/eps_high)")
