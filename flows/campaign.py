@@ -305,24 +305,12 @@ def _on_all(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> t
     return task_obj.stage_fn(env, state, step, attempt=0, **kw)
 
 
-class _StateView:
-    """What ``engine.load_weights`` reads of a policy: its (gathered, full) state dict."""
-
-    def __init__(self, state: dict) -> None:
-        self._state = state
-
-    def state_dict(self) -> dict:
-        return self._state
-
-
 def _sync_engine(env: RunEnv, state: TrainState, synced: dict) -> None:
-    """Under FSDP2: gather the full policy (a collective) and load it into every rank's engine."""
+    """Under FSDP2 every rank's engine takes the sharded policy; the engine gathers it one bf16
+    parameter at a time (a collective: every rank calls this together)."""
     if env.world_size == 1 or synced.get("version") == state.policy_version:
         return
-    from stages.distributed import full_model_state
-
-    full = full_model_state(state.policy, every_rank=True)
-    env.engine.load_weights(_StateView(full))
+    env.engine.load_weights(state.policy)
     env.engine._fp8rl_version = state.policy_version
     synced["version"] = state.policy_version
 
@@ -377,7 +365,7 @@ def run_step(env: RunEnv, state: TrainState, step: int, progress: Progress,
             last_eval = _eval_scores_from(info["evaluate"])
         else:
             _sync_engine(env, state, synced)
-            out, state = _on_main(evaluate_task, env, state, step)
+            out, state = _on_ranks(evaluate_task, env, state, step)  # every rank generates its share
             last_eval = _eval_scores_from(out)
             if env.is_main:
                 progress.eval(step, last_eval)
