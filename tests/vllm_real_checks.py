@@ -20,22 +20,10 @@ import time
 import traceback
 from pathlib import Path
 
-BF16_UNIT_ROUNDOFF = 2.0**-8
-"""bf16 keeps 8 significant bits: a rounding moves a value by at most 2^-8 of itself (relative)."""
+def bf16_logprob_tolerance(max_abs_logit: float, depth: int) -> float:
+    from stages.engines.weight_transfer import bf16_logprob_tolerance as tolerance
 
-
-def logprob_tolerance(max_abs_logit: float, depth: int) -> float:
-    """Largest expected |engine - trainer| log-prob gap between two BF16 forwards of the same weights.
-
-    Both sides hold bf16 weights and run bf16 matmuls but accumulate in different
-    orders (vLLM's CPU kernels, torch's autocast): each of the ``depth`` rounded
-    stages (two per block, plus the head) moves a logit by up to one unit roundoff
-    of its magnitude, and a log-softmax moves by at most twice the largest logit
-    error. So ``2 * u * max|z| * (depth + 1)`` — with a floor of ``u`` for
-    logits near zero — bounds the gap; the weight update of the test moves
-    log-probs by well over it.
-    """
-    return 2.0 * BF16_UNIT_ROUNDOFF * max(max_abs_logit, 1.0) * (depth + 1)
+    return tolerance(max_abs_logit, depth)
 
 
 def tiny_policy(folder: Path):
@@ -115,7 +103,7 @@ def check_logprobs(engine, model) -> dict:
     trainer, zmax = trainer_bf16_logprobs(model, rows)
     tail = [t[len(PROMPTS[s.prompt_index]) - 1 :] for t, s in zip(trainer, batch.samples)]
     engine_lp = [s.response_logprobs for s in batch.samples]
-    tol = logprob_tolerance(zmax, 2 * model.config.num_hidden_layers)
+    tol = bf16_logprob_tolerance(zmax, 2 * model.config.num_hidden_layers)
     return {"sampled_gap": gap(engine_lp, tail), "tolerance": tol, "max_abs_logit": zmax}
 
 
@@ -176,7 +164,7 @@ def check_weight_sync(engine, model) -> dict:
         "after_gap": gap(after_engine, after_trainer),
         "moved": gap(after_engine, before_engine),
         "trainer_moved": gap(after_trainer, before_trainer),
-        "tolerance": logprob_tolerance(zmax, 2 * model.config.num_hidden_layers),
+        "tolerance": bf16_logprob_tolerance(zmax, 2 * model.config.num_hidden_layers),
         "sync_seconds": sync_s,
         "events": list(engine.events),
     }

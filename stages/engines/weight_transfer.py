@@ -141,6 +141,23 @@ def model_sync_peak_bytes(train_model: nn.Module, *, world_size: int, weight_syn
                            quantized=quantized)
 
 
+BF16_UNIT_ROUNDOFF = 2.0**-8
+"""bf16 keeps 8 significant bits: one rounding moves a value by at most 2^-8 of itself (relative)."""
+
+
+def bf16_logprob_tolerance(max_abs_logit: float, depth: int) -> float:
+    """Largest expected |engine - trainer| log-prob gap between two BF16 forwards of the same weights.
+
+    Both sides hold bf16 weights and run bf16 matmuls but accumulate in different
+    orders (vLLM's kernels, torch's autocast): each of the ``depth`` rounded
+    stages (two per decoder block, plus the head) moves a logit by up to one
+    unit roundoff of its magnitude, and a log-softmax moves by at most twice the
+    largest logit error: ``2 * u * max(max|z|, 1) * (depth + 1)``. A sync that
+    did not arrive leaves the engine off by the whole update, far above it.
+    """
+    return 2.0 * BF16_UNIT_ROUNDOFF * max(max_abs_logit, 1.0) * (depth + 1)
+
+
 def cuda_ipc_handle(tensor: torch.Tensor) -> tuple:
     """The ``rebuild_cuda_tensor`` arguments of a CUDA tensor (what vLLM's IPC engine ships)."""
     from torch.multiprocessing.reductions import reduce_tensor
