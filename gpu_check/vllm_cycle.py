@@ -29,42 +29,42 @@ QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
 FIXED = [[1] + list(range(40, 100)), [1] + list(range(200, 230)) * 2]
 
 
-def _policy(folder: str):
+def _policy(folder: str, shapes: dict):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from fp8rl_core.tiny_model import build_tokenizer
 
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_06B, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+    model = Qwen3ForCausalLM(Qwen3Config(**shapes, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
                                          pad_token_id=0)).float()
     model.save_pretrained(folder)
     tok = build_tokenizer(folder)  # ids < 128; the engine never detokenizes
     return model, tok
 
 
-def _engine(model, tok, folder: str):
+def _engine(model, tok, folder: str, *, sleep: bool, memory: float):
     from fp8rl_core.config import PrecisionConfig, RolloutConfig
     from stages.engines import make_engine
 
-    cfg = RolloutConfig(engine="vllm", sleep_between_steps=True, sleep_level=1, gpu_memory_utilization=0.35,
+    cfg = RolloutConfig(engine="vllm", sleep_between_steps=sleep, sleep_level=1, gpu_memory_utilization=memory,
                         weight_sync="tensors", verify_sync="first")
     return make_engine("vllm", model=model, tokenizer=tok, precision=PrecisionConfig(rollout="bf16"), config=cfg,
                        model_path=folder, max_model_len=512)
 
 
-def _trainer_logprobs(model, rows):
+def _trainer_logprobs(model, rows, device: str):
     import torch
 
     from stages.train_core import policy_logprobs
 
-    ids = torch.tensor(rows[:1], device="cuda"), torch.tensor(rows[1:], device="cuda")
+    ids = torch.tensor(rows[:1], device=device), torch.tensor(rows[1:], device=device)
     out, zmax = [], 0.0
     with torch.no_grad():
         for t in ids:
             lp, _ = policy_logprobs(model, t, torch.ones_like(t), mode="bf16")
             out.append(lp[0, 1:].tolist())
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=torch.bfloat16):
                 zmax = max(zmax, float(model(input_ids=t).logits.float().abs().max()))
     return out, zmax
 
@@ -79,13 +79,13 @@ def _gap(a, b) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
-def _train_step(model) -> None:
+def _train_step(model, device: str) -> None:
     import torch
 
     from stages.train_core import policy_logprobs
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # a large step: the sync must visibly move the engine
-    ids = torch.tensor(FIXED[:1], device="cuda")
+    ids = torch.tensor(FIXED[:1], device=device)
     lp, _ = policy_logprobs(model, ids, torch.ones_like(ids), mode="bf16")
     (-lp.mean()).backward()
     opt.step()
@@ -93,7 +93,10 @@ def _train_step(model) -> None:
     del opt
 
 
-def run(emit: Callable[[str], None]) -> None:
+def run(emit: Callable[[str], None], *, device: str = "cuda", shapes: dict | None = None) -> None:
+    """The cycle on ``device`` (``"cpu"`` with small ``shapes``: a smoke run of this code on vLLM's CPU build,
+    which has no sleep mode)."""
+    shapes = shapes or QWEN3_06B
     try:
         import vllm
     except Exception as err:  # noqa: BLE001 - any failure to import means no real engine here
@@ -101,26 +104,28 @@ def run(emit: Callable[[str], None]) -> None:
         return
     from stages.engines.weight_transfer import bf16_logprob_tolerance
 
-    emit(f"[5] vLLM {vllm.__version__}: colocated rollout -> train -> sync -> rollout, Qwen3-0.6B shapes, random init")
+    emit(f"[5] vLLM {vllm.__version__}: colocated rollout -> train -> sync -> rollout on {device}, "
+         f"{shapes['num_hidden_layers']} layers x {shapes['hidden_size']}, random init")
     folder = tempfile.mkdtemp(prefix="fp8rl-gpucheck-vllm-")
-    model, tok = _policy(folder)
+    model, tok = _policy(folder, shapes)
     t0 = time.perf_counter()
-    engine = _engine(model, tok, folder)  # before the trainer's weights reach the GPU
+    on_gpu = device != "cpu"
+    engine = _engine(model, tok, folder, sleep=on_gpu, memory=0.35 if on_gpu else 0.1)  # before the trainer's weights reach the GPU
     emit(f"    engine built in {time.perf_counter() - t0:.1f} s (client {type(engine.llm.llm_engine.engine_core).__name__})")
     try:
-        model.to("cuda")
+        model.to(device)
         engine.load_weights(model)  # step 0: the engine takes the trainer's weights (first sync is verified)
         batch = engine.generate([FIXED[0][:8], FIXED[1][:8]], n=4, temperature=1.0, top_p=1.0, max_new_tokens=32, seed=0)
         before = _engine_logprobs(engine, FIXED)
         engine.sleep()
-        _train_step(model)
+        _train_step(model, device)
         t1 = time.perf_counter()
         engine.load_weights(model)
         sync_s = time.perf_counter() - t1
         engine.generate([FIXED[0][:8]], n=4, temperature=1.0, top_p=1.0, max_new_tokens=32, seed=1)
         after = _engine_logprobs(engine, FIXED)
-        trainer, zmax = _trainer_logprobs(model, FIXED)
-        tol = bf16_logprob_tolerance(zmax, 2 * QWEN3_06B["num_hidden_layers"])
+        trainer, zmax = _trainer_logprobs(model, FIXED, device)
+        tol = bf16_logprob_tolerance(zmax, 2 * shapes["num_hidden_layers"])
         gap, moved = _gap(after, trainer), _gap(after, before)
         verdict = "PASS" if gap <= tol and moved > 10 * tol else "FAIL"
         emit(f"    rollout {batch.generated_tokens} tokens; sync {sync_s * 1e3:.0f} ms; events {engine.events}")

