@@ -121,7 +121,8 @@ def _vllm_engine(policy: torch.nn.Module, args: argparse.Namespace):
     cfg = RolloutConfig(engine="vllm", sleep_between_steps=False, gpu_memory_utilization=0.1, verify_sync="never")
     return make_engine("vllm", model=policy, tokenizer=tok, precision=PrecisionConfig(rollout="bf16"), config=cfg,
                        model_path=folder, max_model_len=args.prompt_len[1] + args.max_new_tokens + 8,
-                       llm_options={"enforce_eager": True, "max_num_batched_tokens": 16384})  # see docs/vllm.md: CPU seeds
+                       # above the batch: a split prefill of a seeded request crashes the CPU sampler (docs/vllm.md)
+                       llm_options={"enforce_eager": True, "max_num_batched_tokens": 16384})
 
 
 def _train_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: int, width: int) -> int:
@@ -170,13 +171,15 @@ def vllm_report(args: argparse.Namespace) -> None:
     walls = {k: [w for w, _, _ in v] for k, v in got.items()}
     tps = {k: [t / w for w, _, t in v] for k, v in got.items()}
     ratio = sorted(a / b for a, b in zip(tps["vllm engine"], tps["bare LLM.generate"]))
-    print(f"vLLM {vllm.__version__} (CPU build), BF16, P={args.prompts} n={args.n} max_new_tokens={args.max_new_tokens}")
+    print(f"vLLM {vllm.__version__} (CPU build), BF16, P={args.prompts} n={args.n} "
+          f"max_new_tokens={args.max_new_tokens}")
     for name in ("vllm engine", "bare LLM.generate"):
         print(f"  {name:18s} median {statistics.median(tps[name]):8.0f} tok/s wall")
     print(f"project engine / bare vLLM generate tokens/s (goal >= 0.95): {statistics.median(ratio):.3f} "
           f"(rounds {ratio[0]:.3f}..{ratio[-1]:.3f})")
     sync, step = statistics.median(walls["weight sync"]), statistics.median(walls["train step"])
-    print(f"one weight sync {sync * 1e3:.1f} ms / one train step (32 x 40 tokens) {step * 1e3:.1f} ms = {sync / step:.3f}")
+    print(f"one weight sync {sync * 1e3:.1f} ms / one train step (32 x 40 tokens) {step * 1e3:.1f} ms "
+          f"= {sync / step:.3f}")
 
 
 def main() -> None:

@@ -98,8 +98,8 @@ def _sync_peak(cfg: CampaignConfig, a: Arch, params: int, gpus: int) -> float:
     from stages.engines.weight_transfer import sync_peak_bytes
 
     qkv = a.hidden * (a.heads + 2 * a.kv_heads) * a.head_dim
-    return float(sync_peak_bytes(largest_param=a.vocab * a.hidden, largest_layer=max(qkv, 2 * a.hidden * a.intermediate),
-                                 total=params, world_size=gpus, weight_sync=cfg.rollout.weight_sync,
+    layer = max(qkv, 2 * a.hidden * a.intermediate)
+    return float(sync_peak_bytes(largest_param=a.vocab * a.hidden, largest_layer=layer, total=params, world_size=gpus, weight_sync=cfg.rollout.weight_sync,
                                  quantized=cfg.precision.rollout.startswith("fp8")))
 
 

@@ -284,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     emit(f"gpu-check: {name}, CUDA capability {torch.cuda.get_device_capability()}, torch {torch.__version__}, {ao}, "
          f"wheels: {[Path(w).name for w in wheels] or 'none'}")
     deadline = start + BUDGET_S
-    sections = (lambda: section_throughput(deadline), section_sqnr, section_rollout, lambda: section_train_step(deadline),
-                lambda: section_vllm(deadline))
+    sections = (lambda: section_throughput(deadline), section_sqnr, section_rollout,
+                lambda: section_train_step(deadline), lambda: section_vllm(deadline))
     for section in sections:
         if time.monotonic() > deadline:
             emit("gpu-check: time budget reached; remaining sections skipped")

@@ -110,19 +110,22 @@ def run(emit: Callable[[str], None], *, device: str = "cuda", shapes: dict | Non
     model, tok = _policy(folder, shapes)
     t0 = time.perf_counter()
     on_gpu = device != "cpu"
-    engine = _engine(model, tok, folder, sleep=on_gpu, memory=0.35 if on_gpu else 0.1)  # before the trainer's weights reach the GPU
-    emit(f"    engine built in {time.perf_counter() - t0:.1f} s (client {type(engine.llm.llm_engine.engine_core).__name__})")
+    # built before the trainer's weights reach the GPU (vLLM's start-up check wants the memory free)
+    engine = _engine(model, tok, folder, sleep=on_gpu, memory=0.35 if on_gpu else 0.1)
+    client = type(engine.llm.llm_engine.engine_core).__name__
+    emit(f"    engine built in {time.perf_counter() - t0:.1f} s (client {client})")
     try:
         model.to(device)
         engine.load_weights(model)  # step 0: the engine takes the trainer's weights (first sync is verified)
-        batch = engine.generate([FIXED[0][:8], FIXED[1][:8]], n=4, temperature=1.0, top_p=1.0, max_new_tokens=32, seed=0)
+        gen = dict(n=4, temperature=1.0, top_p=1.0, max_new_tokens=32)
+        batch = engine.generate([FIXED[0][:8], FIXED[1][:8]], seed=0, **gen)
         before = _engine_logprobs(engine, FIXED)
         engine.sleep()
         _train_step(model, device)
         t1 = time.perf_counter()
         engine.load_weights(model)
         sync_s = time.perf_counter() - t1
-        engine.generate([FIXED[0][:8]], n=4, temperature=1.0, top_p=1.0, max_new_tokens=32, seed=1)
+        engine.generate([FIXED[0][:8]], seed=1, **gen)
         after = _engine_logprobs(engine, FIXED)
         trainer, zmax = _trainer_logprobs(model, FIXED, device)
         tol = bf16_logprob_tolerance(zmax, 2 * shapes["num_hidden_layers"])

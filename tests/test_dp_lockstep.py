@@ -58,10 +58,12 @@ def _work(engine, rank: int, world: int) -> dict:
     from stages.rollout import RolloutPlan, generate_share
     from stages.rollout_plan import generation_blocks
 
-    env = SimpleNamespace(cfg=SimpleNamespace(rollout=RolloutConfig(**ROLLOUT)), engine=engine, rank=rank, world_size=world)
+    cfg = SimpleNamespace(rollout=RolloutConfig(**ROLLOUT))
+    env = SimpleNamespace(cfg=cfg, engine=engine, rank=rank, world_size=world)
     state = SimpleNamespace(policy_version=0)
     engine._fp8rl_version = 0  # weights current: no sync
-    blocks = generation_blocks([len(p) for p in PROMPTS], group_size=2, generation_batch_size=4, seed=1, step=1, round_=0)
+    blocks = generation_blocks([len(p) for p in PROMPTS], group_size=2, generation_batch_size=4, seed=1, step=1,
+                               round_=0)
     plan = RolloutPlan(items=[None] * len(PROMPTS), prompt_ids=PROMPTS, blocks=blocks)
     share = generate_share(env, state, plan, rank=rank, lanes=world)
     bench = BenchmarkEval(name="synthetic", k=2, max_new_tokens=4)

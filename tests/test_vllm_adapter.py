@@ -232,7 +232,7 @@ def test_generate_builds_one_seeded_request_per_prompt(policy, tokenizer, fake_v
 
 def test_stop_token_ids_reach_vllm(policy, tokenizer, fake_vllm, monkeypatch):
     """The chat template's end-of-turn (added to the policy's stop set) is a vLLM stop token, not a cut afterwards."""
-    policy.generation_config.eos_token_id = [tokenizer.eos_token_id, 77]  # what apply_stop_tokens sets for a chat template
+    policy.generation_config.eos_token_id = [tokenizer.eos_token_id, 77]  # apply_stop_tokens, chat template
     try:
         engine = make(policy, tokenizer, fake_vllm)
     finally:

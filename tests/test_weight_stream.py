@@ -170,7 +170,8 @@ def test_engine_is_built_before_the_policy_reaches_the_device(world_size, tmp_pa
         return policy, tok
 
     monkeypatch.setattr(tiny, "load_policy", load_and_watch)
-    monkeypatch.setattr(engines, "make_engine", lambda *a, **k: events.append("engine") or SimpleNamespace(close=lambda: None))
+    fake_engine = SimpleNamespace(close=lambda: None)
+    monkeypatch.setattr(engines, "make_engine", lambda *a, **k: events.append("engine") or fake_engine)
     monkeypatch.setattr(distributed, "shard_policy", lambda policy, *a, **k: events.append("shard") or policy)
     monkeypatch.setattr(context, "_base_model_rank0_first", lambda *a: base)
     env, _ = context.open_run(cfg, tmp_path / "r", world_size=world_size)

@@ -126,8 +126,8 @@ class HTTPWeightSyncClient:
         self.client.post("resume")
 
 
-def completion_request(prompt: list[int], *, model: str, n: int, temperature: float, top_p: float, max_tokens: int, seed: int,
-                       stop_token_ids: list[int] | None = None) -> dict[str, Any]:
+def completion_request(prompt: list[int], *, model: str, n: int, temperature: float, top_p: float, max_tokens: int,
+                       seed: int, stop_token_ids: list[int] | None = None) -> dict[str, Any]:
     """The ``/v1/completions`` body for one prompt (token ids in, token ids and log-probs out); the
     server stops at ``stop_token_ids`` (vLLM's extra sampling parameter) instead of generating past them."""
     return {

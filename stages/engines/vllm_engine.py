@@ -543,7 +543,8 @@ class VLLMEngine(RolloutEngine):
     def _sync_across(self, llm: Any, train_model: nn.Module) -> None:
         """To an engine in another process: ``path``, ``ipc`` or ``nccl``."""
         cuda_ipc = self.weight_sync == "ipc" and self.ipc_handle_fn is wt.cuda_ipc_handle
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda_ipc else "cpu"  # IPC: bf16 copies stay on the GPU
+        # IPC: the bf16 copies stay on the GPU
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda_ipc else "cpu"
         weights = wt.trainer_weights(train_model, device=device)
         self._check_names([name for name, _ in weights])
         if self.weight_sync == "path":
