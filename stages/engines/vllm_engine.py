@@ -109,6 +109,7 @@ The mapping, piece by piece:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import logging
@@ -322,6 +323,22 @@ def repack_tied_head(model: nn.Module) -> None:
         method.process_weights_after_loading(head)
 
 
+@contextlib.contextmanager
+def _env_set(name: str, value: str | None):
+    """``os.environ[name] = value`` for the block (``None``: unchanged), then as it was."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
 def release_trainer_cache() -> None:
     """Give the trainer's cached allocator blocks back to the device (before vLLM wakes its KV cache)."""
     gc.collect()
@@ -441,13 +458,13 @@ class VLLMEngine(RolloutEngine):
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         spmd = spmd_llm_options(config, rank=int(os.environ.get("RANK", 0)), world_size=world_size)
         kwargs.update({k: v for k, v in spmd.items() if k not in (llm_options or {})})
-        if in_process and world_size == 1:  # vLLM's InprocClient (external_launcher does it for torchrun)
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if weight_sync == "ipc" and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
             # vLLM unpickles IPC handles only with this flag; it must be set before the engine process starts.
             log.info("weight_sync='ipc': setting VLLM_ALLOW_INSECURE_SERIALIZATION=1 (vLLM needs it to unpickle IPC handles)")
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        self.llm: Any | None = self._vllm.LLM(**kwargs)
+        # one rank: vLLM's InprocClient, chosen when the engine is built (external_launcher does it for torchrun)
+        with _env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if in_process and world_size == 1 else None):
+            self.llm: Any | None = self._vllm.LLM(**kwargs)
         if weight_sync == "ipc":
             self.llm.init_weight_transfer_engine({"init_info": {"packed": False}})
 
