@@ -221,7 +221,7 @@ def _broadcast(env: RunEnv, obj: Any) -> Any:
 
 
 def _on_main(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[dict, TrainState]:
-    """A stage rank 0 alone runs (calibration, evaluation) as a Prefect
+    """A stage rank 0 alone runs (calibration) as a Prefect
     task; the state it moves (sampler, calibrator) is broadcast so all ranks continue alike.
     If it fails, rank 0 exits and torchrun stops every rank: failure acts on all together."""
     out = task_obj(env, state, step, **kw) if env.is_main else ({}, state)
@@ -306,8 +306,8 @@ def _on_all(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> t
 
 
 def _sync_engine(env: RunEnv, state: TrainState, synced: dict) -> None:
-    """Under FSDP2 every rank's engine takes the sharded policy; the engine gathers it one bf16
-    parameter at a time (a collective: every rank calls this together)."""
+    """Under FSDP2 every rank's engine takes the sharded policy and gathers it one parameter at a
+    time (vLLM: in bf16), a collective every rank calls together."""
     if env.world_size == 1 or synced.get("version") == state.policy_version:
         return
     env.engine.load_weights(state.policy)
