@@ -18,7 +18,7 @@ Transient = :class:`TransientStageError`, ``OSError``, ``TimeoutError``,
 ``ConnectionError`` (or another rank's transient failure); anything else (a
 bug, a bad config) fails at once.
 
-Under several ranks rollout and score run on every rank together
+Under several ranks rollout, score and evaluate run on every rank together
 (:func:`_on_ranks`): Prefect's own retries would re-run rank 0 alone and
 deadlock, so each attempt ends with rank 0 broadcasting its outcome (ok, retry,
 fatal) and all ranks follow it; rank 0 runs each attempt as its own Prefect task
