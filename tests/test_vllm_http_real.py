@@ -54,7 +54,8 @@ class Server:
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16", "--enforce-eager",
                "--gpu-memory-utilization", "0.1", "--max-model-len", "128", "--seed", "0",
                "--logprobs-mode", "processed_logprobs"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONPATH=str(ROOT))
+        site = ROOT / "tests" / "vllm_site"  # AMX permission in every server process (its sitecustomize.py)
+        env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONPATH=f"{site}:{ROOT}")
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         return self

@@ -323,6 +323,20 @@ def repack_tied_head(model: nn.Module) -> None:
         method.process_weights_after_loading(head)
 
 
+def request_cpu_amx() -> None:
+    """On vLLM's CPU build: ask Linux for the AMX tile state before vLLM's kernels use it.
+
+    Its BF16 attention kernel picks AMX where the CPU has it
+    (``vllm/v1/attention/backends/cpu_attn.py``, ``_get_attn_isa``) but never
+    requests the permission (``arch_prctl(ARCH_REQ_XCOMP_PERM)``) a process needs
+    first; the first ``generate`` then dies with SIGILL (seen with two DP replicas
+    under torchrun, and in ``vllm serve``'s worker). ``torch.cpu._init_amx`` asks
+    for it; a no-op without AMX, and never called on a CUDA machine.
+    """
+    if not torch.cuda.is_available() and hasattr(torch.cpu, "_init_amx"):
+        torch.cpu._init_amx()
+
+
 @contextlib.contextmanager
 def _env_set(name: str, value: str | None):
     """``os.environ[name] = value`` for the block (``None``: unchanged), then as it was."""
@@ -462,6 +476,7 @@ class VLLMEngine(RolloutEngine):
             # vLLM unpickles IPC handles only with this flag; it must be set before the engine process starts.
             log.info("weight_sync='ipc': setting VLLM_ALLOW_INSECURE_SERIALIZATION=1 (vLLM needs it to unpickle IPC handles)")
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        request_cpu_amx()
         # one rank: vLLM's InprocClient, chosen when the engine is built (external_launcher does it for torchrun)
         with _env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if in_process and world_size == 1 else None):
             self.llm: Any | None = self._vllm.LLM(**kwargs)
