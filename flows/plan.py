@@ -91,6 +91,18 @@ class Plan:
     params: int
 
 
+def _sync_peak(cfg: CampaignConfig, a: Arch, params: int, gpus: int) -> float:
+    """Extra device bytes of one weight sync to a vLLM engine (0 for the transformers engine)."""
+    if cfg.rollout.engine != "vllm":
+        return 0.0
+    from stages.engines.weight_transfer import sync_peak_bytes
+
+    qkv = a.hidden * (a.heads + 2 * a.kv_heads) * a.head_dim
+    layer = max(qkv, 2 * a.hidden * a.intermediate)
+    return float(sync_peak_bytes(largest_param=a.vocab * a.hidden, largest_layer=layer, total=params, world_size=gpus, weight_sync=cfg.rollout.weight_sync,
+                                 quantized=cfg.precision.rollout.startswith("fp8")))
+
+
 def memory_plan(cfg: CampaignConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int = 1024,
                 headroom: float = 0.10) -> Plan:
     if gpus < 1:
@@ -112,6 +124,7 @@ def memory_plan(cfg: CampaignConfig, *, gpus: int, gpu_memory_gib: float, prompt
         (f"activations per micro-batch ({tokens} tokens{', checkpointed' if cfg.algorithm.activation_checkpointing else ''})", act),
         ("logits (bf16) + one fp32 vocab chunk", logits),
         ("rollout engine weights (vLLM, sleeping)", p * rollout_bytes if cfg.rollout.engine == "vllm" else 0.0),
+        (f"weight sync peak (vLLM, {cfg.rollout.weight_sync})", _sync_peak(cfg, a, p, gpus)),
     ]
     rows = [(k, v / GiB) for k, v in rows]
     total = sum(v for _, v in rows)

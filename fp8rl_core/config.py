@@ -110,12 +110,23 @@ class RolloutConfig(_Frozen):
     sleep_between_steps: bool = Field(True, description="vLLM: sleep the engine during training (colocated).")
     # vLLM engine details
     sleep_level: int = Field(1, ge=0, le=2, description="vLLM: llm.sleep level after rollout (0 pause, 1 offload weights, 2 discard weights).")
-    weight_sync: Literal["ipc", "nccl", "path"] = Field("ipc", description="vLLM: weight transfer to the engine: CUDA IPC handles (colocated), NCCL broadcast (other GPUs), or bf16 safetensors files.")
+    vllm_process: Literal["trainer", "separate"] = Field("trainer", description="vLLM: run the engine in the trainer's process (colocated; vLLM's in-process client or external launcher) or in vLLM's own engine process.")
+    weight_sync: Literal["tensors", "ipc", "nccl", "path"] = Field("tensors", description="vLLM: weight transfer to the engine: bf16 tensors streamed per parameter (in-process engine), CUDA IPC handles or NCCL broadcast (engine in another process), or bf16 safetensors files.")
     verify_sync: Literal["first", "always", "never"] = Field("first", description="vLLM: check with the engine's weight checksums that every layer was reloaded and re-processed.")
     data_parallel: Literal["per_rank", "shared_tp"] = Field("per_rank", description="Under torchrun: every rank drives its own engine on its own prompts (per_rank), or rank 0's tensor-parallel engine serves all ranks (shared_tp).")
     server_url: str | None = Field(None, description="vllm_http: base URL of a running `vllm serve` (e.g. http://host:8000).")
     server_timeout_s: float = Field(300.0, gt=0, description="vllm_http: timeout of one HTTP request (s).")
     server_retries: int = Field(3, ge=0, description="vllm_http: retries of a failed request before the step fails.")
+
+    @model_validator(mode="after")
+    def _sync_fits_process(self) -> "RolloutConfig":
+        if self.engine == "vllm" and self.vllm_process == "trainer" and self.weight_sync == "ipc":
+            raise ValueError("rollout.weight_sync: ipc hands CUDA IPC handles to another process, but the vllm engine "
+                             "runs in the trainer's process (rollout.vllm_process: trainer): use weight_sync: tensors")
+        if self.engine == "vllm" and self.vllm_process == "separate" and self.weight_sync == "tensors":
+            raise ValueError("rollout.weight_sync: tensors needs rollout.vllm_process: trainer; "
+                             "for vLLM's own process use ipc, nccl or path")
+        return self
 
 
 class AlgorithmConfig(_Frozen):

@@ -191,8 +191,12 @@ def convert_for_training(
     backend: str = "auto",
     keep_high_precision: tuple[str, ...] = (),
     seed: int = 0,
+    device: torch.device | None = None,
 ) -> ConversionReport:
     """Convert a transformers causal LM in place to train in ``mode``; returns the report.
+
+    ``device``: where the model will train (default: where its parameters are now);
+    a policy converted on the host before it is sharded onto the GPUs passes it.
 
     mode: one of ``TRAIN_PRECISIONS.names()``. emulate: None = emulate unless the
     model sits on a CUDA device with real FP8 (SM89+; SM90 for blockwise);
@@ -209,7 +213,7 @@ def convert_for_training(
     if already:
         raise ValueError(f"model is already converted for FP8 training ({already[0]}, ...); convert a fresh model")
     _ensure_fp32_master(model)
-    req = _TrainRequest(model, mode, _model_device(model), emulate, round_scales_to_power_of_2, backend,
+    req = _TrainRequest(model, mode, device or _model_device(model), emulate, round_scales_to_power_of_2, backend,
                         tuple(keep_high_precision), seed)
     report = convert(req)
     log.info(report.summary())

@@ -28,6 +28,10 @@ It prints, eagerly (no ``torch.compile``):
    mean |delta log-prob| against BF16, and real kernel vs emulation.
 4. The sharded trainer's step (``gpu_check/train_step.py``, ``run(emit)``),
    where that module exists.
+5. **vLLM cycle** (``gpu_check/vllm_cycle.py``), only where ``import vllm``
+   succeeds (else one ``SKIP`` line with the reason): one colocated rollout ->
+   train -> sync -> rollout cycle on a random-init Qwen3 of 0.6B's shapes,
+   checking that the synced engine's log-probs match the trainer's.
 
 On a machine without CUDA it prints one line saying so and exits 0.
 """
@@ -249,6 +253,16 @@ def section_train_step(deadline: float) -> None:
     run(emit)
 
 
+def section_vllm(deadline: float) -> None:
+    """One colocated rollout -> train -> sync -> rollout cycle on a real vLLM (SKIP where ``import vllm`` fails)."""
+    if time.monotonic() > deadline:
+        emit("[5] vLLM cycle: skipped (time budget reached)")
+        return
+    from gpu_check.vllm_cycle import run
+
+    run(emit)
+
+
 def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     wheels = add_paths()
@@ -270,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     emit(f"gpu-check: {name}, CUDA capability {torch.cuda.get_device_capability()}, torch {torch.__version__}, {ao}, "
          f"wheels: {[Path(w).name for w in wheels] or 'none'}")
     deadline = start + BUDGET_S
-    for section in (lambda: section_throughput(deadline), section_sqnr, section_rollout, lambda: section_train_step(deadline)):
+    sections = (lambda: section_throughput(deadline), section_sqnr, section_rollout,
+                lambda: section_train_step(deadline), lambda: section_vllm(deadline))
+    for section in sections:
         if time.monotonic() > deadline:
             emit("gpu-check: time budget reached; remaining sections skipped")
             break

@@ -203,13 +203,24 @@ def _base_model_rank0_first(cfg: CampaignConfig, runs_root: Path, rank: int, wor
     return base_model_dir(cfg, runs_root)
 
 
+def _make_rollout_engine(cfg: CampaignConfig, policy: torch.nn.Module, tokenizer: Any, base: Path) -> Any:
+    from stages.engines import make_engine
+
+    engine_opts = {"model_path": str(base)} if cfg.rollout.engine == "vllm" else {}
+    return make_engine(cfg.rollout.engine, model=policy, tokenizer=tokenizer, precision=cfg.precision,
+                       config=cfg.rollout, **engine_opts)
+
+
 def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, rank: int = 0, world_size: int = 1,
              group: Any = None) -> tuple[RunEnv, TrainState]:
-    """Load the base policy onto the configured device, convert it to the training precision,
-    build optimizer and engine; return the run's environment and its initial state."""
+    """Load the base policy, build the rollout engine, convert the policy to the training precision and
+    place it (one device, or FSDP2 shards), build the optimizer; return the run's environment and state.
+
+    A vLLM engine is built first, while the trainer holds nothing on the device, and
+    under torchrun the policy goes from the host straight into its shards: no
+    device ever holds the whole fp32 model."""
     from fp8rl_core.precision import convert_for_training
     from fp8rl_core.tiny_model import load_policy
-    from stages.engines import make_engine
     from stages.prompt_format import apply_stop_tokens
     from stages.train_core import make_optimizer
 
@@ -220,24 +231,28 @@ def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, r
     read_run_info(run_dir)  # fails clearly on a non-run directory
     device = resolve_device(cfg.device)
     base = _base_model_rank0_first(cfg, run_dir.parent, rank, world_size, group)
-    policy, tokenizer = load_policy(base)
+    policy, tokenizer = load_policy(base)  # fp32 masters, on the host
     apply_stop_tokens(policy, tokenizer, cfg.prompt)  # chat format: stop at the template's end-of-turn
-    policy.to(device)
+    # vLLM loads its own copy from disk: it is built before any trainer weight reaches the device (its start-up
+    # check wants utilization x total free), and under torchrun the policy is sharded straight from the host
+    engine = _make_rollout_engine(cfg, policy, tokenizer, base) if cfg.rollout.engine != "transformers" else None
+    if engine is None:  # the transformers engine copies the converted, unsharded policy where it trains
+        policy.to(device)
     report = convert_for_training(
         policy, cfg.precision.train, emulate=cfg.precision.emulate, keep_high_precision=cfg.precision.keep_high_precision, seed=cfg.seed,
-        round_scales_to_power_of_2=cfg.precision.round_scales_to_power_of_2,
+        round_scales_to_power_of_2=cfg.precision.round_scales_to_power_of_2, device=device,
     )
     check_no_silent_emulation(cfg, device, report)
     if cfg.algorithm.activation_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # every rank generates its share of a rollout (stages.rollout_plan); the engine copies the unsharded policy
-    engine_opts = {"model_path": str(base)} if cfg.rollout.engine == "vllm" else {}
-    engine = make_engine(cfg.rollout.engine, model=policy, tokenizer=tokenizer, precision=cfg.precision,
-                         config=cfg.rollout, **engine_opts)
+    if engine is None:
+        engine = _make_rollout_engine(cfg, policy, tokenizer, base)
     if world_size > 1:
         from stages.distributed import shard_policy
 
-        policy = shard_policy(policy, cfg, device=device)
+        policy = shard_policy(policy, cfg, device=device)  # FSDP2 moves one block at a time, then shards it
+    else:
+        policy.to(device)
     optimizer, scheduler = make_optimizer(policy, cfg)
     env = RunEnv(
         cfg=cfg, run_dir=run_dir, writer=TableWriter(run_dir, row_group_size=cfg.storage.row_group_size),

@@ -18,7 +18,7 @@
   with ``get_state_dict`` / ``set_state_dict``: every rank writes its shards;
   loading reshards, so a checkpoint restores on the same or a different world
   size. :func:`full_model_state` gathers the full (unsharded) state on rank 0 for
-  the ``from_pretrained`` export, or on every rank for its rollout engine.
+  the ``from_pretrained`` export (rollout engines stream theirs per parameter).
 
 Under one process all of this is skipped: the same code runs unsharded.
 """
@@ -100,18 +100,15 @@ def after_optimizer_step(model: nn.Module) -> None:
         precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def full_model_state(model: nn.Module, *, every_rank: bool = False) -> dict[str, torch.Tensor]:
-    """The full, unsharded model state on CPU (a collective: every rank must call it).
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full, unsharded model state on rank 0's host memory, for the ``from_pretrained`` export
+    (a collective: every rank must call it; the others get ``{}``).
 
-    On rank 0 only (the others get ``{}``), or on every rank with ``every_rank``
-    (each rank's rollout engine takes the weights): then the all-gathered tensors
-    stay on the device until copied to CPU, one full model per rank at the peak."""
+    Rollout engines never take this: a weight sync streams one bf16 parameter at
+    a time (:func:`stages.engines.weight_transfer.stream_trainer_weights`)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    if not every_rank:
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-    return {name: t.cpu() for name, t in full.items()}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def _single_process_quiet():

@@ -10,12 +10,14 @@ construction.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pyarrow as pa
 
 from fp8rl_core.config import BenchmarkEval, CampaignConfig
 from stages.context import RunEnv, TrainState, step_seed
+from stages.engines.base import RolloutBatch, RolloutSample
 from stages.prompts import PromptItem, data_dir
 from stages.result import StageResult
 
@@ -45,20 +47,54 @@ def check_benchmarks(cfg: CampaignConfig) -> None:
         eval_problems(cfg, bench)
 
 
-def evaluate_benchmark(env: RunEnv, state: TrainState, step: int, bench: BenchmarkEval, salt: int) -> tuple[pa.Table, list[dict]]:
+def eval_blocks(env: RunEnv, prompt_ids: list[list[int]], step: int, bench: BenchmarkEval, salt: int) -> list:
+    """The benchmark's generation blocks: whole groups of ``k``, seeded per prompt, independent of the rank count."""
+    from stages.rollout_plan import generation_blocks
+
+    return generation_blocks([len(p) for p in prompt_ids], group_size=bench.k,
+                             generation_batch_size=env.cfg.rollout.generation_batch_size,
+                             seed=step_seed(env.cfg.seed, step, 1000 + salt), step=step, round_=0)
+
+
+def generate_eval_share(env: RunEnv, state: TrainState, prompt_ids: list[list[int]], blocks: list,
+                        bench: BenchmarkEval) -> dict[int, RolloutBatch]:
+    """This rank's blocks of a benchmark (``{block index: batch}``), padded to the busiest rank's call count."""
+    from stages.rollout import sync_engine
+    from stages.rollout_plan import blocks_of_rank, calls_per_rank, padding_calls
+
+    sync_engine(env, state)
+    mine = blocks_of_rank(blocks, env.rank, env.world_size)
+    out = {}
+    for block in mine:
+        out[block.index] = env.engine.generate(
+            [prompt_ids[p] for p in block.prompts], n=bench.k, temperature=bench.temperature, top_p=bench.top_p,
+            max_new_tokens=bench.max_new_tokens, seed=block.seed, seeds=list(block.prompt_seeds),
+        )
+    if blocks:
+        padding_calls(env.engine, prompt_ids[blocks[0].prompts[0]], calls_per_rank(blocks, env.world_size) - len(mine))
+    return out
+
+
+def merged_batch(blocks: list, shares: list[dict[int, RolloutBatch]], num_prompts: int, k: int) -> RolloutBatch:
+    """Every rank's blocks as one batch in the benchmark's prompt order (group layout)."""
+    merged = {i: b for share in shares for i, b in share.items()}
+    groups: list[list[RolloutSample]] = [[] for _ in range(num_prompts)]
+    for block in blocks:
+        for j, p in enumerate(block.prompts):
+            groups[p] = [dataclasses.replace(s, prompt_index=p) for s in merged[block.index].group(j)]
+    samples = [s for g in groups for s in g]
+    wall = sum(b.wall_seconds for b in merged.values())
+    first = next(iter(merged.values()))
+    return RolloutBatch(samples=samples, num_prompts=num_prompts, n=k, wall_seconds=wall, engine=first.engine,
+                        precision=first.precision)
+
+
+def grade_benchmark(env: RunEnv, bench: BenchmarkEval, items: list[PromptItem], verifier: str,
+                    batch: RolloutBatch) -> tuple[pa.Table, list[dict]]:
+    """Grade one benchmark's samples: its ``evals`` rows and its metric rows."""
     from fp8rl_core.eval_metrics import avg_at_k, maj_at_k, pass_at_k
     from stages.grading import grade_batch
-    from stages.rollout import sync_engine
 
-    items, verifier = eval_problems(env.cfg, bench)
-    from stages.prompt_format import encode_prompts
-
-    prompt_ids = encode_prompts(env, [it.prompt for it in items], state)
-    sync_engine(env, state)
-    batch = env.engine.generate(
-        prompt_ids, n=bench.k, temperature=bench.temperature, top_p=bench.top_p,
-        max_new_tokens=bench.max_new_tokens, seed=step_seed(env.cfg.seed, step, 1000 + salt),
-    )
     responses = env.tokenizer.batch_decode([s.response_ids for s in batch.samples], skip_special_tokens=True)
     golds = [items[s.prompt_index].answer for s in batch.samples]
     ids = [f"{bench.name}:{items[s.prompt_index].prompt_id}#{s.sample_index}" for s in batch.samples]
@@ -90,13 +126,43 @@ def evaluate_benchmark(env: RunEnv, state: TrainState, step: int, bench: Benchma
 
 
 def run_evaluate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[StageResult, TrainState]:
-    """Evaluate every configured benchmark at ``step``; write ``evals`` and ``eval_scores``."""
+    """Evaluate every configured benchmark at ``step``; write ``evals`` and ``eval_scores``.
+
+    Every rank generates its blocks of each benchmark (the same blocks and seeds on
+    any number of ranks, every rank calling the engine equally often); rank 0
+    gathers them, grades and writes."""
+    from stages.prompt_format import encode_prompts
+    from stages.stage_comm import on_main, together
+
     t0 = time.perf_counter()
-    all_rows, all_metrics = [], []
-    for i, bench in enumerate(env.cfg.evaluation.benchmarks):
-        rows, metrics = evaluate_benchmark(env, state, step, bench, i)
-        all_rows.append(rows)
-        all_metrics.extend(metrics)
+    comm = env.stage_comm
+    benches = list(env.cfg.evaluation.benchmarks)
+
+    def local():
+        plans = []
+        for i, bench in enumerate(benches):
+            items, verifier = eval_problems(env.cfg, bench)
+            prompt_ids = encode_prompts(env, [it.prompt for it in items], state)
+            blocks = eval_blocks(env, prompt_ids, step, bench, i)
+            plans.append((items, verifier, blocks, generate_eval_share(env, state, prompt_ids, blocks, bench)))
+        return plans
+
+    plans = together(comm, local)
+    shares = comm.gather([share for *_, share in plans])  # [W][bench] on rank 0
+
+    def write() -> StageResult:
+        all_rows, all_metrics = [], []
+        for b, (bench, (items, verifier, blocks, _)) in enumerate(zip(benches, plans)):
+            batch = merged_batch(blocks, [rank_shares[b] for rank_shares in shares], len(items), bench.k)
+            rows, metrics = grade_benchmark(env, bench, items, verifier, batch)
+            all_rows.append(rows)
+            all_metrics.extend(metrics)
+        return _write_eval(env, step, attempt, all_rows, all_metrics, t0)
+
+    return on_main(comm, write), state
+
+
+def _write_eval(env: RunEnv, step: int, attempt: int, all_rows: list, all_metrics: list, t0: float) -> StageResult:
     outputs = [
         str(env.writer.write("evals", step, pa.concat_tables(all_rows), stage="evaluate", attempt=attempt, variant=env.variant)),
         str(env.writer.write("eval_scores", step, pa.Table.from_pylist(all_metrics), stage="evaluate", attempt=attempt, variant=env.variant)),
@@ -104,7 +170,7 @@ def run_evaluate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0)
     seconds = time.perf_counter() - t0
     scores = {f"{m['benchmark']}/{m['metric'][:-1]}{m['k']}": float(m["value"]) for m in all_metrics}
     scores.update(benchmark_average(all_metrics))
-    return StageResult(outputs=outputs, seconds=seconds, scores=scores), state
+    return StageResult(outputs=outputs, seconds=seconds, scores=scores)
 
 
 AVERAGE_KEY = "average/avg@k"

@@ -22,7 +22,9 @@ from stages.engines.base import RolloutBatch, RolloutSample
 from stages.prompt_format import encode_prompts
 from stages.prompts import PromptItem, draw_prompts
 from stages.result import StageResult
-from stages.rollout_plan import GenerationBlock, blocks_of_rank, generation_blocks, generation_lanes
+from stages.rollout_plan import (
+    GenerationBlock, blocks_of_rank, calls_per_rank, generation_blocks, generation_lanes, padding_calls,
+)
 from stages.stage_comm import on_main, together
 
 
@@ -77,15 +79,23 @@ def plan_rollout(env: RunEnv, state: TrainState, step: int, items: list[PromptIt
 
 def generate_share(env: RunEnv, state: TrainState, plan: RolloutPlan, *, rank: int,
                    lanes: int) -> dict[int, RolloutBatch]:
-    """Generate the blocks of ``rank`` (one ``engine.generate`` call each): ``{block index: batch}``."""
+    """Generate the blocks of ``rank`` (one ``engine.generate`` call each): ``{block index: batch}``.
+
+    A rank with fewer blocks than the busiest lane pads with discarded calls
+    (:func:`stages.rollout_plan.padding_calls`), so every rank calls the engine
+    equally often."""
     r = env.cfg.rollout
     sync_engine(env, state)
     out = {}
-    for block in blocks_of_rank(plan.blocks, rank, lanes):
+    mine = blocks_of_rank(plan.blocks, rank, lanes)
+    for block in mine:
         out[block.index] = env.engine.generate(
             [plan.prompt_ids[p] for p in block.prompts], n=r.samples_per_prompt, temperature=r.temperature,
             top_p=r.top_p, max_new_tokens=r.max_new_tokens, seed=block.seed, seeds=list(block.prompt_seeds),
         )
+    if plan.blocks:
+        first = plan.prompt_ids[plan.blocks[0].prompts[0]]
+        padding_calls(env.engine, first, calls_per_rank(plan.blocks, lanes) - len(mine))
     return out
 
 

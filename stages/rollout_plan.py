@@ -14,6 +14,12 @@ of ranks ``W``:
    ``engine.generate`` call seeded by :func:`stages.context.rollout_seed` of
    ``(campaign seed, step, round, first prompt of the block)``; every prompt also
    carries its own seed (``seeds=``, the same function of its global index).
+4. every rank makes the same number of ``generate`` calls per round
+   (:func:`calls_per_rank`): a rank with fewer blocks than another makes
+   padding calls (one prompt, one token) whose output is discarded. vLLM's
+   data-parallel replicas under the external launcher synchronize their group
+   at every engine step, so a rank that stops calling ``generate`` while another
+   still does would leave that one waiting forever.
 
 A block's numerics (its rows, padding width, sampling stream) are the same
 whichever rank runs it, so the samples and their log-probs are bit-identical for
@@ -65,3 +71,14 @@ def generation_lanes(rollout: Any, world_size: int) -> int:
 def blocks_of_rank(blocks: list[GenerationBlock], rank: int, lanes: int) -> list[GenerationBlock]:
     """The blocks rank ``rank`` generates: block ``k`` goes to lane ``k % lanes``."""
     return [b for b in blocks if b.index % lanes == rank % lanes]
+
+
+def calls_per_rank(blocks: list[GenerationBlock], lanes: int) -> int:
+    """``generate`` calls every rank makes in a round: the busiest lane's block count."""
+    return -(-len(blocks) // lanes)
+
+
+def padding_calls(engine: Any, prompt: list[int], count: int) -> None:
+    """``count`` discarded one-token ``generate`` calls, so this rank keeps step with the busiest one."""
+    for _ in range(count):
+        engine.generate([prompt], n=1, temperature=1.0, top_p=1.0, max_new_tokens=1, seed=0)

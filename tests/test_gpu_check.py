@@ -86,3 +86,14 @@ def test_sections_run_end_to_end_on_a_tiny_config_on_cpu(monkeypatch):
     gpu_check.section_rollout(seqs=2, length=8, config=tiny, device="cpu")
     text = "\n".join(lines)
     assert "emulated fp8_per_tensor" in text and "real _scaled_mm" in text and "real kernel vs emulation" in text
+
+
+def test_vllm_section_skips_with_the_reason_where_vllm_does_not_import(monkeypatch):
+    import sys
+
+    from gpu_check import vllm_cycle
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    lines = []
+    vllm_cycle.run(lines.append)
+    assert len(lines) == 1 and lines[0].startswith("[5] vLLM cycle: SKIP (import vllm failed: ")

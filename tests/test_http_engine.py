@@ -124,7 +124,8 @@ def test_ids_and_logprobs_round_trip_exactly(policy, server):
     for p, prompt in enumerate(PROMPTS):
         body = next(b for b in sent if b["prompt"] == prompt)
         assert body == {"model": "policy", "prompt": prompt, "n": 3, "temperature": 0.9, "top_p": 0.95, "max_tokens": 10,
-                        "seed": prompt_seed(4, p, 3), "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False}
+                        "seed": prompt_seed(4, p, 3), "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
+                        "stop_token_ids": sorted(engine.eos_ids)}
         for i, choice in enumerate(by_seed[body["seed"]]):
             s = batch.samples[p * 3 + i]
             assert s.response_ids == choice["token_ids"]

