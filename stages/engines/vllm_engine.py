@@ -368,6 +368,23 @@ def gpu_memory_used_gib() -> float | None:
     return (total - free) / 2**30
 
 
+def _check_engine_options(logprobs_mode: str, sleep_level: int, weight_sync: str, verify_sync: str,
+                          in_process: bool, nccl_master: tuple[str, int] | None) -> None:
+    """Refuse an engine option vLLM would reject later, or a sync the process model cannot do, in one line."""
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+    if sleep_level not in SLEEP_WAKE_ORDER:
+        raise ValueError(f"sleep_level must be 0, 1 or 2, got {sleep_level}")
+    if weight_sync not in WEIGHT_SYNCS:
+        hint = " (tensors cannot cross vLLM's collective_rpc: they arrive as bare lists)" if weight_sync == "iterator" else ""
+        raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {weight_sync!r}{hint}")
+    if verify_sync not in ("first", "always", "never"):
+        raise ValueError(f"verify_sync must be 'first', 'always' or 'never', got {verify_sync!r}")
+    check_process_and_sync(in_process, weight_sync)
+    if weight_sync == "nccl" and nccl_master is None:
+        raise ValueError("weight_sync='nccl' needs nccl_master=(address, port) for the trainer/vLLM rendezvous")
+
+
 @register_engine("vllm")
 class VLLMEngine(RolloutEngine):
     """Rollouts with ``vllm.LLM`` (see the module docstring; not yet run on a GPU).
@@ -416,18 +433,7 @@ class VLLMEngine(RolloutEngine):
         in_process = config.vllm_process == "trainer" if in_process is None else in_process
         weight_sync = config.weight_sync if weight_sync is None else weight_sync
         verify_sync = config.verify_sync if verify_sync is None else verify_sync
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
-        if sleep_level not in SLEEP_WAKE_ORDER:
-            raise ValueError(f"sleep_level must be 0, 1 or 2, got {sleep_level}")
-        if weight_sync not in WEIGHT_SYNCS:
-            hint = " (tensors cannot cross vLLM's collective_rpc: they arrive as bare lists)" if weight_sync == "iterator" else ""
-            raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {weight_sync!r}{hint}")
-        if verify_sync not in ("first", "always", "never"):
-            raise ValueError(f"verify_sync must be 'first', 'always' or 'never', got {verify_sync!r}")
-        check_process_and_sync(in_process, weight_sync)
-        if weight_sync == "nccl" and nccl_master is None:
-            raise ValueError("weight_sync='nccl' needs nccl_master=(address, port) for the trainer/vLLM rendezvous")
+        _check_engine_options(logprobs_mode, sleep_level, weight_sync, verify_sync, in_process, nccl_master)
         self._vllm = vllm_module if vllm_module is not None else import_vllm()
         self.config = config
         self.precision_mode = precision.rollout
@@ -459,16 +465,8 @@ class VLLMEngine(RolloutEngine):
         gen_eos = getattr(gen_cfg, "eos_token_id", None)
         eos.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
         self.eos_ids = frozenset(int(e) for e in eos if e is not None)
-        kwargs = build_llm_kwargs(
-            config,
-            precision,
-            model_path=self.model_path,
-            seed=seed,
-            logprobs_mode=logprobs_mode,
-            max_model_len=max_model_len,
-            llm_options=llm_options,
-            weight_sync=weight_sync,
-        )
+        kwargs = build_llm_kwargs(config, precision, model_path=self.model_path, seed=seed, logprobs_mode=logprobs_mode,
+                                  max_model_len=max_model_len, llm_options=llm_options, weight_sync=weight_sync)
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         spmd = spmd_llm_options(config, rank=int(os.environ.get("RANK", 0)), world_size=world_size)
         kwargs.update({k: v for k, v in spmd.items() if k not in (llm_options or {})})
