@@ -96,7 +96,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from fp8rl_core.config import CalibrationConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
+    from fp8rl_core.config import CalibrationConfig
 from fp8rl_core.registry import Registry
 
 __all__ = [

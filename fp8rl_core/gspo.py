@@ -42,7 +42,10 @@ from __future__ import annotations
 
 import torch
 
-from fp8rl_core.config import CalibrationConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
+    from fp8rl_core.config import CalibrationConfig
 from fp8rl_core.losses import AGGREGATIONS, LOG_RATIO_CLAMP, LOSS_BOUNDS, POLICY_LOSSES, _add_common_metrics, _check_inputs, _sanitize, aggregate, clip_metrics
 
 __all__ = [

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from fp8rl_core.config import CampaignConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
+    from fp8rl_core.config import CampaignConfig
 
 
 def _micro_slices(idx: torch.Tensor, size: int) -> list[torch.Tensor]:

@@ -61,7 +61,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp8rl_core.config import CampaignConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
+    from fp8rl_core.config import CampaignConfig
 from fp8rl_core.fp8_linear import TOKEN_MULTIPLE
 from fp8rl_core.logprobs import sequence_logprobs
 from fp8rl_core import bapo as bapo_rule
@@ -96,6 +99,11 @@ class TrainBatch:
     def to(self, device: torch.device | str) -> "TrainBatch":
         return TrainBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.response_mask,
                                                     self.rollout_logp, self.advantages, self.sample_ids)))
+
+    def cpu(self) -> "TrainBatch":
+        """The batch on the host (itself when it is there already)."""
+        return TrainBatch(*(t.cpu() for t in (self.input_ids, self.attention_mask, self.response_mask,
+                                              self.rollout_logp, self.advantages, self.sample_ids)))
 
     def rows(self, idx: torch.Tensor) -> "TrainBatch":
         return TrainBatch(self.input_ids[idx], self.attention_mask[idx], self.response_mask[idx],
@@ -336,7 +344,8 @@ def policy_update(
     # (in the micro-batches of the first epoch's plan: the same ones on 1 or W ranks)
     first = [r for k in range(per_epoch) for r in padded(k)]
 
-    sub = None if shadow_rows is None or bool(shadow_rows.all()) else shadow_rows.bool()[local_global].to(device)
+    # host, like the micro-batches' row indices it selects from (a device mask cannot index a host tensor)
+    sub = None if shadow_rows is None or bool(shadow_rows.all()) else shadow_rows.cpu().bool()[local_global]
 
     def shadowed(r: torch.Tensor) -> torch.Tensor:
         """The shadowed rows of micro-batch ``r``; under several ranks never empty (padding instead)."""
@@ -446,11 +455,12 @@ def policy_update(
     g = {k: glob(v) for k, v in dict(logp8=logp8, old8=old8, logp16=logp16, old16=old16, entropy=entropy,
                                      is_w=is_w).items()}
     minibatch = minibatch if collective.world_size == 1 else _owned_max(collective, minibatch, mine, n)
-    metrics = step_metrics(full, g["logp8"], g["old8"], g["entropy"], g["is_w"], cfg, bounds=bounds)
+    host = full.cpu()  # the gathered per-token tensors are on the host: so is the batch they are read with
+    metrics = step_metrics(host, g["logp8"], g["old8"], g["entropy"], g["is_w"], cfg, bounds=bounds)
     if bapo_on:  # clip statistics at each row's own update bounds
-        fmask = full.response_mask.float()
+        fmask = host.response_mask.float()
         metrics.update({k: float(v) for k, v in bapo_rule.step_clip_stats(
-            g["logp8"], g["old8"], full.advantages.float()[:, None] * fmask, fmask, minibatch, bapo_mb,
+            g["logp8"], g["old8"], host.advantages.float()[:, None] * fmask, fmask, minibatch, bapo_mb,
             dual_clip=a.dual_clip, is_weights=g["is_w"]).items()})
     metrics.update(bapo_rule.summarize_updates(bapo_results))
     metrics.update(
