@@ -55,6 +55,7 @@ contiguous); column t is the log-prob of ``input_ids[:, t]`` given its prefix.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -70,7 +71,7 @@ from fp8rl_core.logprobs import sequence_logprobs
 from fp8rl_core import bapo as bapo_rule
 from fp8rl_core.losses import POLICY_LOSSES, importance_ratio, loss_bounds, policy_loss, tis_weights
 import fp8rl_core.gspo  # noqa: F401,E402  registers the "gspo" loss (issue 15)
-from fp8rl_core.precision import bf16_shadow
+from fp8rl_core.precision import bf16_parameters, bf16_shadow
 from stages.minibatch_plan import check_world_size, minibatch_plan, pad_micros, plan_depth  # noqa: F401  (re-exported)
 
 
@@ -227,7 +228,9 @@ def policy_logprobs(
 
     Micro-batches of ``micro_batch_size`` rows (None: all at once), each padded to
     ``mode``'s kernel contract; ``shadow`` runs the BF16 shadow pass (same master
-    weights, FP8 linears bypassed). Differentiable when grad is enabled. Returns
+    weights, FP8 linears bypassed). Every forward computes on the bf16 casts of the
+    fp32 masters, as FSDP2's all-gather hands them over (``bf16_parameters``), so
+    one process and N ranks compute alike. Differentiable when grad is enabled. Returns
     float32 ``[N, T]`` (padding columns removed).
     """
     n, t = input_ids.shape
@@ -237,10 +240,7 @@ def policy_logprobs(
     lps, ents = [], []
     for s in range(0, n, max(step, 1)):
         ids, am = pad_to_contract(input_ids[s : s + step], attention_mask[s : s + step], multiple)
-        if shadow:
-            with bf16_shadow(model):
-                lp, ent = sequence_logprobs(model, ids, am, mode=run_mode, with_entropy=with_entropy)
-        else:
+        with bf16_parameters(model), (bf16_shadow(model) if shadow else contextlib.nullcontext()):
             lp, ent = sequence_logprobs(model, ids, am, mode=run_mode, with_entropy=with_entropy)
         lps.append(lp[:, :t])
         ents.append(None if ent is None else ent[:, :t])
