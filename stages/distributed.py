@@ -21,9 +21,10 @@
   size. :func:`full_model_state` gathers the full (unsharded) state on rank 0 for
   the ``from_pretrained`` export, or on every rank for its rollout engine.
 
-Under one process the policy runs unsharded by default (no cast: fp32 weights
-under bf16 autocast); :func:`one_rank_mesh` shards it on a 1-rank mesh, which
-casts exactly like N ranks (the 2-ranks test compares against it).
+Under one process the policy runs unsharded, and every forward of the train
+step reads the bf16 casts of its fp32 masters
+(:func:`fp8rl_core.precision.bf16_parameters`): the cast FSDP2 applies, so one
+process computes exactly as N ranks do.
 """
 
 from __future__ import annotations
@@ -97,17 +98,6 @@ def enable_float8_all_gather(model: nn.Module) -> list[str]:
                                   requires_grad=mod.weight.requires_grad)
         switched.append(name)
     return switched
-
-
-def one_rank_mesh():
-    """A 1-rank CPU device mesh for one process (a 1-rank gloo group when none is up): one process
-    shards like N ranks, so it casts like them (:func:`mixed_precision_policy`)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
 # reshard_after_forward: every decoder block frees its gathered parameters after its forward (ZeRO-3:
