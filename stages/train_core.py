@@ -56,6 +56,7 @@ contiguous); column t is the log-prob of ``input_ids[:, t]`` given its prefix.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -214,6 +215,11 @@ def pad_to_contract(input_ids: torch.Tensor, attention_mask: torch.Tensor, multi
             torch.nn.functional.pad(attention_mask, pad, value=0))
 
 
+def _widen(x: torch.Tensor, t: int) -> torch.Tensor:
+    """``[m, w]`` -> ``[m, t]``, zeros on the right (the columns a trimmed micro-batch did not compute)."""
+    return x if x.shape[1] == t else torch.nn.functional.pad(x, (0, t - x.shape[1]))
+
+
 def policy_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -223,6 +229,7 @@ def policy_logprobs(
     shadow: bool = False,
     with_entropy: bool = False,
     micro_batch_size: int | None = None,
+    trim: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of ``model`` over ``[N, T]``: the step's one forward path.
 
@@ -230,8 +237,10 @@ def policy_logprobs(
     ``mode``'s kernel contract; ``shadow`` runs the BF16 shadow pass (same master
     weights, FP8 linears bypassed). Every forward computes on the bf16 casts of the
     fp32 masters, as FSDP2's all-gather hands them over (``bf16_parameters``), so
-    one process and N ranks compute alike. Differentiable when grad is enabled. Returns
-    float32 ``[N, T]`` (padding columns removed).
+    one process and N ranks compute alike. ``trim``: each micro-batch is cut to its own
+    longest row before the kernel padding (token-budget micro-batches), its outputs padded
+    back with zeros. Differentiable when grad is enabled. Returns float32 ``[N, T]``
+    (padding columns removed).
     """
     n, t = input_ids.shape
     step = n if micro_batch_size is None else micro_batch_size
@@ -239,11 +248,12 @@ def policy_logprobs(
     multiple = token_multiple(run_mode)
     lps, ents = [], []
     for s in range(0, n, max(step, 1)):
-        ids, am = pad_to_contract(input_ids[s : s + step], attention_mask[s : s + step], multiple)
+        w = int(attention_mask[s : s + step].sum(1).max()) if trim else t  # rows are right-padded
+        ids, am = pad_to_contract(input_ids[s : s + step, :w], attention_mask[s : s + step, :w], multiple)
         with bf16_parameters(model), (bf16_shadow(model) if shadow else contextlib.nullcontext()):
             lp, ent = sequence_logprobs(model, ids, am, mode=run_mode, with_entropy=with_entropy)
-        lps.append(lp[:, :t])
-        ents.append(None if ent is None else ent[:, :t])
+        lps.append(_widen(lp[:, :w], t))
+        ents.append(None if ent is None else _widen(ent[:, :w], t))
     if not lps:
         empty = torch.zeros(0, t, device=input_ids.device)
         return empty, (empty if with_entropy else None)
@@ -321,14 +331,17 @@ def policy_update(
     device = next(model.parameters()).device
     full = batch
     n = full.size
-    plan = minibatch_plan(n, cfg, seed, rank=collective.rank, world_size=collective.world_size)
+    budget = a.max_tokens_per_micro_batch is not None  # token-budget micro-batches: split by length, trimmed
+    split = dict(lengths=full.attention_mask.sum(1).cpu(), multiple=token_multiple(mode)) if budget else {}
+    forward = functools.partial(policy_logprobs, trim=budget)
+    plan = minibatch_plan(n, cfg, seed, rank=collective.rank, world_size=collective.world_size, **split)
     per_epoch = len(plan) // a.ppo_epochs
     mine = torch.unique(torch.cat([m for mbs in plan[:per_epoch] for m in mbs] or [torch.zeros(0, dtype=torch.long)]))
     local, local_global, pad = local_rows(full, mine, collective.world_size)  # this rank's rows (+ padding row)
     local = local.to(device)
     where = torch.full((n,), -1, dtype=torch.long)
     where[mine] = torch.arange(mine.numel())  # global row -> local row
-    depth = plan_depth(n, cfg, seed, collective.world_size)
+    depth = plan_depth(n, cfg, seed, collective.world_size, **split)
 
     def padded(k: int) -> list[torch.Tensor]:
         """Local row indices of mini-batch k's micro-batches, padded to every rank's count."""
@@ -359,7 +372,7 @@ def policy_update(
             for r in first:
                 r = shadowed(r) if shadow_pass else r
                 if r.numel():
-                    out[r] = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, shadow=shadow_pass)[0]
+                    out[r] = forward(model, local.input_ids[r], local.attention_mask[r], mode=mode, shadow=shadow_pass)[0]
         return out
 
     t0 = time.perf_counter()
@@ -395,11 +408,11 @@ def policy_update(
             with torch.no_grad():
                 for r in map(shadowed, rows):
                     if r.numel():
-                        logp16[r] = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, shadow=True)[0]
+                        logp16[r] = forward(model, local.input_ids[r], local.attention_mask[r], mode=mode, shadow=True)[0]
             timings["shadow_s"] += time.perf_counter() - t0
         if bapo_on:  # BAPO as published: bounds from this update's current ratios (global sums), no BF16 pass
             with torch.no_grad():
-                cur = [importance_ratio(policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode)[0],
+                cur = [importance_ratio(forward(model, local.input_ids[r], local.attention_mask[r], mode=mode)[0],
                                         old8[r]) for r in rows]
             b = bapo_rule.bapo_bounds(torch.cat([c.reshape(-1) for c in cur]),
                                       torch.cat([adv_tok[r].reshape(-1) for r in rows]),
@@ -414,7 +427,7 @@ def policy_update(
         optimizer.zero_grad(set_to_none=True)
         mb_loss = 0.0
         for r in rows:
-            lp, ent = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, with_entropy=True)
+            lp, ent = forward(model, local.input_ids[r], local.attention_mask[r], mode=mode, with_entropy=True)
             loss, _ = loss_fn(
                 lp, old8[r], adv_tok[r], mask[r], lower=lb[0], upper=lb[1], dual_clip=a.dual_clip,
                 is_weights=None if is_w is None else is_w[r], agg=a.loss_agg,
