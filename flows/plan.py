@@ -1,5 +1,9 @@
 """``fp8rl plan CONFIG --gpus N --gpu-memory 80``: a per-GPU memory plan of a campaign.
 
+``fp8rl plan`` measures (:mod:`flows.plan_measured`, one train step on fake
+tensors); this module is the arithmetic it is cross-checked against, and what
+``--analytic`` prints alone.
+
 Per GPU, for FSDP2 over N GPUs (parameters, gradients and AdamW state sharded
 N ways, fp32 masters) plus what cannot be sharded:
 
@@ -138,8 +142,9 @@ def register(app) -> None:
         gpu_memory: float = typer.Option(80.0, "--gpu-memory", min=1.0, help="Memory per GPU, GiB."),
         set_: list[str] = typer.Option([], "--set", help="Override a config value (repeatable)."),
         prompt_tokens: int = typer.Option(1024, "--prompt-tokens", min=1, help="Prompt length cap, tokens."),
+        analytic: bool = typer.Option(False, "--analytic", help="Arithmetic only (seconds): skip the measurement."),
     ) -> None:
-        """Per-GPU memory plan of a campaign under FSDP2; says whether it fits."""
+        """Per-GPU memory plan of a campaign under FSDP2, measured on fake tensors; says whether it fits."""
         from flows.cli import fail
         from flows.configuration import ConfigError, load_config
 
@@ -148,4 +153,11 @@ def register(app) -> None:
             p = memory_plan(cfg, gpus=gpus, gpu_memory_gib=gpu_memory, prompt_tokens=prompt_tokens)
         except (ConfigError, ValueError) as err:
             raise fail(str(err))
-        typer.echo(format_plan(cfg, p, gpus=gpus, gpu_memory_gib=gpu_memory))
+        if analytic:
+            typer.echo(format_plan(cfg, p, gpus=gpus, gpu_memory_gib=gpu_memory))
+            return
+        from flows.plan_measured import format_measured, measured_plan, plan_precision_line
+
+        typer.echo(plan_precision_line(cfg))
+        m = measured_plan(cfg, gpus=gpus, gpu_memory_gib=gpu_memory, prompt_tokens=prompt_tokens)
+        typer.echo(format_measured(cfg, m, gpus=gpus, gpu_memory_gib=gpu_memory, prompt_tokens=prompt_tokens))
