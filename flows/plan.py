@@ -11,7 +11,7 @@ N ways, fp32 masters) plus what cannot be sharded:
 * gradients: 4 B x P / N (fp32, reduce-scattered);
 * optimizer: 8 B x P / N (AdamW exp_avg + exp_avg_sq);
 * unsharded blocks: 2 decoder blocks gathered at once (the one computing, the
-  one prefetched), fp32: 2 x 4 B x P_block;
+  one prefetched), bf16 (FSDP2's all-gather dtype): 2 x 2 B x P_block;
 * activations of one micro-batch: tokens x layers x 34 h x 2 B (Korthikanti et
   al. 2022, BF16; with SDPA/flash attention the 5 a s term is not stored); with
   ``algorithm.activation_checkpointing`` tokens x layers x h x 2 B (block inputs)
@@ -112,7 +112,7 @@ def memory_plan(cfg: CampaignConfig, *, gpus: int, gpu_memory_gib: float, prompt
         ("parameters (fp32 master shard)", 4 * p / gpus),
         ("gradients (fp32 shard)", 4 * p / gpus),
         ("optimizer (AdamW, fp32 shard)", 8 * p / gpus),
-        ("gathered blocks (2, fp32)", 2 * 4 * block_params(a)),
+        ("gathered blocks (2, bf16)", 2 * 2 * block_params(a)),  # FSDP2 all-gathers bf16 (mixed_precision_policy)
         (f"activations per micro-batch ({tokens} tokens{', checkpointed' if cfg.algorithm.activation_checkpointing else ''})", act),
         ("logits (bf16) + one fp32 vocab chunk", logits),
         ("rollout engine weights (vLLM, sleeping)", p * rollout_bytes if cfg.rollout.engine == "vllm" else 0.0),
