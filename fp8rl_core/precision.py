@@ -211,11 +211,10 @@ def convert_for_training(
                         tuple(keep_high_precision), seed)
     report = convert(req)
     log.info(report.summary())
-    if report.skipped:
-        log.warning(
-            "precision %s: %d linear layer(s) kept in high precision: %s",
-            mode, len(report.skipped), "; ".join(f"{n} ({why})" for n, why in report.skipped),
-        )
+    if report.skipped:  # grouped by reason: 192 names of a 32B model would bury the line
+        from fp8rl_core.precision_layers import layer_precision, precision_line
+
+        log.warning("%s", precision_line(layer_precision(model, report)))
     return report
 
 
