@@ -185,7 +185,8 @@ class HostDeviceMode(TorchFunctionMode):
                 out = out.clone() if out is src else out
             self.tags[out] = HOST
             return out
-        if func is torch.Tensor.copy_ or (func is torch.Tensor.to and any(isinstance(a, torch.Tensor) for a in args[1:])):
+        to_tensor = func is torch.Tensor.to and any(isinstance(a, torch.Tensor) for a in args[1:])
+        if func is torch.Tensor.copy_ or to_tensor:
             out = func(*args, **kwargs)  # a copy across, allowed: copy_ keeps self's tag, .to(other) takes other's
             src = args[0] if func is torch.Tensor.copy_ else next(a for a in args[1:] if isinstance(a, torch.Tensor))
             tag = self.tag_of(src)

@@ -107,7 +107,8 @@ def enable_float8_all_gather(model: nn.Module) -> list[str]:
 RESHARD_AFTER_FORWARD = "blocks and root: yes; last block: no (its backward follows at once)"
 
 
-def shard_policy(model: nn.Module, cfg: Any = None, *, device: torch.device | None = None, mesh: Any = None) -> nn.Module:
+def shard_policy(model: nn.Module, cfg: Any = None, *, device: torch.device | None = None,
+                 mesh: Any = None) -> nn.Module:
     """FSDP2-shard ``model`` in place: each decoder block, then the root, bf16 all-gather with fp32
     gradient reduction, float8 all-gather for torchao tensorwise linears. Returns the model."""
     from torch.distributed.fsdp import fully_shard

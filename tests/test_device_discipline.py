@@ -132,7 +132,8 @@ def test_the_micro_campaign_step_passes_under_the_mode(precision):
             res = policy_update(model, opt, sched, batch, cfg, bounds=std, shadow=True, seed=step, shadow_rows=rows)
             m = shadow_metrics(batch, res, std, std, a.tis_cap)
             ok = torch.isfinite(res.logp_bf16) & (batch.response_mask > 0)
-            r8, r16 = importance_ratio(res.logp_fp8, res.old_logp_fp8), importance_ratio(res.logp_bf16, res.old_logp_bf16)
+            r8 = importance_ratio(res.logp_fp8, res.old_logp_fp8)
+            r16 = importance_ratio(res.logp_bf16, res.old_logp_bf16)
             prev = CalibratorState.initial(eps_low=a.eps_low, eps_high=a.eps_high, config=cfg.calibration)
             cal = calibrate(r8, r16, batch.advantages[:, None].expand_as(r8), ok, eps_low=a.eps_low,
                             eps_high=a.eps_high, config=cfg.calibration, previous=prev, dual_clip=a.dual_clip)
