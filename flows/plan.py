@@ -1,5 +1,9 @@
 """``fp8rl plan CONFIG --gpus N --gpu-memory 80``: a per-GPU memory plan of a campaign.
 
+``fp8rl plan`` measures (:mod:`flows.plan_measured`, one train step on fake
+tensors); this module is the arithmetic it is cross-checked against, and what
+``--analytic`` prints alone.
+
 Per GPU, for FSDP2 over N GPUs (parameters, gradients and AdamW state sharded
 N ways, fp32 masters) plus what cannot be sharded:
 
@@ -7,7 +11,7 @@ N ways, fp32 masters) plus what cannot be sharded:
 * gradients: 4 B x P / N (fp32, reduce-scattered);
 * optimizer: 8 B x P / N (AdamW exp_avg + exp_avg_sq);
 * unsharded blocks: 2 decoder blocks gathered at once (the one computing, the
-  one prefetched), fp32: 2 x 4 B x P_block;
+  one prefetched), bf16 (FSDP2's all-gather dtype): 2 x 2 B x P_block;
 * activations of one micro-batch: tokens x layers x 34 h x 2 B (Korthikanti et
   al. 2022, BF16; with SDPA/flash attention the 5 a s term is not stored); with
   ``algorithm.activation_checkpointing`` tokens x layers x h x 2 B (block inputs)
@@ -120,7 +124,7 @@ def memory_plan(cfg: CampaignConfig, *, gpus: int, gpu_memory_gib: float, prompt
         ("parameters (fp32 master shard)", 4 * p / gpus),
         ("gradients (fp32 shard)", 4 * p / gpus),
         ("optimizer (AdamW, fp32 shard)", 8 * p / gpus),
-        ("gathered blocks (2, fp32)", 2 * 4 * block_params(a)),
+        ("gathered blocks (2, bf16)", 2 * 2 * block_params(a)),  # FSDP2 all-gathers bf16 (mixed_precision_policy)
         (f"activations per micro-batch ({tokens} tokens{', checkpointed' if cfg.algorithm.activation_checkpointing else ''})", act),
         ("logits (bf16) + one fp32 vocab chunk", logits),
         ("rollout engine weights (vLLM, sleeping)", p * rollout_bytes if cfg.rollout.engine == "vllm" else 0.0),
@@ -151,8 +155,9 @@ def register(app) -> None:
         gpu_memory: float = typer.Option(80.0, "--gpu-memory", min=1.0, help="Memory per GPU, GiB."),
         set_: list[str] = typer.Option([], "--set", help="Override a config value (repeatable)."),
         prompt_tokens: int = typer.Option(1024, "--prompt-tokens", min=1, help="Prompt length cap, tokens."),
+        analytic: bool = typer.Option(False, "--analytic", help="Arithmetic only (seconds): skip the measurement."),
     ) -> None:
-        """Per-GPU memory plan of a campaign under FSDP2; says whether it fits."""
+        """Per-GPU memory plan of a campaign under FSDP2, measured on fake tensors; says whether it fits."""
         from flows.cli import fail
         from flows.configuration import ConfigError, load_config
 
@@ -161,4 +166,11 @@ def register(app) -> None:
             p = memory_plan(cfg, gpus=gpus, gpu_memory_gib=gpu_memory, prompt_tokens=prompt_tokens)
         except (ConfigError, ValueError) as err:
             raise fail(str(err))
-        typer.echo(format_plan(cfg, p, gpus=gpus, gpu_memory_gib=gpu_memory))
+        if analytic:
+            typer.echo(format_plan(cfg, p, gpus=gpus, gpu_memory_gib=gpu_memory))
+            return
+        from flows.plan_measured import format_measured, measured_plan, plan_precision_line
+
+        typer.echo(plan_precision_line(cfg))
+        m = measured_plan(cfg, gpus=gpus, gpu_memory_gib=gpu_memory, prompt_tokens=prompt_tokens)
+        typer.echo(format_measured(cfg, m, gpus=gpus, gpu_memory_gib=gpu_memory, prompt_tokens=prompt_tokens))

@@ -61,7 +61,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from fp8rl_core.config import BapoConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
+    from fp8rl_core.config import BapoConfig
 
 __all__ = ["BapoResult", "bapo_bounds", "bapo_grid", "bapo_search", "bapo_sums", "dist_sum", "summarize_updates"]
 
@@ -105,8 +108,10 @@ def bapo_sums(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     r = ratio.detach().reshape(-1).to(torch.float64)
     a = advantages.detach().reshape(-1).to(torch.float64)
     m = mask.reshape(-1).bool() & torch.isfinite(r) & torch.isfinite(a)
-    hg = torch.tensor(bapo_grid(cfg.upper_start, cfg.upper_max, cfg.upper_step, cfg.last_step), dtype=torch.float64)
-    lg = torch.tensor(bapo_grid(cfg.lower_start, cfg.lower_max, cfg.lower_step, cfg.last_step), dtype=torch.float64)
+    dev = r.device  # the grids live beside the ratios (a host grid beside device ratios fails on CUDA)
+    hg = bapo_grid(cfg.upper_start, cfg.upper_max, cfg.upper_step, cfg.last_step)
+    lg = bapo_grid(cfg.lower_start, cfg.lower_max, cfg.lower_step, cfg.last_step)
+    hg, lg = (torch.tensor(g, dtype=torch.float64, device=dev) for g in (hg, lg))
     clamp = cfg.boundary == "recipe"
     pos = m & ((a >= 0) if clamp else (a > 0))
     rp, ap = r[pos], a[pos]
@@ -116,7 +121,7 @@ def bapo_sums(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
 
 
 def _bins(idx: torch.Tensor, vals: torch.Tensor, nb: int) -> torch.Tensor:
-    return torch.zeros(nb, dtype=torch.float64).index_add_(0, idx, vals)
+    return torch.zeros(nb, dtype=torch.float64, device=vals.device).index_add_(0, idx, vals)
 
 
 def _upper_side(r: torch.Tensor, a: torch.Tensor, g: torch.Tensor, clamp: bool) -> torch.Tensor:

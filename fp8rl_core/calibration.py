@@ -94,14 +94,16 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from fp8rl_core.bapo import PUBLISHED, UpdateBoundsRule
-from fp8rl_core.config import CalibrationConfig
 from fp8rl_core.estimators import LOWER_ESTIMATORS, EstimatorInput, LowerEstimate, PoolEntry
 from fp8rl_core.registry import Registry
+
+if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
+    from fp8rl_core.config import CalibrationConfig
 
 __all__ = [
     "CLIP_MODES",

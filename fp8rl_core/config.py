@@ -147,6 +147,7 @@ class AlgorithmConfig(_Frozen):
     grad_clip: float = Field(1.0, gt=0, description="Global grad-norm clip.")
     ppo_mini_batch_size: int = Field(256, ge=1, description="Sequences per optimizer update (mini-batch).")
     micro_batch_size: int = Field(256, ge=1, description="Sequences per forward/backward (gradient accumulation unit).")
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="Token budget of a micro-batch, per rank (verl's dynamic batch size): rows sorted by length within each mini-batch, each micro-batch padded only to its own longest row (and the kernel's token multiple), at most micro_batch_size rows and this many padded tokens (a longer row runs alone). The same split on 1 and N ranks; loss normalization unchanged. None = off (micro-batches of micro_batch_size rows, padded to the batch's longest row).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over the batch per step.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = off).")
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal, refill by new rollouts.")

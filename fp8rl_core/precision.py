@@ -217,11 +217,10 @@ def convert_for_training(
                         tuple(keep_high_precision), seed)
     report = convert(req)
     log.info(report.summary())
-    if report.skipped:
-        log.warning(
-            "precision %s: %d linear layer(s) kept in high precision: %s",
-            mode, len(report.skipped), "; ".join(f"{n} ({why})" for n, why in report.skipped),
-        )
+    if report.skipped:  # grouped by reason: 192 names of a 32B model would bury the line
+        from fp8rl_core.precision_layers import layer_precision, precision_line
+
+        log.warning("%s", precision_line(layer_precision(model, report)))
     return report
 
 
@@ -336,6 +335,30 @@ def bf16_shadow(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for mod in patched:
             del mod.forward
+
+
+@contextlib.contextmanager
+def bf16_parameters(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside: ``model``'s floating-point parameters read as their bf16 casts (differentiable: the bf16
+    gradient flows back to the fp32 master as an fp32 gradient).
+
+    The cast FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` applies to
+    every all-gathered parameter (``stages.distributed.mixed_precision_policy``), done in one
+    process without sharding, so one process computes exactly as N ranks do. A no-op on an
+    FSDP2-sharded model (FSDP casts already) and when the parameters are not fp32.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call runs
+
+    if isinstance(model, FSDPModule):
+        yield model
+        return
+    casts = {n: p.to(torch.bfloat16) for n, p in model.named_parameters() if p.dtype == torch.float32}
+    if not casts:
+        yield model
+        return
+    with _reparametrize_module(model, casts, tie_weights=True):
+        yield model
 
 
 # ---------------------------------------------------------------------------

@@ -16,14 +16,19 @@
    numerics run on the same GPU tensors (``backend="emulated"``): mean and max
    |Δ logp| over response tokens.
 
-Without CUDA it prints one line saying so and returns. Nothing here has run on
-a GPU yet (no GPU in the sessions that wrote it).
+Imports: torch, transformers, torchao (the carried wheel) and this checkout;
+no pydantic (the GPU machine has none): the step's config is the shipped
+``step_config.json`` (:mod:`gpu_check.step_config`), and the trainer's numerics
+import their config types for annotations only. Without CUDA it prints one line
+saying so and returns. Nothing here has run on a GPU yet (no GPU in the
+sessions that wrote it); :func:`step_and_calibrate` runs on the CPU in the
+tests, under the host/device discipline mode.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 MODES = (("fp8_tensorwise", (8, 9)), ("fp8_rowwise", (8, 9)), ("fp8_blockwise", (9, 0)))
 
@@ -39,13 +44,13 @@ def _model(device):
     return Qwen3ForCausalLM(cfg).to(device=device, dtype=torch.float32)
 
 
-def _batch(device, n=32, p=96, r=160):
+def _batch(device, n=32, p=96, r=160, vocab=150000):
     import torch
 
     from stages.train_core import TrainBatch
 
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, 150000, (n, p + r), generator=g)
+    ids = torch.randint(10, vocab, (n, p + r), generator=g)
     lens = torch.randint(r // 4, r + 1, (n,), generator=g)
     am = torch.zeros(n, p + r, dtype=torch.long)
     rm = torch.zeros(n, p + r)
@@ -56,19 +61,76 @@ def _batch(device, n=32, p=96, r=160):
                       torch.arange(n)).to(device)
 
 
+def step_and_calibrate(model, optimizer, scheduler, batch, cfg) -> tuple[Any, Any, float]:
+    """One full train step (π_old, BF16 shadow, update) on ``batch`` (on the policy's device), then a
+    calibration on the step's r8/r16 (on the host, as the trainer's calibration stage runs it).
+
+    Returns ``(UpdateResult, CalibrationResult, seconds)``; ``res.timings`` has the step's phases.
+    """
+    import torch
+
+    from fp8rl_core.calibration import CalibratorState, calibrate
+    from fp8rl_core.losses import importance_ratio
+    from stages.train_core import policy_update
+
+    a = cfg.algorithm
+    sync = torch.cuda.synchronize if batch.input_ids.is_cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    res = policy_update(model, optimizer, scheduler, batch, cfg, bounds=(1 - a.eps_low, 1 + a.eps_high),
+                        shadow=True, seed=0)
+    sync()
+    t1 = time.perf_counter()
+    m = batch.response_mask.cpu() > 0
+    r8 = importance_ratio(res.logp_fp8, res.old_logp_fp8)
+    r16 = importance_ratio(res.logp_bf16, res.old_logp_bf16)
+    adv = batch.advantages.cpu()[:, None].expand_as(r8)
+    prev = CalibratorState.initial(eps_low=a.eps_low, eps_high=a.eps_high, config=cfg.calibration)
+    cal = calibrate(r8, r16, adv, m, eps_low=a.eps_low, eps_high=a.eps_high, config=cfg.calibration,
+                    previous=prev, dual_clip=a.dual_clip)
+    res.timings["calibration_s"] = time.perf_counter() - t1
+    return res, cal, t1 - t0
+
+
+def _one_mode(emit: Callable[[str], None], mode: str, device, batch) -> None:
+    """Step, calibration and kernel-vs-emulation agreement of one FP8 mode (real kernels, no emulation)."""
+    import torch
+
+    from fp8rl_core.precision import convert_for_training
+    from stages.train_core import make_optimizer, policy_logprobs
+    from gpu_check.step_config import load_step_config
+
+    cfg = load_step_config(mode)
+    model = _model(device)
+    report = convert_for_training(model, mode, emulate=False)
+    if report.emulate or report.backend == "fp8rl-emulated":
+        raise RuntimeError(f"train_step {mode}: backend {report.backend} would emulate FP8 on the GPU")
+    opt, sched = make_optimizer(model, cfg)
+    res, cal, sec = step_and_calibrate(model, opt, sched, batch, cfg)
+    t = res.timings
+    emit(f"train_step {mode}: backend {report.backend}, {len(report.converted)} FP8 linears, "
+         f"{len(report.skipped)} kept BF16; loss {res.metrics['loss']:.4f} grad_norm {res.metrics['grad_norm']:.3f} "
+         f"L {cal.lower:.4f} H {cal.upper:.4f} alpha {cal.alpha:.4f}")
+    emit(f"train_step {mode}: step {sec:.2f} s (pi_old {t['old_logp_s']:.2f}, shadow {t['shadow_s']:.2f}, "
+         f"update {t['update_s']:.2f}; calibration {t['calibration_s']:.2f}), "
+         f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
+    emu = _model(device)  # emulation vs kernel on the same weights and tokens
+    emu.load_state_dict(model.state_dict())
+    convert_for_training(emu, mode, emulate=True, backend="emulated")
+    with torch.no_grad():
+        lp_k, _ = policy_logprobs(model, batch.input_ids, batch.attention_mask, mode=mode, micro_batch_size=8)
+        lp_e, _ = policy_logprobs(emu, batch.input_ids, batch.attention_mask, mode=mode, micro_batch_size=8)
+    d = (lp_k - lp_e).abs()[batch.response_mask > 0]
+    emit(f"train_step {mode}: emulation vs kernel |dlogp| mean {float(d.mean()):.2e} max {float(d.max()):.2e}")
+
+
 def run(emit: Callable[[str], None]) -> None:
     import torch
 
     if not torch.cuda.is_available():
         emit("train_step: SKIP - no CUDA device on this machine (nothing ran on a GPU)")
         return
-    from fp8rl_core.calibration import CalibratorState, calibrate
-    from fp8rl_core.config import CampaignConfig
     from fp8rl_core.fp8_linear import set_strict_shapes
-    from fp8rl_core.losses import importance_ratio
-    from fp8rl_core.precision import convert_for_training
-    from stages.context import check_no_silent_emulation
-    from stages.train_core import make_optimizer, policy_logprobs, policy_update
 
     device = torch.device("cuda", torch.cuda.current_device())
     cap = torch.cuda.get_device_capability(device)
@@ -80,41 +142,7 @@ def run(emit: Callable[[str], None]) -> None:
             if cap < need:
                 emit(f"train_step {mode}: SKIP - needs SM{need[0]}{need[1]}+ for the real kernel")
                 continue
-            cfg = CampaignConfig.model_validate({
-                "rollout": {"prompts_per_step": 4, "samples_per_prompt": 8, "max_new_tokens": 160},
-                "algorithm": {"ppo_mini_batch_size": 16, "micro_batch_size": 8, "lr": 1e-6},
-                "precision": {"train": mode, "emulate": False}, "device": "cuda",
-            })
-            model = _model(device)
-            report = convert_for_training(model, mode, emulate=False)
-            check_no_silent_emulation(cfg, device, report)
-            opt, sched = make_optimizer(model, cfg)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            res = policy_update(model, opt, sched, batch, cfg, bounds=(0.8, 1.28), shadow=True, seed=0)
-            torch.cuda.synchronize()
-            sec = time.perf_counter() - t0
-            m = batch.response_mask.cpu() > 0
-            r8 = importance_ratio(res.logp_fp8, res.old_logp_fp8)
-            r16 = importance_ratio(res.logp_bf16, res.old_logp_bf16)
-            adv = batch.advantages.cpu()[:, None].expand_as(r8)
-            cal = calibrate(r8, r16, adv, m, eps_low=0.2, eps_high=0.28, config=cfg.calibration,
-                            previous=CalibratorState.initial(eps_low=0.2, eps_high=0.28, config=cfg.calibration),
-                            dual_clip=3.0)
-            emit(f"train_step {mode}: backend {report.backend}, {len(report.converted)} FP8 linears; "
-                 f"loss {res.metrics['loss']:.4f} grad_norm {res.metrics['grad_norm']:.3f} "
-                 f"L {cal.lower:.4f} H {cal.upper:.4f} alpha {cal.alpha:.4f}; step {sec:.2f} s, "
-                 f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
-            # emulation vs kernel on the same weights and tokens
-            emu = _model(device)
-            emu.load_state_dict(model.state_dict())
-            convert_for_training(emu, mode, emulate=True, backend="emulated")
-            with torch.no_grad():
-                lp_k, _ = policy_logprobs(model, batch.input_ids, batch.attention_mask, mode=mode, micro_batch_size=8)
-                lp_e, _ = policy_logprobs(emu, batch.input_ids, batch.attention_mask, mode=mode, micro_batch_size=8)
-            d = (lp_k - lp_e).abs()[batch.response_mask > 0]
-            emit(f"train_step {mode}: emulation vs kernel |dlogp| mean {float(d.mean()):.2e} max {float(d.max()):.2e}")
-            del model, emu, opt
+            _one_mode(emit, mode, device, batch)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
     finally:

@@ -189,6 +189,19 @@ def check_no_silent_emulation(cfg: CampaignConfig, device: torch.device, report:
         )
 
 
+def state_layer_precision(run_dir: Path, policy: torch.nn.Module, report: Any, *, main: bool) -> dict:
+    """Say which linears train in FP8 and which stay BF16, and why: one console line and ``run.json``'s
+    ``layer_precision`` (rank 0). Returns the summary (``fp8rl_core.precision_layers``)."""
+    from fp8rl_core.precision_layers import layer_precision, precision_line
+    from storage.layout import update_run_info
+
+    summary = layer_precision(policy, report)
+    if main:
+        print(precision_line(summary), flush=True)
+        update_run_info(run_dir, layer_precision=summary)
+    return summary
+
+
 def _base_model_rank0_first(cfg: CampaignConfig, runs_root: Path, rank: int, world_size: int, group: Any) -> Path:
     """Rank 0 builds (or finds) the bootstrap cache while the other ranks wait, then they read it."""
     if world_size == 1:
@@ -243,6 +256,7 @@ def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, r
         round_scales_to_power_of_2=cfg.precision.round_scales_to_power_of_2, device=device,
     )
     check_no_silent_emulation(cfg, device, report)
+    state_layer_precision(run_dir, policy, report, main=rank == 0)
     if cfg.algorithm.activation_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if engine is None:

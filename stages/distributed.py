@@ -5,22 +5,26 @@
   NCCL on CUDA, gloo on CPU (how the tests run it).
 * :func:`shard_policy` shards the policy with FSDP2: ``fully_shard`` on every
   decoder block, then on the root (embeddings, final norm, lm_head, tied
-  weights). Master weights stay float32 DTensors; compute dtype comes from the
-  autocast of :func:`stages.train_core.policy_logprobs`. On CUDA with torchao's
-  FP8 linears (tensorwise), torchao's float8 FSDP recipe applies: the policy is
-  converted with ``enable_fsdp_float8_all_gather=True`` (see
-  :func:`fsdp_float8_config`), so the all-gather moves FP8 weights, and
-  :func:`after_optimizer_step` calls ``precompute_float8_dynamic_scale_for_fsdp``
-  after each optimizer step (one all-reduce for every layer's amax instead of one
-  per layer per forward). This CUDA path is written against torchao 0.18 and has
-  not run on a GPU here.
+  weights). Master weights stay float32 DTensors; parameters are all-gathered in
+  bf16 and gradients reduced in fp32 (:func:`mixed_precision_policy`, FSDP2's
+  ``MixedPrecisionPolicy``), so every forward computes on bf16 weights. With
+  torchao's tensorwise FP8 linears (CUDA), torchao's float8 FSDP recipe applies:
+  :func:`enable_float8_all_gather` switches on ``enable_fsdp_float8_all_gather``,
+  so the all-gather moves FP8 weights, and :func:`after_optimizer_step` calls
+  ``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step (one
+  all-reduce for every layer's amax instead of one per layer per forward).
+  ``reshard_after_forward``: see :data:`RESHARD_AFTER_FORWARD`. This CUDA path is
+  written against torchao 0.18 and has not run on a GPU here.
 * :func:`save_sharded` / :func:`load_sharded` use ``torch.distributed.checkpoint``
   with ``get_state_dict`` / ``set_state_dict``: every rank writes its shards;
   loading reshards, so a checkpoint restores on the same or a different world
   size. :func:`full_model_state` gathers the full (unsharded) state on rank 0 for
   the ``from_pretrained`` export (rollout engines stream theirs per parameter).
 
-Under one process all of this is skipped: the same code runs unsharded.
+Under one process the policy runs unsharded, and every forward of the train
+step reads the bf16 casts of its fp32 masters
+(:func:`fp8rl_core.precision.bf16_parameters`): the cast FSDP2 applies, so one
+process computes exactly as N ranks do.
 """
 
 from __future__ import annotations
@@ -57,30 +61,64 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def fsdp_float8_config(granularity: str):
-    """torchao's float8 config for FSDP2 on CUDA: FP8 all-gather for tensorwise scaling.
+def mixed_precision_policy():
+    """FSDP2's cast: parameters all-gathered in bf16 (the compute dtype of every mode: FP8 linears quantize
+    from bf16, the rest runs under bf16 autocast), gradients reduce-scattered and kept in fp32 (the
+    masters' dtype), as torchtitan and torchao's float8 recipes run it. Half the all-gather bytes of
+    fp32 gathers; an fp32 reduction keeps the sum over ranks exact to fp32 rounding."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    torchao supports FP8 all-gather only for tensorwise dynamic scaling; rowwise
-    and blockwise all-gather the float32 master weights as usual.
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def enable_float8_all_gather(model: nn.Module) -> list[str]:
+    """Switch torchao's float8 all-gather on for every torchao tensorwise ``Float8Linear`` (before sharding).
+
+    Does what ``Float8Linear.from_float`` does with ``enable_fsdp_float8_all_gather=True``: the
+    config flag, and the weight wrapped in ``WeightWithDynamicFloat8CastTensor``, whose FSDP2 hooks
+    cast the local shard to float8 before the all-gather (one byte per weight on the wire) using
+    the scale :func:`after_optimizer_step` precomputes. Rowwise, blockwise and our emulated linears
+    are left as they are. Returns the names of the linears switched.
     """
-    from fp8rl_core.precision import quiet_import_torchao_float8
-
-    float8 = quiet_import_torchao_float8()
-    config = float8.Float8LinearConfig.from_recipe_name(granularity)
-    if granularity == "tensorwise":
+    switched = []
+    for name, mod in model.named_modules():
+        config = getattr(mod, "config", None)
+        cast = getattr(config, "cast_config_weight", None)
+        if cast is None or not hasattr(mod, "linear_mm_config") or config.enable_fsdp_float8_all_gather:
+            continue
+        if getattr(cast.scaling_granularity, "value", None) != "tensorwise" or cast.scaling_type.value != "dynamic":
+            continue
         import dataclasses
 
-        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True, force_recompute_fp8_weight_in_bwd=True)
-    return config
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+        mod.config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        mod.weight = nn.Parameter(WeightWithDynamicFloat8CastTensor(mod.weight.data, mod.linear_mm_config,
+                                                                   cast.target_dtype),
+                                  requires_grad=mod.weight.requires_grad)
+        switched.append(name)
+    return switched
 
 
-def shard_policy(model: nn.Module, cfg: Any = None, *, device: torch.device | None = None, mesh: Any = None) -> nn.Module:
-    """FSDP2-shard ``model`` in place: each decoder block, then the root. Returns the model."""
+# reshard_after_forward: every decoder block frees its gathered parameters after its forward (ZeRO-3:
+# only one block is ever unsharded, which the 32B preset needs), except the last, whose backward
+# starts right away (re-gathering it would be wasted); the root (embeddings, final norm, lm_head)
+# reshards too. As torchtitan's "default" policy.
+RESHARD_AFTER_FORWARD = "blocks and root: yes; last block: no (its backward follows at once)"
+
+
+def shard_policy(model: nn.Module, cfg: Any = None, *, device: torch.device | None = None,
+                 mesh: Any = None) -> nn.Module:
+    """FSDP2-shard ``model`` in place: each decoder block, then the root, bf16 all-gather with fp32
+    gradient reduction, float8 all-gather for torchao tensorwise linears. Returns the model."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in decoder_blocks(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    enable_float8_all_gather(model)
+    mp = mixed_precision_policy()
+    blocks = decoder_blocks(model)
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     return model
 
 

@@ -9,17 +9,68 @@ mini-batch can leave a rank fewer micro-batches (or none); every rank computes
 the depth of each mini-batch locally and pads its share up to it
 (``stages.train_core.local_rows`` supplies the zero-loss padding row), so every
 rank joins every FSDP collective.
+
+Token-budget micro-batches (``algorithm.max_tokens_per_micro_batch``): with
+long-tailed response lengths, micro-batches of a fixed row count padded to the
+batch's longest row spend most of their GEMM work on padding. With a budget,
+each mini-batch's rows are sorted by length and cut greedily
+(:func:`token_budget_micros`) so that each micro-batch, padded only to its own
+longest row, stays within the budget; the mini-batches, and so the token-mean
+denominators and every calibration statistic, are the same as without.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from fp8rl_core.config import CampaignConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
+    from fp8rl_core.config import CampaignConfig
 
 
 def _micro_slices(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
     return [idx[i : i + size] for i in range(0, idx.numel(), size)]
+
+
+def padded_tokens(rows: int, width: int, multiple: int) -> int:
+    """Tokens a micro-batch of ``rows`` rows occupies once padded to ``width`` and the kernel's ``multiple``
+    (``rows x T'``, ``T' >= width`` the smallest with ``rows x T'`` a multiple of ``multiple``)."""
+    step = multiple // math.gcd(rows, multiple) if rows else 1
+    return rows * (-(-width // step) * step)
+
+
+def token_budget_micros(rows: torch.Tensor, lengths: torch.Tensor, *, max_rows: int, max_tokens: int,
+                        multiple: int = 1) -> list[torch.Tensor]:
+    """Split one mini-batch into micro-batches under a token budget (verl's dynamic batch size).
+
+    Args:
+        rows: ``[B]`` long, the mini-batch's row indices (in the step's shuffled order).
+        lengths: ``[N]`` long, tokens of every row of the batch (prompt + response).
+        max_rows: at most this many rows a micro-batch (``micro_batch_size``).
+        max_tokens: at most this many padded tokens a micro-batch (:func:`padded_tokens` at its
+            own longest row); a row alone over the budget runs alone.
+        multiple: the kernel's token multiple (``train_core.token_multiple``).
+    Rows are sorted by length, longest first (ties keep their shuffled order), and filled
+    greedily: the longest row of each micro-batch is its first. A pure function of its inputs,
+    so every rank computes the same split.
+    """
+    lens = lengths[rows]
+    order = torch.sort(lens, descending=True, stable=True).indices
+    micros, cur, width = [], [], 0
+    for i in order.tolist():
+        n = int(lens[i])
+        if cur and (len(cur) >= max_rows or padded_tokens(len(cur) + 1, width, multiple) > max_tokens):
+            micros.append(rows[torch.tensor(cur, dtype=torch.long)])
+            cur = []
+        if not cur:
+            width = n
+        cur.append(i)
+    if cur:
+        micros.append(rows[torch.tensor(cur, dtype=torch.long)])
+    return micros
 
 
 def check_world_size(cfg: CampaignConfig, world_size: int) -> None:
@@ -44,33 +95,47 @@ def check_world_size(cfg: CampaignConfig, world_size: int) -> None:
         )
 
 
-def minibatch_plan(n: int, cfg: CampaignConfig, seed: int, *, rank: int = 0, world_size: int = 1) -> list[list[torch.Tensor]]:
+def minibatch_plan(n: int, cfg: CampaignConfig, seed: int, *, rank: int = 0, world_size: int = 1,
+                   lengths: torch.Tensor | None = None, multiple: int = 1) -> list[list[torch.Tensor]]:
     """Per mini-batch (epoch-major), this rank's micro-batches as row-index tensors of the global batch.
 
     Independent of ``world_size`` as a set: the k 1-process micro-batches of
     mini-batch j are dealt out in contiguous runs of ``ceil(k/W)``, so the ranks'
     micro-batches together are the 1-process ones (and rank 0 runs the most). A
     partial last mini-batch can leave a rank fewer micro-batches, or none.
+    With ``algorithm.max_tokens_per_micro_batch`` set, ``lengths`` (``[n]`` tokens per
+    row) and ``multiple`` (the kernel's token multiple) cut each mini-batch by
+    :func:`token_budget_micros` instead of in runs of ``micro_batch_size`` rows; the
+    mini-batches themselves (and so every token-mean) do not change.
     """
     a = cfg.algorithm
+    budget = a.max_tokens_per_micro_batch
+    if budget is not None and lengths is None:
+        raise ValueError("algorithm.max_tokens_per_micro_batch is set: minibatch_plan needs the rows' lengths")
     gen = torch.Generator().manual_seed(seed)
     plan = []
     for _ in range(a.ppo_epochs):
         order = torch.randperm(n, generator=gen)
         for mb in _micro_slices(order, a.ppo_mini_batch_size):
-            micros = _micro_slices(mb, a.micro_batch_size)
+            if budget is None:
+                micros = _micro_slices(mb, a.micro_batch_size)
+            else:
+                micros = token_budget_micros(mb, lengths, max_rows=a.micro_batch_size, max_tokens=budget,
+                                             multiple=multiple)
             share = -(-len(micros) // world_size)
             plan.append(micros[rank * share : (rank + 1) * share])
     return plan
 
 
-def plan_depth(n: int, cfg: CampaignConfig, seed: int, world_size: int) -> list[int]:
+def plan_depth(n: int, cfg: CampaignConfig, seed: int, world_size: int, *, lengths: torch.Tensor | None = None,
+               multiple: int = 1) -> list[int]:
     """Per mini-batch (epoch-major), the most micro-batches any rank runs in :func:`minibatch_plan`.
 
     A deterministic function of the plan's inputs: every rank computes it locally
     (no communication) and pads its share up to it (:func:`pad_micros`).
     """
-    plans = [minibatch_plan(n, cfg, seed, rank=r, world_size=world_size) for r in range(world_size)]
+    plans = [minibatch_plan(n, cfg, seed, rank=r, world_size=world_size, lengths=lengths, multiple=multiple)
+             for r in range(world_size)]
     return [max(len(p[k]) for p in plans) for k in range(len(plans[0]))]
 
 

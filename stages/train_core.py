@@ -61,23 +61,26 @@ contiguous); column t is the log-prob of ``input_ids[:, t]`` given its prefix.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from fp8rl_core.bapo import UpdateBoundsRule
 from fp8rl_core.calibration import per_update_rule
-from fp8rl_core.config import CampaignConfig
 from fp8rl_core.fp8_linear import TOKEN_MULTIPLE
 from fp8rl_core.logprobs import sequence_logprobs
 from fp8rl_core.losses import importance_ratio, loss_bounds, tis_weights
-from fp8rl_core.precision import bf16_shadow
+from fp8rl_core.precision import bf16_parameters, bf16_shadow
 from fp8rl_core.registered import LOSS_STATISTICS, POLICY_LOSSES
 from stages.minibatch_plan import check_world_size, minibatch_plan, pad_micros, plan_depth  # noqa: F401  (re-exported)
+
+if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
+    from fp8rl_core.config import CampaignConfig
 
 
 def maybe_fault(stage: str, point: int) -> None:
@@ -105,6 +108,11 @@ class TrainBatch:
     def to(self, device: torch.device | str) -> "TrainBatch":
         return TrainBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.response_mask,
                                                     self.rollout_logp, self.advantages, self.sample_ids)))
+
+    def cpu(self) -> "TrainBatch":
+        """The batch on the host (itself when it is there already)."""
+        return TrainBatch(*(t.cpu() for t in (self.input_ids, self.attention_mask, self.response_mask,
+                                              self.rollout_logp, self.advantages, self.sample_ids)))
 
     def rows(self, idx: torch.Tensor) -> "TrainBatch":
         return TrainBatch(self.input_ids[idx], self.attention_mask[idx], self.response_mask[idx],
@@ -214,6 +222,11 @@ def pad_to_contract(input_ids: torch.Tensor, attention_mask: torch.Tensor, multi
             torch.nn.functional.pad(attention_mask, pad, value=0))
 
 
+def _widen(x: torch.Tensor, t: int) -> torch.Tensor:
+    """``[m, w]`` -> ``[m, t]``, zeros on the right (the columns a trimmed micro-batch did not compute)."""
+    return x if x.shape[1] == t else torch.nn.functional.pad(x, (0, t - x.shape[1]))
+
+
 def policy_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -223,13 +236,18 @@ def policy_logprobs(
     shadow: bool = False,
     with_entropy: bool = False,
     micro_batch_size: int | None = None,
+    trim: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of ``model`` over ``[N, T]``: the step's one forward path.
 
     Micro-batches of ``micro_batch_size`` rows (None: all at once), each padded to
     ``mode``'s kernel contract; ``shadow`` runs the BF16 shadow pass (same master
-    weights, FP8 linears bypassed). Differentiable when grad is enabled. Returns
-    float32 ``[N, T]`` (padding columns removed).
+    weights, FP8 linears bypassed). Every forward computes on the bf16 casts of the
+    fp32 masters, as FSDP2's all-gather hands them over (``bf16_parameters``), so
+    one process and N ranks compute alike. ``trim``: each micro-batch is cut to its own
+    longest row before the kernel padding (token-budget micro-batches), its outputs padded
+    back with zeros. Differentiable when grad is enabled. Returns float32 ``[N, T]``
+    (padding columns removed).
     """
     n, t = input_ids.shape
     step = n if micro_batch_size is None else micro_batch_size
@@ -237,14 +255,12 @@ def policy_logprobs(
     multiple = token_multiple(run_mode)
     lps, ents = [], []
     for s in range(0, n, max(step, 1)):
-        ids, am = pad_to_contract(input_ids[s : s + step], attention_mask[s : s + step], multiple)
-        if shadow:
-            with bf16_shadow(model):
-                lp, ent = sequence_logprobs(model, ids, am, mode=run_mode, with_entropy=with_entropy)
-        else:
+        w = int(attention_mask[s : s + step].sum(1).max()) if trim else t  # rows are right-padded
+        ids, am = pad_to_contract(input_ids[s : s + step, :w], attention_mask[s : s + step, :w], multiple)
+        with bf16_parameters(model), (bf16_shadow(model) if shadow else contextlib.nullcontext()):
             lp, ent = sequence_logprobs(model, ids, am, mode=run_mode, with_entropy=with_entropy)
-        lps.append(lp[:, :t])
-        ents.append(None if ent is None else ent[:, :t])
+        lps.append(_widen(lp[:, :w], t))
+        ents.append(None if ent is None else _widen(ent[:, :w], t))
     if not lps:
         empty = torch.zeros(0, t, device=input_ids.device)
         return empty, (empty if with_entropy else None)
@@ -330,7 +346,13 @@ class StepRows:
     pad: torch.Tensor | None  # [1] local index of the padding row (None in one process)
     where: torch.Tensor  # [N] global row -> local row (-1: another rank's)
     depth: list[int]  # micro-batches every rank runs in each mini-batch
-    sub: torch.Tensor | None  # [n_r (+1)] bool rows with shadow passes (None: all)
+    sub: torch.Tensor | None  # [n_r (+1)] bool rows with shadow passes (None: all), on the host like the row indices
+    trim: bool = False  # token-budget micro-batches: each forward cut to its micro-batch's longest row
+
+    def logprobs(self, model, r: torch.Tensor, mode: str, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:func:`policy_logprobs` of local rows ``r`` (trimmed to their own width under a token budget)."""
+        return policy_logprobs(model, self.local.input_ids[r], self.local.attention_mask[r], mode=mode,
+                               trim=self.trim, **kw)
 
     def real(self, k: int) -> list[torch.Tensor]:
         """Local row indices of mini-batch ``k``'s micro-batches (this rank's, no padding)."""
@@ -350,15 +372,18 @@ def split_rows(batch: TrainBatch, cfg: CampaignConfig, seed: int, collective: Co
                shadow_rows: torch.Tensor | None) -> StepRows:
     """Plan the step's mini-batches and take this rank's rows of ``batch`` onto ``device``."""
     n = batch.size
-    plan = minibatch_plan(n, cfg, seed, rank=collective.rank, world_size=collective.world_size)
+    budget = cfg.algorithm.max_tokens_per_micro_batch is not None  # token budget: split by length, trimmed
+    split = dict(lengths=batch.attention_mask.sum(1).cpu(), multiple=token_multiple(cfg.precision.train)) if budget else {}
+    plan = minibatch_plan(n, cfg, seed, rank=collective.rank, world_size=collective.world_size, **split)
     per_epoch = len(plan) // cfg.algorithm.ppo_epochs
     mine = torch.unique(torch.cat([m for mbs in plan[:per_epoch] for m in mbs] or [torch.zeros(0, dtype=torch.long)]))
     local, local_global, pad = local_rows(batch, mine, collective.world_size)
     where = torch.full((n,), -1, dtype=torch.long)
     where[mine] = torch.arange(mine.numel())
-    sub = None if shadow_rows is None or bool(shadow_rows.all()) else shadow_rows.bool()[local_global].to(device)
+    # host, like the micro-batches' row indices it selects from (a device mask cannot index a host tensor)
+    sub = None if shadow_rows is None or bool(shadow_rows.all()) else shadow_rows.cpu().bool()[local_global]
     return StepRows(n, plan, per_epoch, mine, local.to(device), local_global, pad, where,
-                    plan_depth(n, cfg, seed, collective.world_size), sub)
+                    plan_depth(n, cfg, seed, collective.world_size, **split), sub, trim=budget)
 
 
 @dataclass
@@ -378,12 +403,11 @@ class StepTensors:
 def _no_grad_logprobs(model, rows: StepRows, micros: list[torch.Tensor], mode: str, *, shadow: bool,
                       out: torch.Tensor) -> None:
     """Fill ``out`` with the no-grad log-probs of ``micros`` (BF16 shadow rows only when ``shadow``)."""
-    x = rows.local
     with torch.no_grad():
         for r in micros:
             r = rows.shadowed(r) if shadow else r
             if r.numel():
-                out[r] = policy_logprobs(model, x.input_ids[r], x.attention_mask[r], mode=mode, shadow=shadow)[0]
+                out[r] = rows.logprobs(model, r, mode, shadow=shadow)[0]
 
 
 def old_logprobs(model, rows: StepRows, cfg: CampaignConfig, *, shadow: bool,
@@ -428,9 +452,9 @@ def update_bounds(model, rows: StepRows, micros: list[torch.Tensor], t: StepTens
                   rule: UpdateBoundsRule, collective: Collective):
     """(L, H) of a clip mode that picks bounds before every update (its registry hook), from the
     update's current ratios over every rank's tokens; returns the hook's result (``.lower``, ``.upper``)."""
-    x, mode = rows.local, cfg.precision.train
+    mode = cfg.precision.train
     with torch.no_grad():
-        cur = [importance_ratio(policy_logprobs(model, x.input_ids[r], x.attention_mask[r], mode=mode)[0], t.old8[r])
+        cur = [importance_ratio(rows.logprobs(model, r, mode)[0], t.old8[r])
                for r in micros]
     return rule.bounds(torch.cat([c.reshape(-1) for c in cur]), torch.cat([t.adv_tok[r].reshape(-1) for r in micros]),
                        torch.cat([t.mask[r].reshape(-1) for r in micros]), cfg.calibration,
@@ -447,12 +471,11 @@ def micro_batch_pass(model, rows: StepRows, micros: list[torch.Tensor], t: StepT
     entropy of these rows (epoch 0). Padding micro-batches have mask 0: they add
     0 to every sum.
     """
-    a, x = cfg.algorithm, rows.local
+    a = cfg.algorithm
     loss_fn = POLICY_LOSSES.get(a.loss)
     total = 0.0
     for r in micros:
-        lp, ent = policy_logprobs(model, x.input_ids[r], x.attention_mask[r], mode=cfg.precision.train,
-                                  with_entropy=True)
+        lp, ent = rows.logprobs(model, r, cfg.precision.train, with_entropy=True)
         loss, _ = loss_fn(
             lp, t.old8[r], t.adv_tok[r], t.mask[r], lower=bounds[0], upper=bounds[1], dual_clip=a.dual_clip,
             is_weights=None if t.is_w is None else t.is_w[r], agg=a.loss_agg,
@@ -578,11 +601,12 @@ def gather_step_stats(batch: TrainBatch, rows: StepRows, t: StepTensors, log: Up
     g = {k: glob(v) for k, v in dict(logp8=t.logp8, old8=t.old8, logp16=t.logp16, old16=t.old16, entropy=t.entropy,
                                      is_w=t.is_w).items()}
     minibatch = log.minibatch if collective.world_size == 1 else _owned_max(collective, log.minibatch, mine, n)
-    metrics = step_metrics(batch, g["logp8"], g["old8"], g["entropy"], g["is_w"], cfg, bounds=bounds)
+    host = batch.cpu()  # the gathered per-token tensors are on the host: so is the batch they are read with
+    metrics = step_metrics(host, g["logp8"], g["old8"], g["entropy"], g["is_w"], cfg, bounds=bounds)
     if rule is not None:  # clip statistics at each row's own update bounds
-        fmask = batch.response_mask.float()
+        fmask = host.response_mask.float()
         metrics.update({k: float(v) for k, v in rule.clip_stats(
-            g["logp8"], g["old8"], batch.advantages.float()[:, None] * fmask, fmask, minibatch, log.epoch0_bounds,
+            g["logp8"], g["old8"], host.advantages.float()[:, None] * fmask, fmask, minibatch, log.epoch0_bounds,
             dual_clip=cfg.algorithm.dual_clip, is_weights=g["is_w"]).items()})
         metrics.update(rule.summarize(log.per_update))
     gn = log.grad_norms

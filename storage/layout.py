@@ -251,6 +251,18 @@ def read_run_info(run_dir: str | Path) -> RunInfo:
     return RunInfo(run_id, data.get("config_hash"), data.get("created_at", ""), version, run_dir)
 
 
+def update_run_info(run_dir: str | Path, **fields: Any) -> None:
+    """Add or replace top-level ``fields`` of ``run.json`` (atomic; the identity keys cannot change)."""
+    read_run_info(run_dir)  # a run directory with a readable run.json, or the usual error
+    p = Path(run_dir) / RUN_FILE
+    data = json.loads(p.read_text(encoding="utf-8"))
+    fixed = {"run_id", "config_hash", "created_at", "schema_version"} & set(fields)
+    if fixed:
+        raise ValueError(f"update_run_info: {sorted(fixed)} are fixed at creation")
+    data.update(fields)
+    write_text_atomic(p, json.dumps(data, indent=2) + "\n")
+
+
 def find_runs(root: str | Path, runs: Iterable[str] | None = None) -> list[RunInfo]:
     """The runs under ``root`` (a run directory or a folder of them), filtered by id.
 

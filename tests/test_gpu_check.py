@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -97,3 +98,62 @@ def test_vllm_section_skips_with_the_reason_where_vllm_does_not_import(monkeypat
     lines = []
     vllm_cycle.run(lines.append)
     assert len(lines) == 1 and lines[0].startswith("[5] vLLM cycle: SKIP (import vllm failed: ")
+
+
+_NO_PYDANTIC = r"""
+import sys
+
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("pydantic", "pydantic_core"):
+            raise ImportError("the GPU machine has no " + name)
+
+sys.meta_path.insert(0, Block())
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from fp8rl_core.precision import convert_for_training
+from gpu_check.step_config import load_step_config
+from gpu_check.train_step import _batch, run, step_and_calibrate
+from stages.train_core import make_optimizer
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2, head_dim=32))
+cfg = load_step_config("fp8_rowwise")
+convert_for_training(model, "fp8_rowwise")
+opt, sched = make_optimizer(model, cfg)
+res, cal, sec = step_and_calibrate(model, opt, sched, _batch("cpu", n=32, p=8, r=16, vocab=128), cfg)
+assert callable(run) and not [m for m in sys.modules if m.startswith("pydantic")]
+print("STEP", res.metrics["updates"], res.timings["calibration_s"] >= 0, 0.6 <= cal.lower <= 1.0)
+"""
+
+
+def test_the_train_step_section_imports_and_runs_without_pydantic():
+    """The GPU machine has torch, transformers, pyarrow and pandas, no pydantic: the train-step section
+    imports and runs its whole step (π_old, shadow, update, calibration) with pydantic unimportable."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", _NO_PYDANTIC], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "STEP 2.0 True True" in out.stdout
+
+
+def test_the_shipped_step_config_is_the_validated_campaign_config():
+    """``gpu_check/step_config.json`` is what ``CampaignConfig`` makes of the check's overrides today
+    (regenerate with ``python -m gpu_check.step_config`` when a default changes)."""
+    import json
+
+    from gpu_check.step_config import PATH, dump_step_config, load_step_config
+
+    assert json.loads(PATH.read_text()) == dump_step_config()
+    cfg = load_step_config("fp8_blockwise")
+    assert cfg.precision.train == "fp8_blockwise" and cfg.algorithm.micro_batch_size == 8
+    with pytest.raises(AttributeError, match="read-only"):
+        cfg.algorithm.lr = 1.0

@@ -274,6 +274,17 @@ def test_two_gloo_ranks_match_one_process_with_a_partial_mini_batch(tmp_path, mo
     _two_ranks_match_one_process(tmp_path, mode, n, {"micro_batch_size": micro, "calibration": calibration})
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["bf16", "fp8_rowwise"])
+@pytest.mark.parametrize("n", [16, 19], ids=["full", "2-full+3-rows"])
+def test_two_gloo_ranks_match_one_process_with_token_budget_micro_batches(tmp_path, mode, n):
+    """``algorithm.max_tokens_per_micro_batch``: rows sorted by length, micro-batches trimmed to their own
+    longest row. Budget 64 with rows of 9-13 tokens: 4 rows a micro-batch in bf16 (4 x 13 = 52), 4 x 16 = 64
+    under rowwise's multiple of 16, so full mini-batches keep 2 micro-batches (the summation order of the
+    tolerances above); the partial one is 3 rows. Same split on both sides, so the same results."""
+    _two_ranks_match_one_process(tmp_path, mode, n, {"max_tokens_per_micro_batch": 64})
+
+
 # --------------------------------------------------------------------------- devices
 
 

@@ -1,0 +1,130 @@
+"""``fp8rl plan``'s measured plan: the preset's train step on fake tensors, per GPU, per phase.
+
+The train step is measured by :func:`stages.memory_measure.measure_step` at two
+small depths and extrapolated linearly to the model's depth (every kind of
+memory separately, see that module). Around it, per GPU:
+
+* **rollout**: vLLM, colocated, claims ``rollout.gpu_memory_utilization`` of the
+  GPU (weights + KV cache) while the trainer's resident state stays: the sharded
+  fp32 parameters and the AdamW state (gradients are freed after each update);
+* **train step**: the measured peak of forward, backward and the AdamW step, plus
+  the sleeping engine (level 1 offloads its weights to host memory and frees its
+  KV cache: nothing stays on the GPU; level 0 keeps its whole reservation);
+* **weight sync**: the resident state, the full (unsharded) model state the
+  trainer's gather returns (``stages.distributed.full_model_state``, measured on
+  the fake model) and the awake engine's weights (P x 1 B in FP8, 2 B in BF16).
+
+A phase fits when it stays under the GPU's memory less the headroom. The
+analytic plan (:mod:`flows.plan`) is printed beside it, with the ratio of each
+comparable row; docs/trainer-at-scale.md explains the differences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flows.plan import GiB, Arch, arch_of, memory_plan, total_params
+
+DEPTHS = (2, 3)  # decoder layers measured (neither is only the last block); extrapolated linearly to the depth
+
+
+@dataclass(frozen=True)
+class MeasuredPlan:
+    phases: dict[str, float]  # phase -> GiB per GPU at its peak
+    train: dict[str, dict[str, float]]  # train phase (forward/backward/optimizer) -> kind -> GiB
+    resident_gib: float  # sharded fp32 parameters + AdamW state
+    full_state_gib: float
+    engine_weights_gib: float
+    budget_gib: float
+    fits: bool
+    params: int
+    depths: tuple[int, int]
+
+
+def hf_config(a: Arch) -> Any:
+    """A transformers config of ``a`` (Qwen2 when the attention has q/k/v biases, else Qwen3)."""
+    from transformers import Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                  num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                  tie_word_embeddings=a.tied, max_position_embeddings=40960)
+    if a.qkv_bias:
+        return Qwen2Config(**common)
+    return Qwen3Config(head_dim=a.head_dim, **common)
+
+
+def plan_precision_line(cfg: Any) -> str:
+    """Which linears of the preset's model train in FP8 and which stay BF16, and why (the run's console line)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fp8rl_core.precision import convert_for_training
+    from fp8rl_core.precision_layers import layer_precision, precision_line
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(arch_of(cfg)), dtype=torch.float32)
+    report = convert_for_training(model, cfg.precision.train, backend="emulated")
+    return precision_line(layer_precision(model, report))
+
+
+def measured_plan(cfg: Any, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int = 1024,
+                  headroom: float = 0.10, depths: tuple[int, int] = DEPTHS) -> MeasuredPlan:
+    """Measure the train step at ``depths`` layers on ``gpus`` fake ranks and build the per-phase plan."""
+    from stages.memory_measure import extrapolate, measure_step
+
+    a = arch_of(cfg)
+    depths = tuple(min(d, a.layers) for d in depths) if a.layers > 1 else (1, 1)
+    kw = dict(world_size=gpus, mode=cfg.precision.train, micro_batch_size=cfg.algorithm.micro_batch_size,
+              seq_len=prompt_tokens + cfg.rollout.max_new_tokens,
+              activation_checkpointing=cfg.algorithm.activation_checkpointing, lr=cfg.algorithm.lr)
+    runs = [measure_step(hf_config(a), layers=d, **kw) for d in sorted(set(depths))]
+    step = runs[0] if len(runs) == 1 else extrapolate(runs[0], runs[1], a.layers)
+    p = total_params(a)
+    after = step.phases["after step"]
+    resident = after.get("Sharded Param", 0) + after.get("OptState", 0)
+    engine_weights = p * (1 if cfg.precision.rollout.startswith("fp8") else 2) if cfg.rollout.engine == "vllm" else 0
+    r = cfg.rollout
+    sleeping = 0.0 if cfg.rollout.engine != "vllm" or (r.sleep_between_steps and r.sleep_level >= 1) \
+        else r.gpu_memory_utilization * gpu_memory_gib * GiB
+    train_peak = max(step.total(ph) for ph in ("forward", "backward", "optimizer"))
+    phases = {
+        "rollout (engine reservation + resident state)":
+            (r.gpu_memory_utilization * gpu_memory_gib * GiB if cfg.rollout.engine == "vllm" else 0) + resident,
+        "train step (measured peak + sleeping engine)": train_peak + sleeping,
+        "weight sync (resident + full state + engine weights)": resident + step.full_state_bytes + engine_weights,
+    }
+    budget = gpu_memory_gib * (1 - headroom)
+    gib = {k: v / GiB for k, v in phases.items()}
+    train = {ph: {k: v / GiB for k, v in step.phases[ph].items() if v} for ph in ("forward", "backward", "optimizer")}
+    return MeasuredPlan(gib, train, resident / GiB, step.full_state_bytes / GiB, engine_weights / GiB, budget,
+                        all(v <= budget for v in gib.values()), p, (min(depths), max(depths)))
+
+
+def format_measured(cfg: Any, plan: MeasuredPlan, *, gpus: int, gpu_memory_gib: float,
+                    prompt_tokens: int = 1024) -> str:
+    """The measured plan, the analytic plan's comparable rows beside it, and the fit verdict."""
+    a = arch_of(cfg)
+    lines = [f"{cfg.name}: {plan.params / 1e9:.2f} B parameters, FSDP2 over {gpus} GPU(s) of {gpu_memory_gib:g} GiB; "
+             f"measured: one train step on fake tensors at {plan.depths[0]} and {plan.depths[1]} layers, "
+             f"extrapolated to {a.layers}"]
+    for ph, kinds in plan.train.items():
+        lines.append(f"  {ph + ' peak':<54} {sum(kinds.values()):8.2f} GiB  "
+                     + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:5]))
+    for ph, v in plan.phases.items():
+        lines.append(f"  {ph:<54} {v:8.2f} GiB")
+    ana = memory_plan(cfg, gpus=gpus, gpu_memory_gib=gpu_memory_gib, prompt_tokens=prompt_tokens)
+    rows = dict(ana.rows)
+    opt = plan.train["optimizer"]
+    pairs = [("parameters (fp32 master shard)", opt.get("Sharded Param", 0.0)),
+             ("gradients (fp32 shard)", opt.get("Sharded Grad", 0.0)),
+             ("optimizer (AdamW, fp32 shard)", plan.resident_gib - opt.get("Sharded Param", 0.0))]
+    lines.append(f"  analytic plan (flows/plan.py): total {ana.total_gib:.2f} GiB; measured / analytic: "
+                 + ", ".join(f"{k.split(' (')[0]} {m / rows[k]:.3f}" for k, m in pairs if rows.get(k)))
+    verdict = "fits" if plan.fits else "does NOT fit"
+    lines.append(f"{verdict}: worst phase {max(plan.phases.values()):.2f} GiB, budget {plan.budget_gib:.1f} GiB "
+                 f"after headroom")
+    return "\n".join(lines)
+
+
+__all__ = ["DEPTHS", "MeasuredPlan", "format_measured", "hf_config", "measured_plan", "plan_precision_line"]
