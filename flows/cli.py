@@ -34,7 +34,7 @@ _COMMAND_MODULES = (
     "flows.cli_deploy",  # deploy
     "flows.cli_storage",  # query, doctor
     "flows.cli_report",  # report, sweep
-    "flows.plan",  # plan
+    "flows.cli_plan",  # plan
 )
 
 

@@ -34,7 +34,7 @@ class MeasuredPlan:
     phases: dict[str, float]  # phase -> GiB per GPU at its peak
     train: dict[str, dict[str, float]]  # train phase (forward/backward/optimizer) -> kind -> GiB
     resident_gib: float  # sharded fp32 parameters + AdamW state
-    full_state_gib: float
+    sync_gib: float
     engine_weights_gib: float
     budget_gib: float
     fits: bool
@@ -92,12 +92,12 @@ def measured_plan(cfg: Any, *, gpus: int, gpu_memory_gib: float, prompt_tokens: 
         "rollout (engine reservation + resident state)":
             (r.gpu_memory_utilization * gpu_memory_gib * GiB if cfg.rollout.engine == "vllm" else 0) + resident,
         "train step (measured peak + sleeping engine)": train_peak + sleeping,
-        "weight sync (resident + full state + engine weights)": resident + step.full_state_bytes + engine_weights,
+        "weight sync (resident + largest streamed parameter + engine weights)": resident + step.sync_bytes + engine_weights,
     }
     budget = gpu_memory_gib * (1 - headroom)
     gib = {k: v / GiB for k, v in phases.items()}
     train = {ph: {k: v / GiB for k, v in step.phases[ph].items() if v} for ph in ("forward", "backward", "optimizer")}
-    return MeasuredPlan(gib, train, resident / GiB, step.full_state_bytes / GiB, engine_weights / GiB, budget,
+    return MeasuredPlan(gib, train, resident / GiB, step.sync_bytes / GiB, engine_weights / GiB, budget,
                         all(v <= budget for v in gib.values()), p, (min(depths), max(depths)))
 
 

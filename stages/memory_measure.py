@@ -45,7 +45,7 @@ class StepMemory:
     layers: int
     tokens: int
     phases: dict[str, dict[str, int]] = field(default_factory=dict)  # phase -> kind -> bytes
-    full_state_bytes: int = 0  # a weight sync's full (unsharded) model state, gathered on the device
+    sync_bytes: int = 0  # a weight sync's peak: the largest full bf16 parameter it streams to the engine
 
     def total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -107,7 +107,7 @@ def measure_step(hf_config: Any, *, layers: int, world_size: int, mode: str, mic
     from transformers import AutoModelForCausalLM
 
     from fp8rl_core.precision import convert_for_training
-    from stages.distributed import full_model_state, shard_policy
+    from stages.distributed import shard_policy
     from stages.train_core import policy_logprobs, token_multiple
 
     fields = {k: v for k, v in hf_config.to_dict().items() if k != "layer_types"}  # per-layer list: rebuilt
@@ -139,7 +139,7 @@ def measure_step(hf_config: Any, *, layers: int, world_size: int, mode: str, mic
                 opt.zero_grad(set_to_none=True)
             out.phases["optimizer"] = {**out.phases["after step"], "OptState": _local_adamw_peak(model, lr)}
             del lp
-            out.full_state_bytes = _full_state_bytes(model, full_model_state)
+            out.sync_bytes = _sync_bytes(model)
     assert token_multiple(mode) >= 1
     return out
 
@@ -167,10 +167,12 @@ def _local_adamw_peak(model: torch.nn.Module, lr: float) -> int:
     return int(sum(v for k, v in snap.items() if "OPT" in str(k)))
 
 
-def _full_state_bytes(model: torch.nn.Module, full_model_state: Any) -> int:
-    """Bytes a weight sync gathers: the full state dict as the trainer's gather returns it."""
-    state = full_model_state(model, every_rank=True)
-    return sum(t.numel() * t.element_size() for t in state.values())
+def _sync_bytes(model: torch.nn.Module) -> int:
+    """Peak bytes a weight sync gathers on the device: the sync streams one full bf16 parameter at a
+    time (``stages.engines.weight_transfer.stream_trainer_weights``), so the largest one."""
+    from stages.engines.weight_transfer import stream_trainer_weights
+
+    return max((t.numel() * t.element_size() for _, t in stream_trainer_weights(model)), default=0)
 
 
 def extrapolate(a: StepMemory, b: StepMemory, layers: int) -> StepMemory:
@@ -183,7 +185,7 @@ def extrapolate(a: StepMemory, b: StepMemory, layers: int) -> StepMemory:
         kinds = set(a.phases[phase]) | set(b.phases[phase])
         out.phases[phase] = {kind: int(round(a.phases[phase].get(kind, 0) + k * (
             b.phases[phase].get(kind, 0) - a.phases[phase].get(kind, 0)))) for kind in kinds}
-    out.full_state_bytes = int(round(a.full_state_bytes + k * (b.full_state_bytes - a.full_state_bytes)))
+    out.sync_bytes = max(a.sync_bytes, b.sync_bytes)  # the largest parameter does not grow with depth
     return out
 
 

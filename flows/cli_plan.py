@@ -1,0 +1,37 @@
+"""``fp8rl plan``: the command. It measures (:mod:`flows.plan_measured`) and prints the
+arithmetic of :mod:`flows.plan` beside it, or the arithmetic alone (``--analytic``)."""
+
+from __future__ import annotations
+
+from flows.plan import format_plan, memory_plan
+
+
+def register(app) -> None:
+    import typer
+
+    @app.command("plan")
+    def plan(
+        config: str = typer.Argument(..., help="Preset name in configs/ or a YAML file."),
+        gpus: int = typer.Option(8, "--gpus", min=1, help="GPUs the policy is sharded over (FSDP2)."),
+        gpu_memory: float = typer.Option(80.0, "--gpu-memory", min=1.0, help="Memory per GPU, GiB."),
+        set_: list[str] = typer.Option([], "--set", help="Override a config value (repeatable)."),
+        prompt_tokens: int = typer.Option(1024, "--prompt-tokens", min=1, help="Prompt length cap, tokens."),
+        analytic: bool = typer.Option(False, "--analytic", help="Arithmetic only (seconds): skip the measurement."),
+    ) -> None:
+        """Per-GPU memory plan of a campaign under FSDP2, measured on fake tensors; says whether it fits."""
+        from flows.cli import fail
+        from flows.configuration import ConfigError, load_config
+
+        try:
+            cfg = load_config(config, set_)
+            p = memory_plan(cfg, gpus=gpus, gpu_memory_gib=gpu_memory, prompt_tokens=prompt_tokens)
+        except (ConfigError, ValueError) as err:
+            raise fail(str(err))
+        if analytic:
+            typer.echo(format_plan(cfg, p, gpus=gpus, gpu_memory_gib=gpu_memory))
+            return
+        from flows.plan_measured import format_measured, measured_plan, plan_precision_line
+
+        typer.echo(plan_precision_line(cfg))
+        m = measured_plan(cfg, gpus=gpus, gpu_memory_gib=gpu_memory, prompt_tokens=prompt_tokens)
+        typer.echo(format_measured(cfg, m, gpus=gpus, gpu_memory_gib=gpu_memory, prompt_tokens=prompt_tokens))
