@@ -77,13 +77,14 @@ def _rerun_evaluate(run_dir: Path, cfg: CampaignConfig, steps: range, variant: s
     from stages.checkpoint import restore
     from stages.context import open_run
     from stages.evaluate import run_evaluate
+    from flows.cpu_numerics import gemm_choice
     from fp8rl_core.cpu_gemm import cpu_bf16_gemm
     from storage.checkpoints import list_checkpoints
 
     env, state = open_run(cfg, run_dir, variant=variant)
     written = 0
     try:
-        with cpu_bf16_gemm(cfg.precision.cpu_bf16_gemm, env.device):
+        with cpu_bf16_gemm(gemm_choice(cfg, env.device).kind, env.device):
             for s, path in list_checkpoints(run_dir):
                 if s in steps:
                     _, state = restore(env, state, path)
