@@ -21,7 +21,10 @@ alternate (TRL, fp8rl BF16, fp8rl FP8, TRL, ...) so that load changes hit all al
 and the medians of the timed steps are compared. TRL is an optional extra:
 
     pip install 'fp8rl[bench]'      # or: pip install --no-deps trl accelerate (+ psutil)
-    nice python benchmarks/peer_trl.py [--rounds 2] [--steps 6] [--warmup 2]
+    nice python benchmarks/peer_trl.py [--rounds 2] [--steps 6] [--warmup 2] [--threads 2]
+
+Wall time is the figure; the CPU time beside it (``time.process_time``) is steadier on a
+shared machine with one thread (with two, OpenMP barriers spin under load).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS, SAMPLES, NEW_TOKENS, LAYERS, THREADS, LR = 16, 8, 16, 4, 2, 1e-4
+PROMPTS, SAMPLES, NEW_TOKENS, LAYERS, LR = 16, 8, 16, 4, 1e-4
+THREADS = int(os.environ.get("PEER_THREADS", "2"))  # --threads, passed to the children
 FP8RL_PRECISION = {"bf16": ("bf16", "bf16"), "fp8": ("fp8_tensorwise", "fp8_per_tensor")}
 
 
@@ -54,8 +58,8 @@ def _fp8rl_overrides(precision: str, steps: int) -> list[str]:
     ]
 
 
-def fp8rl_steps(precision: str, steps: int, warmup: int) -> list[float]:
-    """Seconds of fp8rl steps ``warmup + 1 .. warmup + steps`` (rollout + score + train)."""
+def fp8rl_steps(precision: str, steps: int, warmup: int) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of fp8rl steps ``warmup + 1 .. warmup + steps`` (rollout + score + train)."""
     from flows.configuration import dump_config, load_config
     from flows.cpu_numerics import gemm_choice
     from fp8rl_core.cpu_gemm import cpu_bf16_gemm
@@ -73,17 +77,17 @@ def fp8rl_steps(precision: str, steps: int, warmup: int) -> list[float]:
         try:
             with cpu_bf16_gemm(gemm_choice(cfg, env.device).kind, env.device):
                 for step in range(1, warmup + steps + 1):
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     for stage in (run_rollout, run_score, run_train):
                         _, state = stage(env, state, step)
-                    times.append(time.perf_counter() - t0)
+                    times.append((time.perf_counter() - t0, time.process_time() - c0))
         finally:
             env.close()
     return times[warmup:]
 
 
-def trl_steps(steps: int, warmup: int) -> list[float]:
-    """Seconds of TRL ``GRPOTrainer`` steps ``warmup + 1 .. warmup + steps``."""
+def trl_steps(steps: int, warmup: int) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of TRL ``GRPOTrainer`` steps ``warmup + 1 .. warmup + steps``."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -105,13 +109,13 @@ def trl_steps(steps: int, warmup: int) -> list[float]:
 
     class Clock(TrainerCallback):
         def __init__(self) -> None:
-            self.times: list[float] = []
+            self.times: list[tuple[float, float]] = []
 
         def on_step_begin(self, *_, **__):
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *_, **__):
-            self.times.append(time.perf_counter() - self.t0)
+            self.times.append((time.perf_counter() - self.t0, time.process_time() - self.c0))
 
     clock = Clock()
     with tempfile.TemporaryDirectory(prefix="peer-trl-") as tmp:
@@ -126,8 +130,9 @@ def trl_steps(steps: int, warmup: int) -> list[float]:
     return clock.times[warmup:]
 
 
-def _child(role: str, steps: int, warmup: int) -> list[float]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+def _child(role: str, steps: int, warmup: int, threads: int) -> list[list[float]]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               PEER_THREADS=str(threads))
     cmd = [sys.executable, __file__, "--role", role, "--steps", str(steps), "--warmup", str(warmup)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
@@ -140,6 +145,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the three processes")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per process")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per process")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of both sides (TRL's shape: 2)")
     ap.add_argument("--role", choices=("trl", "bf16", "fp8"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "trl":
@@ -151,17 +157,19 @@ def main() -> None:
         pin_cpu_numerics()  # what `fp8rl run` does, before torch
         print(json.dumps(fp8rl_steps(args.role, args.steps, args.warmup)))
         return
-    times: dict[str, list[float]] = {"trl": [], "bf16": [], "fp8": []}
+    times: dict[str, list[list[float]]] = {"trl": [], "bf16": [], "fp8": []}
     for r in range(args.rounds):
         for role in times:
-            times[role] += _child(role, args.steps, args.warmup)
-            print(f"round {r + 1}: {role:<4} median {statistics.median(times[role]):.3f} s/step", flush=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
+            times[role] += _child(role, args.steps, args.warmup, args.threads)
+            print(f"round {r + 1}: {role:<4} median {statistics.median(t[0] for t in times[role]):.3f} s/step", flush=True)
+    wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
+    cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
     print(f"\n{PROMPTS} prompts x {SAMPLES} samples, <= {NEW_TOKENS} new tokens, {LAYERS} layers x 128, "
-          f"{THREADS} threads; medians of {len(times['trl'])} steps per side")
-    print(f"TRL GRPOTrainer (BF16)   {med['trl']:.3f} s/step")
-    print(f"fp8rl BF16               {med['bf16']:.3f} s/step   fp8rl / TRL = {med['bf16'] / med['trl']:.2f}")
-    print(f"fp8rl FP8 (emulated)     {med['fp8']:.3f} s/step   fp8rl / TRL = {med['fp8'] / med['trl']:.2f}")
+          f"{args.threads} thread(s); medians of {len(times['trl'])} steps per side (wall s, CPU s)")
+    print(f"TRL GRPOTrainer (BF16)   {wall['trl']:.3f}  {cpu['trl']:.3f}")
+    for k, name in (("bf16", "fp8rl BF16"), ("fp8", "fp8rl FP8 (emulated)")):
+        print(f"{name:<24} {wall[k]:.3f}  {cpu[k]:.3f}   fp8rl / TRL: wall {wall[k] / wall['trl']:.2f}, "
+              f"CPU {cpu[k] / cpu['trl']:.2f}")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ from fp8rl_core import bapo as bapo_rule
 from fp8rl_core.losses import POLICY_LOSSES, importance_ratio, loss_bounds, policy_loss, tis_weights
 import fp8rl_core.gspo  # noqa: F401,E402  registers the "gspo" loss (issue 15)
 from fp8rl_core.precision import bf16_shadow
+from stages import old_logp
 from stages.minibatch_plan import check_world_size, minibatch_plan, pad_micros, plan_depth  # noqa: F401  (re-exported)
 
 
@@ -343,11 +344,13 @@ def policy_update(
         r = r if sub is None else r[sub[r]]
         return r if r.numel() or pad is None else pad
 
+    reuse = old_logp.first_forward_is_old(cfg, plan, device, collective.world_size)  # π_old of mini-batch 0
+
     def no_grad_pass(shadow_pass: bool) -> torch.Tensor:
         fill = float("nan") if shadow_pass and sub is not None else 0.0
         out = torch.full(local.input_ids.shape, fill, dtype=torch.float32, device=device)
         with torch.no_grad():
-            for r in first:
+            for r in first[1:] if reuse and not shadow_pass else first:
                 r = shadowed(r) if shadow_pass else r
                 if r.numel():
                     out[r] = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, shadow=shadow_pass)[0]
@@ -362,7 +365,7 @@ def policy_update(
         old16 = no_grad_pass(True)
         logp16 = torch.zeros_like(old8) if sub is None else torch.full_like(old8, float("nan"))
         timings["shadow_s"] = time.perf_counter() - t0
-    is_w = tis_weights(old8, local.rollout_logp, cap=a.tis_cap) * mask if a.tis else None
+    is_w = tis_weights(old8, local.rollout_logp, cap=a.tis_cap) * mask if a.tis and not reuse else None
 
     # 2. mini-batch updates
     logp8, entropy = torch.zeros_like(old8), torch.zeros_like(old8)
@@ -406,6 +409,9 @@ def policy_update(
         mb_loss = 0.0
         for r in rows:
             lp, ent = policy_logprobs(model, local.input_ids[r], local.attention_mask[r], mode=mode, with_entropy=True)
+            if reuse and k == 0:  # π_old = π_θ here, bit for bit (stages/old_logp.py)
+                old8[r] = lp.detach()
+                is_w = tis_weights(old8, local.rollout_logp, cap=a.tis_cap) * mask if a.tis else None
             loss, _ = loss_fn(
                 lp, old8[r], adv_tok[r], mask[r], lower=lb[0], upper=lb[1], dual_clip=a.dual_clip,
                 is_weights=None if is_w is None else is_w[r], agg=a.loss_agg,
