@@ -69,7 +69,8 @@ def fp8rl_steps(precision: str, steps: int, warmup: int) -> list[tuple[float, fl
     from stages.train import run_train
     from storage.layout import create_run
 
-    cfg = load_config("tiny-cpu", _fp8rl_overrides(precision, warmup + steps))
+    extra = [o for o in os.environ.get("PEER_FP8RL_SET", "").split(";") if o]  # --fp8rl-set, passed to the children
+    cfg = load_config("tiny-cpu", _fp8rl_overrides(precision, warmup + steps) + extra)
     times = []
     with tempfile.TemporaryDirectory(prefix="peer-fp8rl-") as tmp:
         create_run(tmp, "peer", config=dump_config(cfg))
@@ -130,9 +131,9 @@ def trl_steps(steps: int, warmup: int) -> list[tuple[float, float]]:
     return clock.times[warmup:]
 
 
-def _child(role: str, steps: int, warmup: int, threads: int) -> list[list[float]]:
+def _child(role: str, steps: int, warmup: int, threads: int, fp8rl_set: list[str]) -> list[list[float]]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               PEER_THREADS=str(threads))
+               PEER_THREADS=str(threads), PEER_FP8RL_SET=";".join(fp8rl_set))
     cmd = [sys.executable, __file__, "--role", role, "--steps", str(steps), "--warmup", str(warmup)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
@@ -146,6 +147,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="timed steps per process")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per process")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of both sides (TRL's shape: 2)")
+    ap.add_argument("--fp8rl-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra config override of fp8rl's side, e.g. precision.cpu_bf16_gemm=native (repeatable)")
     ap.add_argument("--role", choices=("trl", "bf16", "fp8"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "trl":
@@ -160,7 +163,7 @@ def main() -> None:
     times: dict[str, list[list[float]]] = {"trl": [], "bf16": [], "fp8": []}
     for r in range(args.rounds):
         for role in times:
-            times[role] += _child(role, args.steps, args.warmup, args.threads)
+            times[role] += _child(role, args.steps, args.warmup, args.threads, args.fp8rl_set)
             print(f"round {r + 1}: {role:<4} median {statistics.median(t[0] for t in times[role]):.3f} s/step", flush=True)
     wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
     cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
