@@ -12,12 +12,14 @@ runs 10-130x slower than FP32 GEMM of the same shape
 (``benchmarks/cpu_bf16_gemm.py``); the stress world spends most of a step there.
 
 ``auto`` (the default, :func:`resolve_cpu_bf16_gemm`) takes the native kernel only where it
-is fast *and* the model wide enough for it to win: a CPU with AMX-BF16 or AVX512-BF16 and
+is fast *and* the model wide enough for it to pay: a CPU with AMX-BF16 or AVX512-BF16 and
 a hidden size of at least :data:`NATIVE_MIN_HIDDEN`. Measured on a 2-core AMX Xeon, one
 thread, a 2-layer Qwen3 forward + backward of 32 x 60 tokens under BF16 autocast, time
-with ``fp32`` / time with ``native``: hidden 128: 0.97, 256: 1.50, 512: 1.79, 1024: 3.20.
-So the tiny presets (hidden 128) take ``fp32`` on every CPU -- which also keeps oneDNN's
-ISA-dependent BF16 kernels out of their numbers (``fp8rl_core.cpu_env``).
+with ``fp32`` / time with ``native``: hidden 128: 0.97, 256: 1.50, 512: 1.79, 1024: 3.20
+(a whole RL step of a 4-layer, 128-wide model, 128 samples: 1.8). Below that width the
+tiny presets take ``fp32`` on every CPU, which keeps oneDNN's ISA-dependent BF16 kernels
+out of their numbers (``fp8rl_core.cpu_env``): the same tables on every CPU, at some speed
+on AMX machines (``native`` there buys it back where bit-identity across CPUs does not matter).
 
 Which calls: the matmuls the CPU autocast runs in BF16 (``F.linear``, ``mm``,
 ``bmm``, ``matmul``/``@``, ``addmm``, ``baddbmm``, scaled-dot-product attention)
@@ -90,7 +92,8 @@ def resolve_cpu_bf16_gemm(setting: str, hidden_size: int | None, device: str | t
     if isa is None:
         return GemmChoice(setting, "fp32", "no AMX-BF16/AVX512-BF16: the native BF16 GEMM is slow here")
     if hidden_size is not None and hidden_size < NATIVE_MIN_HIDDEN:
-        return GemmChoice(setting, "fp32", f"{isa}, but hidden size {hidden_size} < {NATIVE_MIN_HIDDEN}: FP32 GEMMs are as fast")
+        return GemmChoice(setting, "fp32", f"{isa}, but hidden size {hidden_size} < {NATIVE_MIN_HIDDEN}: "
+                          "the CPU-independent FP32 GEMMs")
     return GemmChoice(setting, "native", f"{isa} and a model at least {NATIVE_MIN_HIDDEN} wide")
 
 
