@@ -11,15 +11,13 @@ Why: on a CPU without AVX512-BF16/AMX, PyTorch's BF16 GEMM has no fast kernel an
 runs 10-130x slower than FP32 GEMM of the same shape
 (``benchmarks/cpu_bf16_gemm.py``); the stress world spends most of a step there.
 
-``auto`` (the default, :func:`resolve_cpu_bf16_gemm`) takes the native kernel only where it
-is fast *and* the model wide enough for it to pay: a CPU with AMX-BF16 or AVX512-BF16 and
-a hidden size of at least :data:`NATIVE_MIN_HIDDEN`. Measured on a 2-core AMX Xeon, one
-thread, a 2-layer Qwen3 forward + backward of 32 x 60 tokens under BF16 autocast, time
-with ``fp32`` / time with ``native``: hidden 128: 0.97, 256: 1.50, 512: 1.79, 1024: 3.20
-(a whole RL step of a 4-layer, 128-wide model, 128 samples: 1.8). Below that width the
-tiny presets take ``fp32`` on every CPU, which keeps oneDNN's ISA-dependent BF16 kernels
-out of their numbers (``fp8rl_core.cpu_env``): the same tables on every CPU, at some speed
-on AMX machines (``native`` there buys it back where bit-identity across CPUs does not matter).
+``auto`` (the default, :func:`resolve_cpu_bf16_gemm`) takes the native kernel only on a CPU
+that has a fast one (AMX-BF16 or AVX512-BF16) and for a model at least
+:data:`NATIVE_MIN_HIDDEN` wide. Narrower models -- every tiny preset -- take ``fp32`` on every
+CPU, by design: it keeps oneDNN's ISA-dependent BF16 kernels out of their numbers, so their
+tables are the same on every CPU (``fp8rl_core.cpu_env``). The price on an AMX CPU, measured
+(CPU time, one thread, an RL step of a 4-layer, 128-wide model on 128 samples): 1.9x;
+``native`` buys it back where bit-identity across CPUs does not matter (docs/cpu.md).
 
 Which calls: the matmuls the CPU autocast runs in BF16 (``F.linear``, ``mm``,
 ``bmm``, ``matmul``/``@``, ``addmm``, ``baddbmm``, scaled-dot-product attention)
@@ -50,7 +48,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 CPU_BF16_GEMMS = ("native", "fp32")  # what a run computes with; the setting may also say "auto"
-NATIVE_MIN_HIDDEN = 256  # auto: the narrowest model for which a fast native kernel wins (measured, see above)
+NATIVE_MIN_HIDDEN = 256  # auto: narrower models (the tiny presets) keep the CPU-independent fp32 path
 
 _GEMMS = frozenset({
     F.linear, torch.mm, torch.bmm, torch.matmul, torch.addmm, torch.baddbmm,
