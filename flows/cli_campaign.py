@@ -195,9 +195,11 @@ def run(
 def _echo_cpu_numerics(cfg: CampaignConfig) -> None:
     """The console's first lines say what the run computes with (the same record lands in run.json)."""
     from flows.cpu_numerics import describe, gemm_choice, summary_line
+    from stages.bootstrap import capped_threads
     from stages.context import resolve_device
 
-    typer.echo(summary_line(describe(gemm_choice(cfg, resolve_device(cfg.device)))))
+    choice = gemm_choice(cfg, resolve_device(cfg.device))
+    typer.echo(summary_line(describe(choice, threads=capped_threads(cfg.threads))))
 
 
 def _check_run_config(run_dir: Path, config: str | None, set_: list[str]) -> CampaignConfig:

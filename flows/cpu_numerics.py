@@ -38,13 +38,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def describe(choice: GemmChoice) -> dict:
-    """The record written to ``run.json`` under :data:`RUN_JSON_KEY`."""
+def describe(choice: GemmChoice, threads: int | None = None) -> dict:
+    """The record written to ``run.json`` under :data:`RUN_JSON_KEY` (``threads``: the run's
+    intra-op threads; default: this process's current count)."""
     import torch
 
     return {"bf16_gemm": asdict(choice), "cpu": cpu_model(), "torch": torch.__version__,
             "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(), "env": cpu_numerics_env(),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads() if threads is None else threads}
 
 
 def summary_line(record: dict) -> str:
