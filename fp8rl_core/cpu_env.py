@@ -11,9 +11,11 @@ A CPU run's bits depend on three things besides its inputs and seeds:
 2. **MKL.** FP32 GEMMs (``mm``, ``linear``, the FP32 path of ``cpu_bf16_gemm``) and the
    vector math behind large ``exp`` calls go through MKL, which dispatches on the CPU
    (block sizes from cache sizes, AVX2 / AVX-512 kernels, vendor). MKL's Conditional
-   Numerical Reproducibility fixes the code branch: ``MKL_CBWR=COMPATIBLE`` is the one
-   branch MKL documents as identical on Intel *and* non-Intel CPUs (an ``AVX2`` branch
-   exists, but only for Intel CPUs: elsewhere MKL falls back to its automatic dispatch).
+   Numerical Reproducibility fixes the code branch: ``MKL_CBWR=AVX2`` gives the same
+   results on every Intel CPU with AVX2, AVX-512 ones included. MKL honours it on Intel
+   CPUs only (elsewhere it runs its automatic branch); ``COMPATIBLE``, the one branch it
+   documents as identical on Intel and non-Intel CPUs, made a tiny-model RL step 2.0x
+   slower (measured: docs/cpu.md), so it is the user's choice, not the default.
 3. **The BF16 GEMM kernel** (oneDNN: AMX, AVX512-BF16 or an AVX2 conversion path, each
    with its own accumulation order). ``precision.cpu_bf16_gemm: auto`` runs the tiny
    presets' BF16 GEMMs as FP32 GEMMs on BF16 operands (``fp8rl_core.cpu_gemm``) on every
@@ -33,7 +35,7 @@ import sys
 from typing import MutableMapping
 
 # variable -> value in force unless the user set it (see the module docstring)
-PINNED_ENV: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
+PINNED_ENV: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
 
 
 def pin_cpu_numerics(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
