@@ -14,7 +14,7 @@ A CPU run's bits depend on three things besides its inputs and seeds:
    Numerical Reproducibility fixes the code branch: ``MKL_CBWR=AVX2`` gives the same
    results on every Intel CPU with AVX2, AVX-512 ones included. MKL honours it on Intel
    CPUs only (elsewhere it runs its automatic branch); ``COMPATIBLE``, the one branch it
-   documents as identical on Intel and non-Intel CPUs, made a tiny-model RL step 2.0x
+   documents as identical on Intel and non-Intel CPUs, made a tiny-model RL step 1.8x
    slower (measured: docs/cpu.md), so it is the user's choice, not the default.
 3. **The BF16 GEMM kernel** (oneDNN: AMX, AVX512-BF16 or an AVX2 conversion path, each
    with its own accumulation order). ``precision.cpu_bf16_gemm: auto`` runs the tiny

@@ -16,7 +16,7 @@ that has a fast one (AMX-BF16 or AVX512-BF16) and for a model at least
 :data:`NATIVE_MIN_HIDDEN` wide. Narrower models -- every tiny preset -- take ``fp32`` on every
 CPU, by design: it keeps oneDNN's ISA-dependent BF16 kernels out of their numbers, so their
 tables are the same on every CPU (``fp8rl_core.cpu_env``). The price on an AMX CPU, measured
-(CPU time, one thread, an RL step of a 4-layer, 128-wide model on 128 samples): 1.9x;
+(CPU time, one thread, an RL step of a 4-layer, 128-wide model on 128 samples): 1.3x;
 ``native`` buys it back where bit-identity across CPUs does not matter (docs/cpu.md).
 
 Which calls: the matmuls the CPU autocast runs in BF16 (``F.linear``, ``mm``,
