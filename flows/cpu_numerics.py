@@ -49,7 +49,7 @@ def describe(choice: GemmChoice, threads: int | None = None) -> dict:
 
 
 def summary_line(record: dict) -> str:
-    """One console line: ``cpu numerics: bf16 gemm fp32 (auto: ...); ATen AVX2; MKL_CBWR=COMPATIBLE; ...``."""
+    """One console line: ``cpu numerics: bf16 gemm fp32 (auto: ...); ATen AVX2; MKL_CBWR=AVX2; ...``."""
     g = record["bf16_gemm"]
     env = "; ".join(f"{k}={v or 'unset'}" for k, v in record["env"].items() if k != "ATEN_CPU_CAPABILITY")
     return (f"cpu numerics: bf16 gemm {g['kind']} ({g['setting']}: {g['reason']}); "
