@@ -335,10 +335,14 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
         raise
     trackers = _open_trackers(env) if cfg.trackers and env.is_main else None  # no tracker code imported unless configured
     try:
+        from flows.cpu_numerics import gemm_choice, record_cpu_numerics
         from flows.guard import CampaignGuard, recover_pending
         from fp8rl_core.cpu_gemm import cpu_bf16_gemm
 
-        with cpu_bf16_gemm(cfg.precision.cpu_bf16_gemm, env.device):  # the whole loop's thread, backward included
+        gemm = gemm_choice(cfg, env.device)  # precision.cpu_bf16_gemm: auto resolved here, recorded in run.json
+        if env.is_main:
+            record_cpu_numerics(run_dir, gemm)
+        with cpu_bf16_gemm(gemm.kind, env.device):  # the whole loop's thread, backward included
             if resume and env.is_main:
                 recover_pending(env)  # a rollback a crash interrupted
             start, state, last_eval = restore_latest(env, state) if resume else (0, state, {})

@@ -74,6 +74,9 @@ _register_all()
 
 def main(argv: list[str] | None = None) -> None:
     """The ``fp8rl`` entry point: usage errors are one line (not a box), exit 2."""
+    from fp8rl_core.cpu_env import pin_cpu_numerics
+
+    pin_cpu_numerics()  # before torch: the same numbers on every x86-64 CPU (fp8rl_core/cpu_env.py)
     try:
         code = app(args=argv, prog_name="fp8rl", standalone_mode=False)
     except UsageError as err:

@@ -189,10 +189,21 @@ def run(
         except StorageError as err:
             raise _fail(str(err))
         typer.echo(f"run directory: {run_dir}")
+        _echo_cpu_numerics(cfg)
         t0 = time.perf_counter()
         result = _run_flow(run_dir, resume=False, nproc_per_node=nproc_per_node)
     typer.echo(f"wall time: {time.perf_counter() - t0:.0f} s")
     _print_summary(run_dir, result)
+
+
+def _echo_cpu_numerics(cfg: CampaignConfig) -> None:
+    """The console's first lines say what the run computes with (the same record lands in run.json)."""
+    from flows.cpu_numerics import describe, gemm_choice, summary_line
+    from stages.bootstrap import capped_threads
+    from stages.context import resolve_device
+
+    choice = gemm_choice(cfg, resolve_device(cfg.device))
+    typer.echo(summary_line(describe(choice, threads=capped_threads(cfg.threads))))
 
 
 def _check_run_config(run_dir: Path, config: str | None, set_: list[str]) -> CampaignConfig:
@@ -246,6 +257,7 @@ def resume(
             typer.echo(f"set aside outputs from {from_stage.value} of step {step} on")
         _report_broken_checkpoints(run_dir)
         t0 = time.perf_counter()
+        _echo_cpu_numerics(cfg)
         result = _run_flow(run_dir, resume=True, nproc_per_node=nproc_per_node)
     typer.echo(f"wall time: {time.perf_counter() - t0:.0f} s")
     _print_summary(run_dir, result)

@@ -104,6 +104,7 @@ def _check_span(env: RunEnv, steps: range, needs: str) -> None:
 
 
 def _rerun_evaluate(run_dir: Path, cfg: CampaignConfig, steps: range, variant: str) -> int:
+    from flows.cpu_numerics import gemm_choice
     from fp8rl_core.cpu_gemm import cpu_bf16_gemm
     from stages.checkpoint import restore
     from stages.context import open_run
@@ -117,7 +118,7 @@ def _rerun_evaluate(run_dir: Path, cfg: CampaignConfig, steps: range, variant: s
     env, state = open_run(cfg, run_dir, variant=variant)
     written = 0
     try:
-        with cpu_bf16_gemm(cfg.precision.cpu_bf16_gemm, env.device):
+        with cpu_bf16_gemm(gemm_choice(cfg, env.device).kind, env.device):
             for s, path in todo:
                 _, state = restore(env, state, path)
                 with env.ledger.stage(s, "evaluate", variant=variant) as rec:

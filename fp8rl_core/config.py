@@ -180,7 +180,7 @@ class PrecisionConfig(_Frozen):
                          "mxfp4_w4a4).")
     emulate: bool | None = Field(None, description="Emulate FP8 matmuls; None = auto (emulate unless CUDA SM89+).")
     round_scales_to_power_of_2: bool = Field(False, description="Round FP8 scales down to powers of two.")
-    cpu_bf16_gemm: Literal["native", "fp32"] = Field("native", description="CPU only: native = PyTorch's BF16 GEMM kernels; fp32 = FP32 GEMMs on BF16 operands, output rounded to BF16 (the GPU's BF16 GEMM rule, 5-10x faster on CPUs without BF16 hardware; fp8rl_core.cpu_gemm). Ignored on CUDA.")
+    cpu_bf16_gemm: Literal["auto", "native", "fp32"] = Field("auto", description="CPU only: native = PyTorch's BF16 GEMM kernels; fp32 = FP32 GEMMs on BF16 operands, output rounded to BF16 (the GPU's BF16 GEMM rule; 10-130x faster on CPUs without BF16 hardware); auto = native only on a CPU with AMX-BF16/AVX512-BF16 and a model at least 256 wide, else fp32 (fp8rl_core.cpu_gemm; the choice is in run.json). Ignored on CUDA.")
     keep_high_precision: tuple[str, ...] = Field((), description="FP4 training: decoder linears kept in BF16 (fnmatch patterns on module names, e.g. 'model.layers.1.mlp.*'); any other layer FP4 cannot take is an error.")
 
 

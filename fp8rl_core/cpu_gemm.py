@@ -1,4 +1,4 @@
-"""BF16 GEMM numerics through FP32 GEMMs on a CPU without BF16 hardware (opt-in).
+"""BF16 GEMM numerics through FP32 GEMMs on a CPU without BF16 hardware (the ``auto`` default).
 
 ``precision.cpu_bf16_gemm: fp32`` makes every BF16 matmul of a CPU campaign run as
 an FP32 GEMM on BF16 operands with its output rounded to BF16. That is the GPU's
@@ -8,8 +8,16 @@ precision and the output dtype are those of the ``native`` kernel; only the
 accumulation order differs (not bit-identical to PyTorch's CPU BF16 kernel).
 
 Why: on a CPU without AVX512-BF16/AMX, PyTorch's BF16 GEMM has no fast kernel and
-runs 10-16x slower than FP32 GEMM of the same shape
+runs 10-130x slower than FP32 GEMM of the same shape
 (``benchmarks/cpu_bf16_gemm.py``); the stress world spends most of a step there.
+
+``auto`` (the default, :func:`resolve_cpu_bf16_gemm`) takes the native kernel only on a CPU
+that has a fast one (AMX-BF16 or AVX512-BF16) and for a model at least
+:data:`NATIVE_MIN_HIDDEN` wide. Narrower models -- every tiny preset -- take ``fp32`` on every
+CPU, by design: it keeps oneDNN's ISA-dependent BF16 kernels out of their numbers, so their
+tables are the same on every CPU (``fp8rl_core.cpu_env``). The price on an AMX CPU, measured
+(CPU time, one thread, an RL step of a 4-layer, 128-wide model on 128 samples): 1.3x;
+``native`` buys it back where bit-identity across CPUs does not matter (docs/cpu.md).
 
 Which calls: the matmuls the CPU autocast runs in BF16 (``F.linear``, ``mm``,
 ``bmm``, ``matmul``/``@``, ``addmm``, ``baddbmm``, scaled-dot-product attention)
@@ -32,13 +40,15 @@ emulated FP8/FP4 linears call :func:`mm`, which follows the same rule while a
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-CPU_BF16_GEMMS = ("native", "fp32")
+CPU_BF16_GEMMS = ("native", "fp32")  # what a run computes with; the setting may also say "auto"
+NATIVE_MIN_HIDDEN = 256  # auto: narrower models (the tiny presets) keep the CPU-independent fp32 path
 
 _GEMMS = frozenset({
     F.linear, torch.mm, torch.bmm, torch.matmul, torch.addmm, torch.baddbmm,
@@ -47,6 +57,42 @@ _GEMMS = frozenset({
 })
 _OPERAND_DTYPES = (torch.float32, torch.bfloat16)
 _OPEN = [0]  # fp32 contexts open in this process (read by mm, which runs where modes do not reach)
+
+
+@dataclass(frozen=True)
+class GemmChoice:
+    """What ``precision.cpu_bf16_gemm`` resolved to on this machine, and why (run.json records it)."""
+
+    setting: str  # auto | native | fp32, as configured
+    kind: str  # native | fp32, what the run computes with
+    reason: str
+
+
+def fast_bf16_isa() -> str | None:
+    """The CPU's fast BF16 GEMM instructions PyTorch's oneDNN kernels use, or None."""
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX-BF16"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX512-BF16"
+    return None
+
+
+def resolve_cpu_bf16_gemm(setting: str, hidden_size: int | None, device: str | torch.device = "cpu") -> GemmChoice:
+    """Resolve ``precision.cpu_bf16_gemm`` for a model of width ``hidden_size`` (None: unknown,
+    a checkpoint from ``model.path``, taken as wide). ``native``/``fp32`` are kept as given."""
+    if setting not in ("auto", *CPU_BF16_GEMMS):
+        raise ValueError(f"precision.cpu_bf16_gemm: unknown {setting!r}; valid: auto, {', '.join(CPU_BF16_GEMMS)}")
+    if torch.device(device).type != "cpu":
+        return GemmChoice(setting, "native", f"{torch.device(device).type}: the hardware's BF16 GEMMs")
+    if setting != "auto":
+        return GemmChoice(setting, setting, "configured")
+    isa = fast_bf16_isa()
+    if isa is None:
+        return GemmChoice(setting, "fp32", "no AMX-BF16/AVX512-BF16: the native BF16 GEMM is slow here")
+    if hidden_size is not None and hidden_size < NATIVE_MIN_HIDDEN:
+        return GemmChoice(setting, "fp32", f"{isa}, but hidden size {hidden_size} < {NATIVE_MIN_HIDDEN}: "
+                          "the CPU-independent FP32 GEMMs")
+    return GemmChoice(setting, "native", f"{isa} and a model at least {NATIVE_MIN_HIDDEN} wide")
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:

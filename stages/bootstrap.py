@@ -33,7 +33,8 @@ Output: a Hugging Face directory (model, tokenizer, ``bootstrap.json`` with the
 measured base accuracy — sampled and greedy over :data:`EVAL_SIZE` test
 problems — the config hash and timings), named by a hash of everything that
 shapes the weights (model config, task difficulty and seed, bootstrap config
-except its thread count, the teacher, :data:`BOOTSTRAP_VERSION`). A second
+except its thread count, the teacher, :data:`BOOTSTRAP_VERSION`, the CPU-numerics
+variables of ``fp8rl_core.cpu_env`` where set). A second
 call with the same inputs returns the cached directory without training. The
 directory appears atomically: it is written under a temporary name and renamed.
 """
@@ -56,6 +57,7 @@ from typing import Iterator
 import torch
 
 from fp8rl_core.config import BootstrapConfig, ModelConfig, TaskConfig
+from fp8rl_core.cpu_env import cpu_numerics_env
 from fp8rl_core.stress_task import procedural_task
 from fp8rl_core.task import exact_verify
 from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
@@ -110,6 +112,9 @@ def config_hash(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: Bootstra
         "bootstrap": boot_cfg.model_dump(mode="json", exclude={"threads"}),
         "teacher": asdict(teacher),
     }
+    pinned = {k: v for k, v in cpu_numerics_env().items() if v}  # the CPU kernels shape the weights too
+    if pinned:
+        payload["cpu_numerics"] = pinned
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

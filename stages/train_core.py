@@ -77,6 +77,7 @@ from fp8rl_core.logprobs import sequence_logprobs
 from fp8rl_core.losses import importance_ratio, loss_bounds, tis_weights
 from fp8rl_core.precision import bf16_parameters, bf16_shadow
 from fp8rl_core.registered import LOSS_STATISTICS, POLICY_LOSSES
+from stages import old_logp
 from stages.minibatch_plan import check_world_size, minibatch_plan, pad_micros, plan_depth  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
@@ -411,18 +412,20 @@ def _no_grad_logprobs(model, rows: StepRows, micros: list[torch.Tensor], mode: s
 
 
 def old_logprobs(model, rows: StepRows, cfg: CampaignConfig, *, shadow: bool,
-                 timings: dict[str, float]) -> StepTensors:
+                 timings: dict[str, float], reuse_first: bool = False) -> StepTensors:
     """Phase 1: π_old in the training precision and, on shadow steps, in BF16; the TIS weights.
 
     Runs in the micro-batches of the first epoch's plan (the same ones on 1 or W
     ranks). Rows without a shadow pass (subsampled shadow) hold NaN BF16 values.
+    ``reuse_first``: the first micro-batch's π_old is left to its own update's forward
+    (:mod:`stages.old_logp`), and so are the TIS weights, which need all of π_old.
     """
     a, mode, x = cfg.algorithm, cfg.precision.train, rows.local
     first = [r for k in range(rows.per_epoch) for r in rows.padded(k)]
     mask = x.response_mask.float()  # [n_r (+1), T]
     t0 = time.perf_counter()
     old8 = torch.zeros(x.input_ids.shape, dtype=torch.float32, device=mask.device)
-    _no_grad_logprobs(model, rows, first, mode, shadow=False, out=old8)
+    _no_grad_logprobs(model, rows, first[1:] if reuse_first else first, mode, shadow=False, out=old8)
     timings["old_logp_s"] = time.perf_counter() - t0
     old16 = logp16 = None
     if shadow:
@@ -431,7 +434,7 @@ def old_logprobs(model, rows: StepRows, cfg: CampaignConfig, *, shadow: bool,
         _no_grad_logprobs(model, rows, first, mode, shadow=True, out=old16)
         logp16 = torch.zeros_like(old8) if rows.sub is None else torch.full_like(old8, float("nan"))
         timings["shadow_s"] = time.perf_counter() - t0
-    is_w = tis_weights(old8, x.rollout_logp, cap=a.tis_cap) * mask if a.tis else None
+    is_w = tis_weights(old8, x.rollout_logp, cap=a.tis_cap) * mask if a.tis and not reuse_first else None
     return StepTensors(mask, x.advantages.float()[:, None] * mask, old8, old16, logp16, is_w,
                        torch.zeros_like(old8), torch.zeros_like(old8))
 
@@ -463,19 +466,23 @@ def update_bounds(model, rows: StepRows, micros: list[torch.Tensor], t: StepTens
 
 def micro_batch_pass(model, rows: StepRows, micros: list[torch.Tensor], t: StepTensors, cfg: CampaignConfig, *,
                      bounds: tuple[float, float], tokens: float, seqs: float, world_size: int,
-                     record: bool) -> float:
+                     record: bool, adopt_old: bool = False) -> float:
     """Forward and backward of one mini-batch's micro-batches, gradients accumulated; returns the summed loss.
 
     ``tokens``/``seqs``: the mini-batch's global token and sequence counts (loss
     denominators); ``bounds``: the loss's own (L, H). ``record``: keep π_θ and the
     entropy of these rows (epoch 0). Padding micro-batches have mask 0: they add
-    0 to every sum.
+    0 to every sum. ``adopt_old``: these forwards run on the step's starting weights, so their
+    log-probs are π_old (:mod:`stages.old_logp`): taken as such, with the TIS weights after them.
     """
     a = cfg.algorithm
     loss_fn = POLICY_LOSSES.get(a.loss)
     total = 0.0
     for r in micros:
         lp, ent = rows.logprobs(model, r, cfg.precision.train, with_entropy=True)
+        if adopt_old:
+            t.old8[r] = lp.detach()
+            t.is_w = tis_weights(t.old8, rows.local.rollout_logp, cap=a.tis_cap) * t.mask if a.tis else None
         loss, _ = loss_fn(
             lp, t.old8[r], t.adv_tok[r], t.mask[r], lower=bounds[0], upper=bounds[1], dual_clip=a.dual_clip,
             is_weights=None if t.is_w is None else t.is_w[r], agg=a.loss_agg,
@@ -511,7 +518,8 @@ def optimizer_step(model, optimizer, scheduler, loss: float, cfg: CampaignConfig
 
 def minibatch_update(model, optimizer, scheduler, rows: StepRows, k: int, t: StepTensors, cfg: CampaignConfig, *,
                      bounds: tuple[float, float], shadow: bool, collective: Collective, log: UpdateLog,
-                     timings: dict[str, float], rule: UpdateBoundsRule | None = None) -> None:
+                     timings: dict[str, float], rule: UpdateBoundsRule | None = None,
+                     reuse_first: bool = False) -> None:
     """Phase 2, one update: the BF16 shadow of π_θ (epoch 0 of shadow steps), the clip mode's
     per-update bounds if it has them, the micro-batches' forward/backward, the optimizer step."""
     epoch, mb_index = divmod(k, rows.per_epoch)
@@ -537,7 +545,7 @@ def minibatch_update(model, optimizer, scheduler, rows: StepRows, k: int, t: Ste
     optimizer.zero_grad(set_to_none=True)
     loss = micro_batch_pass(model, rows, micros, t, cfg, bounds=loss_bounds(cfg.algorithm.loss, lower, upper,
                             cfg.algorithm), tokens=tokens, seqs=seqs, world_size=collective.world_size,
-                            record=epoch == 0)
+                            record=epoch == 0, adopt_old=reuse_first and k == 0)
     optimizer_step(model, optimizer, scheduler, collective.sum(loss), cfg, collective, log)
 
 
@@ -572,12 +580,14 @@ def policy_update(
     timings: dict[str, float] = {}
     model.train()
     rule = per_update_rule(cfg.calibration.mode)  # None unless the clip mode picks bounds per update
-    t = old_logprobs(model, rows, cfg, shadow=shadow, timings=timings)  # 1. π_old (+ BF16 shadow)
+    reuse = old_logp.first_forward_is_old(rows.plan, rows.local.input_ids.device, collective.world_size,
+                                          per_update_bounds=rule is not None)  # π_old of mini-batch 0 from its update
+    t = old_logprobs(model, rows, cfg, shadow=shadow, timings=timings, reuse_first=reuse)  # 1. π_old (+ BF16 shadow)
     log = UpdateLog(minibatch=torch.zeros(rows.n, dtype=torch.long))
     t_train = time.perf_counter()
     for k in range(len(rows.plan)):  # 2. one optimizer update per mini-batch, every epoch
         minibatch_update(model, optimizer, scheduler, rows, k, t, cfg, bounds=bounds, shadow=shadow,
-                         collective=collective, log=log, timings=timings, rule=rule)
+                         collective=collective, log=log, timings=timings, rule=rule, reuse_first=reuse)
     timings["update_s"] = time.perf_counter() - t_train
     return gather_step_stats(batch, rows, t, log, cfg, bounds=bounds, collective=collective,  # 3. statistics
                              lr=float(scheduler.get_last_lr()[0]), timings=timings, rule=rule)

@@ -1,0 +1,68 @@
+"""``precision.cpu_bf16_gemm: auto`` and the CPU-numerics record (fp8rl_core.cpu_gemm, cpu_env;
+flows.cpu_numerics).
+
+The old default was ``native`` everywhere: 130x slower BF16 GEMMs on CPUs without BF16
+instructions and ISA-dependent bits; ``test_auto_is_the_default`` fails on it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flows.configuration import load_config
+from flows.cpu_numerics import RUN_JSON_KEY, gemm_choice, record_cpu_numerics, summary_line
+from fp8rl_core import cpu_gemm
+from fp8rl_core.cpu_env import PINNED_ENV, pin_cpu_numerics
+from fp8rl_core.cpu_gemm import NATIVE_MIN_HIDDEN, resolve_cpu_bf16_gemm
+
+
+def test_auto_is_the_default():
+    assert load_config("tiny-cpu").precision.cpu_bf16_gemm == "auto"
+
+
+@pytest.mark.parametrize("isa,hidden,kind", [
+    (None, 128, "fp32"), (None, 4096, "fp32"),  # no fast BF16 kernel: always the FP32 GEMMs
+    ("AMX-BF16", 128, "fp32"), ("AMX-BF16", NATIVE_MIN_HIDDEN - 16, "fp32"),  # too narrow to win
+    ("AMX-BF16", NATIVE_MIN_HIDDEN, "native"), ("AVX512-BF16", 1024, "native"),
+    ("AMX-BF16", None, "native"),  # a model.path checkpoint: taken as wide
+])
+def test_auto_takes_native_only_with_a_fast_kernel_and_a_wide_model(monkeypatch, isa, hidden, kind):
+    monkeypatch.setattr(cpu_gemm, "fast_bf16_isa", lambda: isa)
+    choice = resolve_cpu_bf16_gemm("auto", hidden)
+    assert (choice.setting, choice.kind) == ("auto", kind)
+    assert choice.reason
+
+
+def test_explicit_settings_and_cuda_are_kept(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "fast_bf16_isa", lambda: None)
+    assert resolve_cpu_bf16_gemm("native", 128).kind == "native"
+    assert resolve_cpu_bf16_gemm("fp32", 4096).kind == "fp32"
+    assert resolve_cpu_bf16_gemm("auto", 128, "cuda").kind == "native"  # the hardware's BF16 GEMMs
+    with pytest.raises(ValueError, match="valid: auto, native, fp32"):
+        resolve_cpu_bf16_gemm("fast", 128)
+
+
+def test_the_tiny_preset_resolves_to_fp32_on_every_cpu():
+    assert gemm_choice(load_config("tiny-cpu")).kind == "fp32"  # whatever this CPU has
+    assert gemm_choice(load_config("tiny-cpu", ["precision.cpu_bf16_gemm=native"])).kind == "native"
+
+
+def test_pinning_sets_what_is_unset_and_keeps_what_the_user_set():
+    env = {"MKL_CBWR": "AVX2"}
+    assert pin_cpu_numerics(env) == {**PINNED_ENV, "MKL_CBWR": "AVX2"}
+    assert env["ATEN_CPU_CAPABILITY"] == PINNED_ENV["ATEN_CPU_CAPABILITY"]
+
+
+def test_run_json_records_the_choice_and_keeps_its_fields(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": "r", "config_hash": "abc", "schema_version": 1}))
+    record = record_cpu_numerics(tmp_path, resolve_cpu_bf16_gemm("fp32", 128))
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info["run_id"] == "r" and info["config_hash"] == "abc"
+    assert info[RUN_JSON_KEY] == record
+    assert record["bf16_gemm"] == {"setting": "fp32", "kind": "fp32", "reason": "configured"}
+    assert record["aten_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    line = summary_line(record)
+    assert line.startswith("cpu numerics: bf16 gemm fp32 (fp32: configured); ATen ") and "MKL_CBWR=" in line

@@ -1,0 +1,68 @@
+"""Golden tables: a short default campaign gives the same numbers on every x86-64 CPU.
+
+``tests/golden/micro_campaign.py`` runs a 2-step micro campaign of the default preset
+(bootstrap, rollout, score, train with a calibration step, evaluation) in a fresh process and
+prints its key table values: every ``steps`` metric of the column contract, the
+``eval_scores``, a hash of every rollout (tokens and rollout log-probs) and a hash of every
+``token_stats`` row (FP8 and BF16 log-probs, ratios). They must equal, bit for bit, the values
+committed in ``tests/golden/micro_campaign.json``.
+
+What was made CPU-independent, and how (``fp8rl_core/cpu_env.py``, docs/cpu.md):
+
+* ATen's vectorized kernels (softmax, log-softmax, cross-entropy, SDPA's online softmax,
+  every reduction): ``ATEN_CPU_CAPABILITY=avx2`` before torch, so AVX-512 CPUs run the
+  same AVX2 code as AVX2-only ones (an AVX-512 Xeon otherwise differs in the last bits).
+* MKL (FP32 GEMMs, large ``exp``): ``MKL_CBWR=AVX2``, MKL's reproducible AVX2 branch on
+  every Intel CPU with AVX2 (an AMD CPU runs MKL's automatic branch: if this test fails
+  there, docs/cpu.md says why and how to get cross-vendor identity).
+* BF16 GEMMs: ``precision.cpu_bf16_gemm: auto`` runs the tiny model's BF16 matmuls as FP32
+  GEMMs on BF16 operands on every CPU, so oneDNN's ISA-dependent BF16 kernels (AMX,
+  AVX512-BF16, AVX2) never run.
+* Sampling (``torch.multinomial`` on the CPU generator) and thread count: the generator is
+  seeded per prompt block and the run's thread count is fixed (one here).
+
+Checked on a 2-core AMX Xeon by emulating an AVX2 CPU (``ONEDNN_MAX_CPU_ISA=AVX2``,
+``MKL_ENABLE_INSTRUCTIONS=AVX2``, pinned and with MKL's automatic branch): identical; without
+the pinning the same (AVX-512) machine gives other values (another bootstrap, other entropies). Regenerate after a deliberate change of
+the default numerics (and commit the JSON):
+
+    PYTHONPATH=$PWD .venv/bin/python tests/golden/micro_campaign.py --write
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
+
+
+def _diff(got: dict, want: dict, where: str = "") -> list[str]:
+    if isinstance(want, dict) and isinstance(got, dict):
+        return [d for k in sorted(set(got) | set(want)) for d in _diff(got.get(k), want.get(k), f"{where}.{k}")]
+    if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
+        return [d for i, (g, w) in enumerate(zip(got, want)) for d in _diff(g, w, f"{where}[{i}]")]
+    return [] if got == want else [f"{where}: {got!r} != golden {want!r}"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_micro_campaign_tables_equal_the_committed_golden_values():
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}  # the defaults
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(GOLDEN_DIR / "micro_campaign.py")], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=580)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout)
+    want = json.loads((GOLDEN_DIR / "micro_campaign.json").read_text())
+    assert got["numerics"] == want["numerics"], "this process did not run with the pinned CPU numerics"
+    differences = _diff(got, want)
+    assert not differences, ("tables differ from the golden values on this CPU "
+                             "(regenerate only after a deliberate numerics change: "
+                             "tests/golden/micro_campaign.py --write):\n" + "\n".join(differences[:20]))
