@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages.benchmarks import resolve_data_dir  # noqa: E402
-from stages.code_benchmarks import load_code_benchmark  # noqa: E402
-from stages.code_grading import CodeGradingConfig, grade_code_batch, parse_tests  # noqa: E402
+from stages.data.benchmarks import resolve_data_dir  # noqa: E402
+from stages.data.code_benchmarks import load_code_benchmark  # noqa: E402
+from stages.grade.code import CodeGradingConfig, grade_code_batch, parse_tests  # noqa: E402
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ def _setup(rows: int, mode: str):
     from fp8rl_core.config import CampaignConfig, ModelConfig
     from fp8rl_core.precision import convert_for_training
     from fp8rl_core.tiny_model import build_tiny_model
-    from stages.train_core import TrainBatch
+    from stages.trainer.update import TrainBatch
 
     cfg = CampaignConfig.model_validate({
         "rollout": {"prompts_per_step": rows // 8, "samples_per_prompt": 8},
@@ -45,7 +45,7 @@ def _setup(rows: int, mode: str):
 
 
 def _time_steps(model, cfg, batch, repeats, collective=None) -> float:
-    from stages.train_core import LOCAL, make_optimizer, policy_update
+    from stages.trainer.update import LOCAL, make_optimizer, policy_update
 
     opt, sched = make_optimizer(model, cfg)
     kw = dict(bounds=(0.8, 1.28), shadow=False, collective=collective or LOCAL)
@@ -61,8 +61,8 @@ def _time_steps(model, cfg, batch, repeats, collective=None) -> float:
 def _rank(rank: int, port: int, rows: int, mode: str, repeats: int, out: str) -> None:
     import torch.distributed as dist
 
-    from stages.distributed import shard_policy
-    from stages.train_core import DistCollective
+    from stages.trainer.distributed import shard_policy
+    from stages.trainer.update import DistCollective
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

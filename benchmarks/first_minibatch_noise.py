@@ -37,7 +37,7 @@ def main() -> None:
 
     quiet_third_party()
     from stages.context import open_run
-    from stages.io import read_step
+    from stages.runtime.io import read_step
     from stages.rollout import run_rollout
     from stages.score import run_score
     from stages.train import run_train

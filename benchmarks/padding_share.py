@@ -3,7 +3,7 @@
 Today's split cuts each mini-batch into micro-batches of ``micro_batch_size`` rows,
 every one padded to the batch's longest row; ``algorithm.max_tokens_per_micro_batch``
 sorts each mini-batch's rows by length and pads each micro-batch only to its own
-longest row (``stages.minibatch_plan.token_budget_micros``). Two length
+longest row (``stages.trainer.minibatch_plan.token_budget_micros``). Two length
 distributions, one batch each, the stress preset's model and mini-batches:
 
 * ``stress``: the stress world (``configs/stress-cpu.yaml``, difficulty 0): the
@@ -53,7 +53,7 @@ def spread_lengths(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
 def make_batch(prompts: list[int], responses: list[int], vocab: int, seed: int = 0):
     import torch
 
-    from stages.train_core import TrainBatch
+    from stages.trainer.update import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     n, t = len(prompts), max(p + r for p, r in zip(prompts, responses))
@@ -68,8 +68,8 @@ def make_batch(prompts: list[int], responses: list[int], vocab: int, seed: int =
 
 def padded_share(batch, cfg, seed: int) -> float:
     """Padded tokens / computed tokens of the step's micro-batches (the kernel multiple included)."""
-    from stages.minibatch_plan import minibatch_plan, padded_tokens
-    from stages.train_core import token_multiple
+    from stages.trainer.minibatch_plan import minibatch_plan, padded_tokens
+    from stages.trainer.update import token_multiple
 
     lengths = batch.attention_mask.sum(1)
     multiple = token_multiple(cfg.precision.train)
@@ -89,7 +89,7 @@ def time_step(cfg, batch, seed: int) -> float:
 
     from fp8rl_core.precision import convert_for_training
     from fp8rl_core.tiny_model import build_tiny_model
-    from stages.train_core import make_optimizer, policy_update
+    from stages.trainer.update import make_optimizer, policy_update
 
     torch.manual_seed(0)
     model = build_tiny_model(cfg.model)

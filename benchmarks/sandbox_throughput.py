@@ -3,11 +3,11 @@
 The unit is one *graded program with all its cases*, of two kinds:
 
 - stdio: ``print(sum(map(int, input().split())))`` against 3 stdin/stdout cases.
-  Sandboxed = :func:`stages.code_grading.grade_program` (one sandbox launch,
+  Sandboxed = :func:`stages.grade.code.grade_program` (one sandbox launch,
   a fresh process per case: namespaces, minimal filesystem view, throw-away
   uid, seccomp, rlimits, init and reaping, token comparison by the problem's rules). Bare = for each
   case ``subprocess.run([python, "-I", "-S", "-c", program], input=case)`` and the
-  same :func:`~stages.code_grading.outputs_match`.
+  same :func:`~stages.grade.code.outputs_match`.
 - functional: a LeetCode-style ``Solution`` against a ``check()`` of 3 asserts.
   Sandboxed = ``grade_program`` (one sandbox run: harness, result channel,
   the grader's decoding and comparison). Bare = one ``python -I -S -c`` of the
@@ -33,9 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages.code_grading import (LEETCODE_PRELUDE, CodeGradingConfig, get_sandbox, grade_program,  # noqa: E402
+from stages.grade.code import (LEETCODE_PRELUDE, CodeGradingConfig, get_sandbox, grade_program,  # noqa: E402
                                  outputs_match, parse_tests)
-from stages.sandbox import sandbox_python  # noqa: E402
+from stages.grade.sandbox import sandbox_python  # noqa: E402
 
 STDIO_CODE = "print(sum(map(int, input().split())))\n"
 STDIO_TESTS = [{"input": "1 2\n", "output": "3"}, {"input": "40 2\n", "output": "42"},

@@ -43,9 +43,9 @@ def main() -> None:
     from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.score import run_score
-    from stages.io import read_step
+    from stages.runtime.io import read_step
     from stages.train import build_batch
-    from stages.train_core import policy_update
+    from stages.trainer.update import policy_update
     from storage.layout import create_run
     import torch
 

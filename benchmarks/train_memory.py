@@ -20,7 +20,7 @@ import json, resource, sys, torch
 from fp8rl_core.config import CampaignConfig, ModelConfig
 from fp8rl_core.precision import convert_for_training
 from fp8rl_core.tiny_model import build_tiny_model
-from stages.train_core import TrainBatch, make_optimizer, policy_update
+from stages.trainer.update import TrainBatch, make_optimizer, policy_update
 mini, micro = int(sys.argv[1]), int(sys.argv[2])
 torch.manual_seed(0); torch.set_num_threads(1)
 cfg = CampaignConfig.model_validate({"rollout": {"prompts_per_step": 64, "samples_per_prompt": 8},

@@ -31,7 +31,7 @@ def main() -> None:
     from fp8rl_core.logprobs import token_logprobs_and_entropy
     from fp8rl_core.precision import autocast_context, convert_for_training
     from fp8rl_core.tiny_model import build_tiny_model
-    from stages.train_core import TrainBatch, make_optimizer, pad_to_contract, policy_update, token_multiple
+    from stages.trainer.update import TrainBatch, make_optimizer, pad_to_contract, policy_update, token_multiple
 
     cfg = CampaignConfig.model_validate({
         "rollout": {"prompts_per_step": args.rows // 8, "samples_per_prompt": 8},

@@ -2,7 +2,7 @@
 
 This module holds the DAG and its Prefect tasks; the stages are plain functions
 in ``stages/`` returning a :class:`stages.result.StageResult`, and how ranks agree
-on an attempt's outcome is :mod:`stages.rank_outcome`.
+on an attempt's outcome is :mod:`stages.runtime.rank_outcome`.
 
 Prefect gives retries, timeouts, states, logs and artifacts; the ledger in the
 run directory is the truth for resume. Each stage is one Prefect task:
@@ -23,7 +23,7 @@ Transient = :class:`TransientStageError`, ``OSError``, ``TimeoutError``,
 bug, a bad config) fails at once.
 
 Under several ranks rollout, score and evaluate run on every rank together
-(:func:`stages.rank_outcome.on_ranks`): Prefect's own retries would re-run rank 0
+(:func:`stages.runtime.rank_outcome.on_ranks`): Prefect's own retries would re-run rank 0
 alone and deadlock, so each attempt ends with rank 0 broadcasting its outcome
 (ok, retry, fatal) and all ranks follow it; rank 0 runs each attempt as its own
 Prefect task run, so the ledger and the UI record every attempt.
@@ -55,9 +55,9 @@ from flows.ui import publish_bounds, publish_failure, publish_step
 from fp8rl_core.config import CampaignConfig
 from stages.checkpoint import eval_scores, restore_latest
 from stages.context import RunEnv, TrainState, is_checkpoint_step, is_eval_step
-from stages.rank_outcome import RankedStage, after_go, on_all, on_main, on_ranks
+from stages.runtime.rank_outcome import RankedStage, after_go, on_all, on_main, on_ranks
 from stages.result import StageResult
-from stages.stage_comm import TRANSIENT, TransientStageError, broadcast, is_transient  # noqa: F401 (re-exported)
+from stages.runtime.stage_comm import TRANSIENT, TransientStageError, broadcast, is_transient  # noqa: F401 (re-exported)
 from storage import faults, lock
 
 
@@ -204,7 +204,7 @@ def _logger():
 
 
 def _ranked(task_obj) -> RankedStage:
-    """The stage task as the ranks run it (``stages.rank_outcome``)."""
+    """The stage task as the ranks run it (``stages.runtime.rank_outcome``)."""
     return RankedStage(task_obj.name, task_obj.retries, task_obj, task_obj.with_options(retries=0),
                        task_obj.stage_fn)
 
@@ -237,7 +237,7 @@ def _sync_engine(env: RunEnv, state: TrainState, synced: dict) -> None:
 def _rollout_and_score(env: RunEnv, state: TrainState, step: int, done: set, info: dict,
                        synced: dict) -> tuple[dict[str, float], TrainState]:
     """Rollout and score of ``step`` on every rank (a done one gives back its sampler); their times."""
-    from stages.prompts import SamplerState
+    from stages.data.prompts import SamplerState
 
     timings: dict[str, float] = {}
     for name, stage_task in (("rollout", rollout_task), ("score", score_task)):
@@ -323,7 +323,7 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
     """The step loop every rank runs (rank 0 inside :func:`campaign_flow`)."""
     from flows.configuration import load_config
     from stages.context import open_run, resolve_device
-    from stages.distributed import init_from_env
+    from stages.trainer.distributed import init_from_env
 
     cfg = load_config(Path(run_dir) / "config.yaml")
     lock.acquire(run_dir)  # one writer per run (rank 0 only; re-entrant: the CLI already holds it)

@@ -64,10 +64,10 @@ def preflight(cfg: CampaignConfig, nproc_per_node: int = 1) -> None:
     """Check every input the campaign will read (data files, benchmarks) and that the trainer
     can run on ``nproc_per_node`` ranks, up front."""
     from stages.evaluate import check_benchmarks
-    from stages.prompts import make_source
+    from stages.data.prompts import make_source
 
     if nproc_per_node > 1:
-        from stages.minibatch_plan import check_world_size
+        from stages.trainer.minibatch_plan import check_world_size
 
         try:
             check_world_size(cfg, nproc_per_node)
@@ -199,7 +199,7 @@ def run(
 def _echo_cpu_numerics(cfg: CampaignConfig) -> None:
     """The console's first lines say what the run computes with (the same record lands in run.json)."""
     from flows.cpu_numerics import describe, gemm_choice, summary_line
-    from stages.bootstrap import capped_threads
+    from stages.bootstrap.math import capped_threads
     from stages.context import resolve_device
 
     choice = gemm_choice(cfg, resolve_device(cfg.device))

@@ -63,7 +63,7 @@ class DeploymentInputError(ValueError):
 def check_inputs(cfg: CampaignConfig) -> None:
     """Load the task's prompts and every benchmark once, so a missing file fails before anything is written."""
     from stages.evaluate import check_benchmarks
-    from stages.prompts import make_source
+    from stages.data.prompts import make_source
 
     try:
         make_source(cfg.task)

@@ -16,7 +16,7 @@ It runs the detectors of :mod:`fp8rl_core.guard` over the live step rows
 3. checkpoint c is restored (weights, optimizer, RNG, sampler, calibrator) and
    the campaign continues at c + 1 with the remedy: ``recalibrate_now`` /
    ``recalibrate_every_step`` force the shadow passes on the next 1 /
-   ``remedy_steps`` steps (``stages.guard``), ``tighten`` narrows the bounds in
+   ``remedy_steps`` steps (``stages.schedule.guard_hooks``), ``tighten`` narrows the bounds in
    force by ``tighten_factor``; ``stop`` (or a trip beyond ``max_trips``, or no
    checkpoint to go back to) records the trip and stops the campaign with
    :class:`GuardStop`.
@@ -105,7 +105,7 @@ class CampaignGuard:
     def after_step(self, state: TrainState, step: int, metrics: dict[str, Any], last_eval: dict
                    ) -> tuple[int, TrainState, dict]:
         """``(next step, state, last eval)``: ``step + 1`` unchanged, or after a rollback."""
-        from stages.stage_comm import broadcast
+        from stages.runtime.stage_comm import broadcast
 
         if not self.cfg.enabled or step < 1:
             return step + 1, state, last_eval

@@ -1,6 +1,6 @@
 """``fp8rl plan``'s measured plan: the preset's train step on fake tensors, per GPU, per phase.
 
-The train step is measured by :func:`stages.memory_measure.measure_step` at two
+The train step is measured by :func:`stages.trainer.memory_measure.measure_step` at two
 small depths and extrapolated linearly to the model's depth (every kind of
 memory separately, see that module). Around it, per GPU:
 
@@ -11,7 +11,7 @@ memory separately, see that module). Around it, per GPU:
   the sleeping engine (level 1 offloads its weights to host memory and frees its
   KV cache: nothing stays on the GPU; level 0 keeps its whole reservation);
 * **weight sync**: the resident state, the full (unsharded) model state the
-  trainer's gather returns (``stages.distributed.full_model_state``, measured on
+  trainer's gather returns (``stages.trainer.distributed.full_model_state``, measured on
   the fake model) and the awake engine's weights (P x 1 B in FP8, 2 B in BF16).
 
 A phase fits when it stays under the GPU's memory less the headroom. The
@@ -71,7 +71,7 @@ def plan_precision_line(cfg: Any) -> str:
 def measured_plan(cfg: Any, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int = 1024,
                   headroom: float = 0.10, depths: tuple[int, int] = DEPTHS) -> MeasuredPlan:
     """Measure the train step at ``depths`` layers on ``gpus`` fake ranks and build the per-phase plan."""
-    from stages.memory_measure import extrapolate, measure_step
+    from stages.trainer.memory_measure import extrapolate, measure_step
 
     a = arch_of(cfg)
     depths = tuple(min(d, a.layers) for d in depths) if a.layers > 1 else (1, 1)

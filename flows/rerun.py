@@ -24,13 +24,13 @@ from pathlib import Path
 from fp8rl_core.calibration import CalibratorState
 from fp8rl_core.config import CampaignConfig
 from stages.context import MAIN, RunEnv, open_storage_only
-from stages.io import shadow_steps
+from stages.runtime.io import shadow_steps
 from storage.ledger import DONE
 
 
 def _bounds_in_force(env: RunEnv, step: int) -> CalibratorState | None:
     """The campaign's calibrator state after its last calibration before ``step``."""
-    from stages.io import read_step
+    from stages.runtime.io import read_step
 
     state = None
     for s in range(1, step):

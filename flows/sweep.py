@@ -252,7 +252,7 @@ def marker_path(sweep_dir: Path, cell: Cell) -> Path:
 def ledger_finished(run_dir: Path, cfg: CampaignConfig) -> bool:
     """True when the ledger has every stage of the campaign's final step done."""
     from stages.context import is_checkpoint_step, is_eval_step
-    from stages.io import RunTables, shadow_steps
+    from stages.runtime.io import RunTables, shadow_steps
     from storage.ledger import Ledger
 
     last = cfg.steps

@@ -2,7 +2,7 @@
 
 A problem is a hidden function ``f(x) = x + k`` or ``f(x) = x * k`` (k in 2..9).
 The prompt shows it on x = 0 and x = 1; the response is a Python expression in
-``x``; the reward comes from *running* it (``stages.code_grading``, in the
+``x``; the reward comes from *running* it (``stages.grade.code``, in the
 sandbox) on hidden inputs::
 
     problem   f(x) = x * 7
@@ -43,7 +43,7 @@ class CodeProblem:
     id: str
     prompt: str
     solution: str  # the reference expression
-    tests: str  # JSON stdin/stdout tests of stages.code_grading.parse_tests
+    tests: str  # JSON stdin/stdout tests of stages.grade.code.parse_tests
 
 
 def reference(op: str, k: int) -> str:

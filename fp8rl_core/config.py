@@ -49,7 +49,7 @@ class ModelConfig(_Frozen):
 
 
 class DatasetRef(_Frozen):
-    """A problem set read through ``datasets`` (``stages.datasets_io``): a Hugging Face
+    """A problem set read through ``datasets`` (``stages.data.datasets_io``): a Hugging Face
     dataset name, a local folder laid out as a Hub dataset repo, a ``save_to_disk``
     folder, or a JSONL / JSON / Parquet file."""
 
@@ -289,7 +289,7 @@ class CheckpointConfig(_Frozen):
 
 
 class CodeConfig(_Frozen):
-    """Code RL: sandbox limits and prompt templates (stages.sandbox, stages.code_grading). Defaults: our choice."""
+    """Code RL: sandbox limits and prompt templates (stages.grade.sandbox, stages.grade.code). Defaults: our choice."""
 
     per_test_s: float = Field(4.0, gt=0, description="Wall-clock (and CPU, rounded up) limit of one test case.")
     per_sample_s: float = Field(20.0, gt=0, description="Wall-clock limit of all test cases of one response; cases left fail.")
@@ -324,7 +324,7 @@ class SurgeConfig(_Frozen):
 
 
 class PromptConfig(_Frozen):
-    """How a problem becomes the model's input (``stages.prompt_format``)."""
+    """How a problem becomes the model's input (``stages.data.prompt_format``)."""
 
     format: Literal["auto", "chat", "plain"] = Field("auto", description="chat: the tokenizer's chat template (instruct checkpoints); plain: the text as is (base models, as the paper's Qwen3-8B-Base runs); auto: chat only for an instruct checkpoint that has a template.")
     system_prompt: str | None = Field(None, description="System message (chat format only); None = none.")

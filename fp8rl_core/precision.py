@@ -343,7 +343,7 @@ def bf16_parameters(model: nn.Module) -> Iterator[nn.Module]:
     gradient flows back to the fp32 master as an fp32 gradient).
 
     The cast FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` applies to
-    every all-gathered parameter (``stages.distributed.mixed_precision_policy``), done in one
+    every all-gathered parameter (``stages.trainer.distributed.mixed_precision_policy``), done in one
     process without sharding, so one process computes exactly as N ranks do. A no-op on an
     FSDP2-sharded model (FSDP casts already) and when the parameters are not fp32.
     """

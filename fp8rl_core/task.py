@@ -37,7 +37,7 @@ sampled 43-48 %, measured). RL from the verifier's reward has to learn "always
 carry": a single behaviour, shared by every column and every problem, that the
 base policy already knows — the setting RL is good at (selecting a procedure
 the base model already samples), so the gain is large and fast (+30 points in
-5 GRPO steps of 64x8, +45 in 20; ``stages.bootstrap`` has the recipe).
+5 GRPO steps of 64x8, +45 in 20; ``stages.bootstrap.math`` has the recipe).
 
 **Splits** are disjoint by construction: a hash of ``(difficulty, operands)``
 assigns each operand tuple to ``test`` (1 in :data:`TEST_SHARE_DENOM`) or

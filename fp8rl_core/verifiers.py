@@ -21,7 +21,7 @@ Two verifiers, registered by name in :data:`VERIFIERS`:
     math-verify bounds its work with ``signal.alarm``, which only works in the
     main thread of a process. Outside the main thread :func:`math_equal` turns
     its timeout off rather than crash; the caller must then bound wall-clock
-    time, as ``stages.grading`` does with one process per worker that it kills
+    time, as ``stages.grade.pool`` does with one process per worker that it kills
     when an item runs past its limit.
 
 ``"synthetic"`` — :func:`fp8rl_core.task.exact_verify`: a pure string check of the

@@ -47,7 +47,7 @@ def _model(device):
 def _batch(device, n=32, p=96, r=160, vocab=150000):
     import torch
 
-    from stages.train_core import TrainBatch
+    from stages.trainer.update import TrainBatch
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(10, vocab, (n, p + r), generator=g)
@@ -71,7 +71,7 @@ def step_and_calibrate(model, optimizer, scheduler, batch, cfg) -> tuple[Any, An
 
     from fp8rl_core.calibration import CalibratorState, calibrate
     from fp8rl_core.losses import importance_ratio
-    from stages.train_core import policy_update
+    from stages.trainer.update import policy_update
 
     a = cfg.algorithm
     sync = torch.cuda.synchronize if batch.input_ids.is_cuda else (lambda: None)
@@ -97,7 +97,7 @@ def _one_mode(emit: Callable[[str], None], mode: str, device, batch) -> None:
     import torch
 
     from fp8rl_core.precision import convert_for_training
-    from stages.train_core import make_optimizer, policy_logprobs
+    from stages.trainer.update import make_optimizer, policy_logprobs
     from gpu_check.step_config import load_step_config
 
     cfg = load_step_config(mode)

@@ -18,9 +18,9 @@ from fp8rl_core.calibration import calibrate
 from fp8rl_core.losses import importance_ratio
 from fp8rl_core.registered import CALIBRATION_UNITS
 from stages.context import RunEnv, TrainState
-from stages.io import read_step
+from stages.runtime.io import read_step
 from stages.result import StageResult
-from stages.schedule import subsample_columns
+from stages.schedule.shadow import subsample_columns
 
 
 def _ratio(logp: np.ndarray, old: np.ndarray) -> torch.Tensor:

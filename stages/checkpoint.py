@@ -25,7 +25,7 @@ from pathlib import Path
 from fp8rl_core.calibration import CalibratorState
 from fp8rl_core.fp4_linear import fp4_rng_state, load_fp4_rng_state
 from stages.context import RunEnv, TrainState
-from stages.prompts import SamplerState
+from stages.data.prompts import SamplerState
 from stages.result import StageResult
 from storage import faults
 from storage.checkpoints import (DCP_DIR, HashingStream, apply_retention, list_checkpoints, load_checkpoint,
@@ -105,7 +105,7 @@ def run_checkpoint(env: RunEnv, state: TrainState, step: int, *, attempt: int = 
     """Save ``state`` (and the process RNG) as ``checkpoints/step_<step>``; apply retention.
 
     A collective under several ranks: every rank calls it."""
-    from stages.distributed import full_model_state, save_sharded
+    from stages.trainer.distributed import full_model_state, save_sharded
 
     t0 = time.perf_counter()
     cfg = env.cfg
@@ -160,7 +160,7 @@ def restore(env: RunEnv, state: TrainState, path: str | Path) -> tuple[int, Trai
     ck = load_checkpoint(path, restore_rng=True)  # sizes, the DCP shards' included, verified first
     dcp = ck.extra.get("dcp")
     if dcp:
-        from stages.distributed import load_sharded
+        from stages.trainer.distributed import load_sharded
 
         with dcp_errors():
             load_sharded(path.parent / dcp, state.policy, state.optimizer)
@@ -186,7 +186,7 @@ def restore_latest(env: RunEnv, state: TrainState, *, before_step: int | None = 
     """Restore the newest complete checkpoint (of a step < ``before_step``); all ranks together.
 
     Returns ``(first step to run, restored state, eval scores recorded at that step)``."""
-    from stages.stage_comm import broadcast
+    from stages.runtime.stage_comm import broadcast
     from storage.checkpoints import latest_complete
 
     at_most = None if before_step is None else before_step - 1

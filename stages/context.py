@@ -34,7 +34,7 @@ import torch
 
 from fp8rl_core.calibration import CalibratorState
 from fp8rl_core.config import CampaignConfig
-from stages.prompts import PromptSource, SamplerState, make_source
+from stages.data.prompts import PromptSource, SamplerState, make_source
 from storage.layout import RunLayout, read_run_info
 from storage.ledger import Ledger
 from storage.writer import TableWriter
@@ -51,7 +51,7 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
 
 def rollout_seed(seed: int, step: int, round_: int, prompt_index: int) -> int:
     """The sampling seed of one prompt group: (campaign seed, step, DAPO round, the prompt's
-    global index in the step's draw). Independent of the number of ranks (``stages.rollout_plan``)."""
+    global index in the step's draw). Independent of the number of ranks (``stages.runtime.rollout_plan``)."""
     return (step_seed(seed, step, 1 + round_) * 1_000_003 + prompt_index) % (2**62)
 
 
@@ -59,7 +59,7 @@ def is_calibration_step(cfg: CampaignConfig, step: int) -> bool:
     """The fixed-K rule: steps 1, 1+K, 1+2K, ... (step 0 is the base eval).
 
     What a run actually did (fixed K, drift or a guard's remedy) is its ``steps.shadow``
-    (``stages.io.shadow_steps``); this rule is for planning and tests only."""
+    (``stages.runtime.io.shadow_steps``); this rule is for planning and tests only."""
     return step >= 1 and (step - 1) % cfg.calibration.interval == 0
 
 
@@ -121,13 +121,13 @@ class RunEnv:
     @property
     def stage_comm(self):
         """The object collectives of stages every rank runs together (rollout, score)."""
-        from stages.stage_comm import LOCAL, DistStageComm
+        from stages.runtime.stage_comm import LOCAL, DistStageComm
 
         return LOCAL if self.world_size == 1 else DistStageComm(self.group)
 
     @property
     def collective(self):
-        from stages.train_core import LOCAL, DistCollective
+        from stages.trainer.update import LOCAL, DistCollective
 
         return LOCAL if self.world_size == 1 else DistCollective(self.group, self.device)
 
@@ -147,13 +147,13 @@ def base_model_dir(cfg: CampaignConfig, runs_root: Path) -> Path:
     """The policy's starting weights: ``model.path`` or the (cached) bootstrapped tiny model."""
     if cfg.model.path is not None:
         return Path(cfg.model.path)
-    from stages.bootstrap import NoisyTeacher, bootstrap
+    from stages.bootstrap.math import NoisyTeacher, bootstrap
 
     b = cfg.bootstrap
     teacher = NoisyTeacher(carry_drop=b.carry_drop, noisy_steps=b.noisy_steps, switch_loss=b.switch_loss)
     cache = os.environ.get("FP8RL_BOOTSTRAP_CACHE")  # else the per-user cache (never beside the run)
-    if cfg.task.kind == "code_tiny":  # the tiny code task has its own demonstrations (stages.code_bootstrap)
-        from stages.code_bootstrap import bootstrap_code
+    if cfg.task.kind == "code_tiny":  # the tiny code task has its own demonstrations (stages.bootstrap.code)
+        from stages.bootstrap.code import bootstrap_code
 
         return Path(bootstrap_code(cfg.model, cfg.task, cfg.bootstrap, cache))
     return Path(bootstrap(cfg.model, cfg.task, cfg.bootstrap, cache, teacher=teacher))
@@ -234,10 +234,10 @@ def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, r
     device ever holds the whole fp32 model."""
     from fp8rl_core.precision import convert_for_training
     from fp8rl_core.tiny_model import load_policy
-    from stages.prompt_format import apply_stop_tokens
-    from stages.train_core import make_optimizer
+    from stages.data.prompt_format import apply_stop_tokens
+    from stages.trainer.update import make_optimizer
 
-    from stages.bootstrap import capped_threads
+    from stages.bootstrap.math import capped_threads
 
     torch.set_num_threads(capped_threads(cfg.threads))
     run_dir = Path(run_dir)
@@ -262,7 +262,7 @@ def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, r
     if engine is None:
         engine = _make_rollout_engine(cfg, policy, tokenizer, base)
     if world_size > 1:
-        from stages.distributed import shard_policy
+        from stages.trainer.distributed import shard_policy
 
         policy = shard_policy(policy, cfg, device=device)  # FSDP2 moves one block at a time, then shards it
     else:

@@ -18,20 +18,20 @@ import pyarrow as pa
 from fp8rl_core.config import BenchmarkEval, CampaignConfig
 from stages.context import RunEnv, TrainState, step_seed
 from stages.engines.base import RolloutBatch, RolloutSample
-from stages.prompts import PromptItem, data_dir
+from stages.data.prompts import PromptItem, data_dir
 from stages.result import StageResult
 
 
 def eval_problems(cfg: CampaignConfig, bench: BenchmarkEval) -> tuple[list[PromptItem], str]:
     """(problems, verifier name) of a benchmark entry of the config."""
-    from stages.benchmarks import load_benchmark, render_prompt, verifier_for
-    from stages.code_benchmarks import CODE_BENCHMARKS, load_code_benchmark, verifier_of
+    from stages.data.benchmarks import load_benchmark, render_prompt, verifier_for
+    from stages.data.code_benchmarks import CODE_BENCHMARKS, load_code_benchmark, verifier_of
 
     if bench.name in CODE_BENCHMARKS:  # code: the answer is a grading spec, graded in the sandbox
         code_set = load_code_benchmark(bench.name, data_dir(cfg.task), bench.limit, task=cfg.task, code=cfg.code)
         return [PromptItem(q.id, q.problem, q.answer, bench.name) for q in code_set], verifier_of(bench.name)
-    if bench.dataset is not None:  # a benchmark by dataset name or path (stages.datasets_io)
-        from stages.datasets_io import load_problems
+    if bench.dataset is not None:  # a benchmark by dataset name or path (stages.data.datasets_io)
+        from stages.data.datasets_io import load_problems
 
         problems = load_problems(bench.dataset, bench.name, data_dir(cfg.task), bench.limit)
     else:
@@ -49,7 +49,7 @@ def check_benchmarks(cfg: CampaignConfig) -> None:
 
 def eval_blocks(env: RunEnv, prompt_ids: list[list[int]], step: int, bench: BenchmarkEval, salt: int) -> list:
     """The benchmark's generation blocks: whole groups of ``k``, seeded per prompt, independent of the rank count."""
-    from stages.rollout_plan import generation_blocks
+    from stages.runtime.rollout_plan import generation_blocks
 
     return generation_blocks([len(p) for p in prompt_ids], group_size=bench.k,
                              generation_batch_size=env.cfg.rollout.generation_batch_size,
@@ -60,7 +60,7 @@ def generate_eval_share(env: RunEnv, state: TrainState, prompt_ids: list[list[in
                         bench: BenchmarkEval) -> dict[int, RolloutBatch]:
     """This rank's blocks of a benchmark (``{block index: batch}``), padded to the busiest rank's call count."""
     from stages.rollout import sync_engine
-    from stages.rollout_plan import blocks_of_rank, calls_per_rank, padding_calls
+    from stages.runtime.rollout_plan import blocks_of_rank, calls_per_rank, padding_calls
 
     sync_engine(env, state)
     mine = blocks_of_rank(blocks, env.rank, env.world_size)
@@ -93,7 +93,7 @@ def grade_benchmark(env: RunEnv, bench: BenchmarkEval, items: list[PromptItem], 
                     batch: RolloutBatch) -> tuple[pa.Table, list[dict]]:
     """Grade one benchmark's samples: its ``evals`` rows and its metric rows."""
     from fp8rl_core.eval_metrics import avg_at_k, maj_at_k, pass_at_k
-    from stages.grading import grade_batch
+    from stages.grade.pool import grade_batch
 
     responses = env.tokenizer.batch_decode([s.response_ids for s in batch.samples], skip_special_tokens=True)
     golds = [items[s.prompt_index].answer for s in batch.samples]
@@ -131,8 +131,8 @@ def run_evaluate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0)
     Every rank generates its blocks of each benchmark (the same blocks and seeds on
     any number of ranks, every rank calling the engine equally often); rank 0
     gathers them, grades and writes."""
-    from stages.prompt_format import encode_prompts
-    from stages.stage_comm import on_main, together
+    from stages.data.prompt_format import encode_prompts
+    from stages.runtime.stage_comm import on_main, together
 
     t0 = time.perf_counter()
     comm = env.stage_comm

@@ -2,7 +2,7 @@
 
 Prompts come from the persisted sampler position (deterministic in the campaign
 seed). Generation is cut into blocks of whole GRPO groups that do not depend on
-the number of ranks (:mod:`stages.rollout_plan`): each rank generates its blocks,
+the number of ranks (:mod:`stages.runtime.rollout_plan`): each rank generates its blocks,
 each block seeded by ``(seed, step, round, first prompt of the block)``; rank 0
 gathers them, puts the samples back in the step's prompt order and writes the
 rows, so the table is the same, bit for bit, on any number of ranks. The engine's
@@ -19,13 +19,13 @@ import pyarrow as pa
 
 from stages.context import RunEnv, TrainState
 from stages.engines.base import RolloutBatch, RolloutSample
-from stages.prompt_format import encode_prompts
-from stages.prompts import PromptItem, draw_prompts
+from stages.data.prompt_format import encode_prompts
+from stages.data.prompts import PromptItem, draw_prompts
 from stages.result import StageResult
-from stages.rollout_plan import (
+from stages.runtime.rollout_plan import (
     GenerationBlock, blocks_of_rank, calls_per_rank, generation_blocks, generation_lanes, padding_calls,
 )
-from stages.stage_comm import on_main, together
+from stages.runtime.stage_comm import on_main, together
 
 
 def sync_engine(env: RunEnv, state: TrainState) -> None:
@@ -82,7 +82,7 @@ def generate_share(env: RunEnv, state: TrainState, plan: RolloutPlan, *, rank: i
     """Generate the blocks of ``rank`` (one ``engine.generate`` call each): ``{block index: batch}``.
 
     A rank with fewer blocks than the busiest lane pads with discarded calls
-    (:func:`stages.rollout_plan.padding_calls`), so every rank calls the engine
+    (:func:`stages.runtime.rollout_plan.padding_calls`), so every rank calls the engine
     equally often."""
     r = env.cfg.rollout
     sync_engine(env, state)
@@ -166,7 +166,7 @@ def run_rollout(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0, 
 
     Every rank generates its blocks; the shares are gathered on rank 0, which
     writes the rows (a failure on any rank makes every rank raise, see
-    :mod:`stages.stage_comm`). Returns the summary (the same on every rank) and
+    :mod:`stages.runtime.stage_comm`). Returns the summary (the same on every rank) and
     the state with the advanced sampler."""
     t0 = time.perf_counter()
     comm = env.stage_comm

@@ -24,9 +24,9 @@ import torch
 
 from fp8rl_core.advantages import ADVANTAGE_ESTIMATORS, dynamic_sampling_mask, overlong_penalty
 from stages.context import RunEnv, TrainState
-from stages.io import read_step
+from stages.runtime.io import read_step
 from stages.result import StageResult
-from stages.stage_comm import on_main, together
+from stages.runtime.stage_comm import on_main, together
 
 
 def grade(env: RunEnv, rows: pa.Table) -> list[float]:
@@ -35,8 +35,8 @@ def grade(env: RunEnv, rows: pa.Table) -> list[float]:
 
 
 def grade_results(env: RunEnv, rows: pa.Table) -> list:
-    """The verifier's :class:`stages.grading.GradeResult` of each rollout row."""
-    from stages.grading import grade_batch
+    """The verifier's :class:`stages.grade.pool.GradeResult` of each rollout row."""
+    from stages.grade.pool import grade_batch
 
     ids = [f"{pid}#{i}" for pid, i in zip(rows.column("prompt_id").to_pylist(), rows.column("sample_id").to_pylist())]
     return grade_batch(ids, rows.column("response").to_pylist(), rows.column("reference_answer").to_pylist(),
@@ -79,7 +79,7 @@ def rank_groups(n_groups: int, rank: int, world_size: int) -> range:
 
 def grade_shared(env: RunEnv, rows: pa.Table) -> list | None:
     """Grade ``rows`` (whole groups, ``[N]``) spread over the ranks: every row's
-    :class:`stages.grading.GradeResult` in row order on rank 0, ``None`` on the others."""
+    :class:`stages.grade.pool.GradeResult` in row order on rank 0, ``None`` on the others."""
     g = env.cfg.rollout.samples_per_prompt
     mine = rank_groups(rows.num_rows // g, env.rank, env.world_size)
     share = together(env.stage_comm, lambda: grade_results(env, rows.slice(mine.start * g, len(mine) * g)) if mine else [])

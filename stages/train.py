@@ -1,7 +1,7 @@
 """Train stage: the step's policy update, ``token_stats`` and the ``steps`` row.
 
 Reads the step's ``rollouts`` and ``scores`` (kept samples only), builds padded
-tensors, runs :func:`stages.train_core.policy_update` with the clip bounds in
+tensors, runs :func:`stages.trainer.update.policy_update` with the clip bounds in
 force (from the calibrator state) and the BF16 shadow passes on calibration
 steps, then writes
 
@@ -31,12 +31,12 @@ from fp8rl_core.failure_signals import garbled_share
 from fp8rl_core.losses import importance_ratio
 from fp8rl_core.noise_sources import noise_sources
 from stages.context import RunEnv, TrainState, step_seed
-from stages.grading import answer_parser
-from stages.guard import train_hooks
-from stages.io import read_step
+from stages.grade.pool import answer_parser
+from stages.schedule.guard_hooks import train_hooks
+from stages.runtime.io import read_step
 from stages.result import StageResult
-from stages.schedule import drift_metrics, shadow_plan
-from stages.train_core import TrainBatch, UpdateResult, lr_override, policy_update, token_multiple
+from stages.schedule.shadow import drift_metrics, shadow_plan
+from stages.trainer.update import TrainBatch, UpdateResult, lr_override, policy_update, token_multiple
 
 ENTROPY_BIN_EDGES = (0.0, 0.1, 0.5, 1.0, 2.0, float("inf"))
 

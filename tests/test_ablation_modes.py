@@ -16,7 +16,7 @@ from conftest import micro_config
 from flows.configuration import dump_config
 from fp8rl_core.losses import loss_bounds
 from stages.context import open_context
-from stages.io import read_step
+from stages.runtime.io import read_step
 from stages.rollout import run_rollout
 from stages.score import run_score
 from stages.train import run_train
@@ -66,7 +66,7 @@ def test_cispo_cap_comes_from_the_registry(tmp_path):
         micro_config("algorithm.loss=cispoo")
     import inspect
 
-    import stages.train_core as tc
+    import stages.trainer.update as tc
 
     assert '"cispo"' not in inspect.getsource(tc)  # no loss is special-cased by name in the trainer
     _, _, out = _train_one_step(tmp_path, "algorithm.loss=cispo")

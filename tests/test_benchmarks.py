@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fp8rl_core.config import TaskConfig
-from stages.benchmarks import (
+from stages.data.benchmarks import (
     BOXED_INSTRUCTION,
     SOURCES,
     load_benchmark,
@@ -18,7 +18,7 @@ from stages.benchmarks import (
     render_prompt,
     verifier_for,
 )
-from stages.grading import grade_batch
+from stages.grade.pool import grade_batch
 
 DATA_DIR = os.environ.get("FP8RL_DATA_DIR")
 needs_data = pytest.mark.skipif(

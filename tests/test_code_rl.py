@@ -11,11 +11,11 @@ import pytest
 
 from fp8rl_core import code_task
 from fp8rl_core.config import CodeConfig
-from stages.code_benchmarks import (CODE_SOURCES, _eurus, _taco_apps, grade_code_responses, load_code_benchmark,
+from stages.data.code_benchmarks import (CODE_SOURCES, _eurus, _taco_apps, grade_code_responses, load_code_benchmark,
                                     records_to_set)
-from stages.code_grading import (CodeGradingConfig, extract_code, get_sandbox, grade_code_batch, grade_program,
+from stages.grade.code import (CodeGradingConfig, extract_code, get_sandbox, grade_code_batch, grade_program,
                                  outputs_match, parse_tests)
-from stages.sandbox import probe_isolation
+from stages.grade.sandbox import probe_isolation
 
 pytestmark = pytest.mark.timeout(120)
 needs_sandbox = pytest.mark.skipif(probe_isolation()[0] != "namespaces+uid", reason="full sandbox isolation unavailable")
@@ -163,14 +163,14 @@ def test_code_campaign_tables_have_the_math_shape(tmp_path, monkeypatch):
     from stages.calibrate import run_calibrate
     from stages.context import is_calibration_step, open_context
     from stages.evaluate import run_evaluate
-    from stages.io import read_step
+    from stages.runtime.io import read_step
     from stages.rollout import run_rollout
     from stages.score import run_score
     from stages.train import run_train
     from storage.layout import create_run
     from storage.schemas import get_table
 
-    monkeypatch.setattr("stages.code_bootstrap.EVAL_SIZE", 16)  # the base-accuracy measurement is not the point here
+    monkeypatch.setattr("stages.bootstrap.code.EVAL_SIZE", 16)  # the base-accuracy measurement is not the point here
     cfg = micro_config(*CODE_MICRO)
     create_run(tmp_path, "code", config=dump_config(cfg))
     env, state = open_context(cfg, tmp_path / "code")

@@ -93,7 +93,7 @@ def test_presets_match_the_paper_32b_and_dapo():
 
 
 def test_best_average_metric_and_the_dapo_record_parser():
-    from stages.benchmarks import TRAIN_SOURCES
+    from stages.data.benchmarks import TRAIN_SOURCES
     from stages.evaluate import AVERAGE_KEY, benchmark_average
 
     rows = [{"benchmark": "aime24", "metric": "avg@k", "k": 16, "value": 0.3},

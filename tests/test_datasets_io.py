@@ -77,7 +77,7 @@ def _ref(source: str, **kw) -> DatasetRef:
 def test_hub_layout_folder_equals_jsonl_and_save_to_disk(tmp_path):
     import datasets
 
-    from stages.datasets_io import load_problems
+    from stages.data.datasets_io import load_problems
 
     repo = _hub_repo(tmp_path)
     cache = str(tmp_path / "cache")
@@ -101,7 +101,7 @@ def test_hub_layout_folder_equals_jsonl_and_save_to_disk(tmp_path):
 
 
 def test_bad_references_fail_clearly(tmp_path):
-    from stages.datasets_io import load_problems
+    from stages.data.datasets_io import load_problems
 
     repo = _hub_repo(tmp_path)
     with pytest.raises(FileNotFoundError, match="not found"):
@@ -116,7 +116,7 @@ def test_bad_references_fail_clearly(tmp_path):
 def test_training_and_eval_configs_take_a_dataset(tmp_path):
     from flows.configuration import load_config
     from stages.evaluate import eval_problems
-    from stages.prompts import make_source
+    from stages.data.prompts import make_source
 
     repo = _hub_repo(tmp_path)
     src = {"source": str(repo), "question_field": "question", "answer_field": "final", "id_field": "uid"}
@@ -130,8 +130,8 @@ def test_training_and_eval_configs_take_a_dataset(tmp_path):
 
 @pytest.mark.data
 def test_shipped_benchmark_files_read_the_same_through_datasets(data_dir, tmp_path):
-    from stages.benchmarks import load_benchmark
-    from stages.datasets_io import load_problems
+    from stages.data.benchmarks import load_benchmark
+    from stages.data.datasets_io import load_problems
 
     ref = DatasetRef(source="gsm8k/test.jsonl", question_field="question", answer_field="answer", answer_format="gsm8k")
     generic = load_problems(ref, "gsm8k", data_dir, limit=50, cache_dir=str(tmp_path / "c"))

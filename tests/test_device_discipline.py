@@ -24,7 +24,7 @@ from fp8rl_core.config import BapoConfig
 from fp8rl_core.device_discipline import HostDeviceMixError, HostDeviceMode, to_device
 from fp8rl_core.precision import convert_for_training
 from fp8rl_core.tiny_model import VOCAB_SIZE, build_tiny_model
-from stages.train_core import TrainBatch, make_optimizer, policy_update
+from stages.trainer.update import TrainBatch, make_optimizer, policy_update
 from tests.conftest import micro_config
 
 PRECISIONS = ["bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "nvfp4", "mxfp4"]

@@ -56,7 +56,7 @@ def _engine(model_dir: str):
 def _work(engine, rank: int, world: int) -> dict:
     from stages.evaluate import generate_eval_share
     from stages.rollout import RolloutPlan, generate_share
-    from stages.rollout_plan import generation_blocks
+    from stages.runtime.rollout_plan import generation_blocks
 
     cfg = SimpleNamespace(rollout=RolloutConfig(**ROLLOUT))
     env = SimpleNamespace(cfg=cfg, engine=engine, rank=rank, world_size=world)

@@ -196,7 +196,7 @@ def test_live_quantile_signal_reads_the_checkpointed_state():
 
     from conftest import micro_config
     from fp8rl_core.calibration import CalibratorState
-    from stages.schedule import drift_metrics
+    from stages.schedule.shadow import drift_metrics
 
     env = SimpleNamespace(cfg=micro_config("calibration.schedule=drift", "calibration.drift_signal=quantile"))
     g = torch.Generator().manual_seed(3)

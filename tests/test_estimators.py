@@ -197,7 +197,7 @@ def test_micro_campaign_writes_the_interval(tmp_path):
     from flows.configuration import dump_config
     from stages.calibrate import run_calibrate
     from stages.context import open_run
-    from stages.io import read_step
+    from stages.runtime.io import read_step
     from stages.rollout import run_rollout
     from stages.score import run_score
     from stages.train import run_train

@@ -18,7 +18,7 @@ import torch
 
 from fp8rl_core.precision import convert_for_training
 from fp8rl_core.tiny_model import build_tiny_model
-from stages.distributed import RESHARD_AFTER_FORWARD, decoder_blocks, enable_float8_all_gather, shard_policy
+from stages.trainer.distributed import RESHARD_AFTER_FORWARD, decoder_blocks, enable_float8_all_gather, shard_policy
 from tests.test_train_scaleout import SMALL, _free_port, _spawn
 
 

@@ -391,7 +391,7 @@ def test_choices_are_listed_in_help() -> None:
 
 
 def test_bootstrap_cache_is_per_user_not_beside_the_run(tmp_path: Path, monkeypatch) -> None:
-    import stages.bootstrap as boot
+    import stages.bootstrap.math as boot
     from stages.context import base_model_dir
 
     seen = {}

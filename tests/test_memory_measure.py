@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from flows.plan import Arch, total_params
-from stages.memory_measure import extrapolate, measure_step
+from stages.trainer.memory_measure import extrapolate, measure_step
 
 ARCH = Arch(hidden=512, layers=3, heads=4, kv_heads=2, head_dim=128, intermediate=1536, vocab=1024, tied=False)
 W, MB, SEQ = 4, 2, 256

@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.minibatch_plan import minibatch_plan, padded_tokens, token_budget_micros
+from stages.trainer.minibatch_plan import minibatch_plan, padded_tokens, token_budget_micros
 from tests.test_train_scaleout import _batch, _cfg, _model
-from stages.train_core import make_optimizer, policy_update
+from stages.trainer.update import make_optimizer, policy_update
 
 
 def test_padded_tokens_meets_the_kernel_multiple():

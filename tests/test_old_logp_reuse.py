@@ -1,4 +1,4 @@
-"""π_old of the first mini-batch taken from its own forward (stages/old_logp.py).
+"""π_old of the first mini-batch taken from its own forward (stages/trainer/old_logp.py).
 
 * the property the reuse rests on: on CPU a forward with grad gives the same log-probs,
   bit for bit, as the no-grad one, in every training precision and with either BF16 GEMM
@@ -19,8 +19,8 @@ from fp8rl_core.config import CampaignConfig, ModelConfig
 from fp8rl_core.cpu_gemm import cpu_bf16_gemm
 from fp8rl_core.precision import convert_for_training
 from fp8rl_core.tiny_model import build_tiny_model
-from stages import old_logp
-from stages.train_core import TrainBatch, make_optimizer, policy_logprobs, policy_update
+from stages.trainer import old_logp as old_logp
+from stages.trainer.update import TrainBatch, make_optimizer, policy_logprobs, policy_update
 
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=128)
 

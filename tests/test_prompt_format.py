@@ -65,8 +65,8 @@ def _load(path: Path):
 
 
 def test_prompt_ids_equal_apply_chat_template(chat_ckpt):
-    from stages.benchmarks import BOXED_INSTRUCTION
-    from stages.prompt_format import formatter
+    from stages.data.benchmarks import BOXED_INSTRUCTION
+    from stages.data.prompt_format import formatter
 
     policy, tok = _load(chat_ckpt)
     cfg = PromptConfig(system_prompt="You are a careful mathematician.")
@@ -85,7 +85,7 @@ def test_prompt_ids_equal_apply_chat_template(chat_ckpt):
 
 
 def test_auto_uses_plain_text_for_base_checkpoints_and_templateless_tokenizers(tmp_path):
-    from stages.prompt_format import formatter
+    from stages.data.prompt_format import formatter
 
     base = _save_checkpoint(tmp_path / "Qwen3-tiny-Base")
     policy, tok = _load(base)
@@ -100,7 +100,7 @@ def test_auto_uses_plain_text_for_base_checkpoints_and_templateless_tokenizers(t
 
 def _generate(policy, tok, prompt_cfg: PromptConfig):
     from stages.engines import make_engine
-    from stages.prompt_format import apply_stop_tokens, encode_prompts
+    from stages.data.prompt_format import apply_stop_tokens, encode_prompts
 
     apply_stop_tokens(policy, tok, prompt_cfg)
     rcfg = RolloutConfig(max_new_tokens=48, generation_batch_size=64)
@@ -131,7 +131,7 @@ def test_generation_stops_at_the_end_of_turn_token(chat_ckpt):
 
 
 def test_grading_extracts_the_answer_from_a_chat_reply(chat_ckpt):
-    from stages.grading import grade_batch
+    from stages.grade.pool import grade_batch
 
     _, tok = _load(chat_ckpt)
     reply = tok("So 6*7 = 42, and the answer is \\boxed{42}.", add_special_tokens=False)["input_ids"]

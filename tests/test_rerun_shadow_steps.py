@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.configuration import dump_config
-from stages.io import RunTables, read_step, shadow_steps
+from stages.runtime.io import RunTables, read_step, shadow_steps
 from storage.layout import create_run
 from storage.ledger import Ledger
 from storage.writer import TableWriter

@@ -31,12 +31,12 @@ from flows.campaign import _after_go, _on_ranks
 from flows.configuration import dump_config
 from stages.context import RunEnv, TrainState, open_run
 from stages.engines import make_engine
-from stages.prompts import SamplerState, draw_prompts, make_source
-from stages.io import read_step
+from stages.data.prompts import SamplerState, draw_prompts, make_source
+from stages.runtime.io import read_step
 from stages.rollout import generate_rows, generate_share, plan_rollout, rows_from_batches, run_rollout
-from stages.rollout_plan import blocks_of_rank, generation_blocks
+from stages.runtime.rollout_plan import blocks_of_rank, generation_blocks
 from stages.score import rank_groups, run_score
-from stages.stage_comm import PeerStageError, StageComm, on_main, together
+from stages.runtime.stage_comm import PeerStageError, StageComm, on_main, together
 from storage.faults import InjectedTransientFault
 from storage.layout import create_run
 

@@ -15,7 +15,7 @@ from conftest import micro_config
 
 import flows.campaign as campaign
 from stages.context import TrainState, is_calibration_step
-from stages.prompts import SamplerState
+from stages.data.prompts import SamplerState
 from stages.result import StageResult
 from storage.layout import create_run
 from storage.ledger import Ledger

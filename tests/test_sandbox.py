@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.code_grading import CodeGradingConfig, grade_code_batch, grade_program, parse_tests
-from stages.sandbox import Sandbox, SandboxLimits, probe_isolation
+from stages.grade.code import CodeGradingConfig, grade_code_batch, grade_program, parse_tests
+from stages.grade.sandbox import Sandbox, SandboxLimits, probe_isolation
 
 LEVEL, REASON = probe_isolation()
 pytestmark = [
@@ -84,7 +84,7 @@ def test_isolation_level_and_good_program(sb):
 
 
 def test_refuses_without_isolation(monkeypatch):
-    import stages.sandbox as S
+    import stages.grade.sandbox as S
 
     monkeypatch.setattr(S, "probe_isolation", lambda python=None: ("none", "probe patched out"))
     with pytest.raises(S.IsolationUnavailable, match="refusing"):

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from stages.code_benchmarks import CODE_SOURCES, grade_code_responses, records_to_set
-from stages.code_grading import (grade_program, leetcode_program, outputs_match, parse_tests,
+from stages.data.code_benchmarks import CODE_SOURCES, grade_code_responses, records_to_set
+from stages.grade.code import (grade_program, leetcode_program, outputs_match, parse_tests,
                                  statement_allows_any_case)
-from stages.sandbox import Sandbox, SandboxLimits, probe_isolation
+from stages.grade.sandbox import Sandbox, SandboxLimits, probe_isolation
 
 LEVEL, REASON = probe_isolation()
 pytestmark = [

@@ -2,7 +2,7 @@
 
 Same config, seed and global batch; the 2 ranks together run the 1-process
 micro-batches, and each rank generates one of the step's two generation blocks
-(stages.rollout_plan). Checks: identical rollouts, although the 2-rank run
+(stages.runtime.rollout_plan). Checks: identical rollouts, although the 2-rank run
 retried its first rollout on both ranks after a transient failure of rank 0's
 write (the ledger records both attempts); the union of the ranks' token_stats
 parts has exactly the 1-process rows; step metrics and calibrated bounds agree

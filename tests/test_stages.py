@@ -21,7 +21,7 @@ from stages.calibrate import run_calibrate
 from stages.checkpoint import restore, run_checkpoint
 from stages.context import open_run
 from stages.evaluate import run_evaluate
-from stages.io import read_step
+from stages.runtime.io import read_step
 from stages.rollout import run_rollout
 from stages.score import run_score
 from stages.train import run_train
@@ -140,7 +140,7 @@ def test_engine_logprobs_match_trainer_recomputation(tmp_path):
 
 
 def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch):
-    import stages.train_core as tc
+    import stages.trainer.update as tc
 
     ctx = _context(tmp_path, *MODES["bf16"])
     try:

@@ -67,8 +67,8 @@ def test_splits_are_disjoint_and_levels_checked():
 
 def test_prompt_source_and_benchmark_use_the_stress_task():
     from fp8rl_core.config import TaskConfig
-    from stages.benchmarks import load_synthetic
-    from stages.prompts import make_source
+    from stages.data.benchmarks import load_synthetic
+    from stages.data.prompts import make_source
 
     cfg = TaskConfig(kind="stress", difficulty=0)
     src = make_source(cfg)

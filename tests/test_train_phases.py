@@ -1,6 +1,6 @@
 """The phases of one policy update, each on its own: rows, π_old, one mini-batch, the optimizer step, statistics.
 
-``stages.train_core.policy_update`` reads as four calls; these tests pin what
+``stages.trainer.update.policy_update`` reads as four calls; these tests pin what
 each phase does with hand-checkable expectations on a tiny model, and that a
 loss's or a clip mode's behaviour comes from its registry entry.
 """
@@ -17,7 +17,7 @@ from fp8rl_core.bapo import UpdateBoundsRule
 from fp8rl_core.calibration import CLIP_MODES, UPDATE_BOUNDS
 from fp8rl_core.losses import LOSS_BOUNDS
 from fp8rl_core.registered import CALIBRATION_UNITS, LOSS_STATISTICS, POLICY_LOSSES
-from stages import train_core as tc
+from stages.trainer import update as tc
 
 
 def _setup(n: int = 16, shadow_rows=None, **algo):

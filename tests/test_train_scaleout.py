@@ -27,7 +27,7 @@ from fp8rl_core.fp8_linear import KernelShapeError, set_strict_shapes
 from fp8rl_core.logprobs import position_ids_from_mask
 from fp8rl_core.precision import convert_for_training
 from fp8rl_core.tiny_model import build_tiny_model
-from stages.train_core import TrainBatch, make_optimizer, policy_update
+from stages.trainer.update import TrainBatch, make_optimizer, policy_update
 
 SMALL = ModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=256)
 
@@ -96,7 +96,7 @@ def test_every_train_forward_runs_under_its_devices_autocast_with_position_ids()
 
 
 def test_token_multiples_of_each_mode():
-    from stages.train_core import padded_width, token_multiple
+    from stages.trainer.update import padded_width, token_multiple
 
     assert token_multiple("bf16") == 1
     assert token_multiple("fp8_tensorwise") == token_multiple("fp8_rowwise") == 16
@@ -139,7 +139,7 @@ def test_every_micro_batch_the_trainer_builds_passes_strict_mode(mode):
 
 
 def test_padding_leaves_bf16_logprobs_unchanged():
-    from stages.train_core import policy_logprobs
+    from stages.trainer.update import policy_logprobs
 
     model = _model("bf16")
     b = _batch(n=3)
@@ -180,8 +180,8 @@ def _rank_main(rank: int, world: int, port: int, mode: str, steps: int, out: str
                kw: dict | None = None) -> None:
     import torch.distributed as dist
 
-    from stages.distributed import full_model_state, shard_policy
-    from stages.train_core import DistCollective
+    from stages.trainer.distributed import full_model_state, shard_policy
+    from stages.trainer.update import DistCollective
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -354,13 +354,13 @@ def _ckpt_rank(rank: int, world: int, port: int, path: str, mode: str, out: str)
     """Save (mode 'save': after one update) or load (mode 'load') a DCP checkpoint on ``world`` ranks."""
     import torch.distributed as dist
 
-    from stages.distributed import full_model_state, load_sharded, save_sharded, shard_policy
+    from stages.trainer.distributed import full_model_state, load_sharded, save_sharded, shard_policy
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from stages.train_core import DistCollective
+        from stages.trainer.update import DistCollective
 
         cfg = _cfg("bf16")
         model = shard_policy(_model("bf16", seed=1 if mode == "load" else 0))
@@ -384,7 +384,7 @@ def _ckpt_rank(rank: int, world: int, port: int, path: str, mode: str, out: str)
 def _ckpt_one(path: str, mode: str):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from stages.distributed import load_sharded, save_sharded
+    from stages.trainer.distributed import load_sharded, save_sharded
 
     cfg = _cfg("bf16")
     model = _model("bf16", seed=1 if mode == "load" else 0)

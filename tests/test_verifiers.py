@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fp8rl_core.verifiers import VERIFIERS, extract_final_answer, last_boxed, math_equal
-from stages.grading import GradingPool, grade_batch
+from stages.grade.pool import GradingPool, grade_batch
 
 
 @pytest.mark.parametrize(

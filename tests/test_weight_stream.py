@@ -50,7 +50,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from stages.distributed import shard_policy
+    from stages.trainer.distributed import shard_policy
     from stages.engines.hf_engine import full_view
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -146,7 +146,7 @@ def test_ipc_with_the_engine_in_the_trainers_process_is_refused_in_one_line():
 def test_engine_is_built_before_the_policy_reaches_the_device(world_size, tmp_path, monkeypatch):
     """vLLM's start-up check needs the device free: build it first; under torchrun shard from the host."""
     import stages.context as context
-    import stages.distributed as distributed
+    import stages.trainer.distributed as distributed
     import stages.engines as engines
     from conftest import micro_config
     from flows.configuration import dump_config

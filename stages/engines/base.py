@@ -187,7 +187,7 @@ class RolloutEngine(abc.ABC):
         ``seeds`` (``[P]``, optional) seeds each prompt's group on its own, so a
         prompt's samples do not depend on which other prompts share the call; an
         engine that samples a whole call from one stream (transformers) says so
-        and uses ``seed`` alone (``stages.rollout_plan`` then keeps calls the same
+        and uses ``seed`` alone (``stages.runtime.rollout_plan`` then keeps calls the same
         on any number of ranks)."""
 
     @abc.abstractmethod

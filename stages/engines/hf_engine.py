@@ -210,7 +210,7 @@ class TransformersEngine(RolloutEngine):
     ) -> RolloutBatch:
         """Samples of the whole call come from one generator seeded by ``seed``; per-prompt
         ``seeds`` are checked and otherwise not used (one stream per call is what makes a
-        call's samples reproducible: ``stages.rollout_plan`` keeps calls rank-independent)."""
+        call's samples reproducible: ``stages.runtime.rollout_plan`` keeps calls rank-independent)."""
         model = self._require_model()
         validate_generate_args(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                seeds=seeds)

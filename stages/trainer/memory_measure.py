@@ -2,12 +2,12 @@
 
 No weights and no GPU: the policy is built from its transformers config on the
 meta device, converted to the training precision as a run converts it,
-FSDP2-sharded by :func:`stages.distributed.shard_policy` (bf16 all-gather, fp32
+FSDP2-sharded by :func:`stages.trainer.distributed.shard_policy` (bf16 all-gather, fp32
 reduction) over a ``"fake"`` process group of N ranks (``FakeStore``) on a CPU
 mesh (FSDP2 asks ``torch.cuda`` for its device on a CUDA mesh), materialized with
 ``to_empty`` under ``FakeTensorMode(allow_non_fake_inputs=True)`` (shapes and
 dtypes only, no bytes), and then one micro-batch forward, backward and AdamW step
-of the trainer's own forward path (:func:`stages.train_core.policy_logprobs`) runs
+of the trainer's own forward path (:func:`stages.trainer.update.policy_logprobs`) runs
 under ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, which counts
 every tensor the step allocates by kind: sharded and unsharded parameters,
 gradients, optimizer state, activations, temporaries, all-gather and
@@ -107,8 +107,8 @@ def measure_step(hf_config: Any, *, layers: int, world_size: int, mode: str, mic
     from transformers import AutoModelForCausalLM
 
     from fp8rl_core.precision import convert_for_training
-    from stages.distributed import shard_policy
-    from stages.train_core import policy_logprobs, token_multiple
+    from stages.trainer.distributed import shard_policy
+    from stages.trainer.update import policy_logprobs, token_multiple
 
     fields = {k: v for k, v in hf_config.to_dict().items() if k != "layer_types"}  # per-layer list: rebuilt
     cfg = hf_config.__class__.from_dict({**fields, "num_hidden_layers": layers})

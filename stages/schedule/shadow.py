@@ -2,7 +2,7 @@
 
 The decision is taken here, once, by the train stage, and recorded in its
 ``steps`` row (``steps.shadow``); everything after reads that record
-(``stages.io.shadow_steps``). ``calibration.schedule: fixed`` keeps the
+(``stages.runtime.io.shadow_steps``). ``calibration.schedule: fixed`` keeps the
 paper's rule (steps 1, 1+K, ...). ``drift`` decides from the previous
 step's drift signal (``fp8rl_core.drift``), read back from its ``steps`` row,
 and the step of the last calibration (``state.calibrator.last_step``, which
@@ -25,7 +25,7 @@ import torch
 from fp8rl_core.drift import Schedule, negative_ratios, thin
 from fp8rl_core.losses import importance_ratio
 from stages.context import RunEnv, TrainState
-from stages.io import read_step
+from stages.runtime.io import read_step
 
 _REFERENCE: dict[tuple[str, str, int], torch.Tensor] = {}
 
@@ -43,9 +43,9 @@ def _previous_signal(env: RunEnv, step: int) -> float | None:
 
 def shadow_this_step(env: RunEnv, state: TrainState, step: int, *, forced: bool | None = None) -> bool:
     """Does ``step`` run the BF16 shadow passes (and hence calibrate)? ``forced``: a guard remedy's
-    answer when the caller has it (``stages.guard.train_hooks``); None asks the guard here."""
+    answer when the caller has it (``stages.schedule.guard_hooks.train_hooks``); None asks the guard here."""
     if forced is None:
-        from stages.guard import guard_forces_shadow
+        from stages.schedule.guard_hooks import guard_forces_shadow
 
         forced = step >= 1 and guard_forces_shadow(env, step)
     if forced:

@@ -4,7 +4,7 @@ Two test styles, as the shipped data sets define them:
 
 - ``stdio`` (Codeforces, TACO, APPS): a list of ``{"input", "output"}`` pairs;
   the program reads ``input`` on stdin -- one sandbox launch per response, a
-  fresh process per case (:meth:`stages.sandbox.Sandbox.run_cases`) -- and its
+  fresh process per case (:meth:`stages.grade.sandbox.Sandbox.run_cases`) -- and its
   stdout must equal ``output`` token by token (:func:`outputs_match`: line
   breaks, trailing spaces and blank lines do not matter). Each token is
   compared by the *expected* token's kind: an integer exactly (only an integer
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Literal, Sequence
 
-from stages.sandbox import Sandbox, SandboxLimits
+from stages.grade.sandbox import Sandbox, SandboxLimits
 
 GradeStatus = Literal["ok", "no_code", "bad_tests", "deadline", "sandbox_error"]
 RESULT_TAG = "__FP8RL_CASE__"

@@ -1,12 +1,12 @@
 """Code-RL problem loaders, prompts and the sandboxed verifiers' entry point.
 
-Every source becomes :class:`stages.benchmarks.BenchmarkProblem` records whose
+Every source becomes :class:`stages.data.benchmarks.BenchmarkProblem` records whose
 ``answer`` is a *grading spec*: JSON ``{"style": "program"|"expression",
 "tests": <tests as parse_tests reads them>}`` — so the rollout, score and
 evaluate stages carry it in ``reference_answer`` like a math gold answer, and
 the ``"code"`` / ``"code_expr"`` verifiers (:func:`grade_code_responses`) run it.
 A stdin/stdout problem whose statement accepts answers in any letter case
-(:func:`stages.code_grading.statement_allows_any_case`) carries ``"any_case": true``;
+(:func:`stages.grade.code.statement_allows_any_case`) carries ``"any_case": true``;
 every other comparison is case-exact.
 
 =============  ===================================================  =============================
@@ -38,10 +38,10 @@ from typing import Any, Callable, Sequence
 
 from fp8rl_core import code_task
 from fp8rl_core.config import CodeConfig, TaskConfig
-from stages.benchmarks import BenchmarkProblem, BenchmarkSet, LoadReport, resolve_data_dir
-from stages.code_grading import (CodeGradingConfig, extract_code, grade_code_batch, parse_tests,
+from stages.data.benchmarks import BenchmarkProblem, BenchmarkSet, LoadReport, resolve_data_dir
+from stages.grade.code import (CodeGradingConfig, extract_code, grade_code_batch, parse_tests,
                                  statement_allows_any_case)
-from stages.grade_result import GradeResult
+from stages.grade.result import GradeResult
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Bootstrap of the tiny policy for the tiny code task (``task.kind = code_tiny``).
 
-Same recipe and cache layout as :mod:`stages.bootstrap` (whose SFT step and
+Same recipe and cache layout as :mod:`stages.bootstrap.math` (whose SFT step and
 thread guard it reuses): SFT on ``prompt -> expression`` demonstrations, an
 exact teacher until the running loss is below ``bootstrap.switch_loss``, then
 ``bootstrap.noisy_steps`` steps of a noisy teacher that writes the wrong
@@ -30,7 +30,7 @@ import torch
 from fp8rl_core import code_task
 from fp8rl_core.config import BootstrapConfig, ModelConfig, TaskConfig
 from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
-from stages.bootstrap import META_FILE, _sft_step, _threads, default_cache_root
+from stages.bootstrap.math import META_FILE, _sft_step, _threads, default_cache_root
 
 log = logging.getLogger(__name__)
 CODE_BOOTSTRAP_VERSION = "code-1"
@@ -119,7 +119,7 @@ def train_code_policy(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: Bo
 
 def bootstrap_code(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: BootstrapConfig,
                    cache_root: str | Path | None = None, eval_size: int | None = None) -> Path:
-    """The cached checkpoint for these configs (trained on first call); atomic like :func:`stages.bootstrap.bootstrap`."""
+    """The cached checkpoint for these configs (trained on first call); atomic like :func:`stages.bootstrap.math.bootstrap`."""
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     digest = _hash(model_cfg, task_cfg, boot_cfg)
     final = root / f"tiny-code-{digest[:16]}"

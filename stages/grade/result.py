@@ -1,5 +1,5 @@
-"""The outcome of grading one response, shared by the math graders (``stages.grading``) and the
-code graders (``stages.code_benchmarks``), so neither imports the other for it."""
+"""The outcome of grading one response, shared by the math graders (``stages.grade.pool``) and the
+code graders (``stages.data.code_benchmarks``), so neither imports the other for it."""
 
 from __future__ import annotations
 

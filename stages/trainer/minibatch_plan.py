@@ -7,7 +7,7 @@ into the 1-process micro-batches of ``algorithm.micro_batch_size`` rows. Under
 so the ranks together run exactly the 1-process micro-batches. A partial last
 mini-batch can leave a rank fewer micro-batches (or none); every rank computes
 the depth of each mini-batch locally and pads its share up to it
-(``stages.train_core.local_rows`` supplies the zero-loss padding row), so every
+(``stages.trainer.update.local_rows`` supplies the zero-loss padding row), so every
 rank joins every FSDP collective.
 
 Token-budget micro-batches (``algorithm.max_tokens_per_micro_batch``): with

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from stages.context import RunEnv, TrainState
-from stages.stage_comm import broadcast, is_transient
+from stages.runtime.stage_comm import broadcast, is_transient
 
 GO = "go"
 
@@ -101,7 +101,7 @@ def peer_attempt(stage: RankedStage, env: RunEnv, state: TrainState, step: int, 
         outcome = broadcast(env, None)
     except EarlyOutcome as early:  # rank 0 failed before the body: nothing ran here
         outcome = early.outcome
-    except Exception as err:  # every rank raised together (stages.stage_comm); rank 0 decides
+    except Exception as err:  # every rank raised together (stages.runtime.stage_comm); rank 0 decides
         local, outcome = err, broadcast(env, None)
     verdict, body = outcome
     if verdict == "ok":

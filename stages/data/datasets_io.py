@@ -2,7 +2,7 @@
 
 A :class:`fp8rl_core.config.DatasetRef` names where the rows live; this module
 reads them with ``datasets`` and maps them to the project's one record type,
-:class:`stages.benchmarks.BenchmarkProblem`, so training prompts
+:class:`stages.data.benchmarks.BenchmarkProblem`, so training prompts
 (``task.kind: dataset``) and evaluation benchmarks
 (``evaluation.benchmarks[i].dataset``) come from anything ``datasets`` reads:
 
@@ -21,8 +21,8 @@ Relative paths resolve against the data folder (``task.data_dir`` /
 Field mapping: ``question_field``, ``answer_field`` (read per ``answer_format``:
 the value, GSM8K's ``#### n`` line, or the last ``\\boxed{}``), ``id_field``.
 A row that cannot give a question and an answer is reported (logged and
-counted in the :class:`~stages.benchmarks.LoadReport`), never silently dropped.
-The shipped benchmark files keep their own loaders (``stages.benchmarks``).
+counted in the :class:`~stages.data.benchmarks.LoadReport`), never silently dropped.
+The shipped benchmark files keep their own loaders (``stages.data.benchmarks``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8rl_core.config import DatasetRef
-from stages.benchmarks import (
+from stages.data.benchmarks import (
     BenchmarkProblem, BenchmarkSet, LoadReport, MalformedRecord, _answer_str, _gsm8k, _text, resolve_data_dir,
 )
 from fp8rl_core.verifiers import last_boxed

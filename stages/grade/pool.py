@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 
 from fp8rl_core.task import extract_answer
 from fp8rl_core.verifiers import extract_final_answer, get_verifier, math_equal
-from stages.grade_result import GradeResult, Status  # noqa: F401  (re-exported)
+from stages.grade.result import GradeResult, Status  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +230,8 @@ def grade_batch(
     """
     if not len(ids) == len(responses) == len(golds):
         raise ValueError(f"grade_batch: {len(ids)} ids, {len(responses)} responses, {len(golds)} golds")
-    if verifier in ("code", "code_expr"):  # model-written programs: run in the sandbox (stages.code_benchmarks)
-        from stages.code_benchmarks import grade_code_responses
+    if verifier in ("code", "code_expr"):  # model-written programs: run in the sandbox (stages.data.code_benchmarks)
+        from stages.data.code_benchmarks import grade_code_responses
 
         return grade_code_responses(ids, responses, golds, verifier, code_config)
     resolve_verifier(verifier)  # unknown name -> KeyError listing the valid ones, before any work

@@ -115,10 +115,10 @@ def make_source(cfg: TaskConfig) -> PromptSource:
         return StressSource(cfg)
     if cfg.kind in ("code_tiny", "leetcode", "taco", "apps", "eurus_code"):
         return make_code_source(cfg)
-    from stages.benchmarks import load_train_prompts, render_prompt
+    from stages.data.benchmarks import load_train_prompts, render_prompt
 
-    if cfg.kind == "dataset":  # any dataset by name or path (stages.datasets_io)
-        from stages.datasets_io import load_problems
+    if cfg.kind == "dataset":  # any dataset by name or path (stages.data.datasets_io)
+        from stages.data.datasets_io import load_problems
 
         problems = load_problems(cfg.dataset, "dataset", data_dir(cfg))
         return ListSource([PromptItem(q.id, render_prompt(q), q.answer, "dataset") for q in problems], "dataset")
@@ -150,8 +150,8 @@ def draw_prompts(source: PromptSource, state: SamplerState, count: int, seed: in
 
 
 def make_code_source(cfg: CampaignConfig | TaskConfig, code: CodeConfig | None = None) -> PromptSource:
-    """Training prompts of a code task kind (a ``stages.prompts.ListSource`` or the lazy tiny source)."""
-    from stages.code_benchmarks import load_code_benchmark
+    """Training prompts of a code task kind (a ``stages.data.prompts.ListSource`` or the lazy tiny source)."""
+    from stages.data.code_benchmarks import load_code_benchmark
 
     task = cfg.task if isinstance(cfg, CampaignConfig) else cfg
     code = code or (cfg.code if isinstance(cfg, CampaignConfig) else CodeConfig())

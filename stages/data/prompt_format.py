@@ -80,7 +80,7 @@ class PromptFormatter:
 
     def text(self, prompt: str) -> str:
         """The user message: the prompt with the configured instruction."""
-        from stages.benchmarks import BOXED_INSTRUCTION
+        from stages.data.benchmarks import BOXED_INSTRUCTION
 
         if self.cfg.instruction is not None and prompt.endswith(BOXED_INSTRUCTION):
             prompt = prompt[: -len(BOXED_INSTRUCTION)].rstrip() + (" " + self.cfg.instruction if self.cfg.instruction else "")

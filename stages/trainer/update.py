@@ -77,8 +77,8 @@ from fp8rl_core.logprobs import sequence_logprobs
 from fp8rl_core.losses import importance_ratio, loss_bounds, tis_weights
 from fp8rl_core.precision import bf16_parameters, bf16_shadow
 from fp8rl_core.registered import LOSS_STATISTICS, POLICY_LOSSES
-from stages import old_logp
-from stages.minibatch_plan import check_world_size, minibatch_plan, pad_micros, plan_depth  # noqa: F401  (re-exported)
+from stages.trainer import old_logp as old_logp
+from stages.trainer.minibatch_plan import check_world_size, minibatch_plan, pad_micros, plan_depth  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
     from fp8rl_core.config import CampaignConfig
@@ -418,7 +418,7 @@ def old_logprobs(model, rows: StepRows, cfg: CampaignConfig, *, shadow: bool,
     Runs in the micro-batches of the first epoch's plan (the same ones on 1 or W
     ranks). Rows without a shadow pass (subsampled shadow) hold NaN BF16 values.
     ``reuse_first``: the first micro-batch's π_old is left to its own update's forward
-    (:mod:`stages.old_logp`), and so are the TIS weights, which need all of π_old.
+    (:mod:`stages.trainer.old_logp`), and so are the TIS weights, which need all of π_old.
     """
     a, mode, x = cfg.algorithm, cfg.precision.train, rows.local
     first = [r for k in range(rows.per_epoch) for r in rows.padded(k)]
@@ -473,7 +473,7 @@ def micro_batch_pass(model, rows: StepRows, micros: list[torch.Tensor], t: StepT
     denominators); ``bounds``: the loss's own (L, H). ``record``: keep π_θ and the
     entropy of these rows (epoch 0). Padding micro-batches have mask 0: they add
     0 to every sum. ``adopt_old``: these forwards run on the step's starting weights, so their
-    log-probs are π_old (:mod:`stages.old_logp`): taken as such, with the TIS weights after them.
+    log-probs are π_old (:mod:`stages.trainer.old_logp`): taken as such, with the TIS weights after them.
     """
     a = cfg.algorithm
     loss_fn = POLICY_LOSSES.get(a.loss)
@@ -506,7 +506,7 @@ def optimizer_step(model, optimizer, scheduler, loss: float, cfg: CampaignConfig
         optimizer.step()
         scheduler.step()
         if collective.world_size > 1:
-            from stages.distributed import after_optimizer_step
+            from stages.trainer.distributed import after_optimizer_step
 
             after_optimizer_step(model)
     else:

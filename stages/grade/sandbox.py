@@ -21,7 +21,7 @@ project's machines give a root process)::
              - sets RLIMIT_CPU / AS / FSIZE / NPROC / CORE / NOFILE,
              - drops to a throw-away uid/gid (random, in ``uid_range``; no
                groups, no capabilities, ``no_new_privs``, not dumpable),
-             - installs the seccomp filter (:mod:`stages.seccomp`),
+             - installs the seccomp filter (:mod:`stages.grade.seccomp`),
              - forks the program (pid 2) and stays as its init: reaps every
                process, writes the program's own exit status or signal to the
                status pipe, exits (the kernel then kills what is left).
@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
 
-from stages import seccomp
+from stages.grade import seccomp as seccomp
 
 Isolation = Literal["namespaces+uid", "userns", "none"]
 ExecStatus = Literal["ok", "error", "timeout", "output_limit", "sandbox_error"]
