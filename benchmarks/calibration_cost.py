@@ -63,7 +63,9 @@ def main() -> None:
     cfg = CalibrationConfig()
     rows = []
     print(f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats}: wall s [CPU s]")
-    print(f"{'tokens':>10} | {'calibrate':>16} | {'loss fwd+bwd':>16} | {'cal/loss':>8} | {'cal CPU/(N log N) rel':>21}")
+    print(
+        f"{'tokens':>10} | {'calibrate':>16} | {'loss fwd+bwd':>16} | {'cal/loss':>8} | {'cal CPU/(N log N) rel':>21}"
+    )
     for size in args.sizes:
         n = int(size)
         r8, r16, adv, mask = _tokens(n)

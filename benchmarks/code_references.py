@@ -40,18 +40,24 @@ def main() -> None:
         items = json.loads((root / "code_rl_rllm" / name).read_text())[: args.limit]
         tests = [parse_tests(x["tests"]) for x in items]
         entry = [t.candidate for t in tests]
-        nb = [next((j % len(items) for j in range(i + 1, i + len(items)) if entry[j % len(items)] != entry[i]), i)
-              for i in range(len(items))]
+        nb = [
+            next((j % len(items) for j in range(i + 1, i + len(items)) if entry[j % len(items)] != entry[i]), i)
+            for i in range(len(items))
+        ]
         ids, sols = [str(i) for i in range(len(items))], [x["solutions"] for x in items]
         t0 = time.monotonic()
         own = grade_code_batch(ids, sols, tests, cfg)
         neigh = grade_code_batch(ids, sols, [tests[j] for j in nb], cfg)
         failed = [int(g.id) for g in own if not g.correct]
-        print(f"{split}: own tests {sum(g.correct for g in own)}/{len(items)}; neighbour's tests "
-              f"{sum(g.correct for g in neigh)}/{len(items)} ({time.monotonic() - t0:.0f} s); own failures: {failed}")
+        print(
+            f"{split}: own tests {sum(g.correct for g in own)}/{len(items)}; neighbour's tests "
+            f"{sum(g.correct for g in neigh)}/{len(items)} ({time.monotonic() - t0:.0f} s); own failures: {failed}"
+        )
     cf = load_code_benchmark("codeforces", root)
-    print(f"codeforces: {len(cf)} problems parsed, {cf.report.n_skipped} skipped, "
-          f"{sum(1 for p in cf if json.loads(p.answer).get('any_case'))} accept any letter case")
+    print(
+        f"codeforces: {len(cf)} problems parsed, {cf.report.n_skipped} skipped, "
+        f"{sum(1 for p in cf if json.loads(p.answer).get('any_case'))} accept any letter case"
+    )
 
 
 if __name__ == "__main__":

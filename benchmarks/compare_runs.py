@@ -37,8 +37,11 @@ def load(run_dir: Path, table: str) -> dict[str, np.ndarray]:
     con = connect(run_dir)
     order = ", ".join(KEYS[table])
     t = query(con, f"SELECT * FROM {table} WHERE variant = 'main' ORDER BY {order}")
-    return {c: t.column(c).to_numpy(zero_copy_only=False) for c in t.column_names
-            if c not in BOOKKEEPING and not is_timing(c)}
+    return {
+        c: t.column(c).to_numpy(zero_copy_only=False)
+        for c in t.column_names
+        if c not in BOOKKEEPING and not is_timing(c)
+    }
 
 
 def same_column(a: np.ndarray, b: np.ndarray) -> bool:

@@ -48,7 +48,9 @@ def main() -> None:
     ap.add_argument("--model-reps", type=int, default=3, help="forward+backward repetitions per setting (0: skip)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} thread(s)")
+    print(
+        f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} thread(s)"
+    )
     print(f"{'tokens x in -> out':<22} {'fp32 ms':>9} {'bf16':>8} {'autocast':>9} {'fp32-on-bf16':>13}")
     for m, k, n in ((128, 128, 384), (2880, 128, 128), (2880, 128, 384), (2880, 384, 128)):
         g = torch.Generator().manual_seed(0)
@@ -67,8 +69,10 @@ def main() -> None:
             times["autocast"] += _time(autocast, args.reps)
             times["emul"] += _time(lambda: F.linear(xe, we).bfloat16(), args.reps)
         base = times["fp32"]
-        print(f"{f'{m} x {k} -> {n}':<22} {1e3 * base / 3:>9.2f} {times['bf16'] / base:>7.1f}x "
-              f"{times['autocast'] / base:>8.1f}x {times['emul'] / base:>12.1f}x")
+        print(
+            f"{f'{m} x {k} -> {n}':<22} {1e3 * base / 3:>9.2f} {times['bf16'] / base:>7.1f}x "
+            f"{times['autocast'] / base:>8.1f}x {times['emul'] / base:>12.1f}x"
+        )
     print("ratios: time / fp32 time of the same shape")
     if args.model_reps:
         model_steps(args.model_reps)
@@ -76,12 +80,21 @@ def main() -> None:
 
 def model_steps(reps: int, batch: int = 32, tokens: int = 60) -> None:
     """A stress-world micro-batch (32 sequences x 60 tokens) forward + backward, native vs fp32 GEMMs."""
-    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
-    from fp8rl_core.precision import autocast_context, convert_for_training
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=64, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                      head_dim=32, intermediate_size=384, max_position_embeddings=256)
+    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
+    from fp8rl_core.precision import autocast_context, convert_for_training
+
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        intermediate_size=384,
+        max_position_embeddings=256,
+    )
     ids = torch.randint(0, 64, (batch, tokens), generator=torch.Generator().manual_seed(0))
     print(f"\nstress-world policy, {batch} x {tokens} tokens, forward + backward (s)")
     print(f"{'training precision':<20} {'native':>8} {'fp32':>8} {'speed-up':>9}")
@@ -101,7 +114,9 @@ def model_steps(reps: int, batch: int = 32, tokens: int = 60) -> None:
             for kind in times:
                 with cpu_bf16_gemm(kind):
                     times[kind] += _time(step, reps)
-        print(f"{mode:<20} {times['native'] / 2:>8.3f} {times['fp32'] / 2:>8.3f} {times['native'] / times['fp32']:>8.1f}x")
+        print(
+            f"{mode:<20} {times['native'] / 2:>8.3f} {times['fp32'] / 2:>8.3f} {times['native'] / times['fp32']:>8.1f}x"
+        )
 
 
 if __name__ == "__main__":

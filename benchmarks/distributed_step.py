@@ -26,11 +26,13 @@ def _setup(rows: int, mode: str):
     from fp8rl_core.tiny_model import build_tiny_model
     from stages.trainer.update import TrainBatch
 
-    cfg = CampaignConfig.model_validate({
-        "rollout": {"prompts_per_step": rows // 8, "samples_per_prompt": 8},
-        "algorithm": {"ppo_mini_batch_size": rows // 2, "micro_batch_size": rows // 4},
-        "precision": {"train": mode},
-    })
+    cfg = CampaignConfig.model_validate(
+        {
+            "rollout": {"prompts_per_step": rows // 8, "samples_per_prompt": 8},
+            "algorithm": {"ppo_mini_batch_size": rows // 2, "micro_batch_size": rows // 4},
+            "precision": {"train": mode},
+        }
+    )
     torch.manual_seed(0)
     model = build_tiny_model(ModelConfig())
     convert_for_training(model, mode)
@@ -39,8 +41,14 @@ def _setup(rows: int, mode: str):
     ids = torch.randint(4, 60, (n, p + r), generator=g)
     rm = torch.zeros(n, p + r)
     rm[:, p:] = 1
-    batch = TrainBatch(ids, torch.ones_like(ids), rm, -torch.rand(n, p + r, generator=g) * rm,
-                       torch.randn(n, generator=g), torch.arange(n))
+    batch = TrainBatch(
+        ids,
+        torch.ones_like(ids),
+        rm,
+        -torch.rand(n, p + r, generator=g) * rm,
+        torch.randn(n, generator=g),
+        torch.arange(n),
+    )
     return cfg, model, batch
 
 
@@ -88,14 +96,17 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mktemp(prefix="fp8rl-dist-")
-    mp.start_processes(_rank, args=(port, args.rows, args.mode, args.repeats, out), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        _rank, args=(port, args.rows, args.mode, args.repeats, out), nprocs=2, join=True, start_method="spawn"
+    )
     t2 = float(open(out).read())
     torch.set_num_threads(2)
     cfg, model, batch = _setup(args.rows, args.mode)
     t1 = _time_steps(model, cfg, batch, args.repeats)
     print(f"mode {args.mode}, {args.rows} rows, best of {args.repeats}")
-    print(f"1 process (2 threads): {t1:.3f} s   2 ranks (1 thread each): {t2:.3f} s   ratio: {t2 / t1:.3f} (goal <= 1.15)")
+    print(
+        f"1 process (2 threads): {t1:.3f} s   2 ranks (1 thread each): {t2:.3f} s   ratio: {t2 / t1:.3f} (goal <= 1.15)"
+    )
 
 
 if __name__ == "__main__":

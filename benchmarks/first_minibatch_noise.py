@@ -37,8 +37,8 @@ def main() -> None:
 
     quiet_third_party()
     from stages.context import open_run
-    from stages.runtime.io import read_step
     from stages.rollout import run_rollout
+    from stages.runtime.io import read_step
     from stages.score import run_score
     from stages.train import run_train
     from storage.layout import create_run
@@ -59,8 +59,11 @@ def main() -> None:
         r8 = np.exp(first["logp_fp8"].to_numpy(np.float64) - first["old_logp_fp8"].to_numpy(np.float64))
         r16 = np.exp(first["logp_bf16"].to_numpy(np.float64) - first["old_logp_bf16"].to_numpy(np.float64))
         lower = 1 - cfg.algorithm.eps_low
-        print(f"{name:<16}{np.abs(r8 - 1).mean():>13.2e}{np.abs(r8 - 1).max():>12.2e}{np.abs(r16 - 1).mean():>14.2e}"
-              f"{(r8 < lower).mean():>12.4f}{len(first):>8}", flush=True)
+        print(
+            f"{name:<16}{np.abs(r8 - 1).mean():>13.2e}{np.abs(r8 - 1).max():>12.2e}{np.abs(r16 - 1).mean():>14.2e}"
+            f"{(r8 < lower).mean():>12.4f}{len(first):>8}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -32,9 +32,9 @@ import time
 from collections.abc import Callable
 
 import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402  (after fp8rl_core: quiet torchao)
 
 from fp8rl_core.precision import autocast_context, convert_for_rollout, convert_for_training
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402  (after fp8rl_core: quiet torchao)
 
 TRAIN_MODES = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")
 ROLLOUT_MODES = ("bf16", "fp8_per_tensor", "fp8_per_block")
@@ -47,9 +47,18 @@ GOAL = 1.5
 
 def tiny_model(seed: int = 0) -> Qwen3ForCausalLM:
     cfg = Qwen3Config(
-        vocab_size=32, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        head_dim=32, intermediate_size=384, tie_word_embeddings=True, max_position_embeddings=256,
-        pad_token_id=0, bos_token_id=None, eos_token_id=None,
+        vocab_size=32,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        intermediate_size=384,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
     )
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(cfg)
@@ -77,8 +86,13 @@ def rollout_fn(base: Qwen3ForCausalLM, mode: str, prompts: torch.Tensor, new_tok
     def generate() -> None:
         with torch.inference_mode():
             out = rollout.generate(
-                input_ids=prompts, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=True, top_k=0, pad_token_id=0,
+                input_ids=prompts,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=True,
+                top_k=0,
+                pad_token_id=0,
             )  # [B, P + new_tokens]
         assert out.shape[1] == prompts.shape[1] + new_tokens
 
@@ -92,7 +106,7 @@ def measure(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, tuple
     out: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in fns}
     names = list(fns)
     for r in range(repeats):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             w0, c0 = time.perf_counter(), time.process_time()
             fns[name]()
@@ -155,7 +169,10 @@ def main(argv: list[str] | None = None) -> None:
         for m in ("fp8_tensorwise", "fp8_rowwise"):
             train[f"{m} (torchao emulate)"] = train_step_fn(base, m, ids, backend="torchao")
     train_ratio = report("train step: forward + backward + AdamW", measure(train, args.repeats), "bf16")
-    rollout = {m: rollout_fn(base, m, prompts, args.new_tokens) for m in ROLLOUT_MODES + (() if args.no_fp4 else FP4_ROLLOUT_MODES)}
+    rollout = {
+        m: rollout_fn(base, m, prompts, args.new_tokens)
+        for m in ROLLOUT_MODES + (() if args.no_fp4 else FP4_ROLLOUT_MODES)
+    }
     roll_ratio = report("rollout: model.generate with KV cache", measure(rollout, args.repeats), "bf16")
     worst_train = max(v for k, v in train_ratio.items() if k in TRAIN_MODES)
     worst_roll = max(v for k, v in roll_ratio.items() if k in ROLLOUT_MODES)
@@ -166,9 +183,13 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_fp4:
         fp4_train = {m: train_ratio[m] for m in FP4_TRAIN_MODES}
         fp4_roll = {m: roll_ratio[m] for m in FP4_ROLLOUT_MODES}
-        print("FP4 emulation wall ratio vs bf16: train " + ", ".join(f"{k} {v:.2f}x" for k, v in fp4_train.items())
-              + "; rollout " + ", ".join(f"{k} {v:.2f}x" for k, v in fp4_roll.items())
-              + f" (FP8 worst: train {worst_train:.2f}x, rollout {worst_roll:.2f}x)")
+        print(
+            "FP4 emulation wall ratio vs bf16: train "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in fp4_train.items())
+            + "; rollout "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in fp4_roll.items())
+            + f" (FP8 worst: train {worst_train:.2f}x, rollout {worst_roll:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

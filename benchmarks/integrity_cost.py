@@ -40,8 +40,8 @@ import storage.catalog as catalog  # noqa: E402
 from storage.catalog import connect, query, set_params  # noqa: E402
 from storage.checkpoints import verify_checkpoint  # noqa: E402
 from storage.layout import RunLayout, scan_parts  # noqa: E402
-from storage.schemas import STORED_TABLES  # noqa: E402
 from storage.queries import get_query  # noqa: E402
+from storage.schemas import STORED_TABLES  # noqa: E402
 
 
 def _median(fn, repeats: int) -> float:
@@ -75,8 +75,10 @@ def checkpoint_cost(base: Path, gb: float, repeats: int) -> None:
             if kind == "plain" or i < repeats - 1:
                 shutil.rmtree(path)
     p, h = statistics.median(plain), statistics.median(hashed)
-    print(f"checkpoint: {size:.2f} GB DCP state; save {p / size:.2f} s/GB plain, {h / size:.2f} s/GB hashed while "
-          f"written: +{(h - p) / size:.2f} s/GB (+{100 * (h - p) / p:.0f}%)")
+    print(
+        f"checkpoint: {size:.2f} GB DCP state; save {p / size:.2f} s/GB plain, {h / size:.2f} s/GB hashed while "
+        f"written: +{(h - p) / size:.2f} s/GB (+{100 * (h - p) / p:.0f}%)"
+    )
     run = base / "run"
     run.mkdir()
     (run / "run.json").write_text("{}")
@@ -85,8 +87,10 @@ def checkpoint_cost(base: Path, gb: float, repeats: int) -> None:
     ck = save_checkpoint(run, 1, rng_state=False, dcp=(run / "checkpoints" / ".dcp" / ".tmp-step_1-bench", files))
     sizes = _median(lambda: verify_checkpoint(ck, hashes=False), repeats)
     hashes = _median(lambda: verify_checkpoint(ck, hashes=True), repeats)
-    print(f"resume: verify sizes {sizes * 1000:.1f} ms in all; sizes + sha256 {hashes / size:.2f} s/GB "
-          "(warm page cache; a cold read adds the disk's own read time)")
+    print(
+        f"resume: verify sizes {sizes * 1000:.1f} ms in all; sizes + sha256 {hashes / size:.2f} s/GB "
+        "(warm page cache; a cold read adds the disk's own read time)"
+    )
 
 
 def part_check_cost(base: Path, rows: int, steps: int, repeats: int) -> None:
@@ -119,16 +123,24 @@ def part_check_cost(base: Path, rows: int, steps: int, repeats: int) -> None:
     for _ in range(repeats):
         off.append(total(False))
         on.append(total(True))
-    parts = [p for table in STORED_TABLES
-             for p in scan_parts(RunLayout(root / "bench"), table, "bench") if p.name is not None]
+    parts = [
+        p
+        for table in STORED_TABLES
+        for p in scan_parts(RunLayout(root / "bench"), table, "bench")
+        if p.name is not None
+    ]
     check = _median(lambda: [real(p) for p in parts], max(repeats, 5))
     c_on, c_off = statistics.median(c for c, _ in on), statistics.median(c for c, _ in off)
     t_on, t_off = statistics.median(t for _, t in on), statistics.median(t for _, t in off)
-    print(f"parts: {n:,} token_stats rows in {steps} parts ({len(parts)} parts in all tables); "
-          f"the check itself {check * 1000:.1f} ms = {100 * check / t_on:.2f}% of connect + {len(QUERIES)} queries "
-          f"({t_on * 1000:.0f} ms)  goal <= 5%")
-    print(f"  with vs without the check (medians; the difference is within the machine's noise): connect "
-          f"{c_on * 1000:.0f} vs {c_off * 1000:.0f} ms, connect + queries {t_on * 1000:.0f} vs {t_off * 1000:.0f} ms")
+    print(
+        f"parts: {n:,} token_stats rows in {steps} parts ({len(parts)} parts in all tables); "
+        f"the check itself {check * 1000:.1f} ms = {100 * check / t_on:.2f}% of connect + {len(QUERIES)} queries "
+        f"({t_on * 1000:.0f} ms)  goal <= 5%"
+    )
+    print(
+        f"  with vs without the check (medians; the difference is within the machine's noise): connect "
+        f"{c_on * 1000:.0f} vs {c_off * 1000:.0f} ms, connect + queries {t_on * 1000:.0f} vs {t_off * 1000:.0f} ms"
+    )
 
 
 def main() -> None:

@@ -54,14 +54,25 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="fp8rl-lpnoise-"))
     print(f"preset {args.preset}, {args.steps} steps per format, shadow pass every step; means over steps")
-    print(f"{'format':<20}{'prob NMAE':>11}{'ratio NMAE':>12}{'ratio/prob':>11}{'A<0 clip vs BF16':>18}"
-          f"{'over-clip %':>12}{'acc':>7}{'s/step':>8}", flush=True)
+    print(
+        f"{'format':<20}{'prob NMAE':>11}{'ratio NMAE':>12}{'ratio/prob':>11}{'A<0 clip vs BF16':>18}"
+        f"{'over-clip %':>12}{'acc':>7}{'s/step':>8}",
+        flush=True,
+    )
     for name, (train, rollout) in FORMATS.items():
         if args.only and name not in args.only:
             continue
-        cfg = load_config(args.preset, [f"precision.train={train}", f"precision.rollout={rollout}",
-                                        "calibration.interval=1", "calibration.mode=standard",
-                                        f"steps={args.steps}", *args.overrides])
+        cfg = load_config(
+            args.preset,
+            [
+                f"precision.train={train}",
+                f"precision.rollout={rollout}",
+                "calibration.interval=1",
+                "calibration.mode=standard",
+                f"steps={args.steps}",
+                *args.overrides,
+            ],
+        )
         create_run(root, name.replace("+", "-"), config=dump_config(cfg))
         ctx = open_context(cfg, root / name.replace("+", "-"))
         rows = []
@@ -77,10 +88,17 @@ def main() -> None:
         per_step = (time.perf_counter() - t0) / args.steps
         mean = {c: statistics.fmean(r[c] for r in rows) for c in COLUMNS}
         amp = mean["ratio_nmae"] / mean["prob_nmae"] if mean["prob_nmae"] else float("nan")
-        clip = mean["lower_clip_share_neg_fp8"] / mean["lower_clip_share_neg_bf16"] if mean["lower_clip_share_neg_bf16"] else float("nan")
+        clip = (
+            mean["lower_clip_share_neg_fp8"] / mean["lower_clip_share_neg_bf16"]
+            if mean["lower_clip_share_neg_bf16"]
+            else float("nan")
+        )
         acc = statistics.fmean(r["accuracy"] for r in rows)
-        print(f"{name:<20}{mean['prob_nmae']:>11.4f}{mean['ratio_nmae']:>12.4f}{amp:>10.2f}x{clip:>17.2f}x"
-              f"{100 * mean['overclipped_share']:>12.2f}{acc:>7.3f}{per_step:>8.1f}", flush=True)
+        print(
+            f"{name:<20}{mean['prob_nmae']:>11.4f}{mean['ratio_nmae']:>12.4f}{amp:>10.2f}x{clip:>17.2f}x"
+            f"{100 * mean['overclipped_share']:>12.2f}{acc:>7.3f}{per_step:>8.1f}",
+            flush=True,
+        )
     print("paper (Chen et al. 2026), FP8: ratio NMAE = 1.7x-2.9x probability NMAE")
 
 

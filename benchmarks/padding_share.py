@@ -62,8 +62,9 @@ def make_batch(prompts: list[int], responses: list[int], vocab: int, seed: int =
     for i, (p, r) in enumerate(zip(prompts, responses)):
         am[i, : p + r] = 1
         rm[i, p : p + r] = 1
-    return TrainBatch(ids * am, am, rm, -torch.rand(n, t, generator=g) * rm, torch.randn(n, generator=g),
-                      torch.arange(n))
+    return TrainBatch(
+        ids * am, am, rm, -torch.rand(n, t, generator=g) * rm, torch.randn(n, generator=g), torch.arange(n)
+    )
 
 
 def padded_share(batch, cfg, seed: int) -> float:
@@ -117,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     budgeted = load_config("stress-cpu", [*base, f"algorithm.max_tokens_per_micro_batch={args.budget}"])
     n = today.rollout.prompts_per_step * today.rollout.samples_per_prompt
     a = today.algorithm
-    print(f"# {n} rows a step, mini-batches of {a.ppo_mini_batch_size}, micro-batches of {a.micro_batch_size} rows; "
-          f"budget {args.budget} tokens; precision {today.precision.train}; {args.reps} reps, 1 thread")
+    print(
+        f"# {n} rows a step, mini-batches of {a.ppo_mini_batch_size}, micro-batches of {a.micro_batch_size} rows; "
+        f"budget {args.budget} tokens; precision {today.precision.train}; {args.reps} reps, 1 thread"
+    )
     ratio = float("nan")
     for world, lengths in (("stress", stress_lengths), ("spread16", spread_lengths)):
         batch = make_batch(*lengths(n), VOCAB_SIZE)
@@ -128,9 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             times["budget"].append(time_step(budgeted, batch, seed=1))
         t0, t1 = statistics.median(times["today"]), statistics.median(times["budget"])
         ratio = t1 / t0
-        print(f"{world:9s} padded share today {padded_share(batch, today, 1):6.1%}  budget "
-              f"{padded_share(batch, budgeted, 1):6.1%}   step today {t0:6.2f} s  budget {t1:6.2f} s  "
-              f"ratio {ratio:.3f}")
+        print(
+            f"{world:9s} padded share today {padded_share(batch, today, 1):6.1%}  budget "
+            f"{padded_share(batch, budgeted, 1):6.1%}   step today {t0:6.2f} s  budget {t1:6.2f} s  "
+            f"ratio {ratio:.3f}"
+        )
     print(f"step-time ratio (budget / today, 16x spread): {ratio:.3f}")
     return 0
 

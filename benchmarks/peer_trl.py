@@ -48,13 +48,22 @@ FP8RL_PRECISION = {"bf16": ("bf16", "bf16"), "fp8": ("fp8_tensorwise", "fp8_per_
 def _fp8rl_overrides(precision: str, steps: int) -> list[str]:
     train, rollout = FP8RL_PRECISION[precision]
     return [
-        f"steps={steps}", f"threads={THREADS}", f"model.num_layers={LAYERS}",
-        "bootstrap.steps=0", "bootstrap.noisy_steps=0",  # random init, as TRL's side
-        f"rollout.prompts_per_step={PROMPTS}", f"rollout.samples_per_prompt={SAMPLES}",
-        f"rollout.max_new_tokens={NEW_TOKENS}", f"algorithm.lr={LR}",
-        f"algorithm.ppo_mini_batch_size={PROMPTS * SAMPLES}", f"algorithm.micro_batch_size={PROMPTS * SAMPLES}",
-        f"precision.train={train}", f"precision.rollout={rollout}",
-        f"calibration.interval={steps + 1}", f"evaluation.interval={steps + 1}", f"checkpoint.interval={steps + 1}",
+        f"steps={steps}",
+        f"threads={THREADS}",
+        f"model.num_layers={LAYERS}",
+        "bootstrap.steps=0",
+        "bootstrap.noisy_steps=0",  # random init, as TRL's side
+        f"rollout.prompts_per_step={PROMPTS}",
+        f"rollout.samples_per_prompt={SAMPLES}",
+        f"rollout.max_new_tokens={NEW_TOKENS}",
+        f"algorithm.lr={LR}",
+        f"algorithm.ppo_mini_batch_size={PROMPTS * SAMPLES}",
+        f"algorithm.micro_batch_size={PROMPTS * SAMPLES}",
+        f"precision.train={train}",
+        f"precision.rollout={rollout}",
+        f"calibration.interval={steps + 1}",
+        f"evaluation.interval={steps + 1}",
+        f"checkpoint.interval={steps + 1}",
     ]
 
 
@@ -121,19 +130,40 @@ def trl_steps(steps: int, warmup: int) -> list[tuple[float, float]]:
     clock = Clock()
     with tempfile.TemporaryDirectory(prefix="peer-trl-") as tmp:
         args = GRPOConfig(
-            output_dir=tmp, per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES,
-            max_completion_length=NEW_TOKENS, max_steps=warmup + steps, learning_rate=LR, beta=0.0,
-            temperature=1.0, use_cpu=True, report_to=[], save_strategy="no", logging_steps=10**6,
-            dataloader_num_workers=0, seed=0, disable_tqdm=True,
+            output_dir=tmp,
+            per_device_train_batch_size=PROMPTS * SAMPLES,
+            num_generations=SAMPLES,
+            max_completion_length=NEW_TOKENS,
+            max_steps=warmup + steps,
+            learning_rate=LR,
+            beta=0.0,
+            temperature=1.0,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=10**6,
+            dataloader_num_workers=0,
+            seed=0,
+            disable_tqdm=True,
         )
-        GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer,
-                    callbacks=[clock]).train()
+        GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=data,
+            processing_class=tokenizer,
+            callbacks=[clock],
+        ).train()
     return clock.times[warmup:]
 
 
 def _child(role: str, steps: int, warmup: int, threads: int, fp8rl_set: list[str]) -> list[list[float]]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               PEER_THREADS=str(threads), PEER_FP8RL_SET=";".join(fp8rl_set))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        PEER_THREADS=str(threads),
+        PEER_FP8RL_SET=";".join(fp8rl_set),
+    )
     cmd = [sys.executable, __file__, "--role", role, "--steps", str(steps), "--warmup", str(warmup)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
@@ -147,8 +177,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="timed steps per process")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per process")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of both sides (TRL's shape: 2)")
-    ap.add_argument("--fp8rl-set", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra config override of fp8rl's side, e.g. precision.cpu_bf16_gemm=native (repeatable)")
+    ap.add_argument(
+        "--fp8rl-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override of fp8rl's side, e.g. precision.cpu_bf16_gemm=native (repeatable)",
+    )
     ap.add_argument("--role", choices=("trl", "bf16", "fp8"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "trl":
@@ -164,15 +199,21 @@ def main() -> None:
     for r in range(args.rounds):
         for role in times:
             times[role] += _child(role, args.steps, args.warmup, args.threads, args.fp8rl_set)
-            print(f"round {r + 1}: {role:<4} median {statistics.median(t[0] for t in times[role]):.3f} s/step", flush=True)
+            print(
+                f"round {r + 1}: {role:<4} median {statistics.median(t[0] for t in times[role]):.3f} s/step", flush=True
+            )
     wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
     cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
-    print(f"\n{PROMPTS} prompts x {SAMPLES} samples, <= {NEW_TOKENS} new tokens, {LAYERS} layers x 128, "
-          f"{args.threads} thread(s); medians of {len(times['trl'])} steps per side (wall s, CPU s)")
+    print(
+        f"\n{PROMPTS} prompts x {SAMPLES} samples, <= {NEW_TOKENS} new tokens, {LAYERS} layers x 128, "
+        f"{args.threads} thread(s); medians of {len(times['trl'])} steps per side (wall s, CPU s)"
+    )
     print(f"TRL GRPOTrainer (BF16)   {wall['trl']:.3f}  {cpu['trl']:.3f}")
     for k, name in (("bf16", "fp8rl BF16"), ("fp8", "fp8rl FP8 (emulated)")):
-        print(f"{name:<24} {wall[k]:.3f}  {cpu[k]:.3f}   fp8rl / TRL: wall {wall[k] / wall['trl']:.2f}, "
-              f"CPU {cpu[k] / cpu['trl']:.2f}")
+        print(
+            f"{name:<24} {wall[k]:.3f}  {cpu[k]:.3f}   fp8rl / TRL: wall {wall[k] / wall['trl']:.2f}, "
+            f"CPU {cpu[k] / cpu['trl']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -119,10 +119,17 @@ def _vllm_engine(policy: torch.nn.Module, args: argparse.Namespace):
     policy.save_pretrained(folder)
     tok = build_tokenizer(folder)
     cfg = RolloutConfig(engine="vllm", sleep_between_steps=False, gpu_memory_utilization=0.1, verify_sync="never")
-    return make_engine("vllm", model=policy, tokenizer=tok, precision=PrecisionConfig(rollout="bf16"), config=cfg,
-                       model_path=folder, max_model_len=args.prompt_len[1] + args.max_new_tokens + 8,
-                       # above the batch: a split prefill of a seeded request crashes the CPU sampler (docs/vllm.md)
-                       llm_options={"enforce_eager": True, "max_num_batched_tokens": 16384})
+    return make_engine(
+        "vllm",
+        model=policy,
+        tokenizer=tok,
+        precision=PrecisionConfig(rollout="bf16"),
+        config=cfg,
+        model_path=folder,
+        max_model_len=args.prompt_len[1] + args.max_new_tokens + 8,
+        # above the batch: a split prefill of a seeded request crashes the CPU sampler (docs/vllm.md)
+        llm_options={"enforce_eager": True, "max_num_batched_tokens": 16384},
+    )
 
 
 def _train_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: int, width: int) -> int:
@@ -153,9 +160,19 @@ def vllm_report(args: argparse.Namespace) -> None:
     gen = dict(n=args.n, temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens)
 
     def bare() -> int:
-        sps = [engine._vllm.SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_new_tokens,
-                                           seed=request_seed(args.seed, seeds, p, args.n), logprobs=0, detokenize=False,
-                                           stop_token_ids=sorted(engine.eos_ids)) for p in range(len(prompts))]
+        sps = [
+            engine._vllm.SamplingParams(
+                n=args.n,
+                temperature=1.0,
+                top_p=1.0,
+                max_tokens=args.max_new_tokens,
+                seed=request_seed(args.seed, seeds, p, args.n),
+                logprobs=0,
+                detokenize=False,
+                stop_token_ids=sorted(engine.eos_ids),
+            )
+            for p in range(len(prompts))
+        ]
         outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
@@ -171,15 +188,19 @@ def vllm_report(args: argparse.Namespace) -> None:
     walls = {k: [w for w, _, _ in v] for k, v in got.items()}
     tps = {k: [t / w for w, _, t in v] for k, v in got.items()}
     ratio = sorted(a / b for a, b in zip(tps["vllm engine"], tps["bare LLM.generate"]))
-    print(f"vLLM {vllm.__version__} (CPU build), BF16, P={args.prompts} n={args.n} "
-          f"max_new_tokens={args.max_new_tokens}")
+    print(
+        f"vLLM {vllm.__version__} (CPU build), BF16, P={args.prompts} n={args.n} max_new_tokens={args.max_new_tokens}"
+    )
     for name in ("vllm engine", "bare LLM.generate"):
         print(f"  {name:18s} median {statistics.median(tps[name]):8.0f} tok/s wall")
-    print(f"project engine / bare vLLM generate tokens/s (goal >= 0.95): {statistics.median(ratio):.3f} "
-          f"(rounds {ratio[0]:.3f}..{ratio[-1]:.3f})")
+    print(
+        f"project engine / bare vLLM generate tokens/s (goal >= 0.95): {statistics.median(ratio):.3f} "
+        f"(rounds {ratio[0]:.3f}..{ratio[-1]:.3f})"
+    )
     sync, step = statistics.median(walls["weight sync"]), statistics.median(walls["train step"])
-    print(f"one weight sync {sync * 1e3:.1f} ms / one train step (32 x 40 tokens) {step * 1e3:.1f} ms "
-          f"= {sync / step:.3f}")
+    print(
+        f"one weight sync {sync * 1e3:.1f} ms / one train step (32 x 40 tokens) {step * 1e3:.1f} ms = {sync / step:.3f}"
+    )
 
 
 def main() -> None:
@@ -192,7 +213,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds; medians are reported")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--copy-dtype", choices=("float32", "bfloat16"), default="float32", help="engine inference-copy dtype")
+    ap.add_argument(
+        "--copy-dtype", choices=("float32", "bfloat16"), default="float32", help="engine inference-copy dtype"
+    )
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8 emulation variants")
     ap.add_argument("--vllm", action="store_true", help="measure the real vLLM engine instead (run in .venv-vllm)")
     args = ap.parse_args()
@@ -226,7 +249,9 @@ def main() -> None:
     if not args.no_fp8:
         for mode in ("fp8_per_tensor", "fp8_per_block"):
             eng = engine(mode)
-            variants[f"engine {mode}"] = lambda eng=eng: eng.generate(prompts, seed=args.seed, **gen_args).generated_tokens
+            variants[f"engine {mode}"] = lambda eng=eng: (
+                eng.generate(prompts, seed=args.seed, **gen_args).generated_tokens
+            )
 
     names = list(variants)
     for name in names:  # warm-up
@@ -255,9 +280,7 @@ def main() -> None:
 
     def paired(a: str, b: str, seconds: dict[str, list[float]]) -> str:
         """Median over rounds of (tokens/s of a) / (tokens/s of b), measured back to back."""
-        ratios = sorted(
-            (ta / sa) / (tb / sb) for ta, sa, tb, sb in zip(tokens[a], seconds[a], tokens[b], seconds[b])
-        )
+        ratios = sorted((ta / sa) / (tb / sb) for ta, sa, tb, sb in zip(tokens[a], seconds[a], tokens[b], seconds[b]))
         return f"{statistics.median(ratios):.2f} (rounds {ratios[0]:.2f}..{ratios[-1]:.2f})"
 
     def report(label: str, a: str, b: str) -> None:

@@ -33,30 +33,46 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages.grade.code import (LEETCODE_PRELUDE, CodeGradingConfig, get_sandbox, grade_program,  # noqa: E402
-                                 outputs_match, parse_tests)
+from stages.grade.code import (  # noqa: E402
+    LEETCODE_PRELUDE,
+    CodeGradingConfig,
+    get_sandbox,
+    grade_program,
+    outputs_match,
+    parse_tests,
+)
 from stages.grade.sandbox import sandbox_python  # noqa: E402
 
 STDIO_CODE = "print(sum(map(int, input().split())))\n"
-STDIO_TESTS = [{"input": "1 2\n", "output": "3"}, {"input": "40 2\n", "output": "42"},
-               {"input": "-5 5\n", "output": "0"}]
+STDIO_TESTS = [
+    {"input": "1 2\n", "output": "3"},
+    {"input": "40 2\n", "output": "42"},
+    {"input": "-5 5\n", "output": "0"},
+]
 FUNC_CODE = "class Solution:\n    def add(self, a, b):\n        return a + b\n"
-FUNC_TEXT = ("def check(candidate):\n    assert candidate(a=1, b=2) == 3\n    assert candidate(a=40, b=2) == 42\n"
-             "    assert candidate(a=-5, b=5) == 0\n\ncheck(Solution().add)\n")
+FUNC_TEXT = (
+    "def check(candidate):\n    assert candidate(a=1, b=2) == 3\n    assert candidate(a=40, b=2) == 42\n"
+    "    assert candidate(a=-5, b=5) == 0\n\ncheck(Solution().add)\n"
+)
 
 
 def bare_stdio(py: str) -> bool:
     ok = True
     for case in STDIO_TESTS:
-        r = subprocess.run([py, "-I", "-S", "-c", STDIO_CODE], input=case["input"].encode(), capture_output=True,
-                           timeout=10)
+        r = subprocess.run(
+            [py, "-I", "-S", "-c", STDIO_CODE], input=case["input"].encode(), capture_output=True, timeout=10
+        )
         ok = ok and r.returncode == 0 and outputs_match(r.stdout.decode(), case["output"])
     return ok
 
 
 def bare_functional(py: str) -> bool:
-    r = subprocess.run([py, "-I", "-S", "-c", LEETCODE_PRELUDE + "\n" + FUNC_CODE + "\n" + FUNC_TEXT],
-                       stdin=subprocess.DEVNULL, capture_output=True, timeout=10)
+    r = subprocess.run(
+        [py, "-I", "-S", "-c", LEETCODE_PRELUDE + "\n" + FUNC_CODE + "\n" + FUNC_TEXT],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=10,
+    )
     return r.returncode == 0
 
 
@@ -77,8 +93,10 @@ def main() -> None:
     def bare(kind: str) -> bool:
         return bare_stdio(py) if kind == "stdio" else bare_functional(py)
 
-    print(f"isolation: {sb.isolation} ({sb.isolation_reason}); interpreter {py}; cpus {os.cpu_count()}; "
-          f"{args.n} programs per kind x {args.rounds} rounds per side; pooled = {args.pool} at a time")
+    print(
+        f"isolation: {sb.isolation} ({sb.isolation_reason}); interpreter {py}; cpus {os.cpu_count()}; "
+        f"{args.n} programs per kind x {args.rounds} rounds per side; pooled = {args.pool} at a time"
+    )
     for width in (1, args.pool):
         totals = {"bare": 0.0, "sandbox": 0.0}
         with ThreadPoolExecutor(width) as pool:
@@ -91,8 +109,10 @@ def main() -> None:
         n = 2 * args.n * args.rounds
         rb, rs = n / totals["bare"], n / totals["sandbox"]
         mode = "sequential" if width == 1 else f"pooled x{width}"
-        print(f"{mode:12s} bare: {rb:6.1f} programs/s; sandboxed: {rs:6.1f} programs/s; "
-              f"ratio sandboxed/bare = {rs / rb:.2f} (goal >= 0.5)")
+        print(
+            f"{mode:12s} bare: {rb:6.1f} programs/s; sandboxed: {rs:6.1f} programs/s; "
+            f"ratio sandboxed/bare = {rs / rb:.2f} (goal >= 0.5)"
+        )
 
 
 if __name__ == "__main__":

@@ -52,9 +52,12 @@ def load_records(run_dir: Path) -> tuple[list[StepTokens], dict[int, tuple[float
     cfg = load_config(run_dir / "config.yaml")
     con = connect(run_dir)
     # the steps the campaign recorded as shadow steps (steps.shadow), and their shadowed tokens
-    t = query(con, "SELECT t.step, sample_id, position, advantage, logp_fp8, old_logp_fp8, logp_bf16, old_logp_bf16 "
-                   "FROM token_stats t JOIN steps s ON s.run_id = t.run_id AND s.step = t.step "
-                   "WHERE s.shadow = 1 AND logp_bf16 IS NOT NULL ORDER BY t.step, sample_id, position")
+    t = query(
+        con,
+        "SELECT t.step, sample_id, position, advantage, logp_fp8, old_logp_fp8, logp_bf16, old_logp_bf16 "
+        "FROM token_stats t JOIN steps s ON s.run_id = t.run_id AND s.step = t.step "
+        "WHERE s.shadow = 1 AND logp_bf16 IS NOT NULL ORDER BY t.step, sample_id, position",
+    )
     cols = {c: t.column(c).to_numpy(zero_copy_only=False) for c in t.column_names}
     recs = []
     steps = cols["step"]
@@ -75,8 +78,9 @@ def load_records(run_dir: Path) -> tuple[list[StepTokens], dict[int, tuple[float
 _NAN = float("nan")
 
 
-def replay_estimator(recs: list[StepTokens], config, interval: int, *, eps_low: float, eps_high: float,
-                     dual_clip: float) -> dict:
+def replay_estimator(
+    recs: list[StepTokens], config, interval: int, *, eps_low: float, eps_high: float, dual_clip: float
+) -> dict:
     """Fixed-K replay of one calibration config: predictive clip-share error and shadow-token costs."""
     state = CalibratorState.initial(eps_low=eps_low, eps_high=eps_high, config=config)
     sched = Schedule("fixed", interval=interval)
@@ -90,19 +94,35 @@ def replay_estimator(recs: list[StepTokens], config, interval: int, *, eps_low: 
             errors.append(abs(d))
             bias.append(d)
         if sched.calibrates(rec.step, state.last_step, None):
-            res = calibrate(rec.r8, rec.r16, rec.advantages, rec.mask, eps_low=eps_low, eps_high=eps_high,
-                            config=config, previous=state, dual_clip=dual_clip)
+            res = calibrate(
+                rec.r8,
+                rec.r16,
+                rec.advantages,
+                rec.mask,
+                eps_low=eps_low,
+                eps_high=eps_high,
+                config=config,
+                previous=state,
+                dual_clip=dual_clip,
+            )
             state = state.updated(res, rec.step)
             spent += int(rec.mask.sum())
             per_estimate.append(res.shadow_tokens)
             raw.append(res.raw_lower)
             if res.lower_ci_low is not None:
                 widths.append(res.lower_ci_high - res.lower_ci_low)
-    return {"error": float(np.mean(errors)), "error_se": float(np.std(errors, ddof=1) / np.sqrt(len(errors))),
-            "bias": float(np.mean(bias)), "spent": spent, "per_estimate": float(np.mean(per_estimate)),
-            "ci_width": float(np.mean(widths)) if widths else _NAN, "calibrations": len(per_estimate),
-            "raw_walk": float(np.mean(np.abs(np.diff(raw)))) if len(raw) > 1 else _NAN,
-            "bf16_share": float(np.mean(share16)), "scored_steps": len(errors)}
+    return {
+        "error": float(np.mean(errors)),
+        "error_se": float(np.std(errors, ddof=1) / np.sqrt(len(errors))),
+        "bias": float(np.mean(bias)),
+        "spent": spent,
+        "per_estimate": float(np.mean(per_estimate)),
+        "ci_width": float(np.mean(widths)) if widths else _NAN,
+        "calibrations": len(per_estimate),
+        "raw_walk": float(np.mean(np.abs(np.diff(raw)))) if len(raw) > 1 else _NAN,
+        "bf16_share": float(np.mean(share16)),
+        "scored_steps": len(errors),
+    }
 
 
 def score_estimators(recs: list[StepTokens], cfg, names: list[str], ks: list[int]) -> list[tuple]:
@@ -121,17 +141,25 @@ def score_estimators(recs: list[StepTokens], cfg, names: list[str], ks: list[int
 
 def print_estimators(rows: list[tuple], cfg) -> None:
     c = cfg.calibration
-    print(f"estimators (window {c.estimator_window}, min clipped {c.estimator_min_clipped}, "
-          f"CI level {c.estimator_ci_level}); error = mean |FP8 lower-clip share under L in force - BF16's|")
+    print(
+        f"estimators (window {c.estimator_window}, min clipped {c.estimator_min_clipped}, "
+        f"CI level {c.estimator_ci_level}); error = mean |FP8 lower-clip share under L in force - BF16's|"
+    )
     r0 = rows[0][3]
-    print(f"BF16's mean lower-clip share of the A<0 tokens on the {r0['scored_steps']} scored steps: "
-          f"{r0['bf16_share']:.5f}")
-    print(f"{'estimator':<14} {'K':>3} {'smoothing':>9} {'clip-share err':>14} {'(se)':>8} {'bias':>8} "
-          f"{'shadow tokens':>13} {'tokens/estimate':>15} {'CI width':>9} {'mean |dL raw|':>13}")
+    print(
+        f"BF16's mean lower-clip share of the A<0 tokens on the {r0['scored_steps']} scored steps: "
+        f"{r0['bf16_share']:.5f}"
+    )
+    print(
+        f"{'estimator':<14} {'K':>3} {'smoothing':>9} {'clip-share err':>14} {'(se)':>8} {'bias':>8} "
+        f"{'shadow tokens':>13} {'tokens/estimate':>15} {'CI width':>9} {'mean |dL raw|':>13}"
+    )
     for name, k, smooth, r in rows:
-        print(f"{name:<14} {k:>3} {'on' if smooth else 'off':>9} {r['error']:>14.5f} {r['error_se']:>8.5f} "
-              f"{r['bias']:>+8.5f} "
-              f"{r['spent']:>13} {r['per_estimate']:>15.0f} {r['ci_width']:>9.4f} {r['raw_walk']:>13.4f}")
+        print(
+            f"{name:<14} {k:>3} {'on' if smooth else 'off':>9} {r['error']:>14.5f} {r['error_se']:>8.5f} "
+            f"{r['bias']:>+8.5f} "
+            f"{r['spent']:>13} {r['per_estimate']:>15.0f} {r['ci_width']:>9.4f} {r['raw_walk']:>13.4f}"
+        )
 
 
 def main() -> None:
@@ -141,8 +169,12 @@ def main() -> None:
     ap.add_argument("--thresholds", default="0.05,0.1,0.2", help="KS-signal thresholds")
     ap.add_argument("--dl-thresholds", default="0.02,0.05,0.1,0.2,0.3", help="quantile-signal (|dL|) thresholds")
     ap.add_argument("--min-interval", type=int, default=2)
-    ap.add_argument("--max-interval", type=int, default=50,
-                    help="drift's longest gap (above the largest K, or drift could never spend fewer passes)")
+    ap.add_argument(
+        "--max-interval",
+        type=int,
+        default=50,
+        help="drift's longest gap (above the largest K, or drift could never spend fewer passes)",
+    )
     ap.add_argument("--estimators", default="", help="raw-L estimators to score, comma-separated (none: skip)")
     ap.add_argument("--estimator-ks", default="1,5,10", help="fixed K of the estimator replays")
     ap.add_argument("--no-schedules", action="store_true", help="skip the schedule table")
@@ -150,8 +182,10 @@ def main() -> None:
     names = [x for x in args.estimators.split(",") if x]
     bad = [x for x in names if x not in LOWER_ESTIMATORS]
     if bad:
-        print(f"schedule_replay: unknown estimator {bad[0]!r}; valid: {', '.join(LOWER_ESTIMATORS.names())}",
-              file=sys.stderr)
+        print(
+            f"schedule_replay: unknown estimator {bad[0]!r}; valid: {', '.join(LOWER_ESTIMATORS.names())}",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     recs, table_bounds, cfg = load_records(args.run_dir)
     steps = [r.step for r in recs]
@@ -160,9 +194,15 @@ def main() -> None:
     a, c = cfg.algorithm, cfg.calibration
     kw = dict(eps_low=a.eps_low, eps_high=a.eps_high, config=c, dual_clip=a.dual_clip)
     every = replay(recs, Schedule("fixed", interval=1), **kw)
-    worst = max(max(abs(lo - table_bounds[s][0]), abs(hi - table_bounds[s][1]))
-                for s, lo, hi in zip(every.steps, every.lower, every.upper) if s in table_bounds)
-    print(f"diagnostic run: {len(recs)} steps with shadow passes; K=1 replay vs the run's bounds table: max |diff| {worst:.2e}")
+    worst = max(
+        max(abs(lo - table_bounds[s][0]), abs(hi - table_bounds[s][1]))
+        for s, lo, hi in zip(every.steps, every.lower, every.upper)
+        if s in table_bounds
+    )
+    print(
+        f"diagnostic run: {len(recs)} steps with shadow passes; K=1 replay vs the run's bounds table: max |diff| "
+        f"{worst:.2e}"
+    )
     if names:
         print_estimators(score_estimators(recs, cfg, names, [int(x) for x in args.estimator_ks.split(",")]), cfg)
     if args.no_schedules:
@@ -173,8 +213,19 @@ def main() -> None:
         rows.append(replay(recs, Schedule("fixed", interval=k), **kw))
     for signal, ths in (("ks", args.thresholds), ("quantile", args.dl_thresholds)):
         for th in [float(x) for x in ths.split(",") if x]:
-            rows.append(replay(recs, Schedule("drift", threshold=th, min_interval=args.min_interval,
-                                              max_interval=args.max_interval, signal=signal), **kw))
+            rows.append(
+                replay(
+                    recs,
+                    Schedule(
+                        "drift",
+                        threshold=th,
+                        min_interval=args.min_interval,
+                        max_interval=args.max_interval,
+                        signal=signal,
+                    ),
+                    **kw,
+                )
+            )
     print(f"{'schedule':<28} {'shadow passes':>13} {'mean |dL|':>10} {'mean |dH|':>10} {'mean signal':>12}")
     for r in rows:
         el, eh = r.bound_error(every)
@@ -185,8 +236,11 @@ def main() -> None:
     smallest, largest = fixed[0], fixed[-1]
     target = sum(smallest.bound_error(every))
     ok = [r for r in drift if sum(r.bound_error(every)) <= target and r.shadow_passes < largest.shadow_passes]
-    print(f"goal (drift <= bound error of {smallest.schedule.name} = {target:.5f} with < {largest.shadow_passes} "
-          f"shadow passes of {largest.schedule.name}): {'MET by ' + ', '.join(r.schedule.name for r in ok) if ok else 'NOT met'}")
+    print(
+        f"goal (drift <= bound error of {smallest.schedule.name} = {target:.5f} with < {largest.shadow_passes} "
+        f"shadow passes of {largest.schedule.name}): "
+        f"{'MET by ' + ', '.join(r.schedule.name for r in ok) if ok else 'NOT met'}"
+    )
     del sig
 
 

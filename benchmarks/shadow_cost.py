@@ -38,16 +38,17 @@ def main() -> None:
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config override key=value (repeatable)")
     args = ap.parse_args()
 
+    import torch
+
     from flows.configuration import dump_config, load_config
     from fp8rl_core.subsample import choose_size, sample_sequences
     from stages.context import open_run
     from stages.rollout import run_rollout
-    from stages.score import run_score
     from stages.runtime.io import read_step
+    from stages.score import run_score
     from stages.train import build_batch
     from stages.trainer.update import policy_update
     from storage.layout import create_run
-    import torch
 
     cfg = load_config("tiny-cpu", args.sets)
     tmp = Path(tempfile.mkdtemp(prefix="shadow-cost-"))
@@ -61,14 +62,27 @@ def main() -> None:
             _, state = run_rollout(env, state, step)
             _, state = run_score(env, state, step)
             gen_s = time.perf_counter() - t0
-            batch = build_batch(read_step(env, "rollouts", step), read_step(env, "scores", step), env.tokenizer.pad_token_id)
+            batch = build_batch(
+                read_step(env, "rollouts", step), read_step(env, "scores", step), env.tokenizer.pad_token_id
+            )
             neg = ((batch.advantages < 0)[:, None] & (batch.response_mask > 0)).sum(1)
-            m_used = choose_size(neg, args.target, cfg.calibration.shadow_failure_prob, cfg.calibration.shadow_min_sequences)
+            m_used = choose_size(
+                neg, args.target, cfg.calibration.shadow_failure_prob, cfg.calibration.shadow_min_sequences
+            )
             keep = sample_sequences(batch.size, m_used, torch.Generator().manual_seed(step))
             for kind in ("none", "full", "sub"):
                 t0 = time.perf_counter()
-                res = policy_update(state.policy, state.optimizer, state.scheduler, batch, cfg, bounds=state.calibrator.bounds,
-                                    shadow=kind != "none", seed=step, shadow_rows=keep if kind == "sub" else None)
+                res = policy_update(
+                    state.policy,
+                    state.optimizer,
+                    state.scheduler,
+                    batch,
+                    cfg,
+                    bounds=state.calibrator.bounds,
+                    shadow=kind != "none",
+                    seed=step,
+                    shadow_rows=keep if kind == "sub" else None,
+                )
                 train_s = time.perf_counter() - t0
                 shadow_s = res.timings.get("shadow_s", 0.0)
                 if kind == "none":
@@ -79,10 +93,14 @@ def main() -> None:
         env.close()
     step_s, full_s, sub_s = statistics.median(base), statistics.median(full), statistics.median(sub)
     n = batch.size
-    print(f"tiny-cpu batch: {n} sequences; subsampled shadow on m = {m_used} (target level error {args.target}); "
-          f"{args.reps} interleaved repetitions, medians")
-    print(f"step without shadow {step_s:.2f} s | full shadow passes {full_s:.3f} s | subsampled {sub_s:.3f} s "
-          f"(x{sub_s / full_s:.2f} of full)")
+    print(
+        f"tiny-cpu batch: {n} sequences; subsampled shadow on m = {m_used} (target level error {args.target}); "
+        f"{args.reps} interleaved repetitions, medians"
+    )
+    print(
+        f"step without shadow {step_s:.2f} s | full shadow passes {full_s:.3f} s | subsampled {sub_s:.3f} s "
+        f"(x{sub_s / full_s:.2f} of full)"
+    )
 
     def share(per_step: float, cost: float) -> float:
         return per_step * cost / (step_s + per_step * cost)
@@ -94,9 +112,18 @@ def main() -> None:
 
         recs, _, dcfg = load_records(args.diag)
         a = dcfg.algorithm
-        r = replay(recs, Schedule("drift", threshold=args.threshold, min_interval=2, max_interval=20),
-                   eps_low=a.eps_low, eps_high=a.eps_high, config=dcfg.calibration, dual_clip=a.dual_clip)
-        rows.insert(1, (f"drift D>{args.threshold:g} ({r.shadow_passes}/{len(recs)} steps)", r.shadow_passes / len(recs), full_s))
+        r = replay(
+            recs,
+            Schedule("drift", threshold=args.threshold, min_interval=2, max_interval=20),
+            eps_low=a.eps_low,
+            eps_high=a.eps_high,
+            config=dcfg.calibration,
+            dual_clip=a.dual_clip,
+        )
+        rows.insert(
+            1,
+            (f"drift D>{args.threshold:g} ({r.shadow_passes}/{len(recs)} steps)", r.shadow_passes / len(recs), full_s),
+        )
     rows.append(("every step (K=1)", 1.0, full_s))
     for name, per, cost in rows:
         print(f"  {name:<34} shadow share of campaign time {100 * share(per, cost):6.2f}%")

@@ -57,6 +57,7 @@ def main() -> None:
                 return fn(*a, **k)
             finally:
                 spent[name] += time.perf_counter() - t0
+
         return wrapper
 
     writer_mod.TableWriter.write = timed("parquet", writer_mod.TableWriter.write)
@@ -87,7 +88,9 @@ def main() -> None:
     campaign_flow(str(run_dir))
     flow_wall = time.perf_counter() - t0
 
-    led = query(connect(run_dir), "SELECT step, stage, seconds, started_at, finished_at FROM ledger ORDER BY started_at").to_pylist()
+    led = query(
+        connect(run_dir), "SELECT step, stage, seconds, started_at, finished_at FROM ledger ORDER BY started_at"
+    ).to_pylist()
     loop_start = min(r["started_at"] for r in led)
     loop_end = max(r["finished_at"] for r in led)
     loop_wall = (loop_end - loop_start).total_seconds()
@@ -100,21 +103,35 @@ def main() -> None:
     for r in led:
         by_stage[r["stage"]] += r["seconds"]
 
-    print(f"tiny default, {cfg.steps} steps; flow wall {flow_wall:.1f} s (incl. engine/model set-up), step loop {loop_wall:.1f} s")
+    print(
+        f"tiny default, {cfg.steps} steps; flow wall {flow_wall:.1f} s (incl. engine/model set-up), step loop "
+        f"{loop_wall:.1f} s"
+    )
     print(f"{'part':<28}{'seconds':>10}{'share':>9}")
-    for name, sec in [("compute (stage functions)", compute), ("storage: parquet writes", spent["parquet"]),
-                      ("storage: ledger appends", spent["ledger"]), ("storage: checkpoints", spent["checkpoint"]),
-                      ("orchestration (Prefect+glue)", orchestration)]:
+    for name, sec in [
+        ("compute (stage functions)", compute),
+        ("storage: parquet writes", spent["parquet"]),
+        ("storage: ledger appends", spent["ledger"]),
+        ("storage: checkpoints", spent["checkpoint"]),
+        ("orchestration (Prefect+glue)", orchestration),
+    ]:
         print(f"{name:<28}{sec:>10.2f}{100 * sec / loop_wall:>8.1f}%")
     overhead = storage + orchestration
     print(f"{'orchestration + storage':<28}{overhead:>10.2f}{100 * overhead / loop_wall:>8.1f}%   (goal <= 10%)")
     if cfg.trackers:
         tee, wait = spent["tracker_tee"], spent["tracker_close"]
-        print(f"{'trackers: tee (in steps)':<28}{tee:>10.3f}{100 * tee / loop_wall:>8.2f}%   ({', '.join(cfg.trackers)})")
-        print(f"{'trackers: flush wait at end':<28}{wait:>10.3f}{100 * wait / loop_wall:>8.2f}%   (after the last step)")
+        print(
+            f"{'trackers: tee (in steps)':<28}{tee:>10.3f}{100 * tee / loop_wall:>8.2f}%   ({', '.join(cfg.trackers)})"
+        )
+        print(
+            f"{'trackers: flush wait at end':<28}{wait:>10.3f}{100 * wait / loop_wall:>8.2f}%   (after the last step)"
+        )
         for name in cfg.trackers:
             bg, op = spent[f"sink_{name}"], spent[f"sink_{name}_open"]
-            print(f"  {name + ' thread':<26}{bg + op:>10.3f}{100 * (bg + op) / loop_wall:>8.2f}%   (background: open {op:.2f} s + log {bg:.2f} s)")
+            print(
+                f"  {name + ' thread':<26}{bg + op:>10.3f}{100 * (bg + op) / loop_wall:>8.2f}%   (background: "
+                f"open {op:.2f} s + log {bg:.2f} s)"
+            )
     print("stage seconds (incl. their writes): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_stage.items())))
 
 

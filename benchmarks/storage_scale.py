@@ -87,8 +87,18 @@ def make_step(rng: np.random.Generator, n_tokens: int, step: int) -> dict[str, n
 
 def bounds_row(step: int) -> dict[str, float | str]:
     lower = 0.8 - 0.05 * np.tanh(step / 40)
-    return {"mode": "calibrated", "alpha": 0.02, "raw_lower": lower - 0.01, "raw_upper": 1.3, "lower": lower,
-            "upper": 1.28, "target_balance": 1.1, "balance_before": 0.9, "balance_after": 1.08, "tokens": 100_000}
+    return {
+        "mode": "calibrated",
+        "alpha": 0.02,
+        "raw_lower": lower - 0.01,
+        "raw_upper": 1.3,
+        "lower": lower,
+        "upper": 1.28,
+        "target_balance": 1.1,
+        "balance_before": 0.9,
+        "balance_after": 1.08,
+        "tokens": 100_000,
+    }
 
 
 def write_run(root: Path, data: list[dict]) -> tuple[float, float, int]:
@@ -135,10 +145,14 @@ def main() -> None:
         root = base / f"w{args.repeats - 1}"
         w = statistics.median(write_s)
         bpr = statistics.median(sizes) / rows
-        print(f"write: {rows / w / 1e6:.2f} M rows/s (median of {args.repeats}: {w:.2f}s; "
-              f"all: {', '.join(f'{x:.2f}' for x in write_s)})  goal >= 2 M rows/s")
-        print(f"write CPU: {statistics.median(cpu_s):.2f}s = {rows / statistics.median(cpu_s) / 1e6:.2f} M rows per CPU-second "
-              "(encode + fsync syscalls; the rate of an unshared core)")
+        print(
+            f"write: {rows / w / 1e6:.2f} M rows/s (median of {args.repeats}: {w:.2f}s; "
+            f"all: {', '.join(f'{x:.2f}' for x in write_s)})  goal >= 2 M rows/s"
+        )
+        print(
+            f"write CPU: {statistics.median(cpu_s):.2f}s = {rows / statistics.median(cpu_s) / 1e6:.2f} M rows per CPU-second "
+            "(encode + fsync syscalls; the rate of an unshared core)"
+        )
         print(f"size: {bpr:.2f} bytes/row ({statistics.median(sizes) / 1e6:.0f} MB)  goal <= 20")
 
         con_s = []
@@ -158,11 +172,15 @@ def main() -> None:
                 times.append(time.perf_counter() - t)
                 cpu.append(time.process_time() - c)
             med = statistics.median(times)
-            print(f"query {name}: {med * 1000:.0f} ms median wall, {statistics.median(cpu) * 1000:.0f} ms CPU "
-                  f"on {threads} threads ({result.num_rows} rows; all: {', '.join(f'{x * 1000:.0f}' for x in times)} ms)"
-                  "  goal <= 1000 ms")
-        print(f"load average (1/5 min) at the end: {os.getloadavg()[0]:.1f} / {os.getloadavg()[1]:.1f} "
-              f"on {os.cpu_count()} cores — other jobs inflate wall times")
+            print(
+                f"query {name}: {med * 1000:.0f} ms median wall, {statistics.median(cpu) * 1000:.0f} ms CPU "
+                f"on {threads} threads ({result.num_rows} rows; all: {', '.join(f'{x * 1000:.0f}' for x in times)} ms)"
+                "  goal <= 1000 ms"
+            )
+        print(
+            f"load average (1/5 min) at the end: {os.getloadavg()[0]:.1f} / {os.getloadavg()[1]:.1f} "
+            f"on {os.cpu_count()} cores — other jobs inflate wall times"
+        )
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -40,7 +40,9 @@ print(json.dumps({"mini": mini, "micro": micro, "peak_mb": (after - before) / 10
 
 
 def measure(mini: int, micro: int) -> float:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(mini), str(micro)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(mini), str(micro)], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
 
 

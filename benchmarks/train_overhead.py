@@ -33,11 +33,13 @@ def main() -> None:
     from fp8rl_core.tiny_model import build_tiny_model
     from stages.trainer.update import TrainBatch, make_optimizer, pad_to_contract, policy_update, token_multiple
 
-    cfg = CampaignConfig.model_validate({
-        "rollout": {"prompts_per_step": args.rows // 8, "samples_per_prompt": 8},
-        "algorithm": {"ppo_mini_batch_size": args.rows, "micro_batch_size": args.rows},
-        "precision": {"train": args.mode},
-    })
+    cfg = CampaignConfig.model_validate(
+        {
+            "rollout": {"prompts_per_step": args.rows // 8, "samples_per_prompt": 8},
+            "algorithm": {"ppo_mini_batch_size": args.rows, "micro_batch_size": args.rows},
+            "precision": {"train": args.mode},
+        }
+    )
     torch.manual_seed(0)
     model = build_tiny_model(ModelConfig())
     convert_for_training(model, args.mode)
@@ -66,8 +68,12 @@ def main() -> None:
     bare(), stage()  # warm-up
     t_bare, t_stage = [], []
     for _ in range(args.repeats):  # interleaved, so load changes hit both
-        t0 = time.perf_counter(); bare(); t_bare.append(time.perf_counter() - t0)  # noqa: E702
-        t0 = time.perf_counter(); stage(); t_stage.append(time.perf_counter() - t0)  # noqa: E702
+        t0 = time.perf_counter()
+        bare()
+        t_bare.append(time.perf_counter() - t0)  # noqa: E702
+        t0 = time.perf_counter()
+        stage()
+        t_stage.append(time.perf_counter() - t0)  # noqa: E702
     b, s = min(t_bare), min(t_stage)
     print(f"mode {args.mode}, {n} rows x {p + r} tokens, {args.threads} threads, best of {args.repeats}")
     print(f"bare fwd + fwd/bwd: {b:.3f} s   train update: {s:.3f} s   ratio: {s / b:.3f} (goal <= 1.15)")

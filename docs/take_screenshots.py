@@ -34,8 +34,13 @@ def main() -> None:
     api = f"http://127.0.0.1:{port}/api"
     env = dict(os.environ, PREFECT_UI_API_URL=api, PREFECT_SERVER_LOGGING_LEVEL="WARNING")
     env.pop("PREFECT_API_URL", None)
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         for _ in range(600):
             try:
@@ -49,8 +54,9 @@ def main() -> None:
         from prefect.client.schemas.sorting import FlowRunSort
 
         with get_client(sync_client=True) as client:
-            runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["fp8rl-campaign"])),
-                                         sort=FlowRunSort.START_TIME_DESC)
+            runs = client.read_flow_runs(
+                flow_filter=FlowFilter(name=FlowFilterName(any_=["fp8rl-campaign"])), sort=FlowRunSort.START_TIME_DESC
+            )
             arts = [a for a in client.read_artifacts() if a.key]
         failed = {a.flow_run_id for a in arts if a.key.startswith("failures-")}
         run = next((r for r in runs if r.id in failed), runs[0])
@@ -62,10 +68,23 @@ def main() -> None:
             if latest:
                 pages[name] = f"{ui}/artifacts/artifact/{latest[-1].id}"
         for name, url in pages.items():
-            subprocess.run([args.chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                            "--hide-scrollbars", f"--user-data-dir={DOCS / '.chromium-profile'}", "--virtual-time-budget=25000",
-                            "--window-size=1280,800", f"--screenshot={DOCS / name}", url],
-                           capture_output=True, timeout=300)
+            subprocess.run(
+                [
+                    args.chromium,
+                    "--headless",
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-dev-shm-usage",
+                    "--hide-scrollbars",
+                    f"--user-data-dir={DOCS / '.chromium-profile'}",
+                    "--virtual-time-budget=25000",
+                    "--window-size=1280,800",
+                    f"--screenshot={DOCS / name}",
+                    url,
+                ],
+                capture_output=True,
+                timeout=300,
+            )
             print(DOCS / name, url)
     finally:
         os.killpg(server.pid, signal.SIGTERM)

@@ -55,8 +55,8 @@ from flows.ui import publish_bounds, publish_failure, publish_step
 from fp8rl_core.config import CampaignConfig
 from stages.checkpoint import eval_scores, restore_latest
 from stages.context import RunEnv, TrainState, is_checkpoint_step, is_eval_step
-from stages.runtime.rank_outcome import RankedStage, after_go, on_all, on_main, on_ranks
 from stages.result import StageResult
+from stages.runtime.rank_outcome import RankedStage, after_go, on_all, on_main, on_ranks
 from stages.runtime.stage_comm import TRANSIENT, TransientStageError, broadcast, is_transient  # noqa: F401 (re-exported)
 from storage import faults, lock
 
@@ -85,8 +85,9 @@ def _jsonable(d: dict) -> dict:
     return out
 
 
-def _run_stage(name: str, fn: Callable[..., tuple[StageResult, Any]], env: RunEnv, state: TrainState, step: int,
-               **kw: Any) -> tuple[StageResult, TrainState]:
+def _run_stage(
+    name: str, fn: Callable[..., tuple[StageResult, Any]], env: RunEnv, state: TrainState, step: int, **kw: Any
+) -> tuple[StageResult, TrainState]:
     attempt = env.ledger.next_attempt(step, name, variant=env.variant)
     with env.ledger.stage(step, name, attempt=attempt, variant=env.variant) as rec:
         with faults.stage_scope(name, step):  # FP8RL_FAULT test hook
@@ -99,8 +100,13 @@ def _run_stage(name: str, fn: Callable[..., tuple[StageResult, Any]], env: RunEn
 def _stage_task(name: str, retries: int, timeout_s: float | None = None):
     def deco(fn: Callable[..., tuple[StageResult, Any]]):
         @task(
-            name=name, retries=retries, retry_delay_seconds=1, retry_condition_fn=_is_transient if retries else None,
-            cache_policy=NO_CACHE, persist_result=False, timeout_seconds=timeout_s,
+            name=name,
+            retries=retries,
+            retry_delay_seconds=1,
+            retry_condition_fn=_is_transient if retries else None,
+            cache_policy=NO_CACHE,
+            persist_result=False,
+            timeout_seconds=timeout_s,
             task_run_name=f"{name}-step-{{step}}",
         )
         def run(env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
@@ -205,8 +211,7 @@ def _logger():
 
 def _ranked(task_obj) -> RankedStage:
     """The stage task as the ranks run it (``stages.runtime.rank_outcome``)."""
-    return RankedStage(task_obj.name, task_obj.retries, task_obj, task_obj.with_options(retries=0),
-                       task_obj.stage_fn)
+    return RankedStage(task_obj.name, task_obj.retries, task_obj, task_obj.with_options(retries=0), task_obj.stage_fn)
 
 
 def _on_ranks(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
@@ -234,8 +239,9 @@ def _sync_engine(env: RunEnv, state: TrainState, synced: dict) -> None:
     synced["version"] = state.policy_version
 
 
-def _rollout_and_score(env: RunEnv, state: TrainState, step: int, done: set, info: dict,
-                       synced: dict) -> tuple[dict[str, float], TrainState]:
+def _rollout_and_score(
+    env: RunEnv, state: TrainState, step: int, done: set, info: dict, synced: dict
+) -> tuple[dict[str, float], TrainState]:
     """Rollout and score of ``step`` on every rank (a done one gives back its sampler); their times."""
     from stages.data.prompts import SamplerState
 
@@ -252,8 +258,14 @@ def _rollout_and_score(env: RunEnv, state: TrainState, step: int, done: set, inf
     return timings, state
 
 
-def run_step(env: RunEnv, state: TrainState, step: int, progress: Progress, last_eval: dict | None = None,
-             synced: dict | None = None) -> tuple[StageResult, TrainState, dict]:
+def run_step(
+    env: RunEnv,
+    state: TrainState,
+    step: int,
+    progress: Progress,
+    last_eval: dict | None = None,
+    synced: dict | None = None,
+) -> tuple[StageResult, TrainState, dict]:
     """All stages of one step; returns ``(train result, new state, latest eval scores)``.
 
     Stages the ledger marks done are not redone, except train/calibrate/checkpoint,
@@ -333,7 +345,9 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
     except BaseException:
         lock.release(run_dir)
         raise
-    trackers = _open_trackers(env) if cfg.trackers and env.is_main else None  # no tracker code imported unless configured
+    trackers = (
+        _open_trackers(env) if cfg.trackers and env.is_main else None
+    )  # no tracker code imported unless configured
     try:
         from flows.cpu_numerics import gemm_choice, record_cpu_numerics
         from flows.guard import CampaignGuard, recover_pending
@@ -357,8 +371,13 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
                 metrics = trained.metrics or metrics
                 # step + 1, or (all ranks together) the step after the checkpoint a guard rollback restored
                 step, state, last_eval = guard.after_step(state, step, metrics, last_eval)
-        return {"run_dir": str(run_dir), "last_step": last, "final_metrics": _jsonable(metrics), "last_eval": last_eval,
-                "world_size": world}
+        return {
+            "run_dir": str(run_dir),
+            "last_step": last,
+            "final_metrics": _jsonable(metrics),
+            "last_eval": last_eval,
+            "world_size": world,
+        }
     finally:
         env.close()
         if trackers is not None:

@@ -33,9 +33,14 @@ def start(pid: int | None = None) -> subprocess.Popen | None:
     if not (sys.platform.startswith("linux") and hasattr(os, "pidfd_open")):
         return None
     pid = os.getpid() if pid is None else pid
-    return subprocess.Popen([sys.executable, "-m", "flows.child_guard", str(pid)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            close_fds=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.child_guard", str(pid)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
 
 
 def _children(pid: int) -> list[int]:

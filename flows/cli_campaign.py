@@ -63,8 +63,8 @@ def _locked(run_dir: Path):
 def preflight(cfg: CampaignConfig, nproc_per_node: int = 1) -> None:
     """Check every input the campaign will read (data files, benchmarks) and that the trainer
     can run on ``nproc_per_node`` ranks, up front."""
-    from stages.evaluate import check_benchmarks
     from stages.data.prompts import make_source
+    from stages.evaluate import check_benchmarks
 
     if nproc_per_node > 1:
         from stages.trainer.minibatch_plan import check_world_size
@@ -94,7 +94,7 @@ def _print_summary(run_dir: Path, result: dict) -> None:
     typer.echo("next:")
     typer.echo(f"  fp8rl report {run_dir}")
     typer.echo(f"  fp8rl query {root} --named eval-best-average")
-    typer.echo(f"  fp8rl query {root} \"SELECT step, lower, upper, alpha FROM bounds ORDER BY step\"")
+    typer.echo(f'  fp8rl query {root} "SELECT step, lower, upper, alpha FROM bounds ORDER BY step"')
 
 
 def _run_flow(run_dir: Path, *, resume: bool, nproc_per_node: int = 1) -> dict:
@@ -159,8 +159,12 @@ NPROC_HELP = "Ranks on this node (torchrun --standalone); see flows/spmd.py for 
 
 def run(
     config: str = typer.Argument("tiny-cpu", help="Preset name in configs/ or a YAML file."),
-    set_: list[str] = typer.Option([], "--set", help="Override a config value, e.g. calibration.interval=10 (repeatable)."),
-    run_dir: Path | None = typer.Option(None, "--run-dir", help="Run directory (default: <storage.runs_root>/<name>-<time>)."),
+    set_: list[str] = typer.Option(
+        [], "--set", help="Override a config value, e.g. calibration.interval=10 (repeatable)."
+    ),
+    run_dir: Path | None = typer.Option(
+        None, "--run-dir", help="Run directory (default: <storage.runs_root>/<name>-<time>)."
+    ),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1, help=NPROC_HELP),
 ) -> None:
     """Run a campaign (default: the tiny CPU preset) end to end."""
@@ -173,7 +177,9 @@ def run(
     except ConfigError as err:
         raise _fail(str(err))
     if not RUN_ID.match(cfg.name):
-        raise _fail(f"name {cfg.name!r}: a run name is letters, digits and . _ + = - (no '/'), starting with a letter or digit")
+        raise _fail(
+            f"name {cfg.name!r}: a run name is letters, digits and . _ + = - (no '/'), starting with a letter or digit"
+        )
     preflight(cfg, nproc_per_node)
     default_root = None
     if run_dir is None:
@@ -207,8 +213,8 @@ def _echo_cpu_numerics(cfg: CampaignConfig) -> None:
 
 
 def _check_run_config(run_dir: Path, config: str | None, set_: list[str]) -> CampaignConfig:
-    from storage.layout import config_hash, read_run_info
     from storage.errors import StorageError
+    from storage.layout import config_hash, read_run_info
 
     try:
         info = read_run_info(run_dir)
@@ -224,14 +230,18 @@ def _check_run_config(run_dir: Path, config: str | None, set_: list[str]) -> Cam
         except ConfigError as err:
             raise _fail(str(err))
         if config_hash(dump_config(wanted)) != info.config_hash:
-            raise _fail(f"{run_dir} was made by another config (hash {str(info.config_hash)[:12]}…); "
-                        "resume it without --config/--set or start a new run")
+            raise _fail(
+                f"{run_dir} was made by another config (hash {str(info.config_hash)[:12]}…); "
+                "resume it without --config/--set or start a new run"
+            )
     return stored
 
 
 def resume(
     run_dir: Path = typer.Argument(..., help="Run directory to resume."),
-    from_stage: FromStage | None = typer.Option(None, "--from", help="Restart at this stage (its outputs and later ones are set aside)."),
+    from_stage: FromStage | None = typer.Option(
+        None, "--from", help="Restart at this stage (its outputs and later ones are set aside)."
+    ),
     step: int | None = typer.Option(None, "--step", help="Step of --from."),
     config: str | None = typer.Option(None, "--config", help="Check the run against this config (must match)."),
     set_: list[str] = typer.Option([], "--set", help="Overrides for --config (must still match)."),
@@ -247,13 +257,15 @@ def resume(
         raise _fail("--from and --step go together")
     with _locked(run_dir):
         if from_stage is not None:
-            later = list(STAGES_FOR_FROM[STAGES_FOR_FROM.index(from_stage.value):])
+            later = list(STAGES_FOR_FROM[STAGES_FOR_FROM.index(from_stage.value) :])
             if "score" in later:  # DAPO refill rounds belong to the score stage
                 later += [f"rollout{r}" for r in range(1, cfg.algorithm.max_refill_rounds + 1)]
             with io_errors(run_dir):
                 moved = set_aside_from(run_dir, step=step, stages_at_step=later)
-            typer.echo(f"set aside {len(moved.files)} table file(s), {len(moved.checkpoints)} checkpoint(s), "
-                       f"{moved.ledger_records} ledger record(s)")
+            typer.echo(
+                f"set aside {len(moved.files)} table file(s), {len(moved.checkpoints)} checkpoint(s), "
+                f"{moved.ledger_records} ledger record(s)"
+            )
             typer.echo(f"set aside outputs from {from_stage.value} of step {step} on")
         _report_broken_checkpoints(run_dir)
         t0 = time.perf_counter()
@@ -272,15 +284,20 @@ def _report_broken_checkpoints(run_dir: Path) -> None:
         moved = set_aside_broken(run_dir)
         newest = latest_complete(run_dir, hashes=False) if moved else None
     for path, why, aside in moved:
-        typer.echo(f"warning: checkpoint {path.name} is incomplete or damaged ({why}); set aside to {aside}; "
-                   f"resume restarts from {newest.name if newest is not None else 'the start'}", err=True)
+        typer.echo(
+            f"warning: checkpoint {path.name} is incomplete or damaged ({why}); set aside to {aside}; "
+            f"resume restarts from {newest.name if newest is not None else 'the start'}",
+            err=True,
+        )
 
 
 def rerun(
     run_dir: Path = typer.Argument(..., help="Run directory."),
     stage: RerunStage = typer.Option(..., "--stage", help="Stage to recompute."),
     steps: str = typer.Option(..., "--steps", help="Step range A:B (inclusive)."),
-    set_: list[str] = typer.Option([], "--set", help="Config overrides for the re-run (e.g. calibration.max_delta=0.1)."),
+    set_: list[str] = typer.Option(
+        [], "--set", help="Config overrides for the re-run (e.g. calibration.max_delta=0.1)."
+    ),
     variant: str | None = typer.Option(None, "--variant", help="Name of the new version (default: <stage>-<time>)."),
 ) -> None:
     """Recompute one stage over a step range from persisted inputs, as a new version (variant)."""
@@ -295,8 +312,14 @@ def rerun(
     if a < 0 or b < a:
         raise _fail(f"--steps {steps!r}: expected 0 <= A <= B")
     if variant is not None and (variant == MAIN_VARIANT or not VARIANT_NAME.match(variant)):
-        raise _fail(f"--variant {variant!r}: " + ("'main' is the campaign itself; choose another name"
-                    if variant == MAIN_VARIANT else "letters, digits and . _ + = - only (it goes into file names)"))
+        raise _fail(
+            f"--variant {variant!r}: "
+            + (
+                "'main' is the campaign itself; choose another name"
+                if variant == MAIN_VARIANT
+                else "letters, digits and . _ + = - only (it goes into file names)"
+            )
+        )
     try:
         cfg = load_config(run_dir / "config.yaml", set_) if set_ else base
     except ConfigError as err:
@@ -311,7 +334,10 @@ def rerun(
         except ValueError as err:
             raise _fail(str(err)) from None
     typer.echo(f"wrote variant {name!r}: {written} step(s) of {stage.value}")
-    typer.echo(f"compare: fp8rl query {run_dir} \"SELECT variant, step, lower, upper FROM bounds_variants ORDER BY step, variant\"")
+    typer.echo(
+        f'compare: fp8rl query {run_dir} "SELECT variant, step, lower, upper FROM bounds_variants ORDER BY '
+        f'step, variant"'
+    )
 
 
 def register(app: typer.Typer) -> None:

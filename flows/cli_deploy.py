@@ -15,7 +15,6 @@ from pathlib import Path
 import typer
 
 from flows.cli_common import fail as _fail
-
 from flows.configuration import ConfigError, load_config
 
 NO_SERVER = (
@@ -24,15 +23,16 @@ NO_SERVER = (
 )
 
 
-
-
 def _check_server(api_url: str) -> None:
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         err = client.api_healthcheck()
     if err is not None:
-        raise _fail(f"cannot reach the Prefect server at {api_url} ({type(err).__name__}: {err}); is `prefect server start` running?")
+        raise _fail(
+            f"cannot reach the Prefect server at {api_url} ({type(err).__name__}: {err}); is `prefect "
+            f"server start` running?"
+        )
 
 
 def deploy(
@@ -41,8 +41,12 @@ def deploy(
     pool: str = typer.Option("fp8rl", "--pool", help="Process work pool (created if missing)."),
     name: str | None = typer.Option(None, "--name", help="Deployment name (default: the config's name)."),
     cron: str | None = typer.Option(None, "--cron", help='Schedule, e.g. "0 2 * * *" (daily at 02:00).'),
-    timezone: str | None = typer.Option(None, "--timezone", help="Time zone of --cron, e.g. Europe/Paris (default UTC)."),
-    run_dir: Path | None = typer.Option(None, "--run-dir", help="Run every flow run in this directory (default: a new one per run)."),
+    timezone: str | None = typer.Option(
+        None, "--timezone", help="Time zone of --cron, e.g. Europe/Paris (default UTC)."
+    ),
+    run_dir: Path | None = typer.Option(
+        None, "--run-dir", help="Run every flow run in this directory (default: a new one per run)."
+    ),
     resume: bool = typer.Option(False, "--resume", help="With --run-dir: continue the run there if it exists."),
 ) -> None:
     """Deploy a campaign to a Prefect work pool, to run on demand or on a --cron schedule."""

@@ -24,9 +24,12 @@ from flows.cli_common import io_errors
 
 
 def report_command(
-    roots: list[Path] = typer.Argument(..., help="Run directories, or folders of run directories; their runs are overlaid."),
+    roots: list[Path] = typer.Argument(
+        ..., help="Run directories, or folders of run directories; their runs are overlaid."
+    ),
     out: Optional[Path] = typer.Option(
-        None, "--out", "-o", help="Output folder (default: ROOT/report for one root, ./report-<time> for several)."),
+        None, "--out", "-o", help="Output folder (default: ROOT/report for one root, ./report-<time> for several)."
+    ),
 ) -> None:
     """Build an HTML report (figures + the SQL behind each, comparison table) of one or more runs."""
     from flows.report import build_report
@@ -42,7 +45,9 @@ def report_command(
         raise _fail(str(err))
     empty = [f.figure.name for f in rep.figures if f.png is None]
     drawn = len(rep.figures) - len(empty)
-    typer.echo(f"{len(rep.runs)} run(s), {drawn} figure(s) with data" + (f"; no data: {', '.join(empty)}" if empty else ""))
+    typer.echo(
+        f"{len(rep.runs)} run(s), {drawn} figure(s) with data" + (f"; no data: {', '.join(empty)}" if empty else "")
+    )
     typer.echo(paper_table_markdown(rep.table.to_pylist(), ["run_id"]))
     for path, why in rep.problems:
         typer.echo(f"warning: {path}: {why}", err=True)
@@ -51,14 +56,23 @@ def report_command(
 
 def sweep_command(
     sweep_file: Path = typer.Argument(..., help="Sweep YAML (see configs/sweeps/paper-tiny.yaml)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Sweep directory (default: <runs_root>/sweeps/<name>)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="List the cells and their state (new, partial, finished); "
-                                                          "run nothing."),
-    fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop at the first failed cell (default: run the others)."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", "-o", help="Sweep directory (default: <runs_root>/sweeps/<name>)."
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="List the cells and their state (new, partial, finished); run nothing."
+    ),
+    fail_fast: bool = typer.Option(
+        False, "--fail-fast", help="Stop at the first failed cell (default: run the others)."
+    ),
     report: bool = typer.Option(True, "--report/--no-report", help="Build the sweep's HTML report at the end."),
-    cells: Optional[list[str]] = typer.Option(None, "--cells", help="Run only the cells whose id matches this glob "
-                                              "(repeatable), e.g. 'nvfp4.*' or '*.s1': a sweep in parts, "
-                                              "one process or machine per part, into the same directory."),
+    cells: Optional[list[str]] = typer.Option(
+        None,
+        "--cells",
+        help="Run only the cells whose id matches this glob "
+        "(repeatable), e.g. 'nvfp4.*' or '*.s1': a sweep in parts, "
+        "one process or machine per part, into the same directory.",
+    ),
 ) -> None:
     """Run a matrix of campaigns (precision x clip mode x seed); re-running skips finished cells."""
     from flows.configuration import ConfigError
@@ -77,8 +91,11 @@ def sweep_command(
                 typer.echo(f"  {spec.description}")
             for c in chosen:
                 cfg = c.config
-                typer.echo(f"  {c.id:<36} {cell_state(sweep_dir, c):<9} train={cfg.precision.train} "
-                           f"rollout={cfg.precision.rollout} clip={cfg.calibration.mode} seed={cfg.seed} steps={cfg.steps}")
+                typer.echo(
+                    f"  {c.id:<36} {cell_state(sweep_dir, c):<9} train={cfg.precision.train} "
+                    f"rollout={cfg.precision.rollout} clip={cfg.calibration.mode} seed={cfg.seed} "
+                    f"steps={cfg.steps}"
+                )
             return
         from flows import child_guard
         from flows.prefect_env import quiet_console_failures
@@ -86,18 +103,32 @@ def sweep_command(
 
         child_guard.start()  # Prefect's temporary server dies with this process, even on SIGKILL
         quiet_console_failures()  # a failed cell is the sweep's one line, not Prefect's tracebacks
-        summary = sweep_flow(str(sweep_file), None if out is None else str(out), fail_fast=fail_fast, report=report,
-                             only=list(cells or []))
+        summary = sweep_flow(
+            str(sweep_file),
+            None if out is None else str(out),
+            fail_fast=fail_fast,
+            report=report,
+            only=list(cells or []),
+        )
     except (ConfigError, StorageError) as err:
         raise _fail(str(err))
     except KeyboardInterrupt:  # Ctrl-C: finished cells stay finished, the one in flight resumes
-        again = " ".join(["fp8rl sweep", str(sweep_file), *(["--out", str(out)] if out else []),
-                          *[f"--cells '{c}'" for c in cells or []]])
+        again = " ".join(
+            [
+                "fp8rl sweep",
+                str(sweep_file),
+                *(["--out", str(out)] if out else []),
+                *[f"--cells '{c}'" for c in cells or []],
+            ]
+        )
         typer.echo(f"interrupted; `{again}` continues the sweep (finished cells are skipped)", err=True)
         raise typer.Exit(130) from None
     if summary["failed"]:
-        typer.echo(f"{len(summary['failed'])} cell(s) failed: {', '.join(summary['failed'])}; "
-                   f"fix and re-run `fp8rl sweep {sweep_file}` (finished cells are skipped)", err=True)
+        typer.echo(
+            f"{len(summary['failed'])} cell(s) failed: {', '.join(summary['failed'])}; "
+            f"fix and re-run `fp8rl sweep {sweep_file}` (finished cells are skipped)",
+            err=True,
+        )
         raise typer.Exit(1)
 
 

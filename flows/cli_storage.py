@@ -23,6 +23,7 @@ import typer
 
 from flows.cli_common import fail as _fail
 
+
 class Format(str, Enum):
     """Output formats of ``fp8rl query``."""
 
@@ -33,8 +34,6 @@ class Format(str, Enum):
 
 FORMATS = tuple(f.value for f in Format)
 OUT_SUFFIXES = (".parquet", ".csv", ".json")
-
-
 
 
 def _one_line(err: BaseException) -> str:
@@ -84,7 +83,9 @@ def _flat(table):
 
     for i, f in enumerate(table.schema):
         if pa.types.is_nested(f.type):
-            text = pa.array([None if v is None else json.dumps(v, default=str) for v in table.column(i).to_pylist()], pa.string())
+            text = pa.array(
+                [None if v is None else json.dumps(v, default=str) for v in table.column(i).to_pylist()], pa.string()
+            )
             table = table.set_column(i, f.name, text)
     return table
 
@@ -166,7 +167,9 @@ def query_command(
     if root is None:
         raise _fail("missing ROOT: a run directory or a folder of run directories (or use --list)")
     if (sql is None) == (named is None):
-        raise _fail("give either SQL or --named NAME (not both)" if sql else "missing SQL (or --named NAME; see --list)")
+        raise _fail(
+            "give either SQL or --named NAME (not both)" if sql else "missing SQL (or --named NAME; see --list)"
+        )
     fmt = Format(fmt).value
     if out is not None and out.suffix.lower() not in OUT_SUFFIXES:
         raise _fail(f"--out {out}: the extension must be one of {', '.join(OUT_SUFFIXES)}")
@@ -194,8 +197,9 @@ def query_command(
         raise _fail(f"SQL syntax error: {_one_line(err).removeprefix('Parser Error: ')}")
     except duckdb.PermissionException as err:
         why = _one_line(err).removeprefix("Permission Error: ").split(" - ")[0]
-        raise _fail(f"{why}: queries read the run directories under {root} only "
-                    "(no other files, no URLs, no extensions)")
+        raise _fail(
+            f"{why}: queries read the run directories under {root} only (no other files, no URLs, no extensions)"
+        )
     except duckdb.CatalogException as err:
         views = "steps, token_stats, bounds, rollouts, scores, evals, eval_scores, ledger, runs (+ <table>_variants)"
         raise _fail(f"{_one_line(err)} (views: {views})")
@@ -206,8 +210,9 @@ def query_command(
 
 def doctor_command(
     run_dir: Path = typer.Argument(..., help="A run directory, or a folder of run directories."),
-    deep: bool = typer.Option(False, "--deep",
-                              help="Also decode every Parquet page and hash every checkpoint file (slower)."),
+    deep: bool = typer.Option(
+        False, "--deep", help="Also decode every Parquet page and hash every checkpoint file (slower)."
+    ),
 ) -> None:
     """Check tables, ledger and checkpoints of a run; exit 1 if anything is broken."""
     from storage.doctor import ERROR, check

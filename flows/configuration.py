@@ -74,7 +74,9 @@ def _format_error(source: str, err: ValidationError) -> str:
     return f"{source}: " + "; ".join(parts)
 
 
-def config_from_dict(data: dict, *, source: str = "<dict>", overrides: list[str] | tuple[str, ...] = ()) -> CampaignConfig:
+def config_from_dict(
+    data: dict, *, source: str = "<dict>", overrides: list[str] | tuple[str, ...] = ()
+) -> CampaignConfig:
     tree = copy.deepcopy(data) if data else {}
     for item in overrides:
         path, value = _parse_override(item)
@@ -105,8 +107,10 @@ def _refuse_bools_as_numbers(tree: dict, src: str) -> None:
     except ValidationError as err:
         bad = [e for e in err.errors() if isinstance(e.get("input"), bool)]
         if bad:
-            parts = [f"{'.'.join(str(x) for x in e['loc'])}: {e['input']!r} is a boolean, not a number"
-                     f" ({e['msg'].lower()})" for e in bad]
+            parts = [
+                f"{'.'.join(str(x) for x in e['loc'])}: {e['input']!r} is a boolean, not a number ({e['msg'].lower()})"
+                for e in bad
+            ]
             raise ConfigError(f"{src}: " + "; ".join(parts)) from None
 
 
@@ -121,8 +125,9 @@ def load_config(preset: str | Path | None = None, overrides: list[str] | tuple[s
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); a config is a YAML file") from None
     if data is None or data == {}:
-        raise ConfigError(f"{path}: the config file is empty (no settings); "
-                          f"start from a preset, e.g. configs/{DEFAULT_PRESET}.yaml")
+        raise ConfigError(
+            f"{path}: the config file is empty (no settings); start from a preset, e.g. configs/{DEFAULT_PRESET}.yaml"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return config_from_dict(data, source=str(path), overrides=overrides)

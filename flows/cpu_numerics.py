@@ -43,17 +43,24 @@ def describe(choice: GemmChoice, threads: int | None = None) -> dict:
     intra-op threads; default: this process's current count)."""
     import torch
 
-    return {"bf16_gemm": asdict(choice), "cpu": cpu_model(), "torch": torch.__version__,
-            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(), "env": cpu_numerics_env(),
-            "threads": torch.get_num_threads() if threads is None else threads}
+    return {
+        "bf16_gemm": asdict(choice),
+        "cpu": cpu_model(),
+        "torch": torch.__version__,
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "env": cpu_numerics_env(),
+        "threads": torch.get_num_threads() if threads is None else threads,
+    }
 
 
 def summary_line(record: dict) -> str:
     """One console line: ``cpu numerics: bf16 gemm fp32 (auto: ...); ATen AVX2; MKL_CBWR=AVX2; ...``."""
     g = record["bf16_gemm"]
     env = "; ".join(f"{k}={v or 'unset'}" for k, v in record["env"].items() if k != "ATEN_CPU_CAPABILITY")
-    return (f"cpu numerics: bf16 gemm {g['kind']} ({g['setting']}: {g['reason']}); "
-            f"ATen {record['aten_cpu_capability']}; {env}; {record['threads']} thread(s); {record['cpu']}")
+    return (
+        f"cpu numerics: bf16 gemm {g['kind']} ({g['setting']}: {g['reason']}); "
+        f"ATen {record['aten_cpu_capability']}; {env}; {record['threads']} thread(s); {record['cpu']}"
+    )
 
 
 def record_cpu_numerics(run_dir: str | Path, choice: GemmChoice) -> dict:

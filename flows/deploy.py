@@ -62,8 +62,8 @@ class DeploymentInputError(ValueError):
 
 def check_inputs(cfg: CampaignConfig) -> None:
     """Load the task's prompts and every benchmark once, so a missing file fails before anything is written."""
-    from stages.evaluate import check_benchmarks
     from stages.data.prompts import make_source
+    from stages.evaluate import check_benchmarks
 
     try:
         make_source(cfg.task)
@@ -87,7 +87,9 @@ def prepare_run_dir(cfg: CampaignConfig, run_dir: str | None, resume: bool, *, r
     path = path.expanduser().resolve()
     exists = (path / "run.json").exists()
     if exists and not resume:
-        raise DeploymentInputError(f"{path} already holds a run; run with resume=true to continue it, or another run_dir")
+        raise DeploymentInputError(
+            f"{path} already holds a run; run with resume=true to continue it, or another run_dir"
+        )
     try:  # with exist_ok, a run made by another config is an error naming both hashes
         create_run(path.parent, path.name, config=dump_config(cfg), exist_ok=True)
     except StorageError as err:

@@ -87,11 +87,21 @@ def recover_pending(env: RunEnv) -> None:
             continue
         if r.info.get("action") == "rollback" and r.info.get("rollback_to") is not None:
             n = _set_aside_after(env, int(r.info["rollback_to"]))
-            env.ledger.finish(r.step, "guard", attempt=r.attempt, variant=env.variant,
-                              info={**r.info, "set_aside_files": n, "recovered": True})
+            env.ledger.finish(
+                r.step,
+                "guard",
+                attempt=r.attempt,
+                variant=env.variant,
+                info={**r.info, "set_aside_files": n, "recovered": True},
+            )
         else:
-            env.ledger.fail(r.step, "guard", attempt=r.attempt, variant=env.variant,
-                            error=RuntimeError("guard interrupted before a rollback decision was carried out"))
+            env.ledger.fail(
+                r.step,
+                "guard",
+                attempt=r.attempt,
+                variant=env.variant,
+                error=RuntimeError("guard interrupted before a rollback decision was carried out"),
+            )
 
 
 class CampaignGuard:
@@ -102,8 +112,9 @@ class CampaignGuard:
         self.cfg = env.cfg.guard
         self.rows: list[dict] = _live_rows(env) if self.cfg.enabled and env.is_main else []
 
-    def after_step(self, state: TrainState, step: int, metrics: dict[str, Any], last_eval: dict
-                   ) -> tuple[int, TrainState, dict]:
+    def after_step(
+        self, state: TrainState, step: int, metrics: dict[str, Any], last_eval: dict
+    ) -> tuple[int, TrainState, dict]:
         """``(next step, state, last eval)``: ``step + 1`` unchanged, or after a rollback."""
         from stages.runtime.stage_comm import broadcast
 
@@ -130,9 +141,16 @@ class CampaignGuard:
         env, cfg = self.env, self.cfg
         c = last_good_step(trip.first_bad_step, _checkpoint_steps(env))
         stop = cfg.remedy == "stop" or self._trips_so_far() >= cfg.max_trips or c is None
-        info = {"kind": trip.kind, "detected_step": trip.detected_step, "first_bad_step": trip.first_bad_step,
-                "detail": trip.detail, "remedy": cfg.remedy, "remedy_steps": cfg.remedy_steps,
-                "action": "stop" if stop else "rollback", "rollback_to": c}
+        info = {
+            "kind": trip.kind,
+            "detected_step": trip.detected_step,
+            "first_bad_step": trip.first_bad_step,
+            "detail": trip.detail,
+            "remedy": cfg.remedy,
+            "remedy_steps": cfg.remedy_steps,
+            "action": "stop" if stop else "rollback",
+            "rollback_to": c,
+        }
         at = trip.detected_step if stop else c
         attempt = env.ledger.next_attempt(at, "guard", variant=env.variant)
         decided = {k: v for k, v in info.items() if not (isinstance(v, float) and not math.isfinite(v))}
@@ -142,8 +160,11 @@ class CampaignGuard:
                 info["set_aside_files"] = rec.info["set_aside_files"] = _set_aside_after(env, c)
                 faults.at("guard", at, "set_aside")  # FP8RL_FAULT test hook (a SIGKILL inside the rollback)
         if stop:
-            why = "no checkpoint before the surge" if c is None else (
-                "remedy is stop" if cfg.remedy == "stop" else f"{cfg.max_trips} rollbacks already")
+            why = (
+                "no checkpoint before the surge"
+                if c is None
+                else ("remedy is stop" if cfg.remedy == "stop" else f"{cfg.max_trips} rollbacks already")
+            )
             info["message"] = f"guard: {trip.kind} at step {trip.detected_step} ({trip.detail}); stopped: {why}"
         else:
             self.rows = [r for r in self.rows if int(r["step"]) <= c]
@@ -156,6 +177,7 @@ class CampaignGuard:
         nxt, state, last_eval = restore_latest(self.env, state, before_step=c + 1)
         if self.cfg.remedy == "tighten":
             f, cal = self.cfg.tighten_factor, state.calibrator
-            state = state.replace(calibrator=dataclasses.replace(
-                cal, lower=1 - f * (1 - cal.lower), upper=1 + f * (cal.upper - 1)))
+            state = state.replace(
+                calibrator=dataclasses.replace(cal, lower=1 - f * (1 - cal.lower), upper=1 + f * (cal.upper - 1))
+            )
         return nxt, state, last_eval

@@ -65,8 +65,16 @@ ARCHITECTURES = {  # from the models' published config.json
 def arch_of(cfg: CampaignConfig) -> Arch:
     m = cfg.model
     if m.path is None:
-        return Arch(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.hidden_size // m.num_heads,
-                    m.intermediate_size, 128, m.tie_word_embeddings)
+        return Arch(
+            m.hidden_size,
+            m.num_layers,
+            m.num_heads,
+            m.num_kv_heads,
+            m.hidden_size // m.num_heads,
+            m.intermediate_size,
+            128,
+            m.tie_word_embeddings,
+        )
     if m.path in ARCHITECTURES:
         return ARCHITECTURES[m.path]
     raise ValueError(f"no architecture on file for model.path={m.path!r}; known: {', '.join(ARCHITECTURES)}")
@@ -103,12 +111,21 @@ def _sync_peak(cfg: CampaignConfig, a: Arch, params: int, gpus: int) -> float:
 
     qkv = a.hidden * (a.heads + 2 * a.kv_heads) * a.head_dim
     layer = max(qkv, 2 * a.hidden * a.intermediate)
-    return float(sync_peak_bytes(largest_param=a.vocab * a.hidden, largest_layer=layer, total=params, world_size=gpus, weight_sync=cfg.rollout.weight_sync,
-                                 quantized=cfg.precision.rollout.startswith("fp8")))
+    return float(
+        sync_peak_bytes(
+            largest_param=a.vocab * a.hidden,
+            largest_layer=layer,
+            total=params,
+            world_size=gpus,
+            weight_sync=cfg.rollout.weight_sync,
+            quantized=cfg.precision.rollout.startswith("fp8"),
+        )
+    )
 
 
-def memory_plan(cfg: CampaignConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int = 1024,
-                headroom: float = 0.10) -> Plan:
+def memory_plan(
+    cfg: CampaignConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int = 1024, headroom: float = 0.10
+) -> Plan:
     if gpus < 1:
         raise ValueError("--gpus must be >= 1")
     a = arch_of(cfg)
@@ -125,7 +142,11 @@ def memory_plan(cfg: CampaignConfig, *, gpus: int, gpu_memory_gib: float, prompt
         ("gradients (fp32 shard)", 4 * p / gpus),
         ("optimizer (AdamW, fp32 shard)", 8 * p / gpus),
         ("gathered blocks (2, bf16)", 2 * 2 * block_params(a)),  # FSDP2 all-gathers bf16 (mixed_precision_policy)
-        (f"activations per micro-batch ({tokens} tokens{', checkpointed' if cfg.algorithm.activation_checkpointing else ''})", act),
+        (
+            f"activations per micro-batch ({tokens} "
+            f"tokens{', checkpointed' if cfg.algorithm.activation_checkpointing else ''})",
+            act,
+        ),
         ("logits (bf16) + one fp32 vocab chunk", logits),
         ("rollout engine weights (vLLM, sleeping)", p * rollout_bytes if cfg.rollout.engine == "vllm" else 0.0),
         (f"weight sync peak (vLLM, {cfg.rollout.weight_sync})", _sync_peak(cfg, a, p, gpus)),
@@ -140,6 +161,8 @@ def format_plan(cfg: CampaignConfig, plan: Plan, *, gpus: int, gpu_memory_gib: f
     lines = [f"{cfg.name}: {plan.params / 1e9:.2f} B parameters, FSDP2 over {gpus} GPU(s) of {gpu_memory_gib:g} GiB"]
     for k, v in plan.rows:
         lines.append(f"  {k:<48} {v:8.2f} GiB")
-    lines.append(f"  {'total per GPU':<48} {plan.total_gib:8.2f} GiB  (budget {plan.budget_gib:.1f} GiB after headroom)")
+    lines.append(
+        f"  {'total per GPU':<48} {plan.total_gib:8.2f} GiB  (budget {plan.budget_gib:.1f} GiB after headroom)"
+    )
     lines.append("fits" if plan.fits else "does NOT fit: more GPUs, a smaller micro_batch_size or shorter responses")
     return "\n".join(lines)

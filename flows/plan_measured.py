@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flows.plan import GiB, Arch, arch_of, memory_plan, total_params
+from flows.plan import Arch, GiB, arch_of, memory_plan, total_params
 
 DEPTHS = (2, 3)  # decoder layers measured (neither is only the last block); extrapolated linearly to the depth
 
@@ -46,9 +46,16 @@ def hf_config(a: Arch) -> Any:
     """A transformers config of ``a`` (Qwen2 when the attention has q/k/v biases, else Qwen3)."""
     from transformers import Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
-                  num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                  tie_word_embeddings=a.tied, max_position_embeddings=40960)
+    common = dict(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=a.intermediate,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        tie_word_embeddings=a.tied,
+        max_position_embeddings=40960,
+    )
     if a.qkv_bias:
         return Qwen2Config(**common)
     return Qwen3Config(head_dim=a.head_dim, **common)
@@ -68,16 +75,28 @@ def plan_precision_line(cfg: Any) -> str:
     return precision_line(layer_precision(model, report))
 
 
-def measured_plan(cfg: Any, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int = 1024,
-                  headroom: float = 0.10, depths: tuple[int, int] = DEPTHS) -> MeasuredPlan:
+def measured_plan(
+    cfg: Any,
+    *,
+    gpus: int,
+    gpu_memory_gib: float,
+    prompt_tokens: int = 1024,
+    headroom: float = 0.10,
+    depths: tuple[int, int] = DEPTHS,
+) -> MeasuredPlan:
     """Measure the train step at ``depths`` layers on ``gpus`` fake ranks and build the per-phase plan."""
     from stages.trainer.memory_measure import extrapolate, measure_step
 
     a = arch_of(cfg)
     depths = tuple(min(d, a.layers) for d in depths) if a.layers > 1 else (1, 1)
-    kw = dict(world_size=gpus, mode=cfg.precision.train, micro_batch_size=cfg.algorithm.micro_batch_size,
-              seq_len=prompt_tokens + cfg.rollout.max_new_tokens,
-              activation_checkpointing=cfg.algorithm.activation_checkpointing, lr=cfg.algorithm.lr)
+    kw = dict(
+        world_size=gpus,
+        mode=cfg.precision.train,
+        micro_batch_size=cfg.algorithm.micro_batch_size,
+        seq_len=prompt_tokens + cfg.rollout.max_new_tokens,
+        activation_checkpointing=cfg.algorithm.activation_checkpointing,
+        lr=cfg.algorithm.lr,
+    )
     runs = [measure_step(hf_config(a), layers=d, **kw) for d in sorted(set(depths))]
     step = runs[0] if len(runs) == 1 else extrapolate(runs[0], runs[1], a.layers)
     p = total_params(a)
@@ -85,45 +104,71 @@ def measured_plan(cfg: Any, *, gpus: int, gpu_memory_gib: float, prompt_tokens: 
     resident = after.get("Sharded Param", 0) + after.get("OptState", 0)
     engine_weights = p * (1 if cfg.precision.rollout.startswith("fp8") else 2) if cfg.rollout.engine == "vllm" else 0
     r = cfg.rollout
-    sleeping = 0.0 if cfg.rollout.engine != "vllm" or (r.sleep_between_steps and r.sleep_level >= 1) \
+    sleeping = (
+        0.0
+        if cfg.rollout.engine != "vllm" or (r.sleep_between_steps and r.sleep_level >= 1)
         else r.gpu_memory_utilization * gpu_memory_gib * GiB
+    )
     train_peak = max(step.total(ph) for ph in ("forward", "backward", "optimizer"))
     phases = {
-        "rollout (engine reservation + resident state)":
-            (r.gpu_memory_utilization * gpu_memory_gib * GiB if cfg.rollout.engine == "vllm" else 0) + resident,
+        "rollout (engine reservation + resident state)": (
+            r.gpu_memory_utilization * gpu_memory_gib * GiB if cfg.rollout.engine == "vllm" else 0
+        )
+        + resident,
         "train step (measured peak + sleeping engine)": train_peak + sleeping,
-        "weight sync (resident + largest streamed parameter + engine weights)": resident + step.sync_bytes + engine_weights,
+        "weight sync (resident + largest streamed parameter + engine weights)": resident
+        + step.sync_bytes
+        + engine_weights,
     }
     budget = gpu_memory_gib * (1 - headroom)
     gib = {k: v / GiB for k, v in phases.items()}
     train = {ph: {k: v / GiB for k, v in step.phases[ph].items() if v} for ph in ("forward", "backward", "optimizer")}
-    return MeasuredPlan(gib, train, resident / GiB, step.sync_bytes / GiB, engine_weights / GiB, budget,
-                        all(v <= budget for v in gib.values()), p, (min(depths), max(depths)))
+    return MeasuredPlan(
+        gib,
+        train,
+        resident / GiB,
+        step.sync_bytes / GiB,
+        engine_weights / GiB,
+        budget,
+        all(v <= budget for v in gib.values()),
+        p,
+        (min(depths), max(depths)),
+    )
 
 
-def format_measured(cfg: Any, plan: MeasuredPlan, *, gpus: int, gpu_memory_gib: float,
-                    prompt_tokens: int = 1024) -> str:
+def format_measured(
+    cfg: Any, plan: MeasuredPlan, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int = 1024
+) -> str:
     """The measured plan, the analytic plan's comparable rows beside it, and the fit verdict."""
     a = arch_of(cfg)
-    lines = [f"{cfg.name}: {plan.params / 1e9:.2f} B parameters, FSDP2 over {gpus} GPU(s) of {gpu_memory_gib:g} GiB; "
-             f"measured: one train step on fake tensors at {plan.depths[0]} and {plan.depths[1]} layers, "
-             f"extrapolated to {a.layers}"]
+    lines = [
+        f"{cfg.name}: {plan.params / 1e9:.2f} B parameters, FSDP2 over {gpus} GPU(s) of {gpu_memory_gib:g} GiB; "
+        f"measured: one train step on fake tensors at {plan.depths[0]} and {plan.depths[1]} layers, "
+        f"extrapolated to {a.layers}"
+    ]
     for ph, kinds in plan.train.items():
-        lines.append(f"  {ph + ' peak':<54} {sum(kinds.values()):8.2f} GiB  "
-                     + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:5]))
+        lines.append(
+            f"  {ph + ' peak':<54} {sum(kinds.values()):8.2f} GiB  "
+            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:5])
+        )
     for ph, v in plan.phases.items():
         lines.append(f"  {ph:<54} {v:8.2f} GiB")
     ana = memory_plan(cfg, gpus=gpus, gpu_memory_gib=gpu_memory_gib, prompt_tokens=prompt_tokens)
     rows = dict(ana.rows)
     opt = plan.train["optimizer"]
-    pairs = [("parameters (fp32 master shard)", opt.get("Sharded Param", 0.0)),
-             ("gradients (fp32 shard)", opt.get("Sharded Grad", 0.0)),
-             ("optimizer (AdamW, fp32 shard)", plan.resident_gib - opt.get("Sharded Param", 0.0))]
-    lines.append(f"  analytic plan (flows/plan.py): total {ana.total_gib:.2f} GiB; measured / analytic: "
-                 + ", ".join(f"{k.split(' (')[0]} {m / rows[k]:.3f}" for k, m in pairs if rows.get(k)))
+    pairs = [
+        ("parameters (fp32 master shard)", opt.get("Sharded Param", 0.0)),
+        ("gradients (fp32 shard)", opt.get("Sharded Grad", 0.0)),
+        ("optimizer (AdamW, fp32 shard)", plan.resident_gib - opt.get("Sharded Param", 0.0)),
+    ]
+    lines.append(
+        f"  analytic plan (flows/plan.py): total {ana.total_gib:.2f} GiB; measured / analytic: "
+        + ", ".join(f"{k.split(' (')[0]} {m / rows[k]:.3f}" for k, m in pairs if rows.get(k))
+    )
     verdict = "fits" if plan.fits else "does NOT fit"
-    lines.append(f"{verdict}: worst phase {max(plan.phases.values()):.2f} GiB, budget {plan.budget_gib:.1f} GiB "
-                 f"after headroom")
+    lines.append(
+        f"{verdict}: worst phase {max(plan.phases.values()):.2f} GiB, budget {plan.budget_gib:.1f} GiB after headroom"
+    )
     return "\n".join(lines)
 
 

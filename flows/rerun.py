@@ -67,8 +67,10 @@ def rerun_stage(run_dir: Path, cfg: CampaignConfig, stage: str, steps: range, *,
 
         todo = shadow_steps(env, steps)
         if not todo:
-            raise ValueError(f"steps {_span(steps)}: no step ran the BF16 shadow passes, so none can calibrate "
-                             f"(shadow steps of the run: {_listing(shadow_steps(env, range(1, cfg.steps + 1)))})")
+            raise ValueError(
+                f"steps {_span(steps)}: no step ran the BF16 shadow passes, so none can calibrate "
+                f"(shadow steps of the run: {_listing(shadow_steps(env, range(1, cfg.steps + 1)))})"
+            )
         prev = _bounds_in_force(env, steps.start)
         if prev is not None:
             state = state.replace(calibrator=prev)
@@ -113,8 +115,10 @@ def _rerun_evaluate(run_dir: Path, cfg: CampaignConfig, steps: range, variant: s
 
     todo = [(s, path) for s, path in list_checkpoints(run_dir) if s in steps]
     if not todo:
-        raise ValueError(f"steps {_span(steps)}: no checkpoint to evaluate (checkpointed steps: "
-                         f"{_listing([s for s, _ in list_checkpoints(run_dir)])})")
+        raise ValueError(
+            f"steps {_span(steps)}: no checkpoint to evaluate (checkpointed steps: "
+            f"{_listing([s for s, _ in list_checkpoints(run_dir)])})"
+        )
     env, state = open_run(cfg, run_dir, variant=variant)
     written = 0
     try:

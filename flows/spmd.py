@@ -28,8 +28,18 @@ def launch(run_dir: Path, *, resume: bool, nproc_per_node: int) -> dict:
     """Run the campaign in ``run_dir`` on ``nproc_per_node`` local ranks via torchrun; rank 0's summary."""
     result = run_dir / ".spmd-result.json"
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
-           "-m", "flows.spmd", str(run_dir), "--result", str(result)] + (["--resume"] if resume else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc_per_node}",
+        "-m",
+        "flows.spmd",
+        str(run_dir),
+        "--result",
+        str(result),
+    ] + (["--resume"] if resume else [])
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     from storage.lock import LAUNCHER_ENV
@@ -37,8 +47,10 @@ def launch(run_dir: Path, *, resume: bool, nproc_per_node: int) -> dict:
     env[LAUNCHER_ENV] = str(Path(run_dir).resolve())  # this process holds the run's lock for the ranks
     proc = subprocess.run(cmd, env=env)
     if proc.returncode != 0:  # torchrun already printed which rank failed and why
-        raise SystemExit(f"error: torchrun exited with {proc.returncode} (a rank failed; all ranks were stopped); "
-                         f"`fp8rl resume {run_dir} --nproc-per-node N` continues from the last checkpoint")
+        raise SystemExit(
+            f"error: torchrun exited with {proc.returncode} (a rank failed; all ranks were stopped); "
+            f"`fp8rl resume {run_dir} --nproc-per-node N` continues from the last checkpoint"
+        )
     return json.loads(result.read_text())
 
 

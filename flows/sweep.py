@@ -75,15 +75,25 @@ class SweepSpec(BaseModel):
 
     name: str = Field(description="Sweep name; the default sweep directory is <runs_root>/sweeps/<name>.")
     description: str = Field("", description="Free text shown by --dry-run.")
-    base: str = Field("tiny-cpu", description="Base campaign preset: a name in configs/ or a YAML path "
-                                              "(relative to the sweep file or the working directory).")
-    overrides: dict[str, Any] = Field(default_factory=dict, description="Dotted config key -> value, applied to every cell.")
+    base: str = Field(
+        "tiny-cpu",
+        description="Base campaign preset: a name in configs/ or a YAML path "
+        "(relative to the sweep file or the working directory).",
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Dotted config key -> value, applied to every cell."
+    )
     axes: dict[str, dict[str, dict[str, Any]]] = Field(
-        description="Axis -> label -> overrides; cells are the product of the axes.")
-    seeds: list[int] = Field([0], min_length=1, description="Campaign seeds; each cell runs once per seed (sets `seed`).")
+        description="Axis -> label -> overrides; cells are the product of the axes."
+    )
+    seeds: list[int] = Field(
+        [0], min_length=1, description="Campaign seeds; each cell runs once per seed (sets `seed`)."
+    )
     exclude: list[dict[str, str | list[str]]] = Field(
         default_factory=list,
-        description="Cells to leave out: axis -> label (or labels); a cell matching every entry of one item is excluded.")
+        description="Cells to leave out: axis -> label (or labels); a cell matching every entry of one item is "
+        "excluded.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -122,7 +132,9 @@ class SweepSpec(BaseModel):
                     raise ValueError(f"exclude.{i}.{axis}: unknown axis; axes: {', '.join(self.axes)}")
                 for label in [labels] if isinstance(labels, str) else labels:
                     if label not in self.axes[axis]:
-                        raise ValueError(f"exclude.{i}.{axis}: unknown label {label!r}; labels: {', '.join(self.axes[axis])}")
+                        raise ValueError(
+                            f"exclude.{i}.{axis}: unknown label {label!r}; labels: {', '.join(self.axes[axis])}"
+                        )
         return self
 
 
@@ -219,7 +231,9 @@ def load_sweep(path: str | Path) -> tuple[SweepSpec, list[Cell]]:
     return spec, expand_cells(spec, base, source=str(path))
 
 
-def select_cells(cells: list[Cell], patterns: tuple[str, ...] | list[str] | None, *, source: str = "sweep") -> list[Cell]:
+def select_cells(
+    cells: list[Cell], patterns: tuple[str, ...] | list[str] | None, *, source: str = "sweep"
+) -> list[Cell]:
     """The cells whose id matches any glob in ``patterns`` (all cells when none), in file order.
 
     For running a sweep in parts (one process or machine per part, the same
@@ -230,8 +244,9 @@ def select_cells(cells: list[Cell], patterns: tuple[str, ...] | list[str] | None
         return list(cells)
     for pat in patterns:
         if not any(fnmatch.fnmatchcase(c.id, pat) for c in cells):
-            raise ConfigError(f"{source}: --cells {pat!r} matches no cell; the cells are "
-                              + ", ".join(c.id for c in cells))
+            raise ConfigError(
+                f"{source}: --cells {pat!r} matches no cell; the cells are " + ", ".join(c.id for c in cells)
+            )
     return [c for c in cells if any(fnmatch.fnmatchcase(c.id, p) for p in patterns)]
 
 
@@ -273,8 +288,10 @@ def cell_state(sweep_dir: Path, cell: Cell) -> str:
         return NEW
     info = read_run_info(run_dir)
     if info.config_hash not in (None, config_hash(cell.config_text)):
-        raise ConfigError(f"cell {cell.id}: {run_dir} was run with another config (the sweep file changed); "
-                          "move that directory away or use another --out")
+        raise ConfigError(
+            f"cell {cell.id}: {run_dir} was run with another config (the sweep file changed); "
+            "move that directory away or use another --out"
+        )
     if marker_path(sweep_dir, cell).is_file() or ledger_finished(run_dir, cell.config):
         return FINISHED
     return PARTIAL
@@ -319,8 +336,14 @@ def run_cell(sweep_dir: Path, cell: Cell, campaign: CampaignFn) -> CellOutcome:
     try:
         result = campaign(str(run_dir), state == PARTIAL)
     except Exception as err:  # KeyboardInterrupt / SystemExit propagate: the sweep stops, resumable
-        return CellOutcome(cell, run_dir, "failed", state == PARTIAL, time.perf_counter() - t0,
-                           f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        return CellOutcome(
+            cell,
+            run_dir,
+            "failed",
+            state == PARTIAL,
+            time.perf_counter() - t0,
+            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+        )
     seconds = time.perf_counter() - t0
     _write_marker(sweep_dir, cell, result, seconds)
     return CellOutcome(cell, run_dir, "done", state == PARTIAL, seconds, result=dict(result or {}))
@@ -329,14 +352,27 @@ def run_cell(sweep_dir: Path, cell: Cell, campaign: CampaignFn) -> CellOutcome:
 def _write_marker(sweep_dir: Path, cell: Cell, result: dict, seconds: float) -> None:
     path = marker_path(sweep_dir, cell)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"cell": cell.id, "labels": dict(cell.labels), "seed": cell.seed, "seconds": seconds,
-            "config_hash": config_hash(cell.config_text), "result": result,
-            "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    body = {
+        "cell": cell.id,
+        "labels": dict(cell.labels),
+        "seed": cell.seed,
+        "seconds": seconds,
+        "config_hash": config_hash(cell.config_text),
+        "result": result,
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
     write_text_atomic(path, json.dumps(body, indent=1, default=str) + "\n")
 
 
-def run_sweep(spec: SweepSpec, cells: list[Cell], sweep_dir: str | Path, *, campaign: CampaignFn,
-              fail_fast: bool = False, echo: Callable[[str], None] = print) -> list[CellOutcome]:
+def run_sweep(
+    spec: SweepSpec,
+    cells: list[Cell],
+    sweep_dir: str | Path,
+    *,
+    campaign: CampaignFn,
+    fail_fast: bool = False,
+    echo: Callable[[str], None] = print,
+) -> list[CellOutcome]:
     """Every cell in order: skip finished ones, resume partial ones, start the rest.
 
     A failing cell is reported and the sweep goes on (``fail_fast`` stops it);
@@ -366,14 +402,18 @@ def run_sweep(spec: SweepSpec, cells: list[Cell], sweep_dir: str | Path, *, camp
 
 # --------------------------------------------------------------------------- the comparison table
 
-def comparison_table(sweep_dir: Path, spec: SweepSpec, cells: list[Cell],
-                     outcomes: list[CellOutcome] | None = None) -> list[dict]:
+
+def comparison_table(
+    sweep_dir: Path, spec: SweepSpec, cells: list[Cell], outcomes: list[CellOutcome] | None = None
+) -> list[dict]:
     """One row per cell: labels, seed, status, then the ``paper-table`` columns of its run."""
     from storage.catalog import connect, query, set_params
     from storage.queries import get_query
 
-    status = {o.cell.id: ("failed" if o.status == "failed" else "finished" if o.status in ("done", "skipped") else o.status)
-              for o in outcomes or []}
+    status = {
+        o.cell.id: ("failed" if o.status == "failed" else "finished" if o.status in ("done", "skipped") else o.status)
+        for o in outcomes or []
+    }
     have = [c.id for c in cells if is_run_dir(Path(sweep_dir) / c.id)]
     by_run: dict[str, dict] = {}
     if have:
@@ -410,17 +450,22 @@ def _mean_over_seeds(spec: SweepSpec, rows: list[dict]) -> list[dict]:
         onsets = [m.get("first_surge_step") for m in members if m["status"] == "finished"]
         row["first_surge_step"] = None
         row["seeds with a surge"] = f"{sum(o is not None for o in onsets)}/{len(onsets)}" + (
-            f" (steps {', '.join(str(int(o)) for o in onsets if o is not None)})" if any(o is not None for o in onsets) else "")
+            f" (steps {', '.join(str(int(o)) for o in onsets if o is not None)})"
+            if any(o is not None for o in onsets)
+            else ""
+        )
         out.append(row)
     return out
 
 
 # columns whose seed-to-seed spread the mean table shows: column -> (header, scale)
-SPREAD_COLUMNS = {"best_eval_average": ("best eval % min–max (sd)", 100.0),
-                  "late_eval_average": ("2nd-half eval % min–max (sd)", 100.0),
-                  "lower_clip_vs_bf16": ("lower-clip vs BF16 min–max (sd)", 1.0),
-                  "garbled_last10": ("garbled last-10 % min–max (sd)", 100.0),
-                  "accuracy_last10": ("train acc last-10 % min–max (sd)", 100.0)}
+SPREAD_COLUMNS = {
+    "best_eval_average": ("best eval % min–max (sd)", 100.0),
+    "late_eval_average": ("2nd-half eval % min–max (sd)", 100.0),
+    "lower_clip_vs_bf16": ("lower-clip vs BF16 min–max (sd)", 1.0),
+    "garbled_last10": ("garbled last-10 % min–max (sd)", 100.0),
+    "accuracy_last10": ("train acc last-10 % min–max (sd)", 100.0),
+}
 _TABLE_SPREADS = ("best_eval_average", "late_eval_average", "lower_clip_vs_bf16")  # the failure table has the rest
 
 
@@ -453,18 +498,24 @@ def write_tables(sweep_dir: Path, spec: SweepSpec, rows: list[dict]) -> str:
     if means:
         spreads = [SPREAD_COLUMNS[c][0] for c in _TABLE_SPREADS]
         md += f"\n### Mean over seeds\n\n{paper_table_markdown(means, list(spec.axes) + ['seeds'] + spreads)}\n"
-    md += ("\nShares in %; entropy in nats; NMAE and over-clipping on BF16 shadow steps; "
-           "column definitions: `fp8rl query --list` (paper-table).\n")
+    md += (
+        "\nShares in %; entropy in nats; NMAE and over-clipping on BF16 shadow steps; "
+        "column definitions: `fp8rl query --list` (paper-table).\n"
+    )
     md += f"\n### Failure signals\n\n{paper_table_markdown(rows, keys, FAILURE_COLUMNS)}\n"
     if means:
         spreads = tuple((h, h, "s") for c, (h, _) in SPREAD_COLUMNS.items() if c not in _TABLE_SPREADS)
         fail_cols = tuple(c for c in FAILURE_COLUMNS if c[0] != "first_surge_step") + spreads
-        md += (f"\n### Failure signals, mean over seeds\n\n"
-               f"{paper_table_markdown(means, list(spec.axes) + ['seeds', 'seeds with a surge'], fail_cols)}\n")
-    md += ("\nFailure signals (DESIGN.md section 2; `fp8rl query <dir> --named failure-signals`): an entropy "
-           "surge is a step above 1.5x the median entropy of the previous 10 steps for at least 3 steps; a "
-           "garbled response is one the task's answer parser cannot read; A<0 / A>0 clipped: the mean share "
-           "of tokens clipped below L with negative advantage / above H with positive advantage.\n")
+        md += (
+            f"\n### Failure signals, mean over seeds\n\n"
+            f"{paper_table_markdown(means, list(spec.axes) + ['seeds', 'seeds with a surge'], fail_cols)}\n"
+        )
+    md += (
+        "\nFailure signals (DESIGN.md section 2; `fp8rl query <dir> --named failure-signals`): an entropy "
+        "surge is a step above 1.5x the median entropy of the previous 10 steps for at least 3 steps; a "
+        "garbled response is one the task's answer parser cannot read; A<0 / A>0 clipped: the mean share "
+        "of tokens clipped below L with negative advantage / above H with positive advantage.\n"
+    )
     write_text_atomic(Path(sweep_dir) / "table.md", md)
     return md
 
@@ -472,9 +523,16 @@ def write_tables(sweep_dir: Path, spec: SweepSpec, rows: list[dict]) -> str:
 # --------------------------------------------------------------------------- entry points
 
 
-def run_sweep_file(sweep_file: str | Path, out: str | Path | None = None, *, campaign: CampaignFn | None = None,
-                   fail_fast: bool = False, report: bool = True, echo: Callable[[str], None] = print,
-                   only: tuple[str, ...] | list[str] | None = None) -> dict:
+def run_sweep_file(
+    sweep_file: str | Path,
+    out: str | Path | None = None,
+    *,
+    campaign: CampaignFn | None = None,
+    fail_fast: bool = False,
+    report: bool = True,
+    echo: Callable[[str], None] = print,
+    only: tuple[str, ...] | list[str] | None = None,
+) -> dict:
     """Load, run (or resume) a sweep, then write its table and report; returns a summary.
 
     ``campaign``: how a cell runs (default :func:`prefect_campaign`, looked up at call time).
@@ -496,13 +554,17 @@ def run_sweep_file(sweep_file: str | Path, out: str | Path | None = None, *, cam
 
         rep = build_report([sweep_dir], sweep_dir / "report")
         echo(f"report: {rep.index}")
-    return {"sweep_dir": str(sweep_dir), "cells": {o.cell.id: o.status for o in outcomes},
-            "failed": [o.cell.id for o in outcomes if o.status == "failed"],
-            "unfinished": [c.id for c in chosen[len(outcomes):]]}
+    return {
+        "sweep_dir": str(sweep_dir),
+        "cells": {o.cell.id: o.status for o in outcomes},
+        "failed": [o.cell.id for o in outcomes if o.status == "failed"],
+        "unfinished": [c.id for c in chosen[len(outcomes) :]],
+    }
 
 
-def _sweep_flow(sweep_file: str, out: str | None = None, fail_fast: bool = False, report: bool = True,
-                only: list[str] | None = None) -> dict:
+def _sweep_flow(
+    sweep_file: str, out: str | None = None, fail_fast: bool = False, report: bool = True, only: list[str] | None = None
+) -> dict:
     """Prefect flow: run a sweep; each cell's ``campaign_flow`` is a subflow of this one."""
     return run_sweep_file(sweep_file, out, fail_fast=fail_fast, report=report, only=only)
 

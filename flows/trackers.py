@@ -156,11 +156,19 @@ class TensorBoardSink(Sink):
 
         now = time.time()
         for step, name, value in points:
-            self.writer.add_event(Event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=name, simple_value=value)])))
+            self.writer.add_event(
+                Event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=name, simple_value=value)]))
+            )
 
     def log(self, table: str, step: int, points: list[tuple[int, str, float]]) -> None:
         if step <= self.hw.get(table, -1):
-            log.info("tensorboard: %s of step %s replayed (marks %s): purge from step %s, re-log the live rows", table, step, dict(self.hw), step)
+            log.info(
+                "tensorboard: %s of step %s replayed (marks %s): purge from step %s, re-log the live rows",
+                table,
+                step,
+                dict(self.hw),
+                step,
+            )
             self._purge_and_resync(step)
         else:
             self._scalars(points)
@@ -198,7 +206,9 @@ class MlflowSink(Sink):
             name = self.ctx.cfg.tracking.experiment or self.ctx.cfg.name
             exp = self.client.get_experiment_by_name(name)
             exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
-            run = self.client.create_run(exp_id, run_name=self.ctx.run_id, tags={"fp8rl.run_dir": str(self.ctx.run_dir)})
+            run = self.client.create_run(
+                exp_id, run_name=self.ctx.run_id, tags={"fp8rl.run_dir": str(self.ctx.run_dir)}
+            )
             params = [Param(k[:250], v[:6000]) for k, v in flat_params(self.ctx.cfg).items()]
             for i in range(0, len(params), 100):
                 self.client.log_batch(run.info.run_id, params=params[i : i + 100])
@@ -239,10 +249,24 @@ class WandbSink(Sink):
         run_id = self.state.get("run_id") or secrets.token_hex(4)
         (self.ctx.dir).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
-            project=t.experiment or self.ctx.cfg.name, entity=t.wandb_entity, dir=str(self.ctx.dir), mode=t.wandb_mode,
-            id=run_id, resume="allow", name=self.ctx.run_id, config=flat_params(self.ctx.cfg),
-            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True, x_disable_machine_info=True,
-                                    x_disable_meta=True, disable_git=True, save_code=False, x_save_requirements=False),
+            project=t.experiment or self.ctx.cfg.name,
+            entity=t.wandb_entity,
+            dir=str(self.ctx.dir),
+            mode=t.wandb_mode,
+            id=run_id,
+            resume="allow",
+            name=self.ctx.run_id,
+            config=flat_params(self.ctx.cfg),
+            settings=wandb.Settings(
+                silent=True,
+                console="off",
+                x_disable_stats=True,
+                x_disable_machine_info=True,
+                x_disable_meta=True,
+                disable_git=True,
+                save_code=False,
+                x_save_requirements=False,
+            ),
             reinit="create_new",
         )
         if self.state.get("run_id") is None:
@@ -292,7 +316,9 @@ class _Worker:
     def warn(self, msg: str) -> None:
         if not self.warned:
             self.warned = True
-            log.warning("tracker %s: %s; the campaign continues and the Parquet tables are complete", self.sink.name, msg)
+            log.warning(
+                "tracker %s: %s; the campaign continues and the Parquet tables are complete", self.sink.name, msg
+            )
 
     def put(self, item: Any) -> None:
         try:

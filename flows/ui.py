@@ -32,8 +32,18 @@ log = logging.getLogger("fp8rl.ui")
 
 _KEYS = {"run_id", "step", "variant", "mode", "benchmark", "metric", "k"}
 _CLIP = ("clipfrac", "dualclip", "lower_bound", "upper_bound")
-BOUNDS_COLUMNS = ("step", "mode", "alpha", "raw_lower", "raw_upper", "lower", "upper", "target_balance",
-                  "balance_before", "balance_after")
+BOUNDS_COLUMNS = (
+    "step",
+    "mode",
+    "alpha",
+    "raw_lower",
+    "raw_upper",
+    "lower",
+    "upper",
+    "target_balance",
+    "balance_before",
+    "balance_after",
+)
 
 
 def artifact_key(run_id: str) -> str:
@@ -124,18 +134,28 @@ def publish_bounds(ctx: Any, step: int) -> None:
         rows = live_rows(ctx.run_dir, "bounds", to_step=step).to_pylist()
         hist = [{c: _num(r.get(c)) for c in BOUNDS_COLUMNS} for r in rows]
         key = artifact_key(ctx.run_id)
-        create_table_artifact(key=f"bounds-history-{key}", table=hist,
-                              description=f"Calibration history up to step {step} (the `bounds` table)")
-        lines = [f"### Calibrated clipping, run `{ctx.run_id}`", "",
-                 "| step | mode | alpha | L | H | balance before | after |", "|---|---|---|---|---|---|---|"]
+        create_table_artifact(
+            key=f"bounds-history-{key}",
+            table=hist,
+            description=f"Calibration history up to step {step} (the `bounds` table)",
+        )
+        lines = [
+            f"### Calibrated clipping, run `{ctx.run_id}`",
+            "",
+            "| step | mode | alpha | L | H | balance before | after |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in hist:
-            lines.append(f"| {r['step']} | {r['mode']} | {_fmt(r['alpha'])} | {_fmt(r['lower'])} | {_fmt(r['upper'])}"
-                         f" | {_fmt(r['balance_before'])} | {_fmt(r['balance_after'])} |")
+            lines.append(
+                f"| {r['step']} | {r['mode']} | {_fmt(r['alpha'])} | {_fmt(r['lower'])} | {_fmt(r['upper'])}"
+                f" | {_fmt(r['balance_before'])} | {_fmt(r['balance_after'])} |"
+            )
         if hist:
             last = hist[-1]
             lines += ["", f"In force from step {step + 1}: **L = {_fmt(last['lower'])}, H = {_fmt(last['upper'])}**."]
-        create_markdown_artifact(key=f"bounds-summary-{key}", markdown="\n".join(lines),
-                                 description="Bounds history summary")
+        create_markdown_artifact(
+            key=f"bounds-summary-{key}", markdown="\n".join(lines), description="Bounds history summary"
+        )
     except Exception:
         log.debug("bounds artifacts not created", exc_info=True)
 

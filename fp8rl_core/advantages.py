@@ -154,6 +154,8 @@ def overlong_penalty(lengths: torch.Tensor, *, max_len: int, cache_len: int, fac
         ``[N]`` float32 penalties (<= 0), to be added to the rewards.
     """
     if cache_len <= 0 or cache_len > max_len:
-        raise ValueError(f"overlong_penalty needs 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
+        raise ValueError(
+            f"overlong_penalty needs 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}"
+        )
     y = lengths.to(torch.float32)
     return torch.clamp(-(y - (max_len - cache_len)) / cache_len * factor, max=0.0) + 0.0  # + 0.0: no -0.0

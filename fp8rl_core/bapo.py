@@ -57,11 +57,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
     from fp8rl_core.config import BapoConfig
@@ -103,8 +101,10 @@ def bapo_sums(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     The result is additive over token sets: sum it over ranks before ``bapo_search``.
     """
     if not (ratio.shape == advantages.shape == mask.shape):
-        raise ValueError(f"bapo_sums needs ratio, advantages and mask of one shape, got "
-                         f"{tuple(ratio.shape)}, {tuple(advantages.shape)}, {tuple(mask.shape)}")
+        raise ValueError(
+            f"bapo_sums needs ratio, advantages and mask of one shape, got "
+            f"{tuple(ratio.shape)}, {tuple(advantages.shape)}, {tuple(mask.shape)}"
+        )
     r = ratio.detach().reshape(-1).to(torch.float64)
     a = advantages.detach().reshape(-1).to(torch.float64)
     m = mask.reshape(-1).bool() & torch.isfinite(r) & torch.isfinite(a)
@@ -160,7 +160,7 @@ def bapo_search(sums: torch.Tensor | Sequence[float], cfg: BapoConfig) -> BapoRe
     vals = [float(x) for x in (sums.tolist() if isinstance(sums, torch.Tensor) else sums)]
     if len(vals) != len(hg) + len(lg):
         raise ValueError(f"bapo_search: expected {len(hg) + len(lg)} sums for this config, got {len(vals)}")
-    pos, neg = vals[: len(hg)], vals[len(hg):]
+    pos, neg = vals[: len(hg)], vals[len(hg) :]
     i = j = moves = 0
     rho = rho0 = _rho(pos[0], neg[0], cfg.target)
     if cfg.order == "paper":
@@ -246,8 +246,9 @@ class UpdateBoundsRule:
     summarize: Callable[[Sequence[BapoResult]], dict[str, float]]
 
 
-def _published_bounds(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, calibration,
-                      distributed: bool) -> BapoResult:
+def _published_bounds(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, calibration, distributed: bool
+) -> BapoResult:
     return bapo_bounds(ratio, advantages, mask, calibration.bapo, reduce=dist_sum if distributed else None)
 
 
@@ -271,8 +272,9 @@ def minibatch_bounds(
     from fp8rl_core.losses import importance_ratio
 
     with torch.no_grad():
-        logp, _ = sequence_logprobs(model, input_ids, attention_mask, mode=mode,
-                                    micro_batch_size=micro_batch_size, with_entropy=False)
+        logp, _ = sequence_logprobs(
+            model, input_ids, attention_mask, mode=mode, micro_batch_size=micro_batch_size, with_entropy=False
+        )
     return bapo_bounds(importance_ratio(logp.float(), old_logp.float()), advantages, mask, cfg, reduce=reduce)
 
 
@@ -296,8 +298,16 @@ def step_clip_stats(
     for k, (lo, hi) in sorted(bounds.items()):
         rows = minibatch == k
         with torch.no_grad():
-            _, m = policy_loss(logp[rows], old_logp[rows], advantages[rows], mask[rows], lower=lo, upper=hi,
-                               dual_clip=dual_clip, is_weights=None if is_weights is None else is_weights[rows])
+            _, m = policy_loss(
+                logp[rows],
+                old_logp[rows],
+                advantages[rows],
+                mask[rows],
+                lower=lo,
+                upper=hi,
+                dual_clip=dual_clip,
+                is_weights=None if is_weights is None else is_weights[rows],
+            )
         parts.append(m)
     n = sum(p["n_tokens"] for p in parts)
     out: dict[str, float] = {"n_tokens": float(n)}

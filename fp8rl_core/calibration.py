@@ -158,12 +158,19 @@ class CalibrationTokens:
     """
 
     def __init__(
-        self, r8: torch.Tensor, r16: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, dual_clip: float = 3.0,
+        self,
+        r8: torch.Tensor,
+        r16: torch.Tensor,
+        adv: torch.Tensor,
+        mask: torch.Tensor,
+        dual_clip: float = 3.0,
         weights: torch.Tensor | None = None,
     ) -> None:
         if weights is not None:  # Pos/Neg weighted by TIS: r * |A| * w, the factor that scales the gradient
             if weights.shape != adv.shape:
-                raise ValueError(f"calibrate: weights must have the advantages' shape {tuple(adv.shape)}, got {tuple(weights.shape)}")
+                raise ValueError(
+                    f"calibrate: weights must have the advantages' shape {tuple(adv.shape)}, got {tuple(weights.shape)}"
+                )
             adv = adv * weights.to(adv.dtype if adv.dtype.is_floating_point else torch.float32)
         if not (r8.shape == r16.shape == adv.shape == mask.shape):
             raise ValueError(
@@ -192,7 +199,11 @@ class CalibrationTokens:
         self.dual_clip = dual_clip
         self.r8n, self.r16n = r8.index_select(0, neg_idx), r16.index_select(0, neg_idx)
         self.absn = adv.index_select(0, neg_idx).neg_()
-        self.r8p, self.r16p, self.ap = r8.index_select(0, pos_idx), r16.index_select(0, pos_idx), adv.index_select(0, pos_idx)
+        self.r8p, self.r16p, self.ap = (
+            r8.index_select(0, pos_idx),
+            r16.index_select(0, pos_idx),
+            adv.index_select(0, pos_idx),
+        )
         self.n_neg, self.n_pos = int(neg_idx.numel()), int(pos_idx.numel())
         self._memo: dict[str, dict[float, tuple[int, float]]] = {}
 
@@ -203,7 +214,10 @@ class CalibrationTokens:
     def _arrays(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(ratios, |A|) of ``key``: "n8", "n16" (A<0; FP8, BF16) or "p8", "p16" (A>0)."""
         return {
-            "n8": (self.r8n, self.absn), "n16": (self.r16n, self.absn), "p8": (self.r8p, self.ap), "p16": (self.r16p, self.ap)
+            "n8": (self.r8n, self.absn),
+            "n16": (self.r16n, self.absn),
+            "p8": (self.r8p, self.ap),
+            "p16": (self.r16p, self.ap),
         }[key]
 
     def _side(self, key: str, bounds: Sequence[float]) -> list[tuple[int, float]]:
@@ -335,7 +349,9 @@ def _search_upper(tok: CalibrationTokens, lower: float, ctx: ModeContext) -> tup
         return ctx.previous[1], "no_contributing_negatives_bf16"
     # the smoothed H is raw H (a grid point) or prev +- max_delta: compute those in the same pass
     prev_h, d = ctx.previous[1], cfg.max_delta
-    tok.prefetch("p8", [*grid, prev_h, *(_smooth(prev_h, x, d, cfg.upper_min, cfg.upper_max) for x in (prev_h - d, prev_h + d))])
+    tok.prefetch(
+        "p8", [*grid, prev_h, *(_smooth(prev_h, x, d, cfg.upper_min, cfg.upper_max) for x in (prev_h - d, prev_h + d))]
+    )
     ok = tok.curve("p8", grid) >= ctx.target_balance * neg8 * (1 - BALANCE_RTOL)
     hit = torch.nonzero(ok)
     return (grid[int(hit[0])] if hit.numel() else cfg.upper_max), "ok"
@@ -482,11 +498,19 @@ class CalibratorState:
         names = {f.name for f in fields(cls)}
         unknown, missing = set(d) - names, {"lower", "upper"} - set(d)
         if unknown or missing:
-            raise ValueError(f"CalibratorState.from_dict: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+            raise ValueError(
+                f"CalibratorState.from_dict: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}"
+            )
         last, alpha = d.get("last_step"), d.get("alpha")  # alpha, pool: absent from older checkpoints
         pool = tuple(PoolEntry.from_dict(e) for e in d.get("pool") or ())
-        return cls(float(d["lower"]), float(d["upper"]), int(d.get("n_calibrations", 0)), None if last is None else int(last),
-                   None if alpha is None else float(alpha), pool)
+        return cls(
+            float(d["lower"]),
+            float(d["upper"]),
+            int(d.get("n_calibrations", 0)),
+            None if last is None else int(last),
+            None if alpha is None else float(alpha),
+            pool,
+        )
 
 
 @dataclass(frozen=True)
@@ -586,8 +610,9 @@ def calibrate(
     prev = _resolve_previous(previous, eps_low, eps_high, config)
     if config.tis_weighted_balance and weights is None:
         raise ValueError("calibration.tis_weighted_balance needs the TIS weights of the tokens (weights=...)")
-    tok = CalibrationTokens(r_fp8, r_bf16, advantages, mask, dual_clip,
-                            weights=weights if config.tis_weighted_balance else None)
+    tok = CalibrationTokens(
+        r_fp8, r_bf16, advantages, mask, dual_clip, weights=weights if config.tis_weighted_balance else None
+    )
     std_l, std_h = 1.0 - eps_low, 1.0 + eps_high
     k16 = tok.count_below("n16", std_l)
     target = _ratio(tok.pos_contrib("p16", std_h), tok.neg_contrib("n16", std_l))
@@ -602,9 +627,18 @@ def calibrate(
 
     nn, npos = tok.n_neg, tok.n_pos
     return CalibrationResult(
-        mode=config.mode, lower=lower, upper=upper, raw_lower=raw_l, raw_upper=raw_h,
-        previous_lower=prev[0], previous_upper=prev[1], alpha=_share(k16, nn), target_balance=target,
-        balance_before=fp8_balance(*prev), balance_after=fp8_balance(lower, upper), balance_applied=fp8_balance(lower, upper),
+        mode=config.mode,
+        lower=lower,
+        upper=upper,
+        raw_lower=raw_l,
+        raw_upper=raw_h,
+        previous_lower=prev[0],
+        previous_upper=prev[1],
+        alpha=_share(k16, nn),
+        target_balance=target,
+        balance_before=fp8_balance(*prev),
+        balance_after=fp8_balance(lower, upper),
+        balance_applied=fp8_balance(lower, upper),
         lower_clip_share_bf16=_share(k16, nn),
         lower_clip_share_fp8_before=_share(tok.count_below("n8", prev[0]), nn),
         lower_clip_share_fp8_after=_share(tok.count_below("n8", raw_l), nn),
@@ -612,8 +646,13 @@ def calibrate(
         upper_clip_share_bf16=_share(tok.count_above("p16", std_h), npos),
         upper_clip_share_fp8_before=_share(tok.count_above("p8", prev[1]), npos),
         upper_clip_share_fp8_after=_share(tok.count_above("p8", raw_h), npos),
-        n_tokens=tok.n_tokens, n_negative=nn, n_positive=npos, n_nonfinite=tok.n_nonfinite, status=status,
-        estimator=config.estimator, **_estimate_fields(est),
+        n_tokens=tok.n_tokens,
+        n_negative=nn,
+        n_positive=npos,
+        n_nonfinite=tok.n_nonfinite,
+        status=status,
+        estimator=config.estimator,
+        **_estimate_fields(est),
     )
 
 
@@ -622,16 +661,23 @@ def _estimate(tok: CalibrationTokens, k16: int, previous, config: CalibrationCon
     if tok.n_neg == 0:
         return None
     pool = previous.pool if isinstance(previous, CalibratorState) else ()
-    inp = EstimatorInput(tok, k16, pool, config.estimator_window, config.estimator_min_clipped,
-                         config.estimator_ci_level)
+    inp = EstimatorInput(
+        tok, k16, pool, config.estimator_window, config.estimator_min_clipped, config.estimator_ci_level
+    )
     return LOWER_ESTIMATORS.get(config.estimator)(inp)
 
 
 def _estimate_fields(est: LowerEstimate | None) -> dict:
     if est is None:
         return {}
-    return {"lower_level": est.level, "lower_ci_low": est.ci_low, "lower_ci_high": est.ci_high,
-            "shadow_tokens": est.shadow_tokens, "pooled_steps": est.pooled_steps, "pool": est.pool}
+    return {
+        "lower_level": est.level,
+        "lower_ci_low": est.ci_low,
+        "lower_ci_high": est.ci_high,
+        "shadow_tokens": est.shadow_tokens,
+        "pooled_steps": est.pooled_steps,
+        "pool": est.pool,
+    }
 
 
 def pos_neg_contrib(

@@ -59,7 +59,10 @@ def format_prompt(op: str, k: int) -> str:
 
 
 def tests_for(op: str, k: int) -> str:
-    case = {"input": "\n".join(map(str, HIDDEN_INPUTS)), "output": "\n".join(str(apply(op, k, x)) for x in HIDDEN_INPUTS)}
+    case = {
+        "input": "\n".join(map(str, HIDDEN_INPUTS)),
+        "output": "\n".join(str(apply(op, k, x)) for x in HIDDEN_INPUTS),
+    }
     return json.dumps([case])
 
 
@@ -72,8 +75,12 @@ def make_problem(index: int, split: str, seed: int) -> CodeProblem:
         raise ValueError(f"unknown split {split!r}; valid: {SPLITS}")
     rng = random.Random(f"fp8rl-code-tiny:{seed}:{split}:{index}")
     op, k = rng.choice(OPS), rng.choice(CONSTANTS)
-    return CodeProblem(id=f"code-s{seed}-{split}-{index}", prompt=format_prompt(op, k), solution=reference(op, k),
-                       tests=tests_for(op, k))
+    return CodeProblem(
+        id=f"code-s{seed}-{split}-{index}",
+        prompt=format_prompt(op, k),
+        solution=reference(op, k),
+        tests=tests_for(op, k),
+    )
 
 
 def demonstration(problem: CodeProblem, slip: float, rng: random.Random) -> str:
@@ -103,8 +110,20 @@ def program_for(expression: str) -> str:
     return f"import sys\nfor _line in sys.stdin.read().split():\n    x = int(_line)\n    print({expression})\n"
 
 
-_ALLOWED = (ast.Expression, ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.Constant, ast.Name,
-            ast.Load, ast.UnaryOp, ast.USub)
+_ALLOWED = (
+    ast.Expression,
+    ast.BinOp,
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.FloorDiv,
+    ast.Mod,
+    ast.Constant,
+    ast.Name,
+    ast.Load,
+    ast.UnaryOp,
+    ast.USub,
+)
 
 
 def safe_eval(expression: str, x: int) -> int | None:
@@ -114,8 +133,11 @@ def safe_eval(expression: str, x: int) -> int | None:
     except SyntaxError:
         return None
     for node in ast.walk(tree):
-        if not isinstance(node, _ALLOWED) or (isinstance(node, ast.Name) and node.id != "x") or (
-                isinstance(node, ast.Constant) and (not isinstance(node.value, int) or abs(node.value) > 10**6)):
+        if (
+            not isinstance(node, _ALLOWED)
+            or (isinstance(node, ast.Name) and node.id != "x")
+            or (isinstance(node, ast.Constant) and (not isinstance(node.value, int) or abs(node.value) > 10**6))
+        ):
             return None
 
     def ev(n: ast.AST) -> int:

@@ -30,7 +30,9 @@ class ModelConfig(_Frozen):
     built and bootstrapped by the project (sizes below)."""
 
     path: str | None = Field(None, description="HF model id or local dir; None = the embedded tiny Qwen3 model.")
-    hidden_size: int = Field(128, ge=16, multiple_of=16, description="Tiny model hidden size (multiple of 16 for FP8 kernels).")
+    hidden_size: int = Field(
+        128, ge=16, multiple_of=16, description="Tiny model hidden size (multiple of 16 for FP8 kernels)."
+    )
     num_layers: int = Field(2, ge=1, le=12, description="Tiny model decoder layers.")
     num_heads: int = Field(4, ge=1, description="Tiny model attention heads.")
     num_kv_heads: int = Field(4, ge=1, description="Tiny model key/value heads (GQA when < num_heads).")
@@ -42,9 +44,13 @@ class ModelConfig(_Frozen):
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}")
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads={self.num_kv_heads}"
+            )
         return self
 
 
@@ -53,28 +59,65 @@ class DatasetRef(_Frozen):
     dataset name, a local folder laid out as a Hub dataset repo, a ``save_to_disk``
     folder, or a JSONL / JSON / Parquet file."""
 
-    source: str = Field(description="HF dataset name (org/name), a local dataset folder, a save_to_disk folder, or a .jsonl/.json/.parquet file; relative paths resolve against task.data_dir.")
+    source: str = Field(
+        description="HF dataset name (org/name), a local dataset folder, a save_to_disk folder, or "
+        "a .jsonl/.json/.parquet file; relative paths resolve against task.data_dir."
+    )
     config: str | None = Field(None, description="Dataset config (subset) name, e.g. 'main' for openai/gsm8k.")
     split: str = Field("train", description="Split to read.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
     question_field: str = Field("problem", description="Field holding the question text.")
     answer_field: str = Field("answer", description="Field holding the gold answer (see answer_format).")
     id_field: str | None = Field(None, description="Field holding a stable id; None = the row index.")
-    answer_format: Literal["plain", "gsm8k", "boxed"] = Field("plain", description="How the gold answer reads: plain value; GSM8K's '#### n' last line; the last \\boxed{} of a solution.")
+    answer_format: Literal["plain", "gsm8k", "boxed"] = Field(
+        "plain",
+        description="How the gold answer reads: "
+        "plain value; GSM8K's '#### n' "
+        "last line; the last \\boxed{} "
+        "of a solution.",
+    )
     limit: int | None = Field(None, ge=1, description="Use the first N rows (None = all).")
 
 
 class TaskConfig(_Frozen):
     """The training prompts and their verifier."""
 
-    kind: Literal["synthetic", "deepscaler", "gsm8k", "dapo_math", "stress", "code_tiny", "leetcode", "taco", "apps", "eurus_code", "dataset"] = Field("synthetic", description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, GSM8K train, DAPO-Math-17K (BytedTsinghua-SIA/DAPO-Math-17k, verl format), the long-chain stress task (fp8rl_core.stress_task), or a code task (code_tiny: the embedded expression task; leetcode: the shipped rLLM train set; taco/apps/eurus_code: by HF name), graded in the sandbox (see code), or task.dataset (any dataset by name or path).")
+    kind: Literal[
+        "synthetic",
+        "deepscaler",
+        "gsm8k",
+        "dapo_math",
+        "stress",
+        "code_tiny",
+        "leetcode",
+        "taco",
+        "apps",
+        "eurus_code",
+        "dataset",
+    ] = Field(
+        "synthetic",
+        description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, GSM8K train, DAPO-Math-17K (BytedTsinghua-SIA/DAPO-Math-17k, verl format), the long-chain stress task (fp8rl_core.stress_task), or a code task (code_tiny: the embedded expression task; leetcode: the shipped rLLM train set; taco/apps/eurus_code: by HF name), graded in the sandbox (see code), or task.dataset (any dataset by name or path).",
+    )
     difficulty: int = Field(1, ge=0, le=3, description="Synthetic task difficulty level.")
-    train_size: int = Field(200_000, ge=1, description="Synthetic train split size (problems; drawn lazily from the seed).")
-    path: str | None = Field(None, description="Train file or HF dataset name for non-synthetic kinds; relative paths resolve against data_dir.")
+    train_size: int = Field(
+        200_000, ge=1, description="Synthetic train split size (problems; drawn lazily from the seed)."
+    )
+    path: str | None = Field(
+        None,
+        description="Train file or HF dataset name for non-synthetic kinds; relative paths resolve against data_dir.",
+    )
     data_dir: str | None = Field(None, description="Benchmark/data folder; default: $FP8RL_DATA_DIR.")
-    seed: int = Field(1234, description="Seed of the synthetic task generator (train/test splits are disjoint by construction).")
-    hub: bool = Field(False, description="Read path (or the kind's default dataset) from the Hugging Face Hub (a machine with network access).")
-    dataset: DatasetRef | None = Field(None, description="kind=dataset: the training set (HF name or local path, split, config, field mapping).")
+    seed: int = Field(
+        1234, description="Seed of the synthetic task generator (train/test splits are disjoint by construction)."
+    )
+    hub: bool = Field(
+        False,
+        description="Read path (or the kind's default dataset) from the Hugging Face Hub (a "
+        "machine with network access).",
+    )
+    dataset: DatasetRef | None = Field(
+        None, description="kind=dataset: the training set (HF name or local path, split, config, field mapping)."
+    )
 
     @model_validator(mode="after")
     def _dataset_given(self) -> "TaskConfig":
@@ -86,58 +129,128 @@ class TaskConfig(_Frozen):
 class BootstrapConfig(_Frozen):
     """Supervised warm start of the tiny model (ignored when model.path is set)."""
 
-    steps: int = Field(1200, ge=0, description="SFT step cap. Budget in steps, not seconds (the learning jump moves by ~200 steps between seeds); typical runs stop at 540-670 via switch_loss.")
+    steps: int = Field(
+        1200,
+        ge=0,
+        description="SFT step cap. Budget in steps, not seconds (the learning jump "
+        "moves by ~200 steps between seeds); typical runs stop at 540-670 "
+        "via switch_loss.",
+    )
     batch_size: int = Field(128, ge=1, description="SFT batch size (sequences).")
-    lr: float = Field(1e-3, gt=0, description="AdamW peak learning rate (cosine decay); 3e-3 left one seed on its plateau past step 1100.")
+    lr: float = Field(
+        1e-3,
+        gt=0,
+        description="AdamW peak learning rate (cosine decay); 3e-3 left one seed on its plateau past step 1100.",
+    )
     warmup_steps: int = Field(50, ge=0, description="Linear warmup steps.")
     seed: int = Field(0, description="Seed of the noisy teacher's demonstrations (weight init is model.seed).")
-    carry_drop: float = Field(0.45, ge=0, lt=0.5, description="Noisy teacher: probability of forgetting each carry (< 0.5 keeps the right answer the mode).")
-    noisy_steps: int = Field(200, ge=0, description="Noisy teacher: SFT steps on noisy demonstrations after the clean phase.")
-    switch_loss: float = Field(0.02, gt=0, description="Switch from the exact to the noisy teacher once the running SFT loss is below this.")
+    carry_drop: float = Field(
+        0.45,
+        ge=0,
+        lt=0.5,
+        description="Noisy teacher: probability of forgetting each carry (< 0.5 keeps the right answer the mode).",
+    )
+    noisy_steps: int = Field(
+        200, ge=0, description="Noisy teacher: SFT steps on noisy demonstrations after the clean phase."
+    )
+    switch_loss: float = Field(
+        0.02, gt=0, description="Switch from the exact to the noisy teacher once the running SFT loss is below this."
+    )
     threads: int = Field(2, ge=1, description="torch threads during bootstrap.")
 
 
 class RolloutConfig(_Frozen):
-    engine: Literal["transformers", "vllm", "vllm_http"] = Field("transformers", description="Rollout engine: transformers (CPU, small GPU), vLLM (GPU, in process) or vllm_http (a running `vllm serve`).")
+    engine: Literal["transformers", "vllm", "vllm_http"] = Field(
+        "transformers",
+        description="Rollout engine: transformers (CPU, small GPU), vLLM (GPU, in process) or vllm_http (a running `vllm serve`).",
+    )
     prompts_per_step: int = Field(64, ge=1, description="Prompts sampled per step (train batch size, in prompts).")
     samples_per_prompt: int = Field(8, ge=1, description="Group size G.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off).")
     max_new_tokens: int = Field(24, ge=1, description="Response length cap (tokens).")
     generation_batch_size: int = Field(512, ge=1, description="Sequences generated at once by the transformers engine.")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM: share of GPU memory (colocated with training).")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="vLLM: share of GPU memory (colocated with training)."
+    )
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel degree.")
     sleep_between_steps: bool = Field(True, description="vLLM: sleep the engine during training (colocated).")
     # vLLM engine details
-    sleep_level: int = Field(1, ge=0, le=2, description="vLLM: llm.sleep level after rollout (0 pause, 1 offload weights, 2 discard weights).")
-    vllm_process: Literal["trainer", "separate"] = Field("trainer", description="vLLM: run the engine in the trainer's process (colocated; vLLM's in-process client or external launcher) or in vLLM's own engine process.")
-    weight_sync: Literal["tensors", "ipc", "nccl", "path"] = Field("tensors", description="vLLM: weight transfer to the engine: bf16 tensors streamed per parameter (in-process engine), CUDA IPC handles or NCCL broadcast (engine in another process), or bf16 safetensors files.")
-    verify_sync: Literal["first", "always", "never"] = Field("first", description="vLLM: check with the engine's weight checksums that every layer was reloaded and re-processed.")
-    data_parallel: Literal["per_rank", "shared_tp"] = Field("per_rank", description="Under torchrun: every rank drives its own engine on its own prompts (per_rank), or rank 0's tensor-parallel engine serves all ranks (shared_tp).")
-    server_url: str | None = Field(None, description="vllm_http: base URL of a running `vllm serve` (e.g. http://host:8000).")
+    sleep_level: int = Field(
+        1,
+        ge=0,
+        le=2,
+        description="vLLM: llm.sleep level after rollout (0 pause, 1 offload weights, 2 discard weights).",
+    )
+    vllm_process: Literal["trainer", "separate"] = Field(
+        "trainer",
+        description="vLLM: run the engine in the "
+        "trainer's process (colocated; "
+        "vLLM's in-process client or "
+        "external launcher) or in vLLM's "
+        "own engine process.",
+    )
+    weight_sync: Literal["tensors", "ipc", "nccl", "path"] = Field(
+        "tensors",
+        description="vLLM: weight transfer to the engine: bf16 tensors streamed per parameter (in-process engine), CUDA IPC handles or NCCL broadcast (engine in another process), or bf16 safetensors files.",
+    )
+    verify_sync: Literal["first", "always", "never"] = Field(
+        "first",
+        description="vLLM: check with the engine's weight checksums that every layer was reloaded and re-processed.",
+    )
+    data_parallel: Literal["per_rank", "shared_tp"] = Field(
+        "per_rank",
+        description="Under torchrun: every rank "
+        "drives its own engine on its "
+        "own prompts (per_rank), or "
+        "rank 0's tensor-parallel "
+        "engine serves all ranks "
+        "(shared_tp).",
+    )
+    server_url: str | None = Field(
+        None, description="vllm_http: base URL of a running `vllm serve` (e.g. http://host:8000)."
+    )
     server_timeout_s: float = Field(300.0, gt=0, description="vllm_http: timeout of one HTTP request (s).")
     server_retries: int = Field(3, ge=0, description="vllm_http: retries of a failed request before the step fails.")
 
     @model_validator(mode="after")
     def _sync_fits_process(self) -> "RolloutConfig":
         if self.engine == "vllm" and self.vllm_process == "trainer" and self.weight_sync == "ipc":
-            raise ValueError("rollout.weight_sync: ipc hands CUDA IPC handles to another process, but the vllm engine "
-                             "runs in the trainer's process (rollout.vllm_process: trainer): use weight_sync: tensors")
+            raise ValueError(
+                "rollout.weight_sync: ipc hands CUDA IPC handles to another process, but the vllm engine "
+                "runs in the trainer's process (rollout.vllm_process: trainer): use weight_sync: tensors"
+            )
         if self.engine == "vllm" and self.vllm_process == "separate" and self.weight_sync == "tensors":
-            raise ValueError("rollout.weight_sync: tensors needs rollout.vllm_process: trainer; "
-                             "for vLLM's own process use ipc, nccl or path")
+            raise ValueError(
+                "rollout.weight_sync: tensors needs rollout.vllm_process: trainer; "
+                "for vLLM's own process use ipc, nccl or path"
+            )
         return self
 
 
 class AlgorithmConfig(_Frozen):
-    advantage: str = Field("grpo", description="Advantage estimator: a name in "
-                           "fp8rl_core.advantages.ADVANTAGE_ESTIMATORS (grpo, drgrpo).")
-    loss: str = Field("ppo", description="Policy loss: a name in fp8rl_core.losses.POLICY_LOSSES (ppo, cispo, gspo); gspo: sequence-level ratio (fp8rl_core.gspo), use eps_low=3e-4, eps_high=4e-4.")
+    advantage: str = Field(
+        "grpo", description="Advantage estimator: a name in fp8rl_core.advantages.ADVANTAGE_ESTIMATORS (grpo, drgrpo)."
+    )
+    loss: str = Field(
+        "ppo",
+        description="Policy loss: a name in fp8rl_core.losses.POLICY_LOSSES (ppo, cispo, "
+        "gspo); gspo: sequence-level ratio (fp8rl_core.gspo), use eps_low=3e-4, "
+        "eps_high=4e-4.",
+    )
     loss_agg: str = Field("token-mean", description="Loss aggregation mode: a name in fp8rl_core.losses.AGGREGATIONS.")
     eps_low: float = Field(0.2, ge=0, lt=1, description="PPO lower clip epsilon (ratio lower bound 1-eps_low).")
     eps_high: float = Field(0.28, ge=0, description="PPO upper clip epsilon (ratio upper bound 1+eps_high).")
     dual_clip: float = Field(3.0, gt=1, description="Dual-clip constant c for negative advantages.")
-    cispo_eps_high: float = Field(0.2, gt=0, description="CISPO: the detached IS weight is capped at 1 + this, with no lower bound. 0.2 = verl's CISPO example (examples/cispo_trainer: clip_ratio_high=0.2, clip_ratio_low=10, i.e. lower side unclamped); MiniMax-M1 tunes only this upper side.")
+    cispo_eps_high: float = Field(
+        0.2,
+        gt=0,
+        description="CISPO: the detached IS weight is capped at 1 + this, "
+        "with no lower bound. 0.2 = verl's CISPO example "
+        "(examples/cispo_trainer: clip_ratio_high=0.2, "
+        "clip_ratio_low=10, i.e. lower side unclamped); "
+        "MiniMax-M1 tunes only this upper side.",
+    )
     tis: bool = Field(True, description="Truncated importance sampling against rollout log-probs.")
     tis_cap: float = Field(2.0, gt=0, description="TIS cap C.")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
@@ -147,17 +260,39 @@ class AlgorithmConfig(_Frozen):
     grad_clip: float = Field(1.0, gt=0, description="Global grad-norm clip.")
     ppo_mini_batch_size: int = Field(256, ge=1, description="Sequences per optimizer update (mini-batch).")
     micro_batch_size: int = Field(256, ge=1, description="Sequences per forward/backward (gradient accumulation unit).")
-    max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="Token budget of a micro-batch, per rank (verl's dynamic batch size): rows sorted by length within each mini-batch, each micro-batch padded only to its own longest row (and the kernel's token multiple), at most micro_batch_size rows and this many padded tokens (a longer row runs alone). The same split on 1 and N ranks; loss normalization unchanged. None = off (micro-batches of micro_batch_size rows, padded to the batch's longest row).")
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Token budget of a micro-batch, per "
+        "rank (verl's dynamic batch size): rows "
+        "sorted by length within each "
+        "mini-batch, each micro-batch padded "
+        "only to its own longest row (and the "
+        "kernel's token multiple), at most "
+        "micro_batch_size rows and this many "
+        "padded tokens (a longer row runs "
+        "alone). The same split on 1 and N "
+        "ranks; loss normalization unchanged. "
+        "None = off (micro-batches of "
+        "micro_batch_size rows, padded to the "
+        "batch's longest row).",
+    )
     ppo_epochs: int = Field(1, ge=1, description="Passes over the batch per step.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = off).")
-    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal, refill by new rollouts.")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose rewards are all equal, refill by new rollouts."
+    )
     max_refill_rounds: int = Field(3, ge=0, description="DAPO: extra generation rounds to refill dropped groups.")
     overlong_shaping: bool = Field(False, description="DAPO overlong reward shaping.")
     overlong_max_len: int = Field(24, ge=1, description="DAPO L_max (tokens).")
     overlong_cache_len: int = Field(4, ge=1, description="DAPO L_cache (tokens).")
     overlong_factor: float = Field(1.0, ge=0, description="DAPO overlong penalty factor.")
-    token_stats_sample: float = Field(0.05, ge=0, le=1, description="Share of tokens written to token_stats on non-calibration steps.")
-    activation_checkpointing: bool = Field(False, description="Recompute each decoder block's activations in backward (stores block inputs only).")
+    token_stats_sample: float = Field(
+        0.05, ge=0, le=1, description="Share of tokens written to token_stats on non-calibration steps."
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder block's activations in backward (stores block inputs only)."
+    )
 
     @model_validator(mode="after")
     def _batches(self) -> "AlgorithmConfig":
@@ -172,16 +307,41 @@ class AlgorithmConfig(_Frozen):
 
 
 class PrecisionConfig(_Frozen):
-    train: str = Field("fp8_tensorwise", description="Training matmul precision of the decoder linears: a name in "
-                       "fp8rl_core.precision.TRAIN_PRECISIONS (bf16, fp8_tensorwise, fp8_rowwise, fp8_blockwise, "
-                       "nvfp4, mxfp4).")
-    rollout: str = Field("fp8_per_tensor", description="Rollout scheme (vLLM online quantization names): a name in "
-                         "fp8rl_core.precision.ROLLOUT_PRECISIONS (bf16, fp8_per_tensor, fp8_per_block, nvfp4_w4a4, "
-                         "mxfp4_w4a4).")
+    train: str = Field(
+        "fp8_tensorwise",
+        description="Training matmul precision of the decoder linears: a name in "
+        "fp8rl_core.precision.TRAIN_PRECISIONS (bf16, fp8_tensorwise, fp8_rowwise, fp8_blockwise, "
+        "nvfp4, mxfp4).",
+    )
+    rollout: str = Field(
+        "fp8_per_tensor",
+        description="Rollout scheme (vLLM online quantization names): a name in "
+        "fp8rl_core.precision.ROLLOUT_PRECISIONS (bf16, fp8_per_tensor, fp8_per_block, nvfp4_w4a4, "
+        "mxfp4_w4a4).",
+    )
     emulate: bool | None = Field(None, description="Emulate FP8 matmuls; None = auto (emulate unless CUDA SM89+).")
     round_scales_to_power_of_2: bool = Field(False, description="Round FP8 scales down to powers of two.")
-    cpu_bf16_gemm: Literal["auto", "native", "fp32"] = Field("auto", description="CPU only: native = PyTorch's BF16 GEMM kernels; fp32 = FP32 GEMMs on BF16 operands, output rounded to BF16 (the GPU's BF16 GEMM rule; 10-130x faster on CPUs without BF16 hardware); auto = native only on a CPU with AMX-BF16/AVX512-BF16 and a model at least 256 wide, else fp32 (fp8rl_core.cpu_gemm; the choice is in run.json). Ignored on CUDA.")
-    keep_high_precision: tuple[str, ...] = Field((), description="FP4 training: decoder linears kept in BF16 (fnmatch patterns on module names, e.g. 'model.layers.1.mlp.*'); any other layer FP4 cannot take is an error.")
+    cpu_bf16_gemm: Literal["auto", "native", "fp32"] = Field(
+        "auto",
+        description="CPU only: native = PyTorch's "
+        "BF16 GEMM kernels; fp32 = FP32 "
+        "GEMMs on BF16 operands, output "
+        "rounded to BF16 (the GPU's BF16 "
+        "GEMM rule; 10-130x faster on "
+        "CPUs without BF16 hardware); "
+        "auto = native only on a CPU with "
+        "AMX-BF16/AVX512-BF16 and a model "
+        "at least 256 wide, else fp32 "
+        "(fp8rl_core.cpu_gemm; the choice "
+        "is in run.json). Ignored on CUDA.",
+    )
+    keep_high_precision: tuple[str, ...] = Field(
+        (),
+        description="FP4 training: decoder linears kept in BF16 "
+        "(fnmatch patterns on module names, e.g. "
+        "'model.layers.1.mlp.*'); any other layer FP4 "
+        "cannot take is an error.",
+    )
 
 
 class BapoConfig(_Frozen):
@@ -196,11 +356,32 @@ class BapoConfig(_Frozen):
     lower_step: float = Field(0.05, gt=0, description="delta2: c_low step (recipe: ratio_lower_step=0.05).")
     upper_start: float = Field(1.2, gt=0, description="a+: c_high at the start of every update (paper: 1.2).")
     upper_max: float = Field(3.0, gt=0, description="b+: largest c_high (paper: 3.0).")
-    upper_step: float = Field(0.1, gt=0, description="delta1: c_high step (recipe example: ratio_upper_step=0.1; recipe default 0.05).")
-    order: Literal["paper", "recipe"] = Field("paper", description="paper: raise c_high while it fits, else c_low, loop while c_low can move; recipe: raise c_low to its max first, then c_high.")
-    boundary: Literal["paper", "recipe"] = Field("paper", description="paper: S+ over A>0 with r < c_high, S- over A<0 with r > c_low (clipped tokens excluded); recipe: every token counts with its clamped ratio, min(r, c_high) or max(r, c_low).")
-    target: Literal["share", "ratio"] = Field("share", description="share (paper): rho = S+/(S+ + S-); ratio (recipe): S+/S- compared with rho0.")
-    last_step: Literal["paper", "recipe"] = Field("paper", description="paper: move only while bound + step <= max; recipe: the last move may be shortened to land on max.")
+    upper_step: float = Field(
+        0.1, gt=0, description="delta1: c_high step (recipe example: ratio_upper_step=0.1; recipe default 0.05)."
+    )
+    order: Literal["paper", "recipe"] = Field(
+        "paper",
+        description="paper: raise c_high while it fits, else c_low, "
+        "loop while c_low can move; recipe: raise c_low "
+        "to its max first, then c_high.",
+    )
+    boundary: Literal["paper", "recipe"] = Field(
+        "paper",
+        description="paper: S+ over A>0 with r < c_high, S- over "
+        "A<0 with r > c_low (clipped tokens "
+        "excluded); recipe: every token counts with "
+        "its clamped ratio, min(r, c_high) or max(r, "
+        "c_low).",
+    )
+    target: Literal["share", "ratio"] = Field(
+        "share", description="share (paper): rho = S+/(S+ + S-); ratio (recipe): S+/S- compared with rho0."
+    )
+    last_step: Literal["paper", "recipe"] = Field(
+        "paper",
+        description="paper: move only while bound + step <= "
+        "max; recipe: the last move may be "
+        "shortened to land on max.",
+    )
 
     @model_validator(mode="after")
     def _ranges(self) -> "BapoConfig":
@@ -212,7 +393,13 @@ class BapoConfig(_Frozen):
 class CalibrationConfig(_Frozen):
     """Calibrated Clipping (DESIGN.md section 2) and the comparison modes."""
 
-    mode: str = Field("calibrated", description="Clip-bound policy, a name in fp8rl_core.calibration.CLIP_MODES: standard, calibrated, relaxed_lower (fixed wider eps_low), calibrated_lower_only, bapo (per update, as published), bapo_joint_every_k (our earlier variant).")
+    mode: str = Field(
+        "calibrated",
+        description="Clip-bound policy, a name in fp8rl_core.calibration.CLIP_MODES: "
+        "standard, calibrated, relaxed_lower (fixed wider eps_low), "
+        "calibrated_lower_only, bapo (per update, as published), "
+        "bapo_joint_every_k (our earlier variant).",
+    )
     interval: int = Field(20, ge=1, description="Calibrate every K steps (BF16 shadow passes run on those steps).")
     lower_min: float = Field(0.6, gt=0, description="Search interval of the lower bound L: minimum.")
     lower_max: float = Field(1.0, gt=0, description="Search interval of L: maximum.")
@@ -222,37 +409,107 @@ class CalibrationConfig(_Frozen):
     max_delta: float = Field(0.05, ge=0, description="Largest change of a bound per calibration (smoothing).")
     initial_lower: float | None = Field(None, description="Bounds before the first calibration; None = 1 - eps_low.")
     initial_upper: float | None = Field(None, description="None = 1 + eps_high.")
-    relaxed_eps_low: float = Field(0.3, gt=0, lt=1, description="relaxed_lower: the fixed, wider eps_low (L = 1 - this) used by the loss; alpha and over-clipping stay measured against algorithm.eps_low. Sweep: 0.3, 0.4 (our choice).")
-    tis_weighted_balance: bool = Field(False, description="calibrated: weight each token of Pos/Neg by its TIS weight (the factor that really scales its gradient).")
+    relaxed_eps_low: float = Field(
+        0.3,
+        gt=0,
+        lt=1,
+        description="relaxed_lower: the fixed, wider eps_low (L = 1 - "
+        "this) used by the loss; alpha and over-clipping "
+        "stay measured against algorithm.eps_low. Sweep: "
+        "0.3, 0.4 (our choice).",
+    )
+    tis_weighted_balance: bool = Field(
+        False,
+        description="calibrated: weight each token of Pos/Neg by its TIS "
+        "weight (the factor that really scales its gradient).",
+    )
     bapo: BapoConfig = Field(default_factory=BapoConfig)
     # how the raw L is estimated from the shadow tokens (fp8rl_core.estimators)
-    estimator: str = Field("quantile", description=(
-        "Raw-L estimator, a name in fp8rl_core.estimators.LOWER_ESTIMATORS: quantile (the paper's rule, one step), "
-        "pooled (last `estimator_window` calibration steps aligned by quantile level), k_floor (widen the pool "
-        "until BF16 clips `estimator_min_clipped` tokens), harrell_davis (smoothed quantile with a confidence "
-        "interval)."))
-    estimator_window: int = Field(4, ge=1, description=(
-        "pooled: calibration steps pooled (this one included); k_floor: the most it may pool (our choice)."))
-    estimator_min_clipped: int = Field(10, ge=1, description=(
-        "k_floor: widen the pool until BF16 clips at least this many A<0 tokens (our choice)."))
-    estimator_ci_level: float = Field(0.9, gt=0, lt=1, description=(
-        "harrell_davis: coverage of the interval recorded in bounds.lower_ci_low/high."))
+    estimator: str = Field(
+        "quantile",
+        description=(
+            "Raw-L estimator, a name in fp8rl_core.estimators.LOWER_ESTIMATORS: quantile (the paper's rule, one step), "
+            "pooled (last `estimator_window` calibration steps aligned by quantile level), k_floor (widen the pool "
+            "until BF16 clips `estimator_min_clipped` tokens), harrell_davis (smoothed quantile with a confidence "
+            "interval)."
+        ),
+    )
+    estimator_window: int = Field(
+        4,
+        ge=1,
+        description=(
+            "pooled: calibration steps pooled (this one included); k_floor: the most it may pool (our choice)."
+        ),
+    )
+    estimator_min_clipped: int = Field(
+        10, ge=1, description=("k_floor: widen the pool until BF16 clips at least this many A<0 tokens (our choice).")
+    )
+    estimator_ci_level: float = Field(
+        0.9, gt=0, lt=1, description=("harrell_davis: coverage of the interval recorded in bounds.lower_ci_low/high.")
+    )
     # when to recalibrate (fp8rl_core.drift) and how much of the batch the shadow passes see
-    schedule: Literal["fixed", "drift"] = Field("fixed", description="Recalibration schedule: every `interval` steps (fixed, the paper's) or when the drift signal crosses `drift_threshold` (fp8rl_core.drift).")
-    drift_signal: Literal["ks", "quantile"] = Field("ks", description="Drift schedule's signal (fp8rl_core.drift): `ks`, the KS distance of the A<0 FP8 ratios vs the last calibration step; `quantile`, how far L would move if BF16's clip share had not (|q(alpha_c) - L|, in ratio units).")
-    drift_threshold: float = Field(0.1, gt=0, le=1, description="Drift schedule: the signal above which the next step recalibrates (KS distance, or |dL| for `quantile`; our choice).")
-    drift_min_interval: int = Field(2, ge=1, description="Drift schedule: never recalibrate sooner than this many steps after the last calibration.")
-    drift_max_interval: int = Field(20, ge=1, description="Drift schedule: always recalibrate this many steps after the last calibration.")
-    shadow_target_error: float | None = Field(None, gt=0, lt=1, description="Subsampled shadow passes (fp8rl_core.subsample): target error of the alpha quantile, in quantile levels; None = shadow the whole batch.")
-    shadow_failure_prob: float = Field(0.05, gt=0, lt=1, description="Subsampled shadow: probability that the stated quantile-error bound fails (DKW delta).")
+    schedule: Literal["fixed", "drift"] = Field(
+        "fixed",
+        description="Recalibration schedule: every `interval` "
+        "steps (fixed, the paper's) or when the drift "
+        "signal crosses `drift_threshold` "
+        "(fp8rl_core.drift).",
+    )
+    drift_signal: Literal["ks", "quantile"] = Field(
+        "ks",
+        description="Drift schedule's signal (fp8rl_core.drift): "
+        "`ks`, the KS distance of the A<0 FP8 ratios "
+        "vs the last calibration step; `quantile`, "
+        "how far L would move if BF16's clip share "
+        "had not (|q(alpha_c) - L|, in ratio units).",
+    )
+    drift_threshold: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="Drift schedule: the signal above which the next "
+        "step recalibrates (KS distance, or |dL| for "
+        "`quantile`; our choice).",
+    )
+    drift_min_interval: int = Field(
+        2, ge=1, description="Drift schedule: never recalibrate sooner than this many steps after the last calibration."
+    )
+    drift_max_interval: int = Field(
+        20, ge=1, description="Drift schedule: always recalibrate this many steps after the last calibration."
+    )
+    shadow_target_error: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Subsampled shadow passes "
+        "(fp8rl_core.subsample): target error "
+        "of the alpha quantile, in quantile "
+        "levels; None = shadow the whole batch.",
+    )
+    shadow_failure_prob: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description="Subsampled shadow: probability that the stated quantile-error bound fails (DKW delta).",
+    )
     shadow_min_sequences: int = Field(16, ge=1, description="Subsampled shadow: at least this many sequences.")
     # Calibrated Clipping on GSPO's sequence ratios (fp8rl_core.gspo); scaled from the token-level defaults by 3e-4 / 0.2
-    gspo_lower_min: float = Field(0.9994, gt=0, description="GSPO calibration: L search interval minimum (1 - 2 * 3e-4; our choice).")
+    gspo_lower_min: float = Field(
+        0.9994, gt=0, description="GSPO calibration: L search interval minimum (1 - 2 * 3e-4; our choice)."
+    )
     gspo_lower_max: float = Field(1.0, gt=0, description="GSPO calibration: L search interval maximum.")
     gspo_upper_min: float = Field(1.0, gt=0, description="GSPO calibration: H grid minimum.")
-    gspo_upper_max: float = Field(1.0012, gt=0, description="GSPO calibration: H grid maximum (1 + 3 * 4e-4; our choice).")
-    gspo_upper_step: float = Field(1e-5, gt=0, description="GSPO calibration: H grid step (the token grid's 0.01 is ~25x GSPO's whole clip range).")
-    gspo_max_delta: float = Field(7.5e-5, ge=0, description="GSPO calibration: largest change of a bound per calibration (0.05 scaled by 3e-4 / 0.2).")
+    gspo_upper_max: float = Field(
+        1.0012, gt=0, description="GSPO calibration: H grid maximum (1 + 3 * 4e-4; our choice)."
+    )
+    gspo_upper_step: float = Field(
+        1e-5, gt=0, description="GSPO calibration: H grid step (the token grid's 0.01 is ~25x GSPO's whole clip range)."
+    )
+    gspo_max_delta: float = Field(
+        7.5e-5,
+        ge=0,
+        description="GSPO calibration: largest change of a bound per calibration (0.05 scaled by 3e-4 / 0.2).",
+    )
 
     @model_validator(mode="after")
     def _ranges(self) -> "CalibrationConfig":
@@ -266,13 +523,20 @@ class CalibrationConfig(_Frozen):
 
 
 class BenchmarkEval(_Frozen):
-    name: str = Field(description="Benchmark: 'synthetic' or one of aime24, aime25, amc23, math500, minerva_math, olympiadbench, gsm8k.")
+    name: str = Field(
+        description="Benchmark: 'synthetic' or one of aime24, aime25, amc23, math500, minerva_math, "
+        "olympiadbench, gsm8k."
+    )
     k: int = Field(1, ge=1, description="Samples per problem.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass.")
     max_new_tokens: int = Field(24, ge=1, description="Response cap (tokens).")
     limit: int | None = Field(None, ge=1, description="Use the first N problems (None = all).")
-    dataset: DatasetRef | None = Field(None, description="Read this benchmark from a dataset (HF name or local path) instead of the shipped file; name is then free.")
+    dataset: DatasetRef | None = Field(
+        None,
+        description="Read this benchmark from a dataset (HF name or local "
+        "path) instead of the shipped file; name is then free.",
+    )
 
 
 class EvaluationConfig(_Frozen):
@@ -285,31 +549,45 @@ class EvaluationConfig(_Frozen):
 class CheckpointConfig(_Frozen):
     interval: int = Field(10, ge=1, description="Checkpoint every C steps and at the end.")
     keep_last: int = Field(2, ge=1, description="Keep the newest N checkpoints.")
-    keep_best_metric: str | None = Field("synthetic/avg@1", description="Also keep the best checkpoint by this eval metric (benchmark/metric@k).")
+    keep_best_metric: str | None = Field(
+        "synthetic/avg@1", description="Also keep the best checkpoint by this eval metric (benchmark/metric@k)."
+    )
 
 
 class CodeConfig(_Frozen):
     """Code RL: sandbox limits and prompt templates (stages.grade.sandbox, stages.grade.code). Defaults: our choice."""
 
     per_test_s: float = Field(4.0, gt=0, description="Wall-clock (and CPU, rounded up) limit of one test case.")
-    per_sample_s: float = Field(20.0, gt=0, description="Wall-clock limit of all test cases of one response; cases left fail.")
-    batch_wall_s: float = Field(120.0, gt=0, description="Grading of one batch never holds the step longer than this; responses not started score 0.")
+    per_sample_s: float = Field(
+        20.0, gt=0, description="Wall-clock limit of all test cases of one response; cases left fail."
+    )
+    batch_wall_s: float = Field(
+        120.0,
+        gt=0,
+        description="Grading of one batch never holds the step longer than this; responses not started score 0.",
+    )
     max_sandboxes: int = Field(4, ge=1, description="Sandboxes run at once.")
     memory_mb: int = Field(1024, ge=64, description="Address-space limit of a program (RLIMIT_AS).")
     output_bytes: int = Field(1 << 20, ge=1024, description="stdout cap; a program writing more is killed and fails.")
     nproc: int = Field(32, ge=2, description="Process/thread cap of a program (RLIMIT_NPROC under its throw-away uid).")
-    allow_unisolated: bool = Field(False, description="Run programs even when no namespace isolation is available (rlimits only). Unsafe.")
+    allow_unisolated: bool = Field(
+        False, description="Run programs even when no namespace isolation is available (rlimits only). Unsafe."
+    )
     stdio_template: str = Field(
         "{problem}\n\nWrite a Python 3 program that reads the input from stdin and prints the answer to stdout. "
         "Put the complete program in one ```python code block.",
-        description="Prompt of stdin/stdout problems ({problem} = the statement).")
+        description="Prompt of stdin/stdout problems ({problem} = the statement).",
+    )
     functional_template: str = Field(
         "{problem}\n\nComplete the class Solution in Python 3 and put it in one ```python code block.",
-        description="Prompt of LeetCode-style (function-call) problems.")
+        description="Prompt of LeetCode-style (function-call) problems.",
+    )
 
 
 class StorageConfig(_Frozen):
-    runs_root: str = Field("runs", description="Folder holding run directories (each run's Parquet tables live under <run dir>/tables).")
+    runs_root: str = Field(
+        "runs", description="Folder holding run directories (each run's Parquet tables live under <run dir>/tables)."
+    )
     row_group_size: int = Field(1_000_000, ge=1, description="Parquet row-group size (rows).")
 
 
@@ -326,10 +604,24 @@ class SurgeConfig(_Frozen):
 class PromptConfig(_Frozen):
     """How a problem becomes the model's input (``stages.data.prompt_format``)."""
 
-    format: Literal["auto", "chat", "plain"] = Field("auto", description="chat: the tokenizer's chat template (instruct checkpoints); plain: the text as is (base models, as the paper's Qwen3-8B-Base runs); auto: chat only for an instruct checkpoint that has a template.")
+    format: Literal["auto", "chat", "plain"] = Field(
+        "auto",
+        description="chat: the tokenizer's chat template "
+        "(instruct checkpoints); plain: the text "
+        "as is (base models, as the paper's "
+        "Qwen3-8B-Base runs); auto: chat only for "
+        "an instruct checkpoint that has a "
+        "template.",
+    )
     system_prompt: str | None = Field(None, description="System message (chat format only); None = none.")
-    instruction: str | None = Field(None, description="Answer-format instruction appended to each math problem; None = the built-in step-by-step/\\boxed{} one.")
-    enable_thinking: bool | None = Field(None, description="Passed to chat templates that take it (Qwen3); None = the template's default.")
+    instruction: str | None = Field(
+        None,
+        description="Answer-format instruction appended to each math problem; "
+        "None = the built-in step-by-step/\\boxed{} one.",
+    )
+    enable_thinking: bool | None = Field(
+        None, description="Passed to chat templates that take it (Qwen3); None = the template's default."
+    )
 
 
 TrackerName = Literal["tensorboard", "mlflow", "wandb"]
@@ -339,32 +631,61 @@ class TrackingConfig(_Frozen):
     """Experiment-tracker sinks (``CampaignConfig.trackers``); the Parquet tables stay the truth."""
 
     dir: str | None = Field(None, description="Folder of local tracker files; None = <run dir>/trackers.")
-    mlflow_uri: str | None = Field(None, description="MLflow tracking URI (server http(s)://, sqlite:///, file:); None = sqlite:///<tracker dir>/mlflow.db.")
+    mlflow_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI (server http(s)://, sqlite:///, file:); "
+        "None = sqlite:///<tracker dir>/mlflow.db.",
+    )
     experiment: str | None = Field(None, description="MLflow experiment / W&B project; None = the campaign name.")
-    wandb_mode: Literal["offline", "online"] = Field("offline", description="W&B mode: offline (no network; `wandb sync` later) or online.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="W&B mode: offline (no network; `wandb sync` later) or online."
+    )
     wandb_entity: str | None = Field(None, description="W&B entity (team or user); None = the default.")
-    timeout_s: float = Field(30.0, gt=0, description="At the end of a campaign, wait at most this long for each sink to flush (a hung sink is abandoned).")
-    queue_size: int = Field(10_000, ge=1, description="Rows buffered per sink; a full queue drops rows for that sink (warned once).")
+    timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="At the end of a campaign, wait at most this long for each "
+        "sink to flush (a hung sink is abandoned).",
+    )
+    queue_size: int = Field(
+        10_000, ge=1, description="Rows buffered per sink; a full queue drops rows for that sink (warned once)."
+    )
 
 
 class GuardConfig(_Frozen):
     """A monitor over the step rows that rolls a campaign back (fp8rl_core.guard, flows.guard)."""
 
-    enabled: bool = Field(True, description="Watch every step; on a trip restore the last good checkpoint and apply the remedy.")
-    surge_factor: float = Field(1.5, gt=1, description="Surge: value > factor x the median of the `window` steps before (DESIGN).")
+    enabled: bool = Field(
+        True, description="Watch every step; on a trip restore the last good checkpoint and apply the remedy."
+    )
+    surge_factor: float = Field(
+        1.5, gt=1, description="Surge: value > factor x the median of the `window` steps before (DESIGN)."
+    )
     window: int = Field(10, ge=1, description="Surge / collapse reference: median of this many earlier steps (DESIGN).")
     persist: int = Field(3, ge=1, description="Surge / collapse: for at least this many consecutive steps (DESIGN).")
-    entropy_floor: float = Field(0.2, ge=0, description="Entropy surge also needs entropy above this (nats; our choice).")
-    garbled_floor: float = Field(0.05, ge=0, description="Garbled surge also needs a garbled share above this (our choice).")
-    reward_collapse_factor: float = Field(0.5, gt=0, lt=1, description="Reward collapse: reward < factor x the median before.")
-    reward_min: float = Field(0.1, ge=0, description="Reward collapse only counts when the reference median is at least this.")
+    entropy_floor: float = Field(
+        0.2, ge=0, description="Entropy surge also needs entropy above this (nats; our choice)."
+    )
+    garbled_floor: float = Field(
+        0.05, ge=0, description="Garbled surge also needs a garbled share above this (our choice)."
+    )
+    reward_collapse_factor: float = Field(
+        0.5, gt=0, lt=1, description="Reward collapse: reward < factor x the median before."
+    )
+    reward_min: float = Field(
+        0.1, ge=0, description="Reward collapse only counts when the reference median is at least this."
+    )
     remedy: Literal["recalibrate_now", "recalibrate_every_step", "tighten", "stop"] = Field(
-        "recalibrate_every_step", description="After a rollback: calibrate at the next step; at every step for remedy_steps; "
-        "tighten the bounds by tighten_factor; or stop and alert.")
+        "recalibrate_every_step",
+        description="After a rollback: calibrate at the next step; at every step for "
+        "remedy_steps; "
+        "tighten the bounds by tighten_factor; or stop and alert.",
+    )
     remedy_steps: int = Field(5, ge=1, description="recalibrate_every_step: for this many steps after the rollback.")
     tighten_factor: float = Field(0.5, gt=0, le=1, description="tighten: L -> 1 - f(1 - L), H -> 1 + f(H - 1).")
-    max_trips: int = Field(2, ge=1, description="After this many rollbacks in one run the next trip stops the campaign.")
-
+    max_trips: int = Field(
+        2, ge=1, description="After this many rollbacks in one run the next trip stops the campaign."
+    )
 
 
 class CampaignConfig(_Frozen):
@@ -385,10 +706,17 @@ class CampaignConfig(_Frozen):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     prompt: PromptConfig = Field(default_factory=PromptConfig)
-    trackers: tuple[TrackerName, ...] = Field((), description="Experiment trackers fed from the steps/bounds/eval_scores rows: tensorboard, mlflow, wandb (optional extras).")
+    trackers: tuple[TrackerName, ...] = Field(
+        (),
+        description="Experiment trackers fed from the "
+        "steps/bounds/eval_scores rows: tensorboard, mlflow, "
+        "wandb (optional extras).",
+    )
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
-    device: str = Field("auto", description="Where policy, batches and optimizer live: auto (CUDA when present), cpu, cuda, cuda:N.")
+    device: str = Field(
+        "auto", description="Where policy, batches and optimizer live: auto (CUDA when present), cpu, cuda, cuda:N."
+    )
     surge: SurgeConfig = Field(default_factory=SurgeConfig)
     code: CodeConfig = Field(default_factory=CodeConfig)
 
@@ -405,6 +733,8 @@ class CampaignConfig(_Frozen):
         lo = c.initial_lower if c.initial_lower is not None else 1.0 - a.eps_low
         hi = c.initial_upper if c.initial_upper is not None else 1.0 + a.eps_high
         if not 0 < lo <= hi:
-            raise ValueError(f"the initial clip bounds must satisfy 0 < lower <= upper, got calibration.initial_lower "
-                             f"{lo} and calibration.initial_upper {hi} (None resolves from algorithm.eps_low/eps_high)")
+            raise ValueError(
+                f"the initial clip bounds must satisfy 0 < lower <= upper, got calibration.initial_lower "
+                f"{lo} and calibration.initial_upper {hi} (None resolves from algorithm.eps_low/eps_high)"
+            )
         return self

@@ -50,11 +50,23 @@ from torch.overrides import TorchFunctionMode
 CPU_BF16_GEMMS = ("native", "fp32")  # what a run computes with; the setting may also say "auto"
 NATIVE_MIN_HIDDEN = 256  # auto: narrower models (the tiny presets) keep the CPU-independent fp32 path
 
-_GEMMS = frozenset({
-    F.linear, torch.mm, torch.bmm, torch.matmul, torch.addmm, torch.baddbmm,
-    torch.Tensor.mm, torch.Tensor.bmm, torch.Tensor.matmul, torch.Tensor.__matmul__,
-    torch.Tensor.addmm, torch.Tensor.baddbmm, F.scaled_dot_product_attention,
-})
+_GEMMS = frozenset(
+    {
+        F.linear,
+        torch.mm,
+        torch.bmm,
+        torch.matmul,
+        torch.addmm,
+        torch.baddbmm,
+        torch.Tensor.mm,
+        torch.Tensor.bmm,
+        torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+        torch.Tensor.addmm,
+        torch.Tensor.baddbmm,
+        F.scaled_dot_product_attention,
+    }
+)
 _OPERAND_DTYPES = (torch.float32, torch.bfloat16)
 _OPEN = [0]  # fp32 contexts open in this process (read by mm, which runs where modes do not reach)
 
@@ -90,8 +102,11 @@ def resolve_cpu_bf16_gemm(setting: str, hidden_size: int | None, device: str | t
     if isa is None:
         return GemmChoice(setting, "fp32", "no AMX-BF16/AVX512-BF16: the native BF16 GEMM is slow here")
     if hidden_size is not None and hidden_size < NATIVE_MIN_HIDDEN:
-        return GemmChoice(setting, "fp32", f"{isa}, but hidden size {hidden_size} < {NATIVE_MIN_HIDDEN}: "
-                          "the CPU-independent FP32 GEMMs")
+        return GemmChoice(
+            setting,
+            "fp32",
+            f"{isa}, but hidden size {hidden_size} < {NATIVE_MIN_HIDDEN}: the CPU-independent FP32 GEMMs",
+        )
     return GemmChoice(setting, "native", f"{isa} and a model at least {NATIVE_MIN_HIDDEN} wide")
 
 

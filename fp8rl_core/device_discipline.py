@@ -50,13 +50,32 @@ _ACTIVE: list["HostDeviceMode"] = []
 _HERE = os.path.abspath(__file__)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _FACTORIES = {
-    torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.linspace,
-    torch.rand, torch.randn, torch.randint, torch.randperm, torch.eye, torch.empty_strided,
+    torch.tensor,
+    torch.as_tensor,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty,
+    torch.arange,
+    torch.linspace,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.eye,
+    torch.empty_strided,
 }
 _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 _DEVICE_GETTER = torch._C.TensorBase.__dict__["device"]
-_HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__float__,
-               torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__index__}
+_HOST_READS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__bool__,
+    torch.Tensor.__index__,
+}
 
 
 class HostDeviceMixError(RuntimeError):
@@ -196,8 +215,11 @@ class HostDeviceMode(TorchFunctionMode):
             return out
         target = _device_kwarg(func, args, kwargs)
         moving = func is torch.Tensor.to and target is not None
-        inherited = None if func in _FACTORIES and not isinstance(args[0] if args else None, torch.Tensor) \
+        inherited = (
+            None
+            if func in _FACTORIES and not isinstance(args[0] if args else None, torch.Tensor)
             else self._check(func, args, kwargs)
+        )
         out = func(*args, **kwargs)
         if moving:
             tag = DEVICE if self._is_step_device(target) else HOST

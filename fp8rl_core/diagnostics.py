@@ -83,6 +83,7 @@ def noise_amplification(
     (r8 vs r16, ratios as in the loss: ``exp(clamp(dlogp, -20, 20))``) and
     ``amplification = ratio_nmae / prob_nmae`` (NaN if prob_nmae is 0).
     """
+
     def ratio(lp: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         return torch.exp(torch.clamp(lp.double() - old.double(), -20.0, 20.0))
 
@@ -125,7 +126,9 @@ def clip_shares_by_sign(
     m = mask.bool() & torch.isfinite(r)
     neg, pos = m & (advantages < 0), m & (advantages > 0)
     below, above = r < lower, r > upper
-    c = torch.stack([neg.sum(), pos.sum(), (neg & below).sum(), (neg & above).sum(), (pos & below).sum(), (pos & above).sum()])
+    c = torch.stack(
+        [neg.sum(), pos.sum(), (neg & below).sum(), (neg & above).sum(), (pos & below).sum(), (pos & above).sum()]
+    )
     n_neg, n_pos, nl, nu, pl, pu = (int(v) for v in c.tolist())
 
     def share(k: int, n: int) -> float:

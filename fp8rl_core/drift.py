@@ -144,8 +144,14 @@ class Schedule:
 
     @classmethod
     def from_config(cls, cfg: CalibrationConfig) -> "Schedule":
-        return cls(cfg.schedule, cfg.interval, cfg.drift_threshold, cfg.drift_min_interval, cfg.drift_max_interval,
-                   cfg.drift_signal)
+        return cls(
+            cfg.schedule,
+            cfg.interval,
+            cfg.drift_threshold,
+            cfg.drift_min_interval,
+            cfg.drift_max_interval,
+            cfg.drift_signal,
+        )
 
     @property
     def name(self) -> str:
@@ -171,8 +177,13 @@ class Schedule:
             return (step - 1) % self.interval == 0
         if last is None:
             return True
-        return drift_decision(prev_signal, step - last, threshold=self.threshold,
-                              min_interval=self.min_interval, max_interval=self.max_interval)
+        return drift_decision(
+            prev_signal,
+            step - last,
+            threshold=self.threshold,
+            min_interval=self.min_interval,
+            max_interval=self.max_interval,
+        )
 
 
 @dataclass(frozen=True)
@@ -234,8 +245,17 @@ def replay(
         cal = schedule.calibrates(rec.step, state.last_step, prev_signal)
         neg = negative_ratios(rec.r8, rec.advantages, rec.mask)
         if cal:
-            res = calibrate(rec.r8, rec.r16, rec.advantages, rec.mask, eps_low=eps_low, eps_high=eps_high,
-                            config=config, previous=state, dual_clip=dual_clip)
+            res = calibrate(
+                rec.r8,
+                rec.r16,
+                rec.advantages,
+                rec.mask,
+                eps_low=eps_low,
+                eps_high=eps_high,
+                config=config,
+                previous=state,
+                dual_clip=dual_clip,
+            )
             state = state.updated(res, rec.step)
             ref = thin(neg)
         signal = 0.0 if cal else schedule.measure(neg, ref, state)  # as the live train stage records it

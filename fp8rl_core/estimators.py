@@ -149,19 +149,19 @@ def _usable(pool: Sequence[PoolEntry]) -> list[PoolEntry]:
 @LOWER_ESTIMATORS.register("pooled")
 def _pooled(inp: EstimatorInput) -> LowerEstimate:
     """The last ``window`` calibration steps (this one included), aligned by quantile level."""
-    entries = (_usable(inp.pool) + [_entry(inp)])[-inp.window:]
+    entries = (_usable(inp.pool) + [_entry(inp)])[-inp.window :]
     return _pooled_estimate(entries, inp.window - 1)
 
 
 @LOWER_ESTIMATORS.register("k_floor")
 def _k_floor(inp: EstimatorInput) -> LowerEstimate:
     """Widen the pool backwards until BF16 clips >= ``min_clipped`` tokens (at most ``window`` steps)."""
-    history = _usable(inp.pool)[-(inp.window - 1):] if inp.window > 1 else []
+    history = _usable(inp.pool)[-(inp.window - 1) :] if inp.window > 1 else []
     entries = [_entry(inp)]
     while sum(e.k for e in entries) < inp.min_clipped and history:
         entries.insert(0, history.pop())
     est = _pooled_estimate(entries, 0)
-    keep = (_usable(inp.pool) + [entries[-1]])[-(inp.window - 1):] if inp.window > 1 else []
+    keep = (_usable(inp.pool) + [entries[-1]])[-(inp.window - 1) :] if inp.window > 1 else []
     return LowerEstimate(est.raw_lower, est.level, est.shadow_tokens, est.pooled_steps, pool=tuple(keep))
 
 

@@ -136,7 +136,9 @@ def round_e2m1_(y: torch.Tensor, *, stochastic: bool = False, generator: torch.G
 
 def _random_bits22(n: int, generator: torch.Generator) -> torch.Tensor:
     """n int32 values, each 22 uniform random bits from ``generator`` (two per 64-bit draw)."""
-    words = torch.empty((n + 1) // 2, dtype=torch.int64, device=generator.device).random_(generator=generator)  # [0, 2**63)
+    words = torch.empty((n + 1) // 2, dtype=torch.int64, device=generator.device).random_(
+        generator=generator
+    )  # [0, 2**63)
     return words.view(torch.int32)[:n].bitwise_and_(0x3FFFFF)
 
 
@@ -243,13 +245,20 @@ def quantize_fp4(
     return y, s.reshape(s.shape[0], -1), ts  # drop the grouped view's singleton dims
 
 
-def dequantize_fp4(values: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: FP4Format, layout: Layout = "row") -> torch.Tensor:
+def dequantize_fp4(
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    tensor_scale: torch.Tensor | None,
+    fmt: FP4Format,
+    layout: Layout = "row",
+) -> torch.Tensor:
     """Inverse of ``quantize_fp4``: values · (tensor scale · block scale), float32."""
     return _dequantize_(values.to(torch.float32, copy=True), scales, tensor_scale, fmt, layout)
 
 
-def _dequantize_(values: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: FP4Format,
-                 layout: Layout) -> torch.Tensor:
+def _dequantize_(
+    values: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: FP4Format, layout: Layout
+) -> torch.Tensor:
     """``dequantize_fp4`` in place on float32 ``values``."""
     s = scales if tensor_scale is None else tensor_scale * scales  # torchao: per_tensor_scale * e4m3 scale
     g, _ = _grouped(values, fmt, layout)

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from fp8rl_core import cpu_gemm
-from fp8rl_core.fp4 import FP4Format, HADAMARD_SIZE, fake_quantize_fp4, random_hadamard, random_signs
+from fp8rl_core.fp4 import HADAMARD_SIZE, FP4Format, fake_quantize_fp4, random_hadamard, random_signs
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,9 @@ class Fp4State:
         self.generator.set_state(torch.frombuffer(bytearray(base64.b64decode(d["generator"])), dtype=torch.uint8))
 
 
-def _fq(t: torch.Tensor, fmt: FP4Format, layout: str, dtype: torch.dtype, *, state: Fp4State | None = None) -> torch.Tensor:
+def _fq(
+    t: torch.Tensor, fmt: FP4Format, layout: str, dtype: torch.dtype, *, state: Fp4State | None = None
+) -> torch.Tensor:
     """Fake-quantize t; stochastic rounding when a state (its generator) is given."""
     if state is None:
         return fake_quantize_fp4(t, fmt, layout).to(dtype)
@@ -112,7 +114,13 @@ class _Fp4LinearFunction(torch.autograd.Function):
             if bias is not None:
                 out = out.add_(bias.to(out.dtype))
         ctx.save_for_backward(x2, wq if recipe.weight_2d else weight)
-        ctx.recipe, ctx.compute_dtype, ctx.x_shape, ctx.has_bias, ctx.state = recipe, compute_dtype, x.shape, bias is not None, state
+        ctx.recipe, ctx.compute_dtype, ctx.x_shape, ctx.has_bias, ctx.state = (
+            recipe,
+            compute_dtype,
+            x.shape,
+            bias is not None,
+            state,
+        )
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -165,8 +173,10 @@ class Fp4TrainingLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         r = self.recipe
-        return (f"{super().extra_repr()}, fp4={r.fmt.name} (weight_2d={r.weight_2d}, "
-                f"stochastic_grad={r.stochastic_grad}, hadamard_wgrad={r.hadamard_wgrad})")
+        return (
+            f"{super().extra_repr()}, fp4={r.fmt.name} (weight_2d={r.weight_2d}, "
+            f"stochastic_grad={r.stochastic_grad}, hadamard_wgrad={r.hadamard_wgrad})"
+        )
 
 
 def fp4_state_of(model: nn.Module) -> Fp4State | None:
@@ -207,7 +217,9 @@ class Fp4RolloutLinear(nn.Module):
         self.register_buffer("bias", None, persistent=False)
 
     @torch.no_grad()
-    def refresh_weight(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> None:
+    def refresh_weight(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16
+    ) -> None:
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
         self.weight_values = fake_quantize_fp4(weight.detach(), self.fmt, "row").to(dtype)
@@ -216,7 +228,11 @@ class Fp4RolloutLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_values.numel() == 0:
             raise RuntimeError("Fp4RolloutLinear used before refresh_weight(); call sync_rollout_weights first")
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else self.weight_values.dtype
+        dtype = (
+            torch.get_autocast_dtype(x.device.type)
+            if torch.is_autocast_enabled(x.device.type)
+            else self.weight_values.dtype
+        )
         x2 = x.reshape(-1, self.in_features)
         with torch.autocast(x.device.type, enabled=False):
             out = cpu_gemm.mm(fake_quantize_fp4(x2, self.fmt, "row").to(dtype), self.weight_values.to(dtype).t())

@@ -72,7 +72,6 @@ from fp8rl_core.fp8_operands import (  # quantize_operand and SharedInputCache: 
 )
 
 
-
 @dataclass(frozen=True)
 class Fp8Recipe:
     """FP8 numerics of one training linear: formats per operand, granularity, scales."""
@@ -275,19 +274,25 @@ class Fp8RolloutLinear(nn.Module):
         if scheme not in ("per_tensor", "per_block"):
             raise ValueError(f"unknown W8A8 scheme {scheme!r}; valid: per_tensor, per_block")
         self.in_features, self.out_features, self.scheme, self.block = in_features, out_features, scheme, block
-        self.register_buffer("weight_values", torch.empty(0), persistent=False)  # [N, K] FP8 values (per_block: dequantized)
+        self.register_buffer(
+            "weight_values", torch.empty(0), persistent=False
+        )  # [N, K] FP8 values (per_block: dequantized)
         self.register_buffer("weight_post", torch.empty(0), persistent=False)  # [] dequant scale (per_tensor)
         self.register_buffer("bias", None, persistent=False)  # [N]
         self._by_dtype: dict[torch.dtype, torch.Tensor] = {}
         self.input_cache: SharedInputCache | None = None  # set by precision.convert_for_rollout
 
     @torch.no_grad()
-    def refresh_weight(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> None:
+    def refresh_weight(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16
+    ) -> None:
         """Quantize ``weight`` [N, K] (master precision) for the next forwards; ``bias`` [N] kept in ``dtype``."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
         layout = "tensor" if self.scheme == "per_tensor" else "block"
-        values, post = quantize_operand(weight.detach(), E4M3, layout, pow2=False, compute_dtype=dtype, block=self.block)
+        values, post = quantize_operand(
+            weight.detach(), E4M3, layout, pow2=False, compute_dtype=dtype, block=self.block
+        )
         self.weight_values = values
         self.weight_post = post if post is not None else torch.empty(0, device=values.device)
         self.bias = None if bias is None else bias.detach().to(dtype)

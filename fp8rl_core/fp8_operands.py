@@ -91,7 +91,13 @@ def _prepass_amax(g: torch.Tensor, layout: Layout, rows: int, scratch: torch.Ten
 
 
 def _round_in_place_(
-    y: torch.Tensor, qscale: torch.Tensor, fmt: FP8Format, *, pow2: bool, dequantize: bool, bits: torch.Tensor | None = None
+    y: torch.Tensor,
+    qscale: torch.Tensor,
+    fmt: FP8Format,
+    *,
+    pow2: bool,
+    dequantize: bool,
+    bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y (float32) <- FP8-rounded ``y * qscale``, divided back by qscale if ``dequantize``.
 
@@ -105,8 +111,11 @@ def _round_in_place_(
     if not scaled_grid:
         y.mul_(qscale)
     exponent_bits = y.view(torch.int32)
-    magic = (torch.bitwise_and(exponent_bits, 0x7F800000, out=bits) if bits is not None
-             else torch.bitwise_and(exponent_bits, 0x7F800000)).view(torch.float32)  # 2**floor(log2|y|)
+    magic = (
+        torch.bitwise_and(exponent_bits, 0x7F800000, out=bits)
+        if bits is not None
+        else torch.bitwise_and(exponent_bits, 0x7F800000)
+    ).view(torch.float32)  # 2**floor(log2|y|)
     if scaled_grid:
         torch.maximum(magic, fmt.min_normal / qscale, out=magic)
     else:
@@ -276,7 +285,9 @@ class SharedInputCache:
             version = None
         return (t.data_ptr(), tuple(t.shape), t.stride(), version, *settings)
 
-    def quantize(self, t: torch.Tensor, fmt: FP8Format, layout: Layout, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def quantize(
+        self, t: torch.Tensor, fmt: FP8Format, layout: Layout, **kw
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``quantize_operand(t, fmt, layout, **kw)``, reusing the previous result for the same data."""
         key = self._key(t, (fmt.dtype, layout, *sorted(kw.items())))
         if self.held is None or key != self.key:

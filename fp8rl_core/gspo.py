@@ -140,8 +140,13 @@ def gspo_loss(
 
 
 def sequence_calibration_inputs(
-    logp8: torch.Tensor, old_logp8: torch.Tensor, logp16: torch.Tensor, old_logp16: torch.Tensor,
-    advantages: torch.Tensor, seq_index: torch.Tensor, mask: torch.Tensor,
+    logp8: torch.Tensor,
+    old_logp8: torch.Tensor,
+    logp16: torch.Tensor,
+    old_logp16: torch.Tensor,
+    advantages: torch.Tensor,
+    seq_index: torch.Tensor,
+    mask: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sequence (s8, s16, A, valid) from flat token columns (``[N]`` each, ``seq_index`` the sequence of each token).
 
@@ -159,27 +164,38 @@ def sequence_calibration_inputs(
     cnt = z.index_add(0, inv, torch.ones_like(d8))
     bad = z.index_add(0, inv, (~ok).double()) > 0
     s8 = torch.exp(torch.clamp(z.index_add(0, inv, torch.where(ok, d8, 0.0)) / cnt, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    s16 = torch.exp(torch.clamp(z.index_add(0, inv, torch.where(ok, d16, 0.0)) / cnt, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    s16 = torch.exp(
+        torch.clamp(z.index_add(0, inv, torch.where(ok, d16, 0.0)) / cnt, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    )
     a = z.index_add(0, inv, torch.where(ok, adv, 0.0)) / cnt
     return s8, s16, a, ~bad
 
 
 def gspo_calibration_config(cfg):
     """``cfg`` with the sequence-level grid, search intervals and step cap (``gspo_*`` fields)."""
-    return cfg.model_copy(update={
-        "lower_min": cfg.gspo_lower_min, "lower_max": cfg.gspo_lower_max,
-        "upper_min": cfg.gspo_upper_min, "upper_max": cfg.gspo_upper_max,
-        "upper_step": cfg.gspo_upper_step, "max_delta": cfg.gspo_max_delta,
-    })
+    return cfg.model_copy(
+        update={
+            "lower_min": cfg.gspo_lower_min,
+            "lower_max": cfg.gspo_lower_max,
+            "upper_min": cfg.gspo_upper_min,
+            "upper_max": cfg.gspo_upper_max,
+            "upper_step": cfg.gspo_upper_step,
+            "max_delta": cfg.gspo_max_delta,
+        }
+    )
 
 
 @CALIBRATION_UNITS.register("gspo")
-def sequence_calibration_units(cols: dict[str, np.ndarray], sample_ids: np.ndarray, token_mask: torch.Tensor,
-                               cfg):
+def sequence_calibration_units(cols: dict[str, np.ndarray], sample_ids: np.ndarray, token_mask: torch.Tensor, cfg):
     """(s8, s16, A, valid, config) of a calibration step for GSPO: sequences as the calibration units."""
     t = {k: torch.from_numpy(np.asarray(v, dtype=np.float64)) for k, v in cols.items()}
     s8, s16, a, ok = sequence_calibration_inputs(
-        t["logp_fp8"], t["old_logp_fp8"], t["logp_bf16"], t["old_logp_bf16"], t["advantage"],
-        torch.from_numpy(np.asarray(sample_ids, dtype=np.int64)), token_mask,
+        t["logp_fp8"],
+        t["old_logp_fp8"],
+        t["logp_bf16"],
+        t["old_logp_bf16"],
+        t["advantage"],
+        torch.from_numpy(np.asarray(sample_ids, dtype=np.int64)),
+        token_mask,
     )
     return s8, s16, a, ok, gspo_calibration_config(cfg)

@@ -48,8 +48,15 @@ class Trip:
 
 
 def surge_start(
-    values: Sequence[float], *, factor: float, window: int, persist: int, floor: float = 0.0, below: bool = False,
-    ref_min: float = 0.0, only_last: bool = False,
+    values: Sequence[float],
+    *,
+    factor: float,
+    window: int,
+    persist: int,
+    floor: float = 0.0,
+    below: bool = False,
+    ref_min: float = 0.0,
+    only_last: bool = False,
 ) -> int | None:
     """Index s of the first surge (or collapse, ``below=True``) that is complete by the end of ``values``, else None.
 
@@ -83,7 +90,7 @@ def check(rows: Sequence[Mapping[str, float]], cfg, *, at_last: bool = False) ->
     did not act on -- e.g. from before it was enabled -- cannot mask a new one).
     """
     steps = [int(r["step"]) for r in rows]
-    for r in (rows[-1:] if at_last else rows):
+    for r in rows[-1:] if at_last else rows:
         vals = [r.get(k, 0.0) for k in ("loss", "grad_norm", "entropy_mean")]
         if (r.get("skipped_updates") or 0) > 0 or any(v is not None and not math.isfinite(v) for v in vals):
             return Trip("non_finite", int(r["step"]), int(r["step"]), "non-finite loss, gradient or entropy")
@@ -93,21 +100,50 @@ def check(rows: Sequence[Mapping[str, float]], cfg, *, at_last: bool = False) ->
 
     found: list[Trip] = []
     ent = series("entropy_mean")
-    s = surge_start(ent, factor=cfg.surge_factor, window=cfg.window, persist=cfg.persist, floor=cfg.entropy_floor, only_last=at_last)
+    s = surge_start(
+        ent, factor=cfg.surge_factor, window=cfg.window, persist=cfg.persist, floor=cfg.entropy_floor, only_last=at_last
+    )
     if s is not None:
-        found.append(Trip("entropy_surge", steps[s + cfg.persist - 1], steps[s],
-                          f"entropy {ent[s]:.3f} > {cfg.surge_factor} x median of the {cfg.window} steps before step {steps[s]}"))
+        found.append(
+            Trip(
+                "entropy_surge",
+                steps[s + cfg.persist - 1],
+                steps[s],
+                f"entropy {ent[s]:.3f} > {cfg.surge_factor} x median of the {cfg.window} steps before step {steps[s]}",
+            )
+        )
     gar = series("garbled_share")
-    s = surge_start(gar, factor=cfg.surge_factor, window=cfg.window, persist=cfg.persist, floor=cfg.garbled_floor, only_last=at_last)
+    s = surge_start(
+        gar, factor=cfg.surge_factor, window=cfg.window, persist=cfg.persist, floor=cfg.garbled_floor, only_last=at_last
+    )
     if s is not None:
-        found.append(Trip("garbled_surge", steps[s + cfg.persist - 1], steps[s],
-                          f"garbled share {gar[s]:.3f} > {cfg.surge_factor} x median before step {steps[s]}"))
+        found.append(
+            Trip(
+                "garbled_surge",
+                steps[s + cfg.persist - 1],
+                steps[s],
+                f"garbled share {gar[s]:.3f} > {cfg.surge_factor} x median before step {steps[s]}",
+            )
+        )
     rew = series("reward_mean")
-    s = surge_start(rew, factor=cfg.reward_collapse_factor, window=cfg.window, persist=cfg.persist, below=True,
-                    ref_min=cfg.reward_min, only_last=at_last)
+    s = surge_start(
+        rew,
+        factor=cfg.reward_collapse_factor,
+        window=cfg.window,
+        persist=cfg.persist,
+        below=True,
+        ref_min=cfg.reward_min,
+        only_last=at_last,
+    )
     if s is not None:
-        found.append(Trip("reward_collapse", steps[s + cfg.persist - 1], steps[s],
-                          f"reward {rew[s]:.3f} < {cfg.reward_collapse_factor} x median before step {steps[s]}"))
+        found.append(
+            Trip(
+                "reward_collapse",
+                steps[s + cfg.persist - 1],
+                steps[s],
+                f"reward {rew[s]:.3f} < {cfg.reward_collapse_factor} x median before step {steps[s]}",
+            )
+        )
     return min(found, key=lambda t: (t.detected_step, t.first_bad_step)) if found else None
 
 

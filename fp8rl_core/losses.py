@@ -194,9 +194,16 @@ def aggregate(
     """
     fn = AGGREGATIONS.get(agg)
     if loss_mat.dim() != 2 or loss_mat.shape != mask.shape:
-        raise ValueError(f"aggregate expects loss_mat and mask of the same [B, T] shape, got {tuple(loss_mat.shape)} and {tuple(mask.shape)}")
+        raise ValueError(
+            f"aggregate expects loss_mat and mask of the same [B, T] shape, got "
+            f"{tuple(loss_mat.shape)} and {tuple(mask.shape)}"
+        )
     return fn(
-        loss_mat, mask.bool(), global_token_count=global_token_count, global_seq_count=global_seq_count, norm_len=norm_len
+        loss_mat,
+        mask.bool(),
+        global_token_count=global_token_count,
+        global_seq_count=global_seq_count,
+        norm_len=norm_len,
     )
 
 
@@ -226,7 +233,9 @@ def _check_inputs(logp, old_logp, advantages, mask, is_weights, lower, upper) ->
     if is_weights is not None:
         shapes["is_weights"] = is_weights.shape
     if logp.dim() != 2 or len(set(shapes.values())) != 1:
-        raise ValueError(f"policy loss expects [B, T] tensors of one shape, got {({k: tuple(v) for k, v in shapes.items()})}")
+        raise ValueError(
+            f"policy loss expects [B, T] tensors of one shape, got { ({k: tuple(v) for k, v in shapes.items()}) }"
+        )
     if not lower <= upper:
         raise ValueError(f"clip bounds need lower <= upper, got lower={lower}, upper={upper}")
 

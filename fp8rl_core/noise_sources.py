@@ -30,8 +30,14 @@ __all__ = ["noise_sources"]
 
 
 def noise_sources(
-    logp8: torch.Tensor, old_logp8: torch.Tensor, logp16: torch.Tensor, old_logp16: torch.Tensor,
-    rollout_logp: torch.Tensor, mask: torch.Tensor, *, tis_cap: float = 2.0,
+    logp8: torch.Tensor,
+    old_logp8: torch.Tensor,
+    logp16: torch.Tensor,
+    old_logp16: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    tis_cap: float = 2.0,
 ) -> dict[str, float]:
     """The five NMAEs of the module docstring; ``[B, T]`` log-probs (any one shape) and the valid mask."""
     r8, r16 = importance_ratio(logp8, old_logp8), importance_ratio(logp16, old_logp16)

@@ -145,10 +145,7 @@ def _decoder_linears(model: nn.Module) -> tuple[list[tuple[str, nn.Module, str, 
 def _check_dims(lin: nn.Linear, multiple: int, *, allow_bias: bool, kernel: str) -> str | None:
     """Reason the kernel cannot take this layer, or None."""
     if lin.in_features % multiple or lin.out_features % multiple:
-        return (
-            f"{kernel} needs in/out features divisible by {multiple}, layer is "
-            f"{lin.in_features}->{lin.out_features}"
-        )
+        return f"{kernel} needs in/out features divisible by {multiple}, layer is {lin.in_features}->{lin.out_features}"
     if not allow_bias and lin.bias is not None:
         return f"{kernel} does not support a bias"
     return None
@@ -213,8 +210,16 @@ def convert_for_training(
     if already:
         raise ValueError(f"model is already converted for FP8 training ({already[0]}, ...); convert a fresh model")
     _ensure_fp32_master(model)
-    req = _TrainRequest(model, mode, device or _model_device(model), emulate, round_scales_to_power_of_2, backend,
-                        tuple(keep_high_precision), seed)
+    req = _TrainRequest(
+        model,
+        mode,
+        device or _model_device(model),
+        emulate,
+        round_scales_to_power_of_2,
+        backend,
+        tuple(keep_high_precision),
+        seed,
+    )
     report = convert(req)
     log.info(report.summary())
     if report.skipped:  # grouped by reason: 192 names of a 32B model would bury the line
@@ -242,7 +247,8 @@ def _resolve_emulate(req: _TrainRequest, min_capability: tuple[int, int]) -> boo
     if req.emulate is False and not has_hw:
         found = f"CUDA capability {cap}" if cap else f"device {req.device}"
         raise ValueError(
-            f"precision {req.mode!r} with emulate=False needs a CUDA GPU with SM{min_capability[0]}{min_capability[1]}+, "
+            f"precision {req.mode!r} with emulate=False needs a CUDA GPU with "
+            f"SM{min_capability[0]}{min_capability[1]}+, "
             f"found {found}; pass emulate=None (auto) or True"
         )
     return not has_hw if req.emulate is None else req.emulate
@@ -298,7 +304,9 @@ def _train_blockwise(req: _TrainRequest) -> ConversionReport:
     try:
         from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
     except ImportError as e:  # its kernels are Triton kernels
-        raise RuntimeError(f"torchao's blockwise FP8 training needs Triton ({e}); pass emulate=True to emulate it") from e
+        raise RuntimeError(
+            f"torchao's blockwise FP8 training needs Triton ({e}); pass emulate=True to emulate it"
+        ) from e
 
     converted, skipped = _swap(found, Float8BlockwiseLinear.from_float, reason)
     return ConversionReport(req.mode, "torchao-blockwise", False, converted, skipped, tuple(keep))
@@ -507,15 +515,18 @@ def fp4_shape_problem(lin: nn.Linear, fmt: FP4Format) -> str | None:
     """Why ``fmt``'s training recipe cannot take this linear, or None."""
     b = fmt.block
     if lin.in_features % b or lin.out_features % b:
-        return (f"{fmt.name} training needs in and out features divisible by {b} ({b}x{b} weight tiles, "
-                f"1x{b} activation blocks), layer is {lin.in_features}->{lin.out_features}")
+        return (
+            f"{fmt.name} training needs in and out features divisible by {b} ({b}x{b} weight tiles, "
+            f"1x{b} activation blocks), layer is {lin.in_features}->{lin.out_features}"
+        )
     return None
 
 
 def _train_fp4(req: _TrainRequest, fmt: FP4Format) -> ConversionReport:
     if req.emulate is False:
-        raise ValueError(f"precision {req.mode!r}: no real FP4 kernels are wired (emulation only); "
-                         "pass emulate=None or True")
+        raise ValueError(
+            f"precision {req.mode!r}: no real FP4 kernels are wired (emulation only); pass emulate=None or True"
+        )
     found, keep = _decoder_linears(req.model)
     patterns = tuple(getattr(req, "keep_high_precision", ()) or ())
     listed = [f for f in found if any(fnmatch.fnmatchcase(f[0], p) for p in patterns)]
@@ -539,4 +550,5 @@ for _mode, _fmt in FP4_TRAIN_MODES.items():
 
 for _mode, _fmt in FP4_ROLLOUT_MODES.items():
     ROLLOUT_PRECISIONS.register(_mode)(
-        lambda lin, _fmt=_fmt: Fp4RolloutLinear(lin.in_features, lin.out_features, fmt=_fmt))
+        lambda lin, _fmt=_fmt: Fp4RolloutLinear(lin.in_features, lin.out_features, fmt=_fmt)
+    )

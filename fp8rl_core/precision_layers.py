@@ -31,6 +31,7 @@ def layer_precision(model: nn.Module, report: Any) -> dict:
     linears' weights), ``kept_bf16`` (one entry per reason: its layer-name
     patterns, count and parameters) and ``high_precision`` (output embedding names).
     """
+
     def numel(name: str) -> int:
         return sum(p.numel() for p in model.get_submodule(name).parameters(recurse=False))
 
@@ -44,17 +45,24 @@ def layer_precision(model: nn.Module, report: Any) -> dict:
     fp8 = sum(numel(n) for n in report.converted)
     bf16 = sum(g["params"] for g in groups.values())
     return {
-        "mode": report.mode, "backend": report.backend, "fp8_linears": len(report.converted), "fp8_params": fp8,
-        "bf16_linears": len(report.skipped), "bf16_params": bf16,
+        "mode": report.mode,
+        "backend": report.backend,
+        "fp8_linears": len(report.converted),
+        "fp8_params": fp8,
+        "bf16_linears": len(report.skipped),
+        "bf16_params": bf16,
         "fp8_share": fp8 / (fp8 + bf16) if fp8 + bf16 else 0.0,
-        "kept_bf16": list(groups.values()), "high_precision": list(report.kept_high_precision),
+        "kept_bf16": list(groups.values()),
+        "high_precision": list(report.kept_high_precision),
     }
 
 
 def precision_line(summary: dict) -> str:
     """One line: FP8 and BF16 linears, with the reason each BF16 group stays in BF16."""
-    head = (f"precision {summary['mode']} ({summary['backend']}): {summary['fp8_linears']} linears in FP8 "
-            f"({100 * summary['fp8_share']:.1f}% of decoder-linear weights)")
+    head = (
+        f"precision {summary['mode']} ({summary['backend']}): {summary['fp8_linears']} linears in FP8 "
+        f"({100 * summary['fp8_share']:.1f}% of decoder-linear weights)"
+    )
     if summary["mode"] == "bf16":
         return f"precision bf16: every linear in BF16; high precision: {', '.join(summary['high_precision']) or '-'}"
     kept = "; ".join(f"{g['count']} ({', '.join(g['layers'])}): {g['reason']}" for g in summary["kept_bf16"])

@@ -41,8 +41,19 @@ import random
 from fp8rl_core.task import ANSWER_MARKER, Problem, exact_verify, extract_answer
 
 __all__ = [
-    "LEVELS", "CELL", "make_problem", "demonstration", "prompt_length", "response_cap", "extract_answer",
-    "exact_verify", "chain", "expected_sampled_accuracy", "format_prompt", "split_of", "carry_in_columns",
+    "LEVELS",
+    "CELL",
+    "make_problem",
+    "demonstration",
+    "prompt_length",
+    "response_cap",
+    "extract_answer",
+    "exact_verify",
+    "chain",
+    "expected_sampled_accuracy",
+    "format_prompt",
+    "split_of",
+    "carry_in_columns",
 ]
 
 LEVELS: dict[int, int] = {0: 4, 1: 6, 2: 8, 3: 11}  # difficulty -> digits per operand
@@ -124,8 +135,13 @@ def make_problem(index: int, split: str, difficulty: int, seed: int) -> Problem:
         if split_of(operands, difficulty) == split:
             break
     solution, answer = chain(operands, n)
-    return Problem(id=f"str-d{difficulty}-s{seed}-{split}-{index}", prompt=format_prompt(operands, difficulty),
-                   solution=solution, answer=answer, operands=operands)
+    return Problem(
+        id=f"str-d{difficulty}-s{seed}-{split}-{index}",
+        prompt=format_prompt(operands, difficulty),
+        solution=solution,
+        answer=answer,
+        operands=operands,
+    )
 
 
 def demonstration(problem: Problem, difficulty: int, carry_drop: float, rng: random.Random) -> str:
@@ -140,8 +156,13 @@ def demonstration(problem: Problem, difficulty: int, carry_drop: float, rng: ran
 def expected_sampled_accuracy(difficulty: int, carry_drop: float, n: int = 2000, seed: int = 0) -> float:
     """Accuracy of a perfect clone of the noisy teacher (planning aid)."""
     d = _digits(difficulty)
-    return sum((1.0 - carry_drop) ** len(carry_in_columns(make_problem(i, "test", difficulty, seed).operands, d))
-               for i in range(n)) / n
+    return (
+        sum(
+            (1.0 - carry_drop) ** len(carry_in_columns(make_problem(i, "test", difficulty, seed).operands, d))
+            for i in range(n)
+        )
+        / n
+    )
 
 
 def procedural_task(kind: str):

@@ -147,7 +147,13 @@ class SubsampleBound:
 
 
 def lower_error_bound(
-    r8_neg_full: torch.Tensor, alpha_subset: float, *, m: int, neg_per_seq: torch.Tensor, keep: torch.Tensor, delta: float
+    r8_neg_full: torch.Tensor,
+    alpha_subset: float,
+    *,
+    m: int,
+    neg_per_seq: torch.Tensor,
+    keep: torch.Tensor,
+    delta: float,
 ) -> SubsampleBound:
     """The stated bound on |L_subset - L_full| after a subset calibration.
 
@@ -169,8 +175,16 @@ def lower_error_bound(
 
 
 def bootstrap_lower_error(
-    r8_neg: torch.Tensor, r16_neg: torch.Tensor, seq_neg: torch.Tensor, *, threshold: float, delta: float,
-    m: int, n_total: int, resamples: int = 200, generator: torch.Generator | None = None,
+    r8_neg: torch.Tensor,
+    r16_neg: torch.Tensor,
+    seq_neg: torch.Tensor,
+    *,
+    threshold: float,
+    delta: float,
+    m: int,
+    n_total: int,
+    resamples: int = 200,
+    generator: torch.Generator | None = None,
 ) -> float:
     """Bootstrap over the subset's sequences: the (1 - delta) quantile of |L* - L_S|.
 
@@ -206,6 +220,8 @@ def bootstrap_lower_error(
     base = rule(torch.ones(1, v.numel(), dtype=torch.float64))[0]
     g = generator or torch.Generator().manual_seed(0)
     draws = torch.randint(0, k_seq, (resamples, k_seq), generator=g)
-    w_seq = torch.zeros(resamples, k_seq, dtype=torch.float64).scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64))
+    w_seq = torch.zeros(resamples, k_seq, dtype=torch.float64).scatter_add_(
+        1, draws, torch.ones_like(draws, dtype=torch.float64)
+    )
     dev = (rule(w_seq[:, inv_sorted]) - base).abs()
     return float(torch.quantile(dev, 1.0 - delta))

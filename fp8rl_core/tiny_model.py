@@ -116,7 +116,9 @@ def build_tiny_model(cfg: ModelConfig, vocab_size: int = VOCAB_SIZE) -> Qwen3For
     return model
 
 
-def load_policy(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+def load_policy(
+    path: str | Path, *, dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     """Load ``(model, tokenizer)`` from a Hugging Face directory or hub id.
 
     The same call serves a bootstrapped tiny checkpoint and a real model; the

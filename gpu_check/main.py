@@ -48,9 +48,30 @@ BUDGET_S = 450.0  # stop starting new sections after this; the whole check must 
 
 # Decoder shapes from the models' published config.json files.
 MODELS: dict[str, dict] = {
-    "Qwen3-8B": dict(arch="qwen3", hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128),
-    "Qwen3-14B": dict(arch="qwen3", hidden_size=5120, intermediate_size=17408, num_attention_heads=40, num_key_value_heads=8, head_dim=128),
-    "Qwen2.5-32B": dict(arch="qwen2", hidden_size=5120, intermediate_size=27648, num_attention_heads=40, num_key_value_heads=8, head_dim=128),
+    "Qwen3-8B": dict(
+        arch="qwen3",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "Qwen3-14B": dict(
+        arch="qwen3",
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "Qwen2.5-32B": dict(
+        arch="qwen2",
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
 }
 TOKENS = (8192, 16384)
 RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")
@@ -92,9 +113,8 @@ def model_config(name: str, *, layers: int, vocab: int = 1024):
 
 
 def build(config, device):
-    from transformers import AutoModelForCausalLM
-
     import torch
+    from transformers import AutoModelForCausalLM
 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -123,7 +143,14 @@ def time_train_step(model, tokens: int, *, iters: int, warmup: int) -> float:
 
 
 def section_throughput(
-    deadline: float, *, layers: int = 2, iters: int = 4, warmup: int = 2, models=None, tokens_list=TOKENS, device: str = "cuda"
+    deadline: float,
+    *,
+    layers: int = 2,
+    iters: int = 4,
+    warmup: int = 2,
+    models=None,
+    tokens_list=TOKENS,
+    device: str = "cuda",
 ) -> None:
     import torch
 
@@ -163,7 +190,10 @@ def section_sqnr(tokens: int = 512) -> None:
 
     from fp8rl_core.precision import convert_for_training
 
-    emit(f"[2] one forward of a Qwen3-8B decoder layer ({tokens} tokens): real FP8 kernels (GPU) vs CPU emulation, SQNR dB")
+    emit(
+        f"[2] one forward of a Qwen3-8B decoder layer ({tokens} tokens): real FP8 kernels (GPU) vs CPU emulation, "
+        f"SQNR dB"
+    )
     torch.manual_seed(0)
     config = model_config("Qwen3-8B", layers=1)
     x = torch.randn(1, tokens, config.hidden_size)
@@ -184,8 +214,10 @@ def section_sqnr(tokens: int = 512) -> None:
                     y_real = real.model(inputs_embeds=x.cuda()).last_hidden_state.float().cpu()
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     y_emu = emu.model(inputs_embeds=x).last_hidden_state.float()
-            emit(f"    {mode.removeprefix('fp8_'):10s} real vs emulation {sqnr_db(y_real, y_emu):6.1f} dB | "
-                 f"real vs bf16 {sqnr_db(ref, y_real):5.1f} dB | emulation vs bf16 {sqnr_db(ref, y_emu):5.1f} dB")
+            emit(
+                f"    {mode.removeprefix('fp8_'):10s} real vs emulation {sqnr_db(y_real, y_emu):6.1f} dB | "
+                f"real vs bf16 {sqnr_db(ref, y_real):5.1f} dB | emulation vs bf16 {sqnr_db(ref, y_emu):5.1f} dB"
+            )
         except Exception as err:
             emit(f"    {mode}: FAILED ({type(err).__name__}: {str(err)[:100]})")
         finally:
@@ -200,7 +232,10 @@ def section_rollout(seqs: int = 4, length: int = 256, *, config=None, device: st
 
     from fp8rl_core.precision import convert_for_rollout
 
-    emit(f"[3] rollout numerics, Qwen3-8B-shaped policy (2 layers, vocab 32768), teacher-forced log-probs of {seqs}x{length} tokens")
+    emit(
+        f"[3] rollout numerics, Qwen3-8B-shaped policy (2 layers, vocab 32768), teacher-forced log-probs of "
+        f"{seqs}x{length} tokens"
+    )
     torch.manual_seed(0)
     config = config or model_config("Qwen3-8B", layers=2, vocab=32768)
     base = build(config, device).eval()
@@ -223,7 +258,9 @@ def section_rollout(seqs: int = 4, length: int = 256, *, config=None, device: st
             del m
     except Exception as err:
         emit(f"    torchao FP8 inference: FAILED ({type(err).__name__}: {str(err)[:100]})")
-    results["emulated fp8_per_tensor (vLLM fused scales)"] = logp(convert_for_rollout(base, "fp8_per_tensor", dtype=torch.bfloat16))
+    results["emulated fp8_per_tensor (vLLM fused scales)"] = logp(
+        convert_for_rollout(base, "fp8_per_tensor", dtype=torch.bfloat16)
+    )
     from gpu_check.rollout_kernels import use_scaled_mm
 
     real = convert_for_rollout(base, "fp8_per_tensor", dtype=torch.bfloat16)
@@ -272,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         emit("gpu-check: torch is not installed; it needs torch >= 2.11, transformers and pyarrow")
         return 2
     if not torch.cuda.is_available():
-        emit(f"gpu-check: no CUDA device (torch {torch.__version__}); nothing measured. Run `make gpu-check` on a GPU machine.")
+        emit(
+            f"gpu-check: no CUDA device (torch {torch.__version__}); nothing measured. Run `make gpu-check` on a "
+            f"GPU machine."
+        )
         return 0
     try:
         import torchao
@@ -281,11 +321,18 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         ao = "torchao MISSING (run `make gpu-check-wheels`)"
     name = torch.cuda.get_device_name()
-    emit(f"gpu-check: {name}, CUDA capability {torch.cuda.get_device_capability()}, torch {torch.__version__}, {ao}, "
-         f"wheels: {[Path(w).name for w in wheels] or 'none'}")
+    emit(
+        f"gpu-check: {name}, CUDA capability {torch.cuda.get_device_capability()}, torch {torch.__version__}, {ao}, "
+        f"wheels: {[Path(w).name for w in wheels] or 'none'}"
+    )
     deadline = start + BUDGET_S
-    sections = (lambda: section_throughput(deadline), section_sqnr, section_rollout,
-                lambda: section_train_step(deadline), lambda: section_vllm(deadline))
+    sections = (
+        lambda: section_throughput(deadline),
+        section_sqnr,
+        section_rollout,
+        lambda: section_train_step(deadline),
+        lambda: section_vllm(deadline),
+    )
     for section in sections:
         if time.monotonic() > deadline:
             emit("gpu-check: time budget reached; remaining sections skipped")

@@ -21,7 +21,8 @@ PATH = Path(__file__).resolve().parent / "step_config.json"
 OVERRIDES: dict[str, Any] = {
     "rollout": {"prompts_per_step": 4, "samples_per_prompt": 8, "max_new_tokens": 160},
     "algorithm": {"ppo_mini_batch_size": 16, "micro_batch_size": 8, "lr": 1e-6},
-    "precision": {"train": "fp8_tensorwise", "emulate": False}, "device": "cuda",
+    "precision": {"train": "fp8_tensorwise", "emulate": False},
+    "device": "cuda",
 }
 
 

@@ -38,9 +38,17 @@ def _model(device):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=24,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-                      tie_word_embeddings=True)
+    cfg = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
     return Qwen3ForCausalLM(cfg).to(device=device, dtype=torch.float32)
 
 
@@ -57,8 +65,9 @@ def _batch(device, n=32, p=96, r=160, vocab=150000):
     for i, ln in enumerate(lens.tolist()):
         am[i, : p + ln] = 1
         rm[i, p : p + ln] = 1
-    return TrainBatch(ids * am, am, rm, -torch.rand(n, p + r, generator=g) * rm, torch.randn(n, generator=g),
-                      torch.arange(n)).to(device)
+    return TrainBatch(
+        ids * am, am, rm, -torch.rand(n, p + r, generator=g) * rm, torch.randn(n, generator=g), torch.arange(n)
+    ).to(device)
 
 
 def step_and_calibrate(model, optimizer, scheduler, batch, cfg) -> tuple[Any, Any, float]:
@@ -77,8 +86,9 @@ def step_and_calibrate(model, optimizer, scheduler, batch, cfg) -> tuple[Any, An
     sync = torch.cuda.synchronize if batch.input_ids.is_cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    res = policy_update(model, optimizer, scheduler, batch, cfg, bounds=(1 - a.eps_low, 1 + a.eps_high),
-                        shadow=True, seed=0)
+    res = policy_update(
+        model, optimizer, scheduler, batch, cfg, bounds=(1 - a.eps_low, 1 + a.eps_high), shadow=True, seed=0
+    )
     sync()
     t1 = time.perf_counter()
     m = batch.response_mask.cpu() > 0
@@ -86,8 +96,17 @@ def step_and_calibrate(model, optimizer, scheduler, batch, cfg) -> tuple[Any, An
     r16 = importance_ratio(res.logp_bf16, res.old_logp_bf16)
     adv = batch.advantages.cpu()[:, None].expand_as(r8)
     prev = CalibratorState.initial(eps_low=a.eps_low, eps_high=a.eps_high, config=cfg.calibration)
-    cal = calibrate(r8, r16, adv, m, eps_low=a.eps_low, eps_high=a.eps_high, config=cfg.calibration,
-                    previous=prev, dual_clip=a.dual_clip)
+    cal = calibrate(
+        r8,
+        r16,
+        adv,
+        m,
+        eps_low=a.eps_low,
+        eps_high=a.eps_high,
+        config=cfg.calibration,
+        previous=prev,
+        dual_clip=a.dual_clip,
+    )
     res.timings["calibration_s"] = time.perf_counter() - t1
     return res, cal, t1 - t0
 
@@ -97,8 +116,8 @@ def _one_mode(emit: Callable[[str], None], mode: str, device, batch) -> None:
     import torch
 
     from fp8rl_core.precision import convert_for_training
-    from stages.trainer.update import make_optimizer, policy_logprobs
     from gpu_check.step_config import load_step_config
+    from stages.trainer.update import make_optimizer, policy_logprobs
 
     cfg = load_step_config(mode)
     model = _model(device)
@@ -108,12 +127,16 @@ def _one_mode(emit: Callable[[str], None], mode: str, device, batch) -> None:
     opt, sched = make_optimizer(model, cfg)
     res, cal, sec = step_and_calibrate(model, opt, sched, batch, cfg)
     t = res.timings
-    emit(f"train_step {mode}: backend {report.backend}, {len(report.converted)} FP8 linears, "
-         f"{len(report.skipped)} kept BF16; loss {res.metrics['loss']:.4f} grad_norm {res.metrics['grad_norm']:.3f} "
-         f"L {cal.lower:.4f} H {cal.upper:.4f} alpha {cal.alpha:.4f}")
-    emit(f"train_step {mode}: step {sec:.2f} s (pi_old {t['old_logp_s']:.2f}, shadow {t['shadow_s']:.2f}, "
-         f"update {t['update_s']:.2f}; calibration {t['calibration_s']:.2f}), "
-         f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
+    emit(
+        f"train_step {mode}: backend {report.backend}, {len(report.converted)} FP8 linears, "
+        f"{len(report.skipped)} kept BF16; loss {res.metrics['loss']:.4f} grad_norm {res.metrics['grad_norm']:.3f} "
+        f"L {cal.lower:.4f} H {cal.upper:.4f} alpha {cal.alpha:.4f}"
+    )
+    emit(
+        f"train_step {mode}: step {sec:.2f} s (pi_old {t['old_logp_s']:.2f}, shadow {t['shadow_s']:.2f}, "
+        f"update {t['update_s']:.2f}; calibration {t['calibration_s']:.2f}), "
+        f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+    )
     emu = _model(device)  # emulation vs kernel on the same weights and tokens
     emu.load_state_dict(model.state_dict())
     convert_for_training(emu, mode, emulate=True, backend="emulated")

@@ -24,8 +24,16 @@ import tempfile
 import time
 from typing import Callable
 
-QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
+QWEN3_06B = dict(
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
 FIXED = [[1] + list(range(40, 100)), [1] + list(range(200, 230)) * 2]
 
 
@@ -36,8 +44,9 @@ def _policy(folder: str, shapes: dict):
     from fp8rl_core.tiny_model import build_tokenizer
 
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**shapes, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
-                                         pad_token_id=0)).float()
+    model = Qwen3ForCausalLM(
+        Qwen3Config(**shapes, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    ).float()
     model.save_pretrained(folder)
     tok = build_tokenizer(folder)  # ids < 128; the engine never detokenizes
     return model, tok
@@ -47,10 +56,23 @@ def _engine(model, tok, folder: str, *, sleep: bool, memory: float):
     from fp8rl_core.config import PrecisionConfig, RolloutConfig
     from stages.engines import make_engine
 
-    cfg = RolloutConfig(engine="vllm", sleep_between_steps=sleep, sleep_level=1, gpu_memory_utilization=memory,
-                        weight_sync="tensors", verify_sync="first")
-    return make_engine("vllm", model=model, tokenizer=tok, precision=PrecisionConfig(rollout="bf16"), config=cfg,
-                       model_path=folder, max_model_len=512)
+    cfg = RolloutConfig(
+        engine="vllm",
+        sleep_between_steps=sleep,
+        sleep_level=1,
+        gpu_memory_utilization=memory,
+        weight_sync="tensors",
+        verify_sync="first",
+    )
+    return make_engine(
+        "vllm",
+        model=model,
+        tokenizer=tok,
+        precision=PrecisionConfig(rollout="bf16"),
+        config=cfg,
+        model_path=folder,
+        max_model_len=512,
+    )
 
 
 def _trainer_logprobs(model, rows, device: str):
@@ -104,8 +126,10 @@ def run(emit: Callable[[str], None], *, device: str = "cuda", shapes: dict | Non
         return
     from stages.engines.weight_transfer import bf16_logprob_tolerance
 
-    emit(f"[5] vLLM {vllm.__version__}: colocated rollout -> train -> sync -> rollout on {device}, "
-         f"{shapes['num_hidden_layers']} layers x {shapes['hidden_size']}, random init")
+    emit(
+        f"[5] vLLM {vllm.__version__}: colocated rollout -> train -> sync -> rollout on {device}, "
+        f"{shapes['num_hidden_layers']} layers x {shapes['hidden_size']}, random init"
+    )
     folder = tempfile.mkdtemp(prefix="fp8rl-gpucheck-vllm-")
     model, tok = _policy(folder, shapes)
     t0 = time.perf_counter()
@@ -132,7 +156,9 @@ def run(emit: Callable[[str], None], *, device: str = "cuda", shapes: dict | Non
         gap, moved = _gap(after, trainer), _gap(after, before)
         verdict = "PASS" if gap <= tol and moved > 10 * tol else "FAIL"
         emit(f"    rollout {batch.generated_tokens} tokens; sync {sync_s * 1e3:.0f} ms; events {engine.events}")
-        emit(f"    synced engine vs trainer BF16 log-probs: max gap {gap:.4f} (tolerance {tol:.4f}); "
-             f"moved by the step {moved:.4f} -> {verdict}")
+        emit(
+            f"    synced engine vs trainer BF16 log-probs: max gap {gap:.4f} (tolerance {tol:.4f}); "
+            f"moved by the step {moved:.4f} -> {verdict}"
+        )
     finally:
         engine.close()

@@ -18,8 +18,8 @@ from fp8rl_core.calibration import calibrate
 from fp8rl_core.losses import importance_ratio
 from fp8rl_core.registered import CALIBRATION_UNITS
 from stages.context import RunEnv, TrainState
-from stages.runtime.io import read_step
 from stages.result import StageResult
+from stages.runtime.io import read_step
 from stages.schedule.shadow import subsample_columns
 
 
@@ -39,7 +39,9 @@ def _tis_weights(env: RunEnv, step: int, tok, old_logp_fp8: np.ndarray) -> torch
     sid = tok.column("sample_id").to_pylist()
     pos = tok.column("position").to_pylist()
     rollout = np.array([by_id[s][p] for s, p in zip(sid, pos)], dtype=np.float32)
-    return tis_weights(torch.from_numpy(old_logp_fp8.astype(np.float32)), torch.from_numpy(rollout), cap=env.cfg.algorithm.tis_cap)
+    return tis_weights(
+        torch.from_numpy(old_logp_fp8.astype(np.float32)), torch.from_numpy(rollout), cap=env.cfg.algorithm.tis_cap
+    )
 
 
 def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[StageResult, TrainState]:
@@ -49,8 +51,10 @@ def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0
     tok = read_step(env, "token_stats", step)
     if tok.column("logp_bf16").null_count == tok.num_rows:
         raise ValueError(f"step {step}: token_stats has no BF16 shadow log-probs; calibration needs a shadow step")
-    col = {name: tok.column(name).to_numpy(zero_copy_only=False) for name in
-           ("logp_fp8", "old_logp_fp8", "logp_bf16", "old_logp_bf16", "advantage")}
+    col = {
+        name: tok.column(name).to_numpy(zero_copy_only=False)
+        for name in ("logp_fp8", "old_logp_fp8", "logp_bf16", "old_logp_bf16", "advantage")
+    }
     shadowed, sub_cols = subsample_columns(col, tok.column("sample_id").to_numpy(), cfg, step)
     r8 = _ratio(col["logp_fp8"], col["old_logp_fp8"])
     r16 = _ratio(np.nan_to_num(col["logp_bf16"]), np.nan_to_num(col["old_logp_bf16"]))
@@ -62,22 +66,48 @@ def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0
     if units is not None:  # e.g. GSPO's sequence ratios, on their own grid
         r8, r16, adv, mask, cal_cfg = units(col, tok.column("sample_id").to_numpy(), mask, cfg.calibration)
         weights = None  # not tokens: no per-token TIS weighting
-    res = calibrate(r8, r16, adv, mask, eps_low=cfg.algorithm.eps_low, eps_high=cfg.algorithm.eps_high,
-                    config=cal_cfg, previous=state.calibrator, dual_clip=cfg.algorithm.dual_clip, weights=weights)
+    res = calibrate(
+        r8,
+        r16,
+        adv,
+        mask,
+        eps_low=cfg.algorithm.eps_low,
+        eps_high=cfg.algorithm.eps_high,
+        config=cal_cfg,
+        previous=state.calibrator,
+        dual_clip=cfg.algorithm.dual_clip,
+        weights=weights,
+    )
     row = {
-        "mode": [res.mode], "alpha": [res.alpha], "raw_lower": [res.raw_lower], "raw_upper": [res.raw_upper],
-        "lower": [res.lower], "upper": [res.upper], "target_balance": [res.target_balance],
-        "balance_before": [res.balance_before], "balance_after": [res.balance_after],
+        "mode": [res.mode],
+        "alpha": [res.alpha],
+        "raw_lower": [res.raw_lower],
+        "raw_upper": [res.raw_upper],
+        "lower": [res.lower],
+        "upper": [res.upper],
+        "target_balance": [res.target_balance],
+        "balance_before": [res.balance_before],
+        "balance_after": [res.balance_after],
         "balance_applied": [res.balance_applied],
-        "previous_lower": [res.previous_lower], "previous_upper": [res.previous_upper],
-        "lower_clip_share_neg_before": [res.lower_clip_share_fp8_before], "lower_clip_share_neg_after": [res.lower_clip_share_fp8_after],
-        "lower_clip_share_neg_applied": [res.lower_clip_share_fp8_applied], "lower_clip_share_neg_bf16": [res.lower_clip_share_bf16],
-        "upper_clip_share_pos_before": [res.upper_clip_share_fp8_before], "upper_clip_share_pos_after": [res.upper_clip_share_fp8_after],
+        "previous_lower": [res.previous_lower],
+        "previous_upper": [res.previous_upper],
+        "lower_clip_share_neg_before": [res.lower_clip_share_fp8_before],
+        "lower_clip_share_neg_after": [res.lower_clip_share_fp8_after],
+        "lower_clip_share_neg_applied": [res.lower_clip_share_fp8_applied],
+        "lower_clip_share_neg_bf16": [res.lower_clip_share_bf16],
+        "upper_clip_share_pos_before": [res.upper_clip_share_fp8_before],
+        "upper_clip_share_pos_after": [res.upper_clip_share_fp8_after],
         "upper_clip_share_pos_bf16": [res.upper_clip_share_bf16],
-        "tokens": [res.n_tokens], "negative_tokens": [res.n_negative], "nonfinite_tokens": [res.n_nonfinite],
-        "status": [res.status], "estimator": [res.estimator], "lower_level": [res.lower_level],
-        "lower_ci_low": [res.lower_ci_low], "lower_ci_high": [res.lower_ci_high],
-        "estimator_shadow_tokens": [res.shadow_tokens], "pooled_steps": [res.pooled_steps],
+        "tokens": [res.n_tokens],
+        "negative_tokens": [res.n_negative],
+        "nonfinite_tokens": [res.n_nonfinite],
+        "status": [res.status],
+        "estimator": [res.estimator],
+        "lower_level": [res.lower_level],
+        "lower_ci_low": [res.lower_ci_low],
+        "lower_ci_high": [res.lower_ci_high],
+        "estimator_shadow_tokens": [res.shadow_tokens],
+        "pooled_steps": [res.pooled_steps],
         **{k: [v] for k, v in sub_cols.items()},
     }
     path = env.writer.write("bounds", step, row, stage="calibrate", attempt=attempt, variant=env.variant)

@@ -28,8 +28,15 @@ from stages.context import RunEnv, TrainState
 from stages.data.prompts import SamplerState
 from stages.result import StageResult
 from storage import faults
-from storage.checkpoints import (DCP_DIR, HashingStream, apply_retention, list_checkpoints, load_checkpoint,
-                                 new_dcp_tmp_dir, save_checkpoint)
+from storage.checkpoints import (
+    DCP_DIR,
+    HashingStream,
+    apply_retention,
+    list_checkpoints,
+    load_checkpoint,
+    new_dcp_tmp_dir,
+    save_checkpoint,
+)
 
 
 def hashing_dcp_writer(path: Path):
@@ -100,8 +107,9 @@ def _barrier(env: RunEnv) -> None:
         dist.barrier(group=env.group)
 
 
-def run_checkpoint(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
-                   metrics: dict | None = None) -> tuple[StageResult, TrainState]:
+def run_checkpoint(
+    env: RunEnv, state: TrainState, step: int, *, attempt: int = 0, metrics: dict | None = None
+) -> tuple[StageResult, TrainState]:
     """Save ``state`` (and the process RNG) as ``checkpoints/step_<step>``; apply retention.
 
     A collective under several ranks: every rank calls it."""
@@ -124,15 +132,27 @@ def run_checkpoint(env: RunEnv, state: TrainState, step: int, *, attempt: int = 
     if env.is_main:
         dcp_files = {name: meta for per_rank in shards for name, meta in per_rank.items()}
         path = save_checkpoint(
-            env.run_dir, step, model=model, tokenizer=env.tokenizer, optimizer=None,
-            sampler_state=state.sampler.to_dict(), calibrator_state=state.calibrator.to_dict(),
-            config=cfg.model_dump(mode="json"), metrics=metrics or {},
-            extra={"scheduler": state.scheduler.state_dict(), "policy_version": state.policy_version,
-                   "dcp": f"{DCP_DIR}/step_{int(step)}", "world_size": env.world_size,
-                   "fp4_rng": fp4_rng_state(state.policy)},
+            env.run_dir,
+            step,
+            model=model,
+            tokenizer=env.tokenizer,
+            optimizer=None,
+            sampler_state=state.sampler.to_dict(),
+            calibrator_state=state.calibrator.to_dict(),
+            config=cfg.model_dump(mode="json"),
+            metrics=metrics or {},
+            extra={
+                "scheduler": state.scheduler.state_dict(),
+                "policy_version": state.policy_version,
+                "dcp": f"{DCP_DIR}/step_{int(step)}",
+                "world_size": env.world_size,
+                "fp4_rng": fp4_rng_state(state.policy),
+            },
             dcp=(tmp_dcp, dcp_files),
         )
-        removed = apply_retention(env.run_dir, keep_last=cfg.checkpoint.keep_last, best_metric=cfg.checkpoint.keep_best_metric)
+        removed = apply_retention(
+            env.run_dir, keep_last=cfg.checkpoint.keep_last, best_metric=cfg.checkpoint.keep_best_metric
+        )
         _drop_orphan_shards(env)
         out = StageResult(outputs=[str(path)], info={"removed": [str(p) for p in removed]})
     _barrier(env)
@@ -172,7 +192,8 @@ def restore(env: RunEnv, state: TrainState, path: str | Path) -> tuple[int, Trai
     calibrator = CalibratorState.from_dict(ck.calibrator_state) if ck.calibrator_state else state.calibrator
     load_fp4_rng_state(state.policy, ck.extra.get("fp4_rng"))  # FP4 stochastic rounding resumes its stream
     return ck.step, state.replace(
-        sampler=SamplerState.from_dict(ck.sampler_state), calibrator=calibrator,
+        sampler=SamplerState.from_dict(ck.sampler_state),
+        calibrator=calibrator,
         policy_version=int(ck.extra.get("policy_version", ck.step)),
     )
 

@@ -140,7 +140,9 @@ class RunEnv:
 
 
 def initial_calibrator(cfg: CampaignConfig) -> CalibratorState:
-    return CalibratorState.initial(eps_low=cfg.algorithm.eps_low, eps_high=cfg.algorithm.eps_high, config=cfg.calibration)
+    return CalibratorState.initial(
+        eps_low=cfg.algorithm.eps_low, eps_high=cfg.algorithm.eps_high, config=cfg.calibration
+    )
 
 
 def base_model_dir(cfg: CampaignConfig, runs_root: Path) -> Path:
@@ -220,12 +222,25 @@ def _make_rollout_engine(cfg: CampaignConfig, policy: torch.nn.Module, tokenizer
     from stages.engines import make_engine
 
     engine_opts = {"model_path": str(base)} if cfg.rollout.engine == "vllm" else {}
-    return make_engine(cfg.rollout.engine, model=policy, tokenizer=tokenizer, precision=cfg.precision,
-                       config=cfg.rollout, **engine_opts)
+    return make_engine(
+        cfg.rollout.engine,
+        model=policy,
+        tokenizer=tokenizer,
+        precision=cfg.precision,
+        config=cfg.rollout,
+        **engine_opts,
+    )
 
 
-def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, rank: int = 0, world_size: int = 1,
-             group: Any = None) -> tuple[RunEnv, TrainState]:
+def open_run(
+    cfg: CampaignConfig,
+    run_dir: str | Path,
+    *,
+    variant: str = MAIN,
+    rank: int = 0,
+    world_size: int = 1,
+    group: Any = None,
+) -> tuple[RunEnv, TrainState]:
     """Load the base policy, build the rollout engine, convert the policy to the training precision and
     place it (one device, or FSDP2 shards), build the optimizer; return the run's environment and state.
 
@@ -234,10 +249,9 @@ def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, r
     device ever holds the whole fp32 model."""
     from fp8rl_core.precision import convert_for_training
     from fp8rl_core.tiny_model import load_policy
+    from stages.bootstrap.math import capped_threads
     from stages.data.prompt_format import apply_stop_tokens
     from stages.trainer.update import make_optimizer
-
-    from stages.bootstrap.math import capped_threads
 
     torch.set_num_threads(capped_threads(cfg.threads))
     run_dir = Path(run_dir)
@@ -252,8 +266,13 @@ def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, r
     if engine is None:  # the transformers engine copies the converted, unsharded policy where it trains
         policy.to(device)
     report = convert_for_training(
-        policy, cfg.precision.train, emulate=cfg.precision.emulate, keep_high_precision=cfg.precision.keep_high_precision, seed=cfg.seed,
-        round_scales_to_power_of_2=cfg.precision.round_scales_to_power_of_2, device=device,
+        policy,
+        cfg.precision.train,
+        emulate=cfg.precision.emulate,
+        keep_high_precision=cfg.precision.keep_high_precision,
+        seed=cfg.seed,
+        round_scales_to_power_of_2=cfg.precision.round_scales_to_power_of_2,
+        device=device,
     )
     check_no_silent_emulation(cfg, device, report)
     state_layer_precision(run_dir, policy, report, main=rank == 0)
@@ -269,20 +288,40 @@ def open_run(cfg: CampaignConfig, run_dir: str | Path, *, variant: str = MAIN, r
         policy.to(device)
     optimizer, scheduler = make_optimizer(policy, cfg)
     env = RunEnv(
-        cfg=cfg, run_dir=run_dir, writer=TableWriter(run_dir, row_group_size=cfg.storage.row_group_size),
-        ledger=Ledger(run_dir), tokenizer=tokenizer, engine=engine, source=make_source(cfg.task), variant=variant,
-        base_model_dir=base, rank=rank, world_size=world_size, device=device, group=group,
+        cfg=cfg,
+        run_dir=run_dir,
+        writer=TableWriter(run_dir, row_group_size=cfg.storage.row_group_size),
+        ledger=Ledger(run_dir),
+        tokenizer=tokenizer,
+        engine=engine,
+        source=make_source(cfg.task),
+        variant=variant,
+        base_model_dir=base,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        group=group,
     )
     state = TrainState(policy=policy, optimizer=optimizer, scheduler=scheduler, calibrator=initial_calibrator(cfg))
     return env, state
 
 
-def open_storage_only(cfg: CampaignConfig, run_dir: str | Path, *, variant: str,
-                      input_variant: str | None = MAIN) -> tuple[RunEnv, TrainState]:
+def open_storage_only(
+    cfg: CampaignConfig, run_dir: str | Path, *, variant: str, input_variant: str | None = MAIN
+) -> tuple[RunEnv, TrainState]:
     """Environment and state without a policy or engine (re-scoring, re-calibrating)."""
     run_dir = Path(run_dir)
-    env = RunEnv(cfg=cfg, run_dir=run_dir, writer=TableWriter(run_dir), ledger=Ledger(run_dir), tokenizer=None,
-                 engine=None, source=make_source(cfg.task), variant=variant, input_variant=input_variant)
+    env = RunEnv(
+        cfg=cfg,
+        run_dir=run_dir,
+        writer=TableWriter(run_dir),
+        ledger=Ledger(run_dir),
+        tokenizer=None,
+        engine=None,
+        source=make_source(cfg.task),
+        variant=variant,
+        input_variant=input_variant,
+    )
     return env, TrainState(policy=None, optimizer=None, scheduler=None, calibrator=initial_calibrator(cfg))
 
 

@@ -17,8 +17,8 @@ import pyarrow as pa
 
 from fp8rl_core.config import BenchmarkEval, CampaignConfig
 from stages.context import RunEnv, TrainState, step_seed
-from stages.engines.base import RolloutBatch, RolloutSample
 from stages.data.prompts import PromptItem, data_dir
+from stages.engines.base import RolloutBatch, RolloutSample
 from stages.result import StageResult
 
 
@@ -51,13 +51,19 @@ def eval_blocks(env: RunEnv, prompt_ids: list[list[int]], step: int, bench: Benc
     """The benchmark's generation blocks: whole groups of ``k``, seeded per prompt, independent of the rank count."""
     from stages.runtime.rollout_plan import generation_blocks
 
-    return generation_blocks([len(p) for p in prompt_ids], group_size=bench.k,
-                             generation_batch_size=env.cfg.rollout.generation_batch_size,
-                             seed=step_seed(env.cfg.seed, step, 1000 + salt), step=step, round_=0)
+    return generation_blocks(
+        [len(p) for p in prompt_ids],
+        group_size=bench.k,
+        generation_batch_size=env.cfg.rollout.generation_batch_size,
+        seed=step_seed(env.cfg.seed, step, 1000 + salt),
+        step=step,
+        round_=0,
+    )
 
 
-def generate_eval_share(env: RunEnv, state: TrainState, prompt_ids: list[list[int]], blocks: list,
-                        bench: BenchmarkEval) -> dict[int, RolloutBatch]:
+def generate_eval_share(
+    env: RunEnv, state: TrainState, prompt_ids: list[list[int]], blocks: list, bench: BenchmarkEval
+) -> dict[int, RolloutBatch]:
     """This rank's blocks of a benchmark (``{block index: batch}``), padded to the busiest rank's call count."""
     from stages.rollout import sync_engine
     from stages.runtime.rollout_plan import blocks_of_rank, calls_per_rank, padding_calls
@@ -67,8 +73,13 @@ def generate_eval_share(env: RunEnv, state: TrainState, prompt_ids: list[list[in
     out = {}
     for block in mine:
         out[block.index] = env.engine.generate(
-            [prompt_ids[p] for p in block.prompts], n=bench.k, temperature=bench.temperature, top_p=bench.top_p,
-            max_new_tokens=bench.max_new_tokens, seed=block.seed, seeds=list(block.prompt_seeds),
+            [prompt_ids[p] for p in block.prompts],
+            n=bench.k,
+            temperature=bench.temperature,
+            top_p=bench.top_p,
+            max_new_tokens=bench.max_new_tokens,
+            seed=block.seed,
+            seeds=list(block.prompt_seeds),
         )
     if blocks:
         padding_calls(env.engine, prompt_ids[blocks[0].prompts[0]], calls_per_rank(blocks, env.world_size) - len(mine))
@@ -85,12 +96,14 @@ def merged_batch(blocks: list, shares: list[dict[int, RolloutBatch]], num_prompt
     samples = [s for g in groups for s in g]
     wall = sum(b.wall_seconds for b in merged.values())
     first = next(iter(merged.values()))
-    return RolloutBatch(samples=samples, num_prompts=num_prompts, n=k, wall_seconds=wall, engine=first.engine,
-                        precision=first.precision)
+    return RolloutBatch(
+        samples=samples, num_prompts=num_prompts, n=k, wall_seconds=wall, engine=first.engine, precision=first.precision
+    )
 
 
-def grade_benchmark(env: RunEnv, bench: BenchmarkEval, items: list[PromptItem], verifier: str,
-                    batch: RolloutBatch) -> tuple[pa.Table, list[dict]]:
+def grade_benchmark(
+    env: RunEnv, bench: BenchmarkEval, items: list[PromptItem], verifier: str, batch: RolloutBatch
+) -> tuple[pa.Table, list[dict]]:
     """Grade one benchmark's samples: its ``evals`` rows and its metric rows."""
     from fp8rl_core.eval_metrics import avg_at_k, maj_at_k, pass_at_k
     from stages.grade.pool import grade_batch
@@ -101,26 +114,34 @@ def grade_benchmark(env: RunEnv, bench: BenchmarkEval, items: list[PromptItem], 
     graded = grade_batch(ids, responses, golds, verifier=verifier, code_config=env.cfg.code)
     scores = [1.0 if g.correct else 0.0 for g in graded]
     predicted = [g.extracted for g in graded]
-    rows = pa.table({
-        "benchmark": [bench.name] * len(responses),
-        "problem_id": [items[s.prompt_index].prompt_id for s in batch.samples],
-        "sample_index": pa.array([s.sample_index for s in batch.samples], pa.int16()),
-        "correct": [sc >= 1.0 for sc in scores],
-        "score": pa.array(scores, pa.float32()),
-        "predicted_answer": predicted,
-        "response": responses,
-        "response_length": pa.array([len(s.response_ids) for s in batch.samples], pa.int32()),
-        "finish_reason": [s.finish_reason for s in batch.samples],
-        "temperature": pa.array([bench.temperature] * len(responses), pa.float32()),
-        "tests_passed_fraction": pa.array([g.fraction for g in graded], pa.float32()),
-    })
+    rows = pa.table(
+        {
+            "benchmark": [bench.name] * len(responses),
+            "problem_id": [items[s.prompt_index].prompt_id for s in batch.samples],
+            "sample_index": pa.array([s.sample_index for s in batch.samples], pa.int16()),
+            "correct": [sc >= 1.0 for sc in scores],
+            "score": pa.array(scores, pa.float32()),
+            "predicted_answer": predicted,
+            "response": responses,
+            "response_length": pa.array([len(s.response_ids) for s in batch.samples], pa.int32()),
+            "finish_reason": [s.finish_reason for s in batch.samples],
+            "temperature": pa.array([bench.temperature] * len(responses), pa.float32()),
+            "tests_passed_fraction": pa.array([g.fraction for g in graded], pa.float32()),
+        }
+    )
     k = bench.k
     correct = [[scores[p * k + i] >= 1.0 for i in range(k)] for p in range(len(items))]
     answers = [[predicted[p * k + i] for i in range(k)] for p in range(len(items))]
     metric_rows = [
         {"benchmark": bench.name, "metric": "avg@k", "k": k, "value": avg_at_k(correct), "n_problems": len(items)},
         {"benchmark": bench.name, "metric": "pass@k", "k": k, "value": pass_at_k(correct, k), "n_problems": len(items)},
-        {"benchmark": bench.name, "metric": "maj@k", "k": k, "value": maj_at_k(answers, correct), "n_problems": len(items)},
+        {
+            "benchmark": bench.name,
+            "metric": "maj@k",
+            "k": k,
+            "value": maj_at_k(answers, correct),
+            "n_problems": len(items),
+        },
     ]
     return rows, metric_rows
 
@@ -164,8 +185,21 @@ def run_evaluate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0)
 
 def _write_eval(env: RunEnv, step: int, attempt: int, all_rows: list, all_metrics: list, t0: float) -> StageResult:
     outputs = [
-        str(env.writer.write("evals", step, pa.concat_tables(all_rows), stage="evaluate", attempt=attempt, variant=env.variant)),
-        str(env.writer.write("eval_scores", step, pa.Table.from_pylist(all_metrics), stage="evaluate", attempt=attempt, variant=env.variant)),
+        str(
+            env.writer.write(
+                "evals", step, pa.concat_tables(all_rows), stage="evaluate", attempt=attempt, variant=env.variant
+            )
+        ),
+        str(
+            env.writer.write(
+                "eval_scores",
+                step,
+                pa.Table.from_pylist(all_metrics),
+                stage="evaluate",
+                attempt=attempt,
+                variant=env.variant,
+            )
+        ),
     ]
     seconds = time.perf_counter() - t0
     scores = {f"{m['benchmark']}/{m['metric'][:-1]}{m['k']}": float(m["value"]) for m in all_metrics}

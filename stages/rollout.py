@@ -18,12 +18,17 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from stages.context import RunEnv, TrainState
-from stages.engines.base import RolloutBatch, RolloutSample
 from stages.data.prompt_format import encode_prompts
 from stages.data.prompts import PromptItem, draw_prompts
+from stages.engines.base import RolloutBatch, RolloutSample
 from stages.result import StageResult
 from stages.runtime.rollout_plan import (
-    GenerationBlock, blocks_of_rank, calls_per_rank, generation_blocks, generation_lanes, padding_calls,
+    GenerationBlock,
+    blocks_of_rank,
+    calls_per_rank,
+    generation_blocks,
+    generation_lanes,
+    padding_calls,
 )
 from stages.runtime.stage_comm import on_main, together
 
@@ -72,13 +77,20 @@ def plan_rollout(env: RunEnv, state: TrainState, step: int, items: list[PromptIt
     """Encode the drawn prompts and cut them into generation blocks (the same on every rank)."""
     r = env.cfg.rollout
     prompt_ids = encode_prompts(env, [it.prompt for it in items], state)
-    blocks = generation_blocks([len(p) for p in prompt_ids], group_size=r.samples_per_prompt,
-                               generation_batch_size=r.generation_batch_size, seed=env.cfg.seed, step=step, round_=round_)
+    blocks = generation_blocks(
+        [len(p) for p in prompt_ids],
+        group_size=r.samples_per_prompt,
+        generation_batch_size=r.generation_batch_size,
+        seed=env.cfg.seed,
+        step=step,
+        round_=round_,
+    )
     return RolloutPlan(items, prompt_ids, blocks)
 
 
-def generate_share(env: RunEnv, state: TrainState, plan: RolloutPlan, *, rank: int,
-                   lanes: int) -> dict[int, RolloutBatch]:
+def generate_share(
+    env: RunEnv, state: TrainState, plan: RolloutPlan, *, rank: int, lanes: int
+) -> dict[int, RolloutBatch]:
     """Generate the blocks of ``rank`` (one ``engine.generate`` call each): ``{block index: batch}``.
 
     A rank with fewer blocks than the busiest lane pads with discarded calls
@@ -90,8 +102,13 @@ def generate_share(env: RunEnv, state: TrainState, plan: RolloutPlan, *, rank: i
     mine = blocks_of_rank(plan.blocks, rank, lanes)
     for block in mine:
         out[block.index] = env.engine.generate(
-            [plan.prompt_ids[p] for p in block.prompts], n=r.samples_per_prompt, temperature=r.temperature,
-            top_p=r.top_p, max_new_tokens=r.max_new_tokens, seed=block.seed, seeds=list(block.prompt_seeds),
+            [plan.prompt_ids[p] for p in block.prompts],
+            n=r.samples_per_prompt,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_new_tokens=r.max_new_tokens,
+            seed=block.seed,
+            seeds=list(block.prompt_seeds),
         )
     if plan.blocks:
         first = plan.prompt_ids[plan.blocks[0].prompts[0]]
@@ -108,39 +125,55 @@ def _global_groups(plan: RolloutPlan, batches: dict[int, RolloutBatch]) -> list[
     return groups
 
 
-def rows_from_batches(env: RunEnv, state: TrainState, plan: RolloutPlan, batches: dict[int, RolloutBatch], *,
-                      round_: int, first_sample_id: int) -> pa.Table:
+def rows_from_batches(
+    env: RunEnv,
+    state: TrainState,
+    plan: RolloutPlan,
+    batches: dict[int, RolloutBatch],
+    *,
+    round_: int,
+    first_sample_id: int,
+) -> pa.Table:
     """``rollouts`` rows in group layout: sample ``i`` of prompt ``p`` is ``first_sample_id + p * G + i``."""
     groups = _global_groups(plan, batches)
     prompt_of = [p for p, group in enumerate(groups) for _ in group]  # [P * G] global prompt index of each row
     samples = [s for group in groups for s in group]
     items = [plan.items[p] for p in prompt_of]
     n = len(samples)
-    return pa.table({
-        "sample_id": pa.array(range(first_sample_id, first_sample_id + n), pa.int32()),
-        "prompt_id": [it.prompt_id for it in items],
-        "sample_index": pa.array([s.sample_index for s in samples], pa.int16()),
-        "generation_round": pa.array([round_] * n, pa.int16()),
-        "dataset": [it.dataset for it in items],
-        "prompt": [it.prompt for it in items],
-        "response": env.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True),
-        "reference_answer": [it.answer for it in items],
-        "prompt_token_ids": pa.array([plan.prompt_ids[p] for p in prompt_of], pa.list_(pa.int32())),
-        "response_token_ids": pa.array([s.response_ids for s in samples], pa.list_(pa.int32())),
-        "rollout_logp": pa.array([s.response_logprobs for s in samples], pa.list_(pa.float32())),
-        "response_length": pa.array([len(s.response_ids) for s in samples], pa.int32()),
-        "finish_reason": [s.finish_reason for s in samples],
-        "policy_version": pa.array([state.policy_version] * n, pa.int64()),
-        "precision": [env.cfg.precision.rollout] * n,
-    })
+    return pa.table(
+        {
+            "sample_id": pa.array(range(first_sample_id, first_sample_id + n), pa.int32()),
+            "prompt_id": [it.prompt_id for it in items],
+            "sample_index": pa.array([s.sample_index for s in samples], pa.int16()),
+            "generation_round": pa.array([round_] * n, pa.int16()),
+            "dataset": [it.dataset for it in items],
+            "prompt": [it.prompt for it in items],
+            "response": env.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True),
+            "reference_answer": [it.answer for it in items],
+            "prompt_token_ids": pa.array([plan.prompt_ids[p] for p in prompt_of], pa.list_(pa.int32())),
+            "response_token_ids": pa.array([s.response_ids for s in samples], pa.list_(pa.int32())),
+            "rollout_logp": pa.array([s.response_logprobs for s in samples], pa.list_(pa.float32())),
+            "response_length": pa.array([len(s.response_ids) for s in samples], pa.int32()),
+            "finish_reason": [s.finish_reason for s in samples],
+            "policy_version": pa.array([state.policy_version] * n, pa.int64()),
+            "precision": [env.cfg.precision.rollout] * n,
+        }
+    )
 
 
-def generate_rows(env: RunEnv, state: TrainState, step: int, items: list[PromptItem], *, round_: int,
-                  first_sample_id: int) -> pa.Table:
+def generate_rows(
+    env: RunEnv, state: TrainState, step: int, items: list[PromptItem], *, round_: int, first_sample_id: int
+) -> pa.Table:
     """All the step's ``rollouts`` rows generated in this process (every block: one rank's view of the plan)."""
     plan = plan_rollout(env, state, step, items, round_=round_)
-    return rows_from_batches(env, state, plan, generate_share(env, state, plan, rank=0, lanes=1), round_=round_,
-                             first_sample_id=first_sample_id)
+    return rows_from_batches(
+        env,
+        state,
+        plan,
+        generate_share(env, state, plan, rank=0, lanes=1),
+        round_=round_,
+        first_sample_id=first_sample_id,
+    )
 
 
 def _merge_shares(shares: list[dict[int, RolloutBatch]]) -> dict[int, RolloutBatch]:
@@ -160,8 +193,9 @@ def _throughput(shares: list[dict[int, RolloutBatch]]) -> tuple[int, float]:
     return tokens, tokens / wall if wall > 0 else float("inf")
 
 
-def run_rollout(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0, round_: int = 0,
-                first_sample_id: int = 0) -> tuple[StageResult, TrainState]:
+def run_rollout(
+    env: RunEnv, state: TrainState, step: int, *, attempt: int = 0, round_: int = 0, first_sample_id: int = 0
+) -> tuple[StageResult, TrainState]:
     """Rollout of ``step`` (refill round ``round_``) on every rank together; rank 0 writes ``rollouts``.
 
     Every rank generates its blocks; the shares are gathered on rank 0, which
@@ -182,12 +216,18 @@ def run_rollout(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0, 
     shares = comm.gather(share)  # [W] on rank 0, None elsewhere
 
     def write() -> StageResult:
-        rows = rows_from_batches(env, state, plan, _merge_shares(shares), round_=round_, first_sample_id=first_sample_id)
+        rows = rows_from_batches(
+            env, state, plan, _merge_shares(shares), round_=round_, first_sample_id=first_sample_id
+        )
         stage = "rollout" if round_ == 0 else f"rollout{round_}"
         path = env.writer.write("rollouts", step, rows, stage=stage, attempt=attempt, variant=env.variant)
         tokens, per_second = _throughput(shares)
-        return StageResult(outputs=[str(path)], seconds=time.perf_counter() - t0, sampler=after.to_dict(),
-                           timings=dict(engine_memory or {}),
-                           info={"samples": rows.num_rows, "tokens_per_second": per_second, "generated_tokens": tokens})
+        return StageResult(
+            outputs=[str(path)],
+            seconds=time.perf_counter() - t0,
+            sampler=after.to_dict(),
+            timings=dict(engine_memory or {}),
+            info={"samples": rows.num_rows, "tokens_per_second": per_second, "generated_tokens": tokens},
+        )
 
     return on_main(comm, write), state.replace(sampler=after)

@@ -24,8 +24,8 @@ import torch
 
 from fp8rl_core.advantages import ADVANTAGE_ESTIMATORS, dynamic_sampling_mask, overlong_penalty
 from stages.context import RunEnv, TrainState
-from stages.runtime.io import read_step
 from stages.result import StageResult
+from stages.runtime.io import read_step
 from stages.runtime.stage_comm import on_main, together
 
 
@@ -39,8 +39,13 @@ def grade_results(env: RunEnv, rows: pa.Table) -> list:
     from stages.grade.pool import grade_batch
 
     ids = [f"{pid}#{i}" for pid, i in zip(rows.column("prompt_id").to_pylist(), rows.column("sample_id").to_pylist())]
-    return grade_batch(ids, rows.column("response").to_pylist(), rows.column("reference_answer").to_pylist(),
-                       verifier=env.source.verifier, code_config=getattr(env.cfg, "code", None))
+    return grade_batch(
+        ids,
+        rows.column("response").to_pylist(),
+        rows.column("reference_answer").to_pylist(),
+        verifier=env.source.verifier,
+        code_config=getattr(env.cfg, "code", None),
+    )
 
 
 def _score_rows(env: RunEnv, rows: pa.Table, scores: list[float]) -> dict[str, np.ndarray]:
@@ -49,7 +54,9 @@ def _score_rows(env: RunEnv, rows: pa.Table, scores: list[float]) -> dict[str, n
     score = torch.tensor(scores, dtype=torch.float32)
     lengths = torch.tensor(rows.column("response_length").to_numpy(), dtype=torch.float32)
     if a.overlong_shaping:
-        penalty = overlong_penalty(lengths, max_len=a.overlong_max_len, cache_len=a.overlong_cache_len, factor=a.overlong_factor)
+        penalty = overlong_penalty(
+            lengths, max_len=a.overlong_max_len, cache_len=a.overlong_cache_len, factor=a.overlong_factor
+        )
     else:
         penalty = torch.zeros_like(score)
     reward = score + penalty
@@ -64,11 +71,20 @@ def _score_rows(env: RunEnv, rows: pa.Table, scores: list[float]) -> dict[str, n
     std = torch.where(cnt > 1, var.sqrt(), torch.ones_like(var))
     correct = score >= 1.0
     # DAPO filters on accuracy, not on the shaped reward (overlong penalties make equal answers unequal)
-    keep = dynamic_sampling_mask(correct.float(), group) if a.dynamic_sampling else torch.ones_like(reward, dtype=torch.bool)
+    keep = (
+        dynamic_sampling_mask(correct.float(), group)
+        if a.dynamic_sampling
+        else torch.ones_like(reward, dtype=torch.bool)
+    )
     return {
-        "score": score.numpy(), "correct": correct.numpy(), "overlong_penalty": penalty.numpy(),
-        "reward": reward.numpy(), "group_reward_mean": mean[inv].numpy(), "group_reward_std": std[inv].numpy(),
-        "advantage": adv.float().numpy(), "kept": keep.numpy(),
+        "score": score.numpy(),
+        "correct": correct.numpy(),
+        "overlong_penalty": penalty.numpy(),
+        "reward": reward.numpy(),
+        "group_reward_mean": mean[inv].numpy(),
+        "group_reward_std": std[inv].numpy(),
+        "advantage": adv.float().numpy(),
+        "kept": keep.numpy(),
     }
 
 
@@ -82,7 +98,9 @@ def grade_shared(env: RunEnv, rows: pa.Table) -> list | None:
     :class:`stages.grade.pool.GradeResult` in row order on rank 0, ``None`` on the others."""
     g = env.cfg.rollout.samples_per_prompt
     mine = rank_groups(rows.num_rows // g, env.rank, env.world_size)
-    share = together(env.stage_comm, lambda: grade_results(env, rows.slice(mine.start * g, len(mine) * g)) if mine else [])
+    share = together(
+        env.stage_comm, lambda: grade_results(env, rows.slice(mine.start * g, len(mine) * g)) if mine else []
+    )
     parts = env.stage_comm.gather(share)
     return None if parts is None else [r for part in parts for r in part]
 
@@ -104,15 +122,21 @@ def _score_table(env: RunEnv, rows: pa.Table, graded: list) -> tuple[pa.Table, d
         kept_idx = np.flatnonzero(cols["kept"])
         if len(kept_idx) > per_round:
             cols["kept"][kept_idx[per_round:]] = False
-    table = pa.table({
-        "sample_id": rows.column("sample_id"), "prompt_id": rows.column("prompt_id"),
-        "score": pa.array(cols["score"], pa.float32()), "correct": pa.array(cols["correct"]),
-        "overlong_penalty": pa.array(cols["overlong_penalty"], pa.float32()), "reward": pa.array(cols["reward"], pa.float32()),
-        "group_reward_mean": pa.array(cols["group_reward_mean"], pa.float32()),
-        "group_reward_std": pa.array(cols["group_reward_std"], pa.float32()),
-        "advantage": pa.array(cols["advantage"], pa.float32()), "kept": pa.array(cols["kept"]),
-        "tests_passed_fraction": pa.array([r.fraction for r in graded], pa.float32()),
-    })
+    table = pa.table(
+        {
+            "sample_id": rows.column("sample_id"),
+            "prompt_id": rows.column("prompt_id"),
+            "score": pa.array(cols["score"], pa.float32()),
+            "correct": pa.array(cols["correct"]),
+            "overlong_penalty": pa.array(cols["overlong_penalty"], pa.float32()),
+            "reward": pa.array(cols["reward"], pa.float32()),
+            "group_reward_mean": pa.array(cols["group_reward_mean"], pa.float32()),
+            "group_reward_std": pa.array(cols["group_reward_std"], pa.float32()),
+            "advantage": pa.array(cols["advantage"], pa.float32()),
+            "kept": pa.array(cols["kept"]),
+            "tests_passed_fraction": pa.array([r.fraction for r in graded], pa.float32()),
+        }
+    )
     return table, cols
 
 
@@ -140,8 +164,9 @@ def run_score(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) ->
         return int(_score_rows(env, rows, _correct(graded))["kept"].sum()) < per_round
 
     rounds, refill_seconds = 0, 0.0
-    while (cfg.algorithm.dynamic_sampling and rounds < cfg.algorithm.max_refill_rounds
-           and on_main(comm, short_of_a_batch)):
+    while (
+        cfg.algorithm.dynamic_sampling and rounds < cfg.algorithm.max_refill_rounds and on_main(comm, short_of_a_batch)
+    ):
         rounds += 1
         t_r = time.perf_counter()
         _, state = run_rollout(env, state, step, attempt=attempt, round_=rounds, first_sample_id=rounds * per_round)
@@ -155,10 +180,17 @@ def run_score(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) ->
         table, cols = _score_table(env, rows, graded)
         path = env.writer.write("scores", step, table, stage="score", attempt=attempt, variant=env.variant)
         return StageResult(
-            outputs=[str(path)], seconds=time.perf_counter() - t0 - refill_seconds, sampler=state.sampler.to_dict(),
+            outputs=[str(path)],
+            seconds=time.perf_counter() - t0 - refill_seconds,
+            sampler=state.sampler.to_dict(),
             timings={"rollout_seconds": refill_seconds} if refill_seconds else {},  # refills generate: rollout time
-            info={"reward_mean": float(cols["reward"].mean()), "accuracy": float(cols["correct"].mean()),
-                  "kept": int(cols["kept"].sum()), "refill_rounds": rounds, "refill_seconds": refill_seconds},
+            info={
+                "reward_mean": float(cols["reward"].mean()),
+                "accuracy": float(cols["correct"].mean()),
+                "kept": int(cols["kept"].sum()),
+                "refill_rounds": rounds,
+                "refill_seconds": refill_seconds,
+            },
         )
 
     return on_main(comm, write), state

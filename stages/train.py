@@ -32,9 +32,9 @@ from fp8rl_core.losses import importance_ratio
 from fp8rl_core.noise_sources import noise_sources
 from stages.context import RunEnv, TrainState, step_seed
 from stages.grade.pool import answer_parser
-from stages.schedule.guard_hooks import train_hooks
-from stages.runtime.io import read_step
 from stages.result import StageResult
+from stages.runtime.io import read_step
+from stages.schedule.guard_hooks import train_hooks
 from stages.schedule.shadow import drift_metrics, shadow_plan
 from stages.trainer.update import TrainBatch, UpdateResult, lr_override, policy_update, token_multiple
 

@@ -48,9 +48,9 @@ raise an I/O error; :func:`query` then re-lists the files and retries.
 
 from __future__ import annotations
 
-import time
 import os
 import struct
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -152,7 +152,7 @@ def _footer_kv(footer: bytes, key: bytes) -> str | None:
     if i < 0:
         return None
     length, j = _varint(footer, i + len(pattern))
-    return footer[j:j + length].decode(errors="replace")
+    return footer[j : j + length].decode(errors="replace")
 
 
 def _said_by_footer(path: Path) -> dict[str, str] | None:
@@ -186,8 +186,12 @@ def identity_problem(part: Part) -> str | None:
     said = _said_by_footer(part.path)
     if said is None:
         return None
-    where = {"table": part.table, "run_id": part.run_id, "step": str(part.step),
-             "variant": part.name.variant if part.name is not None else None}
+    where = {
+        "table": part.table,
+        "run_id": part.run_id,
+        "step": str(part.step),
+        "variant": part.name.variant if part.name is not None else None,
+    }
     wrong = [f"{k} {said[k]!r}" for k in where if k in said and where[k] is not None and said[k] != where[k]]
     if not wrong:
         return None
@@ -228,8 +232,9 @@ def _excluded(con: duckdb.DuckDBPyConnection) -> dict[str, str]:
     return dict(con.sql(f"SELECT path, problem FROM {_EXCLUDED}").fetchall())
 
 
-def connect(root: str | Path, *, runs: Iterable[str] | None = None, threads: int | None = None,
-            sandbox: bool = True) -> duckdb.DuckDBPyConnection:
+def connect(
+    root: str | Path, *, runs: Iterable[str] | None = None, threads: int | None = None, sandbox: bool = True
+) -> duckdb.DuckDBPyConnection:
     """Open an in-memory DuckDB connection with the views of the runs under ``root``.
 
     ``runs``: only these run ids (UnknownRun lists the available ones).
@@ -302,8 +307,9 @@ def _view_sql(spec: TableSpec, files: list[str]) -> str:
     return base
 
 
-def _live_files(spec: TableSpec, infos: list, problems: list[tuple[str, str]],
-                excluded: Mapping[str, str] = {}) -> list[str]:
+def _live_files(
+    spec: TableSpec, infos: list, problems: list[tuple[str, str]], excluded: Mapping[str, str] = {}
+) -> list[str]:
     files: list[str] = []
     for info in infos:
         parts = scan_parts(RunLayout(info.path), spec.name, info.run_id)
@@ -343,7 +349,9 @@ def refresh(con: duckdb.DuckDBPyConnection, *, retries: int = 5) -> list[tuple[s
             files = _live_files(spec, infos, found, _excluded(con))
             try:
                 con.execute(f"CREATE OR REPLACE VIEW {name}_variants AS {_view_sql(spec, files)}")
-                con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {name}_variants WHERE variant = '{MAIN_VARIANT}'")
+                con.execute(
+                    f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {name}_variants WHERE variant = '{MAIN_VARIANT}'"
+                )
                 break
             except duckdb.IOException:
                 if attempt == retries or all(os.path.exists(f) for f in files):
@@ -361,19 +369,44 @@ def refresh(con: duckdb.DuckDBPyConnection, *, retries: int = 5) -> list[tuple[s
         con.executemany(f"INSERT INTO {_FILES} VALUES (?)", [(f,) for f in all_files])
 
     ledgers = [Ledger(info.path).to_arrow(variant=None) for info in infos]
-    _create_from_arrow(con, "_ledger_rows", pa.concat_tables(ledgers) if ledgers else TABLES["ledger"].schema().empty_table())
+    _create_from_arrow(
+        con, "_ledger_rows", pa.concat_tables(ledgers) if ledgers else TABLES["ledger"].schema().empty_table()
+    )
     con.execute("CREATE OR REPLACE VIEW ledger_variants AS SELECT * FROM _ledger_rows")
     con.execute(f"CREATE OR REPLACE VIEW ledger AS SELECT * FROM ledger_variants WHERE variant = '{MAIN_VARIANT}'")
 
     run_rows = pa.Table.from_pylist(
-        [{"run_id": i.run_id, "path": str(i.path), "config_hash": i.config_hash, "created_at": i.created_at,
-          "schema_version": i.schema_version} for i in infos],
-        schema=pa.schema([("run_id", pa.string()), ("path", pa.string()), ("config_hash", pa.string()),
-                          ("created_at", pa.string()), ("schema_version", pa.int32())]),
+        [
+            {
+                "run_id": i.run_id,
+                "path": str(i.path),
+                "config_hash": i.config_hash,
+                "created_at": i.created_at,
+                "schema_version": i.schema_version,
+            }
+            for i in infos
+        ],
+        schema=pa.schema(
+            [
+                ("run_id", pa.string()),
+                ("path", pa.string()),
+                ("config_hash", pa.string()),
+                ("created_at", pa.string()),
+                ("schema_version", pa.int32()),
+            ]
+        ),
     )
     _create_from_arrow(con, "runs", run_rows)
-    _create_from_arrow(con, _PROBLEMS, pa.table({"path": pa.array([p for p, _ in problems], pa.string()),
-                                                 "problem": pa.array([w for _, w in problems], pa.string())}))
+    _create_from_arrow(
+        con,
+        _PROBLEMS,
+        pa.table(
+            {
+                "path": pa.array([p for p, _ in problems], pa.string()),
+                "problem": pa.array([w for _, w in problems], pa.string()),
+            }
+        ),
+    )
     return problems
 
 

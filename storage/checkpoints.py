@@ -436,8 +436,10 @@ def load_checkpoint(
     path = Path(path)
     problems = verify_checkpoint(path, hashes=hashes)
     if problems:
-        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {problems[0]}"
-                              + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete or corrupt: {problems[0]}"
+            + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+        )
     state = json.loads((path / STATE).read_text())
     model_dir = path / MODEL_DIR if (path / MODEL_DIR).is_dir() else None
     if model is not None:
@@ -475,7 +477,9 @@ def apply_retention(
     if keep_last < 0:
         raise ValueError(f"keep_last must be >= 0, got {keep_last}")
     complete = [(s, p) for s, p in list_checkpoints(run_dir) if not verify_checkpoint(p, hashes=False)]
-    keep = {p for _, p in complete[max(0, len(complete) - keep_last):]} if keep_last else set()  # fewer than keep_last: keep all
+    keep = (
+        {p for _, p in complete[max(0, len(complete) - keep_last) :]} if keep_last else set()
+    )  # fewer than keep_last: keep all
     if best_metric is not None:
         scored = []
         for s, p in complete:
@@ -499,8 +503,12 @@ PRUNED_FILE = "pruned.jsonl"
 def record_pruned(run_dir: str | Path, step: int, path: Path) -> None:
     """Append to ``checkpoints/pruned.jsonl`` that retention deletes the checkpoint of ``step``."""
     layout = RunLayout(Path(run_dir))
-    rec = {"step": int(step), "path": layout.relative(path), "reason": "retention",
-           "pruned_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    rec = {
+        "step": int(step),
+        "path": layout.relative(path),
+        "reason": "retention",
+        "pruned_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
     with open(layout.checkpoints / PRUNED_FILE, "a", encoding="utf-8") as f:
         f.write(json.dumps(rec) + "\n")
         f.flush()

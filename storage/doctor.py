@@ -35,8 +35,18 @@ import pyarrow.parquet as pq
 from storage.catalog import footer_problem
 from storage.checkpoints import DCP_DIR, list_checkpoints, pruned_checkpoints, verify_checkpoint
 from storage.errors import DuplicateRun, NotARunDirectory, SchemaVersionError, StorageError
-from storage.layout import (META_RUN_ID, META_STEP, META_VARIANT, Part, RunLayout, find_runs, is_run_dir, live_parts,
-                            parse_part_name, read_run_info)
+from storage.layout import (
+    META_RUN_ID,
+    META_STEP,
+    META_VARIANT,
+    Part,
+    RunLayout,
+    find_runs,
+    is_run_dir,
+    live_parts,
+    parse_part_name,
+    read_run_info,
+)
 from storage.ledger import DONE, Ledger, looks_torn
 from storage.schemas import META_TABLE, META_VERSION, STORED_TABLES, check_schema_version
 
@@ -87,14 +97,18 @@ def _check_parquet(path: Path, table: str, run_id: str, step: int, deep: bool) -
         for rg in range(meta.num_row_groups):
             st = meta.row_group(rg).column(idx).statistics
             if st is not None and st.has_min_max and (st.min != want or st.max != want):
-                out.append(Problem(ERROR, str(path), f"{col} {st.min!r}..{st.max!r} does not match its path ({want!r})"))
+                out.append(
+                    Problem(ERROR, str(path), f"{col} {st.min!r}..{st.max!r} does not match its path ({want!r})")
+                )
                 break
     if deep:
         try:
             for rg in range(meta.num_row_groups):
                 pf.read_row_group(rg)
         except Exception as err:
-            out.append(Problem(ERROR, str(path), f"corrupt data pages ({type(err).__name__}: {str(err).splitlines()[0]})"))
+            out.append(
+                Problem(ERROR, str(path), f"corrupt data pages ({type(err).__name__}: {str(err).splitlines()[0]})")
+            )
     return out
 
 
@@ -117,7 +131,9 @@ def _check_tables(layout: RunLayout, run_id: str, deep: bool) -> tuple[list[Prob
                 out.append(Problem(WARNING, str(f), "not in the <table>/run=<id>/step=<n>/ layout; ignored by queries"))
                 continue
             if rel[0] != f"run={run_id}":
-                out.append(Problem(WARNING, str(f), f"partition {rel[0]} is not this run's ({run_id}); ignored by queries"))
+                out.append(
+                    Problem(WARNING, str(f), f"partition {rel[0]} is not this run's ({run_id}); ignored by queries")
+                )
                 continue
             if not f.name.endswith(".parquet"):
                 out.append(Problem(WARNING, str(f), "not a .parquet file; ignored by queries"))
@@ -130,11 +146,19 @@ def _check_tables(layout: RunLayout, run_id: str, deep: bool) -> tuple[list[Prob
                 out.append(Problem(WARNING, str(f), f"bad step partition {rel[1]!r}; ignored by queries"))
                 continue
             out += _check_parquet(f, table, run_id, step, deep)
-        parts = [Part(f, table, run_id, int(f.parent.name[5:]), parse_part_name(f.name))
-                 for f in table_dir.glob(f"run={run_id}/step=*/*.parquet") if f.parent.name[5:].isdigit()]
+        parts = [
+            Part(f, table, run_id, int(f.parent.name[5:]), parse_part_name(f.name))
+            for f in table_dir.glob(f"run={run_id}/step=*/*.parquet")
+            if f.parent.name[5:].isdigit()
+        ]
         for p in live_parts(parts)[1]:
-            out.append(Problem(WARNING, str(p.path), "older write of the same stage output still present "
-                                                     "(interrupted set-aside); ignored by queries"))
+            out.append(
+                Problem(
+                    WARNING,
+                    str(p.path),
+                    "older write of the same stage output still present (interrupted set-aside); ignored by queries",
+                )
+            )
     return out, known
 
 
@@ -148,8 +172,10 @@ def _check_ledger(layout: RunLayout, live_files: set[str]) -> list[Problem]:
             if line == len(lines):
                 what, severity = "torn last record (crash while appending); ignored", WARNING
             elif looks_torn(lines[line - 1]):  # repaired by a version that started the next record on a fresh line
-                what, severity = ("torn record of a crash, repaired (the next record starts a fresh line); "
-                                  "ignored"), WARNING
+                what, severity = (
+                    ("torn record of a crash, repaired (the next record starts a fresh line); ignored"),
+                    WARNING,
+                )
             else:
                 what, severity = "unparseable record", ERROR
             out.append(Problem(severity, f"{ledger.path}:{line}", what))
@@ -163,8 +189,13 @@ def _check_ledger(layout: RunLayout, live_files: set[str]) -> list[Problem]:
             if rel in pruned:
                 continue  # deleted by checkpoint retention, recorded in checkpoints/pruned.jsonl
             if rel not in live_files and not (layout.root / rel).exists() and not (layout.superseded / rel).exists():
-                out.append(Problem(ERROR, str(layout.root / rel),
-                                   f"output of {r.stage} step {r.step} attempt {r.attempt} ({r.variant}) is missing"))
+                out.append(
+                    Problem(
+                        ERROR,
+                        str(layout.root / rel),
+                        f"output of {r.stage} step {r.step} attempt {r.attempt} ({r.variant}) is missing",
+                    )
+                )
     return out
 
 

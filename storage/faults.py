@@ -83,8 +83,14 @@ def _fire(fault: Fault, where: str, env: Mapping[str, str]) -> None:
     raise OSError(code, os.strerror(code), where)
 
 
-def at(stage: str, step: int, point: str = "start", *, path: str | os.PathLike | None = None,
-       env: Mapping[str, str] | None = None) -> None:
+def at(
+    stage: str,
+    step: int,
+    point: str = "start",
+    *,
+    path: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+) -> None:
     """A fault point: fire the fault planned for (stage, step, point), if any."""
     env = os.environ if env is None else env
     spec = env.get(ENV)

@@ -312,7 +312,8 @@ def _refuse_duplicates(root: Path, found: list[RunInfo]) -> list[RunInfo]:
             raise DuplicateRun(
                 f"run id {info.run_id!r} is in two directories under {root}: {prev[1].name} and {info.path.name} "
                 "(a copy?); its rows would count twice: move the copy out of the root, or query one run "
-                "directory itself")
+                "directory itself"
+            )
     return unique
 
 

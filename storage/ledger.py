@@ -151,9 +151,15 @@ class Ledger:
         the ledger to its last whole record."""
         start = _last_line_start(fd, size)
         torn = os.pread(fd, size - start, start)
-        rec = {"repair": "torn_tail", "at": _now().isoformat(), "ledger": self.path.name, "offset": start,
-               "length": len(torn), "bytes": torn.decode("utf-8", "backslashreplace"),
-               "why": "a crash while appending tore the last record; the ledger was truncated to its last whole one"}
+        rec = {
+            "repair": "torn_tail",
+            "at": _now().isoformat(),
+            "ledger": self.path.name,
+            "offset": start,
+            "length": len(torn),
+            "bytes": torn.decode("utf-8", "backslashreplace"),
+            "why": "a crash while appending tore the last record; the ledger was truncated to its last whole one",
+        }
         qfd = os.open(self.quarantine, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(qfd, (json.dumps(rec) + "\n").encode())
@@ -182,30 +188,51 @@ class Ledger:
         check_name("variant", variant, VARIANT_NAME)
         if int(step) < 0 or int(attempt) < 0:
             raise ValueError(f"step and attempt must be >= 0, got step={step}, attempt={attempt}")
-        self._append({"event": kind, "run_id": self.run_id, "step": int(step), "stage": stage,
-                      "attempt": int(attempt), "variant": variant, "at": _now().isoformat(), **extra})
+        self._append(
+            {
+                "event": kind,
+                "run_id": self.run_id,
+                "step": int(step),
+                "stage": stage,
+                "attempt": int(attempt),
+                "variant": variant,
+                "at": _now().isoformat(),
+                **extra,
+            }
+        )
 
-    def start(self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT,
-              info: dict | None = None) -> None:
+    def start(
+        self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT, info: dict | None = None
+    ) -> None:
         """Mark running. ``info``: what the stage decided before doing it (a crash keeps it for recovery)."""
         extra = {"info": info} if info else {}
         self._event("start", step, stage, attempt, variant, host=socket.gethostname(), pid=os.getpid(), **extra)
 
-    def finish(self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT,
-               outputs: Iterable[str | Path] = (), info: dict | None = None) -> None:
+    def finish(
+        self,
+        step: int,
+        stage: str,
+        *,
+        attempt: int = 0,
+        variant: str = MAIN_VARIANT,
+        outputs: Iterable[str | Path] = (),
+        info: dict | None = None,
+    ) -> None:
         """Mark done. ``outputs``: files written (absolute or relative to the run dir)."""
         rel = [self.layout.relative(p) if Path(p).is_absolute() else Path(p).as_posix() for p in outputs]
         self._event("finish", step, stage, attempt, variant, outputs=rel, info=info or {})
 
-    def fail(self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT,
-             error: str | BaseException = "") -> None:
+    def fail(
+        self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT, error: str | BaseException = ""
+    ) -> None:
         if isinstance(error, BaseException):
             error = f"{type(error).__name__}: {error}"
         self._event("fail", step, stage, attempt, variant, error=str(error).splitlines()[0] if error else "")
 
     @contextmanager
-    def stage(self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT,
-              info: dict | None = None) -> Iterator[StageRun]:
+    def stage(
+        self, step: int, stage: str, *, attempt: int = 0, variant: str = MAIN_VARIANT, info: dict | None = None
+    ) -> Iterator[StageRun]:
         """``with ledger.stage(3, "train") as run: ...; run.outputs.append(path)``.
 
         Records start (with ``info``, if given), then finish (with the outputs
@@ -220,7 +247,9 @@ class Ledger:
             raise
         self.finish(step, stage, attempt=attempt, variant=variant, outputs=run.outputs, info=run.info)
 
-    def set_aside(self, *, from_step: int, stages: Iterable[str] | None = None, variant: str | None = MAIN_VARIANT) -> int:
+    def set_aside(
+        self, *, from_step: int, stages: Iterable[str] | None = None, variant: str | None = MAIN_VARIANT
+    ) -> int:
         """Hide records of steps > ``from_step``, and of ``from_step`` for ``stages`` (all if None).
 
         For ``resume --from STAGE --step N``: pass N and the stages from STAGE
@@ -228,8 +257,16 @@ class Ledger:
         """
         stages = None if stages is None else sorted(set(stages))
         hidden = [r for r in self.records(variant=variant) if _after(r, from_step, stages)]
-        self._append({"event": "set_aside", "run_id": self.run_id, "from_step": int(from_step),
-                      "stages": stages, "variant": variant, "at": _now().isoformat()})
+        self._append(
+            {
+                "event": "set_aside",
+                "run_id": self.run_id,
+                "from_step": int(from_step),
+                "stages": stages,
+                "variant": variant,
+                "at": _now().isoformat(),
+            }
+        )
         return len(hidden)
 
     # -- reading -------------------------------------------------------------------------
@@ -281,7 +318,7 @@ class Ledger:
                         self._apply(fold, line, fold.lines)
                 fold.offset += whole
                 if whole:  # (data starts on a line: the offset is always just after a newline)
-                    fold.mark = data[data.rfind(b"\n", 0, whole - 1) + 1:whole]
+                    fold.mark = data[data.rfind(b"\n", 0, whole - 1) + 1 : whole]
         finally:
             os.close(fd)
         return fold
@@ -353,8 +390,13 @@ class Ledger:
         best = max(done, key=lambda r: (r.step, r.seq))
         return best.step, best.stage
 
-    def last_complete_step(self, required: Iterable[str] | Callable[[int], Iterable[str]], *,
-                           first_step: int = 0, variant: str = MAIN_VARIANT) -> int | None:
+    def last_complete_step(
+        self,
+        required: Iterable[str] | Callable[[int], Iterable[str]],
+        *,
+        first_step: int = 0,
+        variant: str = MAIN_VARIANT,
+    ) -> int | None:
         """Highest n such that every step first_step..n has all its required stages done.
 
         ``required`` is a set of stage names or a function step -> stage names
@@ -376,10 +418,22 @@ class Ledger:
     def to_arrow(self, *, variant: str | None = None) -> pa.Table:
         """Live records as a table with the ``ledger`` schema (for the catalog)."""
         rows = [
-            {"run_id": r.run_id, "step": r.step, "variant": r.variant, "stage": r.stage, "attempt": r.attempt,
-             "status": r.status, "started_at": r.started_at, "finished_at": r.finished_at, "seconds": r.seconds,
-             "outputs": r.outputs, "error": r.error, "host": r.host, "pid": r.pid,
-             "info": json.dumps(r.info, sort_keys=True, default=str) if r.info else None}
+            {
+                "run_id": r.run_id,
+                "step": r.step,
+                "variant": r.variant,
+                "stage": r.stage,
+                "attempt": r.attempt,
+                "status": r.status,
+                "started_at": r.started_at,
+                "finished_at": r.finished_at,
+                "seconds": r.seconds,
+                "outputs": r.outputs,
+                "error": r.error,
+                "host": r.host,
+                "pid": r.pid,
+                "info": json.dumps(r.info, sort_keys=True, default=str) if r.info else None,
+            }
             for r in self.records(variant=variant)
         ]
         return pa.Table.from_pylist(rows, schema=LEDGER.schema())
@@ -417,4 +471,3 @@ def _after(r: StageRecord, from_step: int, stages: Iterable[str] | None) -> bool
     if r.step > from_step:
         return True
     return r.step == from_step and (stages is None or r.stage in set(stages))
-

@@ -81,13 +81,18 @@ def acquire(run_dir: str | Path) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise RunLocked(f"{run_dir} is being written by {_holder(path)}; "
-                            "wait for it to finish (or stop it), then `fp8rl resume`") from None
+            raise RunLocked(
+                f"{run_dir} is being written by {_holder(path)}; "
+                "wait for it to finish (or stop it), then `fp8rl resume`"
+            ) from None
         except BaseException:
             os.close(fd)
             raise
-        info = {"pid": os.getpid(), "host": socket.gethostname(),
-                "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         _HELD.fds[key] = (fd, 1)

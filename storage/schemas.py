@@ -130,8 +130,7 @@ def _ratio_sql(logp: str, old_logp: str) -> str:
     # CASE with FLOAT literals, not least/greatest: those are ~7x slower in DuckDB
     # and skip NULLs (least(NULL, 20) = 20). A NULL difference falls to ELSE: NULL.
     d = f"({logp} - {old_logp})"
-    return (f"exp(CASE WHEN {d} > 20::FLOAT THEN 20::FLOAT WHEN {d} < -20::FLOAT THEN -20::FLOAT "
-            f"ELSE {d} END)::FLOAT")
+    return f"exp(CASE WHEN {d} > 20::FLOAT THEN 20::FLOAT WHEN {d} < -20::FLOAT THEN -20::FLOAT ELSE {d} END)::FLOAT"
 
 
 def _ratio(logp: pa.ChunkedArray, old_logp: pa.ChunkedArray) -> pa.ChunkedArray:
@@ -160,8 +159,10 @@ def fill_clip_flags(t: pa.Table) -> pa.Table:
         if t.column(f"{prefix}clipped_lower").null_count < t.num_rows:
             continue
         r = _ratio(t.column(logp), t.column(old))
-        for name, flag in ((f"{prefix}clipped_lower", pc.and_(neg, pc.less(r, t.column(lo)))),
-                           (f"{prefix}clipped_upper", pc.and_(pos, pc.greater(r, t.column(hi))))):
+        for name, flag in (
+            (f"{prefix}clipped_lower", pc.and_(neg, pc.less(r, t.column(lo)))),
+            (f"{prefix}clipped_upper", pc.and_(pos, pc.greater(r, t.column(hi)))),
+        ):
             t = t.set_column(t.schema.get_field_index(name), t.schema.field(name), flag)
     return t
 
@@ -181,10 +182,20 @@ ROLLOUTS = TableSpec(
         Column("dataset", pa.string(), "Dataset / data source the prompt came from."),
         Column("prompt", pa.string(), "Prompt text as given to the model.", encoding="plain"),
         Column("response", pa.string(), "Generated text (decoded response tokens).", encoding="plain"),
-        Column("reference_answer", pa.string(), "Ground truth for the verifier (so scoring can be re-run).", encoding="plain"),
+        Column(
+            "reference_answer",
+            pa.string(),
+            "Ground truth for the verifier (so scoring can be re-run).",
+            encoding="plain",
+        ),
         Column("prompt_token_ids", pa.list_(pa.int32()), "Token ids of the prompt.", encoding="plain"),
         Column("response_token_ids", pa.list_(pa.int32()), "Token ids of the response.", encoding="plain"),
-        Column("rollout_logp", pa.list_(_F32), "Per response token: log-prob under the rollout engine (nats).", encoding="plain"),
+        Column(
+            "rollout_logp",
+            pa.list_(_F32),
+            "Per response token: log-prob under the rollout engine (nats).",
+            encoding="plain",
+        ),
         Column("response_length", pa.int32(), "Number of response tokens."),
         Column("finish_reason", pa.string(), "'stop' (EOS / stop string) or 'length' (hit the max length)."),
         Column("policy_version", pa.int64(), "Step of the weights that generated it (off-policy lag = step − this)."),
@@ -207,7 +218,9 @@ SCORES = TableSpec(
         Column("group_reward_std", _F32, "Unbiased std of the group's rewards (1 for a group of one)."),
         Column("advantage", _F32, "Sequence advantage (GRPO: (R − mean)/(std + 1e-6); Dr.GRPO: R − mean)."),
         Column("kept", pa.bool_(), "Kept for training (False: dropped by DAPO dynamic sampling)."),
-        Column("tests_passed_fraction", _F32, "Code tasks: share of the response's test cases passed (NULL otherwise)."),
+        Column(
+            "tests_passed_fraction", _F32, "Code tasks: share of the response's test cases passed (NULL otherwise)."
+        ),
     ),
 )
 
@@ -224,8 +237,12 @@ TOKEN_STATS = TableSpec(
         Column("logp_fp8", _F32, "log π_θ(token) from the FP8 training forward (nats).", encoding="bss"),
         Column("old_logp_fp8", _F32, "log π_old(token) from the FP8 old-policy forward (nats).", encoding="bss"),
         Column("logp_bf16", _F32, "log π_θ from the BF16 shadow forward; NULL without shadow pass.", encoding="bss"),
-        Column("old_logp_bf16", _F32, "log π_old from the BF16 shadow forward; NULL without shadow pass.", encoding="bss"),
-        Column("entropy", _F32, "Entropy of the policy's next-token distribution at this position (nats).", encoding="bss"),
+        Column(
+            "old_logp_bf16", _F32, "log π_old from the BF16 shadow forward; NULL without shadow pass.", encoding="bss"
+        ),
+        Column(
+            "entropy", _F32, "Entropy of the policy's next-token distribution at this position (nats).", encoding="bss"
+        ),
         Column("lower_bound", _F32, "FP8 lower clip bound L in force at this step."),
         Column("upper_bound", _F32, "FP8 upper clip bound H in force at this step."),
         Column("standard_lower", _F32, "Standard lower bound 1 − ε_low (what BF16 clips at)."),
@@ -237,14 +254,26 @@ TOKEN_STATS = TableSpec(
     ),
     fill=fill_clip_flags,
     derived=(
-        ("ratio_fp8", _ratio_sql("logp_fp8", "old_logp_fp8"),
-         "r8 = exp(clamp(logp_fp8 − old_logp_fp8, −20, 20)) (DESIGN §2)."),
-        ("ratio_bf16", _ratio_sql("logp_bf16", "old_logp_bf16"),
-         "r16, the same from the BF16 shadow log-probs; NULL without shadow pass."),
-        ("overclipped", "CASE WHEN bf16_clipped_lower IS NOT NULL THEN clipped_lower AND NOT bf16_clipped_lower END",
-         "BF16 would not clip, FP8 does: A<0, r16 >= 1−ε_low, r8 < L (NULL without shadow pass)."),
-        ("underclipped", "CASE WHEN clipped_lower IS NOT NULL THEN bf16_clipped_lower AND NOT clipped_lower END",
-         "BF16 would clip, FP8 does not: A<0, r16 < 1−ε_low, r8 >= L (NULL without shadow pass)."),
+        (
+            "ratio_fp8",
+            _ratio_sql("logp_fp8", "old_logp_fp8"),
+            "r8 = exp(clamp(logp_fp8 − old_logp_fp8, −20, 20)) (DESIGN §2).",
+        ),
+        (
+            "ratio_bf16",
+            _ratio_sql("logp_bf16", "old_logp_bf16"),
+            "r16, the same from the BF16 shadow log-probs; NULL without shadow pass.",
+        ),
+        (
+            "overclipped",
+            "CASE WHEN bf16_clipped_lower IS NOT NULL THEN clipped_lower AND NOT bf16_clipped_lower END",
+            "BF16 would not clip, FP8 does: A<0, r16 >= 1−ε_low, r8 < L (NULL without shadow pass).",
+        ),
+        (
+            "underclipped",
+            "CASE WHEN clipped_lower IS NOT NULL THEN bf16_clipped_lower AND NOT clipped_lower END",
+            "BF16 would clip, FP8 does not: A<0, r16 < 1−ε_low, r8 >= L (NULL without shadow pass).",
+        ),
     ),
 )
 
@@ -266,7 +295,10 @@ _STEP_METRICS = (
     ("learning_rate", "Learning rate used at this step."),
     ("prob_nmae", "NMAE of FP8 vs BF16 token probabilities (shadow steps)."),
     ("ratio_nmae", "NMAE of r8 vs r16 (shadow steps); / prob_nmae = noise amplification."),
-    ("rollout_gpu_gib_before_sleep", "GPU memory in use (GiB, all processes) just before the vLLM engine slept after rollout; null off GPU."),
+    (
+        "rollout_gpu_gib_before_sleep",
+        "GPU memory in use (GiB, all processes) just before the vLLM engine slept after rollout; null off GPU.",
+    ),
     ("rollout_gpu_gib_after_sleep", "GPU memory in use (GiB) just after the vLLM engine slept; null off GPU."),
     # BAPO as published (calibration.mode = bapo): bounds re-picked before every update
     ("bapo_lower_mean", "BAPO: mean over the step's updates of c_low (NULL in other modes)."),
@@ -310,12 +342,21 @@ _STEP_METRICS = (
     ("seq_ratio_mean", "GSPO: mean sequence ratio s = exp(mean(logp - old_logp))."),
     ("seq_ratio_min", "GSPO: smallest sequence ratio."),
     ("seq_ratio_max", "GSPO: largest sequence ratio."),
-    ("token_multiple", "Token-count multiple every FP8 micro-batch was padded to (16 tensorwise/rowwise, 128 blockwise, 1 bf16)."),
+    (
+        "token_multiple",
+        "Token-count multiple every FP8 micro-batch was padded to (16 tensorwise/rowwise, 128 blockwise, 1 bf16).",
+    ),
     ("world_size", "Ranks that trained the step (FSDP2 under torchrun; 1 = one process)."),
-    ("drift_signal", "KS distance of this step's A<0 FP8 ratios vs the last calibration step's (0 on calibration steps)."),
+    (
+        "drift_signal",
+        "KS distance of this step's A<0 FP8 ratios vs the last calibration step's (0 on calibration steps).",
+    ),
     ("ratio_noise_nmae", "Shadow steps: NMAE of r8 vs r16 (training noise in the ratio)."),
     ("tis_weight_nmae", "Shadow steps: NMAE of the TIS weight from FP8 vs BF16 pi_old (against rollout log-probs)."),
-    ("rollout_bf16_prob_nmae", "Shadow steps: NMAE of rollout-engine probabilities vs BF16 pi_old (the mismatch itself)."),
+    (
+        "rollout_bf16_prob_nmae",
+        "Shadow steps: NMAE of rollout-engine probabilities vs BF16 pi_old (the mismatch itself).",
+    ),
     ("rollout_bf16_tis_nmae", "Shadow steps: NMAE of 1 vs the TIS weight from BF16 pi_old (what TIS corrects)."),
     ("rollout_fp8_prob_nmae", "Shadow steps: NMAE of rollout probabilities vs FP8 pi_old."),
 )
@@ -363,19 +404,38 @@ BOUNDS = TableSpec(
         # subsampled shadow passes (fp8rl_core.subsample)
         Column("shadow_sequences", pa.int64(), "Sequences the BF16 shadow passes ran on (m)."),
         Column("total_sequences", pa.int64(), "Sequences of the batch (N); m = N: full shadow."),
-        Column("alpha_level_error", _F64, "Stated error of the subset's L in quantile levels (Hoeffding-Serfling, sequences as unit)."),
-        Column("lower_error_bound", _F64, "Stated bound on |L_subset - L_full| (ratio units), holds with prob >= 1 - shadow_failure_prob."),
-        Column("lower_error_bootstrap", _F64, "Bootstrap (over sequences) (1 - delta)-quantile of the L error: tighter, approximate."),
+        Column(
+            "alpha_level_error",
+            _F64,
+            "Stated error of the subset's L in quantile levels (Hoeffding-Serfling, sequences as unit).",
+        ),
+        Column(
+            "lower_error_bound",
+            _F64,
+            "Stated bound on |L_subset - L_full| (ratio units), holds with prob >= 1 - shadow_failure_prob.",
+        ),
+        Column(
+            "lower_error_bootstrap",
+            _F64,
+            "Bootstrap (over sequences) (1 - delta)-quantile of the L error: tighter, approximate.",
+        ),
         Column("shadow_failure_prob", _F64, "delta of the stated bounds."),
         # the raw-L estimator (fp8rl_core.estimators); NULL in runs written before it was recorded
-        Column("estimator", pa.string(),
-               "Raw-L estimator (calibration.estimator): 'quantile' (the paper's rule), 'pooled', ..."),
-        Column("lower_level", _F64,
-               "Quantile level of the A<0 FP8 ratios the raw L aims at (pooled level for pooled estimators)."),
+        Column(
+            "estimator",
+            pa.string(),
+            "Raw-L estimator (calibration.estimator): 'quantile' (the paper's rule), 'pooled', ...",
+        ),
+        Column(
+            "lower_level",
+            _F64,
+            "Quantile level of the A<0 FP8 ratios the raw L aims at (pooled level for pooled estimators).",
+        ),
         Column("lower_ci_low", _F64, "Lower end of the estimator's confidence interval for raw L (NULL: it has none)."),
         Column("lower_ci_high", _F64, "Upper end of that interval (level calibration.estimator_ci_level)."),
-        Column("estimator_shadow_tokens", pa.int64(),
-               "Shadow-passed tokens the raw L rests on (pooled steps included)."),
+        Column(
+            "estimator_shadow_tokens", pa.int64(), "Shadow-passed tokens the raw L rests on (pooled steps included)."
+        ),
         Column("pooled_steps", pa.int64(), "Calibration steps the raw L pooled (1 = this step only)."),
     ),
 )
@@ -395,7 +455,11 @@ EVALS = TableSpec(
         Column("response_length", pa.int32(), "Response tokens."),
         Column("finish_reason", pa.string(), "'stop' or 'length'."),
         Column("temperature", _F32, "Sampling temperature."),
-        Column("tests_passed_fraction", _F32, "Code benchmarks: share of the response's test cases passed (NULL otherwise)."),
+        Column(
+            "tests_passed_fraction",
+            _F32,
+            "Code benchmarks: share of the response's test cases passed (NULL otherwise).",
+        ),
     ),
 )
 
@@ -456,7 +520,8 @@ def check_schema_version(version: int | str | None, where: str) -> int:
         raise SchemaVersionError(f"{where}: schema version {version!r} is not an integer") from None
     if v > SCHEMA_VERSION:
         raise SchemaVersionError(
-            f"{where}: written with schema version {v}, newer than this fp8rl's {SCHEMA_VERSION}; upgrade fp8rl to read it"
+            f"{where}: written with schema version {v}, newer than this fp8rl's {SCHEMA_VERSION}; upgrade fp8rl to "
+            f"read it"
         )
     if v < MIN_READABLE_SCHEMA_VERSION:
         raise SchemaVersionError(

@@ -39,8 +39,21 @@ import pyarrow.parquet as pq
 
 from storage import faults
 from storage.errors import CorruptFile, SchemaError
-from storage.layout import (META_RUN_ID, META_STEP, META_VARIANT, Part, RunLayout, live_parts, new_write_id,
-                            parse_part_name, part_name, rank_of_part, read_run_info, scan_parts, stage_of_part)
+from storage.layout import (
+    META_RUN_ID,
+    META_STEP,
+    META_VARIANT,
+    Part,
+    RunLayout,
+    live_parts,
+    new_write_id,
+    parse_part_name,
+    part_name,
+    rank_of_part,
+    read_run_info,
+    scan_parts,
+    stage_of_part,
+)
 from storage.schemas import MAIN_VARIANT, STORED_TABLES, TableSpec, get_table
 
 Rows = pa.Table | pa.RecordBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]]
@@ -101,7 +114,9 @@ def rows_to_table(rows: Rows) -> pa.Table:
         if rows and not all(isinstance(r, Mapping) for r in rows):
             raise SchemaError("a list of rows must hold dicts (column name -> value)")
         return pa.Table.from_pylist(list(rows))
-    raise SchemaError(f"cannot write rows of type {type(rows).__name__}: pass a pa.Table, a dict of columns or a list of dicts")
+    raise SchemaError(
+        f"cannot write rows of type {type(rows).__name__}: pass a pa.Table, a dict of columns or a list of dicts"
+    )
 
 
 def conform(spec: TableSpec, table: pa.Table, *, run_id: str, step: int, variant: str) -> pa.Table:
@@ -119,7 +134,10 @@ def conform(spec: TableSpec, table: pa.Table, *, run_id: str, step: int, variant
         if key in table.column_names:
             seen = set(table.column(key).unique().to_pylist())
             if seen - {want}:
-                raise SchemaError(f"{spec.name}: column {key!r} holds {sorted(map(str, seen))[:3]}, but this write is for {key}={want!r}")
+                raise SchemaError(
+                    f"{spec.name}: column {key!r} holds {sorted(map(str, seen))[:3]}, but this write "
+                    f"is for {key}={want!r}"
+                )
     derived = {d[0] for d in spec.derived}
     given = {name: table.column(name) for name in table.column_names if name not in derived and name not in _KEYS}
     arrays: list[pa.Array | pa.ChunkedArray] = []
@@ -137,21 +155,32 @@ def conform(spec: TableSpec, table: pa.Table, *, run_id: str, step: int, variant
             if not f.nullable and arr.null_count:
                 raise SchemaError(f"{spec.name}.{f.name}: required column has {arr.null_count} null value(s)")
         elif not f.nullable:
-            raise SchemaError(f"{spec.name}: required column {f.name!r} is missing (have: {', '.join(table.column_names)})")
+            raise SchemaError(
+                f"{spec.name}: required column {f.name!r} is missing (have: {', '.join(table.column_names)})"
+            )
         else:
             arr = pa.nulls(n, f.type)
         arrays.append(arr)
         fields.append(f)
     for name, col in given.items():  # columns beyond the declared ones: only a declared family
         if spec.extra_pattern is None or not spec.extra_pattern.match(name):
-            raise SchemaError(f"{spec.name}: column {name!r} is not declared in its schema "
-                              f"(storage/schemas.py); a typo, or a new column to declare there")
+            raise SchemaError(
+                f"{spec.name}: column {name!r} is not declared in its schema "
+                f"(storage/schemas.py); a typo, or a new column to declare there"
+            )
         if not _COLUMN_NAME.match(name):
             raise SchemaError(f"{spec.name}: extra column name {name!r} is not SQL-friendly (letters, digits, '_')")
         if spec.extra_type is not None and not pa.types.is_string(col.type):
-            if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)
-                    or pa.types.is_boolean(col.type) or pa.types.is_null(col.type)):
-                raise SchemaError(f"{spec.name}: extra column {name!r} has type {col.type}; only numbers (stored as float64) or strings")
+            if not (
+                pa.types.is_integer(col.type)
+                or pa.types.is_floating(col.type)
+                or pa.types.is_boolean(col.type)
+                or pa.types.is_null(col.type)
+            ):
+                raise SchemaError(
+                    f"{spec.name}: extra column {name!r} has type {col.type}; only numbers (stored "
+                    f"as float64) or strings"
+                )
             col = col.cast(spec.extra_type)
         arrays.append(col)
         fields.append(pa.field(name, col.type))
@@ -191,7 +220,9 @@ class TableWriter:
         self.layout = RunLayout(Path(self.run_dir))
         self.run_id = read_run_info(self.layout.root).run_id
 
-    def write(self, table: str, step: int, rows: Rows, *, stage: str, attempt: int = 0, variant: str = MAIN_VARIANT) -> Path:
+    def write(
+        self, table: str, step: int, rows: Rows, *, stage: str, attempt: int = 0, variant: str = MAIN_VARIANT
+    ) -> Path:
         """Write ``rows`` as the output of ``stage`` (attempt ``attempt``) for ``step``.
 
         Replaces — by setting aside, never deleting — the previous output of
@@ -208,8 +239,14 @@ class TableWriter:
         data = conform(spec, rows_to_table(rows), run_id=self.run_id, step=step, variant=variant)
         if spec.fill is not None:
             data = spec.fill(data)
-        data = data.replace_schema_metadata({**(data.schema.metadata or {}), META_RUN_ID: self.run_id.encode(),
-                                             META_STEP: str(step).encode(), META_VARIANT: variant.encode()})
+        data = data.replace_schema_metadata(
+            {
+                **(data.schema.metadata or {}),
+                META_RUN_ID: self.run_id.encode(),
+                META_STEP: str(step).encode(),
+                META_VARIANT: variant.encode(),
+            }
+        )
 
         self.layout.tmp.mkdir(parents=True, exist_ok=True)
         tmp = self.layout.tmp / f"{name.write_id}.parquet.tmp"
@@ -228,8 +265,12 @@ class TableWriter:
             _fsync_path(dest_dir, directory=True)
         for f in os.scandir(dest_dir):  # only this partition: cost independent of the run's length
             older = parse_part_name(f.name)
-            if (older is not None and older.stage == stage and older.variant == variant
-                    and older.write_id < name.write_id):
+            if (
+                older is not None
+                and older.stage == stage
+                and older.variant == variant
+                and older.write_id < name.write_id
+            ):
                 self._set_aside(Path(f.path))
         for listener in self.listeners:
             try:
@@ -266,8 +307,9 @@ class TableWriter:
             write_statistics=stats,
         )
 
-    def retire_absent_ranks(self, table: str, step: int, stage: str, world_size: int, *,
-                            variant: str = MAIN_VARIANT) -> list[Path]:
+    def retire_absent_ranks(
+        self, table: str, step: int, stage: str, world_size: int, *, variant: str = MAIN_VARIANT
+    ) -> list[Path]:
         """Set aside ``step``'s parts of ``stage`` written by ranks >= ``world_size``.
 
         Each rank writes its share of a stage as its own part (``train``,
@@ -278,10 +320,14 @@ class TableWriter:
         """
         d = self.layout.partition_dir(table, self.run_id, step)
         moved = []
-        for f in (os.scandir(d) if d.is_dir() else ()):
+        for f in os.scandir(d) if d.is_dir() else ():
             n = parse_part_name(f.name)
-            if (n is not None and n.variant == variant and stage_of_part(n.stage) == stage
-                    and rank_of_part(n.stage) >= world_size):
+            if (
+                n is not None
+                and n.variant == variant
+                and stage_of_part(n.stage) == stage
+                and rank_of_part(n.stage) >= world_size
+            ):
                 moved.append(self._set_aside(Path(f.path)))
         return moved
 
@@ -348,8 +394,10 @@ def read_table(path: str | Path) -> pa.Table:
         if isinstance(err, OSError) and getattr(err, "errno", None) is not None:
             raise  # a real I/O error (permission, missing file) keeps its type
         why = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
-        raise CorruptFile(f"{path}: corrupt Parquet ({why}); `fp8rl doctor` lists such files — restore it "
-                          "from a copy, or `fp8rl resume RUN --from STAGE --step N` to recompute it") from None
+        raise CorruptFile(
+            f"{path}: corrupt Parquet ({why}); `fp8rl doctor` lists such files — restore it "
+            "from a copy, or `fp8rl resume RUN --from STAGE --step N` to recompute it"
+        ) from None
     meta = t.schema.metadata or {}
     check_schema_version(meta.get(META_VERSION, b"").decode() or None, str(path))
     return t

@@ -109,8 +109,19 @@ def data_dir() -> Path:
 # share of it (the sandbox tests count processes in a uid band of their own).
 # Longest files first, so the two workers finish together instead of one waiting on a
 # long file drawn last (measured with --durations on an idle 2-core machine).
-_LONG_FIRST = ("test_campaign", "test_spmd_campaign", "test_rollout_ranks", "test_bootstrap", "test_stages",
-               "test_trackers", "test_guard", "test_deploy", "test_integrity", "test_sandbox", "test_code_rl")
+_LONG_FIRST = (
+    "test_campaign",
+    "test_spmd_campaign",
+    "test_rollout_ranks",
+    "test_bootstrap",
+    "test_stages",
+    "test_trackers",
+    "test_guard",
+    "test_deploy",
+    "test_integrity",
+    "test_sandbox",
+    "test_code_rl",
+)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -43,10 +43,22 @@ def skip_reason() -> str | None:
 
 def run_checks(kind: str, out_dir: Path, *, timeout: float = 600.0, extra: list[str] | None = None) -> dict:
     """Run ``vllm_real_checks.py KIND OUT_DIR`` in the vLLM venv; its JSON result (fails the test on error)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), FP8RL_MAX_THREADS="1", OMP_NUM_THREADS="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([str(vllm_python()), str(CHECKS), kind, str(out_dir), *(extra or [])], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        FP8RL_MAX_THREADS="1",
+        OMP_NUM_THREADS="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    proc = subprocess.run(
+        [str(vllm_python()), str(CHECKS), kind, str(out_dir), *(extra or [])],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     result_file = out_dir / "result.json"
     if not result_file.exists():
         pytest.fail(f"{kind} checks wrote no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from conftest import micro_config
+
 from flows.configuration import dump_config
 from fp8rl_core.losses import loss_bounds
 from stages.context import open_context
-from stages.runtime.io import read_step
 from stages.rollout import run_rollout
+from stages.runtime.io import read_step
 from stages.score import run_score
 from stages.train import run_train
 from storage.layout import create_run
@@ -40,8 +40,13 @@ def _train_one_step(tmp_path, *overrides):
 
 def test_bapo_per_update_bounds_reach_the_steps_row(tmp_path):
     # two mini-batches, two epochs: four updates, each with its own bounds
-    cfg, ctx, out = _train_one_step(tmp_path, "calibration.mode=bapo", "algorithm.ppo_epochs=2",
-                                    "algorithm.ppo_mini_batch_size=16", "algorithm.micro_batch_size=8")
+    cfg, ctx, out = _train_one_step(
+        tmp_path,
+        "calibration.mode=bapo",
+        "algorithm.ppo_epochs=2",
+        "algorithm.ppo_mini_batch_size=16",
+        "algorithm.micro_batch_size=8",
+    )
     m = out["metrics"]
     b = cfg.calibration.bapo
     for side, (lo, hi) in (("lower", (b.lower_start, b.lower_max)), ("upper", (b.upper_start, b.upper_max))):
@@ -55,7 +60,9 @@ def test_bapo_per_update_bounds_reach_the_steps_row(tmp_path):
     tok = read_step(ctx, "token_stats", 1).to_pandas()
     lows = tok.groupby("minibatch")["lower_bound"].agg(["min", "max"])
     assert (lows["min"] == lows["max"]).all()
-    assert m["bapo_lower_min"] - 1e-6 <= tok["lower_bound"].min() <= tok["lower_bound"].max() <= m["bapo_lower_max"] + 1e-6
+    assert (
+        m["bapo_lower_min"] - 1e-6 <= tok["lower_bound"].min() <= tok["lower_bound"].max() <= m["bapo_lower_max"] + 1e-6
+    )
 
 
 def test_cispo_cap_comes_from_the_registry(tmp_path):

@@ -17,7 +17,6 @@ from fp8rl_core.advantages import (
 )
 
 
-
 def test_grpo_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 1.0, 5.0])
     groups = torch.tensor([3, 3, 3, 7])
@@ -115,13 +114,24 @@ def test_dapo_filter_uses_accuracy_not_shaped_reward():
     from flows.configuration import load_config
     from stages.score import _score_rows
 
-    cfg = load_config("tiny-cpu", ["rollout.samples_per_prompt=4", "algorithm.dynamic_sampling=true",
-                                   "algorithm.overlong_shaping=true", "algorithm.overlong_max_len=12",
-                                   "algorithm.overlong_cache_len=4"])
-    rows = pa.table({"sample_id": pa.array(range(12), pa.int32()),
-                     # group 0: all correct, lengths 5, 9, 11, 12 -> penalties 0, -0.25, -0.75, -1: rewards differ
-                     # group 1: mixed accuracy; group 2: all wrong, different lengths
-                     "response_length": pa.array([5, 9, 11, 12, 5, 6, 7, 8, 5, 10, 11, 12], pa.int32())})
+    cfg = load_config(
+        "tiny-cpu",
+        [
+            "rollout.samples_per_prompt=4",
+            "algorithm.dynamic_sampling=true",
+            "algorithm.overlong_shaping=true",
+            "algorithm.overlong_max_len=12",
+            "algorithm.overlong_cache_len=4",
+        ],
+    )
+    rows = pa.table(
+        {
+            "sample_id": pa.array(range(12), pa.int32()),
+            # group 0: all correct, lengths 5, 9, 11, 12 -> penalties 0, -0.25, -0.75, -1: rewards differ
+            # group 1: mixed accuracy; group 2: all wrong, different lengths
+            "response_length": pa.array([5, 9, 11, 12, 5, 6, 7, 8, 5, 10, 11, 12], pa.int32()),
+        }
+    )
     scores = [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     cols = _score_rows(SimpleNamespace(cfg=cfg), rows, scores)
     assert len(set(cols["reward"][:4].tolist())) == 4 and len(set(cols["reward"][8:].tolist())) > 1

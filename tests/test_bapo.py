@@ -16,7 +16,11 @@ pytestmark = pytest.mark.timeout(60)
 
 def _loop_bapo(r, adv, mask, cfg: BapoConfig):
     """Independent literal implementation: Python floats, one token at a time, re-summed after every move."""
-    toks = [(float(x), float(a)) for x, a, m in zip(r.reshape(-1).tolist(), adv.reshape(-1).tolist(), mask.reshape(-1).tolist()) if m]
+    toks = [
+        (float(x), float(a))
+        for x, a, m in zip(r.reshape(-1).tolist(), adv.reshape(-1).tolist(), mask.reshape(-1).tolist())
+        if m
+    ]
     clamp = cfg.boundary == "recipe"
 
     def rho(lo, hi):

@@ -22,9 +22,18 @@ from stages.grade.pool import grade_batch
 
 DATA_DIR = os.environ.get("FP8RL_DATA_DIR")
 needs_data = pytest.mark.skipif(
-    not DATA_DIR or not Path(DATA_DIR).is_dir(), reason="FP8RL_DATA_DIR is not set to the benchmark folder (../shared/data)"
+    not DATA_DIR or not Path(DATA_DIR).is_dir(),
+    reason="FP8RL_DATA_DIR is not set to the benchmark folder (../shared/data)",
 )
-EXPECTED = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "minerva_math": 272, "olympiadbench": 675, "gsm8k": 1319}
+EXPECTED = {
+    "aime24": 30,
+    "aime25": 30,
+    "amc23": 40,
+    "math500": 500,
+    "minerva_math": 272,
+    "olympiadbench": 675,
+    "gsm8k": 1319,
+}
 
 
 def test_every_benchmark_has_a_count():
@@ -125,7 +134,10 @@ def test_malformed_lines_are_reported_skipped_and_counted(tmp_path, caplog):
 def test_minerva_needs_a_boxed_answer(tmp_path):
     _write_jsonl(
         tmp_path / "minerva_math" / "test.jsonl",
-        [json.dumps({"problem": "p", "solution": "so \\boxed{\\frac{1}{2}} m", "idx": 0}), json.dumps({"problem": "p", "solution": "none", "idx": 1})],
+        [
+            json.dumps({"problem": "p", "solution": "so \\boxed{\\frac{1}{2}} m", "idx": 0}),
+            json.dumps({"problem": "p", "solution": "none", "idx": 1}),
+        ],
     )
     bench = load_benchmark("minerva_math", tmp_path)
     assert [p.answer for p in bench] == ["\\frac{1}{2}"] and bench.report.n_skipped == 1
@@ -134,7 +146,10 @@ def test_minerva_needs_a_boxed_answer(tmp_path):
 def test_olympiad_list_answers(tmp_path):
     _write_jsonl(
         tmp_path / "olympiadbench" / "test.jsonl",
-        [json.dumps({"id": 1, "question": "q", "final_answer": ["$3$", "$5$"]}), json.dumps({"id": 2, "question": "q", "final_answer": []})],
+        [
+            json.dumps({"id": 1, "question": "q", "final_answer": ["$3$", "$5$"]}),
+            json.dumps({"id": 2, "question": "q", "final_answer": []}),
+        ],
     )
     bench = load_benchmark("olympiadbench", tmp_path)
     assert [p.answer for p in bench] == ["3, 5"] and bench.report.n_skipped == 1

@@ -20,7 +20,6 @@ from fp8rl_core.config import CalibrationConfig
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
 
-
 def _hand_batch(dtype=torch.float64):
     #          negatives (|A| = 1)        positives (A = 1)
     r8 = torch.tensor([0.5, 0.7, 0.9, 1.1, 1.0, 1.2, 1.5], dtype=dtype)
@@ -47,7 +46,17 @@ def test_calibrated_hand_computed():
     assert (res.n_tokens, res.n_negative, res.n_positive, res.n_nonfinite) == (7, 4, 3, 0)
     assert res.status == "ok" and res.mode == "calibrated"
     d = res.to_dict()
-    for key in ("mode", "alpha", "raw_lower", "raw_upper", "lower", "upper", "target_balance", "balance_before", "balance_after"):
+    for key in (
+        "mode",
+        "alpha",
+        "raw_lower",
+        "raw_upper",
+        "lower",
+        "upper",
+        "target_balance",
+        "balance_before",
+        "balance_after",
+    ):
         assert key in d
 
 
@@ -74,8 +83,11 @@ def test_pos_neg_contrib_and_balance():
 
 def _loop_calibrate(r8, r16, adv, mask, cfg: CalibrationConfig, prev, c=3.0):
     """DESIGN.md section 2, literally, in Python floats (mode 'calibrated')."""
-    toks = [(x8, x16, a) for x8, x16, a, m in zip(r8.tolist(), r16.tolist(), adv.tolist(), mask.tolist())
-            if m and math.isfinite(x8) and math.isfinite(x16)]
+    toks = [
+        (x8, x16, a)
+        for x8, x16, a, m in zip(r8.tolist(), r16.tolist(), adv.tolist(), mask.tolist())
+        if m and math.isfinite(x8) and math.isfinite(x16)
+    ]
     neg = [(x8, x16, -a) for x8, x16, a in toks if a < 0]
     pos = [(x8, x16, a) for x8, x16, a in toks if a > 0]
     lo0, hi0 = 1 - EPS_LOW, 1 + EPS_HIGH
@@ -104,8 +116,15 @@ def _loop_calibrate(r8, r16, adv, mask, cfg: CalibrationConfig, prev, c=3.0):
         upper = next((h for h in grid if bal(0, lo_app, h) >= target), cfg.upper_max)
     hi_app = smooth(prev[1], upper, cfg.upper_min, cfg.upper_max)
     return {
-        "alpha": alpha, "raw_lower": lower, "raw_upper": upper, "target_balance": target, "lower": lo_app, "upper": hi_app,
-        "balance_before": bal(0, *prev), "balance_after": bal(0, lo_app, hi_app), "balance_applied": bal(0, lo_app, hi_app),
+        "alpha": alpha,
+        "raw_lower": lower,
+        "raw_upper": upper,
+        "target_balance": target,
+        "lower": lo_app,
+        "upper": hi_app,
+        "balance_before": bal(0, *prev),
+        "balance_after": bal(0, lo_app, hi_app),
+        "balance_applied": bal(0, lo_app, hi_app),
         "lower_clip_share_fp8_before": sum(1 for t in neg if t[0] < prev[0]) / n,
         "lower_clip_share_fp8_applied": sum(1 for t in neg if t[0] < lo_app) / n,
         "upper_clip_share_bf16": sum(1 for t in pos if t[1] > hi0) / len(pos),
@@ -234,7 +253,9 @@ def test_pair_in_force_meets_balance_on_a_hand_batch():
     r16 = torch.tensor([0.7, 0.9, 0.95, 1.0, 1.0, 1.1, 1.2, 1.2], dtype=torch.float64)
     adv = torch.tensor([-1.0, -1.0, -1.0, -1.0, 1.0, 1.0, 0.3, 1.0], dtype=torch.float64)
     mask = torch.ones(8, dtype=torch.bool)
-    res = calibrate(r8, r16, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(), previous=(0.8, 1.3))
+    res = calibrate(
+        r8, r16, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(), previous=(0.8, 1.3)
+    )
     assert res.target_balance == pytest.approx(3.66 / 2.85)
     assert res.raw_lower == pytest.approx(0.6) and res.lower == pytest.approx(0.75)
     assert res.raw_upper == pytest.approx(1.3) and res.upper == pytest.approx(1.3)
@@ -249,8 +270,16 @@ def test_degenerate_no_contributing_negatives_keeps_previous_upper():
     r8 = torch.tensor([3.5, 4.0, 1.0, 1.1], dtype=torch.float64)
     r16 = torch.tensor([0.9, 1.0, 1.0, 1.1], dtype=torch.float64)
     adv = torch.tensor([-1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
-    res = calibrate(r8, r16, adv, torch.ones(4, dtype=torch.bool), eps_low=EPS_LOW, eps_high=EPS_HIGH,
-                    config=CalibrationConfig(), previous=(0.8, 1.4))
+    res = calibrate(
+        r8,
+        r16,
+        adv,
+        torch.ones(4, dtype=torch.bool),
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        config=CalibrationConfig(),
+        previous=(0.8, 1.4),
+    )
     assert res.status == "no_contributing_negatives"
     assert res.raw_upper == 1.4 and res.upper == 1.4  # the old code set raw H to upper_min (1.0) -> H = 1.35
 
@@ -260,23 +289,52 @@ def test_degenerate_no_contributing_negatives_in_bf16_keeps_previous_upper():
     r8 = torch.tensor([0.85, 0.9, 1.0, 1.1], dtype=torch.float64)
     r16 = torch.tensor([0.5, 0.6, 1.0, 1.1], dtype=torch.float64)
     adv = torch.tensor([-1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
-    res = calibrate(r8, r16, adv, torch.ones(4, dtype=torch.bool), eps_low=EPS_LOW, eps_high=EPS_HIGH,
-                    config=CalibrationConfig(), previous=(0.8, 1.3))
+    res = calibrate(
+        r8,
+        r16,
+        adv,
+        torch.ones(4, dtype=torch.bool),
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        config=CalibrationConfig(),
+        previous=(0.8, 1.3),
+    )
     assert math.isinf(res.target_balance)
     assert res.status == "no_contributing_negatives_bf16" and res.raw_upper == 1.3 and res.upper == 1.3
 
 
 def test_degenerate_no_negative_tokens_keeps_both():
     ones = torch.ones(4, dtype=torch.float64)
-    res = calibrate(ones * 1.1, ones, torch.tensor([1.0, 2.0, 0.0, 0.5]), torch.ones(4, dtype=torch.bool),
-                    eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(), previous=(0.7, 1.4))
-    assert res.status == "no_negative_tokens" and (res.lower, res.upper, res.raw_lower, res.raw_upper) == (0.7, 1.4, 0.7, 1.4)
+    res = calibrate(
+        ones * 1.1,
+        ones,
+        torch.tensor([1.0, 2.0, 0.0, 0.5]),
+        torch.ones(4, dtype=torch.bool),
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        config=CalibrationConfig(),
+        previous=(0.7, 1.4),
+    )
+    assert res.status == "no_negative_tokens" and (res.lower, res.upper, res.raw_lower, res.raw_upper) == (
+        0.7,
+        1.4,
+        0.7,
+        1.4,
+    )
 
 
 def test_degenerate_no_positive_tokens_keeps_upper():
     r8 = torch.tensor([0.5, 0.9, 1.0], dtype=torch.float64)
-    res = calibrate(r8, r8, -torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.bool),
-                    eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(), previous=(0.8, 1.4))
+    res = calibrate(
+        r8,
+        r8,
+        -torch.ones(3, dtype=torch.float64),
+        torch.ones(3, dtype=torch.bool),
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        config=CalibrationConfig(),
+        previous=(0.8, 1.4),
+    )
     assert res.status == "no_positive_tokens" and res.raw_upper == 1.4 and res.upper == 1.4
 
 
@@ -311,15 +369,28 @@ def test_relaxed_lower_is_standard_with_a_wider_fixed_lower_bound():
 
 def test_standard_and_relaxed_lower():
     batch = _noisy_batch(0, 1000, noise=0.2)
-    std = calibrate(*batch, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(mode="standard"), previous=(0.7, 1.5))
+    std = calibrate(
+        *batch, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(mode="standard"), previous=(0.7, 1.5)
+    )
     assert (std.lower, std.upper, std.raw_lower, std.raw_upper) == (0.8, 1.28, 0.8, 1.28)
     cal = calibrate(*batch, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(max_delta=1.0))
     assert std.target_balance == cal.target_balance and std.alpha == cal.alpha
-    rel = calibrate(*batch, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(mode="calibrated_lower_only", max_delta=1.0))
+    rel = calibrate(
+        *batch,
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        config=CalibrationConfig(mode="calibrated_lower_only", max_delta=1.0),
+    )
     assert rel.raw_lower == cal.raw_lower and rel.lower == cal.lower
     assert rel.upper == rel.raw_upper == 1.28 and cal.upper != 1.28
     assert sorted(CLIP_MODES.names()) == [
-        "bapo", "bapo_joint_every_k", "calibrated", "calibrated_lower_only", "relaxed_lower", "standard"]
+        "bapo",
+        "bapo_joint_every_k",
+        "calibrated",
+        "calibrated_lower_only",
+        "relaxed_lower",
+        "standard",
+    ]
 
 
 def _loop_bapo_joint(r8, adv, mask, cfg: CalibrationConfig, c=3.0):
@@ -341,7 +412,9 @@ def test_bapo_joint_every_k_matches_loop():
     for seed in range(12):
         r8, r16, adv, mask = _noisy_batch(seed, 600, noise=0.3)
         adv = adv - 0.3 * (seed % 4)  # shift toward negative advantages so BAPO has to move
-        cfg = CalibrationConfig(mode="bapo_joint_every_k", bapo={"rho0": [0.4, 0.5, 0.6][seed % 3], "lower_step": 0.02, "upper_step": 0.05})
+        cfg = CalibrationConfig(
+            mode="bapo_joint_every_k", bapo={"rho0": [0.4, 0.5, 0.6][seed % 3], "lower_step": 0.02, "upper_step": 0.05}
+        )
         res = calibrate(r8, r16, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg)
         lo, hi = _loop_bapo_joint(r8, adv, mask, cfg)
         assert (res.lower, res.upper) == (pytest.approx(lo), pytest.approx(hi))
@@ -352,7 +425,9 @@ def test_bapo_joint_every_k_matches_loop():
 
 def test_bapo_mode_records_standard_statistics_only():
     batch = _noisy_batch(0, 500, noise=0.2)
-    res = calibrate(*batch, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(mode="bapo"), previous=(0.7, 1.5))
+    res = calibrate(
+        *batch, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(mode="bapo"), previous=(0.7, 1.5)
+    )
     assert (res.lower, res.upper) == (0.8, 1.28)  # the trainer re-picks BAPO's bounds per update
 
 
@@ -383,7 +458,11 @@ def test_edges():
     res = calibrate(bad8, bad16, badadv, badmask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg)
     clean = calibrate(*_hand_batch(), eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg)
     assert res.n_nonfinite == 3 and res.n_tokens == 7
-    assert (res.raw_lower, res.raw_upper, res.target_balance) == (clean.raw_lower, clean.raw_upper, clean.target_balance)
+    assert (res.raw_lower, res.raw_upper, res.target_balance) == (
+        clean.raw_lower,
+        clean.raw_upper,
+        clean.target_balance,
+    )
     with pytest.raises(ValueError, match="one shape"):
         calibrate(r8, r16[:3], adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg)
 
@@ -407,6 +486,22 @@ def test_calibrator_state_roundtrip_and_previous():
 
 def test_low_precision_inputs_are_upcast():
     r8, r16, adv, mask = _hand_batch(torch.float32)
-    res16 = calibrate(r8.bfloat16(), r16.bfloat16(), adv.bfloat16(), mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig())
-    ref = calibrate(r8.bfloat16().float(), r16.bfloat16().float(), adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig())
+    res16 = calibrate(
+        r8.bfloat16(),
+        r16.bfloat16(),
+        adv.bfloat16(),
+        mask,
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        config=CalibrationConfig(),
+    )
+    ref = calibrate(
+        r8.bfloat16().float(),
+        r16.bfloat16().float(),
+        adv,
+        mask,
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        config=CalibrationConfig(),
+    )
     assert (res16.raw_lower, res16.raw_upper, res16.alpha) == (ref.raw_lower, ref.raw_upper, ref.alpha)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from conftest import micro_config
+
 from flows.configuration import dump_config
 from stages.calibrate import run_calibrate
 from stages.context import open_run
-from stages.runtime.io import read_step
 from stages.rollout import run_rollout
+from stages.runtime.io import read_step
 from stages.score import run_score
 from stages.train import run_train
 from storage.layout import create_run
@@ -20,12 +20,20 @@ from storage.layout import create_run
 @pytest.mark.timeout(600)
 def test_drift_subsample_and_gspo_through_the_stages(tmp_path):
     cfg = micro_config(
-        "algorithm.loss=gspo", "algorithm.eps_low=3e-4", "algorithm.eps_high=4e-4",
+        "algorithm.loss=gspo",
+        "algorithm.eps_low=3e-4",
+        "algorithm.eps_high=4e-4",
         "algorithm.loss_agg=seq-mean-token-mean",
         # the micro model never answers right: length shaping gives the groups' rewards a spread (advantages != 0)
-        "algorithm.overlong_shaping=true", "algorithm.overlong_max_len=12", "algorithm.overlong_cache_len=10",
-        "calibration.schedule=drift", "calibration.drift_threshold=1e-9", "calibration.drift_min_interval=2",
-        "calibration.drift_max_interval=50", "calibration.shadow_target_error=0.9", "calibration.shadow_min_sequences=4",
+        "algorithm.overlong_shaping=true",
+        "algorithm.overlong_max_len=12",
+        "algorithm.overlong_cache_len=10",
+        "calibration.schedule=drift",
+        "calibration.drift_threshold=1e-9",
+        "calibration.drift_min_interval=2",
+        "calibration.drift_max_interval=50",
+        "calibration.shadow_target_error=0.9",
+        "calibration.shadow_min_sequences=4",
     )
     create_run(tmp_path, "r", config=dump_config(cfg))
     env, state = open_run(cfg, tmp_path / "r")

@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import MICRO_OVERRIDES
 from safetensors.torch import load_file
 
-from conftest import MICRO_OVERRIDES
 from storage.catalog import connect, query
 
 # end to end on a shared 2-core machine: a module fixture's campaign counts in its first test
@@ -53,9 +53,16 @@ def _cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_FAULT")}
     full_env.update(env or {})
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=full_env,
-                                stdout=out, stderr=err, text=True, start_new_session=True,
-                                preexec_fn=_default_sigint)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", *args],
+            cwd=ROOT,
+            env=full_env,
+            stdout=out,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+            preexec_fn=_default_sigint,
+        )
         try:
             code = proc.wait(timeout=timeout)
         finally:
@@ -92,8 +99,14 @@ def _weights(run_dir: Path) -> dict:
 def reference(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("ref") / "run"
     marker = d.parent / "fault-marker"
-    r = _cli("run", "tiny-cpu", "--run-dir", str(d), *_sets(),
-             env={"FP8RL_FAULT": "rollout@1=transient", "FP8RL_FAULT_MARKER": str(marker)})
+    r = _cli(
+        "run",
+        "tiny-cpu",
+        "--run-dir",
+        str(d),
+        *_sets(),
+        env={"FP8RL_FAULT": "rollout@1=transient", "FP8RL_FAULT_MARKER": str(marker)},
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert marker.exists(), "the transient fault was never injected"
     (d.parent / "output.txt").write_text(r.stdout + "\n---stderr---\n" + r.stderr)
@@ -108,7 +121,9 @@ def test_a_normal_run_prints_progress_and_no_tracebacks(reference):
 
 def test_transient_rollout_failure_is_retried_and_recorded(reference):
     con = connect(reference)
-    rows = query(con, "SELECT attempt, status FROM ledger WHERE step = 1 AND stage = 'rollout' ORDER BY attempt").to_pylist()
+    rows = query(
+        con, "SELECT attempt, status FROM ledger WHERE step = 1 AND stage = 'rollout' ORDER BY attempt"
+    ).to_pylist()
     assert rows == [{"attempt": 0, "status": "failed"}, {"attempt": 1, "status": "done"}]
 
 
@@ -158,8 +173,12 @@ def _mount_tmpfs(where: Path, *opts: str) -> bool:
     where.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=256m",) + opts), "tmpfs", str(where)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", ",".join(("size=256m",) + opts), "tmpfs", str(where)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def test_fault_matrix_each_fault_is_one_line_then_a_clean_resume(reference, tmp_path):
@@ -174,7 +193,9 @@ def test_fault_matrix_each_fault_is_one_line_then_a_clean_resume(reference, tmp_
     d = mnt / "run"
     try:
         # disk full while writing token_stats of step 2 (ENOSPC, as a full disk raises it)
-        r = _cli("run", "tiny-cpu", "--run-dir", str(d), *_sets(), env={"FP8RL_FAULT": "train@2:write:token_stats=enospc"})
+        r = _cli(
+            "run", "tiny-cpu", "--run-dir", str(d), *_sets(), env={"FP8RL_FAULT": "train@2:write:token_stats=enospc"}
+        )
         _one_line_exit_2(r, "no space left on device", f"fp8rl resume {d}")
         # a path the run needs is blocked by a file
         shutil.rmtree(d / "tmp")
@@ -194,7 +215,9 @@ def test_fault_matrix_each_fault_is_one_line_then_a_clean_resume(reference, tmp_
         # Ctrl-C (SIGINT) in step 3's train: one line naming the command that resumes, exit 130
         r = _cli("resume", str(d), env={"FP8RL_FAULT": "train@3:mb1=sigint"})
         assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
-        assert r.stderr.strip().splitlines()[-1] == f"interrupted; the run stays resumable: `fp8rl resume {d.resolve()}`"
+        assert (
+            r.stderr.strip().splitlines()[-1] == f"interrupted; the run stays resumable: `fp8rl resume {d.resolve()}`"
+        )
         assert "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
         r = _cli("resume", str(d))
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
@@ -237,7 +260,7 @@ def test_fault_matrix_checkpoint_faults_end_in_the_uninterrupted_run(reference, 
         if damage == "flip":
             data[len(data) // 2] ^= 0xFF
         else:
-            del data[len(data) // 2:]
+            del data[len(data) // 2 :]
         shard.write_bytes(bytes(data))
         if damage == "flip":
             assert _cli("doctor", str(d)).returncode == 0  # sizes agree: only hashes see flipped bits

@@ -11,17 +11,34 @@ import pytest
 
 from fp8rl_core import code_task
 from fp8rl_core.config import CodeConfig
-from stages.data.code_benchmarks import (CODE_SOURCES, _eurus, _taco_apps, grade_code_responses, load_code_benchmark,
-                                    records_to_set)
-from stages.grade.code import (CodeGradingConfig, extract_code, get_sandbox, grade_code_batch, grade_program,
-                                 outputs_match, parse_tests)
+from stages.data.code_benchmarks import (
+    CODE_SOURCES,
+    _eurus,
+    _taco_apps,
+    grade_code_responses,
+    load_code_benchmark,
+    records_to_set,
+)
+from stages.grade.code import (
+    CodeGradingConfig,
+    extract_code,
+    get_sandbox,
+    grade_code_batch,
+    grade_program,
+    outputs_match,
+    parse_tests,
+)
 from stages.grade.sandbox import probe_isolation
 
 pytestmark = pytest.mark.timeout(120)
-needs_sandbox = pytest.mark.skipif(probe_isolation()[0] != "namespaces+uid", reason="full sandbox isolation unavailable")
+needs_sandbox = pytest.mark.skipif(
+    probe_isolation()[0] != "namespaces+uid", reason="full sandbox isolation unavailable"
+)
 
-FUNCTIONAL = {"functional": "def check(candidate):\n    assert candidate(a=1) == 2\n    assert candidate(a=5) == 6\n\n"
-                            "check(Solution().inc)"}
+FUNCTIONAL = {
+    "functional": "def check(candidate):\n    assert candidate(a=1) == 2\n    assert candidate(a=5) == 6\n\n"
+    "check(Solution().inc)"
+}
 
 
 def test_parse_tests_formats():
@@ -67,16 +84,29 @@ def test_tiny_code_task_is_consistent():
 
 def test_hf_record_parsers_offline():
     apps = {"problem_id": 7, "question": "Add.", "input_output": json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})}
-    eurus_code = {"ability": "code", "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "Sum it."}],
-                  "reward_model": {"ground_truth": json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})},
-                  "extra_info": {"index": 3}}
-    eurus_math = {"ability": "math", "prompt": [{"role": "user", "content": "1+1"}], "reward_model": {"ground_truth": "2"}}
+    eurus_code = {
+        "ability": "code",
+        "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "Sum it."}],
+        "reward_model": {"ground_truth": json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})},
+        "extra_info": {"index": 3},
+    }
+    eurus_math = {
+        "ability": "math",
+        "prompt": [{"role": "user", "content": "1+1"}],
+        "reward_model": {"ground_truth": "2"},
+    }
     assert _taco_apps(apps, 0)[:2] == ("7", "Add.")
     assert _eurus(eurus_code, 0)[:2] == ("3", "Sum it.")
     assert _eurus(eurus_math, 1) is None
     call_style = {"question": "f", "input_output": json.dumps({"inputs": [[1]], "outputs": [2], "fn_name": "f"})}
-    s = records_to_set("apps", "hf://codeparrot/apps:test", [apps, call_style, {"question": "q"}], CODE_SOURCES["apps"],
-                       None, CodeConfig())
+    s = records_to_set(
+        "apps",
+        "hf://codeparrot/apps:test",
+        [apps, call_style, {"question": "q"}],
+        CODE_SOURCES["apps"],
+        None,
+        CodeConfig(),
+    )
     assert len(s) == 1 and s.report.n_skipped == 2 and "fn_name" in s.report.skipped[0]
     spec = json.loads(s[0].answer)
     assert spec["style"] == "program" and "Put the complete program" in s[0].problem
@@ -122,34 +152,51 @@ def test_shipped_reference_solutions_pass_own_tests_and_fail_a_neighbours(data_d
     Known ungradable references are listed with why; Codeforces ships no references,
     so only its tests are checked to parse."""
     lc = json.loads((data_dir / "code_rl_rllm" / "leetcode_test.json").read_text())
-    known_bad = {126: "needs sortedcontainers (not installed for the sandbox interpreter)",
-                 127: "reference solution fails its own tests", 154: "reference solution fails its own tests",
-                 155: "reference solution fails its own tests", 171: "reference solution fails its own tests"}
+    known_bad = {
+        126: "needs sortedcontainers (not installed for the sandbox interpreter)",
+        127: "reference solution fails its own tests",
+        154: "reference solution fails its own tests",
+        155: "reference solution fails its own tests",
+        171: "reference solution fails its own tests",
+    }
     sb = get_sandbox(CodeGradingConfig())
     idx = [i for i in range(0, len(lc), 8) if i not in known_bad]
     entry = [parse_tests(x["tests"]).candidate for x in lc]
     own_fail, neigh_pass = [], []
     cfg = CodeGradingConfig(max_sandboxes=2)
-    own = grade_code_batch([str(i) for i in idx], [lc[i]["solutions"] for i in idx],
-                           [parse_tests(lc[i]["tests"]) for i in idx], cfg)
+    own = grade_code_batch(
+        [str(i) for i in idx], [lc[i]["solutions"] for i in idx], [parse_tests(lc[i]["tests"]) for i in idx], cfg
+    )
     own_fail = [g.id for g in own if not g.correct]
     # neighbour: the next problem with another entry point (same-name pairs are one task at two sizes)
     nb = [next(j % len(lc) for j in range(i + 1, i + len(lc)) if entry[j % len(lc)] != entry[i]) for i in idx]
-    neigh = grade_code_batch([str(i) for i in idx], [lc[i]["solutions"] for i in idx],
-                             [parse_tests(lc[j]["tests"]) for j in nb], cfg)
+    neigh = grade_code_batch(
+        [str(i) for i in idx], [lc[i]["solutions"] for i in idx], [parse_tests(lc[j]["tests"]) for j in nb], cfg
+    )
     neigh_pass = [g.id for g in neigh if g.correct]
     assert own_fail == [] and neigh_pass == [], (own_fail, neigh_pass)
     cf = load_code_benchmark("codeforces", data_dir)
     assert len(cf) == 408 and cf.report.n_skipped == 0
-    assert grade_program(sb, "print(1)", parse_tests(json.loads(cf[0].answer)["tests"]), per_test_s=2,
-                         per_sample_s=4).passed == 0
+    assert (
+        grade_program(
+            sb, "print(1)", parse_tests(json.loads(cf[0].answer)["tests"]), per_test_s=2, per_sample_s=4
+        ).passed
+        == 0
+    )
 
 
 # ----------------------------------------------------------------- campaign shape
-CODE_MICRO = ["task.kind=code_tiny", "rollout.max_new_tokens=8", "bootstrap.steps=25", "bootstrap.noisy_steps=5",
-              "bootstrap.switch_loss=0.05", "bootstrap.batch_size=16",
-              "evaluation.benchmarks=[{name: code_tiny, k: 2, limit: 8, max_new_tokens: 8}]",
-              "checkpoint.keep_best_metric=code_tiny/avg@1", "code.max_sandboxes=2"]
+CODE_MICRO = [
+    "task.kind=code_tiny",
+    "rollout.max_new_tokens=8",
+    "bootstrap.steps=25",
+    "bootstrap.noisy_steps=5",
+    "bootstrap.switch_loss=0.05",
+    "bootstrap.batch_size=16",
+    "evaluation.benchmarks=[{name: code_tiny, k: 2, limit: 8, max_new_tokens: 8}]",
+    "checkpoint.keep_best_metric=code_tiny/avg@1",
+    "code.max_sandboxes=2",
+]
 
 
 @needs_sandbox
@@ -159,12 +206,13 @@ def test_code_campaign_tables_have_the_math_shape(tmp_path, monkeypatch):
     """Two steps of a code campaign through the stages (sandboxed rewards); every table
     has exactly the stored columns of the contract a math campaign writes."""
     from conftest import micro_config
+
     from flows.configuration import dump_config
     from stages.calibrate import run_calibrate
     from stages.context import is_calibration_step, open_context
     from stages.evaluate import run_evaluate
-    from stages.runtime.io import read_step
     from stages.rollout import run_rollout
+    from stages.runtime.io import read_step
     from stages.score import run_score
     from stages.train import run_train
     from storage.layout import create_run

@@ -96,26 +96,41 @@ def test_best_average_metric_and_the_dapo_record_parser():
     from stages.data.benchmarks import TRAIN_SOURCES
     from stages.evaluate import AVERAGE_KEY, benchmark_average
 
-    rows = [{"benchmark": "aime24", "metric": "avg@k", "k": 16, "value": 0.3},
-            {"benchmark": "aime24", "metric": "pass@k", "k": 16, "value": 0.6},
-            {"benchmark": "math500", "metric": "avg@k", "k": 1, "value": 0.7}]
+    rows = [
+        {"benchmark": "aime24", "metric": "avg@k", "k": 16, "value": 0.3},
+        {"benchmark": "aime24", "metric": "pass@k", "k": 16, "value": 0.6},
+        {"benchmark": "math500", "metric": "avg@k", "k": 1, "value": 0.7},
+    ]
     assert benchmark_average(rows) == {AVERAGE_KEY: pytest.approx(0.5)}
     assert TRAIN_SOURCES.get("dapo_math").hf[0] == "BytedTsinghua-SIA/DAPO-Math-17k"
-    rec = {"prompt": [{"role": "user", "content": "Solve the following math problem step by step. The last line of your "
-                       "response should be of the form Answer: $Answer (without quotes) where $Answer is the answer to "
-                       "the problem.\n\nWhat is 2+3?\n\nRemember to put your answer on its own line after \"Answer:\"."}],
-           "reward_model": {"ground_truth": "5", "style": "rule-lean"}, "extra_info": {"index": "abc"}}
+    rec = {
+        "prompt": [
+            {
+                "role": "user",
+                "content": "Solve the following math problem step by step. The last line of "
+                "your "
+                "response should be of the form Answer: $Answer (without quotes) where $Answer is the answer to "
+                "the problem.\n\nWhat is 2+3?\n\nRemember to put your answer on its own line after "
+                '"Answer:".',
+            }
+        ],
+        "reward_model": {"ground_truth": "5", "style": "rule-lean"},
+        "extra_info": {"index": "abc"},
+    }
     assert TRAIN_SOURCES.get("dapo_math").parser(rec, 0) == ("abc", "What is 2+3?", "5")
 
 
-@pytest.mark.parametrize("key, value, kind", [
-    ("precision.train", "fp8_columnwise", "training precision mode"),
-    ("precision.rollout", "fp8_per_row", "rollout precision mode"),
-    ("calibration.mode", "calibrate", "clip mode"),
-    ("algorithm.loss", "ppoo", "policy loss"),
-    ("algorithm.advantage", "grp", "advantage estimator"),
-    ("algorithm.loss_agg", "token_mean", "loss aggregation mode"),
-])
+@pytest.mark.parametrize(
+    "key, value, kind",
+    [
+        ("precision.train", "fp8_columnwise", "training precision mode"),
+        ("precision.rollout", "fp8_per_row", "rollout precision mode"),
+        ("calibration.mode", "calibrate", "clip mode"),
+        ("algorithm.loss", "ppoo", "policy loss"),
+        ("algorithm.advantage", "grp", "advantage estimator"),
+        ("algorithm.loss_agg", "token_mean", "loss aggregation mode"),
+    ],
+)
 def test_a_name_no_registry_holds_is_an_error_naming_the_key_and_the_valid_names(key, value, kind):
     """The registries are the one list of names: no Literal repeats them, the check at load reads them."""
     from fp8rl_core.registered import NAMED_BY_REGISTRY

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402  (after precision: quiet torchao)
 
 from flows.configuration import ConfigError, load_config
 from fp8rl_core.cpu_gemm import cpu_bf16_gemm, mm
 from fp8rl_core.precision import autocast_context, convert_for_training
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402  (after precision: quiet torchao)
 
-BF16_EPS = 2.0 ** -8  # relative spacing of BF16 (8 significand bits)
+BF16_EPS = 2.0**-8  # relative spacing of BF16 (8 significand bits)
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -25,8 +25,12 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
 
 def _operands(m=96, k=64, n=48):
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(m, k, generator=g).requires_grad_(), torch.randn(n, k, generator=g).requires_grad_(),
-            torch.randn(n, generator=g).requires_grad_(), torch.randn(m, n, generator=g).to(torch.bfloat16))
+    return (
+        torch.randn(m, k, generator=g).requires_grad_(),
+        torch.randn(n, k, generator=g).requires_grad_(),
+        torch.randn(n, generator=g).requires_grad_(),
+        torch.randn(m, n, generator=g).to(torch.bfloat16),
+    )
 
 
 def test_linear_under_autocast_is_the_hand_written_rule_forward_and_backward():
@@ -88,9 +92,20 @@ def test_native_and_cuda_are_no_ops_and_bad_values_are_refused():
 
 def _tiny_qwen() -> Qwen3ForCausalLM:
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=32, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                      head_dim=32, intermediate_size=384, tie_word_embeddings=True, max_position_embeddings=64,
-                      pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    cfg = Qwen3Config(
+        vocab_size=32,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        intermediate_size=384,
+        tie_word_embeddings=True,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     return Qwen3ForCausalLM(cfg)
 
 
@@ -139,10 +154,10 @@ def test_every_stage_of_a_campaign_runs_under_the_fp32_gemms(tmp_path, monkeypat
     afterwards."""
     import contextlib
 
+    from conftest import micro_config
     from torch.overrides import _get_current_function_mode_stack
 
     import storage.faults as faults
-    from conftest import micro_config
     from flows.campaign import campaign_flow
     from flows.configuration import dump_config
     from fp8rl_core import cpu_gemm

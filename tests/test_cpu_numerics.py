@@ -23,12 +23,18 @@ def test_auto_is_the_default():
     assert load_config("tiny-cpu").precision.cpu_bf16_gemm == "auto"
 
 
-@pytest.mark.parametrize("isa,hidden,kind", [
-    (None, 128, "fp32"), (None, 4096, "fp32"),  # no fast BF16 kernel: always the FP32 GEMMs
-    ("AMX-BF16", 128, "fp32"), ("AMX-BF16", NATIVE_MIN_HIDDEN - 16, "fp32"),  # too narrow to win
-    ("AMX-BF16", NATIVE_MIN_HIDDEN, "native"), ("AVX512-BF16", 1024, "native"),
-    ("AMX-BF16", None, "native"),  # a model.path checkpoint: taken as wide
-])
+@pytest.mark.parametrize(
+    "isa,hidden,kind",
+    [
+        (None, 128, "fp32"),
+        (None, 4096, "fp32"),  # no fast BF16 kernel: always the FP32 GEMMs
+        ("AMX-BF16", 128, "fp32"),
+        ("AMX-BF16", NATIVE_MIN_HIDDEN - 16, "fp32"),  # too narrow to win
+        ("AMX-BF16", NATIVE_MIN_HIDDEN, "native"),
+        ("AVX512-BF16", 1024, "native"),
+        ("AMX-BF16", None, "native"),  # a model.path checkpoint: taken as wide
+    ],
+)
 def test_auto_takes_native_only_with_a_fast_kernel_and_a_wide_model(monkeypatch, isa, hidden, kind):
     monkeypatch.setattr(cpu_gemm, "fast_bf16_isa", lambda: isa)
     choice = resolve_cpu_bf16_gemm("auto", hidden)

@@ -17,7 +17,12 @@ import pytest
 from fp8rl_core.config import DatasetRef
 
 ROWS = [
-    {"uid": f"p{i}", "question": f"What is {i} + {2 * i}?", "solution": f"It is \\boxed{{{3 * i}}}.", "final": f"{3 * i}"}
+    {
+        "uid": f"p{i}",
+        "question": f"What is {i} + {2 * i}?",
+        "solution": f"It is \\boxed{{{3 * i}}}.",
+        "final": f"{3 * i}",
+    }
     for i in range(12)
 ]
 README = """---
@@ -60,8 +65,10 @@ def _hub_repo(root: Path) -> Path:
     pq.write_table(pa.Table.from_pylist(train[:4]), repo / "data" / "train-00000-of-00002.parquet")
     pq.write_table(pa.Table.from_pylist(train[4:]), repo / "data" / "train-00001-of-00002.parquet")
     pq.write_table(pa.Table.from_pylist(test), repo / "data" / "test-00000-of-00001.parquet")
-    pq.write_table(pa.Table.from_pylist([r | {"question": r["question"] + " (hard)"} for r in ROWS[:3]]),
-                   repo / "hard" / "train-00000-of-00001.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([r | {"question": r["question"] + " (hard)"} for r in ROWS[:3]]),
+        repo / "hard" / "train-00000-of-00001.parquet",
+    )
     return repo
 
 
@@ -95,8 +102,19 @@ def test_hub_layout_folder_equals_jsonl_and_save_to_disk(tmp_path):
     from_disk = load_problems(_ref(str(tmp_path / "saved")), "toy")
     assert from_disk.problems == by_name.problems
 
-    boxed = load_problems(DatasetRef(source=str(repo), split="train", question_field="question", answer_field="solution",
-                                     answer_format="boxed", id_field="uid", limit=3), "toy", cache_dir=cache)
+    boxed = load_problems(
+        DatasetRef(
+            source=str(repo),
+            split="train",
+            question_field="question",
+            answer_field="solution",
+            answer_format="boxed",
+            id_field="uid",
+            limit=3,
+        ),
+        "toy",
+        cache_dir=cache,
+    )
     assert [p.answer for p in boxed] == [p.answer for p in by_name.problems[:3]]
 
 
@@ -115,13 +133,19 @@ def test_bad_references_fail_clearly(tmp_path):
 
 def test_training_and_eval_configs_take_a_dataset(tmp_path):
     from flows.configuration import load_config
-    from stages.evaluate import eval_problems
     from stages.data.prompts import make_source
+    from stages.evaluate import eval_problems
 
     repo = _hub_repo(tmp_path)
     src = {"source": str(repo), "question_field": "question", "answer_field": "final", "id_field": "uid"}
-    cfg = load_config("tiny-cpu", [f"task.kind=dataset", f"task.dataset={json.dumps(src | {'split': 'train'})}",
-                                   f"evaluation.benchmarks=[{json.dumps({'name': 'toy', 'k': 1, 'dataset': src | {'split': 'test'}})}]"])
+    cfg = load_config(
+        "tiny-cpu",
+        [
+            "task.kind=dataset",
+            f"task.dataset={json.dumps(src | {'split': 'train'})}",
+            f"evaluation.benchmarks=[{json.dumps({'name': 'toy', 'k': 1, 'dataset': src | {'split': 'test'}})}]",
+        ],
+    )
     source = make_source(cfg.task)
     assert len(source) == 8 and source[3].answer == "9" and source[3].prompt.startswith("What is 3 + 6?")
     items, verifier = eval_problems(cfg, cfg.evaluation.benchmarks[0])

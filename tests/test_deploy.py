@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
 from conftest import MICRO_OVERRIDES, micro_config
+from typer.testing import CliRunner
 
 # end to end on a shared 2-core machine: a module fixture's campaign counts in its first test
 pytestmark = pytest.mark.timeout(900)
@@ -42,8 +41,16 @@ POOL = "fp8rl-test"
 
 # The micro campaign, 2 steps, on a still smaller model: its bootstrap (not
 # cached yet when this module runs alone) takes seconds rather than minutes.
-CAMPAIGN = [*MICRO_OVERRIDES, "steps=2", "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1",
-            "model.num_heads=2", "model.num_kv_heads=2", "bootstrap.batch_size=8"]
+CAMPAIGN = [
+    *MICRO_OVERRIDES,
+    "steps=2",
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "bootstrap.batch_size=8",
+]
 
 # Margins for a loaded 2-core machine; typical times are a tenth of these.
 SERVER_START_S = 120  # typically ~15 s
@@ -120,8 +127,12 @@ class Server:
             return json.loads(r.read())
 
     def post(self, path: str, body: dict):
-        req = urllib.request.Request(f"{self.api_url}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+        req = urllib.request.Request(
+            f"{self.api_url}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read())
 
@@ -139,16 +150,22 @@ def server(tmp_path_factory) -> Server:
     logs = tmp_path_factory.mktemp("prefect-server")
     port = _free_port()
     api_url = f"http://127.0.0.1:{port}/api"
-    env = _clean_env(PREFECT_HOME=str(logs / "server-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-                     PREFECT_UI_ENABLED="false", DO_NOT_TRACK="1")
+    env = _clean_env(
+        PREFECT_HOME=str(logs / "server-home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_UI_ENABLED="false",
+        DO_NOT_TRACK="1",
+    )
     proc = _start([*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, logs / "server.log")
     try:
         deadline = time.monotonic() + SERVER_START_S
         while not _healthy(api_url):
             if proc.poll() is not None or time.monotonic() > deadline:
                 tail = (logs / "server.log").read_text(errors="replace")[-1500:]
-                pytest.skip(f"prefect server did not start on 127.0.0.1:{port} within {SERVER_START_S} s "
-                            f"(exit code {proc.poll()}): {tail}")
+                pytest.skip(
+                    f"prefect server did not start on 127.0.0.1:{port} within {SERVER_START_S} s "
+                    f"(exit code {proc.poll()}): {tail}"
+                )
             time.sleep(1)
         yield Server(api_url, _clean_env(PREFECT_API_URL=api_url, PREFECT_HOME=str(logs / "client-home")), logs)
     finally:
@@ -213,8 +230,22 @@ def test_prefect_yaml_registers_the_same_deployment_as_fp8rl_deploy(server):
 
 @pytest.mark.slow
 def test_a_cron_schedule_is_recorded(server):
-    code, out = _run([*FP8RL, "deploy", "--name", "nightly", "--pool", "fp8rl-cron", "--cron", "0 2 * * *",
-                      "--timezone", "Europe/Paris"], server.env, server.logs / "cron.log")
+    code, out = _run(
+        [
+            *FP8RL,
+            "deploy",
+            "--name",
+            "nightly",
+            "--pool",
+            "fp8rl-cron",
+            "--cron",
+            "0 2 * * *",
+            "--timezone",
+            "Europe/Paris",
+        ],
+        server.env,
+        server.logs / "cron.log",
+    )
     assert code == 0, out[-3000:]
     [sched] = server.get("/deployments/name/fp8rl/nightly")["schedules"]
     assert sched["schedule"]["cron"] == "0 2 * * *" and sched["schedule"]["timezone"] == "Europe/Paris"
@@ -237,11 +268,14 @@ def test_deploy_without_a_server_is_one_line_and_exit_2(monkeypatch):
     assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: PREFECT_API_URL is not set")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--set", "calibration.intervl=3"], "calibration.intervl: unknown key"),
-    (["--cron", "61 * * *"], "--cron '61 * * *': Invalid cron string"),
-    (["--resume"], "--resume needs --run-dir"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "calibration.intervl=3"], "calibration.intervl: unknown key"),
+        (["--cron", "61 * * *"], "--cron '61 * * *': Invalid cron string"),
+        (["--resume"], "--resume needs --run-dir"),
+    ],
+)
 def test_bad_deploy_arguments_are_one_line_and_exit_2(monkeypatch, args, message):
     import prefect.context  # noqa: F401  (Prefect reads its settings at import: not with this URL)
 

@@ -82,8 +82,9 @@ def test_subsampled_shadow_indexes_host_rows_with_host_masks():
     cfg, model, opt, sched = _setup("precision.train=bf16")
     batch = _batch(cfg)
     with HostDeviceMode([model]):
-        res = policy_update(model, opt, sched, batch, cfg, bounds=(0.8, 1.28), shadow=True, seed=0,
-                            shadow_rows=_subset(batch.size))
+        res = policy_update(
+            model, opt, sched, batch, cfg, bounds=(0.8, 1.28), shadow=True, seed=0, shadow_rows=_subset(batch.size)
+        )
     shadowed = torch.isfinite(res.logp_bf16).all(1)
     assert torch.equal(shadowed, _subset(batch.size))
 
@@ -135,7 +136,16 @@ def test_the_micro_campaign_step_passes_under_the_mode(precision):
             r8 = importance_ratio(res.logp_fp8, res.old_logp_fp8)
             r16 = importance_ratio(res.logp_bf16, res.old_logp_bf16)
             prev = CalibratorState.initial(eps_low=a.eps_low, eps_high=a.eps_high, config=cfg.calibration)
-            cal = calibrate(r8, r16, batch.advantages[:, None].expand_as(r8), ok, eps_low=a.eps_low,
-                            eps_high=a.eps_high, config=cfg.calibration, previous=prev, dual_clip=a.dual_clip)
+            cal = calibrate(
+                r8,
+                r16,
+                batch.advantages[:, None].expand_as(r8),
+                ok,
+                eps_low=a.eps_low,
+                eps_high=a.eps_high,
+                config=cfg.calibration,
+                previous=prev,
+                dual_clip=a.dual_clip,
+            )
             assert m["ratio_nmae"] >= 0 and cal.lower > 0 and mode.tag_of(res.logp_fp8) == "host"
     assert mode.ops > 1000  # the step really ran under the mode

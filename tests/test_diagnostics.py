@@ -33,8 +33,11 @@ def test_nmae_hand_computed():
 def test_noise_amplification_hand_computed():
     lg = torch.log
     out = noise_amplification(
-        lg(torch.tensor([[0.5, 0.2]])), lg(torch.tensor([[0.4, 0.2]])),
-        lg(torch.tensor([[0.5, 0.25]])), lg(torch.tensor([[0.5, 0.2]])), torch.ones(1, 2),
+        lg(torch.tensor([[0.5, 0.2]])),
+        lg(torch.tensor([[0.4, 0.2]])),
+        lg(torch.tensor([[0.5, 0.25]])),
+        lg(torch.tensor([[0.5, 0.2]])),
+        torch.ones(1, 2),
     )
     # pi: |0.5-0.4| / 0.6; pi_old: 0.05 / 0.7; r8 = (1.0, 0.8), r16 = (0.8, 1.0): 0.4 / 1.8
     assert out["prob_nmae"] == pytest.approx(1 / 6, rel=1e-6)
@@ -77,7 +80,9 @@ def test_entropy_binned_clip_shares_hand_computed():
     assert [(row["bin_lo"], row["bin_hi"], row["n_tokens"]) for row in rows] == [(0.0, 1.0, 2.0), (1.0, 2.0, 2.0)]
     assert rows[0]["clipfrac_lower"] == 0.5 and rows[0]["clipfrac_upper"] == 0.5 and rows[0]["neg_lower_share"] == 1.0
     assert rows[1]["clipfrac_lower"] == 0.5 and rows[1]["clipfrac_upper"] == 0.0 and rows[1]["neg_lower_share"] == 0.5
-    rows = entropy_binned_clip_shares(entropy, r, adv, torch.ones(5), lower=0.8, upper=1.28, edges=[0.0, 1.0, 2.0, 3.0, 4.0])
+    rows = entropy_binned_clip_shares(
+        entropy, r, adv, torch.ones(5), lower=0.8, upper=1.28, edges=[0.0, 1.0, 2.0, 3.0, 4.0]
+    )
     assert [row["n_tokens"] for row in rows] == [2.0, 1.0, 1.0, 0.0]  # now 2.0 opens bin [2, 3)
     assert math.isnan(rows[3]["clipfrac_lower"])  # empty bin
     with pytest.raises(ValueError, match="strictly increasing"):

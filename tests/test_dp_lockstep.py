@@ -34,8 +34,16 @@ from fp8rl_core.config import BenchmarkEval, ModelConfig, PrecisionConfig, Rollo
 from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
 
 PROMPTS = [[1, 40, 41], [1, 50], [1, 60, 61, 62], [1, 70], [1, 80, 81], [1, 90, 91, 92]]
-ROLLOUT = dict(engine="vllm", vllm_process="separate", weight_sync="path", verify_sync="never",
-               sleep_between_steps=False, samples_per_prompt=2, generation_batch_size=4, max_new_tokens=4)
+ROLLOUT = dict(
+    engine="vllm",
+    vllm_process="separate",
+    weight_sync="path",
+    verify_sync="never",
+    sleep_between_steps=False,
+    samples_per_prompt=2,
+    generation_batch_size=4,
+    max_new_tokens=4,
+)
 
 
 def _free_port() -> int:
@@ -49,8 +57,14 @@ def _engine(model_dir: str):
     from tests.vllm_standin import make_standin_module
 
     policy = build_tiny_model(ModelConfig())
-    return VLLMEngine(model=policy, tokenizer=build_tokenizer(), precision=PrecisionConfig(rollout="bf16"),
-                      config=RolloutConfig(**ROLLOUT), model_path=model_dir, vllm_module=make_standin_module())
+    return VLLMEngine(
+        model=policy,
+        tokenizer=build_tokenizer(),
+        precision=PrecisionConfig(rollout="bf16"),
+        config=RolloutConfig(**ROLLOUT),
+        model_path=model_dir,
+        vllm_module=make_standin_module(),
+    )
 
 
 def _work(engine, rank: int, world: int) -> dict:
@@ -62,8 +76,9 @@ def _work(engine, rank: int, world: int) -> dict:
     env = SimpleNamespace(cfg=cfg, engine=engine, rank=rank, world_size=world)
     state = SimpleNamespace(policy_version=0)
     engine._fp8rl_version = 0  # weights current: no sync
-    blocks = generation_blocks([len(p) for p in PROMPTS], group_size=2, generation_batch_size=4, seed=1, step=1,
-                               round_=0)
+    blocks = generation_blocks(
+        [len(p) for p in PROMPTS], group_size=2, generation_batch_size=4, seed=1, step=1, round_=0
+    )
     plan = RolloutPlan(items=[None] * len(PROMPTS), prompt_ids=PROMPTS, blocks=blocks)
     share = generate_share(env, state, plan, rank=rank, lanes=world)
     bench = BenchmarkEval(name="synthetic", k=2, max_new_tokens=4)
@@ -76,8 +91,9 @@ def _work(engine, rank: int, world: int) -> dict:
 def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     engine = _engine(model_dir)

@@ -63,8 +63,15 @@ def test_quantile_shift_matches_brute_force(seed):
     r16 = torch.exp(torch.randn(400, generator=g) * 0.15)
     r8 = r16 * torch.exp(torch.randn(400, generator=g) * 0.05)
     adv = -torch.ones(400)
-    res = calibrate(r8, r16, adv, torch.ones(400, dtype=torch.bool), eps_low=EPS_LOW, eps_high=EPS_HIGH,
-                    config=CalibrationConfig(max_delta=1.0, lower_min=0.01))
+    res = calibrate(
+        r8,
+        r16,
+        adv,
+        torch.ones(400, dtype=torch.bool),
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        config=CalibrationConfig(max_delta=1.0, lower_min=0.01),
+    )
     assert quantile_shift(r8, res.alpha, res.raw_lower) == pytest.approx(0.0, abs=1e-6)
 
 
@@ -106,12 +113,23 @@ def _replay_slow(recs, sched: Schedule, config: CalibrationConfig):
         else:
             since = t - last
             cal = since >= sched.max_interval or (
-                since >= sched.min_interval and prev_sig is not None and not math.isnan(prev_sig) and prev_sig > sched.threshold
+                since >= sched.min_interval
+                and prev_sig is not None
+                and not math.isnan(prev_sig)
+                and prev_sig > sched.threshold
             )
         neg = [float(r) for r, a, m in zip(rec.r8, rec.advantages, rec.mask) if m and a < 0]
         if cal:
-            res = calibrate(rec.r8, rec.r16, rec.advantages, rec.mask, eps_low=EPS_LOW, eps_high=EPS_HIGH,
-                            config=config, previous=prev)
+            res = calibrate(
+                rec.r8,
+                rec.r16,
+                rec.advantages,
+                rec.mask,
+                eps_low=EPS_LOW,
+                eps_high=EPS_HIGH,
+                config=config,
+                previous=prev,
+            )
             prev, last, ref = (res.lower, res.upper), t, neg
             alpha = res.alpha if not math.isnan(res.alpha) else alpha
         if cal:
@@ -127,11 +145,15 @@ def _replay_slow(recs, sched: Schedule, config: CalibrationConfig):
     return out
 
 
-@pytest.mark.parametrize("sched", [
-    Schedule("fixed", interval=1), Schedule("fixed", interval=3),
-    Schedule("drift", threshold=0.08, min_interval=2, max_interval=6),
-    Schedule("drift", threshold=0.01, min_interval=2, max_interval=6, signal="quantile"),
-])
+@pytest.mark.parametrize(
+    "sched",
+    [
+        Schedule("fixed", interval=1),
+        Schedule("fixed", interval=3),
+        Schedule("drift", threshold=0.08, min_interval=2, max_interval=6),
+        Schedule("drift", threshold=0.01, min_interval=2, max_interval=6, signal="quantile"),
+    ],
+)
 def test_replay_matches_slow_loop(sched):
     recs = _records(14, n=300)
     cfg = CalibrationConfig()
@@ -149,8 +171,13 @@ def test_drift_fires_on_the_shift_and_scores():
     recs = _records(20, shift_at=9)
     cfg = CalibrationConfig()
     every = replay(recs, Schedule("fixed", interval=1), eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg)
-    drift = replay(recs, Schedule("drift", threshold=0.1, min_interval=2, max_interval=50),
-                   eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg)
+    drift = replay(
+        recs,
+        Schedule("drift", threshold=0.1, min_interval=2, max_interval=50),
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        config=cfg,
+    )
     fired = [s for s, c in zip(drift.steps, drift.calibrated) if c]
     assert fired[0] == 1 and 10 in fired  # the first step after the shift (signal of step 9)
     assert all(s <= 12 for s in fired)  # a few catch-up recalibrations while L walks, then quiet
@@ -195,6 +222,7 @@ def test_live_quantile_signal_reads_the_checkpointed_state():
     from types import SimpleNamespace
 
     from conftest import micro_config
+
     from fp8rl_core.calibration import CalibratorState
     from stages.schedule.shadow import drift_metrics
 
@@ -206,9 +234,16 @@ def test_live_quantile_signal_reads_the_checkpointed_state():
     cal = CalibratorState(0.8, 1.28, 1, 4, alpha=0.05)
     assert CalibratorState.from_dict(cal.to_dict()) == cal
     state = SimpleNamespace(calibrator=cal)
-    want = _quantile_slow([float(x) for x, a, m in zip(r8.flatten(), adv.flatten(), mask.flatten()) if m and a < 0], 0.05, 0.8)
-    assert drift_metrics(env, state, 5, r8, adv, mask, False)["drift_signal"] == pytest.approx(want, abs=1e-12) and want > 0
+    want = _quantile_slow(
+        [float(x) for x, a, m in zip(r8.flatten(), adv.flatten(), mask.flatten()) if m and a < 0], 0.05, 0.8
+    )
+    assert (
+        drift_metrics(env, state, 5, r8, adv, mask, False)["drift_signal"] == pytest.approx(want, abs=1e-12)
+        and want > 0
+    )
     assert drift_metrics(env, state, 5, r8, adv, mask, True) == {"drift_signal": 0.0}
     old = CalibratorState.from_dict({"lower": 0.8, "upper": 1.28, "n_calibrations": 1, "last_step": 4})
-    assert old.alpha is None and drift_metrics(env, SimpleNamespace(calibrator=old), 5, r8, adv, mask, False) == {"drift_signal": 0.0}
+    assert old.alpha is None and drift_metrics(env, SimpleNamespace(calibrator=old), 5, r8, adv, mask, False) == {
+        "drift_signal": 0.0
+    }
     assert drift_metrics(env, SimpleNamespace(calibrator=CalibratorState(0.8, 1.28)), 1, r8, adv, mask, False) == {}

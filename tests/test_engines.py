@@ -22,11 +22,8 @@ from fp8rl_core.config import ModelConfig, PrecisionConfig, RolloutConfig
 from fp8rl_core.logprobs import sequence_logprobs
 from fp8rl_core.precision import autocast_context, convert_for_training
 from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
-from stages.engines import ENGINES, RolloutBatch, RolloutSample, TransformersEngine, make_engine
-from stages.engines import hf_engine
+from stages.engines import ENGINES, RolloutBatch, RolloutSample, TransformersEngine, hf_engine, make_engine
 from stages.engines.hf_engine import sample_next, top_p_mask
-
-
 
 EOS = 2
 
@@ -229,8 +226,15 @@ def test_samples_equal_transformers_generate_token_for_token(fp32_engine, prompt
     torch.manual_seed(9)
     with torch.inference_mode():
         out = engine.model.generate(
-            input_ids=ids, attention_mask=(ids != 0).long(), do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-            max_new_tokens=10, pad_token_id=0, eos_token_id=EOS,
+            input_ids=ids,
+            attention_mask=(ids != 0).long(),
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=10,
+            pad_token_id=0,
+            eos_token_id=EOS,
         )[:, width:]
     for r, (p, i) in enumerate(rows):
         ours = batch.samples[p * 2 + i].response_ids
@@ -266,7 +270,10 @@ def test_fp8_logprobs_equal_teacher_forced_in_fp32(fp32_engine, prompts, mode):
 def _diffs(batch, prompts, reference) -> torch.Tensor:
     """|engine log-prob - reference(prompt, response)| over every response token."""
     return torch.cat(
-        [(torch.tensor(s.response_logprobs) - reference(prompts[s.prompt_index], s.response_ids)).abs() for s in batch.samples]
+        [
+            (torch.tensor(s.response_logprobs) - reference(prompts[s.prompt_index], s.response_ids)).abs()
+            for s in batch.samples
+        ]
     )
 
 
@@ -360,7 +367,9 @@ def test_generation_stops_at_eos_and_drops_what_follows(policy, tokenizer, promp
     batch = generate(make(policy, EosIsFirstGreedyToken()), prompts, n=1, temperature=0.0, max_new_tokens=6)
     assert batch.samples[0].response_ids == [first] and batch.samples[0].finish_reason == "stop"
     for s in batch.samples[1:]:  # other rows keep going while row 0 is finished
-        assert (first not in s.response_ids[:-1]) and (s.finish_reason == "stop") == (s.response_ids[-1] in (first, EOS))
+        assert (first not in s.response_ids[:-1]) and (s.finish_reason == "stop") == (
+            s.response_ids[-1] in (first, EOS)
+        )
 
 
 def test_load_weights_refreshes_the_policy(policy, tokenizer, prompts):

@@ -59,8 +59,9 @@ def _run_steps(cfg: CalibrationConfig, n_steps: int, seed: int):
     state = CalibratorState.initial(eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg)
     history, out = [], []
     for step in range(1, n_steps + 1):
-        r8, r16, adv, mask = _step_batch(gen, n=int(torch.randint(50, 400, (1,), generator=gen)),
-                                         spread=0.05 + 0.02 * step)
+        r8, r16, adv, mask = _step_batch(
+            gen, n=int(torch.randint(50, 400, (1,), generator=gen)), spread=0.05 + 0.02 * step
+        )
         res = calibrate(r8, r16, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg, previous=state)
         state = state.updated(res, step)
         history.append(_negatives(r8, r16, adv))
@@ -183,6 +184,7 @@ def test_pool_survives_a_checkpoint(tmp_path):
 
 def test_unknown_estimator_is_named():
     from conftest import micro_config
+
     from flows.configuration import ConfigError
 
     msg = r"calibration.estimator: unknown lower-bound estimator 'median_of_means'.*k_floor"
@@ -194,19 +196,25 @@ def test_unknown_estimator_is_named():
 @pytest.mark.timeout(300)
 def test_micro_campaign_writes_the_interval(tmp_path):
     from conftest import micro_config
+
     from flows.configuration import dump_config
     from stages.calibrate import run_calibrate
     from stages.context import open_run
-    from stages.runtime.io import read_step
     from stages.rollout import run_rollout
+    from stages.runtime.io import read_step
     from stages.score import run_score
     from stages.train import run_train
     from storage.layout import create_run
 
     # a tiny eps_low makes BF16 clip some A<0 tokens (k > 0); length shaping gives advantages a spread
-    cfg = micro_config("calibration.estimator=harrell_davis", "calibration.interval=1", "algorithm.eps_low=0.001",
-                       "algorithm.overlong_shaping=true", "algorithm.overlong_max_len=12",
-                       "algorithm.overlong_cache_len=10")
+    cfg = micro_config(
+        "calibration.estimator=harrell_davis",
+        "calibration.interval=1",
+        "algorithm.eps_low=0.001",
+        "algorithm.overlong_shaping=true",
+        "algorithm.overlong_max_len=12",
+        "algorithm.overlong_cache_len=10",
+    )
     create_run(tmp_path, "r", config=dump_config(cfg))
     env, state = open_run(cfg, tmp_path / "r")
     try:
@@ -245,7 +253,7 @@ def test_replay_scores_predictive_clip_share_error():
     mod = _replay_module()
     gen = torch.Generator().manual_seed(5)
     _, r16, adv, mask = _step_batch(gen, n=400, spread=0.3)
-    r8 = r16 ** 2  # FP8's spread twice BF16's: its L sits far below 0.8
+    r8 = r16**2  # FP8's spread twice BF16's: its L sits far below 0.8
     recs = [StepTokens(s, r8, r16, adv, mask) for s in range(1, 11)]
     kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip=3.0)
     raw = mod.replay_estimator(recs, CalibrationConfig(max_delta=1.0), 1, **kw)
@@ -264,8 +272,17 @@ def test_bounds_written_before_the_estimator_columns_read_with_nulls(tmp_path):
     from storage.layout import create_run
 
     run_dir = create_run(tmp_path / "runs", "r1", config={"seed": 0}).root
-    old = pa.table({"run_id": ["r1"], "step": pa.array([1], pa.int64()), "variant": ["main"], "mode": ["calibrated"],
-                    "raw_lower": [0.7], "lower": [0.75], "upper": [1.3]})
+    old = pa.table(
+        {
+            "run_id": ["r1"],
+            "step": pa.array([1], pa.int64()),
+            "variant": ["main"],
+            "mode": ["calibrated"],
+            "raw_lower": [0.7],
+            "lower": [0.75],
+            "upper": [1.3],
+        }
+    )
     old = old.replace_schema_metadata({b"fp8rl.schema_version": b"1", b"fp8rl.table": b"bounds"})
     dest = run_dir / "tables" / "bounds" / "run=r1" / "step=1" / "part-calibrate-0-00000000000000000000-main.parquet"
     dest.parent.mkdir(parents=True)

@@ -84,8 +84,18 @@ def test_failure_signals_query_agrees_with_the_python_definition(tmp_path):
         for step in range(1, 41):
             x = max(0.05, x * rng.choice([0.8, 1.0, 1.0, 1.3, 1.6] if r % 2 else [0.95, 1.0, 1.05]))
             e.append(x)
-            w.write("steps", step, {"entropy_mean": x, "garbled_share": 0.1 * (step % 3) + 0.01 * (step > 30), "accuracy": 0.5,
-                                    "clipfrac_lower": 0.01, "clipfrac_upper": 0.02}, stage="train")
+            w.write(
+                "steps",
+                step,
+                {
+                    "entropy_mean": x,
+                    "garbled_share": 0.1 * (step % 3) + 0.01 * (step > 30),
+                    "accuracy": 0.5,
+                    "clipfrac_lower": 0.01,
+                    "clipfrac_upper": 0.02,
+                },
+                stage="train",
+            )
         expected[f"run{r}"] = first_surge(list(range(1, 41)), e)
     con = connect(tmp_path)
     q = get_query("failure-signals")
@@ -95,4 +105,6 @@ def test_failure_signals_query_agrees_with_the_python_definition(tmp_path):
     assert any(v is not None for v in expected.values()) and any(v is None for v in expected.values())
     assert rows["run0"]["garbled_peak"] == pytest.approx(0.21)
     # steps 1-10 hold 0.1 * (1,2,0,1,2,0,1,2,0,1) (mean 0.10); steps 31-40 the same + 0.01
-    assert rows["run0"]["garbled_first10"] == pytest.approx(0.10) and rows["run0"]["garbled_last10"] == pytest.approx(0.11)
+    assert rows["run0"]["garbled_first10"] == pytest.approx(0.10) and rows["run0"]["garbled_last10"] == pytest.approx(
+        0.11
+    )

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_e2m1_round_to_nearest_even_and_saturation():
-    x = torch.tensor([0.0, -0.0, 0.2, 0.25, 0.3, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.5, 6.0, 7.0, 100.0, -0.75, -5.0, -9.0])
+    x = torch.tensor(
+        [0.0, -0.0, 0.2, 0.25, 0.3, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.5, 6.0, 7.0, 100.0, -0.75, -5.0, -9.0]
+    )
     want = [0.0, 0.0, 0.0, 0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, 6.0, 6.0, -1.0, -4.0, -6.0]
     assert round_e2m1_(x.clone()).tolist() == want
 
@@ -94,7 +96,9 @@ def test_block2d_uses_one_scale_per_tile():
             want = (tile.abs().amax() / 6 / (x.abs().amax() / 2688)).to(torch.float8_e4m3fn).float()
             assert s[i, j] == want
     # the same weight quantized in 2-D tiles is the transpose of its transpose's quantization
-    assert torch.equal(fake_quantize_fp4(x, NVFP4, "block2d").t(), fake_quantize_fp4(x.t().contiguous(), NVFP4, "block2d"))
+    assert torch.equal(
+        fake_quantize_fp4(x, NVFP4, "block2d").t(), fake_quantize_fp4(x.t().contiguous(), NVFP4, "block2d")
+    )
     assert not torch.equal(fake_quantize_fp4(x, NVFP4, "row").t(), fake_quantize_fp4(x.t().contiguous(), NVFP4, "row"))
 
 
@@ -111,8 +115,16 @@ def test_col_layout_is_row_layout_of_the_transpose_bit_for_bit(fmt):
     assert torch.equal(dequantize_fp4(v, s, ts, fmt, "col"), fake_quantize_fp4(x, fmt, "col"))
 
 
-@pytest.mark.parametrize("fmt,layout,shape", [(NVFP4, "row", (4, 24)), (MXFP4, "row", (4, 48)), (NVFP4, "block2d", (8, 32)),
-                                              (NVFP4, "col", (24, 4)), (MXFP4, "col", (48, 4))])
+@pytest.mark.parametrize(
+    "fmt,layout,shape",
+    [
+        (NVFP4, "row", (4, 24)),
+        (MXFP4, "row", (4, 48)),
+        (NVFP4, "block2d", (8, 32)),
+        (NVFP4, "col", (24, 4)),
+        (MXFP4, "col", (48, 4)),
+    ],
+)
 def test_ragged_shapes_are_errors(fmt, layout, shape):
     with pytest.raises(ValueError, match="not whole"):
         quantize_fp4(torch.randn(*shape), fmt, layout)
@@ -194,8 +206,21 @@ def test_stochastic_rounding_is_unbiased_and_on_grid():
     assert round_e2m1_(torch.tensor([7.0, -0.0, 6.0]), stochastic=True, generator=gen).tolist() == [6.0, 0.0, 6.0]
 
 
-@pytest.mark.parametrize("v,lo,hi", [(0.1, 0.0, 0.5), (0.3, 0.0, 0.5), (0.7, 0.5, 1.0), (0.99, 0.5, 1.0), (1.75, 1.5, 2.0),
-                                     (2.2, 2.0, 3.0), (3.9, 3.0, 4.0), (5.5, 4.0, 6.0), (-0.3, -0.5, 0.0), (-2.2, -3.0, -2.0)])
+@pytest.mark.parametrize(
+    "v,lo,hi",
+    [
+        (0.1, 0.0, 0.5),
+        (0.3, 0.0, 0.5),
+        (0.7, 0.5, 1.0),
+        (0.99, 0.5, 1.0),
+        (1.75, 1.5, 2.0),
+        (2.2, 2.0, 3.0),
+        (3.9, 3.0, 4.0),
+        (5.5, 4.0, 6.0),
+        (-0.3, -0.5, 0.0),
+        (-2.2, -3.0, -2.0),
+    ],
+)
 def test_stochastic_rounding_rounds_up_with_probability_frac_in_every_binade(v, lo, hi):
     """The bit trick (22 random bits added below E2M1's mantissa bit, then truncated) is
     exact in every binade, the subnormal one (spacing 0.5 below 1) and the carries into the

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from transformers import Qwen3ForCausalLM
 
 from fp8rl_core.fp4 import MXFP4, NVFP4, fake_quantize_fp4, sqnr_db
 from fp8rl_core.fp4_linear import (
@@ -26,7 +27,6 @@ from fp8rl_core.precision import (
     convert_for_training,
 )
 from tests.test_precision import LINEARS_PER_LAYER, tiny_config, toy_batch, train_steps
-from transformers import Qwen3ForCausalLM
 
 pytestmark = pytest.mark.timeout(120)
 FP4_MODES = ["nvfp4", "mxfp4"]
@@ -60,7 +60,10 @@ def test_linear_forward_and_grads_follow_the_recipe(fmt):
     fp4 = Fp4TrainingLinear.from_linear(lin, Fp4Recipe(fmt), state)
     y = fp4(x)
     # forward: 1 x b activation blocks, b x b weight tiles, nearest-even
-    want = fake_quantize_fp4(x.detach(), fmt, "row") @ fake_quantize_fp4(lin.weight.detach(), fmt, "block2d").t() + lin.bias
+    want = (
+        fake_quantize_fp4(x.detach(), fmt, "row") @ fake_quantize_fp4(lin.weight.detach(), fmt, "block2d").t()
+        + lin.bias
+    )
     assert torch.allclose(y, want, atol=1e-5)
     g = torch.randn(40, 32)
     y.backward(g)
@@ -196,7 +199,13 @@ def test_w4a4_rollout_copy_generates_and_is_noisier_than_fp8(base_model, mode):
         ref = convert_for_rollout(base_model, "bf16")(input_ids=ids).logits.float()
         fp8 = convert_for_rollout(base_model, "fp8_per_tensor")(input_ids=ids).logits.float()
         got = rollout(input_ids=ids).logits.float()
-        out = rollout.generate(input_ids=ids[:2, :6], attention_mask=torch.ones(2, 6, dtype=torch.long),
-                               max_new_tokens=4, min_new_tokens=4, do_sample=True, top_k=0)
+        out = rollout.generate(
+            input_ids=ids[:2, :6],
+            attention_mask=torch.ones(2, 6, dtype=torch.long),
+            max_new_tokens=4,
+            min_new_tokens=4,
+            do_sample=True,
+            top_k=0,
+        )
     assert out.shape == (2, 10)
     assert 5.0 < sqnr_db(ref, got) < sqnr_db(ref, fp8)

@@ -14,8 +14,9 @@ import math
 
 import pytest
 import torch
+from conftest import StageRun as _Run
+from conftest import micro_config
 
-from conftest import StageRun as _Run, micro_config
 from flows.configuration import dump_config
 from fp8rl_core.task import extract_answer
 from stages.calibrate import run_calibrate
@@ -65,8 +66,11 @@ def test_one_full_step_in_each_fp4_precision_writes_every_table(tmp_path, mode):
     for table in TABLES:
         n = query(con, f"SELECT count(*) AS n FROM {table}").column("n")[0].as_py()
         assert n > 0, f"{mode}: {table} is empty"
-    t = query(con, "SELECT count(*) AS n, count(ratio_fp8) AS r8, count(ratio_bf16) AS r16, "
-                   "avg(abs(logp_fp8 - logp_bf16)) AS gap FROM token_stats").to_pylist()[0]
+    t = query(
+        con,
+        "SELECT count(*) AS n, count(ratio_fp8) AS r8, count(ratio_bf16) AS r16, "
+        "avg(abs(logp_fp8 - logp_bf16)) AS gap FROM token_stats",
+    ).to_pylist()[0]
     assert t["n"] == t["r8"] == t["r16"]
     assert t["gap"] > 0  # the low-precision pass differs from the BF16 shadow
     m = out["metrics"]

@@ -275,6 +275,7 @@ def test_bad_input_errors():
 
 # --------------------------------------------------------------------------- emulated linears
 
+
 def _fq(gran, **kw):
     return lambda x, fmt, p2: fake_quantize(x, gran, dtype=fmt.dtype, round_scales_to_power_of_2=p2, **kw)
 

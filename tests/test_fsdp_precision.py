@@ -37,15 +37,26 @@ def _check_sharded(rank: int, port: int, out: str) -> None:
         q = decoder_blocks(model)[0].self_attn.q_proj
         q.register_forward_pre_hook(lambda mod, args: seen.update(q_proj=mod.weight.dtype))  # returns None
         mods = [*decoder_blocks(model), model]
-        policies = [(m._get_fsdp_state()._fsdp_param_group.mp_policy, m._get_fsdp_state()._fsdp_param_group
-                     .post_forward_mesh_info is not None) for m in mods]
+        policies = [
+            (
+                m._get_fsdp_state()._fsdp_param_group.mp_policy,
+                m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None,
+            )
+            for m in mods
+        ]
         ids = torch.randint(4, 60, (2, 16))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(input_ids=ids).logits.float().sum().backward()
         grads = {p.grad.dtype for p in model.parameters()}
-        torch.save({"policies": [(str(p.param_dtype), str(p.reduce_dtype), r) for p, r in policies],
-                    "q_proj": str(seen["q_proj"]), "grads": sorted(map(str, grads)),
-                    "master": sorted({str(p.dtype) for p in model.parameters()})}, out)
+        torch.save(
+            {
+                "policies": [(str(p.param_dtype), str(p.reduce_dtype), r) for p, r in policies],
+                "q_proj": str(seen["q_proj"]),
+                "grads": sorted(map(str, grads)),
+                "master": sorted({str(p.dtype) for p in model.parameters()}),
+            },
+            out,
+        )
     finally:
         dist.destroy_process_group()
 

@@ -56,13 +56,21 @@ def test_micro_campaign_tables_equal_the_committed_golden_values():
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}  # the defaults
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, str(GOLDEN_DIR / "micro_campaign.py")], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=580)
+    out = subprocess.run(
+        [sys.executable, str(GOLDEN_DIR / "micro_campaign.py")],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout)
     want = json.loads((GOLDEN_DIR / "micro_campaign.json").read_text())
     assert got["numerics"] == want["numerics"], "this process did not run with the pinned CPU numerics"
     differences = _diff(got, want)
-    assert not differences, ("tables differ from the golden values on this CPU "
-                             "(regenerate only after a deliberate numerics change: "
-                             "tests/golden/micro_campaign.py --write):\n" + "\n".join(differences[:20]))
+    assert not differences, (
+        "tables differ from the golden values on this CPU "
+        "(regenerate only after a deliberate numerics change: "
+        "tests/golden/micro_campaign.py --write):\n" + "\n".join(differences[:20])
+    )

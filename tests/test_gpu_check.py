@@ -22,7 +22,13 @@ def test_cpu_only_machine_gets_one_clear_line_and_exit_0(capsys, monkeypatch):
 
 def test_shapes_and_sqnr():
     c = gpu_check.model_config("Qwen2.5-32B", layers=2)
-    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers) == (5120, 27648, 40, 8, 2)
+    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers) == (
+        5120,
+        27648,
+        40,
+        8,
+        2,
+    )
     c = gpu_check.model_config("Qwen3-14B", layers=1)
     assert (c.model_type, c.hidden_size, c.head_dim) == ("qwen3", 5120, 128)
     x = torch.randn(1000)
@@ -76,11 +82,21 @@ def test_sections_run_end_to_end_on_a_tiny_config_on_cpu(monkeypatch):
 
     from transformers import Qwen3Config
 
-    tiny = Qwen3Config(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                       num_hidden_layers=1, vocab_size=256, tie_word_embeddings=False)
+    tiny = Qwen3Config(
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=1,
+        vocab_size=256,
+        tie_word_embeddings=False,
+    )
     lines = []
     monkeypatch.setattr(gpu_check, "emit", lines.append)
-    gpu_check.section_throughput(time.monotonic() + 60, iters=1, warmup=0, models={"tiny": tiny}, tokens_list=(32,), device="cpu")
+    gpu_check.section_throughput(
+        time.monotonic() + 60, iters=1, warmup=0, models={"tiny": tiny}, tokens_list=(32,), device="cpu"
+    )
     row = lines[-1]
     assert row.startswith("    tiny") and "bf16" in row and row.count("FAILED") == 3  # emulate=False needs CUDA
     lines.clear()
@@ -139,8 +155,9 @@ def test_the_train_step_section_imports_and_runs_without_pydantic():
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run([sys.executable, "-c", _NO_PYDANTIC], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_PYDANTIC], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "STEP 2.0 True True" in out.stdout
 

@@ -10,7 +10,12 @@ import torch
 from fp8rl_core.calibration import calibrate
 from fp8rl_core.config import AlgorithmConfig, CalibrationConfig
 from fp8rl_core.gspo import (
-    GSPO_EPS_HIGH, GSPO_EPS_LOW, gspo_calibration_config, gspo_loss, sequence_calibration_inputs, sequence_ratio,
+    GSPO_EPS_HIGH,
+    GSPO_EPS_LOW,
+    gspo_calibration_config,
+    gspo_loss,
+    sequence_calibration_inputs,
+    sequence_ratio,
 )
 from fp8rl_core.losses import POLICY_LOSSES
 
@@ -86,7 +91,9 @@ def test_sequence_calibration_hand_values():
     zeros = torch.zeros(12, dtype=torch.float64)
     seq = torch.arange(6).repeat_interleave(2)
     adv = torch.tensor(advs, dtype=torch.float64).repeat_interleave(2)
-    r8, r16, a, ok = sequence_calibration_inputs(tok(s8), zeros, tok(s16), zeros, adv, seq, torch.ones(12, dtype=torch.bool))
+    r8, r16, a, ok = sequence_calibration_inputs(
+        tok(s8), zeros, tok(s16), zeros, adv, seq, torch.ones(12, dtype=torch.bool)
+    )
     assert r8.tolist() == pytest.approx(s8, abs=1e-12) and ok.all()
     cfg = gspo_calibration_config(CalibrationConfig())
     assert (cfg.upper_step, cfg.max_delta, cfg.lower_min, cfg.upper_max) == (1e-5, 7.5e-5, 0.9994, 1.0012)
@@ -101,6 +108,7 @@ def test_unshadowed_sequences_are_left_out():
     nan = float("nan")
     lp16 = torch.tensor([0.0, 0.0, nan, nan], dtype=torch.float64)
     z = torch.zeros(4, dtype=torch.float64)
-    _, _, _, ok = sequence_calibration_inputs(z, z, lp16, z, -torch.ones(4, dtype=torch.float64),
-                                              torch.tensor([7, 7, 9, 9]), torch.ones(4, dtype=torch.bool))
+    _, _, _, ok = sequence_calibration_inputs(
+        z, z, lp16, z, -torch.ones(4, dtype=torch.float64), torch.tensor([7, 7, 9, 9]), torch.ones(4, dtype=torch.bool)
+    )
     assert ok.tolist() == [True, False]

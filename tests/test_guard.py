@@ -72,7 +72,7 @@ def test_check_kinds_and_order():
     rows = _rows(entropy_mean=[0.3] * 3, skipped_updates=[0, 0, 1])
     assert check(rows, cfg).detected_step == 3
     # clean tiny-like entropy (falling, noisy, below the floor) never trips
-    rows = _rows(entropy_mean=[0.13 * 0.97 ** i * (1 + 0.3 * (i % 2)) for i in range(40)], reward_mean=[0.5] * 40)
+    rows = _rows(entropy_mean=[0.13 * 0.97**i * (1 + 0.3 * (i % 2)) for i in range(40)], reward_mean=[0.5] * 40)
     assert check(rows, cfg) is None
 
 
@@ -82,9 +82,18 @@ def test_last_good_step():
     assert last_good_step(3, [2, 4]) is None
 
 
-GUARD_SETS = ("steps=7", "checkpoint.interval=2", "checkpoint.keep_last=5", "calibration.interval=100",
-              "evaluation.interval=100", "guard.window=3", "guard.persist=2", "guard.entropy_floor=0",
-              "guard.remedy_steps=2", "evaluation.benchmarks=[{name: synthetic, k: 1, limit: 8, max_new_tokens: 12}]")
+GUARD_SETS = (
+    "steps=7",
+    "checkpoint.interval=2",
+    "checkpoint.keep_last=5",
+    "calibration.interval=100",
+    "evaluation.interval=100",
+    "guard.window=3",
+    "guard.persist=2",
+    "guard.entropy_floor=0",
+    "guard.remedy_steps=2",
+    "evaluation.benchmarks=[{name: synthetic, k: 1, limit: 8, max_new_tokens: 12}]",
+)
 
 
 def _surging(real):
@@ -101,6 +110,7 @@ def _surging(real):
 
 def _guard_run(tmp_path):
     from conftest import micro_config
+
     from flows.configuration import dump_config
     from storage.layout import create_run
 
@@ -118,17 +128,29 @@ def _assert_one_rollback(run_dir) -> dict:
     g = query(con, "SELECT step, status, info FROM ledger WHERE stage = 'guard'").to_pylist()
     assert len(g) == 1 and g[0]["status"] == "done"  # tripped exactly once
     info = json.loads(g[0]["info"])
-    assert (info["kind"], info["first_bad_step"], info["detected_step"], info["rollback_to"]) == ("entropy_surge", 5, 6, 2)
+    assert (info["kind"], info["first_bad_step"], info["detected_step"], info["rollback_to"]) == (
+        "entropy_surge",
+        5,
+        6,
+        2,
+    )
     assert g[0]["step"] == 2
     steps = query(con, "SELECT step, shadow FROM steps ORDER BY step").to_pylist()
     assert [r["step"] for r in steps] == list(range(1, 8))  # one live row per step
     assert [r["shadow"] for r in steps] == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]  # remedy: steps 3-4 calibrate
     # exactly one superseded stretch: the first attempts of steps 3..6
-    sup = sorted({int(p.parent.name.split("=")[1]) for p in (run_dir / "superseded").rglob("*.parquet")
-                  if "step=" in p.parent.name})
+    sup = sorted(
+        {
+            int(p.parent.name.split("=")[1])
+            for p in (run_dir / "superseded").rglob("*.parquet")
+            if "step=" in p.parent.name
+        }
+    )
     assert sup == [3, 4, 5, 6]
     rep = query(con, "SELECT * FROM ledger WHERE stage = 'train' ORDER BY step").to_pylist()
-    assert [r["step"] for r in rep] == list(range(1, 8)) and all(r["attempt"] == (1 if 3 <= r["step"] <= 6 else 0) for r in rep)
+    assert [r["step"] for r in rep] == list(range(1, 8)) and all(
+        r["attempt"] == (1 if 3 <= r["step"] <= 6 else 0) for r in rep
+    )
     return info
 
 
@@ -178,9 +200,14 @@ def _child(run_dir, mode: str, env: dict) -> int:
     tests = str(Path(__file__).resolve().parent)
     full = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_FAULT")} | env
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen([sys.executable, "-c", _CHILD.format(tests=tests), str(run_dir), mode],
-                                cwd=str(Path(tests).parent), env=full, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # files, not pipes: orphans of a SIGKILL keep pipes open
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD.format(tests=tests), str(run_dir), mode],
+            cwd=str(Path(tests).parent),
+            env=full,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # files, not pipes: orphans of a SIGKILL keep pipes open
         try:
             code = proc.wait(timeout=600)
         finally:

@@ -41,20 +41,30 @@ def test_import_arrows_point_one_way_lazy_imports_included(package: str) -> None
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("argv, shown", [
-    (["--help"], "Commands"),
-    (["run", "--help"], "Usage"),
-    (["run", "--bogus"], "HEAVY"),  # a usage error is answered before any command's imports
-    (["query", "--bogus"], "HEAVY"),
-])
+@pytest.mark.parametrize(
+    "argv, shown",
+    [
+        (["--help"], "Commands"),
+        (["run", "--help"], "Usage"),
+        (["run", "--bogus"], "HEAVY"),  # a usage error is answered before any command's imports
+        (["query", "--bogus"], "HEAVY"),
+    ],
+)
 def test_help_and_usage_errors_do_not_import_torch_or_prefect(argv: list[str], shown: str) -> None:
-    code = (f"import sys; sys.argv = ['fp8rl', *{argv!r}]\n"
-            "from flows import cli\n"
-            "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
-            "heavy = [m for m in ('torch', 'prefect', 'transformers', 'duckdb') if m in sys.modules]\n"
-            "print('HEAVY', heavy)")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        f"import sys; sys.argv = ['fp8rl', *{argv!r}]\n"
+        "from flows import cli\n"
+        "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('torch', 'prefect', 'transformers', 'duckdb') if m in sys.modules]\n"
+        "print('HEAVY', heavy)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert shown in r.stdout and "HEAVY []" in r.stdout, r.stdout[-500:] + r.stderr[-2000:]
 
 
@@ -159,8 +169,13 @@ def _module_of(path: Path) -> str:
 def _runtime_imports(path: Path, known: set[str]) -> set[str]:
     """Project modules ``path`` imports, eagerly or lazily (``if TYPE_CHECKING:`` blocks left out)."""
     tree = ast.parse(path.read_text(), str(path))
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for body in node.body for n in ast.walk(body)}
+    skip = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for body in node.body
+        for n in ast.walk(body)
+    }
     me = _module_of(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out = set()
@@ -195,7 +210,7 @@ def test_no_import_circle_between_files_lazy_imports_included() -> None:
         state[m] = "open"
         for d in sorted(graph[m]):
             if state.get(d) == "open":
-                circles.append(" -> ".join(path[path.index(d):] + [d]))
+                circles.append(" -> ".join(path[path.index(d) :] + [d]))
             elif d not in state:
                 visit(d, path + [d])
         state[m] = "done"

@@ -83,8 +83,15 @@ class FakeVLLMServer:
                 if ids[-1] == EOS:
                     reason = "stop"
                     break
-            choices.append({"index": i, "text": "", "token_ids": ids, "finish_reason": reason,
-                            "logprobs": {"token_logprobs": lps, "tokens": [f"token_id:{t}" for t in ids], "top_logprobs": []}})
+            choices.append(
+                {
+                    "index": i,
+                    "text": "",
+                    "token_ids": ids,
+                    "finish_reason": reason,
+                    "logprobs": {"token_logprobs": lps, "tokens": [f"token_id:{t}" for t in ids], "top_logprobs": []},
+                }
+            )
         out = {"id": "cmpl", "object": "text_completion", "model": body["model"], "choices": choices[::-1]}
         self.responses.append((body["seed"], choices))
         return out
@@ -107,9 +114,20 @@ def policy():
 
 
 def make(policy, url, **cfg):
-    config = RolloutConfig(engine="vllm_http", server_url=url, server_timeout_s=cfg.pop("timeout", 5.0), server_retries=cfg.pop("retries", 2))
-    return make_engine("vllm_http", model=policy, tokenizer=build_tokenizer(), precision=PrecisionConfig(rollout="fp8_per_tensor"),
-                       config=config, backoff=0.01)
+    config = RolloutConfig(
+        engine="vllm_http",
+        server_url=url,
+        server_timeout_s=cfg.pop("timeout", 5.0),
+        server_retries=cfg.pop("retries", 2),
+    )
+    return make_engine(
+        "vllm_http",
+        model=policy,
+        tokenizer=build_tokenizer(),
+        precision=PrecisionConfig(rollout="fp8_per_tensor"),
+        config=config,
+        backoff=0.01,
+    )
 
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 9, 9, 9]]
@@ -123,9 +141,19 @@ def test_ids_and_logprobs_round_trip_exactly(policy, server):
     by_seed = dict(server.responses)
     for p, prompt in enumerate(PROMPTS):
         body = next(b for b in sent if b["prompt"] == prompt)
-        assert body == {"model": "policy", "prompt": prompt, "n": 3, "temperature": 0.9, "top_p": 0.95, "max_tokens": 10,
-                        "seed": prompt_seed(4, p, 3), "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
-                        "stop_token_ids": sorted(engine.eos_ids)}
+        assert body == {
+            "model": "policy",
+            "prompt": prompt,
+            "n": 3,
+            "temperature": 0.9,
+            "top_p": 0.95,
+            "max_tokens": 10,
+            "seed": prompt_seed(4, p, 3),
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "stop_token_ids": sorted(engine.eos_ids),
+        }
         for i, choice in enumerate(by_seed[body["seed"]]):
             s = batch.samples[p * 3 + i]
             assert s.response_ids == choice["token_ids"]
@@ -156,22 +184,32 @@ def test_client_errors_are_not_retried_and_urls_are_checked(server):
     with pytest.raises(ValueError, match="http://"):
         HTTPClient("localhost:8000", timeout=1, retries=0)
     with pytest.raises(ValueError, match="server_url"):
-        make_engine("vllm_http", model=build_tiny_model(ModelConfig()), tokenizer=None, precision=PrecisionConfig(),
-                    config=RolloutConfig(engine="vllm_http"))
+        make_engine(
+            "vllm_http",
+            model=build_tiny_model(ModelConfig()),
+            tokenizer=None,
+            precision=PrecisionConfig(),
+            config=RolloutConfig(engine="vllm_http"),
+        )
 
 
 def test_weight_push_control_plane_uses_vllms_rl_routes(policy, server):
     engine = make(policy, server.url)
     w = engine.weights
     w.pause()
-    w.init_weight_transfer_engine({"master_address": "10.0.0.2", "master_port": 29500, "rank_offset": 1, "world_size": 2})
+    w.init_weight_transfer_engine(
+        {"master_address": "10.0.0.2", "master_port": 29500, "rank_offset": 1, "world_size": 2}
+    )
     w.start_weight_update()
     w.update_weights({"names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[2, 2]]})
     w.finish_weight_update("step-3")
     w.resume()
     assert server.requests == [
         ("/pause?mode=wait", {}),
-        ("/init_weight_transfer_engine", {"init_info": {"master_address": "10.0.0.2", "master_port": 29500, "rank_offset": 1, "world_size": 2}}),
+        (
+            "/init_weight_transfer_engine",
+            {"init_info": {"master_address": "10.0.0.2", "master_port": 29500, "rank_offset": 1, "world_size": 2}},
+        ),
         ("/start_weight_update", {}),
         ("/update_weights", {"update_info": {"names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[2, 2]]}}),
         ("/finish_weight_update", {"weight_version": "step-3"}),

@@ -7,7 +7,6 @@ CLI runs in-process (typer's runner) except where a second process is the point
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import signal
@@ -18,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import micro_config
 from typer.testing import CliRunner
 
-from conftest import micro_config
 from flows.cli import app
 from flows.configuration import dump_config
 from storage.catalog import connect, problems, query
@@ -52,8 +51,9 @@ def _run_with_rows(root: Path, run_id: str, steps: int = 2, config: str | None =
     w, led = TableWriter(run, durable=False), Ledger(run)
     for s in range(1, steps + 1):
         with led.stage(s, "rollout") as rec:
-            rec.outputs.append(str(w.write("rollouts", s, {"sample_id": np.arange(4), "prompt_id": np.arange(4)},
-                                           stage="rollout")))
+            rec.outputs.append(
+                str(w.write("rollouts", s, {"sample_id": np.arange(4), "prompt_id": np.arange(4)}, stage="rollout"))
+            )
         with led.stage(s, "train") as rec:
             rec.outputs.append(str(w.write("steps", s, {"reward_mean": 0.1 * s}, stage="train")))
     return run
@@ -87,12 +87,19 @@ def test_a_copied_run_is_not_counted_twice(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- 2. one writer per run
 
 
-_HOLD = "import sys, time; from storage import lock; lock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)"
+_HOLD = (
+    "import sys, time; from storage import lock; lock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)"
+)
 
 
 def _holder(run_dir: Path) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(run_dir)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert p.stdout.readline().strip() == "held"
     return p
 
@@ -147,9 +154,19 @@ def test_a_corrupt_data_page_found_while_querying_is_skipped_by_name(tmp_path: P
     run = create_run(tmp_path, "A").root
     w = TableWriter(run, durable=False)
     rng = np.random.default_rng(0)
-    paths = [w.write("rollouts", s, {"sample_id": np.arange(20000), "prompt_id": np.arange(20000),
-                                     "response": [f"{x:.9f}" for x in rng.random(20000)]}, stage="rollout")
-             for s in (1, 2)]
+    paths = [
+        w.write(
+            "rollouts",
+            s,
+            {
+                "sample_id": np.arange(20000),
+                "prompt_id": np.arange(20000),
+                "response": [f"{x:.9f}" for x in rng.random(20000)],
+            },
+            stage="rollout",
+        )
+        for s in (1, 2)
+    ]
     import struct
 
     size = paths[0].stat().st_size
@@ -209,8 +226,15 @@ def test_prefect_temporary_server_dies_with_a_sigkilled_parent(tmp_path: Path) -
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PYTHONPATH=str(ROOT), PREFECT_HOME=str(tmp_path / "prefect"))
-    p = subprocess.Popen([sys.executable, "-c", _FLOW], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _FLOW],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         assert p.stdout.readline().strip() == "ready"
         servers = [c for c in _children(p.pid) if _is_server(c)]
@@ -235,7 +259,9 @@ def test_prefect_temporary_server_dies_with_a_sigkilled_parent(tmp_path: Path) -
 def _mount_tmpfs(where: Path, size: str, *extra: str) -> bool:
     where.mkdir(parents=True, exist_ok=True)
     opts = ",".join((f"size={size}",) + extra)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)], capture_output=True).returncode == 0
+    return (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)], capture_output=True).returncode == 0
+    )
 
 
 @pytest.fixture
@@ -256,16 +282,25 @@ def mount(tmp_path: Path):
 
 
 def test_disk_full_is_one_line_naming_the_path_and_no_space_left(mount) -> None:
-    from flows.cli_common import io_errors
     import typer
+
+    from flows.cli_common import io_errors
 
     m = mount("256k")
     run = create_run(m, "A").root
     w = TableWriter(run, durable=False)
     with pytest.raises(typer.Exit) as exc, io_errors(run, resume_hint=run):
         for s in range(1, 100):
-            w.write("rollouts", s, {"sample_id": np.arange(20000), "prompt_id": np.arange(20000),
-                                    "response": [os.urandom(8).hex() for _ in range(20000)]}, stage="rollout")
+            w.write(
+                "rollouts",
+                s,
+                {
+                    "sample_id": np.arange(20000),
+                    "prompt_id": np.arange(20000),
+                    "response": [os.urandom(8).hex() for _ in range(20000)],
+                },
+                stage="rollout",
+            )
     assert exc.value.exit_code == 2
     assert not list(run.joinpath("tmp").iterdir())  # no half-written file left
     # the live files all read: nothing torn
@@ -273,8 +308,9 @@ def test_disk_full_is_one_line_naming_the_path_and_no_space_left(mount) -> None:
 
 
 def test_disk_full_message(mount, capsys) -> None:
-    from flows.cli_common import io_errors
     import typer
+
+    from flows.cli_common import io_errors
 
     m = mount("64k")
     run = create_run(m, "A").root
@@ -289,6 +325,7 @@ def test_torch_save_on_a_full_disk_says_no_space_left(mount, capsys) -> None:
     """torch reports ENOSPC as 'enforce fail at inline_container.cc'; the CLI says what it is."""
     import torch
     import typer
+
     from flows.cli_common import io_errors
 
     m = mount("64k")
@@ -319,8 +356,9 @@ def test_run_dir_under_a_file_or_under_proc(tmp_path: Path) -> None:
 
 def test_rerun_variant_main_or_a_path_is_refused(micro_run: Path) -> None:
     one_line_exit_2(cli("rerun", micro_run, "--stage", "score", "--steps", "1:2", "--variant", "main"), "'main'")
-    one_line_exit_2(cli("rerun", micro_run, "--stage", "score", "--steps", "1:2", "--variant", "../../evil"),
-                    "../../evil")
+    one_line_exit_2(
+        cli("rerun", micro_run, "--stage", "score", "--steps", "1:2", "--variant", "../../evil"), "../../evil"
+    )
     assert not (micro_run.parent.parent / "evil").exists()
 
 
@@ -341,10 +379,13 @@ def test_rerun_steps_must_be_a_range(micro_run: Path) -> None:
     one_line_exit_2(cli("rerun", micro_run, "--stage", "score", "--steps", "9:2"), "9:2")
 
 
-@pytest.mark.parametrize("sets, needle", [
-    (["algorithm.ppo_epochs=2", "algorithm.micro_batch_size=128"], "ppo_epochs=2 is not supported on 2 ranks"),
-    (["algorithm.ppo_mini_batch_size=256", "algorithm.micro_batch_size=256"], "must be a multiple of world size 2"),
-])
+@pytest.mark.parametrize(
+    "sets, needle",
+    [
+        (["algorithm.ppo_epochs=2", "algorithm.micro_batch_size=128"], "ppo_epochs=2 is not supported on 2 ranks"),
+        (["algorithm.ppo_mini_batch_size=256", "algorithm.micro_batch_size=256"], "must be a multiple of world size 2"),
+    ],
+)
 def test_a_config_the_ranks_cannot_train_is_refused_before_launch(tmp_path: Path, sets: list[str], needle: str) -> None:
     """Several PPO epochs on several ranks used to train on rows without their π_old (a silent wrong
     row); a mini-batch that does not split over the ranks failed only inside the train stage."""
@@ -371,10 +412,19 @@ def test_a_run_name_cannot_leave_the_runs_root(tmp_path: Path) -> None:
 
 
 def test_usage_errors_are_one_line() -> None:
-    for args in (["run", "--bogus"], ["nosuch"], ["resume", "x", "--from", "nowhere"],
-                 ["query", "x", "SELECT 1", "--format", "xml"]):
-        r = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    for args in (
+        ["run", "--bogus"],
+        ["nosuch"],
+        ["resume", "x", "--from", "nowhere"],
+        ["query", "x", "SELECT 1", "--format", "xml"],
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "flows.cli", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
         assert r.stderr.startswith("error: ") and "--help" in r.stderr
 
@@ -397,7 +447,13 @@ def test_bootstrap_cache_is_per_user_not_beside_the_run(tmp_path: Path, monkeypa
     seen = {}
     monkeypatch.delenv("FP8RL_BOOTSTRAP_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(boot, "bootstrap", lambda *a, **k: seen.setdefault("cache", a[3] if len(a) > 3 else k.get("cache_root")) or boot.default_cache_root())
+    monkeypatch.setattr(
+        boot,
+        "bootstrap",
+        lambda *a, **k: (
+            seen.setdefault("cache", a[3] if len(a) > 3 else k.get("cache_root")) or boot.default_cache_root()
+        ),
+    )
     base_model_dir(micro_config(), tmp_path / "elsewhere")
     assert (seen["cache"] or boot.default_cache_root()) == tmp_path / "cache" / "fp8rl" / "bootstrap"
 
@@ -414,8 +470,15 @@ def test_resume_says_when_it_passes_over_a_broken_checkpoint(micro_run: Path, mo
     assert "step_4" in r.stderr and "restarts from step_2" in r.stderr
 
 
-@pytest.mark.parametrize("sql", ["COPY (SELECT 1) TO '{out}'", "CREATE TABLE t AS SELECT 1",
-                                 "ATTACH '{out}' AS x", "SELECT 1; COPY steps TO '{out}'"])
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "COPY (SELECT 1) TO '{out}'",
+        "CREATE TABLE t AS SELECT 1",
+        "ATTACH '{out}' AS x",
+        "SELECT 1; COPY steps TO '{out}'",
+    ],
+)
 def test_query_is_read_only(tmp_path: Path, sql: str) -> None:
     run = _run_with_rows(tmp_path / "runs", "A")
     out = tmp_path / "leak.csv"
@@ -558,9 +621,16 @@ def test_the_manifest_lists_every_file_resume_reads(two_checkpoints) -> None:
 # --------------------------------------------------------------------------- fp8rl query sees only runs
 
 
-@pytest.mark.parametrize("sql", ["SELECT * FROM read_csv('/etc/passwd')", "SELECT * FROM read_text('/etc/hostname')",
-                                 "SELECT * FROM glob('/root/**')", "SELECT * FROM read_parquet('{outside}')",
-                                 "SELECT * FROM read_json('https://example.com/x.json')"])
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT * FROM read_csv('/etc/passwd')",
+        "SELECT * FROM read_text('/etc/hostname')",
+        "SELECT * FROM glob('/root/**')",
+        "SELECT * FROM read_parquet('{outside}')",
+        "SELECT * FROM read_json('https://example.com/x.json')",
+    ],
+)
 def test_query_reads_nothing_but_the_runs(tmp_path: Path, sql: str) -> None:
     import duckdb
 
@@ -591,11 +661,14 @@ def test_query_still_reads_symlinked_runs_and_its_own_views(tmp_path: Path) -> N
 # --------------------------------------------------------------------------- one error path
 
 
-@pytest.mark.parametrize("sets, needle", [
-    (["algorithm.lr=.inf"], "algorithm.lr: Input should be a finite number"),
-    (["algorithm.eps_high=nan"], "algorithm.eps_high: Input should be a finite number"),
-    (["calibration.initial_lower=1.5", "calibration.initial_upper=1.2"], "0 < lower <= upper"),
-])
+@pytest.mark.parametrize(
+    "sets, needle",
+    [
+        (["algorithm.lr=.inf"], "algorithm.lr: Input should be a finite number"),
+        (["algorithm.eps_high=nan"], "algorithm.eps_high: Input should be a finite number"),
+        (["calibration.initial_lower=1.5", "calibration.initial_upper=1.2"], "0 < lower <= upper"),
+    ],
+)
 def test_non_finite_and_inverted_values_are_refused_before_anything_is_written(tmp_path: Path, sets, needle) -> None:
     d = tmp_path / "run"
     args = [x for s in sets for x in ("--set", s)]

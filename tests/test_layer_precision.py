@@ -20,8 +20,16 @@ def _qwen25_32b_layers(n: int):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     with torch.device("meta"):
-        return Qwen2ForCausalLM(Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=27648,
-                                            num_hidden_layers=n, num_attention_heads=40, num_key_value_heads=8))
+        return Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=152064,
+                hidden_size=5120,
+                intermediate_size=27648,
+                num_hidden_layers=n,
+                num_attention_heads=40,
+                num_key_value_heads=8,
+            )
+        )
 
 
 def test_blockwise_keeps_qwen25_biased_qkv_in_bf16_and_says_so():

@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
+from transformers import Qwen3ForCausalLM  # noqa: E402  (after fp8rl_core: quiet torchao)
 
 from fp8rl_core.logprobs import position_ids_from_mask, sequence_logprobs, token_logprobs_and_entropy
 from fp8rl_core.precision import autocast_context, convert_for_training
-from transformers import Qwen3ForCausalLM  # noqa: E402  (after fp8rl_core: quiet torchao)
 
 
 def naive(logits: torch.Tensor, labels: torch.Tensor):
@@ -17,7 +17,6 @@ def naive(logits: torch.Tensor, labels: torch.Tensor):
     logq = torch.log_softmax(logits.double(), dim=-1)
     logp = logq.gather(-1, labels[..., None]).squeeze(-1)
     return logp, -(logq.exp() * logq).sum(-1)
-
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -53,8 +52,11 @@ def test_gradients_match_autograd_of_naive(which):
     lp, ent = token_logprobs_and_entropy(a, labels, chunk_size=5)
     b = logits.clone().requires_grad_()
     rlp, rent = naive(b, labels)
-    loss = {"both": lambda x, y: (x * w1).sum() + (y * w2).sum(), "logp": lambda x, y: (x * w1).sum(),
-            "entropy": lambda x, y: (y * w2).sum()}[which]
+    loss = {
+        "both": lambda x, y: (x * w1).sum() + (y * w2).sum(),
+        "logp": lambda x, y: (x * w1).sum(),
+        "entropy": lambda x, y: (y * w2).sum(),
+    }[which]
     loss(lp.double(), ent.double()).backward()
     loss(rlp, rent).backward()
     torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-5)
@@ -112,8 +114,16 @@ def _tiny_config():
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=32, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        head_dim=32, intermediate_size=384, tie_word_embeddings=True, max_position_embeddings=64, pad_token_id=0,
+        vocab_size=32,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        intermediate_size=384,
+        tie_word_embeddings=True,
+        max_position_embeddings=64,
+        pad_token_id=0,
     )
 
 

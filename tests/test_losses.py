@@ -12,7 +12,6 @@ from fp8rl_core.losses import AGGREGATIONS, POLICY_LOSSES, aggregate, cispo_loss
 AGGS = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
-
 def _five_tokens():
     """One row, five tokens covering every branch (L=0.8, H=1.28, c=3)."""
     ratio = torch.tensor([[1.5, 0.5, 4.0, 1.1, 0.5]], dtype=torch.float64)
@@ -79,7 +78,9 @@ def test_aggregation_hand_computed():
 
 def test_unknown_agg_and_bad_inputs():
     logp, old, adv, mask, _ = _five_tokens()
-    with pytest.raises(KeyError, match="valid: seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm, token-mean"):
+    with pytest.raises(
+        KeyError, match="valid: seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm, token-mean"
+    ):
         policy_loss(logp, old, adv, mask, lower=0.8, upper=1.28, agg="token_mean")
     with pytest.raises(ValueError, match="one shape"):
         policy_loss(logp, old[:, :3], adv, mask, lower=0.8, upper=1.28)
@@ -146,7 +147,9 @@ def test_vectorized_matches_loop(seed, loss_name):
     agg = AGGS[seed % 4]
     lower, upper = (0.8, 1.28) if loss_name == "ppo" else (0.0, 1.5)
     logp, old, adv, mask, isw = _random_batch(seed)
-    loss, _ = POLICY_LOSSES.get(loss_name)(logp, old, adv, mask, lower=lower, upper=upper, dual_clip=3.0, is_weights=isw, agg=agg)
+    loss, _ = POLICY_LOSSES.get(loss_name)(
+        logp, old, adv, mask, lower=lower, upper=upper, dual_clip=3.0, is_weights=isw, agg=agg
+    )
     loss.backward()
     value, grad = _loop_reference(logp.detach(), old, adv, mask, isw, lower, upper, 3.0, agg, loss_name)
     assert loss.item() == pytest.approx(value, rel=1e-10, abs=1e-12)
@@ -190,8 +193,15 @@ def test_micro_batches_sum_to_mini_batch(agg, loss_name):
     total = torch.zeros((), dtype=torch.float64)
     for rows in (slice(0, 3), slice(3, 8)):
         part, _ = fn(
-            logp[rows], old[rows], adv[rows], mask[rows], lower=0.8, upper=1.28, agg=agg,
-            global_token_count=float(mask.sum()), global_seq_count=8.0,
+            logp[rows],
+            old[rows],
+            adv[rows],
+            mask[rows],
+            lower=0.8,
+            upper=1.28,
+            agg=agg,
+            global_token_count=float(mask.sum()),
+            global_seq_count=8.0,
         )
         total = total + part
     (g_acc,) = torch.autograd.grad(total, logp)
@@ -209,8 +219,13 @@ def test_nan_padding_reaches_neither_loss_nor_grad(loss_name):
     nan = float("nan")
     logp_nan = torch.where(pad, torch.full_like(logp, nan), logp.detach()).requires_grad_()
     loss, m = POLICY_LOSSES.get(loss_name)(
-        logp_nan, torch.where(pad, nan, old), torch.where(pad, nan, adv), mask,
-        lower=0.8, upper=1.28, is_weights=torch.where(pad, nan, isw),
+        logp_nan,
+        torch.where(pad, nan, old),
+        torch.where(pad, nan, adv),
+        mask,
+        lower=0.8,
+        upper=1.28,
+        is_weights=torch.where(pad, nan, isw),
     )
     loss.backward()
     ref, _ = POLICY_LOSSES.get(loss_name)(logp.detach(), old, adv, mask, lower=0.8, upper=1.28, is_weights=isw)
@@ -243,5 +258,7 @@ def test_cispo_gradient_hand_derived_three_tokens():
     expected = -(1.2 * math.log(0.5) - 1.2 * math.log(0.3) + 0.5 * math.log(0.4)) / 3
     assert loss.item() == pytest.approx(expected, rel=1e-12)
     loss.backward()
-    torch.testing.assert_close(logp.grad, torch.tensor([[-0.4, 0.4, -0.5 / 3]], dtype=torch.float64), rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        logp.grad, torch.tensor([[-0.4, 0.4, -0.5 / 3]], dtype=torch.float64), rtol=1e-12, atol=0
+    )
     assert m["clipfrac_upper"] == pytest.approx(1 / 3) and m["clipfrac_lower"] == 0.0

@@ -31,8 +31,15 @@ def _measure(layers: int, checkpointing: bool, mode: str = "bf16"):
     from flows.plan_measured import hf_config
 
     torch.set_num_threads(1)
-    return measure_step(hf_config(ARCH), layers=layers, world_size=W, mode=mode, micro_batch_size=MB, seq_len=SEQ,
-                        activation_checkpointing=checkpointing)
+    return measure_step(
+        hf_config(ARCH),
+        layers=layers,
+        world_size=W,
+        mode=mode,
+        micro_batch_size=MB,
+        seq_len=SEQ,
+        activation_checkpointing=checkpointing,
+    )
 
 
 @pytest.fixture(scope="module")

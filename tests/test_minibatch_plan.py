@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from stages.trainer.minibatch_plan import minibatch_plan, padded_tokens, token_budget_micros
-from tests.test_train_scaleout import _batch, _cfg, _model
 from stages.trainer.update import make_optimizer, policy_update
+from tests.test_train_scaleout import _batch, _cfg, _model
 
 
 def test_padded_tokens_meets_the_kernel_multiple():

@@ -26,10 +26,14 @@ SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, i
 
 
 def _cfg(mode: str, mini: int = 8, micro: int = 8, calibration: str = "calibrated") -> CampaignConfig:
-    return CampaignConfig.model_validate({
-        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 8},
-        "algorithm": {"ppo_mini_batch_size": mini, "micro_batch_size": micro, "lr": 1e-3, "tis": True},
-        "precision": {"train": mode}, "calibration": {"mode": calibration}})
+    return CampaignConfig.model_validate(
+        {
+            "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 8},
+            "algorithm": {"ppo_mini_batch_size": mini, "micro_batch_size": micro, "lr": 1e-3, "tis": True},
+            "precision": {"train": mode},
+            "calibration": {"mode": calibration},
+        }
+    )
 
 
 def _batch(n=16, p=7, r=9, seed=0) -> TrainBatch:
@@ -85,7 +89,11 @@ def test_the_step_with_the_reuse_equals_the_step_without_it_and_skips_one_forwar
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None and y is None) or torch.equal(x, y), name
     assert a.metrics.keys() == b.metrics.keys()
-    assert all(a.metrics[k] == b.metrics[k] or a.metrics[k] != a.metrics[k] for k in a.metrics if not k.endswith(("_s", "_seconds")))
+    assert all(
+        a.metrics[k] == b.metrics[k] or a.metrics[k] != a.metrics[k]
+        for k in a.metrics
+        if not k.endswith(("_s", "_seconds"))
+    )
     assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
     # 16 rows, 2 mini-batches of one micro-batch: π_old 2 -> 1 no-grad forwards, π_θ 2 with grad
     assert (fb.count(False) - fa.count(False), fa.count(True), fb.count(True)) == (1, 2, 2)

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 from torch import nn
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402  (after precision: quiet torchao)
 
 from fp8rl_core.fp8 import fake_quantize, sqnr_db
 from fp8rl_core.fp8_linear import Fp8RolloutLinear, Fp8TrainingLinear
@@ -20,7 +21,6 @@ from fp8rl_core.precision import (
     convert_for_training,
     sync_rollout_weights,
 )
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402  (after precision: quiet torchao)
 
 FP8_MODES = ["fp8_tensorwise", "fp8_rowwise", "fp8_blockwise"]
 LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
@@ -28,9 +28,18 @@ LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
 
 def tiny_config(**overrides) -> Qwen3Config:
     kw = dict(
-        vocab_size=32, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        head_dim=32, intermediate_size=384, tie_word_embeddings=True, max_position_embeddings=64,
-        pad_token_id=0, bos_token_id=None, eos_token_id=None,
+        vocab_size=32,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        intermediate_size=384,
+        tie_word_embeddings=True,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
     )
     kw.update(overrides)
     return Qwen3Config(**kw)
@@ -40,7 +49,6 @@ def tiny_config(**overrides) -> Qwen3Config:
 def base_model() -> Qwen3ForCausalLM:
     torch.manual_seed(0)
     return Qwen3ForCausalLM(tiny_config()).eval()
-
 
 
 def toy_batch(b=8, t=16, seed=0) -> torch.Tensor:
@@ -131,7 +139,10 @@ def test_layers_the_kernel_cannot_take_are_skipped_with_a_reason(caplog):
         report = convert_for_training(copy.deepcopy(model), "fp8_tensorwise")
     skipped = dict(report.skipped)
     assert set(skipped) == {f"model.layers.{i}.mlp.{p}_proj" for i in range(2) for p in ("gate", "up", "down")}
-    assert "divisible by 16" in skipped["model.layers.0.mlp.up_proj"] and "128->200" in skipped["model.layers.0.mlp.up_proj"]
+    assert (
+        "divisible by 16" in skipped["model.layers.0.mlp.up_proj"]
+        and "128->200" in skipped["model.layers.0.mlp.up_proj"]
+    )
     assert "model.layers.1.mlp.down_proj" in caplog.text
     blockwise = copy.deepcopy(model)
     report = convert_for_training(blockwise, "fp8_blockwise")
@@ -186,8 +197,14 @@ def test_rollout_copy_generates_and_leaves_the_trainer_alone(base_model, mode):
     assert sum(isinstance(m, Fp8TrainingLinear) for m in train.modules()) == 14
     prompt = toy_batch(4, 6)
     with torch.no_grad():
-        out = rollout.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5,
-                               min_new_tokens=5, do_sample=True, top_k=0)
+        out = rollout.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=5,
+            min_new_tokens=5,
+            do_sample=True,
+            top_k=0,
+        )
     assert out.shape == (4, 11) and torch.equal(out[:, :6], prompt)
 
 

@@ -33,8 +33,11 @@ print("level", logging.getLogger("prefect").getEffectiveLevel())
 
 
 def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    e = {k: v for k, v in os.environ.items()
-         if not k.startswith("PREFECT_LOGGING") and k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    e = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PREFECT_LOGGING") and k not in ("PREFECT_API_URL", "PREFECT_HOME")
+    }
     e.update(PYTHONPATH=str(ROOT), HOME=str(tmp_path / "home"), XDG_CACHE_HOME=str(tmp_path / "cache"), **env)
     return subprocess.run([sys.executable, "-c", _EMIT], capture_output=True, text=True, env=e, timeout=120)
 
@@ -56,9 +59,13 @@ def test_a_users_own_logging_file_wins(tmp_path, where):
     (own / "logging.yml").write_text(
         "version: 1\ndisable_existing_loggers: false\n"
         "handlers: {err: {class: logging.StreamHandler, stream: 'ext://sys.stderr'}}\n"
-        "root: {level: WARNING, handlers: [err]}\n")
-    env = ({"PREFECT_LOGGING_SETTINGS_PATH": str(own / "logging.yml")} if where == "settings-path"
-           else {"PREFECT_HOME": str(own)})
+        "root: {level: WARNING, handlers: [err]}\n"
+    )
+    env = (
+        {"PREFECT_LOGGING_SETTINGS_PATH": str(own / "logging.yml")}
+        if where == "settings-path"
+        else {"PREFECT_HOME": str(own)}
+    )
     r = _run(tmp_path, **env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Exception during reset" in r.stderr  # their config has no quiet sqlalchemy logger

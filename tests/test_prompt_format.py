@@ -37,15 +37,31 @@ def _save_checkpoint(path: Path, *, template: bool = True) -> Path:
         vocab.setdefault(ch, len(vocab))
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                  additional_special_tokens=SPECIALS[1:], clean_up_tokenization_spaces=False)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS[1:],
+        clean_up_tokenization_spaces=False,
+    )
     if template:
         tok.chat_template = QWEN_TEMPLATE
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                                         max_position_embeddings=512, tie_word_embeddings=False,
-                                         eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"]))
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=len(vocab),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            eos_token_id=vocab["<|endoftext|>"],
+            pad_token_id=vocab["<|endoftext|>"],
+        )
+    )
     with torch.no_grad():  # make the end-of-turn token common in random replies
         model.lm_head.weight[vocab["<|im_end|>"]] *= 6
     model.save_pretrained(str(path))
@@ -73,8 +89,11 @@ def test_prompt_ids_equal_apply_chat_template(chat_ckpt):
     f = formatter(cfg, tok, policy)
     assert f.mode == "chat"  # auto: an instruct checkpoint with a template
     prompt = f"What is 6*7? {BOXED_INSTRUCTION}"
-    want = tok.apply_chat_template([{"role": "system", "content": "You are a careful mathematician."},
-                                    {"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    want = tok.apply_chat_template(
+        [{"role": "system", "content": "You are a careful mathematician."}, {"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
     want = list(want["input_ids"] if hasattr(want, "keys") else want)
     assert f.encode(prompt) == want
     assert tok.decode(want).endswith("<|im_start|>assistant\n")
@@ -99,13 +118,18 @@ def test_auto_uses_plain_text_for_base_checkpoints_and_templateless_tokenizers(t
 
 
 def _generate(policy, tok, prompt_cfg: PromptConfig):
-    from stages.engines import make_engine
     from stages.data.prompt_format import apply_stop_tokens, encode_prompts
+    from stages.engines import make_engine
 
     apply_stop_tokens(policy, tok, prompt_cfg)
     rcfg = RolloutConfig(max_new_tokens=48, generation_batch_size=64)
-    engine = make_engine("transformers", model=policy, tokenizer=tok, precision=PrecisionConfig(train="bf16", rollout="bf16"),
-                         config=rcfg)
+    engine = make_engine(
+        "transformers",
+        model=policy,
+        tokenizer=tok,
+        precision=PrecisionConfig(train="bf16", rollout="bf16"),
+        config=rcfg,
+    )
     env = SimpleNamespace(cfg=SimpleNamespace(prompt=prompt_cfg), tokenizer=tok)
     ids = encode_prompts(env, [f"What is {a}+{a}?" for a in range(8)], SimpleNamespace(policy=policy))
     return engine.generate(ids, n=4, temperature=1.0, top_p=1.0, max_new_tokens=48, seed=3).samples

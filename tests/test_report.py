@@ -61,13 +61,27 @@ def _guard_events(run_id: str, steps: int) -> list[dict]:
     """One guard rollback in the middle of a run (it takes no time, so wall_seconds is unchanged)."""
     t = datetime(2026, 1, 1, tzinfo=timezone.utc).isoformat()
     key = {"run_id": run_id, "step": steps // 2 - 2, "stage": "guard", "attempt": 0, "variant": "main"}
-    info = {"kind": "entropy_surge", "detected_step": steps // 2, "first_bad_step": steps // 2 - 1,
-            "rollback_to": steps // 2 - 2, "action": "rollback", "remedy": "recalibrate_now"}
+    info = {
+        "kind": "entropy_surge",
+        "detected_step": steps // 2,
+        "first_bad_step": steps // 2 - 1,
+        "rollback_to": steps // 2 - 2,
+        "action": "rollback",
+        "remedy": "recalibrate_now",
+    }
     return [{"event": "start", **key, "at": t}, {"event": "finish", **key, "at": t, "outputs": [], "info": info}]
 
 
-def fabricate_run(root: Path, run_id: str, *, calibrated: bool, steps: int = 10, calib_every: int = 3,
-                  eval_every: int = 5, seed: int = 0) -> Path:
+def fabricate_run(
+    root: Path,
+    run_id: str,
+    *,
+    calibrated: bool,
+    steps: int = 10,
+    calib_every: int = 3,
+    eval_every: int = 5,
+    seed: int = 0,
+) -> Path:
     """A finished fake run under ``root``; returns its directory."""
     rng = np.random.default_rng(seed)
     run = create_run(root, run_id, config={"name": run_id, "calibrated": calibrated}).root
@@ -85,52 +99,101 @@ def fabricate_run(root: Path, run_id: str, *, calibrated: bool, steps: int = 10,
             noise = 0.05 if calibrated else 0.08
             logp8 = logp16 + rng.normal(0, noise, n_tok).astype(np.float32)
             old8 = old16 + rng.normal(0, noise, n_tok).astype(np.float32)
-            w.write("token_stats", step, {
-                "sample_id": sid.astype(np.int32), "position": np.tile(np.arange(10), n_tok // 10).astype(np.int32),
-                "advantage": adv, "logp_fp8": logp8, "old_logp_fp8": old8,
-                "logp_bf16": logp16 if shadow else None, "old_logp_bf16": old16 if shadow else None,
-                "entropy": rng.exponential(0.8 + surge, n_tok).astype(np.float32),
-                "lower_bound": lower, "upper_bound": upper, "standard_lower": 0.8, "standard_upper": 1.28,
-            }, stage="train")
+            w.write(
+                "token_stats",
+                step,
+                {
+                    "sample_id": sid.astype(np.int32),
+                    "position": np.tile(np.arange(10), n_tok // 10).astype(np.int32),
+                    "advantage": adv,
+                    "logp_fp8": logp8,
+                    "old_logp_fp8": old8,
+                    "logp_bf16": logp16 if shadow else None,
+                    "old_logp_bf16": old16 if shadow else None,
+                    "entropy": rng.exponential(0.8 + surge, n_tok).astype(np.float32),
+                    "lower_bound": lower,
+                    "upper_bound": upper,
+                    "standard_lower": 0.8,
+                    "standard_upper": 1.28,
+                },
+                stage="train",
+            )
             row = {
                 "reward_mean": 0.3 + 0.04 * step - (2 * surge if not calibrated else 0.0),
                 "accuracy": 0.3 + 0.035 * step - (2 * surge if not calibrated else 0.0),
                 "entropy_mean": 0.8 + surge + rng.normal(0, 0.01),
                 "clipfrac_lower": 0.02 + (0.0 if calibrated else 0.01 * step),
-                "clipfrac_upper": 0.01, "clipfrac": 0.03, "dualclip_frac": 0.001, "ppo_kl": 1e-3,
-                "lower_bound": lower, "upper_bound": upper, "response_length_mean": 12 + step * 0.3 + 20 * surge,
-                "garbled_share": min(1.0, surge / 2), "kept_share": 1.0, "shadow": float(shadow),
-                "rollout_seconds": 2.0, "score_seconds": 0.2, "train_seconds": 3.0, "step_seconds": 5.2,
+                "clipfrac_upper": 0.01,
+                "clipfrac": 0.03,
+                "dualclip_frac": 0.001,
+                "ppo_kl": 1e-3,
+                "lower_bound": lower,
+                "upper_bound": upper,
+                "response_length_mean": 12 + step * 0.3 + 20 * surge,
+                "garbled_share": min(1.0, surge / 2),
+                "kept_share": 1.0,
+                "shadow": float(shadow),
+                "rollout_seconds": 2.0,
+                "score_seconds": 0.2,
+                "train_seconds": 3.0,
+                "step_seconds": 5.2,
                 "drift_signal": 0.0 if shadow else 0.05 + 0.01 * (step % 3),
             }
             if shadow:
                 prob = 0.010 if calibrated else 0.012
-                row.update({
-                    "prob_nmae": prob, "old_prob_nmae": prob, "ratio_nmae": prob * 2.2, "amplification": 2.2,
-                    "overclipped_share": 0.002 if calibrated else 0.02 + 0.002 * step,
-                    "underclipped_share": 0.002, "lower_clip_share_neg_fp8": 0.05 if calibrated else 0.2,
-                    "lower_clip_share_neg_bf16": 0.05,
-                    "ratio_noise_nmae": prob * 2.2, "tis_weight_nmae": prob * 1.1, "rollout_bf16_prob_nmae": 0.03,
-                    "rollout_bf16_tis_nmae": 0.03, "rollout_fp8_prob_nmae": 0.031,
-                    **{f"clipfrac_lower_entropy_bin{i}": 0.01 * (i + 1) for i in range(5)},
-                    **{f"clipfrac_upper_entropy_bin{i}": 0.005 * (i + 1) for i in range(5)},
-                })
+                row.update(
+                    {
+                        "prob_nmae": prob,
+                        "old_prob_nmae": prob,
+                        "ratio_nmae": prob * 2.2,
+                        "amplification": 2.2,
+                        "overclipped_share": 0.002 if calibrated else 0.02 + 0.002 * step,
+                        "underclipped_share": 0.002,
+                        "lower_clip_share_neg_fp8": 0.05 if calibrated else 0.2,
+                        "lower_clip_share_neg_bf16": 0.05,
+                        "ratio_noise_nmae": prob * 2.2,
+                        "tis_weight_nmae": prob * 1.1,
+                        "rollout_bf16_prob_nmae": 0.03,
+                        "rollout_bf16_tis_nmae": 0.03,
+                        "rollout_fp8_prob_nmae": 0.031,
+                        **{f"clipfrac_lower_entropy_bin{i}": 0.01 * (i + 1) for i in range(5)},
+                        **{f"clipfrac_upper_entropy_bin{i}": 0.005 * (i + 1) for i in range(5)},
+                    }
+                )
             w.write("steps", step, row, stage="train")
             if shadow:
                 raw_lower = 0.8 - (0.08 if calibrated else 0.0)
                 new_lower = max(raw_lower, lower - 0.05) if calibrated else lower
-                w.write("bounds", step, {
-                    "mode": "calibrated" if calibrated else "standard", "alpha": 0.05,
-                    "raw_lower": raw_lower, "raw_upper": 1.3 if calibrated else 1.28,
-                    "lower": new_lower, "upper": 1.29 if calibrated else 1.28, "target_balance": 1.1,
-                    "balance_before": 1.3, "balance_after": 1.12, "tokens": n_tok, "negative_tokens": n_tok // 2,
-                }, stage="calibrate")
+                w.write(
+                    "bounds",
+                    step,
+                    {
+                        "mode": "calibrated" if calibrated else "standard",
+                        "alpha": 0.05,
+                        "raw_lower": raw_lower,
+                        "raw_upper": 1.3 if calibrated else 1.28,
+                        "lower": new_lower,
+                        "upper": 1.29 if calibrated else 1.28,
+                        "target_balance": 1.1,
+                        "balance_before": 1.3,
+                        "balance_after": 1.12,
+                        "tokens": n_tok,
+                        "negative_tokens": n_tok // 2,
+                    },
+                    stage="calibrate",
+                )
                 lower = new_lower
         if step % eval_every == 0 or step == steps:
             acc = 0.30 + (0.02 * step if calibrated else 0.02 * min(step, 5) - 0.01 * max(0, step - 5))
-            w.write("eval_scores", step, [{"benchmark": "synthetic", "metric": "avg@k", "k": 1, "value": acc,
-                                           "n_problems": 1000}], stage="evaluate")
-    events = _ledger_events(run.name, steps, calib_every=calib_every, eval_every=eval_every) + _guard_events(run.name, steps)
+            w.write(
+                "eval_scores",
+                step,
+                [{"benchmark": "synthetic", "metric": "avg@k", "k": 1, "value": acc, "n_problems": 1000}],
+                stage="evaluate",
+            )
+    events = _ledger_events(run.name, steps, calib_every=calib_every, eval_every=eval_every) + _guard_events(
+        run.name, steps
+    )
     (run / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     return run
 
@@ -189,7 +252,10 @@ def test_builds_fast_with_every_figure_drawn(report) -> None:
 
 def test_runs_are_overlaid_one_line_per_run(report) -> None:
     reward = next(f for f in report.figures if f.figure.name == "reward")
-    assert [(p.title, p.lines, p.points) for p in reward.panels] == [("mean reward", 2, 20), ("training accuracy", 2, 20)]
+    assert [(p.title, p.lines, p.points) for p in reward.panels] == [
+        ("mean reward", 2, 20),
+        ("training accuracy", 2, 20),
+    ]
     bounds = next(f for f in report.figures if f.figure.name == "bounds")
     assert bounds.rows == 8 and bounds.panels[0].lines == 4  # raw and smoothed L, two runs, 4 calibrations each
     timings = next(f for f in report.figures if f.figure.name == "timings")
@@ -213,8 +279,14 @@ def test_each_figure_shows_the_sql_that_produced_it(report, runs_root: Path) -> 
     for f in report.figures:
         shown = (report.out_dir / f"{f.figure.name}.sql").read_text()
         assert shown.rstrip().rstrip(";") == f.figure.sql
-        assert f.figure.sql.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;") \
-            .replace("'", "&#x27;") in page
+        assert (
+            f.figure.sql.replace("&", "&amp;")
+            .replace("<", "&lt;")
+            .replace(">", "&gt;")
+            .replace('"', "&quot;")
+            .replace("'", "&#x27;")
+            in page
+        )
         assert query(con, shown).num_rows == f.rows  # the SQL, re-run as shown, gives the plotted rows
 
 
@@ -228,7 +300,9 @@ def test_comparison_table_is_the_paper_table_query(report, runs_root: Path) -> N
     assert (cal["best_eval_step"], cal["best_eval_average"]) == (10, pytest.approx(0.50))
     assert std["initial_eval_average"] == pytest.approx(0.30)
     assert std["amplification"] == pytest.approx(2.2) and std["prob_nmae"] == pytest.approx(0.012)
-    assert std["peak_entropy"] == pytest.approx(std["final_entropy"]) and std["peak_entropy"] > cal["peak_entropy"] + 0.5
+    assert (
+        std["peak_entropy"] == pytest.approx(std["final_entropy"]) and std["peak_entropy"] > cal["peak_entropy"] + 0.5
+    )
     assert std["lower_clip_vs_bf16"] > cal["lower_clip_vs_bf16"]
 
 
@@ -251,9 +325,12 @@ def test_paper_table_matches_the_definitions(runs_root: Path) -> None:
     assert row["lower_clip_neg_bf16"] == pytest.approx(bf16, rel=1e-6)
     assert row["lower_clip_vs_bf16"] == pytest.approx(fp8 / bf16, rel=1e-6)
     assert row["overclipped_share"] == pytest.approx(np.mean((a < 0) & (r16 >= 0.8) & (r8 < lower)), rel=1e-6)
-    assert row["wall_seconds"] == pytest.approx(sum(
-        STAGE_SECONDS[s] * (1 + 0.05 * (step % 3))
-        for step, s in _stages_of_fake_run(10, calib_every=3, eval_every=5)))
+    assert row["wall_seconds"] == pytest.approx(
+        sum(
+            STAGE_SECONDS[s] * (1 + 0.05 * (step % 3))
+            for step, s in _stages_of_fake_run(10, calib_every=3, eval_every=5)
+        )
+    )
 
 
 def test_paper_table_reads_metrics_with_k_filled_in(tmp_path: Path) -> None:
@@ -261,8 +338,12 @@ def test_paper_table_reads_metrics_with_k_filled_in(tmp_path: Path) -> None:
     run = create_run(tmp_path, "k4").root
     w = TableWriter(run, durable=False)
     for step, acc in ((0, 0.2), (5, 0.6)):
-        w.write("eval_scores", step, [{"benchmark": "synthetic", "metric": m, "k": 4, "value": v}
-                                      for m, v in (("avg@4", acc), ("pass@4", 0.9))], stage="evaluate")
+        w.write(
+            "eval_scores",
+            step,
+            [{"benchmark": "synthetic", "metric": m, "k": 4, "value": v} for m, v in (("avg@4", acc), ("pass@4", 0.9))],
+            stage="evaluate",
+        )
     named = get_query("paper-table")
     con = connect(run)
     set_params(con, {"metric": "avg@k"})
@@ -283,7 +364,9 @@ def test_figures_without_data_say_so(tmp_path: Path) -> None:
     run = create_run(tmp_path / "runs", "no-shadow").root
     w = TableWriter(run, durable=False)
     for step in range(1, 5):
-        w.write("steps", step, {"reward_mean": 0.1 * step, "entropy_mean": 0.8, "response_length_mean": 12.0}, stage="train")
+        w.write(
+            "steps", step, {"reward_mean": 0.1 * step, "entropy_mean": 0.8, "response_length_mean": 12.0}, stage="train"
+        )
     rep = build_report([run], tmp_path / "out")
     drawn = {f.figure.name for f in rep.figures if f.png}
     assert drawn == {"reward", "entropy", "response_length"}  # clip shares: contract columns, all NULL here
@@ -377,13 +460,28 @@ def _chromium_check(page: Path, tmp_path: Path) -> tuple[dict, list[str]]:
     """Load ``page`` (with the probe injected) in headless Chromium: (probe verdict, console lines)."""
     probed = page.with_name("_probed_" + page.name)
     probed.write_text(page.read_text(encoding="utf-8").replace("<head>", "<head>" + _PROBE, 1), encoding="utf-8")
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-           "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-           "--enable-logging=stderr", "--v=0", "--virtual-time-budget=10000", "--dump-dom", probed.as_uri()]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--virtual-time-budget=10000",
+        "--dump-dom",
+        probed.as_uri(),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     m = re.search(r'<pre id="fp8rl-probe">(.*?)</pre>', proc.stdout, re.S)
     assert m, f"probe verdict missing (rc {proc.returncode}): {proc.stderr[-2000:]}"
-    verdict = json.loads(m.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&"))
+    verdict = json.loads(
+        m.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+    )
     console = [ln for ln in proc.stderr.splitlines() if ":CONSOLE" in ln and "file://" in ln]
     return verdict, console
 
@@ -399,8 +497,10 @@ def test_page_renders_in_headless_chromium(report, tmp_path: Path) -> None:
 def test_chromium_check_catches_broken_pages(tmp_path: Path) -> None:
     """The check above can fail: a missing image and a console error are both caught."""
     page = tmp_path / "bad.html"
-    page.write_text('<!DOCTYPE html><html><head></head><body><img src="missing.png">'
-                    "<script>console.error('boom')</script></body></html>")
+    page.write_text(
+        '<!DOCTYPE html><html><head></head><body><img src="missing.png">'
+        "<script>console.error('boom')</script></body></html>"
+    )
     verdict, console = _chromium_check(page, tmp_path)
     assert verdict["broken"] == ["missing.png"]
     assert "error: boom" in verdict["errors"] and any("missing.png" in e for e in verdict["errors"])
@@ -413,8 +513,9 @@ def test_paper_table_late_and_final_evaluations(tmp_path: Path) -> None:
     run = create_run(tmp_path, "late").root
     w = TableWriter(run, durable=False)
     for step, acc in ((0, 0.2), (25, 0.9), (50, 0.5), (75, 0.6), (100, 0.7)):
-        w.write("eval_scores", step, [{"benchmark": "synthetic", "metric": "avg@k", "k": 1, "value": acc}],
-                stage="evaluate")
+        w.write(
+            "eval_scores", step, [{"benchmark": "synthetic", "metric": "avg@k", "k": 1, "value": acc}], stage="evaluate"
+        )
     named = get_query("paper-table")
     con = connect(run)
     set_params(con, {"metric": "avg@k"})

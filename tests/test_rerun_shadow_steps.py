@@ -37,8 +37,15 @@ def _token_stats(step: int, shadow: bool) -> dict:
     new8 = old8 + 0.05 * g.standard_normal(sid.size).astype(np.float32)
     noise = 0.01 * g.standard_normal(sid.size).astype(np.float32)
     blank = pa.nulls(sid.size, pa.float32())  # as the train stage writes a step without shadow passes
-    return {"sample_id": sid, "position": pos, "advantage": adv, "logp_fp8": new8, "old_logp_fp8": old8,
-            "logp_bf16": new8 + noise if shadow else blank, "old_logp_bf16": old8 if shadow else blank}
+    return {
+        "sample_id": sid,
+        "position": pos,
+        "advantage": adv,
+        "logp_fp8": new8,
+        "old_logp_fp8": old8,
+        "logp_bf16": new8 + noise if shadow else blank,
+        "old_logp_bf16": old8 if shadow else blank,
+    }
 
 
 def _run(root: Path, shadow: list[int], steps: int, extra: tuple[str, ...] = ()) -> Path:
@@ -82,8 +89,18 @@ def test_the_record_of_shadow_steps_is_what_train_wrote(tmp_path: Path) -> None:
 def test_rerun_calibrate_on_a_drift_scheduled_run_recalibrates_its_shadow_steps(tmp_path: Path) -> None:
     # drift shadowed step 1 only; the fixed-K rule (interval 2) would have named steps 1, 3 and 5
     run = _run(tmp_path, shadow=[1], steps=6, extra=("calibration.schedule=drift",))
-    r = cli("rerun", run, "--stage", "calibrate", "--steps", "1:6", "--set", "calibration.max_delta=0.1",
-            "--variant", "what-if")
+    r = cli(
+        "rerun",
+        run,
+        "--stage",
+        "calibrate",
+        "--steps",
+        "1:6",
+        "--set",
+        "calibration.max_delta=0.1",
+        "--variant",
+        "what-if",
+    )
     assert r.exit_code == 0, (r.stdout, r.stderr, r.exception)
     assert "1 step(s) of calibrate" in r.stdout
     assert _recalibrated(run, "what-if") == [1]

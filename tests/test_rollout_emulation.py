@@ -121,8 +121,10 @@ def test_emulation_matches_hand_built_vllm_reference(model, mode):
     old = logprobs(vllm_reference(model, scheme, fused=False), ids)
     err = (emu - ref).abs().max().item()
     old_gap = (old - ref).abs().mean().item()
-    print(f"{mode}: max |emulation - vLLM reference| = {err:.2e} nats; "
-          f"mean |per-projection scales - fused| = {old_gap:.2e} nats")
+    print(
+        f"{mode}: max |emulation - vLLM reference| = {err:.2e} nats; "
+        f"mean |per-projection scales - fused| = {old_gap:.2e} nats"
+    )
     # float32 sums in another order (scale after vs before the matmul) and the 1-ulp
     # scale difference (448/amax vs 1/(amax/448)) are all that may differ
     assert err < 2e-4

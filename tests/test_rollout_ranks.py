@@ -23,20 +23,20 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
 from conftest import micro_config
-from fp8rl_core.config import ModelConfig
-from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
+
 from flows.campaign import _after_go, _on_ranks
 from flows.configuration import dump_config
+from fp8rl_core.config import ModelConfig
+from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
 from stages.context import RunEnv, TrainState, open_run
-from stages.engines import make_engine
 from stages.data.prompts import SamplerState, draw_prompts, make_source
-from stages.runtime.io import read_step
+from stages.engines import make_engine
 from stages.rollout import generate_rows, generate_share, plan_rollout, rows_from_batches, run_rollout
+from stages.runtime.io import read_step
 from stages.runtime.rollout_plan import blocks_of_rank, generation_blocks
-from stages.score import rank_groups, run_score
 from stages.runtime.stage_comm import PeerStageError, StageComm, on_main, together
+from stages.score import rank_groups, run_score
 from storage.faults import InjectedTransientFault
 from storage.layout import create_run
 
@@ -62,8 +62,9 @@ def test_blocks_are_the_same_for_every_world_size(batch, group):
 
 
 def test_block_seeds_depend_on_step_round_and_prompt_not_on_the_world():
-    plan = lambda **kw: generation_blocks(LENGTHS, **{"group_size": 4, "generation_batch_size": 8, "seed": 5,
-                                                      "step": 3, "round_": 0, **kw})
+    plan = lambda **kw: generation_blocks(
+        LENGTHS, **{"group_size": 4, "generation_batch_size": 8, "seed": 5, "step": 3, "round_": 0, **kw}
+    )
     seeds = [b.prompt_seeds for b in plan()]
     assert seeds == [b.prompt_seeds for b in plan()]
     assert all(b.seed == b.prompt_seeds[0] for b in plan())
@@ -85,8 +86,9 @@ def test_score_shares_are_contiguous_whole_groups_graded_once():
 def tiny_env():
     cfg = micro_config("rollout.generation_batch_size=8", "precision.rollout=bf16")  # 2 prompts (8 rows) a block
     tok = build_tokenizer()
-    policy = build_tiny_model(ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
-                                          intermediate_size=128, seed=1))
+    policy = build_tiny_model(
+        ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=128, seed=1)
+    )
     engine = make_engine("transformers", model=policy, tokenizer=tok, precision=cfg.precision, config=cfg.rollout)
     env = SimpleNamespace(cfg=cfg, tokenizer=tok, engine=engine, source=make_source(cfg.task), rank=0, world_size=1)
     state = TrainState(policy=policy, optimizer=None, scheduler=None, calibrator=None)
@@ -148,8 +150,12 @@ class ThreadRankEnv(RunEnv):
 def test_two_ranks_roll_out_and_score_with_dapo_refills_exactly_like_one_process(tmp_path):
     """rollout + score (DAPO refills) with W = 2 ranks as threads sharing one run directory:
     the same ``rollouts`` and ``scores`` rows as one process, and the same refill rounds."""
-    cfg = micro_config("rollout.prompts_per_step=4", "rollout.generation_batch_size=8",
-                       "algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=1")
+    cfg = micro_config(
+        "rollout.prompts_per_step=4",
+        "rollout.generation_batch_size=8",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.max_refill_rounds=1",
+    )
 
     def step_one(env):
         state = env_states[env.rank if env.world_size > 1 else "one"]
@@ -176,7 +182,8 @@ def test_two_ranks_roll_out_and_score_with_dapo_refills_exactly_like_one_process
     for table in ("rollouts", "scores"):
         a, b = (read_step(e, table, 1).sort_by("sample_id") for e in (one, ranks[0]))
         assert a.drop_columns([c for c in ("run_id",) if c in a.column_names]).equals(
-            b.drop_columns([c for c in ("run_id",) if c in b.column_names])), table
+            b.drop_columns([c for c in ("run_id",) if c in b.column_names])
+        ), table
 
 
 # --------------------------------------------------------------------------- coordinated retries

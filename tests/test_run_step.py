@@ -26,8 +26,9 @@ STAGES = ("rollout", "score", "train", "calibrate", "evaluate", "checkpoint")
 @pytest.fixture
 def setup(tmp_path: Path, monkeypatch):
     run = create_run(tmp_path, "r").root
-    env = SimpleNamespace(cfg=micro_config(), ledger=Ledger(run), variant="main", run_id="r", is_main=True,
-                          world_size=1, rank=0)
+    env = SimpleNamespace(
+        cfg=micro_config(), ledger=Ledger(run), variant="main", run_id="r", is_main=True, world_size=1, rank=0
+    )
     state = TrainState(policy=None, optimizer=None, scheduler=None, calibrator=None)
     calls: list[tuple[str, int]] = []
 
@@ -41,6 +42,7 @@ def setup(tmp_path: Path, monkeypatch):
             if name == "train":  # the train stage reports whether it ran the shadow passes
                 return StageResult(metrics={"reward_mean": 0.5}, shadow=is_calibration_step(env_.cfg, step)), state_
             return StageResult(metrics={"reward_mean": 0.5}), state_
+
         # what the rank protocol reads of a stage task (one process: only the call itself)
         task.name, task.retries, task.stage_fn, task.with_options = name, 0, task, lambda retries: task
         return task
@@ -74,10 +76,19 @@ def test_a_fresh_step_runs_every_stage_of_its_schedule(setup) -> None:
     # micro config, 3 steps: calibrate at 1, 3; evaluate at 0, 2, 3; checkpoint at 2, 3
     for step in range(4):
         ctx.step(step, progress)
-    assert calls == [("evaluate", 0),
-                     ("rollout", 1), ("score", 1), ("train", 1), ("calibrate", 1),
-                     ("rollout", 2), ("score", 2), ("train", 2), ("evaluate", 2), ("checkpoint", 2),
-                     *[(s, 3) for s in STAGES]]
+    assert calls == [
+        ("evaluate", 0),
+        ("rollout", 1),
+        ("score", 1),
+        ("train", 1),
+        ("calibrate", 1),
+        ("rollout", 2),
+        ("score", 2),
+        ("train", 2),
+        ("evaluate", 2),
+        ("checkpoint", 2),
+        *[(s, 3) for s in STAGES],
+    ]
 
 
 def test_done_rollout_and_score_are_not_redone_their_sampler_is_restored(setup) -> None:

@@ -26,8 +26,9 @@ pytestmark = [
 
 # A uid band of its own (the default band is the graders'): `sandbox_pids` then sees only
 # this file's sandboxes, even while a code-RL campaign grades beside it (make test: -n 2).
-LIM = SandboxLimits(wall_s=3.0, cpu_s=3, memory_mb=512, nproc=16, output_bytes=1 << 16,
-                    uid_range=(1_900_000, 1_990_000))
+LIM = SandboxLimits(
+    wall_s=3.0, cpu_s=3, memory_mb=512, nproc=16, output_bytes=1 << 16, uid_range=(1_900_000, 1_990_000)
+)
 PROJECT = Path(__file__).resolve().parents[1]
 ECHO_OK = parse_tests([{"input": "", "output": "ok"}])
 
@@ -105,8 +106,11 @@ def test_sleep_past_wall_clock(sb):
 
 def test_process_cap_holds_for_a_bounded_fork_loop(sb):
     # harmless: at most 40 forks, each child sleeps 1s; the cap (16 processes) must stop it early
-    code = ("import os, time\nn = 0\nfor _ in range(40):\n    try:\n        pid = os.fork()\n"
-            "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(1); os._exit(0)\n    n += 1\nprint(n)")
+    code = (
+        "import os, time\nn = 0\nfor _ in range(40):\n    try:\n        pid = os.fork()\n"
+        "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(1); os._exit(0)\n    n += "
+        "1\nprint(n)"
+    )
     r = sb.run(code)
     assert r.status == "ok", r
     assert int(r.stdout) < LIM.nproc
@@ -139,12 +143,20 @@ def test_one_gib_to_stdout(sb):
 
 def test_writes_outside_the_temp_folder(sb, tmp_path):
     stamp = f"fp8rl-escape-{os.getpid()}-{time.monotonic_ns()}"
-    targets = [PROJECT / stamp, tmp_path / stamp, Path("/var/tmp") / stamp, Path("/dev/shm") / stamp,
-               Path("/tmp") / ".." / "var" / "tmp" / stamp, Path.home() / stamp]
-    code = ("import os\nwrote = []\n"
-            f"for p in {[str(t) for t in targets]!r}:\n"
-            "    try:\n        open(p, 'w').write('x'); wrote.append(p)\n    except OSError:\n        pass\n"
-            "print('ok' if wrote else 'blocked', wrote)")
+    targets = [
+        PROJECT / stamp,
+        tmp_path / stamp,
+        Path("/var/tmp") / stamp,
+        Path("/dev/shm") / stamp,
+        Path("/tmp") / ".." / "var" / "tmp" / stamp,
+        Path.home() / stamp,
+    ]
+    code = (
+        "import os\nwrote = []\n"
+        f"for p in {[str(t) for t in targets]!r}:\n"
+        "    try:\n        open(p, 'w').write('x'); wrote.append(p)\n    except OSError:\n        pass\n"
+        "print('ok' if wrote else 'blocked', wrote)"
+    )
     grade_zero(sb, code)
     for t in targets:
         assert not t.exists(), t
@@ -171,8 +183,10 @@ def test_network_connection_to_localhost(sb):
 
     th = threading.Thread(target=accept, daemon=True)
     th.start()
-    code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-            "s.sendall(b'leak')\nprint('ok')")
+    code = (
+        f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+        "s.sendall(b'leak')\nprint('ok')"
+    )
     g = grade_zero(sb, code)
     assert "error" in g.detail
     srv.close()
@@ -183,33 +197,46 @@ def test_network_connection_to_localhost(sb):
 def test_environment_secret_not_visible(sb, monkeypatch):
     secret = f"s3cr3t-{time.monotonic_ns()}"
     monkeypatch.setenv("FP8RL_PLANTED_SECRET", secret)
-    code = ("import os\nfound = [v for v in os.environ.values() if 's3cr3t' in v]\n"
-            "for p in os.listdir('/proc'):\n    try:\n        found.append(open('/proc/%s/environ' % p).read())\n"
-            "    except OSError:\n        pass\n"
-            f"for pid in (1, os.getppid(), {os.getpid()}):\n    try:\n        found.append(open('/proc/%d/environ' % pid).read())\n"
-            "    except OSError:\n        pass\n"
-            "print('ok' if any('s3cr3t' in f for f in found) else 'none')")
+    code = (
+        "import os\nfound = [v for v in os.environ.values() if 's3cr3t' in v]\n"
+        "for p in os.listdir('/proc'):\n    try:\n        found.append(open('/proc/%s/environ' % p).read())\n"
+        "    except OSError:\n        pass\n"
+        f"for pid in (1, os.getppid(), {os.getpid()}):\n    try:\n        found.append(open('/proc/%d/environ' "
+        f"% pid).read())\n"
+        "    except OSError:\n        pass\n"
+        "print('ok' if any('s3cr3t' in f for f in found) else 'none')"
+    )
     grade_zero(sb, code)
     r = Sandbox(LIM).run(code)
     assert secret not in r.stdout and r.stdout.strip() == "none"
 
 
 def test_ignores_sigterm(sb):
-    code = ("import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "if os.fork() == 0:\n    os.setsid()\n    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n    while True: time.sleep(0.1)\n"
-            "while True: time.sleep(0.1)")
+    code = (
+        "import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "if os.fork() == 0:\n    os.setsid()\n    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n    while "
+        "True: time.sleep(0.1)\n"
+        "while True: time.sleep(0.1)"
+    )
     g = grade_zero(sb, code)
     assert "timeout" in g.detail
 
 
 def test_sys_exit_inside_leetcode_function(sb):
-    tests = parse_tests({"functional": "def check(candidate):\n    assert candidate(a=1) == 2\n    assert candidate(a=2) == 3\n\n"
-                                       "check(Solution().inc)"})
+    tests = parse_tests(
+        {
+            "functional": "def check(candidate):\n    assert candidate(a=1) == 2\n    assert "
+            "candidate(a=2) == 3\n\n"
+            "check(Solution().inc)"
+        }
+    )
     good = "class Solution:\n    def inc(self, a):\n        return a + 1"
     assert grade_program(sb, good, tests, per_test_s=2, per_sample_s=5).correct
-    for bad in ("import sys\nclass Solution:\n    def inc(self, a):\n        sys.exit(0)",
-                "import os\nclass Solution:\n    def inc(self, a):\n        os._exit(0)",
-                "import sys\nprint('__FP8RL_CASE__ 0 1')\nclass Solution:\n    def inc(self, a):\n        sys.exit(0)"):
+    for bad in (
+        "import sys\nclass Solution:\n    def inc(self, a):\n        sys.exit(0)",
+        "import os\nclass Solution:\n    def inc(self, a):\n        os._exit(0)",
+        "import sys\nprint('__FP8RL_CASE__ 0 1')\nclass Solution:\n    def inc(self, a):\n        sys.exit(0)",
+    ):
         grade_zero(sb, bad, tests)
 
 

@@ -23,14 +23,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import MICRO_OVERRIDES
 from safetensors.torch import load_file
 
-from conftest import MICRO_OVERRIDES
 from storage.catalog import connect, query
 
-EXTRA = ["steps=2", "threads=1", "precision.train=fp8_rowwise", "algorithm.overlong_shaping=true",
-         "rollout.generation_batch_size=16",  # 2 generation blocks of 4 prompts: one per rank
-         "algorithm.overlong_max_len=12", "algorithm.overlong_cache_len=8"]
+EXTRA = [
+    "steps=2",
+    "threads=1",
+    "precision.train=fp8_rowwise",
+    "algorithm.overlong_shaping=true",
+    "rollout.generation_batch_size=16",  # 2 generation blocks of 4 prompts: one per rank
+    "algorithm.overlong_max_len=12",
+    "algorithm.overlong_cache_len=8",
+]
 
 
 def _run(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -71,10 +77,14 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 def test_two_ranks_equal_one_process(runs):
     q_roll = "SELECT step, sample_id, response_token_ids, rollout_logp FROM rollouts ORDER BY step, sample_id"
     assert _rows(runs["one"], q_roll) == _rows(runs["two"], q_roll)
-    q_tok = ("SELECT step, sample_id, position, logp_fp8, old_logp_fp8, logp_bf16, old_logp_bf16, entropy "
-             "FROM token_stats ORDER BY step, sample_id, position")
+    q_tok = (
+        "SELECT step, sample_id, position, logp_fp8, old_logp_fp8, logp_bf16, old_logp_bf16, entropy "
+        "FROM token_stats ORDER BY step, sample_id, position"
+    )
     t1, t2 = _rows(runs["one"], q_tok), _rows(runs["two"], q_tok)
-    assert [(r["step"], r["sample_id"], r["position"]) for r in t1] == [(r["step"], r["sample_id"], r["position"]) for r in t2]
+    assert [(r["step"], r["sample_id"], r["position"]) for r in t1] == [
+        (r["step"], r["sample_id"], r["position"]) for r in t2
+    ]
     step1 = [(a, b) for a, b in zip(t1, t2) if a["step"] == 1]
     assert all(a == b for a, b in step1)  # step 1: identical inputs and weights, bit-equal log-probs
     q_steps = "SELECT step, loss, grad_norm, clipfrac, ppo_kl, entropy_mean, n_tokens FROM steps ORDER BY step"
@@ -102,8 +112,13 @@ def test_sigkill_of_a_two_rank_run_during_train_then_resume_equals_the_uninterru
     one = tmp_path / "killed-resumed-in-one-process"
     shutil.copytree(d, one)
     for run_dir, nproc in ((d, "2"), (one, "1")):
-        r = subprocess.run([sys.executable, "-m", "flows.cli", "resume", str(run_dir), "--nproc-per-node", nproc],
-                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
+        r = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "resume", str(run_dir), "--nproc-per-node", nproc],
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
     w1, w2 = _weights(runs["two"]), _weights(d)
     for k in w1:

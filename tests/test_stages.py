@@ -14,15 +14,16 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import StageRun as _Run
+from conftest import micro_config
 
-from conftest import StageRun as _Run, micro_config
 from flows.configuration import dump_config
 from stages.calibrate import run_calibrate
 from stages.checkpoint import restore, run_checkpoint
 from stages.context import open_run
 from stages.evaluate import run_evaluate
-from stages.runtime.io import read_step
 from stages.rollout import run_rollout
+from stages.runtime.io import read_step
 from stages.score import run_score
 from stages.train import run_train
 from storage.catalog import connect, query
@@ -75,26 +76,40 @@ def test_one_full_step_in_each_precision_mode_writes_every_table(tmp_path, mode)
     finally:
         ctx.close()
     con = connect(tmp_path / "r")
-    counts = {table: query(con, f"SELECT count(*) AS n FROM {table}").column("n")[0].as_py()
-              for table in ("rollouts", "scores", "token_stats", "steps", "bounds", "evals", "eval_scores")}
+    counts = {
+        table: query(con, f"SELECT count(*) AS n FROM {table}").column("n")[0].as_py()
+        for table in ("rollouts", "scores", "token_stats", "steps", "bounds", "evals", "eval_scores")
+    }
     # 8 prompts x 4 samples; one step row and one calibration; 24 eval problems x k=2; avg@k, pass@k, maj@k
     assert {t: counts[t] for t in ("rollouts", "scores", "steps", "bounds", "evals", "eval_scores")} == {
-        "rollouts": 32, "scores": 32, "steps": 1, "bounds": 1, "evals": 48, "eval_scores": 3}, mode
+        "rollouts": 32,
+        "scores": 32,
+        "steps": 1,
+        "bounds": 1,
+        "evals": 48,
+        "eval_scores": 3,
+    }, mode
     # a calibration step keeps every valid response token: one token_stats row each
     n_tokens = query(con, "SELECT sum(response_length) AS n FROM rollouts").column("n")[0].as_py()
     assert counts["token_stats"] == n_tokens, mode
     # a calibration step has both ratios for every valid token
-    t = query(con, "SELECT count(*) AS n, count(ratio_fp8) AS r8, count(ratio_bf16) AS r16 FROM token_stats").to_pylist()[0]
+    t = query(
+        con, "SELECT count(*) AS n, count(ratio_fp8) AS r8, count(ratio_bf16) AS r16 FROM token_stats"
+    ).to_pylist()[0]
     assert t["n"] == t["r8"] == t["r16"]
     valid = float(read_step(ctx.env, "scores", 1).num_rows)
     assert valid == 32
     m = out["metrics"]
     assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["skipped_updates"] == 0
     # the step's clip shares, recounted from the stored per-token flags (DESIGN §2's definitions)
-    shares = query(con, "SELECT avg(clipped_lower::DOUBLE) AS lo, avg(clipped_upper::DOUBLE) AS hi, count(*) AS n "
-                        "FROM token_stats").to_pylist()[0]
+    shares = query(
+        con, "SELECT avg(clipped_lower::DOUBLE) AS lo, avg(clipped_upper::DOUBLE) AS hi, count(*) AS n FROM token_stats"
+    ).to_pylist()[0]
     tol = 1.5 / shares["n"]  # one boundary token may flip between the trainer's fp32 and the stored float32
-    assert abs(m["clipfrac_lower"] - shares["lo"]) <= tol and abs(m["clipfrac_upper"] - shares["hi"]) <= tol, (m, shares)
+    assert abs(m["clipfrac_lower"] - shares["lo"]) <= tol and abs(m["clipfrac_upper"] - shares["hi"]) <= tol, (
+        m,
+        shares,
+    )
 
 
 def test_bf16_shadow_reproduces_training_logprobs(tmp_path):
@@ -112,9 +127,9 @@ def test_bf16_shadow_reproduces_training_logprobs(tmp_path):
 
 def test_fp8_first_minibatch_ratios_are_exactly_one(tmp_path):
     """π_old is computed in the same micro-batches as the first epoch's training forward
-   , so even FP8 tensorwise, whose activation scale depends on what shares a
-    micro-batch, gives r8 = 1 exactly on the first mini-batch (before: max |r8 − 1| = 0.35,
-    from batch-composition noise of the dynamic scales); r16 = 1 likewise."""
+    , so even FP8 tensorwise, whose activation scale depends on what shares a
+     micro-batch, gives r8 = 1 exactly on the first mini-batch (before: max |r8 − 1| = 0.35,
+     from batch-composition noise of the dynamic scales); r16 = 1 likewise."""
     ctx = _context(tmp_path, *MODES["fp8-tensorwise"])
     tok = _first_step_tokens(ctx)
     first = tok["minibatch"].to_numpy() == 0

@@ -26,9 +26,17 @@ def tiny_model(seed: int = 0, tie: bool = True):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                      tie_word_embeddings=tie)
+    cfg = Qwen3Config(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
     return Qwen3ForCausalLM(cfg)
 
 
@@ -61,9 +69,18 @@ def test_round_trip_everything(run_dir: Path) -> None:
 
     model, opt = _trained()
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    path = save_checkpoint(run_dir, 7, model=model, tokenizer=tiny_tokenizer(), optimizer=opt,
-                           sampler_state={"epoch": 1, "cursor": 42}, calibrator_state={"lower": np.float32(0.75)},
-                           config={"seed": 0}, metrics={"accuracy": 0.5}, extra={"scheduler": {"last_epoch": 7}})
+    path = save_checkpoint(
+        run_dir,
+        7,
+        model=model,
+        tokenizer=tiny_tokenizer(),
+        optimizer=opt,
+        sampler_state={"epoch": 1, "cursor": 42},
+        calibrator_state={"lower": np.float32(0.75)},
+        config={"seed": 0},
+        metrics={"accuracy": 0.5},
+        extra={"scheduler": {"last_epoch": 7}},
+    )
     assert path == run_dir / "checkpoints" / "step_7"
     expected_draws = (random.random(), np.random.rand(), torch.rand(1).item())
 

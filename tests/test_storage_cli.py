@@ -17,8 +17,17 @@ from storage.ledger import Ledger
 from storage.queries import get_query, list_queries
 from storage.writer import TableWriter
 
-NAMED = ("calibration-history", "clip-shares-by-sign", "overclip-origin", "entropy-bins", "eval-best-average", "paper-table",
-         "failure-signals", "guard-events", "noise-sources")
+NAMED = (
+    "calibration-history",
+    "clip-shares-by-sign",
+    "overclip-origin",
+    "entropy-bins",
+    "eval-best-average",
+    "paper-table",
+    "failure-signals",
+    "guard-events",
+    "noise-sources",
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,23 +57,65 @@ def campaign(tmp_path_factory) -> Path:
         for step in range(4):
             n = 400
             logp = -rng.exponential(1.0, n).astype(np.float32)
-            w.write("token_stats", step, {
-                "sample_id": np.repeat(np.arange(8), n // 8), "position": np.tile(np.arange(n // 8), 8),
-                "advantage": np.repeat(rng.normal(size=8), n // 8), "logp_fp8": logp,
-                "old_logp_fp8": logp + rng.normal(0, 0.2, n), "logp_bf16": logp + rng.normal(0, 0.01, n),
-                "old_logp_bf16": logp + rng.normal(0, 0.2, n), "entropy": rng.exponential(1.0, n),
-                "lower_bound": 0.8, "upper_bound": 1.28, "standard_lower": 0.8, "standard_upper": 1.28}, stage="train")
-            w.write("steps", step, {"reward_mean": step / 10, "clipfrac": 0.1, "ratio_noise_nmae": 0.004,
-                                    "tis_weight_nmae": 0.01, "rollout_bf16_prob_nmae": 0.02}, stage="train")
-            w.write("bounds", step, {"mode": "calibrated", "alpha": 0.02, "lower": 0.8 - step / 100, "upper": 1.28}, stage="calibrate")
-            w.write("eval_scores", step, [
-                {"benchmark": b, "metric": "avg@k", "k": 4, "value": base + gain * (step == 2)}
-                for b, base in (("aime24", 0.1), ("math500", 0.5))], stage="evaluate")
+            w.write(
+                "token_stats",
+                step,
+                {
+                    "sample_id": np.repeat(np.arange(8), n // 8),
+                    "position": np.tile(np.arange(n // 8), 8),
+                    "advantage": np.repeat(rng.normal(size=8), n // 8),
+                    "logp_fp8": logp,
+                    "old_logp_fp8": logp + rng.normal(0, 0.2, n),
+                    "logp_bf16": logp + rng.normal(0, 0.01, n),
+                    "old_logp_bf16": logp + rng.normal(0, 0.2, n),
+                    "entropy": rng.exponential(1.0, n),
+                    "lower_bound": 0.8,
+                    "upper_bound": 1.28,
+                    "standard_lower": 0.8,
+                    "standard_upper": 1.28,
+                },
+                stage="train",
+            )
+            w.write(
+                "steps",
+                step,
+                {
+                    "reward_mean": step / 10,
+                    "clipfrac": 0.1,
+                    "ratio_noise_nmae": 0.004,
+                    "tis_weight_nmae": 0.01,
+                    "rollout_bf16_prob_nmae": 0.02,
+                },
+                stage="train",
+            )
+            w.write(
+                "bounds",
+                step,
+                {"mode": "calibrated", "alpha": 0.02, "lower": 0.8 - step / 100, "upper": 1.28},
+                stage="calibrate",
+            )
+            w.write(
+                "eval_scores",
+                step,
+                [
+                    {"benchmark": b, "metric": "avg@k", "k": 4, "value": base + gain * (step == 2)}
+                    for b, base in (("aime24", 0.1), ("math500", 0.5))
+                ],
+                stage="evaluate",
+            )
             with led.stage(step, "train"):
                 pass
         with led.stage(3, "guard") as rec:  # a guard rollback, as flows.guard records it
-            rec.info.update(kind="entropy_surge", detected_step=3, first_bad_step=2, rollback_to=1,
-                            action="rollback", remedy="recalibrate_every_step", detail="test", set_aside_files=4)
+            rec.info.update(
+                kind="entropy_surge",
+                detected_step=3,
+                first_bad_step=2,
+                rollback_to=1,
+                action="rollback",
+                remedy="recalibrate_every_step",
+                detail="test",
+                set_aside_files=4,
+            )
     return root
 
 
@@ -95,7 +146,9 @@ def test_eval_best_average_values(app, campaign: Path) -> None:
 
 def test_clip_shares_match_the_definition(app, campaign: Path) -> None:
     rows = json.loads(invoke(app, "query", campaign, "-n", "clip-shares-by-sign", "-f", "json", "--run", "fp8").stdout)
-    tbl = pq.read_table(next((campaign / "fp8" / "tables" / "token_stats" / "run=fp8" / "step=0").iterdir())).to_pydict()
+    tbl = pq.read_table(
+        next((campaign / "fp8" / "tables" / "token_stats" / "run=fp8" / "step=0").iterdir())
+    ).to_pydict()
     a = np.array(tbl["advantage"])
     r8 = np.exp(np.clip(np.array(tbl["logp_fp8"]) - np.array(tbl["old_logp_fp8"]), -20, 20))
     assert rows[0]["step"] == 0 and len(rows) == 4

@@ -23,8 +23,12 @@ ROWS = 20_000
 
 def _spawn(code: str) -> subprocess.Popen:
     prelude = f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
-    return subprocess.Popen([sys.executable, "-c", prelude + textwrap.dedent(code)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 TOKEN_ROWS = f"""
@@ -40,7 +44,9 @@ def rows(seed):
 
 def test_writer_killed_between_write_and_rename_leaves_nothing_visible(tmp_path: Path) -> None:
     run = create_run(tmp_path, "r").root
-    proc = _spawn(TOKEN_ROWS + f"""
+    proc = _spawn(
+        TOKEN_ROWS
+        + f"""
 import os, time
 from storage.writer import TableWriter
 def stuck(src, dst):
@@ -48,7 +54,8 @@ def stuck(src, dst):
     time.sleep(120)
 os.replace = stuck   # the writer's rename: hang there until killed
 TableWriter({str(run)!r}).write("token_stats", 0, rows(0), stage="train")
-""")
+"""
+    )
     try:
         assert proc.stdout.readline().strip() == "READY", proc.stderr.read()
         os.kill(proc.pid, signal.SIGKILL)
@@ -64,13 +71,16 @@ TableWriter({str(run)!r}).write("token_stats", 0, rows(0), stage="train")
 
 def test_writer_killed_at_a_random_moment_leaves_only_complete_files(tmp_path: Path) -> None:
     run = create_run(tmp_path, "r").root
-    proc = _spawn(TOKEN_ROWS + f"""
+    proc = _spawn(
+        TOKEN_ROWS
+        + f"""
 from storage.writer import TableWriter
 w = TableWriter({str(run)!r})
 print("READY", flush=True)
 for step in range(10_000):
     w.write("token_stats", step % 7, rows(step), stage="train", attempt=step)
-""")
+"""
+    )
     try:
         assert proc.stdout.readline().strip() == "READY", proc.stderr.read()
         deadline = time.monotonic() + 60  # a busy machine may take long for the first file
@@ -93,14 +103,17 @@ for step in range(10_000):
 def test_queries_while_another_process_writes_and_retries(tmp_path: Path) -> None:
     run = create_run(tmp_path, "r").root
     steps = 12
-    proc = _spawn(TOKEN_ROWS + f"""
+    proc = _spawn(
+        TOKEN_ROWS
+        + f"""
 from storage.writer import TableWriter
 w = TableWriter({str(run)!r})
 for step in range({steps}):
     for attempt in range(3):   # every stage retried twice: older files move to superseded/
         w.write("token_stats", step, rows(step), stage="train", attempt=attempt)
     w.write("steps", step, {{"reward_mean": step}}, stage="train")
-""")
+"""
+    )
     seen = 0
     try:
         while proc.poll() is None or seen == 0:
@@ -112,7 +125,9 @@ for step in range({steps}):
         proc.wait(timeout=120)
     assert proc.returncode == 0, proc.stderr.read()
     assert seen > 1
-    assert connect(run).sql("SELECT count(*), count(DISTINCT step) FROM token_stats").fetchall() == [(steps * ROWS, steps)]
+    assert connect(run).sql("SELECT count(*), count(DISTINCT step) FROM token_stats").fetchall() == [
+        (steps * ROWS, steps)
+    ]
 
 
 def test_concurrent_ledger_appends_all_survive(tmp_path: Path) -> None:

@@ -123,11 +123,13 @@ def test_ledger_view_has_contract_columns_and_variants(run_dir: Path) -> None:
     led.start(0, "calibrate", variant="whatif")
     led.fail(0, "calibrate", variant="whatif", error="nope")
     con = connect(run_dir)
-    rows = con.sql("SELECT run_id, step, stage, attempt, status, started_at IS NOT NULL, finished_at IS NOT NULL "
-                   "FROM ledger").fetchall()
+    rows = con.sql(
+        "SELECT run_id, step, stage, attempt, status, started_at IS NOT NULL, finished_at IS NOT NULL FROM ledger"
+    ).fetchall()
     assert rows == [("r1", 0, "rollout", 0, "done", True, True)]
     assert con.sql("SELECT variant, status, error FROM ledger_variants WHERE stage = 'calibrate'").fetchall() == [
-        ("whatif", "failed", "nope")]
+        ("whatif", "failed", "nope")
+    ]
     types = dict((r[0], r[1]) for r in con.sql("DESCRIBE ledger").fetchall())
     assert types["step"] == "BIGINT" and types["started_at"] == "TIMESTAMP WITH TIME ZONE"
 
@@ -186,8 +188,14 @@ def _synthetic_ledger(run_dir: Path, records: int) -> None:
 
     lines = []
     for i in range(records // 2):
-        ev = {"run_id": "r1", "step": i // 4, "stage": ("rollout", "score", "train", "evaluate")[i % 4],
-              "attempt": 0, "variant": "main", "at": "2026-12-02T00:00:00+00:00"}
+        ev = {
+            "run_id": "r1",
+            "step": i // 4,
+            "stage": ("rollout", "score", "train", "evaluate")[i % 4],
+            "attempt": 0,
+            "variant": "main",
+            "at": "2026-12-02T00:00:00+00:00",
+        }
         lines += [json.dumps({"event": "start", **ev}), json.dumps({"event": "finish", **ev, "outputs": []})]
     (run_dir / "ledger.jsonl").write_text("\n".join(lines) + "\n")
 

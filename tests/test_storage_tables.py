@@ -19,12 +19,46 @@ from storage.writer import TableWriter, read_table, rows_to_table, steps_from
 
 # DESIGN.md §4 column contract: saved queries rely on these names.
 CONTRACT = {
-    "steps": ["run_id", "step", "reward_mean", "entropy_mean", "clipfrac", "clipfrac_lower", "clipfrac_upper",
-              "lower_bound", "upper_bound", "ppo_kl", "step_seconds"],
-    "token_stats": ["run_id", "step", "sample_id", "position", "advantage", "logp_fp8", "old_logp_fp8", "logp_bf16",
-                    "old_logp_bf16", "ratio_fp8", "ratio_bf16", "entropy"],
-    "bounds": ["run_id", "step", "mode", "alpha", "raw_lower", "raw_upper", "lower", "upper", "target_balance",
-               "balance_before", "balance_after"],
+    "steps": [
+        "run_id",
+        "step",
+        "reward_mean",
+        "entropy_mean",
+        "clipfrac",
+        "clipfrac_lower",
+        "clipfrac_upper",
+        "lower_bound",
+        "upper_bound",
+        "ppo_kl",
+        "step_seconds",
+    ],
+    "token_stats": [
+        "run_id",
+        "step",
+        "sample_id",
+        "position",
+        "advantage",
+        "logp_fp8",
+        "old_logp_fp8",
+        "logp_bf16",
+        "old_logp_bf16",
+        "ratio_fp8",
+        "ratio_bf16",
+        "entropy",
+    ],
+    "bounds": [
+        "run_id",
+        "step",
+        "mode",
+        "alpha",
+        "raw_lower",
+        "raw_upper",
+        "lower",
+        "upper",
+        "target_balance",
+        "balance_before",
+        "balance_after",
+    ],
     "eval_scores": ["run_id", "step", "benchmark", "metric", "k", "value"],
     "ledger": ["run_id", "step", "stage", "attempt", "status", "started_at", "finished_at"],
 }
@@ -34,32 +68,89 @@ def sample_rows(table: str, n: int = 6) -> dict:
     """A few rows with every stored column set to a distinctive value."""
     rng = np.random.default_rng(len(table))
     if table == "rollouts":
-        return {"sample_id": np.arange(n, dtype=np.int32), "prompt_id": [f"p{i // 2}" for i in range(n)],
-                "sample_index": [i % 2 for i in range(n)], "prompt": ["1+1="] * n, "response": [f"{i}" for i in range(n)],
-                "prompt_token_ids": [[1, 2, 3]] * n, "response_token_ids": [[4, 5]] * n,
-                "rollout_logp": [[-0.5, -0.25]] * n, "response_length": [2] * n, "finish_reason": ["stop"] * n,
-                "policy_version": [3] * n, "precision": ["fp8_per_tensor"] * n, "reference_answer": ["2"] * n}
+        return {
+            "sample_id": np.arange(n, dtype=np.int32),
+            "prompt_id": [f"p{i // 2}" for i in range(n)],
+            "sample_index": [i % 2 for i in range(n)],
+            "prompt": ["1+1="] * n,
+            "response": [f"{i}" for i in range(n)],
+            "prompt_token_ids": [[1, 2, 3]] * n,
+            "response_token_ids": [[4, 5]] * n,
+            "rollout_logp": [[-0.5, -0.25]] * n,
+            "response_length": [2] * n,
+            "finish_reason": ["stop"] * n,
+            "policy_version": [3] * n,
+            "precision": ["fp8_per_tensor"] * n,
+            "reference_answer": ["2"] * n,
+        }
     if table == "scores":
-        return {"sample_id": np.arange(n), "prompt_id": [f"p{i // 2}" for i in range(n)], "score": rng.random(n),
-                "correct": rng.random(n) > 0.5, "reward": rng.random(n), "advantage": rng.normal(size=n), "kept": [True] * n}
+        return {
+            "sample_id": np.arange(n),
+            "prompt_id": [f"p{i // 2}" for i in range(n)],
+            "score": rng.random(n),
+            "correct": rng.random(n) > 0.5,
+            "reward": rng.random(n),
+            "advantage": rng.normal(size=n),
+            "kept": [True] * n,
+        }
     if table == "token_stats":
         logp = -rng.exponential(1.0, n).astype(np.float32)
-        return {"sample_id": np.repeat(np.arange(2), n // 2), "position": np.tile(np.arange(n // 2), 2),
-                "advantage": np.repeat([-1.0, 1.0], n // 2), "logp_fp8": logp, "old_logp_fp8": logp + 0.1,
-                "logp_bf16": logp, "old_logp_bf16": logp + 0.05, "entropy": rng.random(n),
-                "lower_bound": 0.8, "upper_bound": 1.28, "standard_lower": 0.8, "standard_upper": 1.28}
+        return {
+            "sample_id": np.repeat(np.arange(2), n // 2),
+            "position": np.tile(np.arange(n // 2), 2),
+            "advantage": np.repeat([-1.0, 1.0], n // 2),
+            "logp_fp8": logp,
+            "old_logp_fp8": logp + 0.1,
+            "logp_bf16": logp,
+            "old_logp_bf16": logp + 0.05,
+            "entropy": rng.random(n),
+            "lower_bound": 0.8,
+            "upper_bound": 1.28,
+            "standard_lower": 0.8,
+            "standard_upper": 1.28,
+        }
     if table == "steps":
-        return {"reward_mean": 0.5, "entropy_mean": 1.2, "clipfrac": 0.1, "clipfrac_lower": 0.07, "clipfrac_upper": 0.03,
-                "lower_bound": 0.8, "upper_bound": 1.28, "ppo_kl": 0.001, "step_seconds": 3.5}
+        return {
+            "reward_mean": 0.5,
+            "entropy_mean": 1.2,
+            "clipfrac": 0.1,
+            "clipfrac_lower": 0.07,
+            "clipfrac_upper": 0.03,
+            "lower_bound": 0.8,
+            "upper_bound": 1.28,
+            "ppo_kl": 0.001,
+            "step_seconds": 3.5,
+        }
     if table == "bounds":
-        return {"mode": "calibrated", "alpha": 0.02, "raw_lower": 0.7, "raw_upper": 1.3, "lower": 0.75, "upper": 1.3,
-                "target_balance": 1.1, "balance_before": 0.9, "balance_after": 1.05, "tokens": 1000}
+        return {
+            "mode": "calibrated",
+            "alpha": 0.02,
+            "raw_lower": 0.7,
+            "raw_upper": 1.3,
+            "lower": 0.75,
+            "upper": 1.3,
+            "target_balance": 1.1,
+            "balance_before": 0.9,
+            "balance_after": 1.05,
+            "tokens": 1000,
+        }
     if table == "evals":
-        return [{"benchmark": "aime24", "problem_id": str(i), "sample_index": 0, "correct": i % 2 == 0,
-                 "predicted_answer": "7", "response_length": 10} for i in range(n)]
+        return [
+            {
+                "benchmark": "aime24",
+                "problem_id": str(i),
+                "sample_index": 0,
+                "correct": i % 2 == 0,
+                "predicted_answer": "7",
+                "response_length": 10,
+            }
+            for i in range(n)
+        ]
     if table == "eval_scores":
-        return [{"benchmark": b, "metric": "avg@k", "k": 4, "value": v, "n_problems": 30}
-                for b, v in (("aime24", 0.25), ("math500", 0.5))]
+        return [
+            {"benchmark": b, "metric": "avg@k", "k": 4, "value": v, "n_problems": 30}
+            for b, v in (("aime24", 0.25), ("math500", 0.5))
+        ]
     raise KeyError(table)
 
 
@@ -112,14 +203,33 @@ def test_token_stats_derived_ratios_and_clip_flags(run_dir: Path) -> None:
     w = TableWriter(run_dir)
     logp = np.array([-1.0, -1.0, -1.0, -1.0, -30.0], np.float32)
     old = np.array([-0.5, -1.2, -1.0, -0.7, 0.0], np.float32)
-    w.write("token_stats", 1, {
-        "sample_id": np.arange(5), "position": np.zeros(5), "advantage": np.array([-1, 1, 1, -1, -1], np.float32),
-        "logp_fp8": logp, "old_logp_fp8": old, "logp_bf16": logp, "old_logp_bf16": logp,
-        "lower_bound": 0.8, "upper_bound": 1.2, "standard_lower": 0.8, "standard_upper": 1.2,
-        "ratio_fp8": np.full(5, 99.0),  # derived: dropped by the writer, recomputed by the view
-    }, stage="train")
-    got = connect(run_dir).sql("SELECT ratio_fp8, ratio_bf16, clipped_lower, clipped_upper, overclipped, underclipped "
-                               "FROM token_stats ORDER BY sample_id").fetchall()
+    w.write(
+        "token_stats",
+        1,
+        {
+            "sample_id": np.arange(5),
+            "position": np.zeros(5),
+            "advantage": np.array([-1, 1, 1, -1, -1], np.float32),
+            "logp_fp8": logp,
+            "old_logp_fp8": old,
+            "logp_bf16": logp,
+            "old_logp_bf16": logp,
+            "lower_bound": 0.8,
+            "upper_bound": 1.2,
+            "standard_lower": 0.8,
+            "standard_upper": 1.2,
+            "ratio_fp8": np.full(5, 99.0),  # derived: dropped by the writer, recomputed by the view
+        },
+        stage="train",
+    )
+    got = (
+        connect(run_dir)
+        .sql(
+            "SELECT ratio_fp8, ratio_bf16, clipped_lower, clipped_upper, overclipped, underclipped "
+            "FROM token_stats ORDER BY sample_id"
+        )
+        .fetchall()
+    )
     r8 = np.exp(np.clip(logp - old, -20, 20))  # DESIGN §2
     assert [g[0] for g in got] == pytest.approx(r8.tolist(), rel=1e-6)
     assert [g[1] for g in got] == pytest.approx([1.0] * 5)
@@ -134,8 +244,14 @@ def test_token_stats_without_shadow_pass_has_null_bf16(run_dir: Path) -> None:
     rows = sample_rows("token_stats")
     rows.pop("logp_bf16"), rows.pop("old_logp_bf16")
     TableWriter(run_dir).write("token_stats", 2, rows, stage="train")
-    got = connect(run_dir).sql("SELECT count(ratio_bf16), count(overclipped), count(bf16_clipped_lower), "
-                               "count(clipped_lower) FROM token_stats").fetchall()
+    got = (
+        connect(run_dir)
+        .sql(
+            "SELECT count(ratio_bf16), count(overclipped), count(bf16_clipped_lower), "
+            "count(clipped_lower) FROM token_stats"
+        )
+        .fetchall()
+    )
     assert got == [(0, 0, 0, 6)]
 
 
@@ -145,10 +261,20 @@ def test_steps_merge_across_stages_and_timings_are_a_declared_family(run_dir: Pa
     w.write("steps", 0, {"clipfrac": 0.2, "train_seconds": 5, "old_logp_s": True}, stage="train")
     w.write("steps", 1, {"reward_mean": [0.3]}, stage="train")  # dict of one-element columns works too
     con = connect(run_dir)
-    rows = query(con, "SELECT step, reward_mean, clipfrac, rollout_seconds, train_seconds, accuracy, old_logp_s "
-                      "FROM steps ORDER BY step").to_pylist()
-    assert rows[0] == {"step": 0, "reward_mean": 0.1, "clipfrac": 0.2, "rollout_seconds": 2.0, "train_seconds": 5.0,
-                       "accuracy": 0.5, "old_logp_s": 1.0}
+    rows = query(
+        con,
+        "SELECT step, reward_mean, clipfrac, rollout_seconds, train_seconds, accuracy, old_logp_s "
+        "FROM steps ORDER BY step",
+    ).to_pylist()
+    assert rows[0] == {
+        "step": 0,
+        "reward_mean": 0.1,
+        "clipfrac": 0.2,
+        "rollout_seconds": 2.0,
+        "train_seconds": 5.0,
+        "accuracy": 0.5,
+        "old_logp_s": 1.0,
+    }
     assert rows[1]["reward_mean"] == 0.3 and rows[1]["clipfrac"] is None
     types = dict((r[0], r[1]) for r in con.sql("DESCRIBE steps").fetchall())
     assert types["rollout_seconds"] == "DOUBLE" and types["old_logp_s"] == "DOUBLE"
@@ -156,11 +282,14 @@ def test_steps_merge_across_stages_and_timings_are_a_declared_family(run_dir: Pa
         w.write("steps", 2, {"bad_seconds": [[1, 2]]}, stage="train")
 
 
-@pytest.mark.parametrize("table,rows", [
-    ("steps", {"reward_mean": 0.1, "reward_maen": 0.2}),  # a typo
-    ("bounds", {"lower": [0.8], "upper": [1.2], "new_thing": [1.0]}),
-    ("scores", {"sample_id": [0], "rewrad": [1.0]}),
-])
+@pytest.mark.parametrize(
+    "table,rows",
+    [
+        ("steps", {"reward_mean": 0.1, "reward_maen": 0.2}),  # a typo
+        ("bounds", {"lower": [0.8], "upper": [1.2], "new_thing": [1.0]}),
+        ("scores", {"sample_id": [0], "rewrad": [1.0]}),
+    ],
+)
 def test_an_undeclared_column_is_an_error_naming_it(run_dir: Path, table: str, rows: dict) -> None:
     bad = next(k for k in rows if k not in ("reward_mean", "lower", "upper", "sample_id"))
     with pytest.raises(SchemaError, match=f"column '{bad}' is not declared"):
@@ -234,13 +363,17 @@ def test_variants_sit_beside_main(run_dir: Path) -> None:
     w.write("bounds", 5, {**sample_rows("bounds"), "lower": 0.6}, stage="calibrate", variant="whatif-delta0.1")
     con = connect(run_dir)
     assert con.sql("SELECT lower FROM bounds").fetchall() == [(0.75,)]
-    got = con.sql("SELECT v.lower - m.lower FROM bounds_variants v JOIN bounds m USING (run_id, step) "
-                  "WHERE v.variant = 'whatif-delta0.1'").fetchall()
+    got = con.sql(
+        "SELECT v.lower - m.lower FROM bounds_variants v JOIN bounds m USING (run_id, step) "
+        "WHERE v.variant = 'whatif-delta0.1'"
+    ).fetchall()
     assert got[0][0] == pytest.approx(-0.15)
     # a re-run of the variant replaces the variant only
     w.write("bounds", 5, {**sample_rows("bounds"), "lower": 0.65}, stage="calibrate", variant="whatif-delta0.1")
     assert connect(run_dir).sql("SELECT variant, lower FROM bounds_variants ORDER BY 1").fetchall() == [
-        ("main", 0.75), ("whatif-delta0.1", 0.65)]
+        ("main", 0.75),
+        ("whatif-delta0.1", 0.65),
+    ]
 
 
 def test_supersede_sets_aside_from_a_step(run_dir: Path) -> None:
@@ -300,7 +433,9 @@ def test_token_stats_bytes_per_row_within_budget(run_dir: Path) -> None:
     """<= 20 bytes/row on realistic data (the benchmark checks it at 10M rows)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("storage_scale", Path(__file__).parent.parent / "benchmarks" / "storage_scale.py")
+    spec = importlib.util.spec_from_file_location(
+        "storage_scale", Path(__file__).parent.parent / "benchmarks" / "storage_scale.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     cols = bench.make_step(np.random.default_rng(0), 200_000, 3)
@@ -328,8 +463,15 @@ def test_file_from_an_older_schema_reads_with_nulls_for_new_columns(run_dir: Pat
     """Additive schema changes: a part lacking today's columns reads, the new columns are NULL."""
     w = TableWriter(run_dir)
     w.write("scores", 0, sample_rows("scores"), stage="score")
-    old = pa.table({"run_id": ["r1"], "step": pa.array([1], pa.int64()), "variant": ["main"],
-                    "sample_id": pa.array([0], pa.int32()), "reward": pa.array([1.0], pa.float32())})
+    old = pa.table(
+        {
+            "run_id": ["r1"],
+            "step": pa.array([1], pa.int64()),
+            "variant": ["main"],
+            "sample_id": pa.array([0], pa.int32()),
+            "reward": pa.array([1.0], pa.float32()),
+        }
+    )
     old = old.replace_schema_metadata({b"fp8rl.schema_version": b"1", b"fp8rl.table": b"scores"})
     dest = run_dir / "tables" / "scores" / "run=r1" / "step=1" / "part-score-0-00000000000000000000-main.parquet"
     dest.parent.mkdir(parents=True)

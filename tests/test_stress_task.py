@@ -38,8 +38,11 @@ def test_chains_are_right_and_long(difficulty):
 
 def test_noisy_teacher_drops_carries_and_follows_through():
     rng = random.Random(0)
-    p = next(st.make_problem(i, "train", 1, 0) for i in range(100)
-             if len(st.carry_in_columns(st.make_problem(i, "train", 1, 0).operands, 6)) >= 2)
+    p = next(
+        st.make_problem(i, "train", 1, 0)
+        for i in range(100)
+        if len(st.carry_in_columns(st.make_problem(i, "train", 1, 0).operands, 6)) >= 2
+    )
     assert st.demonstration(p, 1, 0.0, rng) == p.solution
     wrong = [st.demonstration(p, 1, 0.9, rng) for _ in range(50)]
     assert any(w != p.solution for w in wrong)
@@ -47,8 +50,10 @@ def test_noisy_teacher_drops_carries_and_follows_through():
         got = extract_answer(w)
         assert got is not None  # a slip is a wrong answer, never a garbled one
         cells = w.split("#")[0].split(";")[:-1]
-        assert all(int(c.split("+")[0]) + int(c.split("+")[1]) + int(c.split("+")[2].split("=")[0])
-                   == int(c.split("=")[1]) for c in cells)
+        assert all(
+            int(c.split("+")[0]) + int(c.split("+")[1]) + int(c.split("+")[2].split("=")[0]) == int(c.split("=")[1])
+            for c in cells
+        )
         assert (w == p.solution) == (got == p.answer)
     with pytest.raises(ValueError):
         st.demonstration(p, 1, 1.0, rng)

@@ -8,7 +8,12 @@ import torch
 from fp8rl_core.calibration import calibrate
 from fp8rl_core.config import CalibrationConfig
 from fp8rl_core.subsample import (
-    bootstrap_lower_error, choose_size, level_error, lower_error_bound, quantile_rule, sample_sequences,
+    bootstrap_lower_error,
+    choose_size,
+    level_error,
+    lower_error_bound,
+    quantile_rule,
+    sample_sequences,
 )
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
@@ -35,8 +40,15 @@ def _neg_per_seq(adv, seq_id, n_seq):
 
 
 def _raw_lower(r8, r16, adv):
-    res = calibrate(r8, r16, adv, torch.ones_like(adv, dtype=torch.bool), eps_low=EPS_LOW, eps_high=EPS_HIGH,
-                    config=CalibrationConfig())
+    res = calibrate(
+        r8,
+        r16,
+        adv,
+        torch.ones_like(adv, dtype=torch.bool),
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        config=CalibrationConfig(),
+    )
     return res.raw_lower, res.alpha
 
 
@@ -104,8 +116,17 @@ def test_bootstrap_bound_covers_over_many_random_subsets(n_seq, m):
         tok = keep[seq_id]
         l_sub, _ = _raw_lower(r8[tok], r16[tok], adv[tok])
         neg = tok & (adv < 0)
-        w = bootstrap_lower_error(r8[neg], r16[neg], seq_id[neg], threshold=1 - EPS_LOW, delta=delta, m=m,
-                                  n_total=n_seq, resamples=200, generator=g)
+        w = bootstrap_lower_error(
+            r8[neg],
+            r16[neg],
+            seq_id[neg],
+            threshold=1 - EPS_LOW,
+            delta=delta,
+            m=m,
+            n_total=n_seq,
+            resamples=200,
+            generator=g,
+        )
         err = abs(l_sub - l_full)
         fails += err > w
         widths.append(w)

@@ -67,7 +67,7 @@ class FakeCampaign:
                     raise KeyboardInterrupt
                 raise RuntimeError(f"injected failure at step {step}")
             done = ledger.done_stages(step)
-            stages = ([] if step == 0 else ["rollout", "score", "train"])
+            stages = [] if step == 0 else ["rollout", "score", "train"]
             stages += ["calibrate"] if is_calibration_step(cfg, step) else []
             stages += ["evaluate"] if is_eval_step(cfg, step) else []
             stages += ["checkpoint"] if is_checkpoint_step(cfg, step) else []
@@ -80,8 +80,12 @@ class FakeCampaign:
                         writer.write("steps", step, row, stage="train")
                     if stage == "evaluate":
                         acc = 0.3 + 0.05 * step + (0.1 if cfg.calibration.mode == "calibrated" else 0.0)
-                        writer.write("eval_scores", step, [{"benchmark": "synthetic", "metric": "avg@k", "k": 1, "value": acc}],
-                                     stage="evaluate")
+                        writer.write(
+                            "eval_scores",
+                            step,
+                            [{"benchmark": "synthetic", "metric": "avg@k", "k": 1, "value": acc}],
+                            stage="evaluate",
+                        )
         return {"run_dir": run_dir, "last_step": cfg.steps, "final_metrics": {}, "last_eval": {}}
 
 
@@ -100,8 +104,11 @@ def test_cells_are_the_product_minus_excluded(sweep_file: Path) -> None:
     spec, cells = load_sweep(sweep_file)
     assert [c.id for c in cells] == CELLS
     fp8_cal = cells[2].config
-    assert (fp8_cal.precision.train, fp8_cal.precision.rollout, fp8_cal.calibration.mode) == \
-        ("fp8_tensorwise", "fp8_per_tensor", "calibrated")
+    assert (fp8_cal.precision.train, fp8_cal.precision.rollout, fp8_cal.calibration.mode) == (
+        "fp8_tensorwise",
+        "fp8_per_tensor",
+        "calibrated",
+    )
     assert cells[0].config.precision.rollout == "bf16"
     # common overrides, dotted and nested, merge into the preset rather than replace sections
     assert fp8_cal.steps == 3 and fp8_cal.evaluation.interval == 2 and fp8_cal.evaluation.benchmarks
@@ -138,7 +145,9 @@ def test_interrupted_sweep_resumes_and_skips_finished_cells(sweep_file: Path, tm
     assert [r["cell"] for r in rows] == CELLS and {r["status"] for r in rows} == {"finished"}
     assert {r["precision"] for r in rows} == {"bf16", "fp8"} and rows[2]["clip"] == "calibrated"
     assert float(rows[2]["best_eval_average"]) == pytest.approx(0.3 + 0.05 * 3 + 0.1)
-    assert float(rows[0]["final_entropy"]) == pytest.approx(0.8) and float(rows[0]["peak_entropy"]) == pytest.approx(0.8)
+    assert float(rows[0]["final_entropy"]) == pytest.approx(0.8) and float(rows[0]["peak_entropy"]) == pytest.approx(
+        0.8
+    )
     md = (out / "table.md").read_text()
     assert "| precision | clip | best eval %" in md and "| fp8 | calibrated | 55.0 |" in md
 
@@ -154,7 +163,9 @@ def test_a_sweep_runs_in_parts_into_one_directory(sweep_file: Path, tmp_path: Pa
     rows = list(csv.DictReader((out / "table.csv").open()))
     assert [(r["cell"], r["status"]) for r in rows] == [(CELLS[0], "finished"), (CELLS[1], "new"), (CELLS[2], "new")]
     second = FakeCampaign()
-    run_sweep_file(sweep_file, out, campaign=second, report=False, echo=lambda _l: None, only=["*.calibrated.*", "fp8.*"])
+    run_sweep_file(
+        sweep_file, out, campaign=second, report=False, echo=lambda _l: None, only=["*.calibrated.*", "fp8.*"]
+    )
     assert second.calls == [("fp8.standard.s0", False), ("fp8.calibrated.s0", False)]  # file order, each once
     assert {r["status"] for r in csv.DictReader((out / "table.csv").open())} == {"finished"}
     with pytest.raises(ConfigError, match=r"--cells 'fp4\.\*' matches no cell; the cells are bf16.standard.s0"):
@@ -185,7 +196,9 @@ def test_a_failed_cell_does_not_stop_the_others(sweep_file: Path, tmp_path: Path
 
 def test_fail_fast_stops_at_the_first_failure(sweep_file: Path, tmp_path: Path) -> None:
     fake = FakeCampaign(fail_in="bf16.standard.s0")
-    summary = run_sweep_file(sweep_file, tmp_path / "s", campaign=fake, fail_fast=True, report=False, echo=lambda _l: None)
+    summary = run_sweep_file(
+        sweep_file, tmp_path / "s", campaign=fake, fail_fast=True, report=False, echo=lambda _l: None
+    )
     assert fake.calls == [("bf16.standard.s0", False)]
     assert summary["unfinished"] == ["fp8.standard.s0", "fp8.calibrated.s0"]
 
@@ -217,19 +230,31 @@ def test_seeds_multiply_cells_and_average(tmp_path: Path) -> None:
     assert {r["accuracy_last10"] for r in rows} == {""} and "garbled_last10" in rows[0]
 
 
-@pytest.mark.parametrize("text, message", [
-    (SWEEP + "axis: {}\n", r"mini\.yaml: axis: unknown key"),
-    (SWEEP.replace("calibration.mode: calibrated", "calibration.mod: calibrated"),
-     r"cell fp8\.calibrated\.s0: calibration\.mod: unknown key"),
-    (SWEEP.replace("precision.train: bf16,", "precision.train: bf8,"),
-     r"cell bf16\.standard\.s0: precision\.train: unknown training precision mode 'bf8'; valid: bf16, "),
-    (SWEEP.replace("{precision: bf16, clip: calibrated}", "{precision: bf16, clip: calibratd}"),
-     r"exclude\.0\.clip: unknown label 'calibratd'; labels: standard, calibrated"),
-    (SWEEP.replace("{precision: bf16, clip: calibrated}", "{precison: bf16}"), r"exclude\.0\.precison: unknown axis"),
-    (SWEEP.replace("  precision:\n", "  prec.ision:\n"), r"axes: axis name 'prec\.ision' must match"),
-    (SWEEP.replace("seeds: [0]", "seeds: [1, 1]"), r"seeds: seeds repeat"),
-    (SWEEP.replace("base: tiny-cpu", "base: no-such-preset"), r"config not found: no-such-preset"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (SWEEP + "axis: {}\n", r"mini\.yaml: axis: unknown key"),
+        (
+            SWEEP.replace("calibration.mode: calibrated", "calibration.mod: calibrated"),
+            r"cell fp8\.calibrated\.s0: calibration\.mod: unknown key",
+        ),
+        (
+            SWEEP.replace("precision.train: bf16,", "precision.train: bf8,"),
+            r"cell bf16\.standard\.s0: precision\.train: unknown training precision mode 'bf8'; valid: bf16, ",
+        ),
+        (
+            SWEEP.replace("{precision: bf16, clip: calibrated}", "{precision: bf16, clip: calibratd}"),
+            r"exclude\.0\.clip: unknown label 'calibratd'; labels: standard, calibrated",
+        ),
+        (
+            SWEEP.replace("{precision: bf16, clip: calibrated}", "{precison: bf16}"),
+            r"exclude\.0\.precison: unknown axis",
+        ),
+        (SWEEP.replace("  precision:\n", "  prec.ision:\n"), r"axes: axis name 'prec\.ision' must match"),
+        (SWEEP.replace("seeds: [0]", "seeds: [1, 1]"), r"seeds: seeds repeat"),
+        (SWEEP.replace("base: tiny-cpu", "base: no-such-preset"), r"config not found: no-such-preset"),
+    ],
+)
 def test_bad_sweep_files_name_the_key(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "mini.yaml"
     path.write_text(text)
@@ -242,10 +267,19 @@ def test_paper_tiny_sweep() -> None:
     got = {(c.config.precision.train, c.config.precision.rollout, c.config.calibration.mode) for c in cells}
     assert len(cells) == len(got) == 10
     assert got == {
-        ("bf16", "bf16", "standard"), ("bf16", "fp8_per_tensor", "standard"),
-        *{(t, r, m) for t, r in (("fp8_tensorwise", "fp8_per_tensor"), ("fp8_rowwise", "fp8_per_tensor"),
-                                 ("fp8_blockwise", "fp8_per_block")) for m in ("standard", "calibrated")},
-        ("fp8_tensorwise", "fp8_per_tensor", "relaxed_lower"), ("fp8_tensorwise", "fp8_per_tensor", "bapo"),
+        ("bf16", "bf16", "standard"),
+        ("bf16", "fp8_per_tensor", "standard"),
+        *{
+            (t, r, m)
+            for t, r in (
+                ("fp8_tensorwise", "fp8_per_tensor"),
+                ("fp8_rowwise", "fp8_per_tensor"),
+                ("fp8_blockwise", "fp8_per_block"),
+            )
+            for m in ("standard", "calibrated")
+        },
+        ("fp8_tensorwise", "fp8_per_tensor", "relaxed_lower"),
+        ("fp8_tensorwise", "fp8_per_tensor", "bapo"),
     }
 
 
@@ -274,16 +308,32 @@ def test_cli_dry_run_lists_cells_and_runs_nothing(sweep_file: Path, tmp_path: Pa
 def test_paper_ablations_sweep_cells() -> None:
     spec, cells = load_sweep(Path(__file__).resolve().parent.parent / "configs" / "sweeps" / "paper-ablations.yaml")
     assert spec.seeds == [0, 1] and len(cells) == 26 and all(c.config.steps == 40 for c in cells)
-    got = {(c.config.precision.train, c.config.calibration.mode, c.config.algorithm.loss, c.config.calibration.relaxed_eps_low,
-            c.config.calibration.interval, c.config.calibration.initial_lower) for c in cells if c.seed == 0}
+    got = {
+        (
+            c.config.precision.train,
+            c.config.calibration.mode,
+            c.config.algorithm.loss,
+            c.config.calibration.relaxed_eps_low,
+            c.config.calibration.interval,
+            c.config.calibration.initial_lower,
+        )
+        for c in cells
+        if c.seed == 0
+    }
     fp8 = "fp8_tensorwise"
     assert got == {
-        ("bf16", "standard", "ppo", 0.3, 5, None), ("bf16", "bapo", "ppo", 0.3, 5, None), ("bf16", "standard", "cispo", 0.3, 5, None),
-        (fp8, "standard", "ppo", 0.3, 5, None), (fp8, "calibrated", "ppo", 0.3, 5, None),
-        (fp8, "relaxed_lower", "ppo", 0.3, 5, None), (fp8, "relaxed_lower", "ppo", 0.4, 5, None),
-        (fp8, "calibrated_lower_only", "ppo", 0.3, 5, None), (fp8, "bapo", "ppo", 0.3, 5, None),
+        ("bf16", "standard", "ppo", 0.3, 5, None),
+        ("bf16", "bapo", "ppo", 0.3, 5, None),
+        ("bf16", "standard", "cispo", 0.3, 5, None),
+        (fp8, "standard", "ppo", 0.3, 5, None),
+        (fp8, "calibrated", "ppo", 0.3, 5, None),
+        (fp8, "relaxed_lower", "ppo", 0.3, 5, None),
+        (fp8, "relaxed_lower", "ppo", 0.4, 5, None),
+        (fp8, "calibrated_lower_only", "ppo", 0.3, 5, None),
+        (fp8, "bapo", "ppo", 0.3, 5, None),
         (fp8, "standard", "cispo", 0.3, 5, None),
-        (fp8, "calibrated", "ppo", 0.3, 10, None), (fp8, "calibrated", "ppo", 0.3, 20, None),
+        (fp8, "calibrated", "ppo", 0.3, 10, None),
+        (fp8, "calibrated", "ppo", 0.3, 20, None),
         (fp8, "calibrated", "ppo", 0.3, 5, 0.7),
     }
 
@@ -292,8 +342,10 @@ def test_mean_over_seeds_shows_the_spread() -> None:
     from flows.sweep import SweepSpec, _mean_over_seeds
 
     spec = SweepSpec(name="x", axes={"clip": {"a": {}}}, seeds=[0, 1, 2])
-    rows = [{"clip": "a", "status": "finished", "best_eval_average": v, "lower_clip_vs_bf16": x}
-            for v, x in ((0.90, 1.2), (0.94, 1.4), (0.92, 1.3))]
+    rows = [
+        {"clip": "a", "status": "finished", "best_eval_average": v, "lower_clip_vs_bf16": x}
+        for v, x in ((0.90, 1.2), (0.94, 1.4), (0.92, 1.3))
+    ]
     (row,) = _mean_over_seeds(spec, rows)
     assert row["best_eval_average"] == pytest.approx(0.92) and row["seeds"] == 3
     assert row["best eval % min–max (sd)"] == "90.0–94.0 (2.0)"
@@ -315,12 +367,19 @@ def test_cli_ctrl_c_names_the_command_that_continues(sweep_file: Path, tmp_path:
     out = tmp_path / "sweep"
     fake = FakeCampaign(interrupt_in="fp8.standard.s0", after_steps=1)
     monkeypatch.setattr(flows.child_guard, "start", lambda: None)
-    monkeypatch.setattr(flows.sweep, "_FLOW", lambda f, o, fail_fast, report, only: run_sweep_file(
-        f, o, campaign=fake, report=False, echo=lambda _line: None, only=only))
+    monkeypatch.setattr(
+        flows.sweep,
+        "_FLOW",
+        lambda f, o, fail_fast, report, only: run_sweep_file(
+            f, o, campaign=fake, report=False, echo=lambda _line: None, only=only
+        ),
+    )
     res = CliRunner().invoke(app, ["sweep", str(sweep_file), "--out", str(out), "--cells", "*.standard.*"])
     assert res.exit_code == 130, res.output
     last = res.output.strip().splitlines()[-1]
-    assert last == (f"interrupted; `fp8rl sweep {sweep_file} --out {out} --cells '*.standard.*'` "
-                    "continues the sweep (finished cells are skipped)"), res.output
+    assert last == (
+        f"interrupted; `fp8rl sweep {sweep_file} --out {out} --cells '*.standard.*'` "
+        "continues the sweep (finished cells are skipped)"
+    ), res.output
     assert "Traceback" not in res.output
     assert cell_state(out, load_sweep(sweep_file)[1][0]) == FINISHED  # bf16.standard.s0 ran before the interrupt

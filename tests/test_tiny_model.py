@@ -24,7 +24,8 @@ from fp8rl_core.tiny_model import (
 
 DATA_DIR = os.environ.get("FP8RL_DATA_DIR")
 needs_data = pytest.mark.skipif(
-    not DATA_DIR or not Path(DATA_DIR).is_dir(), reason="FP8RL_DATA_DIR is not set to the benchmark folder (../shared/data)"
+    not DATA_DIR or not Path(DATA_DIR).is_dir(),
+    reason="FP8RL_DATA_DIR is not set to the benchmark folder (../shared/data)",
 )
 
 
@@ -86,8 +87,13 @@ def test_benchmark_texts_round_trip(tok):
     """Every charset character of the shipped benchmarks' questions and answers
     round-trips; the few others (rare symbols) become UNK, never an error."""
     files = [
-        "aime24/test.jsonl", "aime25/aime25_from_matharena.DERIVED.jsonl", "amc23/test.jsonl", "math500/test.jsonl",
-        "minerva_math/test.jsonl", "olympiadbench/test.jsonl", "gsm8k/test.jsonl",
+        "aime24/test.jsonl",
+        "aime25/aime25_from_matharena.DERIVED.jsonl",
+        "amc23/test.jsonl",
+        "math500/test.jsonl",
+        "minerva_math/test.jsonl",
+        "olympiadbench/test.jsonl",
+        "gsm8k/test.jsonl",
     ]
     texts = []
     for rel in files:
@@ -139,7 +145,9 @@ def test_path_config_is_refused():
 
 
 def test_load_policy_round_trip(tmp_path):
-    model = build_tiny_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64))
+    model = build_tiny_model(
+        ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64)
+    )
     tok = build_tokenizer(tmp_path)
     model.save_pretrained(tmp_path)
     loaded, loaded_tok = load_policy(tmp_path)

@@ -18,15 +18,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import micro_config
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # in-process flows on a busy machine
 
 TRACKED = ["tensorboard", "mlflow", "wandb"]
-STEP_METRICS = {"train/reward_mean": "reward_mean", "train/entropy_mean": "entropy_mean",
-                "clip/clipfrac": "clipfrac", "clip/lower_bound": "lower_bound", "train/ppo_kl": "ppo_kl"}
+STEP_METRICS = {
+    "train/reward_mean": "reward_mean",
+    "train/entropy_mean": "entropy_mean",
+    "clip/clipfrac": "clipfrac",
+    "clip/lower_bound": "lower_bound",
+    "train/ppo_kl": "ppo_kl",
+}
 
 
 def _new_run(tmp: Path, cfg) -> Path:
@@ -106,8 +110,13 @@ def tracked(tmp_path_factory):
     from storage.writer import set_aside_from
 
     tmp = tmp_path_factory.mktemp("tracked")
-    cfg = micro_config("trackers=[tensorboard, mlflow, wandb]", "steps=2", "checkpoint.interval=1", "calibration.interval=1",
-                       "evaluation.benchmarks=[{name: synthetic, k: 2, limit: 8, max_new_tokens: 12}]")
+    cfg = micro_config(
+        "trackers=[tensorboard, mlflow, wandb]",
+        "steps=2",
+        "checkpoint.interval=1",
+        "calibration.interval=1",
+        "evaluation.benchmarks=[{name: synthetic, k: 2, limit: 8, max_new_tokens: 12}]",
+    )
     run_dir = _new_run(tmp, cfg)
     t0 = time.perf_counter()
     os.environ.update(FP8RL_FAULT="rollout@1=transient", FP8RL_FAULT_MARKER=str(tmp / "fault-marker"))
@@ -115,8 +124,14 @@ def tracked(tmp_path_factory):
         _campaign(run_dir)  # a failed rollout attempt, retried by Prefect: its reason must show in the UI
     finally:
         os.environ.pop("FP8RL_FAULT"), os.environ.pop("FP8RL_FAULT_MARKER")
-    first = {"tb": _tensorboard(run_dir), "purges": _purge_markers(run_dir), "mlflow": _mlflow(run_dir), "wandb": _wandb(run_dir),
-             "state": json.loads((run_dir / "trackers" / "state.json").read_text()), "seconds": time.perf_counter() - t0}
+    first = {
+        "tb": _tensorboard(run_dir),
+        "purges": _purge_markers(run_dir),
+        "mlflow": _mlflow(run_dir),
+        "wandb": _wandb(run_dir),
+        "state": json.loads((run_dir / "trackers" / "state.json").read_text()),
+        "seconds": time.perf_counter() - t0,
+    }
     set_aside_from(run_dir, step=2, stages_at_step=["train", "calibrate", "evaluate", "checkpoint"])
     _campaign(run_dir, resume=True)
     return run_dir, first
@@ -177,7 +192,10 @@ def test_mlflow_run_holds_the_steps_table_and_the_config(tracked):
         assert [s for s, _ in hist[tag]] == [1, 2], tag
         assert [_f32(v) for _, v in hist[tag]] == [_f32(table[col][s]) for s in (1, 2)], tag
     assert [s for s, _ in hist["eval/synthetic/avg_at_2"]] == [0, 2]
-    assert hist["_params"]["calibration.interval"] == "1" and hist["_params"]["trackers"] == '["tensorboard", "mlflow", "wandb"]'
+    assert (
+        hist["_params"]["calibration.interval"] == "1"
+        and hist["_params"]["trackers"] == '["tensorboard", "mlflow", "wandb"]'
+    )
 
 
 @pytest.mark.timeout(1200)
@@ -198,7 +216,9 @@ def test_a_sink_at_an_unreachable_server_warns_once_and_loses_no_row(tmp_path, c
     from flows.trackers import Trackers
     from storage.writer import TableWriter
 
-    cfg = micro_config("trackers=[mlflow, tensorboard]", "tracking.mlflow_uri=http://127.0.0.1:9", "tracking.timeout_s=1")
+    cfg = micro_config(
+        "trackers=[mlflow, tensorboard]", "tracking.mlflow_uri=http://127.0.0.1:9", "tracking.timeout_s=1"
+    )
     run_dir = _new_run(tmp_path, cfg)
     (tmp_path / "run" / "trackers").mkdir()
     (tmp_path / "run" / "trackers" / "tensorboard").write_text("a file where a folder should be")  # disk-level failure
@@ -257,7 +277,14 @@ def _flow_run_of(run_dir: Path):
 @pytest.mark.timeout(1200)
 def test_prefect_client_finds_the_flow_run_stage_tasks_and_artifacts(tracked):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterId,
+        LogFilter,
+        LogFilterTaskRunId,
+    )
 
     from flows.ui import artifact_key
 
@@ -268,8 +295,17 @@ def test_prefect_client_finds_the_flow_run_stage_tasks_and_artifacts(tracked):
     with get_client(sync_client=True) as client:
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[first.id])))
         names = {t.name: t for t in tasks}
-        for stage, step in [("rollout", 1), ("score", 1), ("train", 1), ("calibrate", 1), ("evaluate", 0),
-                            ("evaluate", 2), ("checkpoint", 1), ("train", 2), ("calibrate", 2)]:
+        for stage, step in [
+            ("rollout", 1),
+            ("score", 1),
+            ("train", 1),
+            ("calibrate", 1),
+            ("evaluate", 0),
+            ("evaluate", 2),
+            ("checkpoint", 1),
+            ("train", 2),
+            ("calibrate", 2),
+        ]:
             assert f"{stage}-step-{step}" in names, sorted(names)
         assert names["rollout-step-1"].run_count == 2 and names["rollout-step-1"].state.is_completed()
         logs = client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[names["rollout-step-1"].id])))
@@ -314,12 +350,22 @@ def prefect_ui(tracked):
     import urllib.request
 
     port = _free_port()
-    env = dict(os.environ, PREFECT_SERVER_API_HOST="127.0.0.1", PREFECT_SERVER_API_PORT=str(port),
-               PREFECT_UI_API_URL=f"http://127.0.0.1:{port}/api", PREFECT_SERVER_LOGGING_LEVEL="WARNING")
+    env = dict(
+        os.environ,
+        PREFECT_SERVER_API_HOST="127.0.0.1",
+        PREFECT_SERVER_API_PORT=str(port),
+        PREFECT_UI_API_URL=f"http://127.0.0.1:{port}/api",
+        PREFECT_SERVER_LOGGING_LEVEL="WARNING",
+    )
     env.pop("PREFECT_API_URL", None)
     log_file = open(Path(os.environ["PREFECT_HOME"]) / "ui-server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         for _ in range(240):
             try:
@@ -328,7 +374,10 @@ def prefect_ui(tracked):
             except OSError:
                 time.sleep(0.5)
         else:
-            pytest.fail("prefect server did not start: " + (Path(os.environ["PREFECT_HOME"]) / "ui-server.log").read_text()[-2000:])
+            pytest.fail(
+                "prefect server did not start: "
+                + (Path(os.environ["PREFECT_HOME"]) / "ui-server.log").read_text()[-2000:]
+            )
         yield f"http://127.0.0.1:{port}"
     finally:
         import signal
@@ -342,11 +391,24 @@ def render(url: str, profile: Path, *, screenshot: Path | None = None, budget_ms
     """The DOM of ``url`` after Prefect's single-page app rendered it in headless Chromium."""
     import subprocess
 
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}", "--window-size=1400,900"]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        f"--virtual-time-budget={budget_ms}",
+        "--window-size=1400,900",
+    ]
     if screenshot is not None:
-        return subprocess.run(cmd + [f"--screenshot={screenshot}", url], capture_output=True, text=True, timeout=180).stderr
+        return subprocess.run(
+            cmd + [f"--screenshot={screenshot}", url], capture_output=True, text=True, timeout=180
+        ).stderr
     return subprocess.run(cmd + ["--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
 
 
@@ -364,6 +426,8 @@ def test_prefect_ui_renders_the_campaign(tracked, prefect_ui, tmp_path):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     with get_client(sync_client=True) as client:
-        summary = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"bounds-summary-{artifact_key('run')}"])))
+        summary = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"bounds-summary-{artifact_key('run')}"]))
+        )
     page = render(f"{prefect_ui}/artifacts/artifact/{summary[-1].id}", tmp_path / "profile")
     assert "Calibrated clipping" in page and "In force from step" in page, page[-3000:]

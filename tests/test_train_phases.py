@@ -23,8 +23,9 @@ from stages.trainer import update as tc
 def _setup(n: int = 16, shadow_rows=None, **algo):
     cfg = _cfg("bf16", **algo)
     model = _model("bf16")
-    rows = tc.split_rows(_batch(n=n), cfg, seed=3, collective=tc.LOCAL, device=torch.device("cpu"),
-                         shadow_rows=shadow_rows)
+    rows = tc.split_rows(
+        _batch(n=n), cfg, seed=3, collective=tc.LOCAL, device=torch.device("cpu"), shadow_rows=shadow_rows
+    )
     return cfg, model, rows
 
 
@@ -68,12 +69,21 @@ def test_micro_batch_pass_sums_to_the_mini_batchs_loss_and_records_epoch_zero():
     t = tc.old_logprobs(model, rows, cfg, shadow=False, timings={})
     micros, real = rows.padded(0), torch.cat(rows.real(0))
     tokens = float(t.mask[real].sum())
-    total = tc.micro_batch_pass(model, rows, micros, t, cfg, bounds=(0.8, 1.28), tokens=tokens, seqs=8.0,
-                                world_size=1, record=True)
+    total = tc.micro_batch_pass(
+        model, rows, micros, t, cfg, bounds=(0.8, 1.28), tokens=tokens, seqs=8.0, world_size=1, record=True
+    )
     x = rows.local
     lp = tc.policy_logprobs(model, x.input_ids[real], x.attention_mask[real], mode="bf16")[0]
-    whole, _ = POLICY_LOSSES.get("ppo")(lp, t.old8[real], t.adv_tok[real], t.mask[real], lower=0.8, upper=1.28,
-                                        is_weights=t.is_w[real], global_token_count=tokens)
+    whole, _ = POLICY_LOSSES.get("ppo")(
+        lp,
+        t.old8[real],
+        t.adv_tok[real],
+        t.mask[real],
+        lower=0.8,
+        upper=1.28,
+        is_weights=t.is_w[real],
+        global_token_count=tokens,
+    )
     # token-mean over the global token count: the micro-batches' losses add up to the mini-batch's
     assert total == pytest.approx(float(whole.detach()), abs=1e-5)
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
@@ -109,8 +119,21 @@ def test_minibatch_update_takes_its_bounds_from_the_clip_modes_hook():
 
     rule = UpdateBoundsRule(bounds, clip_stats=None, summarize=None)
     log = tc.UpdateLog(minibatch=torch.zeros(16, dtype=torch.long))
-    tc.minibatch_update(model, opt, sched, rows, 1, t, cfg, bounds=(0.8, 1.28), shadow=False, collective=tc.LOCAL,
-                        log=log, timings={}, rule=rule)
+    tc.minibatch_update(
+        model,
+        opt,
+        sched,
+        rows,
+        1,
+        t,
+        cfg,
+        bounds=(0.8, 1.28),
+        shadow=False,
+        collective=tc.LOCAL,
+        log=log,
+        timings={},
+        rule=rule,
+    )
     assert seen == [(8 * t.mask.shape[1], False)]  # the mini-batch's tokens, one process
     assert log.epoch0_bounds == {1: (0.5, 1.5)} and len(log.per_update) == 1 and len(log.losses) == 1
     assert sorted(torch.cat(rows.plan[1]).tolist()) == sorted((log.minibatch == 1).nonzero().flatten().tolist())
@@ -120,8 +143,9 @@ def test_gather_step_stats_in_one_process_returns_the_rows_as_they_are():
     cfg, model, rows = _setup()
     t = tc.old_logprobs(model, rows, cfg, shadow=False, timings={})
     log = tc.UpdateLog(minibatch=torch.arange(16) % 2, losses=[1.0, 3.0], grad_norms=[2.0, 4.0])
-    res = tc.gather_step_stats(_batch(n=16), rows, t, log, cfg, bounds=(0.8, 1.28), collective=tc.LOCAL, lr=1e-3,
-                               timings={"update_s": 1.0})
+    res = tc.gather_step_stats(
+        _batch(n=16), rows, t, log, cfg, bounds=(0.8, 1.28), collective=tc.LOCAL, lr=1e-3, timings={"update_s": 1.0}
+    )
     assert torch.equal(res.old_logp_fp8, t.old8) and res.logp_bf16 is None and res.row_bounds is None
     m = res.metrics
     assert (m["loss"], m["grad_norm"], m["grad_norm_max"], m["updates"], m["lr"]) == (2.0, 3.0, 4.0, 2.0, 1e-3)

@@ -34,8 +34,11 @@ SMALL = ModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, 
 
 def _cfg(mode: str = "fp8_rowwise", calibration: str | None = None, **algo) -> CampaignConfig:
     a = {"ppo_mini_batch_size": 8, "micro_batch_size": 4, "lr": 1e-3, **algo}
-    c = {"rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 8},
-         "algorithm": a, "precision": {"train": mode}}
+    c = {
+        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 8},
+        "algorithm": a,
+        "precision": {"train": mode},
+    }
     if calibration is not None:
         c["calibration"] = {"mode": calibration}
     return CampaignConfig.model_validate(c)
@@ -76,12 +79,14 @@ def test_every_train_forward_runs_under_its_devices_autocast_with_position_ids()
     def hook(mod, args, kwargs):
         ids = kwargs["input_ids"]
         dev = ids.device.type
-        seen.append({
-            "autocast": torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == torch.bfloat16,
-            "positions": kwargs.get("position_ids") is not None
-            and torch.equal(kwargs["position_ids"], position_ids_from_mask(kwargs["attention_mask"])),
-            "grad": torch.is_grad_enabled(),
-        })
+        seen.append(
+            {
+                "autocast": torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == torch.bfloat16,
+                "positions": kwargs.get("position_ids") is not None
+                and torch.equal(kwargs["position_ids"], position_ids_from_mask(kwargs["attention_mask"])),
+                "grad": torch.is_grad_enabled(),
+            }
+        )
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
     policy_update(model, opt, sched, batch, cfg, bounds=(0.8, 1.28), shadow=True, seed=0)
@@ -106,7 +111,9 @@ def test_token_multiples_of_each_mode():
     assert padded_width(16, 13, 128) == 16
 
 
-@pytest.mark.parametrize("mode,bad,good", [("fp8_tensorwise", 15, 16), ("fp8_rowwise", 24, 32), ("fp8_blockwise", 64, 128)])
+@pytest.mark.parametrize(
+    "mode,bad,good", [("fp8_tensorwise", 15, 16), ("fp8_rowwise", 24, 32), ("fp8_blockwise", 64, 128)]
+)
 def test_strict_emulation_rejects_what_the_kernel_rejects(mode, bad, good):
     """The weight-gradient matmul contracts over the tokens: torch._scaled_mm needs a multiple
     of 16, torchao's blockwise backward 128. Strict mode raises there; forward-only passes."""
@@ -176,8 +183,9 @@ def _spawn(fn, args: tuple, timeout: float = 180.0, nprocs: int = 2) -> None:
             pytest.fail(f"{nprocs} ranks still running after {timeout:.0f} s (mismatched collectives?)")
 
 
-def _rank_main(rank: int, world: int, port: int, mode: str, steps: int, out: str, n: int = 16,
-               kw: dict | None = None) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, mode: str, steps: int, out: str, n: int = 16, kw: dict | None = None
+) -> None:
     import torch.distributed as dist
 
     from stages.trainer.distributed import full_model_state, shard_policy
@@ -192,13 +200,24 @@ def _rank_main(rank: int, world: int, port: int, mode: str, steps: int, out: str
         opt, sched = make_optimizer(model, cfg)
         results = []
         for step in range(steps):
-            res = policy_update(model, opt, sched, _batch(n=n, seed=step), cfg, bounds=(0.8, 1.28), shadow=step == 0,
-                                seed=step, collective=DistCollective())
+            res = policy_update(
+                model,
+                opt,
+                sched,
+                _batch(n=n, seed=step),
+                cfg,
+                bounds=(0.8, 1.28),
+                shadow=step == 0,
+                seed=step,
+                collective=DistCollective(),
+            )
             results.append(res)
         state = full_model_state(model)
         if rank == 0:
-            torch.save({"results": [(r.metrics, r.logp_fp8, r.old_logp_fp8, r.logp_bf16) for r in results],
-                        "state": state}, out)
+            torch.save(
+                {"results": [(r.metrics, r.logp_fp8, r.old_logp_fp8, r.logp_bf16) for r in results], "state": state},
+                out,
+            )
     finally:
         dist.destroy_process_group()
 
@@ -208,8 +227,10 @@ def _one_process(mode: str, steps: int, n: int = 16, kw: dict | None = None):
     cfg = _cfg(mode, **(kw or {}))
     model = _model(mode)
     opt, sched = make_optimizer(model, cfg)
-    results = [policy_update(model, opt, sched, _batch(n=n, seed=s), cfg, bounds=(0.8, 1.28), shadow=s == 0, seed=s)
-               for s in range(steps)]
+    results = [
+        policy_update(model, opt, sched, _batch(n=n, seed=s), cfg, bounds=(0.8, 1.28), shadow=s == 0, seed=s)
+        for s in range(steps)
+    ]
     return [(r.metrics, r.logp_fp8, r.old_logp_fp8, r.logp_bf16) for r in results], model.state_dict()
 
 
@@ -253,10 +274,18 @@ def _two_ranks_match_one_process(tmp_path, mode: str, n: int = 16, kw: dict | No
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["bf16", "fp8_rowwise"])
-@pytest.mark.parametrize("n,micro,calibration", [(19, 4, None), (17, 4, None), (6, 2, None), (3, 4, None),
-                                                 (17, 4, "bapo"), (3, 4, "bapo")],
-                         ids=["2-full+3-rows", "2-full+1-row", "3-micros-2+1", "rank-1-owns-no-row",
-                              "2-full+1-row-bapo", "rank-1-owns-no-row-bapo"])
+@pytest.mark.parametrize(
+    "n,micro,calibration",
+    [(19, 4, None), (17, 4, None), (6, 2, None), (3, 4, None), (17, 4, "bapo"), (3, 4, "bapo")],
+    ids=[
+        "2-full+3-rows",
+        "2-full+1-row",
+        "3-micros-2+1",
+        "rank-1-owns-no-row",
+        "2-full+1-row-bapo",
+        "rank-1-owns-no-row-bapo",
+    ],
+)
 def test_two_gloo_ranks_match_one_process_with_a_partial_mini_batch(tmp_path, mode, n, micro, calibration):
     """Global batch not a multiple of ppo_mini_batch_size = 8 (DAPO dynamic sampling keeps fewer rows).
 
@@ -328,7 +357,9 @@ def test_policy_and_batches_live_on_the_models_device():
 # --------------------------------------------------------------------------- memory plan
 
 
-@pytest.mark.parametrize("preset,gpus", [("qwen3-8b-grpo-deepscaler", 8), ("qwen3-14b-dapo", 8), ("qwen2.5-32b-grpo", 32)])
+@pytest.mark.parametrize(
+    "preset,gpus", [("qwen3-8b-grpo-deepscaler", 8), ("qwen3-14b-dapo", 8), ("qwen2.5-32b-grpo", 32)]
+)
 def test_gpu_presets_fit_the_gpus_the_plan_names(preset, gpus):
     from flows.configuration import load_config
     from flows.plan import memory_plan
@@ -344,7 +375,9 @@ def test_memory_plan_counts_qwen3_8b_parameters():
     from flows.plan import ARCHITECTURES, total_params
 
     assert total_params(ARCHITECTURES["Qwen/Qwen3-8B"]) == pytest.approx(8.19e9, rel=0.005)  # published: 8.2B
-    assert total_params(ARCHITECTURES["Qwen/Qwen2.5-32B"]) == pytest.approx(32.76e9, rel=0.005)  # published: 32.5B (rounded model card)
+    assert total_params(ARCHITECTURES["Qwen/Qwen2.5-32B"]) == pytest.approx(
+        32.76e9, rel=0.005
+    )  # published: 32.5B (rounded model card)
 
 
 # --------------------------------------------------------------------------- distributed checkpoints
@@ -366,8 +399,9 @@ def _ckpt_rank(rank: int, world: int, port: int, path: str, mode: str, out: str)
         model = shard_policy(_model("bf16", seed=1 if mode == "load" else 0))
         opt, sched = make_optimizer(model, cfg)
         if mode == "save":
-            policy_update(model, opt, sched, _batch(), cfg, bounds=(0.8, 1.28), shadow=False, seed=0,
-                          collective=DistCollective())
+            policy_update(
+                model, opt, sched, _batch(), cfg, bounds=(0.8, 1.28), shadow=False, seed=0, collective=DistCollective()
+            )
             save_sharded(path, model, opt)
         else:
             load_sharded(path, model, opt)
@@ -394,8 +428,10 @@ def _ckpt_one(path: str, mode: str):
         save_sharded(path, model, opt)
     else:
         load_sharded(path, model, opt)
-    return {"model": model.state_dict(),
-            "optim": get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))}
+    return {
+        "model": model.state_dict(),
+        "optim": get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)),
+    }
 
 
 def _same_state(a, b):

@@ -72,7 +72,12 @@ def test_equivalent_forms_are_equal(response, gold):
 
 @pytest.mark.parametrize(
     "response, gold",
-    [("\\boxed{0.6}", "\\frac{1}{2}"), ("\\boxed{28}", "27"), ("\\boxed{(3,\\pi)}", "(3,\\pi/2)"), ("\\boxed{[1,2]}", "[1,2)")],
+    [
+        ("\\boxed{0.6}", "\\frac{1}{2}"),
+        ("\\boxed{28}", "27"),
+        ("\\boxed{(3,\\pi)}", "(3,\\pi/2)"),
+        ("\\boxed{[1,2]}", "[1,2)"),
+    ],
 )
 def test_different_answers_are_not_equal(response, gold):
     assert not math_equal(response, gold)

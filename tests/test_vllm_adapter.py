@@ -12,7 +12,6 @@ every call so the tests can check what the adapter asked of vLLM.
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import random
 import sys
@@ -32,8 +31,6 @@ from stages.engines.vllm_engine import (
     prompt_seed,
     trainer_weights,
 )
-
-
 
 EOS = 2
 
@@ -66,8 +63,19 @@ class FakeRequestOutput:
 class FakeSamplingParams:
     """Keyword-only like vLLM's msgspec struct: an unknown field is a TypeError."""
 
-    def __init__(self, *, n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=16, seed=None, logprobs=None, detokenize=True,
-                 stop_token_ids=None):
+    def __init__(
+        self,
+        *,
+        n=1,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_tokens=16,
+        seed=None,
+        logprobs=None,
+        detokenize=True,
+        stop_token_ids=None,
+    ):
         self.n, self.temperature, self.top_p, self.top_k = n, temperature, top_p, top_k
         self.max_tokens, self.seed, self.logprobs, self.detokenize = max_tokens, seed, logprobs, detokenize
         self.stop_token_ids = stop_token_ids
@@ -99,7 +107,10 @@ class FakeLLM:
                     if ids[-1] == EOS:
                         reason = "stop"
                         break
-                steps = [{tok: FakeLogprob(-(t + 1) / 10, rank=2), 0: FakeLogprob(-0.01, rank=1)} for t, tok in enumerate(ids)]
+                steps = [
+                    {tok: FakeLogprob(-(t + 1) / 10, rank=2), 0: FakeLogprob(-0.01, rank=1)}
+                    for t, tok in enumerate(ids)
+                ]
                 completions.append(FakeCompletion(i, ids, steps if sp.logprobs == 0 else None, reason))
             outs.append(FakeRequestOutput(str(r), prompt["prompt_token_ids"], completions[::-1]))
         return outs
@@ -149,7 +160,9 @@ def make(policy, tokenizer, fake_vllm, *, rollout="fp8_per_tensor", sleep=True, 
 
 
 # --------------------------------------------------------------- construction
-@pytest.mark.parametrize("rollout, quantization", [("bf16", None), ("fp8_per_tensor", "fp8_per_tensor"), ("fp8_per_block", "fp8_per_block")])
+@pytest.mark.parametrize(
+    "rollout, quantization", [("bf16", None), ("fp8_per_tensor", "fp8_per_tensor"), ("fp8_per_block", "fp8_per_block")]
+)
 def test_llm_kwargs_map_our_config(rollout, quantization):
     kwargs = build_llm_kwargs(
         RolloutConfig(gpu_memory_utilization=0.3, tensor_parallel_size=2, sleep_between_steps=False),
@@ -174,9 +187,18 @@ def test_llm_kwargs_map_our_config(rollout, quantization):
         "enforce_eager": True,
     }
     for sync in ("ipc", "nccl"):
-        kw = build_llm_kwargs(RolloutConfig(), PrecisionConfig(rollout=rollout), model_path="/c", seed=0, logprobs_mode="raw", weight_sync=sync)
+        kw = build_llm_kwargs(
+            RolloutConfig(),
+            PrecisionConfig(rollout=rollout),
+            model_path="/c",
+            seed=0,
+            logprobs_mode="raw",
+            weight_sync=sync,
+        )
         assert kw["weight_transfer_config"] == {"backend": sync}
-    raw = build_llm_kwargs(RolloutConfig(), PrecisionConfig(rollout=rollout), model_path="/c", seed=0, logprobs_mode="raw")
+    raw = build_llm_kwargs(
+        RolloutConfig(), PrecisionConfig(rollout=rollout), model_path="/c", seed=0, logprobs_mode="raw"
+    )
     assert raw["logprobs_mode"] == "raw_logprobs" and "max_model_len" not in raw
 
 
@@ -222,7 +244,14 @@ def test_generate_builds_one_seeded_request_per_prompt(policy, tokenizer, fake_v
     prompts, params, use_tqdm = seen[0]
     assert prompts == [{"prompt_token_ids": [1, 5, 6]}, {"prompt_token_ids": [1, 7]}] and use_tqdm is False
     for p, sp in enumerate(params):
-        assert (sp.n, sp.temperature, sp.top_p, sp.max_tokens, sp.logprobs, sp.detokenize) == (3, 0.8, 0.95, 9, 0, False)
+        assert (sp.n, sp.temperature, sp.top_p, sp.max_tokens, sp.logprobs, sp.detokenize) == (
+            3,
+            0.8,
+            0.95,
+            9,
+            0,
+            False,
+        )
         assert sp.top_k == 0  # vLLM default: no top-k truncation
         assert sp.seed == prompt_seed(11, p, 3)
     # vLLM seeds child i of a request with seed + i: no two samples may share a stream.
@@ -239,8 +268,13 @@ def test_stop_token_ids_reach_vllm(policy, tokenizer, fake_vllm, monkeypatch):
         policy.generation_config.eos_token_id = tokenizer.eos_token_id
     seen = []
     original = FakeLLM.generate
-    monkeypatch.setattr(FakeLLM, "generate", lambda self, prompts, sp=None, *, use_tqdm=True: seen.append(sp)
-                        or original(self, prompts, sp, use_tqdm=use_tqdm))
+    monkeypatch.setattr(
+        FakeLLM,
+        "generate",
+        lambda self, prompts, sp=None, *, use_tqdm=True: (
+            seen.append(sp) or original(self, prompts, sp, use_tqdm=use_tqdm)
+        ),
+    )
     engine.generate([[1, 5, 6], [1, 7]], n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=0)
     assert [sp.stop_token_ids for sp in seen[0]] == [sorted({tokenizer.eos_token_id, 77})] * 2
     child_seeds = {prompt_seed(11, p, 3) + i for p in range(50) for i in range(3)}
@@ -289,7 +323,12 @@ def test_conversion_truncates_after_eos_and_rejects_bad_outputs():
 
     def convert(completions, n=1):
         return batch_from_request_outputs(
-            [FakeRequestOutput("0", [1], completions)], n=n, eos_ids=eos, wall_seconds=1.0, engine="vllm", precision="bf16"
+            [FakeRequestOutput("0", [1], completions)],
+            n=n,
+            eos_ids=eos,
+            wall_seconds=1.0,
+            engine="vllm",
+            precision="bf16",
         )
 
     with pytest.raises(RuntimeError, match="logprobs=0"):
@@ -362,18 +401,29 @@ def test_weight_sync_by_path_saves_then_reloads(policy, tokenizer, fake_vllm):
     assert not os.path.exists(folder)
 
 
-@pytest.mark.parametrize("options, match", [({"sleep_level": 3}, "sleep_level"), ({"weight_sync": "iterator"}, "bare lists"), ({"weight_sync": "nccl"}, "nccl_master"), ({"logprobs_mode": "logits"}, "logprobs_mode")])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"sleep_level": 3}, "sleep_level"),
+        ({"weight_sync": "iterator"}, "bare lists"),
+        ({"weight_sync": "nccl"}, "nccl_master"),
+        ({"logprobs_mode": "logits"}, "logprobs_mode"),
+    ],
+)
 def test_bad_options_are_rejected(policy, tokenizer, fake_vllm, options, match):
     with pytest.raises(ValueError, match=match):
         make(policy, tokenizer, fake_vllm, **options)
 
 
 # ------------------------------------------------------------- SPMD layouts
-@pytest.mark.parametrize("layout, tp, expect", [
-    ("per_rank", 1, {"tensor_parallel_size": 1, "data_parallel_size": 4}),
-    ("per_rank", 2, {"tensor_parallel_size": 2, "data_parallel_size": 2}),
-    ("shared_tp", 1, {"tensor_parallel_size": 4, "data_parallel_size": 1}),
-])
+@pytest.mark.parametrize(
+    "layout, tp, expect",
+    [
+        ("per_rank", 1, {"tensor_parallel_size": 1, "data_parallel_size": 4}),
+        ("per_rank", 2, {"tensor_parallel_size": 2, "data_parallel_size": 2}),
+        ("shared_tp", 1, {"tensor_parallel_size": 4, "data_parallel_size": 1}),
+    ],
+)
 def test_engine_per_rank_under_torchrun(policy, tokenizer, fake_vllm, monkeypatch, layout, tp, expect):
     from stages.engines.vllm_engine import spmd_llm_options
 
@@ -381,9 +431,14 @@ def test_engine_per_rank_under_torchrun(policy, tokenizer, fake_vllm, monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "2")
     engine = make_engine(
-        "vllm", model=policy, tokenizer=tokenizer, precision=PrecisionConfig(rollout="bf16"),
+        "vllm",
+        model=policy,
+        tokenizer=tokenizer,
+        precision=PrecisionConfig(rollout="bf16"),
         config=RolloutConfig(engine="vllm", data_parallel=layout, tensor_parallel_size=tp),
-        vllm_module=fake_vllm, weight_sync="path", verify_sync="never",
+        vllm_module=fake_vllm,
+        weight_sync="path",
+        verify_sync="never",
     )
     assert engine.llm.kwargs["distributed_executor_backend"] == "external_launcher"
     assert {k: engine.llm.kwargs[k] for k in expect} == expect

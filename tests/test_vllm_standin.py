@@ -10,12 +10,12 @@ mode now delivers every tensor, bit-exact and under its own name.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 
 import pytest
 import torch
+from vllm_standin import STANDIN_GPU_UUID, make_standin_module, param_digest
 
 from fp8rl_core.config import ModelConfig, PrecisionConfig, RolloutConfig
 from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
@@ -23,7 +23,6 @@ from stages.engines import make_engine
 from stages.engines import vllm_engine as ve
 from stages.engines import weight_transfer as wt
 from stages.engines.vllm_wire import MsgpackDecoder, MsgpackEncoder, UtilityOutput, UtilityResult, encode_utility_call
-from vllm_standin import STANDIN_GPU_UUID, make_standin_module, param_digest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,8 +31,12 @@ pytestmark = pytest.mark.timeout(120)
 def test_untyped_engine_core_decoder_turns_tensors_into_bare_lists(monkeypatch):
     monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
     big, small = torch.randn(8, 64, dtype=torch.bfloat16), torch.ones(2, 3)
-    frames = encode_utility_call(MsgpackEncoder(), 7, "collective_rpc",
-                                 ("reload_weights", None, (), {"weights_iterator": [("a", big), ("b", small)]}))
+    frames = encode_utility_call(
+        MsgpackEncoder(),
+        7,
+        "collective_rpc",
+        ("reload_weights", None, (), {"weights_iterator": [("a", big), ("b", small)]}),
+    )
     assert len(frames) == 2  # the big tensor's bytes travel in their own frame ...
     client, call_id, method, (rpc, timeout, args, kwargs) = MsgpackDecoder().decode(frames)
     (name_a, a), (name_b, b) = kwargs["weights_iterator"]
@@ -62,9 +65,15 @@ def test_ipc_update_info_keeps_order_and_metadata():
     assert pickle.loads(base64.b64decode(info["ipc_handles_pickled"])) == [{"GPU-x": ("h", 2)}, {"GPU-x": ("h", 4)}]
     with pytest.raises(ValueError, match="CUDA IPC needs CUDA tensors"):
         wt.cuda_ipc_handle(torch.zeros(2))
-    assert wt.nccl_trainer_init_kwargs(RolloutConfig(tensor_parallel_size=2), master_address="10.0.0.1", master_port=29555) == {
-        "rank": 0, "master_address": "10.0.0.1", "master_port": 29555, "world_size": 3}
-    zeroed = {"l.qkv_proj.weight": "0", "l.qkv_proj.weight_scale": "0", "l.down_proj.weight": "0", "l.attn.k_scale": "0"}
+    assert wt.nccl_trainer_init_kwargs(
+        RolloutConfig(tensor_parallel_size=2), master_address="10.0.0.1", master_port=29555
+    ) == {"rank": 0, "master_address": "10.0.0.1", "master_port": 29555, "world_size": 3}
+    zeroed = {
+        "l.qkv_proj.weight": "0",
+        "l.qkv_proj.weight_scale": "0",
+        "l.down_proj.weight": "0",
+        "l.attn.k_scale": "0",
+    }
     after = {"l.qkv_proj.weight": "1", "l.qkv_proj.weight_scale": "0", "l.attn.k_scale": "0"}
     assert wt.unreloaded_parameters(zeroed, after) == ["l.down_proj.weight", "l.qkv_proj.weight_scale"]
 
@@ -96,9 +105,14 @@ def file_handle_fn(folder):
 def make(policy, tokenizer, sync, tmp_path, **options):
     extra = {"ipc_handle_fn": file_handle_fn(str(tmp_path)), "gpu_uuid": STANDIN_GPU_UUID} if sync == "ipc" else {}
     return make_engine(
-        "vllm", model=policy, tokenizer=tokenizer, precision=PrecisionConfig(rollout="fp8_per_tensor"),
+        "vllm",
+        model=policy,
+        tokenizer=tokenizer,
+        precision=PrecisionConfig(rollout="fp8_per_tensor"),
         config=RolloutConfig(engine="vllm", sleep_between_steps=True, weight_sync=sync, vllm_process="separate"),
-        vllm_module=make_standin_module(), **extra, **options,
+        vllm_module=make_standin_module(),
+        **extra,
+        **options,
     )
 
 
@@ -138,7 +152,10 @@ def test_weight_sync_crosses_the_process_boundary_bit_exact(policy, tokenizer, t
         assert mismatched(engine, policy) == []
         folder = engine._sync_dir
         assert os.path.basename(folder).startswith("fp8rl-weights-") and os.listdir(folder) == ["model.safetensors"]
-        assert engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=3).samples == before.samples
+        assert (
+            engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=3).samples
+            == before.samples
+        )
 
         # A sender that swaps two same-shape tensors is caught by the exact comparison above ...
         engine.weight_sync, engine.verify_sync = "ipc", "never"
@@ -152,10 +169,18 @@ def test_weight_sync_crosses_the_process_boundary_bit_exact(policy, tokenizer, t
 
         monkeypatch.setattr(wt, "ipc_update_info", swapping)
         engine.load_weights(trained)
-        assert mismatched(engine, trained) == ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
+        assert mismatched(engine, trained) == [
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.self_attn.q_proj.weight",
+        ]
         # ... and one that drops a whole layer's tensor leaves it un-reloaded: verify_sync names it.
-        monkeypatch.setattr(wt, "ipc_update_info", lambda weights, **kw: original(
-            [(n, t) for n, t in weights if n != "model.layers.1.mlp.down_proj.weight"], **kw))
+        monkeypatch.setattr(
+            wt,
+            "ipc_update_info",
+            lambda weights, **kw: original(
+                [(n, t) for n, t in weights if n != "model.layers.1.mlp.down_proj.weight"], **kw
+            ),
+        )
         engine.verify_sync = "always"
         with pytest.raises(RuntimeError, match=r"un-reloaded.*layers\.1\.mlp\.down_proj"):
             engine.load_weights(trained)
@@ -171,6 +196,7 @@ def test_weight_sync_crosses_the_process_boundary_bit_exact(policy, tokenizer, t
 def test_campaign_steps_sleep_after_rollout_and_wake_before_sync(tmp_path, monkeypatch):
     """A step and the next rollout of the stages with the vLLM engine (stand-in): rollout, sleep, train, wake, sync, rollout."""
     from conftest import micro_config
+
     from flows.configuration import dump_config
     from stages.context import open_context
     from stages.rollout import run_rollout
@@ -182,16 +208,26 @@ def test_campaign_steps_sleep_after_rollout_and_wake_before_sync(tmp_path, monke
     base = tmp_path / "base"  # an untrained tiny policy: no bootstrap needed to check the engine's life cycle
     build_tiny_model(ModelConfig()).save_pretrained(base)
     build_tokenizer().save_pretrained(base)
-    cfg = micro_config(f"model.path={base}", "rollout.engine=vllm", "rollout.weight_sync=path", "rollout.vllm_process=separate",
-                       "precision.rollout=fp8_per_tensor",
-                       "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=6",
-                       "algorithm.ppo_mini_batch_size=4", "algorithm.micro_batch_size=4")
+    cfg = micro_config(
+        f"model.path={base}",
+        "rollout.engine=vllm",
+        "rollout.weight_sync=path",
+        "rollout.vllm_process=separate",
+        "precision.rollout=fp8_per_tensor",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2",
+        "rollout.max_new_tokens=6",
+        "algorithm.ppo_mini_batch_size=4",
+        "algorithm.micro_batch_size=4",
+    )
     create_run(tmp_path, "r", config=dump_config(cfg))
     env, state = open_context(cfg, tmp_path / "r")
     try:
         engine = env.engine
         assert isinstance(engine, ve.VLLMEngine) and engine.llm.kwargs["enable_sleep_mode"] is True
-        with pytest.raises(Exception, match="Weight transfer not configured"):  # path mode: no transfer engine, as in vLLM
+        with pytest.raises(
+            Exception, match="Weight transfer not configured"
+        ):  # path mode: no transfer engine, as in vLLM
             engine.llm.start_weight_update()
         _, state = run_rollout(env, state, 1)
         assert engine.asleep  # the trainer runs with the engine asleep
@@ -199,13 +235,24 @@ def test_campaign_steps_sleep_after_rollout_and_wake_before_sync(tmp_path, monke
         _, state = run_train(env, state, 1)
         run_rollout(env, state, 2)
         assert engine.events == [
-            "sync", "generate", "sleep:1",  # step 1 (first load of the base policy)
-            "wake:weights", "sync", "release_cache", "wake:kv_cache", "generate", "sleep:1",  # step 2: after step 1's update
+            "sync",
+            "generate",
+            "sleep:1",  # step 1 (first load of the base policy)
+            "wake:weights",
+            "sync",
+            "release_cache",
+            "wake:kv_cache",
+            "generate",
+            "sleep:1",  # step 2: after step 1's update
         ]
         # the frontend's calls to vLLM, in order, around step 2's weight update
         calls = [c for c in engine.llm.calls if c[0] in ("sleep", "wake_up", "collective_rpc", "generate")]
         k = calls.index(("sleep", 1))
-        assert calls[k + 1:k + 5] == [("wake_up", ["weights"]), ("collective_rpc", "reload_weights"),
-                                      ("wake_up", ["kv_cache"]), ("generate", cfg.rollout.prompts_per_step)]
+        assert calls[k + 1 : k + 5] == [
+            ("wake_up", ["weights"]),
+            ("collective_rpc", "reload_weights"),
+            ("wake_up", ["kv_cache"]),
+            ("generate", cfg.rollout.prompts_per_step),
+        ]
     finally:
         env.close()

@@ -50,8 +50,8 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from stages.trainer.distributed import shard_policy
     from stages.engines.hf_engine import full_view
+    from stages.trainer.distributed import shard_policy
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -121,6 +121,7 @@ def test_sync_peak_is_one_parameter_not_the_model():
 
 def test_plan_prints_the_sync_peak():
     from conftest import micro_config
+
     from flows.plan import format_plan, memory_plan
 
     cfg = micro_config("rollout.engine=vllm", "rollout.vllm_process=trainer", "rollout.weight_sync=tensors")
@@ -138,17 +139,25 @@ def test_ipc_with_the_engine_in_the_trainers_process_is_refused_in_one_line():
     assert RolloutConfig(engine="vllm", vllm_process="separate", weight_sync="ipc").weight_sync == "ipc"
     never = SimpleNamespace(LLM=lambda **kw: pytest.fail("the engine was built before the refusal"))
     with pytest.raises(ValueError, match="trainer's process"):
-        VLLMEngine(model=build_tiny_model(ModelConfig()), tokenizer=None, precision=PrecisionConfig(),
-                   config=RolloutConfig(), weight_sync="ipc", model_path="/nowhere", vllm_module=never)
+        VLLMEngine(
+            model=build_tiny_model(ModelConfig()),
+            tokenizer=None,
+            precision=PrecisionConfig(),
+            config=RolloutConfig(),
+            weight_sync="ipc",
+            model_path="/nowhere",
+            vllm_module=never,
+        )
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_engine_is_built_before_the_policy_reaches_the_device(world_size, tmp_path, monkeypatch):
     """vLLM's start-up check needs the device free: build it first; under torchrun shard from the host."""
-    import stages.context as context
-    import stages.trainer.distributed as distributed
-    import stages.engines as engines
     from conftest import micro_config
+
+    import stages.context as context
+    import stages.engines as engines
+    import stages.trainer.distributed as distributed
     from flows.configuration import dump_config
     from fp8rl_core.tiny_model import build_tokenizer
     from storage.layout import create_run

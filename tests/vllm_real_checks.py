@@ -20,6 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
+
 def bf16_logprob_tolerance(max_abs_logit: float, depth: int) -> float:
     from stages.engines.weight_transfer import bf16_logprob_tolerance as tolerance
 
@@ -42,8 +43,16 @@ def make_engine(model, tok, folder: Path):
     from stages.engines import make_engine as make
 
     cfg = RolloutConfig(engine="vllm", sleep_between_steps=False, gpu_memory_utilization=0.1, verify_sync="first")
-    return make("vllm", model=model, tokenizer=tok, precision=PrecisionConfig(rollout="bf16"), config=cfg,
-                model_path=str(folder), max_model_len=128, llm_options={"enforce_eager": True})
+    return make(
+        "vllm",
+        model=model,
+        tokenizer=tok,
+        precision=PrecisionConfig(rollout="bf16"),
+        config=cfg,
+        model_path=str(folder),
+        max_model_len=128,
+        llm_options={"enforce_eager": True},
+    )
 
 
 PROMPTS = [[1, 40, 41, 42], [1, 60, 61], [1, 70, 71, 72, 73, 74]]
@@ -57,8 +66,8 @@ def check_seeds(engine) -> dict:
     alone = engine.generate([PROMPTS[1]], seed=0, seeds=[12], **GEN)
     ids = lambda batch: [s.response_ids for s in batch.samples]  # noqa: E731
     return {
-        "repeat_identical": ids(a) == ids(b) and [s.response_logprobs for s in a.samples] == [
-            s.response_logprobs for s in b.samples],
+        "repeat_identical": ids(a) == ids(b)
+        and [s.response_logprobs for s in a.samples] == [s.response_logprobs for s in b.samples],
         "other_seeds_differ": ids(a) != ids(c),
         "group_independent_of_call": ids(alone) == [s.response_ids for s in a.group(1)],
         "children_distinct": len({tuple(s.response_ids) for s in a.group(0)}) > 1,
@@ -126,10 +135,13 @@ def check_stops(engine) -> dict:
     return {
         "stop_token": stop_tok,
         "stopped_samples": len(stopped),
-        "end_at_stop_token": all(b.response_ids == a.response_ids[: a.response_ids.index(stop_tok) + 1]
-                                 and b.finish_reason == "stop" for a, b in stopped),
-        "prefix_logprobs_equal": all(b.response_logprobs == a.response_logprobs[: len(b.response_logprobs)]
-                                     for a, b in stopped),
+        "end_at_stop_token": all(
+            b.response_ids == a.response_ids[: a.response_ids.index(stop_tok) + 1] and b.finish_reason == "stop"
+            for a, b in stopped
+        ),
+        "prefix_logprobs_equal": all(
+            b.response_logprobs == a.response_logprobs[: len(b.response_logprobs)] for a, b in stopped
+        ),
         "vllm_stopped_itself": raw_lengths == [len(s.response_ids) for s in cut.samples],
         "eos_finish_stop": all(s.finish_reason == "stop" for s in free.samples if 2 in s.response_ids),
     }

@@ -72,9 +72,20 @@ import torch
 
 STANDIN_GPU_UUID = "GPU-standin-0000"
 _LLM_KWARGS = {
-    "model", "tokenizer", "dtype", "quantization", "gpu_memory_utilization", "tensor_parallel_size",
-    "enable_sleep_mode", "seed", "logprobs_mode", "max_model_len", "enforce_eager", "weight_transfer_config",
-    "data_parallel_size", "distributed_executor_backend",
+    "model",
+    "tokenizer",
+    "dtype",
+    "quantization",
+    "gpu_memory_utilization",
+    "tensor_parallel_size",
+    "enable_sleep_mode",
+    "seed",
+    "logprobs_mode",
+    "max_model_len",
+    "enforce_eager",
+    "weight_transfer_config",
+    "data_parallel_size",
+    "distributed_executor_backend",
 }
 
 
@@ -82,8 +93,19 @@ _LLM_KWARGS = {
 class SamplingParams:
     """Keyword-only like vLLM's msgspec struct: an unknown field is a TypeError."""
 
-    def __init__(self, *, n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=16, seed=None, logprobs=None, detokenize=True,
-                 stop_token_ids=None):
+    def __init__(
+        self,
+        *,
+        n=1,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_tokens=16,
+        seed=None,
+        logprobs=None,
+        detokenize=True,
+        stop_token_ids=None,
+    ):
         self.n, self.temperature, self.top_p, self.top_k = n, temperature, top_p, top_k
         self.max_tokens, self.seed, self.logprobs, self.detokenize = max_tokens, seed, logprobs, detokenize
         self.stop_token_ids = list(stop_token_ids or [])
@@ -163,7 +185,11 @@ class LLM:
         for r, (prompt, completions) in enumerate(zip(prompts, results)):
             comps = []
             for i, (ids, logps, reason) in enumerate(completions):
-                steps = [{tok: Logprob(lp, rank=1)} for tok, lp in zip(ids, logps)] if sampling_params[r].logprobs == 0 else None
+                steps = (
+                    [{tok: Logprob(lp, rank=1)} for tok, lp in zip(ids, logps)]
+                    if sampling_params[r].logprobs == 0
+                    else None
+                )
                 comps.append(CompletionOutput(i, ids, steps, reason))
             outs.append(RequestOutput(str(r), prompt["prompt_token_ids"], comps[::-1]))
         return outs
@@ -259,7 +285,13 @@ def make_standin_module() -> types.SimpleNamespace:
 
 
 # ------------------------------------------------------- engine-core process
-FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 
 
 def fused_name(hf_name: str) -> str:
@@ -296,7 +328,9 @@ class Worker:
         config = AutoConfig.from_pretrained(model_path)
         self.hf = AutoModelForCausalLM.from_config(config).eval()
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.params: dict[str, torch.Tensor] = {k: v.detach().clone().to(torch.bfloat16) for k, v in self.hf.state_dict().items()}
+        self.params: dict[str, torch.Tensor] = {
+            k: v.detach().clone().to(torch.bfloat16) for k, v in self.hf.state_dict().items()
+        }
         if self.tied:
             self.params.pop("lm_head.weight", None)
         self.quantization = kwargs.get("quantization")
@@ -309,7 +343,9 @@ class Worker:
         mode = {None: "bf16", "fp8_per_tensor": "fp8_per_tensor", "fp8_per_block": "fp8_per_block"}[self.quantization]
         self.engine_cls, self.precision = TransformersEngine, PrecisionConfig(rollout=mode)
         self.rollout_cfg = RolloutConfig(generation_batch_size=64)
-        self.logprobs_mode = "processed" if kwargs.get("logprobs_mode", "raw_logprobs") == "processed_logprobs" else "raw"
+        self.logprobs_mode = (
+            "processed" if kwargs.get("logprobs_mode", "raw_logprobs") == "processed_logprobs" else "raw"
+        )
         self._engine = None
 
     # vLLM's model.load_weights: params by name, copy_ each loaded tensor
@@ -320,7 +356,9 @@ class Worker:
             if name not in self.params:
                 raise KeyError(name)
             if not isinstance(loaded_weight, torch.Tensor):
-                raise TypeError(f"copy_(): argument 'src' (position 1) must be Tensor, not {type(loaded_weight).__name__}")
+                raise TypeError(
+                    f"copy_(): argument 'src' (position 1) must be Tensor, not {type(loaded_weight).__name__}"
+                )
             self.params[name].copy_(loaded_weight)
             self._pending.setdefault(fused_name(name), set()).add(name)
             loaded.add(name)
@@ -376,7 +414,9 @@ class Worker:
     # weight transfer (gpu_worker.py)
     def _check_transfer(self) -> None:
         if self.transfer is None:
-            raise RuntimeError("Weight transfer not configured. Please set weight_transfer_config to enable weight transfer.")
+            raise RuntimeError(
+                "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
+            )
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self._check_transfer()
@@ -389,7 +429,9 @@ class Worker:
     def start_weight_update(self) -> None:
         self._check_transfer()
         if self.update_active:
-            raise RuntimeError("start_weight_update called while a weight update is already active. Call finish_weight_update first.")
+            raise RuntimeError(
+                "start_weight_update called while a weight update is already active. Call finish_weight_update first."
+            )
         self._initialize_layerwise_reload()
         self.update_active = True
 
@@ -400,7 +442,9 @@ class Worker:
         if self.transfer == "ipc":
             self.load_weights(self._ipc_weights(update_info))
         else:
-            raise RuntimeError("the stand-in has no NCCL data plane (needs GPUs); only the IPC and path modes load here")
+            raise RuntimeError(
+                "the stand-in has no NCCL data plane (needs GPUs); only the IPC and path modes load here"
+            )
 
     def _ipc_weights(self, info: dict) -> list[tuple[str, torch.Tensor]]:
         info = dict(info)  # IPCWeightTransferUpdateInfo.__post_init__
@@ -408,18 +452,24 @@ class Worker:
             if info.get("ipc_handles") is not None:
                 raise ValueError("Cannot specify both `ipc_handles` and `ipc_handles_pickled`")
             if not bool(int(os.getenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "0"))):
-                raise ValueError("Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1")
+                raise ValueError(
+                    "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1"
+                )
             info["ipc_handles"] = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
         if info.get("ipc_handles") is None:
             raise ValueError("Either `ipc_handles` or `ipc_handles_pickled` must be provided")
         names = info["names"]
         for key in ("dtype_names", "shapes", "ipc_handles"):
             if len(info[key]) != len(names):
-                raise ValueError(f"`{key}` should be of the same size as `names`: got {len(info[key])} and {len(names)}")
+                raise ValueError(
+                    f"`{key}` should be of the same size as `names`: got {len(info[key])} and {len(names)}"
+                )
         out = []
         for name, dtype, shape, handle in zip(names, info["dtype_names"], info["shapes"], info["ipc_handles"]):
             if STANDIN_GPU_UUID not in handle:
-                raise ValueError(f"IPC handle not found for GPU UUID {STANDIN_GPU_UUID}. Available UUIDs: {list(handle)}")
+                raise ValueError(
+                    f"IPC handle not found for GPU UUID {STANDIN_GPU_UUID}. Available UUIDs: {list(handle)}"
+                )
             t = rebuild_ipc_handle(handle[STANDIN_GPU_UUID])
             if str(t.dtype).removeprefix("torch.") != dtype or list(t.shape) != list(shape):
                 raise ValueError(f"{name}: handle holds {t.dtype} {tuple(t.shape)}, metadata says {dtype} {shape}")
@@ -457,13 +507,30 @@ class Worker:
             if self.tied:
                 state["lm_head.weight"] = state["model.embed_tokens.weight"]
             self.hf.load_state_dict({k: v.float() for k, v in state.items()})
-            self._engine = self.engine_cls(model=self.hf, tokenizer=None, precision=self.precision, config=self.rollout_cfg, logprobs_mode=self.logprobs_mode)
+            self._engine = self.engine_cls(
+                model=self.hf,
+                tokenizer=None,
+                precision=self.precision,
+                config=self.rollout_cfg,
+                logprobs_mode=self.logprobs_mode,
+            )
         out = []
         for ids, sp in requests:
             seed = sp["seed"] if sp["seed"] is not None else 0
-            batch = self._engine.generate([ids], n=sp["n"], temperature=sp["temperature"], top_p=sp["top_p"], max_new_tokens=sp["max_tokens"], seed=seed)
-            out.append([_stop_at(s.response_ids, s.response_logprobs, s.finish_reason, sp.get("stop_token_ids") or [])
-                        for s in batch.samples])
+            batch = self._engine.generate(
+                [ids],
+                n=sp["n"],
+                temperature=sp["temperature"],
+                top_p=sp["top_p"],
+                max_new_tokens=sp["max_tokens"],
+                seed=seed,
+            )
+            out.append(
+                [
+                    _stop_at(s.response_ids, s.response_logprobs, s.finish_reason, sp.get("stop_token_ids") or [])
+                    for s in batch.samples
+                ]
+            )
         return out
 
 

@@ -38,8 +38,12 @@ EVAL_SIZE = 300
 
 
 def _hash(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: BootstrapConfig) -> str:
-    payload = {"version": CODE_BOOTSTRAP_VERSION, "model": model_cfg.model_dump(mode="json"), "task_seed": task_cfg.seed,
-               "bootstrap": boot_cfg.model_dump(mode="json", exclude={"threads"})}
+    payload = {
+        "version": CODE_BOOTSTRAP_VERSION,
+        "model": model_cfg.model_dump(mode="json"),
+        "task_seed": task_cfg.seed,
+        "bootstrap": boot_cfg.model_dump(mode="json", exclude={"threads"}),
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -68,22 +72,33 @@ def measure_accuracy(model, tokenizer, task: TaskConfig, n: int = EVAL_SIZE, *, 
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(problems):
         by_len.setdefault(len(p.prompt), []).append(i)
-    for mode, kwargs in (("sampled", dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)), ("greedy", dict(do_sample=False))):
+    for mode, kwargs in (
+        ("sampled", dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)),
+        ("greedy", dict(do_sample=False)),
+    ):
         correct = 0
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             for idx in by_len.values():
                 ids = torch.tensor([tokenizer(problems[i].prompt)["input_ids"] for i in idx])
-                gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kwargs)
-                texts = tokenizer.batch_decode(gen[:, ids.shape[1]:], skip_special_tokens=True)
+                gen = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=8,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    **kwargs,
+                )
+                texts = tokenizer.batch_decode(gen[:, ids.shape[1] :], skip_special_tokens=True)
                 correct += sum(code_task.safe_verify(t, problems[i]) for t, i in zip(texts, idx))
         out[mode] = correct / n
     model.train()
     return out
 
 
-def train_code_policy(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: BootstrapConfig, eval_size: int = EVAL_SIZE):
+def train_code_policy(
+    model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: BootstrapConfig, eval_size: int = EVAL_SIZE
+):
     tokenizer = build_tokenizer()
     vocab = tokenizer.get_vocab()
     slip = boot_cfg.carry_drop
@@ -111,14 +126,25 @@ def train_code_policy(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: Bo
             step += 1
         train_s = time.perf_counter() - t0
         acc = measure_accuracy(model, tokenizer, task_cfg, eval_size, seed=boot_cfg.seed)
-    stats = {"base_accuracy_sampled": acc["sampled"], "base_accuracy_greedy": acc["greedy"], "eval_size": eval_size,
-             "switch_step": switch_step, "total_steps": step, "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
-             "train_seconds": round(train_s, 2)}
+    stats = {
+        "base_accuracy_sampled": acc["sampled"],
+        "base_accuracy_greedy": acc["greedy"],
+        "eval_size": eval_size,
+        "switch_step": switch_step,
+        "total_steps": step,
+        "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
+        "train_seconds": round(train_s, 2),
+    }
     return model, tokenizer, stats
 
 
-def bootstrap_code(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: BootstrapConfig,
-                   cache_root: str | Path | None = None, eval_size: int | None = None) -> Path:
+def bootstrap_code(
+    model_cfg: ModelConfig,
+    task_cfg: TaskConfig,
+    boot_cfg: BootstrapConfig,
+    cache_root: str | Path | None = None,
+    eval_size: int | None = None,
+) -> Path:
     """The cached checkpoint for these configs (trained on first call); atomic like :func:`stages.bootstrap.math.bootstrap`."""
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     digest = _hash(model_cfg, task_cfg, boot_cfg)
@@ -133,8 +159,14 @@ def bootstrap_code(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: Boots
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        meta = {"config_hash": digest, "version": CODE_BOOTSTRAP_VERSION, "task": task_cfg.model_dump(mode="json"),
-                "bootstrap": boot_cfg.model_dump(mode="json"), "model": model_cfg.model_dump(mode="json"), **stats}
+        meta = {
+            "config_hash": digest,
+            "version": CODE_BOOTSTRAP_VERSION,
+            "task": task_cfg.model_dump(mode="json"),
+            "bootstrap": boot_cfg.model_dump(mode="json"),
+            "model": model_cfg.model_dump(mode="json"),
+            **stats,
+        }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if not final.exists():
             try:

@@ -89,7 +89,9 @@ class NoisyTeacher:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.carry_drop < 0.5:
-            raise ValueError(f"carry_drop={self.carry_drop} must be in [0, 0.5) so that keeping the carry stays the mode")
+            raise ValueError(
+                f"carry_drop={self.carry_drop} must be in [0, 0.5) so that keeping the carry stays the mode"
+            )
         if self.noisy_steps < 0:
             raise ValueError(f"noisy_steps={self.noisy_steps} must be >= 0")
         if self.switch_loss <= 0:
@@ -175,7 +177,10 @@ def measure_accuracy(model, tokenizer, task: TaskConfig, n: int = EVAL_SIZE, *, 
     prompt_ids = torch.tensor([tokenizer(p.prompt)["input_ids"] for p in problems])  # [n, P]
     max_new = t.response_cap(task.difficulty)
     out: dict[str, float] = {}
-    for mode, kwargs in (("sampled", dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)), ("greedy", dict(do_sample=False))):
+    for mode, kwargs in (
+        ("sampled", dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)),
+        ("greedy", dict(do_sample=False)),
+    ):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             gen = model.generate(
@@ -269,7 +274,9 @@ def train_policy(
     if switch_step >= max_clean and ema is not None and ema >= teacher.switch_loss:
         log.warning(
             "bootstrap: the exact-teacher phase hit its cap (%d steps) with loss %.3f > %.3f; raise bootstrap.steps",
-            max_clean, ema, teacher.switch_loss,
+            max_clean,
+            ema,
+            teacher.switch_loss,
         )
     return model, tokenizer, stats
 
@@ -301,8 +308,11 @@ def bootstrap(
     lo, hi = BASE_BAND
     if not lo <= stats["base_accuracy_sampled"] <= hi:
         log.warning(
-            "bootstrapped base accuracy %.3f (sampled) is outside the RL band [%.2f, %.2f]; adjust bootstrap.steps or the teacher's carry_drop",
-            stats["base_accuracy_sampled"], lo, hi,
+            "bootstrapped base accuracy %.3f (sampled) is outside the RL band [%.2f, %.2f]; adjust bootstrap.steps "
+            "or the teacher's carry_drop",
+            stats["base_accuracy_sampled"],
+            lo,
+            hi,
         )
     tmp = root / f".tmp-{digest[:16]}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -189,14 +189,21 @@ def _dapo_math(rec: dict[str, Any], index: int) -> tuple[str, str, str]:
     DAPO's answer-format instruction (stripped here: our prompt template asks for its own format);
     answer = reward_model.ground_truth."""
     msgs = rec.get("prompt")
-    text = next((m.get("content") for m in msgs if isinstance(m, dict) and m.get("role") == "user"), None) \
-        if isinstance(msgs, list) else _text(rec, "prompt", "problem")
+    text = (
+        next((m.get("content") for m in msgs if isinstance(m, dict) and m.get("role") == "user"), None)
+        if isinstance(msgs, list)
+        else _text(rec, "prompt", "problem")
+    )
     if not isinstance(text, str) or not text.strip():
         raise MalformedRecord("no user prompt")
     if _DAPO_HEAD in text.split("\n\n", 1)[0]:
         text = text.split("\n\n", 1)[1] if "\n\n" in text else text
     text = text.split(_DAPO_TAIL, 1)[0].strip()
-    truth = (rec.get("reward_model") or {}).get("ground_truth") if isinstance(rec.get("reward_model"), dict) else rec.get("answer")
+    truth = (
+        (rec.get("reward_model") or {}).get("ground_truth")
+        if isinstance(rec.get("reward_model"), dict)
+        else rec.get("answer")
+    )
     extra = rec.get("extra_info") if isinstance(rec.get("extra_info"), dict) else {}
     rid = str(extra.get("index")) if extra.get("index") is not None else _rec_id(rec, index, "id")
     return rid, text, _answer_str(truth)
@@ -214,17 +221,25 @@ class Source:
 
 SOURCES: Registry[Source] = Registry("benchmark")
 SOURCES.register("aime24")(Source("aime24/test.jsonl", _plain, ("HuggingFaceH4/aime_2024", None, "train")))
-SOURCES.register("aime25")(Source("aime25/aime25_from_matharena.DERIVED.jsonl", _plain, ("math-ai/aime25", None, "test")))
+SOURCES.register("aime25")(
+    Source("aime25/aime25_from_matharena.DERIVED.jsonl", _plain, ("math-ai/aime25", None, "test"))
+)
 SOURCES.register("amc23")(Source("amc23/test.jsonl", _plain, ("math-ai/amc23", None, "test")))
 SOURCES.register("math500")(Source("math500/test.jsonl", _plain, ("HuggingFaceH4/MATH-500", None, "test")))
 SOURCES.register("minerva_math")(Source("minerva_math/test.jsonl", _minerva, ("math-ai/minervamath", None, "test")))
-SOURCES.register("olympiadbench")(Source("olympiadbench/test.jsonl", _olympiad, ("math-ai/olympiadbench", None, "test")))
+SOURCES.register("olympiadbench")(
+    Source("olympiadbench/test.jsonl", _olympiad, ("math-ai/olympiadbench", None, "test"))
+)
 SOURCES.register("gsm8k")(Source("gsm8k/test.jsonl", _gsm8k, ("openai/gsm8k", "main", "test")))
 TRAIN_SOURCES: Registry[Source] = Registry("training prompt source")
-TRAIN_SOURCES.register("deepscaler")(Source("deepscaler_train_partial/math.json", _plain, ("agentica-org/DeepScaleR-Preview-Dataset", None, "train")))
+TRAIN_SOURCES.register("deepscaler")(
+    Source("deepscaler_train_partial/math.json", _plain, ("agentica-org/DeepScaleR-Preview-Dataset", None, "train"))
+)
 TRAIN_SOURCES.register("gsm8k")(Source("gsm8k/train.jsonl", _gsm8k, ("openai/gsm8k", "main", "train")))
 # DAPO's training set (Yu et al. 2025), by its Hugging Face name; not in the offline data folder
-TRAIN_SOURCES.register("dapo_math")(Source("dapo_math_17k/train.jsonl", _dapo_math, ("BytedTsinghua-SIA/DAPO-Math-17k", None, "train")))
+TRAIN_SOURCES.register("dapo_math")(
+    Source("dapo_math_17k/train.jsonl", _dapo_math, ("BytedTsinghua-SIA/DAPO-Math-17k", None, "train"))
+)
 
 BENCHMARK_NAMES = tuple(SOURCES.names()) + ("synthetic",)
 
@@ -250,7 +265,9 @@ def _raw_records(path: Path) -> Iterator[tuple[int, str, dict[str, Any] | None, 
             except json.JSONDecodeError as exc:
                 yield no, str(no), None, f"invalid JSON ({exc.msg} at column {exc.colno})"
                 continue
-            yield (no, str(no), rec, "") if isinstance(rec, dict) else (no, str(no), None, "record is not a JSON object")
+            yield (
+                (no, str(no), rec, "") if isinstance(rec, dict) else (no, str(no), None, "record is not a JSON object")
+            )
         return
     try:
         items = json.loads(text)
@@ -266,7 +283,8 @@ def _raw_records(path: Path) -> Iterator[tuple[int, str, dict[str, Any] | None, 
 def _load_file(name: str, path: Path, parser: RecordParser, limit: int | None) -> BenchmarkSet:
     if not path.is_file():
         raise FileNotFoundError(
-            f"{name}: data file {path} not found; point {DATA_DIR_ENV} (or task.data_dir) at the benchmark folder (../shared/data)"
+            f"{name}: data file {path} not found; point {DATA_DIR_ENV} (or task.data_dir) at the benchmark folder "
+            f"(../shared/data)"
         )
     report = LoadReport(source=name, path=str(path))
     problems: list[BenchmarkProblem] = []
@@ -321,7 +339,9 @@ def load_synthetic(limit: int | None = None, task: TaskConfig | None = None) -> 
     task = task if task is not None else TaskConfig()
     n = limit if limit is not None else SYNTHETIC_DEFAULT_SIZE
     problems = []
-    make = procedural_task(task.kind).make_problem if task.kind == "stress" else make_problem  # the stress task's own test split
+    make = (
+        procedural_task(task.kind).make_problem if task.kind == "stress" else make_problem
+    )  # the stress task's own test split
     for i in range(n):
         p = make(i, "test", task.difficulty, task.seed)
         problems.append(BenchmarkProblem(id=p.id, problem=p.prompt, answer=p.answer, source="synthetic"))

@@ -39,8 +39,7 @@ from typing import Any, Callable, Sequence
 from fp8rl_core import code_task
 from fp8rl_core.config import CodeConfig, TaskConfig
 from stages.data.benchmarks import BenchmarkProblem, BenchmarkSet, LoadReport, resolve_data_dir
-from stages.grade.code import (CodeGradingConfig, extract_code, grade_code_batch, parse_tests,
-                                 statement_allows_any_case)
+from stages.grade.code import CodeGradingConfig, extract_code, grade_code_batch, parse_tests, statement_allows_any_case
 from stages.grade.result import GradeResult
 
 log = logging.getLogger(__name__)
@@ -100,8 +99,9 @@ def render_code_prompt(statement: str, style: str, code: CodeConfig) -> str:
     return tmpl.format(problem=statement)
 
 
-def records_to_set(name: str, path: str, rows: Sequence[dict[str, Any]], source: CodeSource, limit: int | None,
-                   code: CodeConfig) -> BenchmarkSet:
+def records_to_set(
+    name: str, path: str, rows: Sequence[dict[str, Any]], source: CodeSource, limit: int | None, code: CodeConfig
+) -> BenchmarkSet:
     """Parse raw records (from a file or a HF split) into problems whose answer is the grading spec."""
     report = LoadReport(source=name, path=path)
     out: list[BenchmarkProblem] = []
@@ -124,8 +124,11 @@ def records_to_set(name: str, path: str, rows: Sequence[dict[str, Any]], source:
         if style == "stdio" and statement_allows_any_case(statement):
             spec_d["any_case"] = True  # the statement accepts letters in any case
         spec = json.dumps(spec_d)
-        out.append(BenchmarkProblem(id=f"{name}/{rid}", problem=render_code_prompt(statement, style, code), answer=spec,
-                                    source=name))
+        out.append(
+            BenchmarkProblem(
+                id=f"{name}/{rid}", problem=render_code_prompt(statement, style, code), answer=spec, source=name
+            )
+        )
     report.n_records = len(out)
     return BenchmarkSet(name=name, problems=out, report=report)
 
@@ -141,9 +144,16 @@ def load_code_tiny(limit: int | None, task: TaskConfig | None, split: str = "tes
     return BenchmarkSet("code_tiny", problems, LoadReport("code_tiny", f"code_tiny:s{task.seed}:{split}", n_records=n))
 
 
-def load_code_benchmark(name: str, data_dir: str | Path | None = None, limit: int | None = None, *,
-                        task: TaskConfig | None = None, code: CodeConfig | None = None, hub: bool = False,
-                        path: str | Path | None = None) -> BenchmarkSet:
+def load_code_benchmark(
+    name: str,
+    data_dir: str | Path | None = None,
+    limit: int | None = None,
+    *,
+    task: TaskConfig | None = None,
+    code: CodeConfig | None = None,
+    hub: bool = False,
+    path: str | Path | None = None,
+) -> BenchmarkSet:
     """Load code source ``name`` (one of :data:`CODE_BENCHMARKS`); ``path`` overrides the file."""
     code = code or CodeConfig()
     if name == "code_tiny":
@@ -182,13 +192,21 @@ def verifier_of(name: str) -> str:
 # ----------------------------------------------------------------- the verifiers
 def grading_config(code: CodeConfig | None) -> CodeGradingConfig:
     c = code or CodeConfig()
-    return CodeGradingConfig(per_test_s=c.per_test_s, per_sample_s=c.per_sample_s, batch_wall_s=c.batch_wall_s,
-                             max_sandboxes=c.max_sandboxes, memory_mb=c.memory_mb, output_bytes=c.output_bytes,
-                             nproc=c.nproc, allow_unisolated=c.allow_unisolated)
+    return CodeGradingConfig(
+        per_test_s=c.per_test_s,
+        per_sample_s=c.per_sample_s,
+        batch_wall_s=c.batch_wall_s,
+        max_sandboxes=c.max_sandboxes,
+        memory_mb=c.memory_mb,
+        output_bytes=c.output_bytes,
+        nproc=c.nproc,
+        allow_unisolated=c.allow_unisolated,
+    )
 
 
-def grade_code_responses(ids: Sequence[str], responses: Sequence[str], specs: Sequence[str], verifier: str,
-                         code: CodeConfig | None = None) -> list[GradeResult]:
+def grade_code_responses(
+    ids: Sequence[str], responses: Sequence[str], specs: Sequence[str], verifier: str, code: CodeConfig | None = None
+) -> list[GradeResult]:
     """Grade responses against grading specs in the sandbox: correct = every test passed;
     ``fraction`` = share passed; ``extracted`` = the program run (``None``: no code)."""
     codes: list[str | None] = []
@@ -208,7 +226,10 @@ def grade_code_responses(ids: Sequence[str], responses: Sequence[str], specs: Se
     grades = grade_code_batch(list(ids), codes, tests, grading_config(code))
     out = []
     for g, ex in zip(grades, extracted):
-        status = "no_answer" if g.status == "no_code" else ("timeout" if g.status == "deadline" else
-                                                          ("error" if g.status != "ok" else "ok"))
+        status = (
+            "no_answer"
+            if g.status == "no_code"
+            else ("timeout" if g.status == "deadline" else ("error" if g.status != "ok" else "ok"))
+        )
         out.append(GradeResult(g.id, g.correct, ex, status, g.seconds, g.detail, fraction=g.fraction))
     return out

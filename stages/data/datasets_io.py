@@ -31,10 +31,17 @@ from pathlib import Path
 from typing import Any
 
 from fp8rl_core.config import DatasetRef
-from stages.data.benchmarks import (
-    BenchmarkProblem, BenchmarkSet, LoadReport, MalformedRecord, _answer_str, _gsm8k, _text, resolve_data_dir,
-)
 from fp8rl_core.verifiers import last_boxed
+from stages.data.benchmarks import (
+    BenchmarkProblem,
+    BenchmarkSet,
+    LoadReport,
+    MalformedRecord,
+    _answer_str,
+    _gsm8k,
+    _text,
+    resolve_data_dir,
+)
 
 
 def resolve_source(ref: DatasetRef, data_dir: str | Path | None = None) -> tuple[str, Path | None]:
@@ -88,14 +95,22 @@ def _answer(ref: DatasetRef, rec: dict[str, Any]) -> str:
     return _answer_str(rec.get(ref.answer_field))
 
 
-def load_problems(ref: DatasetRef, name: str, data_dir: str | Path | None = None, limit: int | None = None,
-                  *, cache_dir: str | None = None) -> BenchmarkSet:
+def load_problems(
+    ref: DatasetRef,
+    name: str,
+    data_dir: str | Path | None = None,
+    limit: int | None = None,
+    *,
+    cache_dir: str | None = None,
+) -> BenchmarkSet:
     """The rows of ``ref`` as :class:`BenchmarkProblem` records of source ``name``."""
     rows = load_rows(ref, data_dir, cache_dir=cache_dir)
     missing = [f for f in (ref.question_field, ref.answer_field, ref.id_field) if f and f not in rows.column_names]
     if missing:
-        raise ValueError(f"dataset {ref.source!r}: no field(s) {missing} (has: {', '.join(rows.column_names)}); "
-                         "set question_field / answer_field / id_field")
+        raise ValueError(
+            f"dataset {ref.source!r}: no field(s) {missing} (has: {', '.join(rows.column_names)}); "
+            "set question_field / answer_field / id_field"
+        )
     cap = min(x for x in (limit, ref.limit, len(rows)) if x is not None)
     report = LoadReport(source=name, path=f"{ref.source}" + (f"[{ref.config}]" if ref.config else "") + f":{ref.split}")
     problems: list[BenchmarkProblem] = []

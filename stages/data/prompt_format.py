@@ -65,8 +65,9 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         return []
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": _PROBE}], tokenize=False)
-    tail = text[text.rindex(_PROBE) + len(_PROBE):]
+        [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": _PROBE}], tokenize=False
+    )
+    tail = text[text.rindex(_PROBE) + len(_PROBE) :]
     ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     return [next(i for i in ids if i in special)] if any(i in special for i in ids) else []
@@ -83,7 +84,9 @@ class PromptFormatter:
         from stages.data.benchmarks import BOXED_INSTRUCTION
 
         if self.cfg.instruction is not None and prompt.endswith(BOXED_INSTRUCTION):
-            prompt = prompt[: -len(BOXED_INSTRUCTION)].rstrip() + (" " + self.cfg.instruction if self.cfg.instruction else "")
+            prompt = prompt[: -len(BOXED_INSTRUCTION)].rstrip() + (
+                " " + self.cfg.instruction if self.cfg.instruction else ""
+            )
         return prompt
 
     def messages(self, prompt: str) -> list[dict]:

@@ -134,7 +134,9 @@ def _permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)
 
 
-def draw_prompts(source: PromptSource, state: SamplerState, count: int, seed: int) -> tuple[list[PromptItem], SamplerState]:
+def draw_prompts(
+    source: PromptSource, state: SamplerState, count: int, seed: int
+) -> tuple[list[PromptItem], SamplerState]:
     """The next ``count`` prompts and the sampler state after them."""
     n = len(source)
     out: list[PromptItem] = []
@@ -156,6 +158,7 @@ def make_code_source(cfg: CampaignConfig | TaskConfig, code: CodeConfig | None =
     task = cfg.task if isinstance(cfg, CampaignConfig) else cfg
     code = code or (cfg.code if isinstance(cfg, CampaignConfig) else CodeConfig())
     if task.kind == "code_tiny":
+
         class TinyCodeSource(PromptSource):
             verifier = "code_expr"
             dataset = "code_tiny"
@@ -170,8 +173,9 @@ def make_code_source(cfg: CampaignConfig | TaskConfig, code: CodeConfig | None =
 
         return TinyCodeSource()
     name = "leetcode_train" if task.kind == "leetcode" else task.kind
-    bs = load_code_benchmark(name, data_dir(task), None, task=task, code=code, path=task.path,
-                             hub=task.path is not None)
+    bs = load_code_benchmark(
+        name, data_dir(task), None, task=task, code=code, path=task.path, hub=task.path is not None
+    )
     src = ListSource([PromptItem(q.id, q.problem, q.answer, task.kind) for q in bs], task.kind)
     src.verifier = "code"
     return src

@@ -129,7 +129,12 @@ class RolloutBatch:
 
 
 def validate_generate_args(
-    prompt_ids: list[list[int]], *, n: int, temperature: float, top_p: float, max_new_tokens: int,
+    prompt_ids: list[list[int]],
+    *,
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
     seeds: list[int] | None = None,
 ) -> None:
     """Reject malformed ``generate`` arguments with a message naming the culprit."""

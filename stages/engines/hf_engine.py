@@ -78,6 +78,7 @@ from stages.engines.base import (
 )
 from stages.engines.weight_transfer import full_parameter
 
+
 def _token_id_set(*values: Any) -> frozenset[int]:
     ids: set[int] = set()
     for v in values:
@@ -119,7 +120,9 @@ def sample_next(
     processed = scaled.log_softmax(dim=-1)
     # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. draws i with
     # probability p_i (as vLLM samples); cheaper than torch.multinomial per step.
-    race = torch.empty_like(processed).exponential_(1.0, generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
+    race = (
+        torch.empty_like(processed).exponential_(1.0, generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
+    )
     tokens = (processed.exp() / race).argmax(dim=-1)
     source = processed if logprobs_mode == "processed" else logits.log_softmax(dim=-1)
     return tokens, source.gather(-1, tokens[:, None]).squeeze(-1)
@@ -183,9 +186,7 @@ class TransformersEngine(RolloutEngine):
         self.bf16_autocast = bf16_autocast
         self.model: nn.Module | None = convert_for_rollout(model, precision.rollout, dtype=copy_dtype)
         gen_cfg = getattr(model, "generation_config", None)
-        self.eos_ids = _token_id_set(
-            getattr(tokenizer, "eos_token_id", None), getattr(gen_cfg, "eos_token_id", None)
-        )
+        self.eos_ids = _token_id_set(getattr(tokenizer, "eos_token_id", None), getattr(gen_cfg, "eos_token_id", None))
         if not self.eos_ids:
             raise ValueError("no EOS id: neither the tokenizer nor model.generation_config defines eos_token_id")
         pad = getattr(tokenizer, "pad_token_id", None)
@@ -212,8 +213,9 @@ class TransformersEngine(RolloutEngine):
         ``seeds`` are checked and otherwise not used (one stream per call is what makes a
         call's samples reproducible: ``stages.runtime.rollout_plan`` keeps calls rank-independent)."""
         model = self._require_model()
-        validate_generate_args(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                               seeds=seeds)
+        validate_generate_args(
+            prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seeds=seeds
+        )
         longest = max(len(p) for p in prompt_ids)
         if self.max_positions is not None and longest + max_new_tokens > self.max_positions:
             raise ValueError(

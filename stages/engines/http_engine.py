@@ -83,7 +83,9 @@ class HTTPClient:
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
-            request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+            request = urllib.request.Request(
+                url, data=data, headers={"Content-Type": "application/json"}, method="POST"
+            )
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
                     raw = response.read()
@@ -117,7 +119,9 @@ class HTTPWeightSyncClient:
         self.client.post("update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.client.post("finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None)
+        self.client.post(
+            "finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None
+        )
 
     def pause(self) -> None:
         self.client.post("pause?mode=wait")
@@ -126,8 +130,17 @@ class HTTPWeightSyncClient:
         self.client.post("resume")
 
 
-def completion_request(prompt: list[int], *, model: str, n: int, temperature: float, top_p: float, max_tokens: int,
-                       seed: int, stop_token_ids: list[int] | None = None) -> dict[str, Any]:
+def completion_request(
+    prompt: list[int],
+    *,
+    model: str,
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_tokens: int,
+    seed: int,
+    stop_token_ids: list[int] | None = None,
+) -> dict[str, Any]:
     """The ``/v1/completions`` body for one prompt (token ids in, token ids and log-probs out); the
     server stops at ``stop_token_ids`` (vLLM's extra sampling parameter) instead of generating past them."""
     return {
@@ -145,17 +158,23 @@ def completion_request(prompt: list[int], *, model: str, n: int, temperature: fl
     }
 
 
-def samples_from_completion(response: dict[str, Any], *, p: int, n: int, eos_ids: frozenset[int]) -> list[RolloutSample]:
+def samples_from_completion(
+    response: dict[str, Any], *, p: int, n: int, eos_ids: frozenset[int]
+) -> list[RolloutSample]:
     """The ``n`` samples of prompt ``p`` from a ``/v1/completions`` answer."""
     choices = sorted(response.get("choices") or [], key=lambda c: c["index"])
     if [c["index"] for c in choices] != list(range(n)):
-        raise ServerError(f"prompt {p}: the server returned choices {[c['index'] for c in choices]}, expected 0..{n - 1}")
+        raise ServerError(
+            f"prompt {p}: the server returned choices {[c['index'] for c in choices]}, expected 0..{n - 1}"
+        )
     out = []
     for i, choice in enumerate(choices):
         ids = choice.get("token_ids")
         lp = (choice.get("logprobs") or {}).get("token_logprobs")
         if ids is None or lp is None:
-            raise ServerError(f"prompt {p} sample {i}: no token_ids / token_logprobs (needs return_token_ids and logprobs=0)")
+            raise ServerError(
+                f"prompt {p} sample {i}: no token_ids / token_logprobs (needs return_token_ids and logprobs=0)"
+            )
         if len(ids) != len(lp) or any(v is None for v in lp):
             raise ServerError(f"prompt {p} sample {i}: {len(ids)} token ids but log-probs {lp[:4]}...")
         kept, reason = truncate_at_eos([int(t) for t in ids], eos_ids)
@@ -200,7 +219,9 @@ class VLLMHTTPEngine(RolloutEngine):
         self.served_model = served_model
         self.max_concurrency = max_concurrency
         self.nccl_master = nccl_master
-        self.http = HTTPClient(config.server_url, timeout=config.server_timeout_s, retries=config.server_retries, backoff=backoff)
+        self.http = HTTPClient(
+            config.server_url, timeout=config.server_timeout_s, retries=config.server_retries, backoff=backoff
+        )
         self.weights = HTTPWeightSyncClient(self.http)
         gen_cfg = getattr(model, "generation_config", None)
         eos = {getattr(tokenizer, "eos_token_id", None)}
@@ -213,32 +234,50 @@ class VLLMHTTPEngine(RolloutEngine):
     def generate(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed, seeds=None) -> RolloutBatch:
         if self._closed:
             raise RuntimeError("this VLLMHTTPEngine was closed")
-        validate_generate_args(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                               seeds=seeds)
+        validate_generate_args(
+            prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seeds=seeds
+        )
         start = time.perf_counter()
 
         def one(p: int) -> list[RolloutSample]:
-            body = completion_request(prompt_ids[p], model=self.served_model, n=n, temperature=temperature, top_p=top_p,
-                                      max_tokens=max_new_tokens, seed=request_seed(seed, seeds, p, n),
-                                      stop_token_ids=sorted(self.eos_ids))
+            body = completion_request(
+                prompt_ids[p],
+                model=self.served_model,
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_new_tokens,
+                seed=request_seed(seed, seeds, p, n),
+                stop_token_ids=sorted(self.eos_ids),
+            )
             return samples_from_completion(self.http.post("v1/completions", body), p=p, n=n, eos_ids=self.eos_ids)
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(prompt_ids))) as pool:
             groups = list(pool.map(one, range(len(prompt_ids))))
         return RolloutBatch(
-            samples=[s for g in groups for s in g], num_prompts=len(prompt_ids), n=n,
-            wall_seconds=time.perf_counter() - start, engine=self.name, precision=self.precision_mode,
+            samples=[s for g in groups for s in g],
+            num_prompts=len(prompt_ids),
+            n=n,
+            wall_seconds=time.perf_counter() - start,
+            engine=self.name,
+            precision=self.precision_mode,
         )
 
     def load_weights(self, train_model: nn.Module) -> None:  # pragma: no cover - needs vLLM, NCCL and a server
         if self.nccl_master is None:
-            raise ValueError("vllm_http load_weights needs nccl_master=(address, port) reachable from the server's workers")
+            raise ValueError(
+                "vllm_http load_weights needs nccl_master=(address, port) reachable from the server's workers"
+            )
         if self._sender is None:
             nccl = importlib.import_module("vllm.distributed.weight_transfer.nccl_engine")
             base = importlib.import_module("vllm.distributed.weight_transfer.base")
             address, port = self.nccl_master
-            info = nccl.NCCLTrainerInitInfo(**nccl_trainer_init_kwargs(self.config, master_address=address, master_port=port))
-            self._sender = nccl.NCCLTrainerWeightTransferEngine.trainer_init(info, client=self.weights, source=base.ModuleSource(train_model))
+            info = nccl.NCCLTrainerInitInfo(
+                **nccl_trainer_init_kwargs(self.config, master_address=address, master_port=port)
+            )
+            self._sender = nccl.NCCLTrainerWeightTransferEngine.trainer_init(
+                info, client=self.weights, source=base.ModuleSource(train_model)
+            )
         self.weights.pause()
         try:
             self._sender.send_weights()

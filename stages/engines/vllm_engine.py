@@ -124,6 +124,7 @@ import torch
 from torch import nn
 
 from fp8rl_core.config import PrecisionConfig, RolloutConfig
+from stages.engines import weight_transfer as wt
 from stages.engines.base import (
     LOGPROBS_MODES,
     FinishReason,
@@ -135,7 +136,6 @@ from stages.engines.base import (
     truncate_at_eos,
     validate_generate_args,
 )
-from stages.engines import weight_transfer as wt
 from stages.engines.weight_transfer import trainer_weights  # noqa: F401  (re-exported for callers of this module)
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,8 @@ def build_llm_kwargs(
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for our config (``llm_options`` override/extend them)."""
     if precision.rollout not in VLLM_QUANTIZATION:
-        raise ValueError(f"no vLLM quantization for rollout precision {precision.rollout!r}; valid: {list(VLLM_QUANTIZATION)}")
+        raise ValueError(f"no vLLM quantization for rollout precision {precision.rollout!r}; valid: "
+                         f"{list(VLLM_QUANTIZATION)}")
     kwargs: dict[str, Any] = {
         "model": model_path,
         "tokenizer": model_path,
@@ -472,7 +473,8 @@ class VLLMEngine(RolloutEngine):
         kwargs.update({k: v for k, v in spmd.items() if k not in (llm_options or {})})
         if weight_sync == "ipc" and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
             # vLLM unpickles IPC handles only with this flag; it must be set before the engine process starts.
-            log.info("weight_sync='ipc': setting VLLM_ALLOW_INSECURE_SERIALIZATION=1 (vLLM needs it to unpickle IPC handles)")
+            log.info("weight_sync='ipc': setting VLLM_ALLOW_INSECURE_SERIALIZATION=1 (vLLM needs it to unpickle "
+                     "IPC handles)")
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         request_cpu_amx()
         # one rank: vLLM's InprocClient, chosen when the engine is built (external_launcher does it for torchrun)
@@ -592,7 +594,8 @@ class VLLMEngine(RolloutEngine):
         elif names != self._sent_names:
             lost = sorted(set(self._sent_names) - set(names))
             new = sorted(set(names) - set(self._sent_names))
-            raise RuntimeError(f"weight sync: the trainer's parameters changed since the first sync (lost {lost[:5]}, new {new[:5]})")
+            raise RuntimeError(f"weight sync: the trainer's parameters changed since the first sync (lost "
+                               f"{lost[:5]}, new {new[:5]})")
 
     def _sync_by_path(self, llm: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
         if self._sync_dir is None:
@@ -637,7 +640,8 @@ class VLLMEngine(RolloutEngine):
     def wake_up(self) -> None:
         llm = self._require_llm()
         if self.weights_discarded:
-            raise RuntimeError("sleep(level=2) discarded vLLM's weights: wake it with load_weights(policy), not wake_up()")
+            raise RuntimeError("sleep(level=2) discarded vLLM's weights: wake it with load_weights(policy), not "
+                               "wake_up()")
         if self._asleep:
             for tags in SLEEP_WAKE_ORDER[self.sleep_level]:
                 llm.wake_up(tags=tags)

@@ -58,8 +58,9 @@ def full_parameter(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> to
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def stream_trainer_weights(train_model: nn.Module, device: str | torch.device | None = None,
-                           dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_trainer_weights(
+    train_model: nn.Module, device: str | torch.device | None = None, dtype: torch.dtype = torch.bfloat16
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full dtype tensor)`` of the trainer's state dict, one parameter at a time, in layer order.
 
     HF names are what vLLM's ``load_weights`` expects. ``torch.compile``'s
@@ -105,8 +106,9 @@ def largest_fused_layer(numels: dict[str, int]) -> int:
     return best
 
 
-def sync_peak_bytes(*, largest_param: int, largest_layer: int, total: int, world_size: int, weight_sync: str,
-                    quantized: bool) -> int:
+def sync_peak_bytes(
+    *, largest_param: int, largest_layer: int, total: int, world_size: int, weight_sync: str, quantized: bool
+) -> int:
     """Peak extra device memory of one sync, bytes (element counts in, bf16 = 2 bytes).
 
     * ``tensors`` (in-process, streamed): one full bf16 parameter and its bf16
@@ -136,9 +138,14 @@ def sync_peak_bytes(*, largest_param: int, largest_layer: int, total: int, world
 def model_sync_peak_bytes(train_model: nn.Module, *, world_size: int, weight_sync: str, quantized: bool) -> int:
     """:func:`sync_peak_bytes` for a model (its full parameter sizes)."""
     numels = parameter_numels(train_model)
-    return sync_peak_bytes(largest_param=max(numels.values(), default=0), largest_layer=largest_fused_layer(numels),
-                           total=sum(numels.values()), world_size=world_size, weight_sync=weight_sync,
-                           quantized=quantized)
+    return sync_peak_bytes(
+        largest_param=max(numels.values(), default=0),
+        largest_layer=largest_fused_layer(numels),
+        total=sum(numels.values()),
+        world_size=world_size,
+        weight_sync=weight_sync,
+        quantized=quantized,
+    )
 
 
 BF16_UNIT_ROUNDOFF = 2.0**-8
@@ -163,7 +170,9 @@ def cuda_ipc_handle(tensor: torch.Tensor) -> tuple:
     from torch.multiprocessing.reductions import reduce_tensor
 
     if tensor.device.type != "cuda":
-        raise ValueError("CUDA IPC needs CUDA tensors; weight_sync='ipc' is for a trainer on the vLLM GPU (use 'path' otherwise)")
+        raise ValueError(
+            "CUDA IPC needs CUDA tensors; weight_sync='ipc' is for a trainer on the vLLM GPU (use 'path' otherwise)"
+        )
     _, args = reduce_tensor(tensor)
     return args
 
@@ -204,7 +213,12 @@ def ipc_update_info(
 
 def nccl_trainer_init_kwargs(config: RolloutConfig, *, master_address: str, master_port: int) -> dict[str, Any]:
     """Keyword arguments of vLLM's ``NCCLTrainerInitInfo``: the trainer is rank 0 of ``1 + TP`` ranks."""
-    return {"rank": 0, "master_address": master_address, "master_port": int(master_port), "world_size": 1 + config.tensor_parallel_size}
+    return {
+        "rank": 0,
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "world_size": 1 + config.tensor_parallel_size,
+    }
 
 
 def write_bf16_safetensors(weights: list[tuple[str, torch.Tensor]], folder: str | Path) -> Path:
@@ -236,7 +250,8 @@ reloaded layer from a zeroed one (such parameters are not judged)."""
 def unreloaded_parameters(zeroed: dict[str, str], after: dict[str, str]) -> list[str]:
     """Linear-layer parameters whose checksum after a sync still equals the zeroed one (or vanished)."""
     return sorted(
-        name for name, digest in zeroed.items()
+        name
+        for name, digest in zeroed.items()
         if LINEAR_PARAM.search(name) and digest != EMPTY_DIGEST and after.get(name, digest) == digest
     )
 

@@ -178,8 +178,13 @@ def _parse_functional(text: str) -> CodeTests:
     for s in mod.body:
         if s is check:
             continue
-        if (isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and isinstance(s.value.func, ast.Name)
-                and s.value.func.id == "check" and s.value.args):
+        if (
+            isinstance(s, ast.Expr)
+            and isinstance(s.value, ast.Call)
+            and isinstance(s.value.func, ast.Name)
+            and s.value.func.id == "check"
+            and s.value.args
+        ):
             call = s.value
         else:
             setup.append(ast.unparse(s))
@@ -197,13 +202,20 @@ def _parse_functional(text: str) -> CodeTests:
     if not fcases:
         raise ValueError("check() has no assert")
     # the candidate is bound to check's parameter name
-    return CodeTests("functional", statements=tuple(stmts), is_case=tuple(is_case), functional_cases=tuple(fcases),
-                     candidate=f"{arg} = {ast.unparse(call.args[0])}", setup="\n".join(setup))
+    return CodeTests(
+        "functional",
+        statements=tuple(stmts),
+        is_case=tuple(is_case),
+        functional_cases=tuple(fcases),
+        candidate=f"{arg} = {ast.unparse(call.args[0])}",
+        setup="\n".join(setup),
+    )
 
 
 def _split_assert(test: ast.expr) -> FunctionalCase:
     """``call == literal``, ``is_same_list(call, list_node(literal))`` or ``is_same_tree(call,
     tree_node(literal))``; anything else would need its expected value inside the program."""
+
     def literal(node: ast.expr) -> str:
         src = ast.unparse(node)
         try:
@@ -214,13 +226,18 @@ def _split_assert(test: ast.expr) -> FunctionalCase:
 
     if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
         return FunctionalCase(ast.unparse(test.left), literal(test.comparators[0]))
-    if (isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and len(test.args) == 2
-            and test.func.id in ("is_same_list", "is_same_tree")):
+    if (
+        isinstance(test, ast.Call)
+        and isinstance(test.func, ast.Name)
+        and len(test.args) == 2
+        and test.func.id in ("is_same_list", "is_same_tree")
+    ):
         exp = test.args[1]
         build = "list_node" if test.func.id == "is_same_list" else "tree_node"
         if isinstance(exp, ast.Call) and isinstance(exp.func, ast.Name) and exp.func.id == build and len(exp.args) == 1:
-            return FunctionalCase(ast.unparse(test.args[0]), literal(exp.args[0]),
-                                  "list" if build == "list_node" else "tree")
+            return FunctionalCase(
+                ast.unparse(test.args[0]), literal(exp.args[0]), "list" if build == "list_node" else "tree"
+            )
     raise ValueError(f"assert of an unsupported shape: {ast.unparse(test)[:80]}")
 
 
@@ -280,7 +297,7 @@ def outputs_match(got: str, expected: str, case_insensitive: bool = False) -> bo
 
 
 # ----------------------------------------------------------------- LeetCode harness
-LEETCODE_PRELUDE = '''
+LEETCODE_PRELUDE = """
 from typing import *
 from collections import *
 from itertools import *
@@ -335,17 +352,17 @@ def is_same_tree(a, b):
     if a is None or b is None:
         return a is b
     return a.val == b.val and is_same_tree(a.left, b.left) and is_same_tree(a.right, b.right)
-'''
+"""
 
-_HARNESS_HEAD = '''import os as __os, sys as __sys
+_HARNESS_HEAD = """import os as __os, sys as __sys
 __res = __os.fdopen(3, "w", buffering=1)
 __null = __os.open("/dev/null", __os.O_WRONLY)
 __os.dup2(__null, 1)
 __sys.stdout = open(1, "w", closefd=False)
 __sys.set_int_max_str_digits(0)
-'''
+"""
 
-_HARNESS_TAIL = '''
+_HARNESS_TAIL = """
 import signal as __sig, json as __json
 class __CaseTimeout(BaseException):
     pass
@@ -416,17 +433,24 @@ for __src, __case in zip(__spec["statements"], __spec["is_case"]):
         __res.write("%s %d %s\\n" % (__spec["nonce"], __k, __out or "err setup"))
         __k += 1
 __res.flush()
-'''
+"""
 
 
 def leetcode_program(code: str, tests: CodeTests, per_test_s: float, nonce: str = "") -> str:
     """One program: harness head, prelude, the solution, the harness that runs each case's call.
     It holds the calls and never an expected value; each call's return value goes to the result
     channel (fd 3) as tagged plain data, one line ``<nonce> <case> ok <json>`` per case."""
-    spec = json.dumps({"statements": list(tests.statements), "is_case": list(tests.is_case),
-                       "candidate": tests.candidate, "setup": tests.setup, "per_test_s": per_test_s,
-                       "nonce": nonce or RESULT_TAG})
-    return (_HARNESS_HEAD + LEETCODE_PRELUDE + "\n" + code + "\n\n__SPEC = " + repr(spec) + "\n" + _HARNESS_TAIL)
+    spec = json.dumps(
+        {
+            "statements": list(tests.statements),
+            "is_case": list(tests.is_case),
+            "candidate": tests.candidate,
+            "setup": tests.setup,
+            "per_test_s": per_test_s,
+            "nonce": nonce or RESULT_TAG,
+        }
+    )
+    return _HARNESS_HEAD + LEETCODE_PRELUDE + "\n" + code + "\n\n__SPEC = " + repr(spec) + "\n" + _HARNESS_TAIL
 
 
 # ----------------------------------------------------------------- the grader's side of a functional case
@@ -480,13 +504,22 @@ def _dec_linked(kind: str) -> Callable[[Any], "_Linked"]:
         if not isinstance(v, list):
             raise ValueError("bad " + kind)
         return _Linked(kind, tuple(None if x is None else decode_value(x) for x in v))
+
     return dec
 
 
 _DECODERS: dict[str, Callable[[Any], Any]] = {
-    "v": _dec_scalar, "i": _dec_int, "f": _dec_float, "l": _dec_items, "t": lambda v: tuple(_dec_items(v)),
-    "S": lambda v: set(_dec_items(v)), "F": lambda v: frozenset(_dec_items(v)), "d": _dec_dict,
-    "L": _dec_linked("list"), "T": _dec_linked("tree")}
+    "v": _dec_scalar,
+    "i": _dec_int,
+    "f": _dec_float,
+    "l": _dec_items,
+    "t": lambda v: tuple(_dec_items(v)),
+    "S": lambda v: set(_dec_items(v)),
+    "F": lambda v: frozenset(_dec_items(v)),
+    "d": _dec_dict,
+    "L": _dec_linked("list"),
+    "T": _dec_linked("tree"),
+}
 
 
 def _tree_level_order(values: list) -> tuple:
@@ -562,8 +595,16 @@ class CodeGrade:
         return self.passed / self.total if self.total else 0.0
 
 
-def grade_program(sandbox: Sandbox, code: str | None, tests: CodeTests, *, per_test_s: float, per_sample_s: float,
-                  item_id: str = "", deadline: float | None = None) -> CodeGrade:
+def grade_program(
+    sandbox: Sandbox,
+    code: str | None,
+    tests: CodeTests,
+    *,
+    per_test_s: float,
+    per_sample_s: float,
+    item_id: str = "",
+    deadline: float | None = None,
+) -> CodeGrade:
     """Run ``code`` against ``tests``; see the module docstring for the limits."""
     t0 = time.monotonic()
     end = t0 + per_sample_s if deadline is None else min(t0 + per_sample_s, deadline)
@@ -573,16 +614,23 @@ def grade_program(sandbox: Sandbox, code: str | None, tests: CodeTests, *, per_t
     if tests.kind == "functional":
         return _grade_functional(sandbox, code, tests, per_test_s, end, item_id, t0)
     left = end - time.monotonic()
-    results = sandbox.run_cases(code, [c.input for c in tests.cases], case_wall_s=per_test_s,
-                                total_wall_s=max(0.1, left))
+    results = sandbox.run_cases(
+        code, [c.input for c in tests.cases], case_wall_s=per_test_s, total_wall_s=max(0.1, left)
+    )
     passed, detail = 0, ""
     for i, (case, res) in enumerate(zip(tests.cases, results)):
         if res is None:
             detail = detail or f"per-sample limit reached after {i} of {total} cases"
             break
         if res.status == "sandbox_error":
-            return CodeGrade(item_id, 0, total, "sandbox_error", time.monotonic() - t0,
-                             (res.detail + " " + res.stderr[-300:]).strip())
+            return CodeGrade(
+                item_id,
+                0,
+                total,
+                "sandbox_error",
+                time.monotonic() - t0,
+                (res.detail + " " + res.stderr[-300:]).strip(),
+            )
         if res.status == "ok" and outputs_match(res.stdout, case.output, tests.case_insensitive):
             passed += 1
         elif not detail:
@@ -591,8 +639,9 @@ def grade_program(sandbox: Sandbox, code: str | None, tests: CodeTests, *, per_t
     return CodeGrade(item_id, passed, total, "ok", time.monotonic() - t0, detail)
 
 
-def _grade_functional(sandbox: Sandbox, code: str, tests: CodeTests, per_test_s: float, end: float, item_id: str,
-                      t0: float) -> CodeGrade:
+def _grade_functional(
+    sandbox: Sandbox, code: str, tests: CodeTests, per_test_s: float, end: float, item_id: str, t0: float
+) -> CodeGrade:
     """One sandbox run for all cases; a case passes when its record arrived on the result
     channel and its value equals the expected one, decided here. The run's exit status adds
     detail only: cases recorded before a crash or the wall clock keep their verdict."""
@@ -602,8 +651,9 @@ def _grade_functional(sandbox: Sandbox, code: str, tests: CodeTests, per_test_s:
     wall = min(end - time.monotonic(), per_test_s * (len(tests.statements) + 1) + 2.0)
     res = sandbox.run(prog, b"", wall_s=max(0.1, wall), cpu_s=max(1, math.ceil(wall)), channel=True)
     if res.status == "sandbox_error":
-        return CodeGrade(item_id, 0, total, "sandbox_error", time.monotonic() - t0,
-                         (res.detail + " " + res.stderr[-300:]).strip())
+        return CodeGrade(
+            item_id, 0, total, "sandbox_error", time.monotonic() - t0, (res.detail + " " + res.stderr[-300:]).strip()
+        )
     records = read_records(res.channel, nonce, total)
     verdicts = [functional_case_passes(c, records.get(k)) for k, c in enumerate(tests.functional_cases)]
     passed = sum(verdicts)
@@ -635,16 +685,22 @@ _SANDBOXES: dict[tuple, Sandbox] = {}
 
 def get_sandbox(cfg: CodeGradingConfig) -> Sandbox:
     """One :class:`Sandbox` per distinct limits (the isolation probe runs once)."""
-    lim = SandboxLimits(wall_s=max(cfg.per_test_s, 0.1) + 1.0, cpu_s=max(1, math.ceil(cfg.per_test_s)),
-                        memory_mb=cfg.memory_mb, output_bytes=cfg.output_bytes, nproc=cfg.nproc)
+    lim = SandboxLimits(
+        wall_s=max(cfg.per_test_s, 0.1) + 1.0,
+        cpu_s=max(1, math.ceil(cfg.per_test_s)),
+        memory_mb=cfg.memory_mb,
+        output_bytes=cfg.output_bytes,
+        nproc=cfg.nproc,
+    )
     key = (lim, cfg.allow_unisolated)
     if key not in _SANDBOXES:
         _SANDBOXES[key] = Sandbox(lim, allow_unisolated=cfg.allow_unisolated)
     return _SANDBOXES[key]
 
 
-def grade_code_batch(ids: Sequence[str], codes: Sequence[str | None], tests: Sequence[CodeTests],
-                     cfg: CodeGradingConfig | None = None) -> list[CodeGrade]:
+def grade_code_batch(
+    ids: Sequence[str], codes: Sequence[str | None], tests: Sequence[CodeTests], cfg: CodeGradingConfig | None = None
+) -> list[CodeGrade]:
     """Grade many responses with up to ``cfg.max_sandboxes`` sandboxes at once;
     returns in input order, within ``cfg.batch_wall_s`` (plus the kill time)."""
     cfg = cfg or CodeGradingConfig()
@@ -656,8 +712,15 @@ def grade_code_batch(ids: Sequence[str], codes: Sequence[str | None], tests: Seq
     def one(i: int) -> CodeGrade:
         if time.monotonic() >= deadline:
             return CodeGrade(ids[i], 0, tests[i].n_cases, "deadline", 0.0, f"batch limit {cfg.batch_wall_s}s reached")
-        return grade_program(sandbox, codes[i], tests[i], per_test_s=cfg.per_test_s, per_sample_s=cfg.per_sample_s,
-                             item_id=ids[i], deadline=deadline)
+        return grade_program(
+            sandbox,
+            codes[i],
+            tests[i],
+            per_test_s=cfg.per_test_s,
+            per_sample_s=cfg.per_sample_s,
+            item_id=ids[i],
+            deadline=deadline,
+        )
 
     if len(ids) <= 1 or cfg.max_sandboxes <= 1:
         return [one(i) for i in range(len(ids))]

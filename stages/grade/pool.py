@@ -44,6 +44,8 @@ from stages.grade.result import GradeResult, Status  # noqa: F401  (re-exported)
 log = logging.getLogger(__name__)
 
 INLINE_VERIFIERS = frozenset({"synthetic"})  # cheap and signal-free: graded in the caller
+
+
 def resolve_verifier(name: str) -> Callable[[str, str], bool]:
     """A registered verifier name (``"math"``, ``"synthetic"``) or an importable
     ``"package.module:function"`` — the latter lets a caller plug in its own
@@ -67,7 +69,9 @@ def answer_parser(verifier: str) -> Callable[[str], str | None]:
     return lambda response: _extract(verifier, response)
 
 
-def _grade_one(verifier: str, response: str, gold: str, inner_timeout: int | None) -> tuple[bool, str | None, Status, str]:
+def _grade_one(
+    verifier: str, response: str, gold: str, inner_timeout: int | None
+) -> tuple[bool, str | None, Status, str]:
     extracted = _extract(verifier, response)
     if extracted is None:
         return False, None, "no_answer", ""
@@ -138,7 +142,13 @@ class GradingPool:
             self._workers.append(_Worker(self._ctx))
 
     def grade(
-        self, ids: Sequence[str], responses: Sequence[str], golds: Sequence[str], *, verifier: str = "math", timeout_s: float = 10.0
+        self,
+        ids: Sequence[str],
+        responses: Sequence[str],
+        golds: Sequence[str],
+        *,
+        verifier: str = "math",
+        timeout_s: float = 10.0,
     ) -> list[GradeResult]:
         """Grade items in the pool; each gets at most ``timeout_s`` wall-clock
         seconds of a worker (math-verify's own alarm is set just below it)."""
@@ -173,9 +183,16 @@ class GradingPool:
             for fileno, w in list(busy.items()):
                 if now - w.started >= timeout_s:
                     i = w.item
-                    log.warning("grading item %s timed out after %.1fs: scored 0, grader restarted", ids[i], now - w.started)
+                    log.warning(
+                        "grading item %s timed out after %.1fs: scored 0, grader restarted", ids[i], now - w.started
+                    )
                     results[i] = GradeResult(
-                        ids[i], False, _extract(verifier, responses[i]), "timeout", now - w.started, f"over {timeout_s}s"
+                        ids[i],
+                        False,
+                        _extract(verifier, responses[i]),
+                        "timeout",
+                        now - w.started,
+                        f"over {timeout_s}s",
                     )
                     self.timeouts += 1
                     del busy[fileno]

@@ -326,10 +326,12 @@ def probe_isolation(python: str | None = None) -> tuple[Isolation, str]:
     py = sandbox_python(python)
     reasons = []
     levels: list[Isolation] = ["namespaces+uid", "userns"] if os.geteuid() == 0 else ["userns"]
-    probe = ("import os, socket\ns = socket.socket()\n"
-             "try:\n    s.connect(('127.0.0.1', 9)); print('NET')\nexcept OSError:\n    print('NONET')\n"
-             "print(os.getuid(), sorted(os.listdir('/')) == ['bin', 'dev', 'lib', 'lib64', 'proc', 'tmp', 'usr']"
-             " or sorted(os.listdir('/')))\n")
+    probe = (
+        "import os, socket\ns = socket.socket()\n"
+        "try:\n    s.connect(('127.0.0.1', 9)); print('NET')\nexcept OSError:\n    print('NONET')\n"
+        "print(os.getuid(), sorted(os.listdir('/')) == ['bin', 'dev', 'lib', 'lib64', 'proc', 'tmp', 'usr']"
+        " or sorted(os.listdir('/')))\n"
+    )
     for level in levels:
         try:
             res = _run(probe, b"", SandboxLimits(wall_s=20, python=py), level)
@@ -339,8 +341,10 @@ def probe_isolation(python: str | None = None) -> tuple[Isolation, str]:
         lines = res.stdout.split()
         if res.status == "ok" and lines[:1] == ["NONET"] and (level != "namespaces+uid" or lines[1:2] != ["0"]):
             filt = "seccomp filter on" if seccomp.build_filter() else f"no seccomp table for {os.uname().machine}"
-            return level, (f"{level} via {_unshare_cmd(level)[0]} (ipc, uts, net, mount, pid namespaces; "
-                           f"probe uid {lines[1] if len(lines) > 1 else '?'}; {filt})")
+            return level, (
+                f"{level} via {_unshare_cmd(level)[0]} (ipc, uts, net, mount, pid namespaces; "
+                f"probe uid {lines[1] if len(lines) > 1 else '?'}; {filt})"
+            )
         reasons.append(f"{level}: probe {res.status} rc={res.returncode} {res.stderr.strip()[-200:]!r}")
     return "none", "; ".join(reasons)
 
@@ -372,8 +376,15 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         pass
 
 
-def _run(source: str, stdin: bytes, lim: SandboxLimits, level: Isolation, channel: bool = False,
-         cases: list[bytes] | None = None, case_wall_s: float = 0.0) -> ExecResult:
+def _run(
+    source: str,
+    stdin: bytes,
+    lim: SandboxLimits,
+    level: Isolation,
+    channel: bool = False,
+    cases: list[bytes] | None = None,
+    case_wall_s: float = 0.0,
+) -> ExecResult:
     """One launch. With ``cases`` the namespace's init runs the program once per case (a fresh
     fork each, ``case_wall_s`` each) and the result's ``channel`` holds its per-case records."""
     t0 = time.monotonic()
@@ -401,16 +412,35 @@ def _run(source: str, stdin: bytes, lim: SandboxLimits, level: Isolation, channe
         fds = [x for x in (status_r, status_w, chan_r, chan_w) if x >= 0]
         uid = random.randrange(*lim.uid_range) if level == "namespaces+uid" else -1
         mb = 1 << 20
-        prelude_args = [workdir, str(uid), str(max(1, int(lim.cpu_s))), str(lim.memory_mb * mb),
-                        str(lim.file_mb * mb), str(lim.nproc), str(lim.nofile), str(lim.tmp_mb), str(lim.tmp_inodes),
-                        str(status_w), str(chan_w), str(tab["pivot_root"] if tab else 0),
-                        str(max(1, int(case_wall_s * 1000)) if cases is not None else 0), str(lim.output_bytes),
-                        str(lim.stderr_bytes)]
+        prelude_args = [
+            workdir,
+            str(uid),
+            str(max(1, int(lim.cpu_s))),
+            str(lim.memory_mb * mb),
+            str(lim.file_mb * mb),
+            str(lim.nproc),
+            str(lim.nofile),
+            str(lim.tmp_mb),
+            str(lim.tmp_inodes),
+            str(status_w),
+            str(chan_w),
+            str(tab["pivot_root"] if tab else 0),
+            str(max(1, int(case_wall_s * 1000)) if cases is not None else 0),
+            str(lim.output_bytes),
+            str(lim.stderr_bytes),
+        ]
         cmd = [*_unshare_cmd(level), "--", py, "-I", "-S", "-c", PRELUDE, *prelude_args]
         with open(in_path, "rb") as fin:
-            proc = subprocess.Popen(cmd, stdin=fin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    env=dict(SCRUBBED_ENV), start_new_session=True, close_fds=True,
-                                    pass_fds=[x for x in (status_w, chan_w) if x >= 0])
+            proc = subprocess.Popen(
+                cmd,
+                stdin=fin,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=dict(SCRUBBED_ENV),
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=[x for x in (status_w, chan_w) if x >= 0],
+            )
         os.close(status_w)
         fds.remove(status_w)
         if chan_w >= 0:
@@ -424,13 +454,16 @@ def _run(source: str, stdin: bytes, lim: SandboxLimits, level: Isolation, channe
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-UNISOLATED_LAUNCHER = ("import os, sys\nf = int(sys.argv[1])\nif f >= 0 and f != 3:\n    os.dup2(f, 3); os.close(f)\n"
-                       "sys.argv = sys.argv[2:]\n"
-                       "exec(compile(open(sys.argv[0], 'rb').read(), sys.argv[0], 'exec'), {'__name__': '__main__'})\n")
+UNISOLATED_LAUNCHER = (
+    "import os, sys\nf = int(sys.argv[1])\nif f >= 0 and f != 3:\n    os.dup2(f, 3); os.close(f)\n"
+    "sys.argv = sys.argv[2:]\n"
+    "exec(compile(open(sys.argv[0], 'rb').read(), sys.argv[0], 'exec'), {'__name__': '__main__'})\n"
+)
 
 
-def _run_unisolated(source: str, in_path: Path, lim: SandboxLimits, t0: float, chan_r: int = -1,
-                    chan_w: int = -1) -> ExecResult:
+def _run_unisolated(
+    source: str, in_path: Path, lim: SandboxLimits, t0: float, chan_r: int = -1, chan_w: int = -1
+) -> ExecResult:
     """Explicitly allowed fallback: rlimits + a process group, nothing else."""
     mb = 1 << 20
     prog = Path(in_path.parent, "prog.py")
@@ -442,17 +475,25 @@ def _run_unisolated(source: str, in_path: Path, lim: SandboxLimits, t0: float, c
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
     with open(in_path, "rb") as fin:
-        proc = subprocess.Popen([sandbox_python(lim.python), "-I", "-S", "-c", UNISOLATED_LAUNCHER, str(chan_w),
-                                 str(prog)], stdin=fin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=dict(SCRUBBED_ENV, HOME=str(in_path.parent)), cwd=in_path.parent,
-                                start_new_session=True, preexec_fn=limits, pass_fds=[chan_w] if chan_w >= 0 else [])
+        proc = subprocess.Popen(
+            [sandbox_python(lim.python), "-I", "-S", "-c", UNISOLATED_LAUNCHER, str(chan_w), str(prog)],
+            stdin=fin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=dict(SCRUBBED_ENV, HOME=str(in_path.parent)),
+            cwd=in_path.parent,
+            start_new_session=True,
+            preexec_fn=limits,
+            pass_fds=[chan_w] if chan_w >= 0 else [],
+        )
     if chan_w >= 0:
         os.close(chan_w)
     return _collect(proc, lim, t0, "none", -1, chan_r)
 
 
-def _read_all(proc: subprocess.Popen, lim: SandboxLimits, deadline: float, extra: dict[int, str],
-              status_cap: int = 64) -> tuple[dict[str, bytearray], ExecStatus | None]:
+def _read_all(
+    proc: subprocess.Popen, lim: SandboxLimits, deadline: float, extra: dict[int, str], status_cap: int = 64
+) -> tuple[dict[str, bytearray], ExecStatus | None]:
     """Read stdout, stderr and the extra pipes until all close, the stdout cap or the deadline."""
     assert proc.stdout is not None and proc.stderr is not None
     bufs = {"out": bytearray(), "err": bytearray(), "status": bytearray(), "chan": bytearray()}
@@ -484,8 +525,16 @@ def _read_all(proc: subprocess.Popen, lim: SandboxLimits, deadline: float, extra
     return bufs, None
 
 
-def _collect(proc: subprocess.Popen, lim: SandboxLimits, t0: float, level: Isolation, status_fd: int = -1,
-             chan_fd: int = -1, status_cap: int = 64, multi: bool = False) -> ExecResult:
+def _collect(
+    proc: subprocess.Popen,
+    lim: SandboxLimits,
+    t0: float,
+    level: Isolation,
+    status_fd: int = -1,
+    chan_fd: int = -1,
+    status_cap: int = 64,
+    multi: bool = False,
+) -> ExecResult:
     extra = {fd: name for fd, name in ((status_fd, "status"), (chan_fd, "chan")) if fd >= 0}
     deadline = t0 + lim.wall_s
     try:
@@ -526,12 +575,21 @@ def _collect(proc: subprocess.Popen, lim: SandboxLimits, t0: float, level: Isola
         detail = f"stdout over {lim.output_bytes} bytes"
     elif rc and rc < 0 and not detail:
         detail = f"killed by signal {-rc}"
-    return ExecResult(status, rc, bytes(bufs["out"][: lim.output_bytes]).decode("utf-8", "replace"), stderr,
-                      time.monotonic() - t0, level, detail, bytes(bufs["chan"]))
+    return ExecResult(
+        status,
+        rc,
+        bytes(bufs["out"][: lim.output_bytes]).decode("utf-8", "replace"),
+        stderr,
+        time.monotonic() - t0,
+        level,
+        detail,
+        bytes(bufs["chan"]),
+    )
 
 
-def _parse_case_records(buf: bytes, n: int, level: Isolation, case_wall_s: float,
-                        lim: SandboxLimits) -> list[ExecResult | None]:
+def _parse_case_records(
+    buf: bytes, n: int, level: Isolation, case_wall_s: float, lim: SandboxLimits
+) -> list[ExecResult | None]:
     """``k status rc len_out len_err\\n`` + stdout + stderr, per case, as the init wrote them."""
     out: list[ExecResult | None] = [None] * n
     pos = 0
@@ -544,15 +602,24 @@ def _parse_case_records(buf: bytes, n: int, level: Isolation, case_wall_s: float
             k_, rc_, lo_, le_ = int(k), int(rc), int(lo), int(le)
         except ValueError:
             break
-        body = buf[nl + 1: nl + 1 + lo_ + le_]
+        body = buf[nl + 1 : nl + 1 + lo_ + le_]
         if len(body) < lo_ + le_ or not 0 <= k_ < n or st not in ("ok", "error", "timeout", "output_limit"):
             break
-        detail = {"timeout": f"over the wall clock of {case_wall_s}s",
-                  "output_limit": f"stdout over {lim.output_bytes} bytes"}.get(st, "")
+        detail = {
+            "timeout": f"over the wall clock of {case_wall_s}s",
+            "output_limit": f"stdout over {lim.output_bytes} bytes",
+        }.get(st, "")
         if not detail and rc_ < 0:
             detail = f"killed by signal {-rc_}"
-        out[k_] = ExecResult(st, rc_, body[:lo_].decode("utf-8", "replace"),  # type: ignore[arg-type]
-                             body[lo_:].decode("utf-8", "replace"), 0.0, level, detail)
+        out[k_] = ExecResult(
+            st,
+            rc_,
+            body[:lo_].decode("utf-8", "replace"),  # type: ignore[arg-type]
+            body[lo_:].decode("utf-8", "replace"),
+            0.0,
+            level,
+            detail,
+        )
         pos = nl + 1 + lo_ + le_
     return out
 
@@ -574,20 +641,33 @@ class Sandbox:
                 "(set code.allow_unisolated: true to run with rlimits only)"
             )
 
-    def run(self, source: str, stdin: str | bytes = b"", *, wall_s: float | None = None,
-            cpu_s: int | None = None, channel: bool = False) -> ExecResult:
+    def run(
+        self,
+        source: str,
+        stdin: str | bytes = b"",
+        *,
+        wall_s: float | None = None,
+        cpu_s: int | None = None,
+        channel: bool = False,
+    ) -> ExecResult:
         """Run ``source`` (a Python program) with ``stdin``; ``wall_s`` and ``cpu_s`` override the limits
         (a harness running many cases in one process needs more than one case's worth); ``channel``
         opens the result channel (fd 3 of the program, :attr:`ExecResult.channel`)."""
         lim = self.limits
         if wall_s is not None or cpu_s is not None:
-            lim = SandboxLimits(**{**lim.__dict__, "wall_s": wall_s if wall_s is not None else lim.wall_s,
-                                   "cpu_s": cpu_s if cpu_s is not None else lim.cpu_s})
+            lim = SandboxLimits(
+                **{
+                    **lim.__dict__,
+                    "wall_s": wall_s if wall_s is not None else lim.wall_s,
+                    "cpu_s": cpu_s if cpu_s is not None else lim.cpu_s,
+                }
+            )
         data = stdin.encode("utf-8") if isinstance(stdin, str) else stdin
         return _run(source, data, lim, self.isolation, channel)
 
-    def run_cases(self, source: str, inputs: Sequence[str | bytes], *, case_wall_s: float,
-                  total_wall_s: float) -> list[ExecResult | None]:
+    def run_cases(
+        self, source: str, inputs: Sequence[str | bytes], *, case_wall_s: float, total_wall_s: float
+    ) -> list[ExecResult | None]:
         """Run ``source`` once per input in one launch: the namespace's init forks a fresh
         process per case (its own stdin, stdout, stderr, CPU limit and ``case_wall_s``) and
         kills everything the case started before the next one. Cases share the run's /tmp

@@ -76,8 +76,9 @@ def _adopt(state: TrainState, body: tuple) -> tuple[Any, TrainState]:
     return result, state.replace(sampler=sampler, calibrator=calibrator)
 
 
-def main_attempt(stage: RankedStage, env: RunEnv, state: TrainState, step: int, *, last: bool,
-                 log: logging.Logger, **kw: Any) -> tuple[Any, TrainState] | None:
+def main_attempt(
+    stage: RankedStage, env: RunEnv, state: TrainState, step: int, *, last: bool, log: logging.Logger, **kw: Any
+) -> tuple[Any, TrainState] | None:
     """Rank 0's attempt; broadcasts ok / retry / fatal; ``None`` means retry."""
     try:
         result, new = stage.run_once(env, state, step, **kw)
@@ -92,8 +93,9 @@ def main_attempt(stage: RankedStage, env: RunEnv, state: TrainState, step: int, 
     return result, new
 
 
-def peer_attempt(stage: RankedStage, env: RunEnv, state: TrainState, step: int, *, attempt: int,
-                 **kw: Any) -> tuple[Any, TrainState] | None:
+def peer_attempt(
+    stage: RankedStage, env: RunEnv, state: TrainState, step: int, *, attempt: int, **kw: Any
+) -> tuple[Any, TrainState] | None:
     """A non-main rank's attempt: the bare stage, then rank 0's outcome; ``None`` means retry."""
     local = None
     try:
@@ -111,8 +113,9 @@ def peer_attempt(stage: RankedStage, env: RunEnv, state: TrainState, step: int, 
     raise RuntimeError(f"{stage.name} of step {step} failed on rank 0, so rank {env.rank} stops: {body}") from local
 
 
-def on_ranks(stage: RankedStage, env: RunEnv, state: TrainState, step: int, *, log: logging.Logger,
-             **kw: Any) -> tuple[Any, TrainState]:
+def on_ranks(
+    stage: RankedStage, env: RunEnv, state: TrainState, step: int, *, log: logging.Logger, **kw: Any
+) -> tuple[Any, TrainState]:
     """A stage every rank runs together (rollout, score), retried on all ranks together.
 
     One process: ``stage.run`` with its own retries. Several ranks: up to

@@ -49,8 +49,9 @@ class GenerationBlock:
     prompt_seeds: tuple[int, ...]
 
 
-def generation_blocks(prompt_lengths: list[int], *, group_size: int, generation_batch_size: int, seed: int,
-                      step: int, round_: int) -> list[GenerationBlock]:
+def generation_blocks(
+    prompt_lengths: list[int], *, group_size: int, generation_batch_size: int, seed: int, step: int, round_: int
+) -> list[GenerationBlock]:
     """The step's blocks (module docstring) for prompts of these token lengths (``[P]``)."""
     per_block = max(1, generation_batch_size // group_size)
     order = sorted(range(len(prompt_lengths)), key=lambda p: prompt_lengths[p])  # stable

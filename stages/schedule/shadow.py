@@ -57,8 +57,15 @@ def shadow_this_step(env: RunEnv, state: TrainState, step: int, *, forced: bool 
     return sched.calibrates(step, last, prev)
 
 
-def shadow_plan(env: RunEnv, state: TrainState, step: int, advantages: torch.Tensor, response_mask: torch.Tensor,
-                *, forced: bool | None = None) -> tuple[bool, torch.Tensor | None]:
+def shadow_plan(
+    env: RunEnv,
+    state: TrainState,
+    step: int,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    forced: bool | None = None,
+) -> tuple[bool, torch.Tensor | None]:
     """The train stage's one question to the schedule: (shadow passes on ``step``?, ``[N]`` bool rows to
     shadow or None for all). ``forced``: see :func:`shadow_this_step`. Recorded as ``steps.shadow``."""
     shadow = shadow_this_step(env, state, step, forced=forced)
@@ -72,16 +79,19 @@ def _reference(env: RunEnv, step: int) -> torch.Tensor | None:
             tok = read_step(env, "token_stats", step)
         except FileNotFoundError:
             return None
-        col = {n: torch.from_numpy(tok.column(n).to_numpy(zero_copy_only=False).astype(np.float32))
-               for n in ("logp_fp8", "old_logp_fp8", "advantage")}
+        col = {
+            n: torch.from_numpy(tok.column(n).to_numpy(zero_copy_only=False).astype(np.float32))
+            for n in ("logp_fp8", "old_logp_fp8", "advantage")
+        }
         r8 = importance_ratio(col["logp_fp8"], col["old_logp_fp8"])
         _REFERENCE.clear()  # one reference in force per process is enough
         _REFERENCE[key] = thin(negative_ratios(r8, col["advantage"], torch.ones_like(r8, dtype=torch.bool)))
     return _REFERENCE[key]
 
 
-def drift_metrics(env: RunEnv, state: TrainState, step: int, r8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                  shadow: bool) -> dict:
+def drift_metrics(
+    env: RunEnv, state: TrainState, step: int, r8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, shadow: bool
+) -> dict:
     """``drift_signal`` of this step vs the last calibration (0 on a calibration step itself)."""
     if shadow:
         return {"drift_signal": 0.0}
@@ -143,7 +153,15 @@ def subsample_columns(cols: dict[str, np.ndarray], sample_ids: np.ndarray, cfg, 
     n_sel = int(sel.sum())
     alpha = float((r16[sel] < thr).double().mean()) if n_sel else float("nan")
     b = lower_error_bound(r8[torch.from_numpy(neg_tok)], alpha, m=m, neg_per_seq=neg_per_seq, keep=keep, delta=delta)
-    boot = bootstrap_lower_error(r8[sel], r16[sel], torch.from_numpy(inv)[sel], threshold=thr, delta=delta, m=m,
-                                 n_total=n, generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 10)))
+    boot = bootstrap_lower_error(
+        r8[sel],
+        r16[sel],
+        torch.from_numpy(inv)[sel],
+        threshold=thr,
+        delta=delta,
+        m=m,
+        n_total=n,
+        generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 10)),
+    )
     out.update(alpha_level_error=b.level_error, lower_error_bound=b.lower_error_bound, lower_error_bootstrap=boot)
     return has16, out

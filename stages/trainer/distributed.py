@@ -93,9 +93,10 @@ def enable_float8_all_gather(model: nn.Module) -> list[str]:
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
         mod.config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-        mod.weight = nn.Parameter(WeightWithDynamicFloat8CastTensor(mod.weight.data, mod.linear_mm_config,
-                                                                   cast.target_dtype),
-                                  requires_grad=mod.weight.requires_grad)
+        mod.weight = nn.Parameter(
+            WeightWithDynamicFloat8CastTensor(mod.weight.data, mod.linear_mm_config, cast.target_dtype),
+            requires_grad=mod.weight.requires_grad,
+        )
         switched.append(name)
     return switched
 
@@ -107,8 +108,9 @@ def enable_float8_all_gather(model: nn.Module) -> list[str]:
 RESHARD_AFTER_FORWARD = "blocks and root: yes; last block: no (its backward follows at once)"
 
 
-def shard_policy(model: nn.Module, cfg: Any = None, *, device: torch.device | None = None,
-                 mesh: Any = None) -> nn.Module:
+def shard_policy(
+    model: nn.Module, cfg: Any = None, *, device: torch.device | None = None, mesh: Any = None
+) -> nn.Module:
     """FSDP2-shard ``model`` in place: each decoder block, then the root, bf16 all-gather with fp32
     gradient reduction, float8 all-gather for torchao tensorwise linears. Returns the model."""
     from torch.distributed.fsdp import fully_shard
@@ -160,8 +162,7 @@ def _single_process_quiet():
     return stack
 
 
-def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 storage_writer=None) -> None:
+def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, storage_writer=None) -> None:
     """Every rank writes its shards of model + optimizer state to ``path`` (DCP; through
     ``storage_writer`` if given, a ``FileSystemWriter`` for ``path``)."""
     import torch.distributed.checkpoint as dcp

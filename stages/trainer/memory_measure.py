@@ -34,8 +34,19 @@ from typing import Any
 import torch
 
 GiB = 1024**3
-KINDS = ("Sharded Param", "Unsharded Param", "Buffer", "Sharded Grad", "Unsharded Grad", "Activation", "Temp",
-         "All Gather", "Reduce Scatter", "OptState", "Inputs")
+KINDS = (
+    "Sharded Param",
+    "Unsharded Param",
+    "Buffer",
+    "Sharded Grad",
+    "Unsharded Grad",
+    "Activation",
+    "Temp",
+    "All Gather",
+    "Reduce Scatter",
+    "OptState",
+    "Inputs",
+)
 
 
 @dataclass
@@ -100,8 +111,17 @@ def _reset_peak(tracker: Any) -> None:
     tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
 
 
-def measure_step(hf_config: Any, *, layers: int, world_size: int, mode: str, micro_batch_size: int, seq_len: int,
-                 activation_checkpointing: bool, lr: float = 1e-6) -> StepMemory:
+def measure_step(
+    hf_config: Any,
+    *,
+    layers: int,
+    world_size: int,
+    mode: str,
+    micro_batch_size: int,
+    seq_len: int,
+    activation_checkpointing: bool,
+    lr: float = 1e-6,
+) -> StepMemory:
     """Track one forward, backward and AdamW step of a ``layers``-layer copy of ``hf_config``'s model."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import AutoModelForCausalLM
@@ -183,8 +203,12 @@ def extrapolate(a: StepMemory, b: StepMemory, layers: int) -> StepMemory:
     out = StepMemory(layers=layers, tokens=a.tokens)
     for phase in a.phases:
         kinds = set(a.phases[phase]) | set(b.phases[phase])
-        out.phases[phase] = {kind: int(round(a.phases[phase].get(kind, 0) + k * (
-            b.phases[phase].get(kind, 0) - a.phases[phase].get(kind, 0)))) for kind in kinds}
+        out.phases[phase] = {
+            kind: int(
+                round(a.phases[phase].get(kind, 0) + k * (b.phases[phase].get(kind, 0) - a.phases[phase].get(kind, 0)))
+            )
+            for kind in kinds
+        }
     out.sync_bytes = max(a.sync_bytes, b.sync_bytes)  # the largest parameter does not grow with depth
     return out
 

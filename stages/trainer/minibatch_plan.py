@@ -22,10 +22,9 @@ denominators and every calibration statistic, are the same as without.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
     from fp8rl_core.config import CampaignConfig
@@ -42,8 +41,9 @@ def padded_tokens(rows: int, width: int, multiple: int) -> int:
     return rows * (-(-width // step) * step)
 
 
-def token_budget_micros(rows: torch.Tensor, lengths: torch.Tensor, *, max_rows: int, max_tokens: int,
-                        multiple: int = 1) -> list[torch.Tensor]:
+def token_budget_micros(
+    rows: torch.Tensor, lengths: torch.Tensor, *, max_rows: int, max_tokens: int, multiple: int = 1
+) -> list[torch.Tensor]:
     """Split one mini-batch into micro-batches under a token budget (verl's dynamic batch size).
 
     Args:
@@ -95,8 +95,16 @@ def check_world_size(cfg: CampaignConfig, world_size: int) -> None:
         )
 
 
-def minibatch_plan(n: int, cfg: CampaignConfig, seed: int, *, rank: int = 0, world_size: int = 1,
-                   lengths: torch.Tensor | None = None, multiple: int = 1) -> list[list[torch.Tensor]]:
+def minibatch_plan(
+    n: int,
+    cfg: CampaignConfig,
+    seed: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    lengths: torch.Tensor | None = None,
+    multiple: int = 1,
+) -> list[list[torch.Tensor]]:
     """Per mini-batch (epoch-major), this rank's micro-batches as row-index tensors of the global batch.
 
     Independent of ``world_size`` as a set: the k 1-process micro-batches of
@@ -120,22 +128,26 @@ def minibatch_plan(n: int, cfg: CampaignConfig, seed: int, *, rank: int = 0, wor
             if budget is None:
                 micros = _micro_slices(mb, a.micro_batch_size)
             else:
-                micros = token_budget_micros(mb, lengths, max_rows=a.micro_batch_size, max_tokens=budget,
-                                             multiple=multiple)
+                micros = token_budget_micros(
+                    mb, lengths, max_rows=a.micro_batch_size, max_tokens=budget, multiple=multiple
+                )
             share = -(-len(micros) // world_size)
             plan.append(micros[rank * share : (rank + 1) * share])
     return plan
 
 
-def plan_depth(n: int, cfg: CampaignConfig, seed: int, world_size: int, *, lengths: torch.Tensor | None = None,
-               multiple: int = 1) -> list[int]:
+def plan_depth(
+    n: int, cfg: CampaignConfig, seed: int, world_size: int, *, lengths: torch.Tensor | None = None, multiple: int = 1
+) -> list[int]:
     """Per mini-batch (epoch-major), the most micro-batches any rank runs in :func:`minibatch_plan`.
 
     A deterministic function of the plan's inputs: every rank computes it locally
     (no communication) and pads its share up to it (:func:`pad_micros`).
     """
-    plans = [minibatch_plan(n, cfg, seed, rank=r, world_size=world_size, lengths=lengths, multiple=multiple)
-             for r in range(world_size)]
+    plans = [
+        minibatch_plan(n, cfg, seed, rank=r, world_size=world_size, lengths=lengths, multiple=multiple)
+        for r in range(world_size)
+    ]
     return [max(len(p[k]) for p in plans) for k in range(len(plans[0]))]
 
 

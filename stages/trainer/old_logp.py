@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 
 
-def first_forward_is_old(plan: list[list[torch.Tensor]], device: torch.device, world_size: int, *,
-                         per_update_bounds: bool) -> bool:
+def first_forward_is_old(
+    plan: list[list[torch.Tensor]], device: torch.device, world_size: int, *, per_update_bounds: bool
+) -> bool:
     """True if the first mini-batch's grad forward may stand in for its no-grad π_old forward
     (``per_update_bounds``: the clip mode reads the current ratios before the loss, as BAPO does)."""
-    return (device.type == "cpu" and world_size == 1 and len(plan) > 0 and len(plan[0]) == 1
-            and not per_update_bounds)
+    return device.type == "cpu" and world_size == 1 and len(plan) > 0 and len(plan[0]) == 1 and not per_update_bounds

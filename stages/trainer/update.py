@@ -107,17 +107,45 @@ class TrainBatch:
         return int(self.input_ids.shape[0])
 
     def to(self, device: torch.device | str) -> "TrainBatch":
-        return TrainBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.response_mask,
-                                                    self.rollout_logp, self.advantages, self.sample_ids)))
+        return TrainBatch(
+            *(
+                t.to(device)
+                for t in (
+                    self.input_ids,
+                    self.attention_mask,
+                    self.response_mask,
+                    self.rollout_logp,
+                    self.advantages,
+                    self.sample_ids,
+                )
+            )
+        )
 
     def cpu(self) -> "TrainBatch":
         """The batch on the host (itself when it is there already)."""
-        return TrainBatch(*(t.cpu() for t in (self.input_ids, self.attention_mask, self.response_mask,
-                                              self.rollout_logp, self.advantages, self.sample_ids)))
+        return TrainBatch(
+            *(
+                t.cpu()
+                for t in (
+                    self.input_ids,
+                    self.attention_mask,
+                    self.response_mask,
+                    self.rollout_logp,
+                    self.advantages,
+                    self.sample_ids,
+                )
+            )
+        )
 
     def rows(self, idx: torch.Tensor) -> "TrainBatch":
-        return TrainBatch(self.input_ids[idx], self.attention_mask[idx], self.response_mask[idx],
-                          self.rollout_logp[idx], self.advantages[idx], self.sample_ids[idx])
+        return TrainBatch(
+            self.input_ids[idx],
+            self.attention_mask[idx],
+            self.response_mask[idx],
+            self.rollout_logp[idx],
+            self.advantages[idx],
+            self.sample_ids[idx],
+        )
 
 
 @dataclass
@@ -211,16 +239,19 @@ def padded_width(rows: int, width: int, multiple: int) -> int:
     return -(-width // step) * step
 
 
-def pad_to_contract(input_ids: torch.Tensor, attention_mask: torch.Tensor, multiple: int,
-                    pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_to_contract(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, multiple: int, pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad ``[m, T]`` to ``[m, T']`` with ``m * T'`` a multiple of ``multiple`` (mask 0)."""
     m, t = input_ids.shape
     extra = padded_width(m, t, multiple) - t
     if extra == 0:
         return input_ids, attention_mask
     pad = (0, extra)
-    return (torch.nn.functional.pad(input_ids, pad, value=pad_id),
-            torch.nn.functional.pad(attention_mask, pad, value=0))
+    return (
+        torch.nn.functional.pad(input_ids, pad, value=pad_id),
+        torch.nn.functional.pad(attention_mask, pad, value=0),
+    )
 
 
 def _widen(x: torch.Tensor, t: int) -> torch.Tensor:
@@ -258,7 +289,7 @@ def policy_logprobs(
     for s in range(0, n, max(step, 1)):
         w = int(attention_mask[s : s + step].sum(1).max()) if trim else t  # rows are right-padded
         ids, am = pad_to_contract(input_ids[s : s + step, :w], attention_mask[s : s + step, :w], multiple)
-        with bf16_parameters(model), (bf16_shadow(model) if shadow else contextlib.nullcontext()):
+        with bf16_parameters(model), bf16_shadow(model) if shadow else contextlib.nullcontext():
             lp, ent = sequence_logprobs(model, ids, am, mode=run_mode, with_entropy=with_entropy)
         lps.append(_widen(lp[:, :w], t))
         ents.append(None if ent is None else _widen(ent[:, :w], t))
@@ -277,8 +308,9 @@ def _lr_lambda(warmup: int):
     return lambda n: min(1.0, (n + 1) / warmup) if warmup > 0 else 1.0
 
 
-def make_optimizer(model: torch.nn.Module,
-                   cfg: CampaignConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(
+    model: torch.nn.Module, cfg: CampaignConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the fp32 master weights (on their device) plus a linear-warmup schedule (per update)."""
     a = cfg.algorithm
     params = [p for p in model.parameters() if p.requires_grad]
@@ -306,8 +338,9 @@ def lr_override(optimizer: torch.optim.Optimizer, scheduler, lr: float | None) -
             g["lr"] = v
 
 
-def local_rows(batch: TrainBatch, mine: torch.Tensor,
-               world_size: int) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None]:
+def local_rows(
+    batch: TrainBatch, mine: torch.Tensor, world_size: int
+) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None]:
     """This rank's rows of the global ``batch`` (in global order) and, under several ranks, a padding row.
 
     Returns ``(local, rows, pad)``: ``local`` the ``[n_r (+1), T]`` batch, ``rows``
@@ -352,8 +385,9 @@ class StepRows:
 
     def logprobs(self, model, r: torch.Tensor, mode: str, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:func:`policy_logprobs` of local rows ``r`` (trimmed to their own width under a token budget)."""
-        return policy_logprobs(model, self.local.input_ids[r], self.local.attention_mask[r], mode=mode,
-                               trim=self.trim, **kw)
+        return policy_logprobs(
+            model, self.local.input_ids[r], self.local.attention_mask[r], mode=mode, trim=self.trim, **kw
+        )
 
     def real(self, k: int) -> list[torch.Tensor]:
         """Local row indices of mini-batch ``k``'s micro-batches (this rank's, no padding)."""
@@ -369,12 +403,20 @@ class StepRows:
         return r if r.numel() or self.pad is None else self.pad
 
 
-def split_rows(batch: TrainBatch, cfg: CampaignConfig, seed: int, collective: Collective, device: torch.device,
-               shadow_rows: torch.Tensor | None) -> StepRows:
+def split_rows(
+    batch: TrainBatch,
+    cfg: CampaignConfig,
+    seed: int,
+    collective: Collective,
+    device: torch.device,
+    shadow_rows: torch.Tensor | None,
+) -> StepRows:
     """Plan the step's mini-batches and take this rank's rows of ``batch`` onto ``device``."""
     n = batch.size
     budget = cfg.algorithm.max_tokens_per_micro_batch is not None  # token budget: split by length, trimmed
-    split = dict(lengths=batch.attention_mask.sum(1).cpu(), multiple=token_multiple(cfg.precision.train)) if budget else {}
+    split = (
+        dict(lengths=batch.attention_mask.sum(1).cpu(), multiple=token_multiple(cfg.precision.train)) if budget else {}
+    )
     plan = minibatch_plan(n, cfg, seed, rank=collective.rank, world_size=collective.world_size, **split)
     per_epoch = len(plan) // cfg.algorithm.ppo_epochs
     mine = torch.unique(torch.cat([m for mbs in plan[:per_epoch] for m in mbs] or [torch.zeros(0, dtype=torch.long)]))
@@ -383,8 +425,19 @@ def split_rows(batch: TrainBatch, cfg: CampaignConfig, seed: int, collective: Co
     where[mine] = torch.arange(mine.numel())
     # host, like the micro-batches' row indices it selects from (a device mask cannot index a host tensor)
     sub = None if shadow_rows is None or bool(shadow_rows.all()) else shadow_rows.cpu().bool()[local_global]
-    return StepRows(n, plan, per_epoch, mine, local.to(device), local_global, pad, where,
-                    plan_depth(n, cfg, seed, collective.world_size, **split), sub, trim=budget)
+    return StepRows(
+        n,
+        plan,
+        per_epoch,
+        mine,
+        local.to(device),
+        local_global,
+        pad,
+        where,
+        plan_depth(n, cfg, seed, collective.world_size, **split),
+        sub,
+        trim=budget,
+    )
 
 
 @dataclass
@@ -401,8 +454,9 @@ class StepTensors:
     entropy: torch.Tensor
 
 
-def _no_grad_logprobs(model, rows: StepRows, micros: list[torch.Tensor], mode: str, *, shadow: bool,
-                      out: torch.Tensor) -> None:
+def _no_grad_logprobs(
+    model, rows: StepRows, micros: list[torch.Tensor], mode: str, *, shadow: bool, out: torch.Tensor
+) -> None:
     """Fill ``out`` with the no-grad log-probs of ``micros`` (BF16 shadow rows only when ``shadow``)."""
     with torch.no_grad():
         for r in micros:
@@ -411,8 +465,9 @@ def _no_grad_logprobs(model, rows: StepRows, micros: list[torch.Tensor], mode: s
                 out[r] = rows.logprobs(model, r, mode, shadow=shadow)[0]
 
 
-def old_logprobs(model, rows: StepRows, cfg: CampaignConfig, *, shadow: bool,
-                 timings: dict[str, float], reuse_first: bool = False) -> StepTensors:
+def old_logprobs(
+    model, rows: StepRows, cfg: CampaignConfig, *, shadow: bool, timings: dict[str, float], reuse_first: bool = False
+) -> StepTensors:
     """Phase 1: π_old in the training precision and, on shadow steps, in BF16; the TIS weights.
 
     Runs in the micro-batches of the first epoch's plan (the same ones on 1 or W
@@ -435,8 +490,16 @@ def old_logprobs(model, rows: StepRows, cfg: CampaignConfig, *, shadow: bool,
         logp16 = torch.zeros_like(old8) if rows.sub is None else torch.full_like(old8, float("nan"))
         timings["shadow_s"] = time.perf_counter() - t0
     is_w = tis_weights(old8, x.rollout_logp, cap=a.tis_cap) * mask if a.tis and not reuse_first else None
-    return StepTensors(mask, x.advantages.float()[:, None] * mask, old8, old16, logp16, is_w,
-                       torch.zeros_like(old8), torch.zeros_like(old8))
+    return StepTensors(
+        mask,
+        x.advantages.float()[:, None] * mask,
+        old8,
+        old16,
+        logp16,
+        is_w,
+        torch.zeros_like(old8),
+        torch.zeros_like(old8),
+    )
 
 
 @dataclass
@@ -451,22 +514,43 @@ class UpdateLog:
     epoch0_bounds: dict[int, tuple[float, float]] = field(default_factory=dict)  # mini-batch -> (L, H)
 
 
-def update_bounds(model, rows: StepRows, micros: list[torch.Tensor], t: StepTensors, cfg: CampaignConfig,
-                  rule: UpdateBoundsRule, collective: Collective):
+def update_bounds(
+    model,
+    rows: StepRows,
+    micros: list[torch.Tensor],
+    t: StepTensors,
+    cfg: CampaignConfig,
+    rule: UpdateBoundsRule,
+    collective: Collective,
+):
     """(L, H) of a clip mode that picks bounds before every update (its registry hook), from the
     update's current ratios over every rank's tokens; returns the hook's result (``.lower``, ``.upper``)."""
     mode = cfg.precision.train
     with torch.no_grad():
-        cur = [importance_ratio(rows.logprobs(model, r, mode)[0], t.old8[r])
-               for r in micros]
-    return rule.bounds(torch.cat([c.reshape(-1) for c in cur]), torch.cat([t.adv_tok[r].reshape(-1) for r in micros]),
-                       torch.cat([t.mask[r].reshape(-1) for r in micros]), cfg.calibration,
-                       collective.world_size > 1)
+        cur = [importance_ratio(rows.logprobs(model, r, mode)[0], t.old8[r]) for r in micros]
+    return rule.bounds(
+        torch.cat([c.reshape(-1) for c in cur]),
+        torch.cat([t.adv_tok[r].reshape(-1) for r in micros]),
+        torch.cat([t.mask[r].reshape(-1) for r in micros]),
+        cfg.calibration,
+        collective.world_size > 1,
+    )
 
 
-def micro_batch_pass(model, rows: StepRows, micros: list[torch.Tensor], t: StepTensors, cfg: CampaignConfig, *,
-                     bounds: tuple[float, float], tokens: float, seqs: float, world_size: int,
-                     record: bool, adopt_old: bool = False) -> float:
+def micro_batch_pass(
+    model,
+    rows: StepRows,
+    micros: list[torch.Tensor],
+    t: StepTensors,
+    cfg: CampaignConfig,
+    *,
+    bounds: tuple[float, float],
+    tokens: float,
+    seqs: float,
+    world_size: int,
+    record: bool,
+    adopt_old: bool = False,
+) -> float:
     """Forward and backward of one mini-batch's micro-batches, gradients accumulated; returns the summed loss.
 
     ``tokens``/``seqs``: the mini-batch's global token and sequence counts (loss
@@ -484,9 +568,18 @@ def micro_batch_pass(model, rows: StepRows, micros: list[torch.Tensor], t: StepT
             t.old8[r] = lp.detach()
             t.is_w = tis_weights(t.old8, rows.local.rollout_logp, cap=a.tis_cap) * t.mask if a.tis else None
         loss, _ = loss_fn(
-            lp, t.old8[r], t.adv_tok[r], t.mask[r], lower=bounds[0], upper=bounds[1], dual_clip=a.dual_clip,
-            is_weights=None if t.is_w is None else t.is_w[r], agg=a.loss_agg,
-            global_token_count=max(tokens, 1.0), global_seq_count=seqs, norm_len=float(cfg.rollout.max_new_tokens),
+            lp,
+            t.old8[r],
+            t.adv_tok[r],
+            t.mask[r],
+            lower=bounds[0],
+            upper=bounds[1],
+            dual_clip=a.dual_clip,
+            is_weights=None if t.is_w is None else t.is_w[r],
+            agg=a.loss_agg,
+            global_token_count=max(tokens, 1.0),
+            global_seq_count=seqs,
+            norm_len=float(cfg.rollout.max_new_tokens),
         )
         if a.entropy_coef > 0:
             loss = loss - a.entropy_coef * (ent * t.mask[r]).sum() / max(tokens, 1.0)
@@ -497,8 +590,9 @@ def micro_batch_pass(model, rows: StepRows, micros: list[torch.Tensor], t: StepT
     return total
 
 
-def optimizer_step(model, optimizer, scheduler, loss: float, cfg: CampaignConfig, collective: Collective,
-                   log: UpdateLog) -> None:
+def optimizer_step(
+    model, optimizer, scheduler, loss: float, cfg: CampaignConfig, collective: Collective, log: UpdateLog
+) -> None:
     """Clip the gradient and step, unless the loss or the gradient norm is not finite (then skip, recorded)."""
     gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.algorithm.grad_clip)
     grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)  # a DTensor under FSDP2
@@ -516,10 +610,23 @@ def optimizer_step(model, optimizer, scheduler, loss: float, cfg: CampaignConfig
     log.grad_norms.append(grad_norm)
 
 
-def minibatch_update(model, optimizer, scheduler, rows: StepRows, k: int, t: StepTensors, cfg: CampaignConfig, *,
-                     bounds: tuple[float, float], shadow: bool, collective: Collective, log: UpdateLog,
-                     timings: dict[str, float], rule: UpdateBoundsRule | None = None,
-                     reuse_first: bool = False) -> None:
+def minibatch_update(
+    model,
+    optimizer,
+    scheduler,
+    rows: StepRows,
+    k: int,
+    t: StepTensors,
+    cfg: CampaignConfig,
+    *,
+    bounds: tuple[float, float],
+    shadow: bool,
+    collective: Collective,
+    log: UpdateLog,
+    timings: dict[str, float],
+    rule: UpdateBoundsRule | None = None,
+    reuse_first: bool = False,
+) -> None:
     """Phase 2, one update: the BF16 shadow of π_θ (epoch 0 of shadow steps), the clip mode's
     per-update bounds if it has them, the micro-batches' forward/backward, the optimizer step."""
     epoch, mb_index = divmod(k, rows.per_epoch)
@@ -543,9 +650,19 @@ def minibatch_update(model, optimizer, scheduler, rows: StepRows, k: int, t: Ste
     tokens = collective.sum(float(sum(float(t.mask[r].sum()) for r in real)))
     seqs = collective.sum(float(sum(r.numel() for r in real)))
     optimizer.zero_grad(set_to_none=True)
-    loss = micro_batch_pass(model, rows, micros, t, cfg, bounds=loss_bounds(cfg.algorithm.loss, lower, upper,
-                            cfg.algorithm), tokens=tokens, seqs=seqs, world_size=collective.world_size,
-                            record=epoch == 0, adopt_old=reuse_first and k == 0)
+    loss = micro_batch_pass(
+        model,
+        rows,
+        micros,
+        t,
+        cfg,
+        bounds=loss_bounds(cfg.algorithm.loss, lower, upper, cfg.algorithm),
+        tokens=tokens,
+        seqs=seqs,
+        world_size=collective.world_size,
+        record=epoch == 0,
+        adopt_old=reuse_first and k == 0,
+    )
     optimizer_step(model, optimizer, scheduler, collective.sum(loss), cfg, collective, log)
 
 
@@ -580,22 +697,57 @@ def policy_update(
     timings: dict[str, float] = {}
     model.train()
     rule = per_update_rule(cfg.calibration.mode)  # None unless the clip mode picks bounds per update
-    reuse = old_logp.first_forward_is_old(rows.plan, rows.local.input_ids.device, collective.world_size,
-                                          per_update_bounds=rule is not None)  # π_old of mini-batch 0 from its update
+    reuse = old_logp.first_forward_is_old(
+        rows.plan, rows.local.input_ids.device, collective.world_size, per_update_bounds=rule is not None
+    )  # π_old of mini-batch 0 from its update
     t = old_logprobs(model, rows, cfg, shadow=shadow, timings=timings, reuse_first=reuse)  # 1. π_old (+ BF16 shadow)
     log = UpdateLog(minibatch=torch.zeros(rows.n, dtype=torch.long))
     t_train = time.perf_counter()
     for k in range(len(rows.plan)):  # 2. one optimizer update per mini-batch, every epoch
-        minibatch_update(model, optimizer, scheduler, rows, k, t, cfg, bounds=bounds, shadow=shadow,
-                         collective=collective, log=log, timings=timings, rule=rule, reuse_first=reuse)
+        minibatch_update(
+            model,
+            optimizer,
+            scheduler,
+            rows,
+            k,
+            t,
+            cfg,
+            bounds=bounds,
+            shadow=shadow,
+            collective=collective,
+            log=log,
+            timings=timings,
+            rule=rule,
+            reuse_first=reuse,
+        )
     timings["update_s"] = time.perf_counter() - t_train
-    return gather_step_stats(batch, rows, t, log, cfg, bounds=bounds, collective=collective,  # 3. statistics
-                             lr=float(scheduler.get_last_lr()[0]), timings=timings, rule=rule)
+    return gather_step_stats(
+        batch,
+        rows,
+        t,
+        log,
+        cfg,
+        bounds=bounds,
+        collective=collective,  # 3. statistics
+        lr=float(scheduler.get_last_lr()[0]),
+        timings=timings,
+        rule=rule,
+    )
 
 
-def gather_step_stats(batch: TrainBatch, rows: StepRows, t: StepTensors, log: UpdateLog, cfg: CampaignConfig, *,
-                      bounds: tuple[float, float], collective: Collective, lr: float,
-                      timings: dict[str, float], rule: UpdateBoundsRule | None = None) -> UpdateResult:
+def gather_step_stats(
+    batch: TrainBatch,
+    rows: StepRows,
+    t: StepTensors,
+    log: UpdateLog,
+    cfg: CampaignConfig,
+    *,
+    bounds: tuple[float, float],
+    collective: Collective,
+    lr: float,
+    timings: dict[str, float],
+    rule: UpdateBoundsRule | None = None,
+) -> UpdateResult:
     """Phase 3: every rank's per-token tensors gathered into ``[N, T]`` (global, CPU), and the step's
     statistics computed on them by the same code as in one process."""
     n, mine = rows.n, rows.mine
@@ -608,28 +760,58 @@ def gather_step_stats(batch: TrainBatch, rows: StepRows, t: StepTensors, log: Up
         out[collective.gather_rows(mine)] = collective.gather_rows(own.detach().float().cpu())
         return out
 
-    g = {k: glob(v) for k, v in dict(logp8=t.logp8, old8=t.old8, logp16=t.logp16, old16=t.old16, entropy=t.entropy,
-                                     is_w=t.is_w).items()}
+    g = {
+        k: glob(v)
+        for k, v in dict(
+            logp8=t.logp8, old8=t.old8, logp16=t.logp16, old16=t.old16, entropy=t.entropy, is_w=t.is_w
+        ).items()
+    }
     minibatch = log.minibatch if collective.world_size == 1 else _owned_max(collective, log.minibatch, mine, n)
     host = batch.cpu()  # the gathered per-token tensors are on the host: so is the batch they are read with
     metrics = step_metrics(host, g["logp8"], g["old8"], g["entropy"], g["is_w"], cfg, bounds=bounds)
     if rule is not None:  # clip statistics at each row's own update bounds
         fmask = host.response_mask.float()
-        metrics.update({k: float(v) for k, v in rule.clip_stats(
-            g["logp8"], g["old8"], host.advantages.float()[:, None] * fmask, fmask, minibatch, log.epoch0_bounds,
-            dual_clip=cfg.algorithm.dual_clip, is_weights=g["is_w"]).items()})
+        metrics.update(
+            {
+                k: float(v)
+                for k, v in rule.clip_stats(
+                    g["logp8"],
+                    g["old8"],
+                    host.advantages.float()[:, None] * fmask,
+                    fmask,
+                    minibatch,
+                    log.epoch0_bounds,
+                    dual_clip=cfg.algorithm.dual_clip,
+                    is_weights=g["is_w"],
+                ).items()
+            }
+        )
         metrics.update(rule.summarize(log.per_update))
     gn = log.grad_norms
     metrics.update(
-        loss=_mean(log.losses), grad_norm=_mean(gn), grad_norm_max=max(gn) if gn else 0.0,
-        lr=lr, skipped_updates=float(log.skipped), updates=float(len(log.losses)),
+        loss=_mean(log.losses),
+        grad_norm=_mean(gn),
+        grad_norm_max=max(gn) if gn else 0.0,
+        lr=lr,
+        skipped_updates=float(log.skipped),
+        updates=float(len(log.losses)),
     )
-    row_bounds = None if rule is None else torch.tensor([log.epoch0_bounds[int(k)] for k in minibatch],
-                                                         dtype=torch.float32)
+    row_bounds = (
+        None if rule is None else torch.tensor([log.epoch0_bounds[int(k)] for k in minibatch], dtype=torch.float32)
+    )
     return UpdateResult(
-        metrics=metrics, logp_fp8=g["logp8"], old_logp_fp8=g["old8"], logp_bf16=g["logp16"], old_logp_bf16=g["old16"],
-        entropy=g["entropy"], tis_weight=g["is_w"], minibatch=minibatch, skipped_updates=log.skipped, timings=timings,
-        rows=mine, row_bounds=row_bounds,
+        metrics=metrics,
+        logp_fp8=g["logp8"],
+        old_logp_fp8=g["old8"],
+        logp_bf16=g["logp16"],
+        old_logp_bf16=g["old16"],
+        entropy=g["entropy"],
+        tis_weight=g["is_w"],
+        minibatch=minibatch,
+        skipped_updates=log.skipped,
+        timings=timings,
+        rows=mine,
+        row_bounds=row_bounds,
     )
 
 
@@ -646,19 +828,33 @@ def step_metrics(batch: TrainBatch, logp8, old8, entropy, is_w, cfg: CampaignCon
     adv_tok = batch.advantages.float()[:, None] * mask
     with torch.no_grad():
         stats_fn = LOSS_STATISTICS.get(a.loss)  # the loss's own clip statistics (gspo: sequence ratios)
-        _, stats = stats_fn(logp8, old8, adv_tok, mask, lower=bounds[0], upper=bounds[1], dual_clip=a.dual_clip,
-                            is_weights=is_w, agg="token-mean")
+        _, stats = stats_fn(
+            logp8,
+            old8,
+            adv_tok,
+            mask,
+            lower=bounds[0],
+            upper=bounds[1],
+            dual_clip=a.dual_clip,
+            is_weights=is_w,
+            agg="token-mean",
+        )
     ntok = float(mask.sum().clamp_min(1.0))
     m: dict[str, float] = {k: float(v) for k, v in stats.items()}
     m.update(
-        lower_bound=float(bounds[0]), upper_bound=float(bounds[1]),
-        entropy_mean=float((entropy * mask).sum() / ntok), n_tokens=ntok,
+        lower_bound=float(bounds[0]),
+        upper_bound=float(bounds[1]),
+        entropy_mean=float((entropy * mask).sum() / ntok),
+        n_tokens=ntok,
         rollout_train_logp_abs_diff=float(((old8 - batch.rollout_logp).abs() * mask).sum() / ntok),
     )
     if is_w is not None:
         w = is_w[mask > 0]
-        m.update(tis_weight_mean=float(w.mean()), tis_weight_min=float(w.min()),
-                 tis_capped_share=float((w >= a.tis_cap).float().mean()))
+        m.update(
+            tis_weight_mean=float(w.mean()),
+            tis_weight_min=float(w.min()),
+            tis_capped_share=float((w >= a.tis_cap).float().mean()),
+        )
     return m
 
 
@@ -667,7 +863,21 @@ def _mean(xs: list[float]) -> float:
 
 
 __all__ = [
-    "Collective", "DistCollective", "LOCAL", "TrainBatch", "UpdateResult", "make_optimizer", "maybe_fault",
-    "local_rows", "minibatch_plan", "pad_micros", "pad_to_contract", "padded_width", "plan_depth", "policy_logprobs",
-    "policy_update", "step_metrics", "token_multiple",
+    "Collective",
+    "DistCollective",
+    "LOCAL",
+    "TrainBatch",
+    "UpdateResult",
+    "make_optimizer",
+    "maybe_fault",
+    "local_rows",
+    "minibatch_plan",
+    "pad_micros",
+    "pad_to_contract",
+    "padded_width",
+    "plan_depth",
+    "policy_logprobs",
+    "policy_update",
+    "step_metrics",
+    "token_multiple",
 ]

@@ -26,16 +26,36 @@ GOLDEN = HERE / "micro_campaign.json"
 # The default preset, shrunk: a barely bootstrapped model, 8 prompts x 4 samples, 2 steps,
 # calibration (shadow passes) on step 1, evaluation at steps 0 and 2, one thread.
 OVERRIDES = [
-    "steps=2", "threads=1", "task.difficulty=0", "bootstrap.threads=1", "bootstrap.steps=150", "bootstrap.batch_size=32",
-    "bootstrap.noisy_steps=0", "bootstrap.warmup_steps=10", "bootstrap.lr=3e-3",
-    "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=12",
-    "algorithm.ppo_mini_batch_size=16", "algorithm.micro_batch_size=8", "algorithm.token_stats_sample=0.5",
-    "calibration.interval=2", "evaluation.interval=2",
+    "steps=2",
+    "threads=1",
+    "task.difficulty=0",
+    "bootstrap.threads=1",
+    "bootstrap.steps=150",
+    "bootstrap.batch_size=32",
+    "bootstrap.noisy_steps=0",
+    "bootstrap.warmup_steps=10",
+    "bootstrap.lr=3e-3",
+    "rollout.prompts_per_step=8",
+    "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=12",
+    "algorithm.ppo_mini_batch_size=16",
+    "algorithm.micro_batch_size=8",
+    "algorithm.token_stats_sample=0.5",
+    "calibration.interval=2",
+    "evaluation.interval=2",
     "evaluation.benchmarks=[{name: synthetic, k: 2, limit: 24, max_new_tokens: 12}]",
     "checkpoint.interval=10",
 ]
-STEP_COLUMNS = ("reward_mean", "entropy_mean", "clipfrac", "clipfrac_lower", "clipfrac_upper",
-                "lower_bound", "upper_bound", "ppo_kl")
+STEP_COLUMNS = (
+    "reward_mean",
+    "entropy_mean",
+    "clipfrac",
+    "clipfrac_lower",
+    "clipfrac_upper",
+    "lower_bound",
+    "upper_bound",
+    "ppo_kl",
+)
 
 
 def _digest(values) -> str:
@@ -75,9 +95,14 @@ def run_micro(root: Path) -> dict:
         env.close()
     con = connect(root / "golden")
     steps = query(con, f"SELECT step, {', '.join(STEP_COLUMNS)} FROM steps ORDER BY step").to_pylist()
-    rollouts = query(con, "SELECT step, sample_id, response_token_ids, rollout_logp FROM rollouts ORDER BY step, sample_id").to_pylist()
-    stats = query(con, "SELECT step, sample_id, position, logp_fp8, old_logp_fp8, logp_bf16, ratio_fp8 "
-                       "FROM token_stats ORDER BY step, sample_id, position").to_pylist()
+    rollouts = query(
+        con, "SELECT step, sample_id, response_token_ids, rollout_logp FROM rollouts ORDER BY step, sample_id"
+    ).to_pylist()
+    stats = query(
+        con,
+        "SELECT step, sample_id, position, logp_fp8, old_logp_fp8, logp_bf16, ratio_fp8 "
+        "FROM token_stats ORDER BY step, sample_id, position",
+    ).to_pylist()
     evals = query(con, "SELECT step, benchmark, metric, k, value FROM eval_scores ORDER BY ALL").to_pylist()
     return {
         "steps": steps,
