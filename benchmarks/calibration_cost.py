@@ -84,7 +84,7 @@ def main() -> None:
             logp.grad = None
 
         loss_med, loss_cpu = _median_time(loss_step, args.repeats)
-        del r8, r16, adv, mask, old, logp, adv2, mask2
+        r8 = r16 = adv = mask = old = logp = adv2 = mask2 = None  # freed before the next size
         per_nlogn = cal_cpu / (n * math.log2(n))
         rows.append((n, per_nlogn))
         rel = per_nlogn / rows[0][1]

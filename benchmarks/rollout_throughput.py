@@ -14,7 +14,8 @@ the same BF16 autocast, with ``P * n`` sequences left-padded in chunks of
 ``top_k=0``) and the same ``max_new_tokens``; tokens are counted the same way
 (response tokens through the first EOS). With the untrained policy few rows stop
 early, so the engine's dropping of finished rows barely matters here; on a
-trained policy with short answers it is an extra gain. Runs are interleaved (the order rotates every round) and repeated,
+trained policy with short answers it is an extra gain. Runs are interleaved (the order rotates every
+round) and repeated,
 and medians are reported, because the CPUs are shared and timings are noisy.
 Ratios are given per wall second and per CPU second of this process (the latter
 is far less sensitive to other jobs on the machine; one thread by default so

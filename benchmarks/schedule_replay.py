@@ -9,7 +9,8 @@ force, the shadow passes it spends, and its mean bound error against the
 every-step schedule (K = 1). The K = 1 replay is checked against the run's own
 ``bounds`` table first (same rule, same inputs: they must agree).
 
-    python benchmarks/schedule_replay.py RUN_DIR [--ks 2,5,10,20] [--thresholds 0.05,0.1,0.2] [--dl-thresholds 0.02,0.05,0.1,0.2,0.3]
+    python benchmarks/schedule_replay.py RUN_DIR [--ks 2,5,10,20] [--thresholds 0.05,0.1,0.2] \
+        [--dl-thresholds 0.02,0.05,0.1,0.2,0.3]
 
 Prints one line per schedule and the verdict: does some drift setting reach the
 bound error of the smallest K with fewer shadow passes than the largest K?

@@ -150,7 +150,8 @@ def main() -> None:
             f"all: {', '.join(f'{x:.2f}' for x in write_s)})  goal >= 2 M rows/s"
         )
         print(
-            f"write CPU: {statistics.median(cpu_s):.2f}s = {rows / statistics.median(cpu_s) / 1e6:.2f} M rows per CPU-second "
+            f"write CPU: {statistics.median(cpu_s):.2f}s = "
+            f"{rows / statistics.median(cpu_s) / 1e6:.2f} M rows per CPU-second "
             "(encode + fsync syscalls; the rate of an unshared core)"
         )
         print(f"size: {bpr:.2f} bytes/row ({statistics.median(sizes) / 1e6:.0f} MB)  goal <= 20")

@@ -212,7 +212,8 @@ def plot_figure(fig_spec: Figure, table: pa.Table, colors: dict[str, str], path:
         if panel.log_y:
             ax.set_yscale("log")
         if len(cols) > 1:  # line styles tell the columns apart; colours are the runs (figure legend)
-            ax.legend([Line2D([], [], color="#333", ls=COLUMN_STYLES[j % len(COLUMN_STYLES)]) for j in range(len(cols))],
+            styles = [COLUMN_STYLES[j % len(COLUMN_STYLES)] for j in range(len(cols))]
+            ax.legend([Line2D([], [], color="#333", ls=ls) for ls in styles],
                       [labels.get(c, c) for c in cols], fontsize=7, loc="best")
         results.append(PanelResult(title, len(ax.get_lines()), points))
     for ax in axes[len(todo):]:
@@ -226,9 +227,11 @@ def plot_figure(fig_spec: Figure, table: pa.Table, colors: dict[str, str], path:
 # --------------------------------------------------------------------------- the page
 
 _CSS = """
-body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:1400px;margin:1.5em auto;padding:0 1em;color:#222}
+body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:1400px;margin:1.5em auto;
+  padding:0 1em;color:#222}
 h1{margin-bottom:.2em} h2{margin-top:1.8em;border-bottom:1px solid #ddd;padding-bottom:.2em}
-table{border-collapse:collapse;font-size:13px;margin:.5em 0} td,th{border:1px solid #ddd;padding:3px 7px;text-align:right}
+table{border-collapse:collapse;font-size:13px;margin:.5em 0}
+td,th{border:1px solid #ddd;padding:3px 7px;text-align:right}
 th{background:#f4f4f4} td.l,th.l{text-align:left} img{max-width:100%;height:auto;display:block;margin:.5em 0}
 pre{background:#f7f7f7;padding:.8em;overflow-x:auto;font-size:12px} .nodata{color:#a33;font-style:italic}
 .note{color:#666;font-size:13px}
@@ -253,7 +256,8 @@ def _html_table(table: pa.Table, colors: dict[str, str] | None = None) -> str:
     for r in pylist:
         cells = []
         for i, (c, v) in enumerate(r.items()):
-            swatch = f'<span class="swatch" style="background:{colors[v]}"></span>' if i == 0 and colors and v in colors else ""
+            shown = i == 0 and colors and v in colors
+            swatch = f'<span class="swatch" style="background:{colors[v]}"></span>' if shown else ""
             cells.append(f'<td class="{"l" if c in text else ""}">{swatch}{_cell(v)}</td>')
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return f'<div class="scroll"><table><tr>{head}</tr>{"".join(rows)}</table></div>'

@@ -54,7 +54,7 @@ import pyarrow as pa
 
 log = logging.getLogger("fp8rl.trackers")
 
-from flows.ui import live_rows, metric_points  # noqa: F401 (metric_points: the one naming of points)
+from flows.ui import live_rows, metric_points  # noqa: F401,E402 (metric_points: the one naming of points)
 
 TRACKED_TABLES = ("steps", "bounds", "eval_scores")
 _STOP = object()

@@ -521,7 +521,8 @@ class CalibrationResult:
     step; ``raw_*`` the unsmoothed rule output; ``previous_*`` the bounds in
     force before. Balances: ``target`` = BF16 at the standard bounds,
     ``before`` = FP8 at previous, ``after`` = FP8 at the bounds in force from
-    the next step (lower, upper), ``applied`` = the same (kept for old readers). ``lower_clip_share_*`` are shares of the negative-advantage
+    the next step (lower, upper), ``applied`` = the same (kept for old readers).
+    ``lower_clip_share_*`` are shares of the negative-advantage
     tokens (so ``lower_clip_share_bf16 == alpha``), ``upper_clip_share_*`` of
     the positive ones. ``n_tokens`` counts the valid, finite tokens used.
     """

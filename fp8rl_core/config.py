@@ -96,7 +96,11 @@ class TaskConfig(_Frozen):
         "dataset",
     ] = Field(
         "synthetic",
-        description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, GSM8K train, DAPO-Math-17K (BytedTsinghua-SIA/DAPO-Math-17k, verl format), the long-chain stress task (fp8rl_core.stress_task), or a code task (code_tiny: the embedded expression task; leetcode: the shipped rLLM train set; taco/apps/eurus_code: by HF name), graded in the sandbox (see code), or task.dataset (any dataset by name or path).",
+        description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, GSM8K train, "
+        "DAPO-Math-17K (BytedTsinghua-SIA/DAPO-Math-17k, verl format), the long-chain stress task "
+        "(fp8rl_core.stress_task), or a code task (code_tiny: the embedded expression task; leetcode: the shipped "
+        "rLLM train set; taco/apps/eurus_code: by HF name), graded in the sandbox (see code), or task.dataset "
+        "(any dataset by name or path).",
     )
     difficulty: int = Field(1, ge=0, le=3, description="Synthetic task difficulty level.")
     train_size: int = Field(
@@ -162,7 +166,8 @@ class BootstrapConfig(_Frozen):
 class RolloutConfig(_Frozen):
     engine: Literal["transformers", "vllm", "vllm_http"] = Field(
         "transformers",
-        description="Rollout engine: transformers (CPU, small GPU), vLLM (GPU, in process) or vllm_http (a running `vllm serve`).",
+        description="Rollout engine: transformers (CPU, small GPU), vLLM (GPU, in process) or vllm_http "
+        "(a running `vllm serve`).",
     )
     prompts_per_step: int = Field(64, ge=1, description="Prompts sampled per step (train batch size, in prompts).")
     samples_per_prompt: int = Field(8, ge=1, description="Group size G.")
@@ -192,7 +197,8 @@ class RolloutConfig(_Frozen):
     )
     weight_sync: Literal["tensors", "ipc", "nccl", "path"] = Field(
         "tensors",
-        description="vLLM: weight transfer to the engine: bf16 tensors streamed per parameter (in-process engine), CUDA IPC handles or NCCL broadcast (engine in another process), or bf16 safetensors files.",
+        description="vLLM: weight transfer to the engine: bf16 tensors streamed per parameter (in-process "
+        "engine), CUDA IPC handles or NCCL broadcast (engine in another process), or bf16 safetensors files.",
     )
     verify_sync: Literal["first", "always", "never"] = Field(
         "first",
@@ -493,7 +499,8 @@ class CalibrationConfig(_Frozen):
         description="Subsampled shadow: probability that the stated quantile-error bound fails (DKW delta).",
     )
     shadow_min_sequences: int = Field(16, ge=1, description="Subsampled shadow: at least this many sequences.")
-    # Calibrated Clipping on GSPO's sequence ratios (fp8rl_core.gspo); scaled from the token-level defaults by 3e-4 / 0.2
+    # Calibrated Clipping on GSPO's sequence ratios (fp8rl_core.gspo);
+    # scaled from the token-level defaults by 3e-4 / 0.2
     gspo_lower_min: float = Field(
         0.9994, gt=0, description="GSPO calibration: L search interval minimum (1 - 2 * 3e-4; our choice)."
     )

@@ -123,7 +123,8 @@ def quantile_shift(x: torch.Tensor, alpha: float | None, lower: float) -> float:
 
 
 def drift_decision(signal: float | None, since: int, *, threshold: float, min_interval: int, max_interval: int) -> bool:
-    """Recalibrate now? ``signal`` = D of the previous step (None = unknown), ``since`` = steps since the last calibration."""
+    """Recalibrate now? ``signal`` = D of the previous step (None = unknown), ``since`` = steps since
+    the last calibration."""
     if since >= max_interval:
         return True
     if since < min_interval or signal is None or not math.isfinite(signal):

@@ -148,7 +148,8 @@ def sequence_calibration_inputs(
     seq_index: torch.Tensor,
     mask: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sequence (s8, s16, A, valid) from flat token columns (``[N]`` each, ``seq_index`` the sequence of each token).
+    """Per-sequence (s8, s16, A, valid) from flat token columns (``[N]`` each, ``seq_index`` the
+    sequence of each token).
 
     Sequences with any masked-out or non-finite token are left out (their
     s16 is unknown, e.g. not shadowed). Float64. A = mean token advantage of the sequence.

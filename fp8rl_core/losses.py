@@ -269,7 +269,6 @@ def clip_metrics(
     a = advantages
     neg, pos = m & (a < 0), m & (a > 0)
     n = m.sum()
-    denom = n.clamp_min(1).to(torch.float64)
     lower_c = (neg & (ratio < lower)).sum()
     upper_c = (pos & (ratio > upper)).sum()
     pg1 = -a * ratio

@@ -103,7 +103,8 @@ def token_rows(batch: TrainBatch, res: UpdateResult, *, bounds, standard, sample
     def f32(t: torch.Tensor | None, nan_is_null: bool = False) -> pa.Array:
         if t is None:
             return pa.nulls(n, pa.float32())
-        return pa.array(t[rows_i, cols_i].float().numpy(), pa.float32(), from_pandas=nan_is_null)  # NaN -> NULL: not shadowed
+        # NaN -> NULL: not shadowed
+        return pa.array(t[rows_i, cols_i].float().numpy(), pa.float32(), from_pandas=nan_is_null)
 
     lo, hi = bounds
     if res.row_bounds is not None:  # bounds per update (BAPO): each row's own
@@ -127,8 +128,10 @@ def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard, tis_c
     """Probability/ratio NMAE, noise amplification, over/under-clipped shares, entropy bins, noise sources."""
     if res.logp_bf16 is None:
         return {}
-    mask = (batch.response_mask > 0) & torch.isfinite(res.logp_bf16) & torch.isfinite(res.old_logp_bf16)  # subsampled shadow: its rows
-    out = {k: float(v) for k, v in noise_amplification(res.logp_fp8, res.logp_bf16, res.old_logp_fp8, res.old_logp_bf16, mask).items()}
+    # subsampled shadow: its rows
+    mask = (batch.response_mask > 0) & torch.isfinite(res.logp_bf16) & torch.isfinite(res.old_logp_bf16)
+    amp = noise_amplification(res.logp_fp8, res.logp_bf16, res.old_logp_fp8, res.old_logp_bf16, mask)
+    out = {k: float(v) for k, v in amp.items()}
     out.update(noise_sources(res.logp_fp8, res.old_logp_fp8, res.logp_bf16, res.old_logp_bf16, batch.rollout_logp, mask,
                              tis_cap=tis_cap))  # ratio noise vs TIS-weight noise
     r8 = importance_ratio(res.logp_fp8, res.old_logp_fp8)
@@ -145,7 +148,8 @@ def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard, tis_c
     n_neg = max(int(neg.sum()), 1)
     out["lower_clip_share_neg_fp8"] = float((neg & (r8 < low)).sum()) / n_neg
     out["lower_clip_share_neg_bf16"] = float((neg & (r16 < standard[0])).sum()) / n_neg
-    bins = entropy_binned_clip_shares(res.entropy, r8, adv, mask, edges=ENTROPY_BIN_EDGES, lower=bounds[0], upper=bounds[1])
+    bins = entropy_binned_clip_shares(res.entropy, r8, adv, mask, edges=ENTROPY_BIN_EDGES, lower=bounds[0],
+                                      upper=bounds[1])
     for i, b in enumerate(bins):
         out[f"clipfrac_lower_entropy_bin{i}"] = b["clipfrac_lower"]
         out[f"clipfrac_upper_entropy_bin{i}"] = b["clipfrac_upper"]
@@ -204,7 +208,8 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     m.update({
         "reward_mean": float(np.mean(scores_all["reward"])), "accuracy": float(np.mean(scores_all["correct"])),
         "response_length_mean": float(np.mean(rows.column("response_length").to_numpy())),
-        "garbled_share": garbled_share(responses, answer_parser(env.source.verifier)),  # DESIGN §2: parser cannot read it
+        # DESIGN §2: the share of responses the answer parser cannot read
+        "garbled_share": garbled_share(responses, answer_parser(env.source.verifier)),
         "garbled_heuristic_share": float(np.mean([is_garbled(r) for r in responses])) if responses else 0.0,
         "kept_share": float(np.mean(scores_all["kept"])), "shadow": float(shadow),
         "pg_loss": m.get("loss", 0.0), "learning_rate": m.get("lr", 0.0),
@@ -216,5 +221,6 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     m["step_seconds"] = sum(v for k, v in timings.items() if k.endswith("_seconds"))
     steps_row = {k: [float(v)] for k, v in m.items() if isinstance(v, (int, float))}
     if env.is_main:  # per-step tables: rank 0 alone
-        outputs.append(str(env.writer.write("steps", step, steps_row, stage="train", attempt=attempt, variant=env.variant)))
+        part = env.writer.write("steps", step, steps_row, stage="train", attempt=attempt, variant=env.variant)
+        outputs.append(str(part))
     return StageResult(outputs=outputs, seconds=train_seconds, metrics=m, shadow=shadow), state

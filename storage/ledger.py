@@ -3,7 +3,8 @@
 Resume trusts the ledger, not Prefect's cache. It is an append-only JSON-lines
 file, ``RUN_DIR/ledger.jsonl``, one event per line::
 
-    {"event": "start",  "run_id": ..., "step": 3, "stage": "train", "attempt": 0, "variant": "main", "at": "...", "host": ..., "pid": ...}
+    {"event": "start",  "run_id": ..., "step": 3, "stage": "train", "attempt": 0, "variant": "main",
+     "at": "...", "host": ..., "pid": ...}
     {"event": "finish", ..., "outputs": ["tables/steps/run=r/step=3/part-....parquet"], "info": {...}}
     {"event": "fail",   ..., "error": "RuntimeError: ..."}
     {"event": "set_aside", "from_step": 3, "stages": ["train", "calibrate"], "variant": "main", "at": "..."}

@@ -1,4 +1,5 @@
-"""Drift schedule, subsampled shadow passes, GSPO calibration and the noise columns, through the micro campaign's stages."""
+"""Drift schedule, subsampled shadow passes, GSPO calibration and the noise columns, through the micro
+campaign's stages."""
 
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ What was made CPU-independent, and how (``fp8rl_core/cpu_env.py``, docs/cpu.md):
 
 Checked on a 2-core AMX Xeon by emulating an AVX2 CPU (``ONEDNN_MAX_CPU_ISA=AVX2``,
 ``MKL_ENABLE_INSTRUCTIONS=AVX2``, pinned and with MKL's automatic branch): identical; without
-the pinning the same (AVX-512) machine gives other values (another bootstrap, other entropies). Regenerate after a deliberate change of
+the pinning the same (AVX-512) machine gives other values (another bootstrap, other entropies).
+Regenerate after a deliberate change of
 the default numerics (and commit the JSON):
 
     PYTHONPATH=$PWD .venv/bin/python tests/golden/micro_campaign.py --write

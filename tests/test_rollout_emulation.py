@@ -69,7 +69,8 @@ class RefLinear(nn.Module):
 
 
 def vllm_reference(model, scheme, *, fused=True):
-    """A float32 copy of ``model`` whose decoder linears follow vLLM's rules (``fused=False``: one scale per projection)."""
+    """A float32 copy of ``model`` whose decoder linears follow vLLM's rules (``fused=False``: one scale
+    per projection)."""
     import copy
 
     ref = copy.deepcopy(model).float().eval()

@@ -81,7 +81,7 @@ def test_demonstration_noise():
     problems = [make_problem(i, "train", 1, 0) for i in range(3000)]
     assert all(demonstration(p, 1, 0.0, rng) == p.solution for p in problems[:200])
     drop = 0.4
-    n_carry = n_dropped_answers = 0
+    n_carry = 0
     exact = 0
     for p in problems:
         demo = demonstration(p, 1, drop, rng)

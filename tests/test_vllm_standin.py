@@ -194,7 +194,8 @@ def test_weight_sync_crosses_the_process_boundary_bit_exact(policy, tokenizer, t
 
 @pytest.mark.timeout(240)
 def test_campaign_steps_sleep_after_rollout_and_wake_before_sync(tmp_path, monkeypatch):
-    """A step and the next rollout of the stages with the vLLM engine (stand-in): rollout, sleep, train, wake, sync, rollout."""
+    """A step and the next rollout of the stages with the vLLM engine (stand-in): rollout, sleep, train,
+    wake, sync, rollout."""
     from conftest import micro_config
 
     from flows.configuration import dump_config

@@ -1,4 +1,5 @@
-"""An honest vLLM stand-in (0.32 and 0.33 agree on all it models): the engine core runs in another process and every call is msgpack.
+"""An honest vLLM stand-in (0.32 and 0.33 agree on all it models): the engine core runs in another
+process and every call is msgpack.
 
 ``make_standin_module()`` returns a module-like namespace with ``LLM`` and
 ``SamplingParams``, to inject as ``VLLMEngine(vllm_module=...)``. What makes it

@@ -145,7 +145,8 @@ def bootstrap_code(
     cache_root: str | Path | None = None,
     eval_size: int | None = None,
 ) -> Path:
-    """The cached checkpoint for these configs (trained on first call); atomic like :func:`stages.bootstrap.math.bootstrap`."""
+    """The cached checkpoint for these configs (trained on first call); atomic like
+    :func:`stages.bootstrap.math.bootstrap`."""
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     digest = _hash(model_cfg, task_cfg, boot_cfg)
     final = root / f"tiny-code-{digest[:16]}"

@@ -152,7 +152,9 @@ VLLM_LOGPROBS_MODE: dict[str, str] = {"processed": "processed_logprobs", "raw": 
 WeightSync = Literal["tensors", "ipc", "nccl", "path"]
 WEIGHT_SYNCS: tuple[str, ...] = ("tensors", "ipc", "nccl", "path")
 CROSS_PROCESS_SYNCS: tuple[str, ...] = ("ipc", "nccl", "path")
-SLEEP_WAKE_ORDER: dict[int, list[list[str]]] = {0: [["scheduling"]], 1: [["weights"], ["kv_cache"]], 2: [["weights"], ["kv_cache"]]}
+SLEEP_WAKE_ORDER: dict[int, list[list[str]]] = {
+    0: [["scheduling"]], 1: [["weights"], ["kv_cache"]], 2: [["weights"], ["kv_cache"]],
+}
 """``wake_up`` tag lists, in order, that undo ``sleep(level)``; weights come back before the KV cache."""
 
 
@@ -290,11 +292,13 @@ def spmd_llm_options(config: RolloutConfig, *, rank: int, world_size: int) -> di
     if world_size <= 1:
         return {}
     if config.data_parallel == "shared_tp":
-        return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": world_size, "data_parallel_size": 1}
+        return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": world_size,
+                "data_parallel_size": 1}
     tp = config.tensor_parallel_size
     if world_size % tp:
         raise ValueError(f"rollout.tensor_parallel_size={tp} does not divide the torchrun world size {world_size}")
-    return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": tp, "data_parallel_size": world_size // tp}
+    return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": tp,
+            "data_parallel_size": world_size // tp}
 
 
 def check_process_and_sync(in_process: bool, weight_sync: str) -> None:
@@ -377,7 +381,8 @@ def _check_engine_options(logprobs_mode: str, sleep_level: int, weight_sync: str
     if sleep_level not in SLEEP_WAKE_ORDER:
         raise ValueError(f"sleep_level must be 0, 1 or 2, got {sleep_level}")
     if weight_sync not in WEIGHT_SYNCS:
-        hint = " (tensors cannot cross vLLM's collective_rpc: they arrive as bare lists)" if weight_sync == "iterator" else ""
+        lists = " (tensors cannot cross vLLM's collective_rpc: they arrive as bare lists)"
+        hint = lists if weight_sync == "iterator" else ""
         raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {weight_sync!r}{hint}")
     if verify_sync not in ("first", "always", "never"):
         raise ValueError(f"verify_sync must be 'first', 'always' or 'never', got {verify_sync!r}")
@@ -620,7 +625,8 @@ class VLLMEngine(RolloutEngine):
             nccl = importlib.import_module("vllm.distributed.weight_transfer.nccl_engine")
             base = importlib.import_module("vllm.distributed.weight_transfer.base")
             address, port = self.nccl_master  # type: ignore[misc]
-            info = nccl.NCCLTrainerInitInfo(**wt.nccl_trainer_init_kwargs(self.config, master_address=address, master_port=port))
+            kw = wt.nccl_trainer_init_kwargs(self.config, master_address=address, master_port=port)
+            info = nccl.NCCLTrainerInitInfo(**kw)
             self._nccl_sender = nccl.NCCLTrainerWeightTransferEngine.trainer_init(
                 info, client=llm, source=base.ModuleSource(train_model)
             )
@@ -662,7 +668,7 @@ class VLLMEngine(RolloutEngine):
         sender, self._nccl_sender = self._nccl_sender, None
         # vLLM's LLM has no shutdown(); its engine-core client does (stops the engine process now, not at gc)
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        for stop in (getattr(sender, "shutdown", None), getattr(core, "shutdown", None), getattr(llm, "shutdown", None)):
+        for stop in (getattr(x, "shutdown", None) for x in (sender, core, llm)):
             if stop is not None:
                 try:
                     stop()

@@ -5,7 +5,7 @@ Run as a script, in a fresh process, because the CPU-numerics variables
 (``fp8rl_core.cpu_env``) must be in force before torch is imported:
 
     PYTHONPATH=$PWD .venv/bin/python tests/golden/micro_campaign.py          # print the values
-    PYTHONPATH=$PWD .venv/bin/python tests/golden/micro_campaign.py --write  # regenerate tests/golden/micro_campaign.json
+    PYTHONPATH=$PWD .venv/bin/python tests/golden/micro_campaign.py --write  # regenerate the committed JSON
 
 Regenerate (and commit the JSON) only after a deliberate change of the default numerics;
 ``tests/test_golden_tables.py`` says what it guards.
