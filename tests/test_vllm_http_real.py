@@ -137,7 +137,11 @@ def test_real_server_generates_seeded_samples_with_logprobs_and_stops(server):
     engine = make(server.url)
     a = engine.generate(PROMPTS, **GEN)
     b = engine.generate(PROMPTS, **GEN)
-    assert _ids(a) == _ids(b) and [s.response_logprobs for s in a.samples] == [s.response_logprobs for s in b.samples]
+    assert _ids(a) == _ids(b)  # seeded: the same tokens
+    # Not bit for bit: vLLM's CPU build batches the two calls differently, and a bf16 GEMM of another batch
+    # shape rounds each logit differently (one bf16 ulp, 2^-8 relative); a log-prob moves by a few such ulps.
+    for sa, sb in zip(a.samples, b.samples):
+        assert all(abs(x - y) <= 2**-6 * (1 + abs(x)) for x, y in zip(sa.response_logprobs, sb.response_logprobs))
     assert all(lp <= 0 for s in a.samples for lp in s.response_logprobs)
     long = [s for s in a.samples if s.finish_reason == "length" and len(set(s.response_ids[2:])) > 0]
     stop = long[0].response_ids[2]

@@ -14,6 +14,7 @@ Regenerate (and commit the JSON) only after a deliberate change of the default n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -123,8 +124,8 @@ def main() -> None:
 
     pin_cpu_numerics()  # before torch (imported by run_micro)
     os.environ.setdefault("FP8RL_BOOTSTRAP_CACHE", str(Path(tempfile.gettempdir()) / "fp8rl-golden-bootstrap"))
-    with tempfile.TemporaryDirectory(prefix="fp8rl-golden-") as tmp:
-        values = run_micro(Path(tmp))
+    with tempfile.TemporaryDirectory(prefix="fp8rl-golden-") as tmp, contextlib.redirect_stdout(sys.stderr):
+        values = run_micro(Path(tmp))  # the run's console lines go to stderr: stdout carries the JSON alone
     text = json.dumps(values, indent=1, sort_keys=True) + "\n"
     if args.write:
         GOLDEN.write_text(text)
