@@ -12,18 +12,21 @@ What was made CPU-independent, and how (``fp8rl_core/cpu_env.py``, docs/cpu.md):
 * ATen's vectorized kernels (softmax, log-softmax, cross-entropy, SDPA's online softmax,
   every reduction): ``ATEN_CPU_CAPABILITY=avx2`` before torch, so AVX-512 CPUs run the
   same AVX2 code as AVX2-only ones (an AVX-512 Xeon otherwise differs in the last bits).
-* MKL (FP32 GEMMs, large ``exp``): ``MKL_CBWR=AVX2``, MKL's reproducible AVX2 branch on
-  every Intel CPU with AVX2 (an AMD CPU runs MKL's automatic branch: if this test fails
-  there, docs/cpu.md says why and how to get cross-vendor identity).
+* MKL (FP32 GEMMs, large ``exp``): the campaign's default is ``MKL_CBWR=AVX2``, MKL's
+  reproducible AVX2 branch on every Intel CPU with AVX2; MKL honours branches other than
+  AUTO and COMPATIBLE on Intel CPUs only, so an AMD CPU runs its own branch. This test runs
+  the campaign on ``MKL_CBWR=COMPATIBLE``, the branch MKL runs alike on every x86-64 vendor,
+  so the committed values hold on Intel and AMD machines alike (docs/cpu.md: the default
+  campaign is identical across Intel CPUs; across vendors with ``MKL_CBWR=COMPATIBLE``).
 * BF16 GEMMs: ``precision.cpu_bf16_gemm: auto`` runs the tiny model's BF16 matmuls as FP32
   GEMMs on BF16 operands on every CPU, so oneDNN's ISA-dependent BF16 kernels (AMX,
   AVX512-BF16, AVX2) never run.
 * Sampling (``torch.multinomial`` on the CPU generator) and thread count: the generator is
   seeded per prompt block and the run's thread count is fixed (one here).
 
-Checked on a 2-core AMX Xeon by emulating an AVX2 CPU (``ONEDNN_MAX_CPU_ISA=AVX2``,
-``MKL_ENABLE_INSTRUCTIONS=AVX2``, pinned and with MKL's automatic branch): identical; without
-the pinning the same (AVX-512) machine gives other values (another bootstrap, other entropies).
+Checked on a 2-core AMX Xeon (2026-12-02): the committed values again with MKL limited to AVX2
+(``ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``) and to SSE4.2; without the pinning
+the same (AVX-512) machine gives other values (another bootstrap, other entropies).
 Regenerate after a deliberate change of
 the default numerics (and commit the JSON):
 
