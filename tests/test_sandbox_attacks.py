@@ -116,8 +116,7 @@ def left_since(before: dict[str, set[str]]) -> dict[str, list[str]]:
 
 def graded_zero(sb: Sandbox, code: str, tests=ECHO_OK, per_test_s: float = 2.0) -> str:
     """Grade ``code`` (must score 0) and check, the moment the grade returns, that nothing was left."""
-    before = snapshot()
-    assert before["processes"] == set(), before
+    before = snapshot()  # a diff: other tests of this worker may have left their own children (a Prefect server)
     g = grade_program(sb, code, tests, per_test_s=per_test_s, per_sample_s=per_test_s + 1.0)
     left = left_since(before)
     assert g.passed == 0 and not g.correct, g
@@ -374,6 +373,7 @@ def test_a_case_leaves_no_process_to_the_next(sb):
         "        os.setsid(); time.sleep(30)\n    print('forked')\n"
         "else:\n    print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()) == [1, os.getpid()])"
     )
+    before = snapshot()
     res = sb.run_cases(code, ["first", "second"], case_wall_s=2.0, total_wall_s=5.0)
     assert [(r.status, r.stdout.strip()) for r in res] == [("ok", "forked"), ("ok", "True")], res
-    assert left_since({"processes": set(), "ipc": set(_sysvipc()), "keys": set(_keys()), "files": set(_files())}) == {}
+    assert left_since(before) == {}
