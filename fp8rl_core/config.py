@@ -195,6 +195,12 @@ class RolloutConfig(_Frozen):
         "external launcher) or in vLLM's "
         "own engine process.",
     )
+    weight_format: Literal["bf16", "native_fp8"] = Field(
+        "bf16",
+        description="How trained weights reach the engine: bf16 (the engine quantizes BF16 weights itself, "
+        "vLLM's online FP8) or native_fp8 (the trainer quantizes its fp32 masters on the engine's grid and "
+        "sends FP8 values with their scales; FP8 rollout modes only).",
+    )
     weight_sync: Literal["tensors", "ipc", "nccl", "path"] = Field(
         "tensors",
         description="vLLM: weight transfer to the engine: bf16 tensors streamed per parameter (in-process "
@@ -743,5 +749,10 @@ class CampaignConfig(_Frozen):
             raise ValueError(
                 f"the initial clip bounds must satisfy 0 < lower <= upper, got calibration.initial_lower "
                 f"{lo} and calibration.initial_upper {hi} (None resolves from algorithm.eps_low/eps_high)"
+            )
+        if self.rollout.weight_format == "native_fp8" and not self.precision.rollout.startswith("fp8_"):
+            raise ValueError(
+                f"rollout.weight_format native_fp8 sends FP8 weights: it needs an FP8 precision.rollout "
+                f"(fp8_per_tensor, fp8_per_block), got {self.precision.rollout!r}"
             )
         return self

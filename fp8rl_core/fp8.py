@@ -113,12 +113,23 @@ def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(scale), exponent - 1)
 
 
-def amax_to_qscale(amax: torch.Tensor, fmt: FP8Format, *, round_scales_to_power_of_2: bool = False) -> torch.Tensor:
+def amax_to_qscale(
+    amax: torch.Tensor, fmt: FP8Format, *, round_scales_to_power_of_2: bool = False, rule: str = "torchao"
+) -> torch.Tensor:
     """Quantization multiplier ``fp8_max / max(amax, EPS)`` as float32 (same shape as amax).
 
     The dequantization scale of DESIGN.md ("amax / fp8_max") is its reciprocal.
-    float64 division then float32 rounding matches torchao bit for bit.
+    ``rule="torchao"``: float64 division then float32 rounding, torchao's multiplier bit
+    for bit. ``rule="vllm"``: vLLM's dynamic quantization, which computes the scale
+    ``s = amax / fp8_max`` in float32 and multiplies by ``1 / s``, also float32; the two
+    multipliers differ by an ulp on some amaxes, which decides the rounding of values that
+    land on a tie between two FP8 neighbours (frequent for BF16-valued operands).
     """
+    if rule == "vllm":
+        s = torch.clamp(amax.to(torch.float32), min=EPS) / fmt.max
+        return torch.reciprocal(s)
+    if rule != "torchao":
+        raise ValueError(f"rule must be 'torchao' or 'vllm', got {rule!r}")
     qscale = (fmt.max / torch.clamp(amax.to(torch.float64), min=EPS)).to(torch.float32)
     if round_scales_to_power_of_2:
         qscale = round_down_to_power_of_2(qscale)

@@ -291,7 +291,7 @@ class Fp8RolloutLinear(nn.Module):
             raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
         layout = "tensor" if self.scheme == "per_tensor" else "block"
         values, post = quantize_operand(
-            weight.detach(), E4M3, layout, pow2=False, compute_dtype=dtype, block=self.block
+            weight.detach(), E4M3, layout, pow2=False, compute_dtype=dtype, block=self.block, rule="vllm"
         )
         self.weight_values = values
         self.weight_post = post if post is not None else torch.empty(0, device=values.device)
@@ -326,7 +326,9 @@ class Fp8RolloutLinear(nn.Module):
                 raise ValueError("refresh_fused: modules of one fused layer need one scheme and matching weights")
         fused = torch.cat([w.detach() for w in weights], dim=0)  # [sum N_i, K]
         layout = "tensor" if scheme == "per_tensor" else "block"
-        values, post = quantize_operand(fused, E4M3, layout, pow2=False, compute_dtype=dtype, block=mods[0].block)
+        values, post = quantize_operand(
+            fused, E4M3, layout, pow2=False, compute_dtype=dtype, block=mods[0].block, rule="vllm"
+        )
         row = 0
         for mod, bias in zip(mods, biases):
             mod.weight_values = values[row : row + mod.out_features]
@@ -353,7 +355,9 @@ class Fp8RolloutLinear(nn.Module):
         w = self._weight_as(dtype)
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         layout = "row" if self.scheme == "per_tensor" else "tile_row"  # per token / 1 x 128 tiles
-        xv, xp = _quantize(self.input_cache, x2, E4M3, layout, pow2=False, compute_dtype=dtype, block=self.block)
+        xv, xp = _quantize(
+            self.input_cache, x2, E4M3, layout, pow2=False, compute_dtype=dtype, block=self.block, rule="vllm"
+        )
         if self.scheme == "per_tensor":
             out = _mm(xv, w.t(), xp, self.weight_post)
         else:

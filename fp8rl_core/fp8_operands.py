@@ -128,7 +128,14 @@ def _round_in_place_(
 
 
 def _round_chunked(
-    g: torch.Tensor, layout: Layout, fmt: FP8Format, *, pow2: bool, dequantize: bool, out_dtype: torch.dtype
+    g: torch.Tensor,
+    layout: Layout,
+    fmt: FP8Format,
+    *,
+    pow2: bool,
+    dequantize: bool,
+    out_dtype: torch.dtype,
+    rule: str = "torchao",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8-round the grouped view g group by group; returns (values in out_dtype, qscale).
 
@@ -141,14 +148,15 @@ def _round_chunked(
     chunk = _CHUNK_ELEMS if g.device.type == "cpu" else _CHUNK_ELEMS * 64  # GPUs: few, large launches
     rows = max(1, min(g.shape[0], chunk // max(1, g[0].numel())))
     if rows == g.shape[0]:
-        return _round_whole(g, layout, fmt, pow2=pow2, dequantize=dequantize, out_dtype=out_dtype)
+        return _round_whole(g, layout, fmt, pow2=pow2, dequantize=dequantize, out_dtype=out_dtype, rule=rule)
     out = torch.empty(g.shape, dtype=out_dtype, device=g.device)
     y_buf = torch.empty((rows, *g.shape[1:]), dtype=torch.float32, device=g.device)
     bits_buf = torch.empty(y_buf.shape, dtype=torch.int32, device=g.device)
     group_dims = _GROUP_DIMS[layout]
     qscale = None
     if group_dims is None:
-        qscale = amax_to_qscale(_prepass_amax(g, layout, rows, y_buf), fmt, round_scales_to_power_of_2=pow2)
+        amax = _prepass_amax(g, layout, rows, y_buf)
+        qscale = amax_to_qscale(amax, fmt, round_scales_to_power_of_2=pow2, rule=rule)
     else:
         scale_shape = list(g.shape)
         for d in group_dims:
@@ -163,14 +171,21 @@ def _round_chunked(
         else:  # groups live inside the chunk: amax while it is in cache
             amax = torch.abs(y, out=bits.view(torch.float32)).amax(dim=group_dims, keepdim=True)
             qs = qscale_all[r0 : r0 + n]
-            qs.copy_(amax_to_qscale(amax, fmt, round_scales_to_power_of_2=pow2))
+            qs.copy_(amax_to_qscale(amax, fmt, round_scales_to_power_of_2=pow2, rule=rule))
         _round_in_place_(y, qs, fmt, pow2=pow2, dequantize=dequantize, bits=bits)
         out[r0 : r0 + n].copy_(y)
     return out, (qscale if group_dims is None else qscale_all)
 
 
 def _round_whole(
-    g: torch.Tensor, layout: Layout, fmt: FP8Format, *, pow2: bool, dequantize: bool, out_dtype: torch.dtype
+    g: torch.Tensor,
+    layout: Layout,
+    fmt: FP8Format,
+    *,
+    pow2: bool,
+    dequantize: bool,
+    out_dtype: torch.dtype,
+    rule: str = "torchao",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``_round_chunked`` for an operand that fits one chunk (decode steps, weights): the
     same arithmetic with no buffers or slicing, since per-op overhead dominates there."""
@@ -181,7 +196,7 @@ def _round_whole(
         amax = torch.maximum(-lo, hi)
     else:
         amax = y.abs().amax(dim=group_dims or (0,), keepdim=True)
-    qscale = amax_to_qscale(amax, fmt, round_scales_to_power_of_2=pow2)
+    qscale = amax_to_qscale(amax, fmt, round_scales_to_power_of_2=pow2, rule=rule)
     _round_in_place_(y, qscale, fmt, pow2=pow2, dequantize=dequantize)
     return y.to(out_dtype), qscale
 
@@ -195,6 +210,7 @@ def quantize_operand(
     compute_dtype: torch.dtype,
     block: int = 128,
     dequantize: bool = False,
+    rule: str = "torchao",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Round a 2-D operand t [R, C] to FP8 and prepare it for a ``compute_dtype`` matmul.
 
@@ -202,14 +218,16 @@ def quantize_operand(
     values are already dequantized; otherwise they are the raw FP8 values and
     ``post`` (float32: [], [R, 1] or [1, C]) is the dequantization scale to apply
     to the matmul output along this operand's non-contracted dim.
-    Bit-equal to ``fp8.fake_quantize`` on the same groups (tested).
+    Bit-equal to ``fp8.fake_quantize`` on the same groups (tested). ``rule``: whose
+    scale arithmetic (``fp8.amax_to_qscale``): the trainer's torchao, or vLLM's for
+    what an inference engine quantizes.
     """
     g = _grouped(t, layout, block)
     tiled = g.dim() == 4
     # pow2: dividing by the scale is exact, so dequantized values stay exact in BF16
     dequant = tiled or pow2 or dequantize
     with _on_calling_thread(t.device):
-        y, qscale = _round_chunked(g, layout, fmt, pow2=pow2, dequantize=dequant, out_dtype=compute_dtype)
+        y, qscale = _round_chunked(g, layout, fmt, pow2=pow2, dequantize=dequant, out_dtype=compute_dtype, rule=rule)
     if tiled:
         y = y.reshape(y.shape[0] * y.shape[1], y.shape[2] * y.shape[3])[: t.shape[0], : t.shape[1]]
     return y, (None if dequant else qscale.reciprocal())

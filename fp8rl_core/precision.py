@@ -391,7 +391,9 @@ def _rollout_fp8_per_block(lin: nn.Linear) -> nn.Module:
     return Fp8RolloutLinear(lin.in_features, lin.out_features, scheme="per_block")
 
 
-def convert_for_rollout(model: nn.Module, mode: str, *, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def convert_for_rollout(
+    model: nn.Module, mode: str, *, dtype: torch.dtype = torch.bfloat16, weight_format: str = "bf16"
+) -> nn.Module:
     """An inference copy of ``model`` for generation in ``mode`` (``ROLLOUT_PRECISIONS``).
 
     The copy holds ``dtype`` weights, is in eval mode without grads, and its
@@ -402,7 +404,17 @@ def convert_for_rollout(model: nn.Module, mode: str, *, dtype: torch.dtype = tor
     residual stream in BF16 like vLLM. Works on BF16 or FP8-converted training
     models, which it leaves untouched (gradients are not copied). The copy is made
     once; refresh it each step with ``sync_rollout_weights``.
+
+    ``weight_format`` is how the weights travel to the engine (``rollout.weight_format``,
+    :data:`WEIGHT_FORMATS`): ``bf16`` (the default; what a GPU engine receives today)
+    rounds each quantized linear's weight to BF16 before the engine's own quantization;
+    ``native_fp8`` quantizes the trainer's fp32 master weights on the engine's grid
+    directly, as the trainer does when it sends FP8 values and their scales.
     """
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+    if weight_format == "native_fp8" and mode not in FP8_ROLLOUT_MODES:
+        raise ValueError(f"weight_format 'native_fp8' needs an FP8 rollout mode {FP8_ROLLOUT_MODES}, got {mode!r}")
     make = ROLLOUT_PRECISIONS.get(mode)
     grads = {id(p): p.grad for p in model.parameters()}
     for p in model.parameters():  # do not deep-copy gradients
@@ -428,6 +440,7 @@ def convert_for_rollout(model: nn.Module, mode: str, *, dtype: torch.dtype = tor
     rollout.to(dtype)
     rollout.eval().requires_grad_(False)
     rollout._fp8rl_rollout_mode = mode
+    rollout._fp8rl_weight_format = weight_format
     sync_rollout_weights(rollout, model)
     return rollout
 
@@ -435,8 +448,13 @@ def convert_for_rollout(model: nn.Module, mode: str, *, dtype: torch.dtype = tor
 @torch.no_grad()
 def sync_rollout_weights(rollout_model: nn.Module, train_model: nn.Module) -> None:
     """Copy the trainer's current weights into the rollout copy (in place, no re-allocation
-    of the model); FP8 rollout linears re-quantize their weight here, once per sync."""
+    of the model); FP8 rollout linears re-quantize their weight here, once per sync.
+
+    The quantized linears see the weights as the copy's ``weight_format`` says they
+    travel (``convert_for_rollout``): rounded to BF16 first (``bf16``), or the fp32
+    masters themselves (``native_fp8``)."""
     source = train_model.state_dict()
+    as_sent = _as_sent(getattr(rollout_model, "_fp8rl_weight_format", "bf16"))
     missing = []
     dtype = rollout_model_dtype(rollout_model)
     for group in fused_rollout_groups(rollout_model):
@@ -446,7 +464,10 @@ def sync_rollout_weights(rollout_model: nn.Module, train_model: nn.Module) -> No
             missing += [f"{n}.weight" for n, w in zip(names, weights) if w is None]
             continue
         Fp8RolloutLinear.refresh_fused(
-            [mod for _, mod in group], weights, [source.get(f"{name}.bias") for name in names], dtype=dtype
+            [mod for _, mod in group],
+            [as_sent(w) for w in weights],
+            [source.get(f"{name}.bias") for name in names],
+            dtype=dtype,
         )
     for name, mod in rollout_model.named_modules():  # FP4 W4A4 layers: one block-scaled weight each
         if isinstance(mod, Fp4RolloutLinear):
@@ -454,7 +475,7 @@ def sync_rollout_weights(rollout_model: nn.Module, train_model: nn.Module) -> No
             if w is None:
                 missing.append(f"{name}.weight")
                 continue
-            mod.refresh_weight(w, source.get(f"{name}.bias"), dtype=dtype)
+            mod.refresh_weight(as_sent(w), source.get(f"{name}.bias"), dtype=dtype)
     for name, p in rollout_model.named_parameters():
         src = source.get(name)
         if src is None:
@@ -471,6 +492,24 @@ def sync_rollout_weights(rollout_model: nn.Module, train_model: nn.Module) -> No
             f"sync_rollout_weights: the training model lacks {missing[:5]} (of {len(missing)}); "
             "was the rollout copy made from another architecture?"
         )
+
+
+WEIGHT_FORMATS: tuple[str, ...] = ("bf16", "native_fp8")
+"""How trained weights reach the rollout engine (``rollout.weight_format``)."""
+FP8_ROLLOUT_MODES: tuple[str, ...] = ("fp8_per_tensor", "fp8_per_block")
+"""Rollout modes whose engine can load FP8 values with their scales (``native_fp8``)."""
+
+
+def _as_sent(weight_format: str):
+    """The weight a quantized rollout linear quantizes, given how weights travel to the engine.
+
+    ``bf16``: the engine gets BF16 weights and quantizes those (vLLM's online FP8 on a GPU
+    today), so the trainer's fp32 masters are rounded to BF16 first; ``native_fp8``: the
+    trainer quantizes its fp32 masters on the engine's grid and sends the FP8 values.
+    """
+    if weight_format == "native_fp8":
+        return lambda w: w
+    return lambda w: w.detach().to(torch.bfloat16).to(w.dtype)
 
 
 FUSED_PROJECTIONS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402  (after precision: quiet torchao)
 
-from fp8rl_core.fp8 import fake_quantize, sqnr_db
+from fp8rl_core.fp8 import E4M3, fake_quantize, sqnr_db
 from fp8rl_core.fp8_linear import Fp8RolloutLinear, Fp8TrainingLinear
+from fp8rl_core.fp8_operands import quantize_operand
 from fp8rl_core.precision import (
     ROLLOUT_PRECISIONS,
     TRAIN_PRECISIONS,
@@ -236,7 +237,7 @@ def test_sync_rollout_weights_requantizes_once_per_sync(base_model):
         sync_rollout_weights(bf16_rollout, train)
         assert not torch.equal(rollout(input_ids=ids).logits, before)
     w = train.model.layers[0].mlp.up_proj.weight.detach()
-    wq = fake_quantize(w, "tensorwise")
+    wq = fake_quantize(w.bfloat16().float(), "tensorwise")  # the engine quantizes the BF16 weights it receives
     torch.testing.assert_close(up.weight_values.float() * up.weight_post, wq, rtol=2e-7, atol=0)
     q_rollout, q_train = bf16_rollout.model.layers[1].self_attn.q_proj, train.model.layers[1].self_attn.q_proj
     assert torch.equal(q_rollout.weight, q_train.weight.bfloat16())
@@ -244,6 +245,47 @@ def test_sync_rollout_weights_requantizes_once_per_sync(base_model):
     other = Qwen3ForCausalLM(tiny_config(num_hidden_layers=1))
     with pytest.raises(KeyError, match="lacks"):
         sync_rollout_weights(rollout, other)
+
+
+@pytest.mark.parametrize("mode", ["fp8_per_tensor", "fp8_per_block"])
+def test_weight_format_decides_what_the_engine_quantizes(base_model, mode):
+    """bf16 transfer: the engine quantizes the BF16-rounded masters; native_fp8: the fp32 masters."""
+    from fp8rl_core.precision import fused_rollout_groups
+
+    sent_bf16 = convert_for_rollout(base_model, mode, dtype=torch.float32)
+    native = convert_for_rollout(base_model, mode, dtype=torch.float32, weight_format="native_fp8")
+    masters = base_model.state_dict()
+    rounded = copy.deepcopy(base_model).bfloat16().float()
+    reference = convert_for_rollout(rounded, mode, dtype=torch.float32, weight_format="native_fp8")
+    differ = 0
+    for g_b, g_n, g_r in zip(*(fused_rollout_groups(m) for m in (sent_bf16, native, reference))):
+        for (name, b), (_, n), (_, r) in zip(g_b, g_n, g_r):
+            assert torch.equal(b.weight_values, r.weight_values) and torch.equal(b.weight_post, r.weight_post)
+            differ += int(not torch.equal(b.weight_values, n.weight_values))
+        fused = torch.cat([masters[f"{name}.weight"] for name, _ in g_n])
+        layout = "tensor" if g_n[0][1].scheme == "per_tensor" else "block"
+        values, post = quantize_operand(fused, E4M3, layout, pow2=False, compute_dtype=torch.float32, rule="vllm")
+        assert torch.equal(torch.cat([m.weight_values for _, m in g_n]), values)
+    assert differ > 0  # BF16 rounding moves some FP8 values: the two formats are not the same grid
+    with pytest.raises(ValueError, match="native_fp8"):
+        convert_for_rollout(base_model, "nvfp4_w4a4", weight_format="native_fp8")
+
+
+def test_vllm_scale_rule_breaks_ties_as_vllm_does():
+    """vLLM multiplies by 1 / (amax / 448) in float32, torchao by 448 / amax: an ulp apart on some amaxes,
+    which flips BF16-valued operands that sit on a tie between two FP8 values."""
+    from fp8rl_core.fp8 import amax_to_qscale
+
+    amax, w = torch.tensor(0.26953125), torch.tensor([[0.2021484375, -0.26953125]])  # BF16 values; w/s = 336: a tie
+    s = amax / 448.0
+    assert torch.equal(amax_to_qscale(amax, E4M3, rule="vllm"), 1.0 / s)
+    vllm_values, _ = quantize_operand(w, E4M3, "tensor", pow2=False, compute_dtype=torch.float32, rule="vllm")
+    expected = (w * (1.0 / s)).to(torch.float8_e4m3fn).float()
+    assert torch.equal(vllm_values, expected)
+    torchao_values, _ = quantize_operand(w, E4M3, "tensor", pow2=False, compute_dtype=torch.float32)
+    assert not torch.equal(torchao_values, vllm_values)  # the rules differ exactly here
+    with pytest.raises(ValueError, match="rule"):
+        amax_to_qscale(amax, E4M3, rule="cuda")
 
 
 def test_rollout_quantizes_shared_inputs_once(base_model, monkeypatch):

@@ -5,6 +5,8 @@ The reference below is written from vLLM's source, independently of
 (``model_executor/layers/quantization/online/fp8.py``), ``QuantFP8.forward_native``
 (``input_quant_fp8.py``) and ``per_block_cast_to_fp8`` (``utils/deep_gemm.py``):
 
+* the engine holds BF16 weights (the trainer's fp32 masters rounded on the way in,
+  ``rollout.weight_format: bf16``) and quantizes those;
 * weights are quantized after q/k/v and gate/up are fused: per tensor, ONE scale
   ``s = amax(fused) / 448`` (under TP the amax is all-reduced over shards, so
   the same); per block, 128x128 blocks of the fused weight, amax floored at 1e-4;
@@ -82,7 +84,7 @@ def vllm_reference(model, scheme, *, fused=True):
             for k in lins:
                 groups.setdefault(FUSE.get(k, k) if fused else k, []).append(k)
             for members in groups.values():
-                w = quant(torch.cat([lins[k].weight.detach().float() for k in members]))
+                w = quant(torch.cat([lins[k].weight.detach().bfloat16().float() for k in members]))
                 row = 0
                 for k in members:
                     n = lins[k].out_features

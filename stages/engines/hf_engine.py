@@ -184,7 +184,9 @@ class TransformersEngine(RolloutEngine):
         self.precision_mode = precision.rollout
         self.logprobs_mode: LogprobsMode = logprobs_mode
         self.bf16_autocast = bf16_autocast
-        self.model: nn.Module | None = convert_for_rollout(model, precision.rollout, dtype=copy_dtype)
+        self.model: nn.Module | None = convert_for_rollout(
+            model, precision.rollout, dtype=copy_dtype, weight_format=config.weight_format
+        )
         gen_cfg = getattr(model, "generation_config", None)
         self.eos_ids = _token_id_set(getattr(tokenizer, "eos_token_id", None), getattr(gen_cfg, "eos_token_id", None))
         if not self.eos_ids:
