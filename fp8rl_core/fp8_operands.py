@@ -98,8 +98,10 @@ def _round_in_place_(
     pow2: bool,
     dequantize: bool,
     bits: torch.Tensor | None = None,
+    rule: str = "torchao",
 ) -> torch.Tensor:
-    """y (float32) <- FP8-rounded ``y * qscale``, divided back by qscale if ``dequantize``.
+    """y (float32) <- FP8-rounded ``y * qscale``, divided back by qscale if ``dequantize``
+    (``rule="vllm"``: multiplied by ``1 / qscale``, the dequantization scale vLLM's kernels apply).
 
     The grid rounding of ``fp8.round_to_fp8_grid_`` (magic add). With power-of-two
     scales and dequantization, rounding ``y * qscale`` and dividing by qscale is
@@ -123,7 +125,10 @@ def _round_in_place_(
     magic.mul_(factor)
     y.add_(magic).sub_(magic)
     if dequantize and not scaled_grid:
-        y.div_(qscale)
+        if rule == "vllm":
+            y.mul_(torch.reciprocal(qscale))
+        else:
+            y.div_(qscale)
     return y
 
 
@@ -172,7 +177,7 @@ def _round_chunked(
             amax = torch.abs(y, out=bits.view(torch.float32)).amax(dim=group_dims, keepdim=True)
             qs = qscale_all[r0 : r0 + n]
             qs.copy_(amax_to_qscale(amax, fmt, round_scales_to_power_of_2=pow2, rule=rule))
-        _round_in_place_(y, qs, fmt, pow2=pow2, dequantize=dequantize, bits=bits)
+        _round_in_place_(y, qs, fmt, pow2=pow2, dequantize=dequantize, bits=bits, rule=rule)
         out[r0 : r0 + n].copy_(y)
     return out, (qscale if group_dims is None else qscale_all)
 
@@ -197,7 +202,7 @@ def _round_whole(
     else:
         amax = y.abs().amax(dim=group_dims or (0,), keepdim=True)
     qscale = amax_to_qscale(amax, fmt, round_scales_to_power_of_2=pow2, rule=rule)
-    _round_in_place_(y, qscale, fmt, pow2=pow2, dequantize=dequantize)
+    _round_in_place_(y, qscale, fmt, pow2=pow2, dequantize=dequantize, rule=rule)
     return y.to(out_dtype), qscale
 
 
