@@ -124,6 +124,7 @@ import torch
 from torch import nn
 
 from fp8rl_core.config import PrecisionConfig, RolloutConfig
+from stages.engines import native_fp8
 from stages.engines import weight_transfer as wt
 from stages.engines.base import (
     LOGPROBS_MODES,
@@ -199,6 +200,11 @@ def build_llm_kwargs(
         kwargs["max_model_len"] = max_model_len
     if weight_sync in ("ipc", "nccl"):  # only for an engine in its own process
         kwargs["weight_transfer_config"] = {"backend": weight_sync}
+    if config.weight_format == "native_fp8":  # an FP8-serialized checkpoint instead of online quantization
+        if weight_sync not in ("tensors", "path"):
+            raise ValueError(f"rollout.weight_format native_fp8 is sent with weight_sync tensors or path, "
+                             f"not {weight_sync!r}")
+        kwargs.update(native_fp8.vllm_native_fp8_options(precision.rollout))
     kwargs.update(llm_options or {})
     return kwargs
 
@@ -459,10 +465,14 @@ class VLLMEngine(RolloutEngine):
         self.events: list[str] = []  # "sleep", "wake:weights", "sync", "wake:kv_cache", ... in order
         self._tmpdir: str | None = None
         self._sync_dir: str | None = None
+        self.native_fp8 = config.weight_format == "native_fp8"
         if model_path is None:
             self._tmpdir = tempfile.mkdtemp(prefix="fp8rl-vllm-")
             model_path = self._tmpdir
-            model.save_pretrained(model_path)
+            if self.native_fp8:
+                native_fp8.write_native_fp8_checkpoint(model, precision.rollout, model_path)
+            else:
+                model.save_pretrained(model_path)
             if tokenizer is not None:
                 tokenizer.save_pretrained(model_path)
         self.model_path = str(model_path)
@@ -567,8 +577,14 @@ class VLLMEngine(RolloutEngine):
         """In-process: the engine reads a generator of bf16 parameters, gathered one at a time."""
         names: list[str] = []
 
+        payload = (
+            native_fp8.stream_native_fp8_weights(train_model, self.precision_mode)
+            if self.native_fp8
+            else wt.stream_trainer_weights(train_model)
+        )
+
         def stream():
-            for name, tensor in wt.stream_trainer_weights(train_model):
+            for name, tensor in payload:
                 names.append(name)
                 yield name, tensor
 
@@ -582,7 +598,10 @@ class VLLMEngine(RolloutEngine):
         cuda_ipc = self.weight_sync == "ipc" and self.ipc_handle_fn is wt.cuda_ipc_handle
         # IPC: the bf16 copies stay on the GPU
         device = torch.device("cuda", torch.cuda.current_device()) if cuda_ipc else "cpu"
-        weights = wt.trainer_weights(train_model, device=device)
+        if self.native_fp8:  # path only (build_llm_kwargs refuses ipc/nccl): FP8 values and scales as sent
+            weights = list(native_fp8.stream_native_fp8_weights(train_model, self.precision_mode, device="cpu"))
+        else:
+            weights = wt.trainer_weights(train_model, device=device)
         self._check_names([name for name, _ in weights])
         if self.weight_sync == "path":
             self._sync_by_path(llm, weights)
@@ -605,7 +624,10 @@ class VLLMEngine(RolloutEngine):
     def _sync_by_path(self, llm: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
         if self._sync_dir is None:
             self._sync_dir = tempfile.mkdtemp(prefix="fp8rl-weights-")
-        wt.write_bf16_safetensors(weights, self._sync_dir)
+        if self.native_fp8:
+            wt.write_safetensors(weights, self._sync_dir)
+        else:
+            wt.write_bf16_safetensors(weights, self._sync_dir)
         llm.collective_rpc("reload_weights", kwargs={"weights_path": self._sync_dir})
 
     def _sync_by_ipc(self, llm: Any, weights: list[tuple[str, torch.Tensor]]) -> None:

@@ -223,11 +223,16 @@ def nccl_trainer_init_kwargs(config: RolloutConfig, *, master_address: str, mast
 
 def write_bf16_safetensors(weights: list[tuple[str, torch.Tensor]], folder: str | Path) -> Path:
     """``weights`` as one bf16 ``model.safetensors`` in ``folder`` (written to a temporary name, then renamed)."""
+    return write_safetensors([(name, t.to(torch.bfloat16)) for name, t in weights], folder)
+
+
+def write_safetensors(weights: list[tuple[str, torch.Tensor]], folder: str | Path) -> Path:
+    """``weights`` in their own dtypes as one ``model.safetensors`` in ``folder`` (temporary name, then renamed)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     tmp = folder / "model.safetensors.tmp"
-    save_file({name: t.to(torch.bfloat16).contiguous() for name, t in weights}, str(tmp), metadata={"format": "pt"})
+    save_file({name: t.contiguous() for name, t in weights}, str(tmp), metadata={"format": "pt"})
     final = folder / "model.safetensors"
     os.replace(tmp, final)
     return final
