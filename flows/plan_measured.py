@@ -1,8 +1,10 @@
 """``fp8rl plan``'s measured plan: the preset's train step on fake tensors, per GPU, per phase.
 
 The train step is measured by :func:`stages.trainer.memory_measure.measure_step` at two
-small depths and extrapolated linearly to the model's depth (every kind of
-memory separately, see that module). Around it, per GPU:
+small depths (3 and 4 layers) and extrapolated linearly to the model's depth (every
+kind of memory separately, see that module); a third depth (5 layers) checks the fit,
+and the plan prints the gap. A model of at most 5 layers is measured whole. Around it,
+per GPU:
 
 * **rollout**: vLLM, colocated, claims ``rollout.gpu_memory_utilization`` of the
   GPU (weights + KV cache) while the trainer's resident state stays: the sharded
@@ -10,9 +12,9 @@ memory separately, see that module). Around it, per GPU:
 * **train step**: the measured peak of forward, backward and the AdamW step, plus
   the sleeping engine (level 1 offloads its weights to host memory and frees its
   KV cache: nothing stays on the GPU; level 0 keeps its whole reservation);
-* **weight sync**: the resident state, the full (unsharded) model state the
-  trainer's gather returns (``stages.trainer.distributed.full_model_state``, measured on
-  the fake model) and the awake engine's weights (P x 1 B in FP8, 2 B in BF16).
+* **weight sync**: the resident state, the largest parameter the sync streams to the
+  engine in bf16 (``stages.engines.weight_transfer.stream_trainer_weights``, measured
+  on the fake model) and the awake engine's weights (P x 1 B in FP8, 2 B in BF16).
 
 A phase fits when it stays under the GPU's memory less the headroom. The
 analytic plan (:mod:`flows.plan`) is printed beside it, with the ratio of each
@@ -26,7 +28,10 @@ from typing import Any
 
 from flows.plan import Arch, GiB, arch_of, memory_plan, total_params
 
-DEPTHS = (2, 3)  # decoder layers measured (neither is only the last block); extrapolated linearly to the depth
+# Decoder layers measured and extrapolated linearly to the depth: each holds a block that is neither the
+# first nor the last (see stages.trainer.memory_measure); CHECK_DEPTH tests the fit.
+DEPTHS = (3, 4)
+CHECK_DEPTH = 5
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,8 @@ class MeasuredPlan:
     budget_gib: float
     fits: bool
     params: int
-    depths: tuple[int, int]
+    depths: tuple[int, ...]  # measured depths (one: the whole model)
+    linearity: float | None = None  # relative gap of the fit at CHECK_DEPTH; None when measured whole
 
 
 def hf_config(a: Arch) -> Any:
@@ -83,12 +89,13 @@ def measured_plan(
     prompt_tokens: int = 1024,
     headroom: float = 0.10,
     depths: tuple[int, int] = DEPTHS,
+    check_depth: int = CHECK_DEPTH,
 ) -> MeasuredPlan:
-    """Measure the train step at ``depths`` layers on ``gpus`` fake ranks and build the per-phase plan."""
-    from stages.trainer.memory_measure import extrapolate, measure_step
+    """Measure the train step at ``depths`` layers on ``gpus`` fake ranks (and ``check_depth`` to test the
+    linear fit) and build the per-phase plan; a model no deeper than those is measured whole."""
+    from stages.trainer.memory_measure import extrapolate, linearity_error, measure_step
 
     a = arch_of(cfg)
-    depths = tuple(min(d, a.layers) for d in depths) if a.layers > 1 else (1, 1)
     kw = dict(
         world_size=gpus,
         mode=cfg.precision.train,
@@ -97,8 +104,14 @@ def measured_plan(
         activation_checkpointing=cfg.algorithm.activation_checkpointing,
         lr=cfg.algorithm.lr,
     )
-    runs = [measure_step(hf_config(a), layers=d, **kw) for d in sorted(set(depths))]
-    step = runs[0] if len(runs) == 1 else extrapolate(runs[0], runs[1], a.layers)
+    linearity = None
+    if a.layers <= max(*depths, check_depth):
+        step = measure_step(hf_config(a), layers=a.layers, **kw)
+        depths = (a.layers,)
+    else:
+        r1, r2, r3 = (measure_step(hf_config(a), layers=d, **kw) for d in (*depths, check_depth))
+        step = extrapolate(r1, r2, a.layers)
+        linearity = linearity_error(r1, r2, r3)
     p = total_params(a)
     after = step.phases["after step"]
     resident = after.get("Sharded Param", 0) + after.get("OptState", 0)
@@ -132,7 +145,8 @@ def measured_plan(
         budget,
         all(v <= budget for v in gib.values()),
         p,
-        (min(depths), max(depths)),
+        tuple(depths),
+        linearity,
     )
 
 
@@ -141,10 +155,16 @@ def format_measured(
 ) -> str:
     """The measured plan, the analytic plan's comparable rows beside it, and the fit verdict."""
     a = arch_of(cfg)
+    if len(plan.depths) == 1:
+        how = f"the whole model ({a.layers} layers)"
+    else:
+        how = (
+            f"{plan.depths[0]} and {plan.depths[1]} layers, extrapolated to {a.layers} "
+            f"(fit checked at {CHECK_DEPTH}: {100 * (plan.linearity or 0.0):.2f}% off)"
+        )
     lines = [
         f"{cfg.name}: {plan.params / 1e9:.2f} B parameters, FSDP2 over {gpus} GPU(s) of {gpu_memory_gib:g} GiB; "
-        f"measured: one train step on fake tensors at {plan.depths[0]} and {plan.depths[1]} layers, "
-        f"extrapolated to {a.layers}"
+        f"measured: one train step on fake tensors at {how}"
     ]
     for ph, kinds in plan.train.items():
         lines.append(
@@ -172,4 +192,4 @@ def format_measured(
     return "\n".join(lines)
 
 
-__all__ = ["DEPTHS", "MeasuredPlan", "format_measured", "hf_config", "measured_plan", "plan_precision_line"]
+__all__ = ["CHECK_DEPTH", "DEPTHS", "MeasuredPlan", "format_measured", "hf_config", "measured_plan", "plan_precision_line"]
