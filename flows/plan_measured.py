@@ -192,4 +192,12 @@ def format_measured(
     return "\n".join(lines)
 
 
-__all__ = ["CHECK_DEPTH", "DEPTHS", "MeasuredPlan", "format_measured", "hf_config", "measured_plan", "plan_precision_line"]
+__all__ = [
+    "CHECK_DEPTH",
+    "DEPTHS",
+    "MeasuredPlan",
+    "format_measured",
+    "hf_config",
+    "measured_plan",
+    "plan_precision_line",
+]
