@@ -86,3 +86,36 @@ def test_the_plans_depths_fit_a_third_depth_and_two_layers_do_not(runs):
     fit = [runs[(d, True)] for d in (*DEPTHS, CHECK_DEPTH)]
     assert linearity_error(*fit) < 1e-9
     assert linearity_error(runs[(2, True)], runs[(3, True)], runs[(5, True)]) > 0.02
+
+
+def test_each_phase_peak_is_the_largest_total_any_op_of_that_phase_saw(monkeypatch):
+    """The backward's peak is the tracker's running peak restarted at the backward's start: it must be the
+    largest total after any backward op (a restart at twice the usage hid every backward peak below that)."""
+    from torch.distributed._tools import fsdp2_mem_tracker as fmt
+
+    seen = {"forward": 0, "backward": 0}
+    dispatch = fmt.FSDPMemTracker.__torch_dispatch__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        out = dispatch(self, func, types, args, kwargs)
+        total = max((v for d in self._curr_mem_snap.values() for k, v in d.items() if str(k) == "Total"), default=0)
+        if self._mod_tracker.is_bw:
+            seen["backward"] = max(seen["backward"], total)
+        elif not seen["backward"]:  # the forward: every op before the backward's first
+            seen["forward"] = max(seen["forward"], total)
+        return out
+
+    monkeypatch.setattr(fmt.FSDPMemTracker, "__torch_dispatch__", spy)
+    from flows.plan_measured import hf_config
+
+    wide_vocab = Arch(**{**ARCH.__dict__, "vocab": 65536})  # a preset's proportions: logits dominate the backward
+    m = measure_step(
+        hf_config(wide_vocab),
+        layers=3,
+        world_size=W,
+        mode="bf16",
+        micro_batch_size=1,
+        seq_len=16384,
+        activation_checkpointing=True,
+    )
+    assert m.total("forward") == seen["forward"] and m.total("backward") == seen["backward"]

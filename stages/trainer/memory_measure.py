@@ -112,9 +112,17 @@ def _snapshot(tracker: Any, kind: str = "peak") -> dict[str, int]:
 
 
 def _reset_peak(tracker: Any) -> None:
-    """Start a new phase's peak at the current usage (the tracker keeps one running peak)."""
-    tracker._peak_mem = {d: sum(v.values()) for d, v in tracker.get_tracker_snapshot("current").items()}
-    tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
+    """Start a new phase's peak at the current usage (the tracker keeps one running peak).
+
+    The tracker compares each op's current total (the snapshot's ``"Total"`` entry) with
+    ``_peak_mem``: that is what the reset sets, not the sum of the snapshot's entries (which
+    counts every byte twice, kinds and total, and hid every later peak below twice the usage
+    at the reset)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    current = tracker.get_tracker_snapshot("current")
+    tracker._peak_mem = {d: v[_TOTAL_KEY] for d, v in current.items()}
+    tracker._peak_mem_snap = current
 
 
 def measure_step(
