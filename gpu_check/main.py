@@ -7,7 +7,8 @@ on ``sys.path``, so its pure-Python float8 code imports without installing; its
 compiled extras are optional and torchao runs without them). vLLM is not
 assumed. The project's ``fp8rl_core`` (pure torch) comes from this checkout.
 
-It prints, eagerly (no ``torch.compile``):
+It prints (eagerly, but for section 4's tensorwise and rowwise steps, which run
+compiled as ``precision.compile: auto`` runs them on CUDA):
 
 1. **Train-step throughput**: forward + backward time of N decoder layers of
    Qwen3-8B, Qwen3-14B and Qwen2.5-32B (shapes from their published configs,

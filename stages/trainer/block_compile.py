@@ -19,9 +19,12 @@ so. ``precision.compile`` chooses (:func:`compile_choice`):
 share one compiled frame (parameters are graph inputs), and the embeddings, the
 lm_head and the chunked log-softmax stay eager. In place, so the module tree and
 every parameter's name stay as they are (checkpoints, the weight sync, the
-calibration's hooks); called after activation checkpointing is switched on and
-before ``fully_shard`` (torchtitan's order: FSDP2's hooks stay outside the
-compiled frame). Nothing here has run on a GPU (as of 2026-12-02).
+calibration's hooks). Called after activation checkpointing is switched on and
+before ``fully_shard``, torchtitan's order. torchtitan wraps each block, so
+FSDP2's hooks land on the wrapper, outside the compiled frame; compiled in place,
+the block's hooks run inside its compiled call, where FSDP2's (marked
+``_dynamo_disable`` in torch's FSDP2) run eagerly between graphs. Nothing here
+has run on a GPU (as of 2026-12-02).
 """
 
 from __future__ import annotations
