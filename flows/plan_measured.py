@@ -9,7 +9,9 @@ per GPU:
 * **rollout**: vLLM, colocated, claims ``rollout.gpu_memory_utilization`` of the
   GPU (weights + KV cache) while the trainer's resident state stays: the sharded
   fp32 parameters and the AdamW state (gradients are freed after each update);
-* **train step**: the measured peak of forward, backward and the AdamW step, plus
+* **train step**: the measured peak of forward, backward and the AdamW step, the forward
+  and backward with the AdamW state resident (:func:`steady_state`: the measured step is a
+  run's first, before AdamW has any state), plus
   the sleeping engine (level 1 offloads its weights to host memory and frees its
   KV cache: nothing stays on the GPU; level 0 keeps its whole reservation);
 * **weight sync**: the resident state, the largest parameter the sync streams to the
@@ -32,6 +34,20 @@ from flows.plan import Arch, GiB, arch_of, memory_plan, total_params
 # first nor the last (see stages.trainer.memory_measure); CHECK_DEPTH tests the fit.
 DEPTHS = (3, 4)
 CHECK_DEPTH = 5
+
+
+TRAIN_PHASES = ("forward", "backward", "optimizer")
+
+
+def steady_state(step: Any) -> dict[str, dict[str, int]]:
+    """Bytes by kind of each train phase from the second step on: the measured step is a run's first,
+    whose forward and backward run before AdamW has any state; from then on the state (the
+    ``"after step"`` OptState) stays resident through every forward and backward."""
+    state = step.phases["after step"].get("OptState", 0)
+    out = {ph: dict(step.phases[ph]) for ph in TRAIN_PHASES}
+    for ph in ("forward", "backward"):
+        out[ph]["OptState"] = out[ph].get("OptState", 0) + state
+    return out
 
 
 @dataclass(frozen=True)
@@ -122,7 +138,8 @@ def measured_plan(
         if cfg.rollout.engine != "vllm" or (r.sleep_between_steps and r.sleep_level >= 1)
         else r.gpu_memory_utilization * gpu_memory_gib * GiB
     )
-    train_peak = max(step.total(ph) for ph in ("forward", "backward", "optimizer"))
+    steady = steady_state(step)
+    train_peak = max(sum(steady[ph].values()) for ph in TRAIN_PHASES)
     phases = {
         "rollout (engine reservation + resident state)": (
             r.gpu_memory_utilization * gpu_memory_gib * GiB if cfg.rollout.engine == "vllm" else 0
@@ -135,7 +152,7 @@ def measured_plan(
     }
     budget = gpu_memory_gib * (1 - headroom)
     gib = {k: v / GiB for k, v in phases.items()}
-    train = {ph: {k: v / GiB for k, v in step.phases[ph].items() if v} for ph in ("forward", "backward", "optimizer")}
+    train = {ph: {k: v / GiB for k, v in steady[ph].items() if v} for ph in TRAIN_PHASES}
     return MeasuredPlan(
         gib,
         train,
@@ -167,8 +184,9 @@ def format_measured(
         f"measured: one train step on fake tensors at {how}"
     ]
     for ph, kinds in plan.train.items():
+        label = f"{ph} peak" + (" (AdamW step)" if ph == "optimizer" else " (AdamW state resident)")
         lines.append(
-            f"  {ph + ' peak':<54} {sum(kinds.values()):8.2f} GiB  "
+            f"  {label:<54} {sum(kinds.values()):8.2f} GiB  "
             + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:5])
         )
     for ph, v in plan.phases.items():
@@ -196,8 +214,10 @@ __all__ = [
     "CHECK_DEPTH",
     "DEPTHS",
     "MeasuredPlan",
+    "TRAIN_PHASES",
     "format_measured",
     "hf_config",
     "measured_plan",
     "plan_precision_line",
+    "steady_state",
 ]

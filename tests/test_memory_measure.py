@@ -119,3 +119,19 @@ def test_each_phase_peak_is_the_largest_total_any_op_of_that_phase_saw(monkeypat
         activation_checkpointing=True,
     )
     assert m.total("forward") == seen["forward"] and m.total("backward") == seen["backward"]
+
+
+def test_the_plans_forward_and_backward_hold_the_adamw_state_of_the_steps_before():
+    """The tracked step is a run's first (no AdamW state before its update); from the second step on the
+    state is resident through the forward and backward, and the plan's train phase counts it."""
+    from flows.plan_measured import measured_plan
+    from tests.conftest import micro_config
+
+    cfg = micro_config()
+    plan = measured_plan(cfg, gpus=2, gpu_memory_gib=80)
+    state = plan.resident_gib - plan.train["optimizer"]["Sharded Param"]  # AdamW state after a step
+    assert state > 0 and len(plan.depths) == 1  # the micro model is measured whole
+    for ph in ("forward", "backward"):
+        assert plan.train[ph]["OptState"] == pytest.approx(state, rel=1e-12)
+    peak = max(sum(k.values()) for k in plan.train.values())
+    assert plan.phases["train step (measured peak + sleeping engine)"] == pytest.approx(peak, rel=1e-12)
