@@ -1,6 +1,6 @@
 """The measured memory plan at a small depth, against hand-computed bytes and the analytic estimate.
 
-A 2- and 3-layer Qwen3 (hidden 512, MLP 1536, GQA 4/2, vocabulary 1024) is sharded
+A 2- to 5-layer Qwen3 (hidden 512, MLP 1536, GQA 4/2, vocabulary 1024) is sharded
 over 4 fake ranks and one train step is tracked on fake tensors. Every dim is a
 multiple of 4, so FSDP2 shards without padding and the bytes are exact:
 
