@@ -84,17 +84,21 @@ def hf_config(a: Arch) -> Any:
 
 
 def plan_precision_line(cfg: Any) -> str:
-    """Which linears of the preset's model train in FP8 and which stay BF16, and why (the run's console line)."""
+    """Which linears of the preset's model train in FP8 and which stay BF16, and why, and whether its decoder
+    blocks run compiled on the GPU (the run's console line)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from fp8rl_core.precision import convert_for_training
     from fp8rl_core.precision_layers import layer_precision, precision_line
+    from stages.trainer.block_compile import compile_choice, gpu_backend
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(arch_of(cfg)), dtype=torch.float32)
     report = convert_for_training(model, cfg.precision.train, backend="emulated")
-    return precision_line(layer_precision(model, report))
+    summary = layer_precision(model, report)
+    summary["compile"] = compile_choice(cfg.precision.compile, "cuda", gpu_backend(cfg.precision.train)).as_dict()
+    return precision_line(summary)
 
 
 def measured_plan(

@@ -120,3 +120,24 @@ def test_a_run_states_its_compile_choice_and_compiles_when_asked(tmp_path, capsy
     assert all(is_compiled(b) for b in state.policy.model.layers)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("precision fp8_rowwise")]
     assert lines == [precision_line(lp)] and "decoder blocks torch.compile per block (precision.compile on" in lines[0]
+
+
+def test_fp8rl_plan_states_the_gpu_compile_choice_of_the_preset():
+    from flows.configuration import load_config
+    from flows.plan_measured import plan_precision_line
+    from stages.trainer.block_compile import gpu_backend
+
+    assert [gpu_backend(m) for m in ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "nvfp4")] == [
+        "none",
+        "torchao",
+        "torchao",
+        "torchao-blockwise",
+        "fp8rl-emulated-fp4",
+    ]
+    line = plan_precision_line(load_config("qwen3-8b-grpo-deepscaler"))  # fp8_blockwise
+    assert line.endswith(
+        "decoder blocks eager (precision.compile auto: torchao's blockwise prototype quantizes "
+        "in Triton kernels of its own, not custom ops torch.compile can trace)"
+    )
+    line = plan_precision_line(load_config("qwen3-8b-grpo-deepscaler", ["precision.train=fp8_rowwise"]))
+    assert "decoder blocks torch.compile per block (precision.compile auto: backend torchao on CUDA" in line

@@ -81,6 +81,18 @@ def compile_choice(setting: str, device: torch.device | str, backend: str) -> Co
     return CompileChoice(setting, True, f"backend {backend} on CUDA: torchao's Float8Linear casts fuse under inductor")
 
 
+def gpu_backend(mode: str) -> str:
+    """The ``ConversionReport.backend`` a policy training in ``mode`` gets on a GPU with real kernels
+    (``precision.emulate: false``): what ``fp8rl plan`` resolves ``precision.compile`` against."""
+    if mode == "bf16":
+        return "none"
+    if mode in ("fp8_tensorwise", "fp8_rowwise"):
+        return "torchao"
+    if mode == "fp8_blockwise":
+        return "torchao-blockwise"
+    return "fp8rl-emulated-fp4"  # FP4: emulated everywhere
+
+
 def compile_decoder_blocks(model: nn.Module, *, backend: str = "inductor") -> int:
     """Compile every decoder block of ``model`` in place (``nn.Module.compile``); returns how many.
 
@@ -105,4 +117,12 @@ def is_compiled(block: nn.Module) -> bool:
     return getattr(block, "_compiled_call_impl", None) is not None
 
 
-__all__ = ["COMPILED_BACKENDS", "SETTINGS", "CompileChoice", "compile_choice", "compile_decoder_blocks", "is_compiled"]
+__all__ = [
+    "COMPILED_BACKENDS",
+    "SETTINGS",
+    "CompileChoice",
+    "compile_choice",
+    "compile_decoder_blocks",
+    "gpu_backend",
+    "is_compiled",
+]
