@@ -96,12 +96,12 @@ def gpu_backend(mode: str) -> str:
 def compile_decoder_blocks(model: nn.Module, *, backend: str = "inductor") -> int:
     """Compile every decoder block of ``model`` in place (``nn.Module.compile``); returns how many.
 
-    A checkpointed block compiles its checkpoint as a higher-order op, whose recomputation
-    AOTAutograd plans inside the compiled graph from the graph's own inputs (the bf16 casts
-    ``bf16_parameters`` hands the block in one process): the eager recompute context of
-    ``fp8rl_core.precision.bf16_recompute_checkpointing`` is not needed there, and being bound
-    to each block, it would make every block recompile; the blocks go back to the one plain
-    checkpoint function transformers gave them all.
+    A checkpointed block compiles its checkpoint as a higher-order op over the block's graph,
+    whose inputs include the parameters as the forward read them (in one process, the bf16
+    casts of ``bf16_parameters``), and the recomputation reads those: the eager recompute
+    context of ``fp8rl_core.precision.bf16_recompute_checkpointing`` is not needed there, and
+    being bound to each block, it would make every block recompile; the blocks go back to the
+    one plain checkpoint function transformers gave them all.
     """
     blocks = decoder_blocks(model)
     for block in blocks:
