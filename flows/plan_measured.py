@@ -1,18 +1,22 @@
 """``fp8rl plan``'s measured plan: the preset's train step on fake tensors, per GPU, per phase.
 
 The train step is measured by :func:`stages.trainer.memory_measure.measure_step` at two
-small depths and extrapolated linearly to the model's depth (every kind of
-memory separately, see that module). Around it, per GPU:
+small depths (3 and 4 layers) and extrapolated linearly to the model's depth (every
+kind of memory separately, see that module); a third depth (5 layers) checks the fit,
+and the plan prints the gap. A model of at most 5 layers is measured whole. Around it,
+per GPU:
 
 * **rollout**: vLLM, colocated, claims ``rollout.gpu_memory_utilization`` of the
   GPU (weights + KV cache) while the trainer's resident state stays: the sharded
   fp32 parameters and the AdamW state (gradients are freed after each update);
-* **train step**: the measured peak of forward, backward and the AdamW step, plus
+* **train step**: the measured peak of forward, backward and the AdamW step, the forward
+  and backward with the AdamW state resident (:func:`steady_state`: the measured step is a
+  run's first, before AdamW has any state), plus
   the sleeping engine (level 1 offloads its weights to host memory and frees its
   KV cache: nothing stays on the GPU; level 0 keeps its whole reservation);
-* **weight sync**: the resident state, the full (unsharded) model state the
-  trainer's gather returns (``stages.trainer.distributed.full_model_state``, measured on
-  the fake model) and the awake engine's weights (P x 1 B in FP8, 2 B in BF16).
+* **weight sync**: the resident state, the largest parameter the sync streams to the
+  engine in bf16 (``stages.engines.weight_transfer.stream_trainer_weights``, measured
+  on the fake model) and the awake engine's weights (P x 1 B in FP8, 2 B in BF16).
 
 A phase fits when it stays under the GPU's memory less the headroom. The
 analytic plan (:mod:`flows.plan`) is printed beside it, with the ratio of each
@@ -26,7 +30,24 @@ from typing import Any
 
 from flows.plan import Arch, GiB, arch_of, memory_plan, total_params
 
-DEPTHS = (2, 3)  # decoder layers measured (neither is only the last block); extrapolated linearly to the depth
+# Decoder layers measured and extrapolated linearly to the depth: each holds a block that is neither the
+# first nor the last (see stages.trainer.memory_measure); CHECK_DEPTH tests the fit.
+DEPTHS = (3, 4)
+CHECK_DEPTH = 5
+
+
+TRAIN_PHASES = ("forward", "backward", "optimizer")
+
+
+def steady_state(step: Any) -> dict[str, dict[str, int]]:
+    """Bytes by kind of each train phase from the second step on: the measured step is a run's first,
+    whose forward and backward run before AdamW has any state; from then on the state (the
+    ``"after step"`` OptState) stays resident through every forward and backward."""
+    state = step.phases["after step"].get("OptState", 0)
+    out = {ph: dict(step.phases[ph]) for ph in TRAIN_PHASES}
+    for ph in ("forward", "backward"):
+        out[ph]["OptState"] = out[ph].get("OptState", 0) + state
+    return out
 
 
 @dataclass(frozen=True)
@@ -39,7 +60,8 @@ class MeasuredPlan:
     budget_gib: float
     fits: bool
     params: int
-    depths: tuple[int, int]
+    depths: tuple[int, ...]  # measured depths (one: the whole model)
+    linearity: float | None = None  # relative gap of the fit at CHECK_DEPTH; None when measured whole
 
 
 def hf_config(a: Arch) -> Any:
@@ -62,17 +84,21 @@ def hf_config(a: Arch) -> Any:
 
 
 def plan_precision_line(cfg: Any) -> str:
-    """Which linears of the preset's model train in FP8 and which stay BF16, and why (the run's console line)."""
+    """Which linears of the preset's model train in FP8 and which stay BF16, and why, and whether its decoder
+    blocks run compiled on the GPU (the run's console line)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from fp8rl_core.precision import convert_for_training
     from fp8rl_core.precision_layers import layer_precision, precision_line
+    from stages.trainer.block_compile import compile_choice, gpu_backend
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(arch_of(cfg)), dtype=torch.float32)
     report = convert_for_training(model, cfg.precision.train, backend="emulated")
-    return precision_line(layer_precision(model, report))
+    summary = layer_precision(model, report)
+    summary["compile"] = compile_choice(cfg.precision.compile, "cuda", gpu_backend(cfg.precision.train)).as_dict()
+    return precision_line(summary)
 
 
 def measured_plan(
@@ -83,12 +109,13 @@ def measured_plan(
     prompt_tokens: int = 1024,
     headroom: float = 0.10,
     depths: tuple[int, int] = DEPTHS,
+    check_depth: int = CHECK_DEPTH,
 ) -> MeasuredPlan:
-    """Measure the train step at ``depths`` layers on ``gpus`` fake ranks and build the per-phase plan."""
-    from stages.trainer.memory_measure import extrapolate, measure_step
+    """Measure the train step at ``depths`` layers on ``gpus`` fake ranks (and ``check_depth`` to test the
+    linear fit) and build the per-phase plan; a model no deeper than those is measured whole."""
+    from stages.trainer.memory_measure import extrapolate, linearity_error, measure_step
 
     a = arch_of(cfg)
-    depths = tuple(min(d, a.layers) for d in depths) if a.layers > 1 else (1, 1)
     kw = dict(
         world_size=gpus,
         mode=cfg.precision.train,
@@ -97,8 +124,14 @@ def measured_plan(
         activation_checkpointing=cfg.algorithm.activation_checkpointing,
         lr=cfg.algorithm.lr,
     )
-    runs = [measure_step(hf_config(a), layers=d, **kw) for d in sorted(set(depths))]
-    step = runs[0] if len(runs) == 1 else extrapolate(runs[0], runs[1], a.layers)
+    linearity = None
+    if a.layers <= max(*depths, check_depth):
+        step = measure_step(hf_config(a), layers=a.layers, **kw)
+        depths = (a.layers,)
+    else:
+        r1, r2, r3 = (measure_step(hf_config(a), layers=d, **kw) for d in (*depths, check_depth))
+        step = extrapolate(r1, r2, a.layers)
+        linearity = linearity_error(r1, r2, r3)
     p = total_params(a)
     after = step.phases["after step"]
     resident = after.get("Sharded Param", 0) + after.get("OptState", 0)
@@ -109,7 +142,8 @@ def measured_plan(
         if cfg.rollout.engine != "vllm" or (r.sleep_between_steps and r.sleep_level >= 1)
         else r.gpu_memory_utilization * gpu_memory_gib * GiB
     )
-    train_peak = max(step.total(ph) for ph in ("forward", "backward", "optimizer"))
+    steady = steady_state(step)
+    train_peak = max(sum(steady[ph].values()) for ph in TRAIN_PHASES)
     phases = {
         "rollout (engine reservation + resident state)": (
             r.gpu_memory_utilization * gpu_memory_gib * GiB if cfg.rollout.engine == "vllm" else 0
@@ -122,7 +156,7 @@ def measured_plan(
     }
     budget = gpu_memory_gib * (1 - headroom)
     gib = {k: v / GiB for k, v in phases.items()}
-    train = {ph: {k: v / GiB for k, v in step.phases[ph].items() if v} for ph in ("forward", "backward", "optimizer")}
+    train = {ph: {k: v / GiB for k, v in steady[ph].items() if v} for ph in TRAIN_PHASES}
     return MeasuredPlan(
         gib,
         train,
@@ -132,7 +166,8 @@ def measured_plan(
         budget,
         all(v <= budget for v in gib.values()),
         p,
-        (min(depths), max(depths)),
+        tuple(depths),
+        linearity,
     )
 
 
@@ -141,14 +176,21 @@ def format_measured(
 ) -> str:
     """The measured plan, the analytic plan's comparable rows beside it, and the fit verdict."""
     a = arch_of(cfg)
+    if len(plan.depths) == 1:
+        how = f"the whole model ({a.layers} layers)"
+    else:
+        how = (
+            f"{plan.depths[0]} and {plan.depths[1]} layers, extrapolated to {a.layers} "
+            f"(fit checked at {CHECK_DEPTH}: {100 * (plan.linearity or 0.0):.2f}% off)"
+        )
     lines = [
         f"{cfg.name}: {plan.params / 1e9:.2f} B parameters, FSDP2 over {gpus} GPU(s) of {gpu_memory_gib:g} GiB; "
-        f"measured: one train step on fake tensors at {plan.depths[0]} and {plan.depths[1]} layers, "
-        f"extrapolated to {a.layers}"
+        f"measured: one train step on fake tensors at {how}"
     ]
     for ph, kinds in plan.train.items():
+        label = f"{ph} peak" + (" (AdamW step)" if ph == "optimizer" else " (AdamW state resident)")
         lines.append(
-            f"  {ph + ' peak':<54} {sum(kinds.values()):8.2f} GiB  "
+            f"  {label:<54} {sum(kinds.values()):8.2f} GiB  "
             + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:5])
         )
     for ph, v in plan.phases.items():
@@ -172,4 +214,14 @@ def format_measured(
     return "\n".join(lines)
 
 
-__all__ = ["DEPTHS", "MeasuredPlan", "format_measured", "hf_config", "measured_plan", "plan_precision_line"]
+__all__ = [
+    "CHECK_DEPTH",
+    "DEPTHS",
+    "MeasuredPlan",
+    "TRAIN_PHASES",
+    "format_measured",
+    "hf_config",
+    "measured_plan",
+    "plan_precision_line",
+    "steady_state",
+]

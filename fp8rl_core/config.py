@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Fields that name a registry entry (algorithm.advantage, .loss and .loss_agg, precision.train and .rollout,
 # calibration.mode) are plain strings: the registries are the one list of names, and
@@ -347,6 +347,13 @@ class PrecisionConfig(_Frozen):
         "(fp8rl_core.cpu_gemm; the choice "
         "is in run.json). Ignored on CUDA.",
     )
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="torch.compile each decoder block (stages.trainer.block_compile): auto = only on CUDA with "
+        "torchao's Float8Linear (tensorwise, rowwise), whose casts torchao leaves to inductor to fuse; eager on "
+        "the CPU, for the emulated linears, torchao's blockwise prototype and bf16. on/off: always/never. "
+        "The choice is in run.json (layer_precision.compile) and the precision console line.",
+    )
     keep_high_precision: tuple[str, ...] = Field(
         (),
         description="FP4 training: decoder linears kept in BF16 "
@@ -354,6 +361,12 @@ class PrecisionConfig(_Frozen):
         "'model.layers.1.mlp.*'); any other layer FP4 "
         "cannot take is an error.",
     )
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _yaml_switch(cls, v: object) -> object:
+        """YAML reads a bare ``on``/``off`` as a bool: take it as the switch it was written as."""
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
 class BapoConfig(_Frozen):

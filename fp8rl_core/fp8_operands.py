@@ -12,6 +12,7 @@ projections that read one activation round it once. The numerics are described i
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Iterator, Literal
 
 import torch
@@ -28,6 +29,29 @@ Layout = Literal["tensor", "row", "col", "tile_row", "tile_col", "block"]
 # than DRAM speed (a rowwise train step: 1.13x BF16 with these chunks, 1.67x with
 # whole-tensor passes, one thread).
 _CHUNK_ELEMS = 1 << 17
+_GPU_CHUNK_FACTOR = 64  # GPUs: few, large launches (8M elements, 32 MiB a chunk)
+_GPU_CHUNKS: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8rl_gpu_chunks", default=False)
+
+
+def _chunk_elems(device: torch.device) -> int:
+    """Elements per rounding chunk: L2-sized on the CPU, 64x that on a GPU or under ``gpu_sized_chunks``."""
+    return _CHUNK_ELEMS * (_GPU_CHUNK_FACTOR if device.type != "cpu" or _GPU_CHUNKS.get() else 1)
+
+
+@contextlib.contextmanager
+def gpu_sized_chunks() -> Iterator[None]:
+    """Round CPU tensors in the chunks a GPU uses (the memory measurement's fake step).
+
+    Chunking changes no value (every pass is elementwise or a per-group amax inside a
+    chunk); it sets the scratch buffers' size and the number of ops. The memory plan
+    runs the step on fake CPU tensors, where each op costs the same whatever its size,
+    so the GPU's chunks make it 64x fewer ops and measure the GPU's scratch.
+    """
+    token = _GPU_CHUNKS.set(True)
+    try:
+        yield
+    finally:
+        _GPU_CHUNKS.reset(token)
 
 
 @contextlib.contextmanager
@@ -150,7 +174,7 @@ def _round_chunked(
     to one float32 ulp, which the grid rounding maps to fp8_max anyway (tested).
     qscale: [] (tensor), [1, C] (col), or g's shape with group dims reduced to 1.
     """
-    chunk = _CHUNK_ELEMS if g.device.type == "cpu" else _CHUNK_ELEMS * 64  # GPUs: few, large launches
+    chunk = _chunk_elems(g.device)
     rows = max(1, min(g.shape[0], chunk // max(1, g[0].numel())))
     if rows == g.shape[0]:
         return _round_whole(g, layout, fmt, pow2=pow2, dequantize=dequantize, out_dtype=out_dtype, rule=rule)
@@ -244,7 +268,7 @@ def _scale_output_(out: torch.Tensor, post_a: torch.Tensor | None, post_b: torch
     An in-place mixed-dtype multiply (BF16 tensor, float32 scale) is an unvectorized
     slow path on CPU, so each cache-sized row chunk is upcast, scaled and written back.
     """
-    rows = max(1, _CHUNK_ELEMS // max(1, out.shape[1]))
+    rows = max(1, _chunk_elems(out.device) // max(1, out.shape[1]))
     if rows >= out.shape[0]:  # one chunk (decode steps): fewest ops
         y = out.float()
         y = y.mul_(post_a) if post_b is None else (y.mul_(post_b) if post_a is None else y.mul_(post_a).mul_(post_b))

@@ -32,6 +32,7 @@ inference copy of the policy for CPU generation, whose decoder linears are
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import fnmatch
@@ -345,6 +346,11 @@ def bf16_shadow(model: nn.Module) -> Iterator[nn.Module]:
             del mod.forward
 
 
+# Set while bf16_parameters reparametrizes a model: a block's checkpoint (entered during that forward) then
+# recomputes on the same casts in backward (bf16_recompute_checkpointing).
+_BF16_CASTS_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8rl_bf16_parameters", default=False)
+
+
 @contextlib.contextmanager
 def bf16_parameters(model: nn.Module) -> Iterator[nn.Module]:
     """Inside: ``model``'s floating-point parameters read as their bf16 casts (differentiable: the bf16
@@ -353,7 +359,8 @@ def bf16_parameters(model: nn.Module) -> Iterator[nn.Module]:
     The cast FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` applies to
     every all-gathered parameter (``stages.trainer.distributed.mixed_precision_policy``), done in one
     process without sharding, so one process computes exactly as N ranks do. A no-op on an
-    FSDP2-sharded model (FSDP casts already) and when the parameters are not fp32.
+    FSDP2-sharded model (FSDP casts already) and when the parameters are not fp32. With activation
+    checkpointing, see :func:`bf16_recompute_checkpointing`.
     """
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call runs
@@ -365,8 +372,60 @@ def bf16_parameters(model: nn.Module) -> Iterator[nn.Module]:
     if not casts:
         yield model
         return
-    with _reparametrize_module(model, casts, tie_weights=True):
-        yield model
+    token = _BF16_CASTS_ON.set(True)
+    try:
+        with _reparametrize_module(model, casts, tie_weights=True):
+            yield model
+    finally:
+        _BF16_CASTS_ON.reset(token)
+
+
+def bf16_recompute_checkpointing(model: nn.Module) -> int:
+    """Make every checkpointed block of an unsharded ``model`` recompute, in backward, on the bf16 casts
+    its forward read under :func:`bf16_parameters`; returns the number of blocks.
+
+    transformers checkpoints a block's ``forward`` (its hooks stay outside), and by the time
+    backward recomputes the block, ``bf16_parameters`` has handed the fp32 masters back: the
+    recomputation would compute in fp32 and ``torch.utils.checkpoint`` refuses it (the tensors
+    it saved were bf16). Each block's checkpoint gets a ``context_fn`` whose recompute context
+    casts that block's parameters again (the same bf16 values). An FSDP2-sharded model needs none
+    of this: FSDP2 all-gathers the bf16 parameters again before a block's backward. Call after
+    ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``.
+    """
+    import functools
+
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    blocks = 0
+    for mod in model.modules():
+        fn = getattr(mod, "_gradient_checkpointing_func", None)
+        if not isinstance(mod, GradientCheckpointingLayer) or not getattr(mod, "gradient_checkpointing", False):
+            continue
+        if not isinstance(fn, functools.partial):
+            raise ValueError(f"{type(mod).__name__}: unexpected checkpointing function {fn!r}")
+        if fn.keywords.get("use_reentrant", True):
+            raise ValueError("bf16_recompute_checkpointing needs non-reentrant checkpointing (use_reentrant=False)")
+        kw = {**fn.keywords, "context_fn": functools.partial(_bf16_recompute_contexts, mod)}
+        mod._plain_checkpointing_func = fn  # what a compiled block goes back to (stages.trainer.block_compile)
+        mod._gradient_checkpointing_func = functools.partial(fn.func, *fn.args, **kw)
+        blocks += 1
+    return blocks
+
+
+def _bf16_recompute_contexts(block: nn.Module):
+    """``torch.utils.checkpoint``'s (forward, recompute) contexts of ``block``, chosen when its forward runs."""
+    if not _BF16_CASTS_ON.get():
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return contextlib.nullcontext(), _bf16_block(block)
+
+
+@contextlib.contextmanager
+def _bf16_block(block: nn.Module) -> Iterator[None]:
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    casts = {n: p.to(torch.bfloat16) for n, p in block.named_parameters() if p.dtype == torch.float32}
+    with _reparametrize_module(block, casts):
+        yield
 
 
 # ---------------------------------------------------------------------------

@@ -57,8 +57,23 @@ def layer_precision(model: nn.Module, report: Any) -> dict:
     }
 
 
+def compile_note(summary: dict) -> str:
+    """``; decoder blocks compiled|eager (...)`` when the summary records the run's compile choice
+    (``stages.trainer.block_compile.CompileChoice.as_dict``), else nothing."""
+    c = summary.get("compile")
+    if not c:
+        return ""
+    how = "torch.compile per block" if c["enabled"] else "eager"
+    return f"; decoder blocks {how} (precision.compile {c['setting']}: {c['reason']})"
+
+
 def precision_line(summary: dict) -> str:
-    """One line: FP8 and BF16 linears, with the reason each BF16 group stays in BF16."""
+    """One line: FP8 and BF16 linears, with the reason each BF16 group stays in BF16, and whether the
+    decoder blocks run compiled."""
+    return _linears_line(summary) + compile_note(summary)
+
+
+def _linears_line(summary: dict) -> str:
     head = (
         f"precision {summary['mode']} ({summary['backend']}): {summary['fp8_linears']} linears in FP8 "
         f"({100 * summary['fp8_share']:.1f}% of decoder-linear weights)"
@@ -70,4 +85,4 @@ def precision_line(summary: dict) -> str:
     return f"{head}{tail}; high precision: {', '.join(summary['high_precision']) or '-'} (output embedding, by design)"
 
 
-__all__ = ["layer_precision", "precision_line"]
+__all__ = ["compile_note", "layer_precision", "precision_line"]

@@ -1,4 +1,4 @@
-"""The project's one GPU check: ``make gpu-check`` (``python gpu_check/main.py``), <= 8 min on one H200.
+"""The project's one GPU check: ``make gpu-check`` (``python gpu_check/main.py``), <= 5 min on one H200.
 
 Needs only torch >= 2.11, transformers and pyarrow installed, no network.
 torchao travels beside this file as a wheel in ``gpu_check/wheels/``
@@ -7,7 +7,8 @@ on ``sys.path``, so its pure-Python float8 code imports without installing; its
 compiled extras are optional and torchao runs without them). vLLM is not
 assumed. The project's ``fp8rl_core`` (pure torch) comes from this checkout.
 
-It prints, eagerly (no ``torch.compile``):
+It prints (eagerly, but for section 4's tensorwise and rowwise steps, which run
+compiled as ``precision.compile: auto`` runs them on CUDA):
 
 1. **Train-step throughput**: forward + backward time of N decoder layers of
    Qwen3-8B, Qwen3-14B and Qwen2.5-32B (shapes from their published configs,
@@ -33,18 +34,42 @@ It prints, eagerly (no ``torch.compile``):
    train -> sync -> rollout cycle on a random-init Qwen3 of 0.6B's shapes,
    checking that the synced engine's log-probs match the trainer's.
 
+Time: the whole check is budgeted at :data:`TOTAL_BUDGET_S` (5 minutes) and each
+section at its share (:data:`SECTION_BUDGETS_S`, which leave 15 s for start-up and
+imports). A section that loops stops between items at its deadline (the rest
+printed as skipped), a later section starts only with its budget's time left, and
+an alarm at the total budget stops whatever runs then. Each section's wall time and
+the total are printed. The budget has not been checked on a GPU (as of 2026-12-02:
+nothing here has run on one).
+
 On a machine without CUDA it prints one line saying so and exits 0.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-BUDGET_S = 450.0  # stop starting new sections after this; the whole check must stay under 8 minutes
+TOTAL_BUDGET_S = 300.0  # the whole check, start-up included: an alarm stops the running section here
+# Each section's share, in order; their sum leaves 15 s of the total for start-up and imports.
+SECTION_BUDGETS_S = {
+    "[1] train-step throughput": 60.0,
+    "[2] kernel vs emulation SQNR": 25.0,
+    "[3] rollout numerics": 20.0,
+    "[4] trainer step": 90.0,
+    "[5] vLLM cycle": 90.0,
+}
+
+
+class BudgetExceeded(BaseException):
+    """Raised in the main thread by the alarm at :data:`TOTAL_BUDGET_S` (a ``BaseException``: the
+    sections' ``except Exception`` around one failing cell must not swallow it)."""
 
 # Decoder shapes from the models' published config.json files.
 MODELS: dict[str, dict] = {
@@ -185,7 +210,7 @@ def section_throughput(
             emit(f"    {name:12s} {tokens:6d} tokens: " + " | ".join(cells))
 
 
-def section_sqnr(tokens: int = 512) -> None:
+def section_sqnr(deadline: float = float("inf"), tokens: int = 512) -> None:
     import torch
 
     from fp8rl_core.precision import convert_for_training
@@ -202,6 +227,9 @@ def section_sqnr(tokens: int = 512) -> None:
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         ref = ref_model.model(inputs_embeds=x).last_hidden_state.float()
     for mode in RECIPES:
+        if time.monotonic() > deadline:
+            emit(f"    {mode}: skipped (section budget reached)")
+            continue
         real = build(config, "cuda").eval()
         real.load_state_dict(state)
         emu = build(config, "cpu").eval()
@@ -278,26 +306,64 @@ def section_rollout(seqs: int = 4, length: int = 256, *, config=None, device: st
 
 
 def section_train_step(deadline: float) -> None:
-    try:
-        from gpu_check.train_step import run
-    except ImportError:
-        emit("[4] sharded trainer step: gpu_check/train_step.py not present in this checkout")
-        return
-    if time.monotonic() > deadline:
-        emit("[4] sharded trainer step: skipped (time budget reached)")
-        return
+    from gpu_check.train_step import run
+
     emit("[4] sharded trainer step (gpu_check/train_step.py)")
-    run(emit)
+    run(emit, deadline=deadline)
 
 
 def section_vllm(deadline: float) -> None:
     """One colocated rollout -> train -> sync -> rollout cycle on a real vLLM (SKIP where ``import vllm`` fails)."""
-    if time.monotonic() > deadline:
-        emit("[5] vLLM cycle: skipped (time budget reached)")
-        return
     from gpu_check.vllm_cycle import run
 
     run(emit)
+
+
+def run_sections(sections: list[tuple[str, Callable[[float], None]]], start: float, total_s: float) -> list[str]:
+    """Run ``(name, fn(deadline))`` in order under the budgets; returns one ``name seconds`` cell per section.
+
+    A section's deadline is its share of :data:`SECTION_BUDGETS_S` from when it starts, capped at the
+    total's; a section whose share no longer fits in what is left of the total is skipped. An
+    exception (a :class:`BudgetExceeded` included) ends that section with one line.
+    """
+    total_deadline = start + total_s
+    cells = []
+    for name, fn in sections:
+        began = time.monotonic()
+        share = SECTION_BUDGETS_S.get(name, 30.0)
+        if total_deadline - began < min(share, 10.0):
+            emit(f"{name}: skipped (total budget of {total_s:.0f} s reached)")
+            cells.append(f"{name.split()[0]} skipped")
+            continue
+        try:
+            fn(min(began + share, total_deadline))
+        except BudgetExceeded:
+            emit(f"    {name}: stopped at the total budget of {total_s:.0f} s")
+        except Exception as err:  # one failing section must not hide the others
+            emit(f"    section FAILED: {type(err).__name__}: {str(err)[:200]}")
+        took = time.monotonic() - began
+        emit(f"{name}: {took:.1f} s (budget {share:.0f} s)")
+        cells.append(f"{name.split()[0]} {took:.0f} s")
+    return cells
+
+
+@contextlib.contextmanager
+def alarm_at(seconds: float) -> Iterator[None]:
+    """Raise :class:`BudgetExceeded` in the main thread after ``seconds`` (SIGALRM; none where it is missing)."""
+    if not hasattr(signal, "SIGALRM") or seconds <= 0:
+        yield
+        return
+
+    def ring(signum, frame):
+        raise BudgetExceeded()
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,23 +391,24 @@ def main(argv: list[str] | None = None) -> int:
         f"gpu-check: {name}, CUDA capability {torch.cuda.get_device_capability()}, torch {torch.__version__}, {ao}, "
         f"wheels: {[Path(w).name for w in wheels] or 'none'}"
     )
-    deadline = start + BUDGET_S
-    sections = (
-        lambda: section_throughput(deadline),
-        section_sqnr,
-        section_rollout,
-        lambda: section_train_step(deadline),
-        lambda: section_vllm(deadline),
+    sections = list(
+        zip(
+            SECTION_BUDGETS_S,
+            (
+                section_throughput,
+                section_sqnr,
+                lambda deadline: section_rollout(),
+                section_train_step,
+                section_vllm,
+            ),
+        )
     )
-    for section in sections:
-        if time.monotonic() > deadline:
-            emit("gpu-check: time budget reached; remaining sections skipped")
-            break
+    with alarm_at(start + TOTAL_BUDGET_S - time.monotonic()):
         try:
-            section()
-        except Exception as err:
-            emit(f"    section FAILED: {type(err).__name__}: {str(err)[:200]}")
-    emit(f"gpu-check: done in {time.monotonic() - start:.0f} s")
+            cells = run_sections(sections, start, TOTAL_BUDGET_S)
+        except BudgetExceeded:  # between two sections' bookkeeping
+            cells = ["stopped at the total budget"]
+    emit(f"gpu-check: total {time.monotonic() - start:.0f} s (budget {TOTAL_BUDGET_S:.0f} s): " + ", ".join(cells))
     return 0
 
 

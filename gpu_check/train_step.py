@@ -8,7 +8,10 @@
    1 rank, on the GPU;
 2. for tensorwise and rowwise (torchao ``Float8Linear``, SM89+) and blockwise
    (torchao's blockwise prototype, SM90): converts a fresh copy with
-   ``precision.emulate: false`` (no silent emulation), runs one full
+   ``precision.emulate: false`` (no silent emulation), compiles each decoder
+   block as ``precision.compile: auto`` does on CUDA (tensorwise and rowwise:
+   torch.compile per block, the path torchao measures its recipes on;
+   blockwise: eager; :mod:`stages.trainer.block_compile`), runs one full
    ``policy_update`` with the BF16 shadow pass on a padded batch (the kernel
    token contracts hold: strict shape checks on), then a calibration on the
    step's r8/r16, and prints loss, grad norm, the calibrated (L, H), seconds;
@@ -111,6 +114,20 @@ def step_and_calibrate(model, optimizer, scheduler, batch, cfg) -> tuple[Any, An
     return res, cal, t1 - t0
 
 
+def compile_as_configured(model, cfg, device, report) -> Any:
+    """``precision.compile`` of the shipped config (auto: torch.compile per decoder block for torchao's
+    Float8Linear on CUDA, eager otherwise) applied to ``model``; returns the ``CompileChoice``."""
+    from stages.trainer.block_compile import compile_choice, compile_decoder_blocks
+
+    choice = compile_choice(cfg.precision.compile, device, report.backend)
+    if choice.enabled:
+        import torch
+
+        torch._dynamo.reset()  # each mode compiles afresh: no recompile budget carried over from the last one
+        compile_decoder_blocks(model)
+    return choice
+
+
 def _one_mode(emit: Callable[[str], None], mode: str, device, batch) -> None:
     """Step, calibration and kernel-vs-emulation agreement of one FP8 mode (real kernels, no emulation)."""
     import torch
@@ -124,16 +141,18 @@ def _one_mode(emit: Callable[[str], None], mode: str, device, batch) -> None:
     report = convert_for_training(model, mode, emulate=False)
     if report.emulate or report.backend == "fp8rl-emulated":
         raise RuntimeError(f"train_step {mode}: backend {report.backend} would emulate FP8 on the GPU")
+    choice = compile_as_configured(model, cfg, device, report)
     opt, sched = make_optimizer(model, cfg)
     res, cal, sec = step_and_calibrate(model, opt, sched, batch, cfg)
     t = res.timings
     emit(
         f"train_step {mode}: backend {report.backend}, {len(report.converted)} FP8 linears, "
-        f"{len(report.skipped)} kept BF16; loss {res.metrics['loss']:.4f} grad_norm {res.metrics['grad_norm']:.3f} "
-        f"L {cal.lower:.4f} H {cal.upper:.4f} alpha {cal.alpha:.4f}"
+        f"{len(report.skipped)} kept BF16, {choice.line()}; loss {res.metrics['loss']:.4f} "
+        f"grad_norm {res.metrics['grad_norm']:.3f} L {cal.lower:.4f} H {cal.upper:.4f} alpha {cal.alpha:.4f}"
     )
+    first = " (first step: includes compiling)" if choice.enabled else ""
     emit(
-        f"train_step {mode}: step {sec:.2f} s (pi_old {t['old_logp_s']:.2f}, shadow {t['shadow_s']:.2f}, "
+        f"train_step {mode}: step{first} {sec:.2f} s (pi_old {t['old_logp_s']:.2f}, shadow {t['shadow_s']:.2f}, "
         f"update {t['update_s']:.2f}; calibration {t['calibration_s']:.2f}), "
         f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
     )
@@ -147,7 +166,9 @@ def _one_mode(emit: Callable[[str], None], mode: str, device, batch) -> None:
     emit(f"train_step {mode}: emulation vs kernel |dlogp| mean {float(d.mean()):.2e} max {float(d.max()):.2e}")
 
 
-def run(emit: Callable[[str], None]) -> None:
+def run(emit: Callable[[str], None], *, deadline: float = float("inf")) -> None:
+    """The section: every FP8 mode the GPU has kernels for, in order, while ``time.monotonic()`` is
+    before ``deadline`` (a mode that would start later is printed as skipped)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -165,7 +186,15 @@ def run(emit: Callable[[str], None]) -> None:
             if cap < need:
                 emit(f"train_step {mode}: SKIP - needs SM{need[0]}{need[1]}+ for the real kernel")
                 continue
-            _one_mode(emit, mode, device, batch)
+            if time.monotonic() > deadline:
+                emit(f"train_step {mode}: skipped (section budget reached)")
+                continue
+            t0 = time.monotonic()
+            try:
+                _one_mode(emit, mode, device, batch)
+            except Exception as err:  # one failing mode (a compile error, say) must not hide the others
+                emit(f"train_step {mode}: FAILED ({type(err).__name__}: {str(err)[:200]})")
+            emit(f"train_step {mode}: {time.monotonic() - t0:.1f} s in all")
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
     finally:

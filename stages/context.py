@@ -191,13 +191,18 @@ def check_no_silent_emulation(cfg: CampaignConfig, device: torch.device, report:
         )
 
 
-def state_layer_precision(run_dir: Path, policy: torch.nn.Module, report: Any, *, main: bool) -> dict:
-    """Say which linears train in FP8 and which stay BF16, and why: one console line and ``run.json``'s
-    ``layer_precision`` (rank 0). Returns the summary (``fp8rl_core.precision_layers``)."""
+def state_layer_precision(
+    run_dir: Path, policy: torch.nn.Module, report: Any, *, main: bool, compiled: Any = None
+) -> dict:
+    """Say which linears train in FP8 and which stay BF16, and why, and whether the decoder blocks run
+    compiled (``compiled``: a ``CompileChoice``): one console line and ``run.json``'s ``layer_precision``
+    (rank 0). Returns the summary (``fp8rl_core.precision_layers``)."""
     from fp8rl_core.precision_layers import layer_precision, precision_line
     from storage.layout import update_run_info
 
     summary = layer_precision(policy, report)
+    if compiled is not None:
+        summary["compile"] = compiled.as_dict()
     if main:
         print(precision_line(summary), flush=True)
         update_run_info(run_dir, layer_precision=summary)
@@ -247,10 +252,11 @@ def open_run(
     A vLLM engine is built first, while the trainer holds nothing on the device, and
     under torchrun the policy goes from the host straight into its shards: no
     device ever holds the whole fp32 model."""
-    from fp8rl_core.precision import convert_for_training
+    from fp8rl_core.precision import bf16_recompute_checkpointing, convert_for_training
     from fp8rl_core.tiny_model import load_policy
     from stages.bootstrap.math import capped_threads
     from stages.data.prompt_format import apply_stop_tokens
+    from stages.trainer.block_compile import compile_choice, compile_decoder_blocks
     from stages.trainer.update import make_optimizer
 
     torch.set_num_threads(capped_threads(cfg.threads))
@@ -275,11 +281,16 @@ def open_run(
         device=device,
     )
     check_no_silent_emulation(cfg, device, report)
-    state_layer_precision(run_dir, policy, report, main=rank == 0)
+    compiled = compile_choice(cfg.precision.compile, device, report.backend)
+    state_layer_precision(run_dir, policy, report, main=rank == 0, compiled=compiled)
     if cfg.algorithm.activation_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if world_size == 1:  # unsharded: recompute on the bf16 casts (FSDP2 re-gathers them itself)
+            bf16_recompute_checkpointing(policy)
     if engine is None:
         engine = _make_rollout_engine(cfg, policy, tokenizer, base)
+    if compiled.enabled:  # after activation checkpointing and the engine's copy, before fully_shard (torchtitan)
+        compile_decoder_blocks(policy)
     if world_size > 1:
         from stages.trainer.distributed import shard_policy
 

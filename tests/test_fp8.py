@@ -308,6 +308,24 @@ def test_quantize_operand_equals_fake_quantize(layout, chunk, monkeypatch):
     torch.testing.assert_close(v.float() * post, _LAYOUT_TO_FQ["row"](x, E4M3, False), rtol=2e-7, atol=0)
 
 
+@pytest.mark.parametrize("layout", ["tensor", "row", "block"])
+def test_gpu_sized_chunks_change_the_op_count_not_the_values(layout, monkeypatch):
+    """The memory plan rounds its fake CPU tensors in a GPU's chunks (64x the CPU's): same values, fewer ops."""
+    import fp8rl_core.fp8_operands as fo
+
+    monkeypatch.setattr(fo, "_CHUNK_ELEMS", 4096)  # CPU: many chunks; GPU-sized: one (the whole-tensor path)
+    x = _outlier_data(7)[:200, :300]
+    calls = []
+    monkeypatch.setattr(fo, "_round_in_place_", lambda *a, _f=fo._round_in_place_, **k: calls.append(1) or _f(*a, **k))
+    v_cpu, s_cpu = quantize_operand(x, E4M3, layout, pow2=False, compute_dtype=torch.float32, dequantize=True)
+    n_cpu = len(calls)
+    with fo.gpu_sized_chunks():
+        v_gpu, s_gpu = quantize_operand(x, E4M3, layout, pow2=False, compute_dtype=torch.float32, dequantize=True)
+    assert torch.equal(v_cpu, v_gpu) and s_cpu is None and s_gpu is None
+    assert n_cpu > 1 and len(calls) - n_cpu == 1
+    assert fo._chunk_elems(x.device) == 4096
+
+
 def test_rounding_runs_on_the_calling_thread_and_restores_the_thread_count():
     torch.set_num_threads(2)
     seen = []

@@ -130,7 +130,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from fp8rl_core.precision import convert_for_training
 from gpu_check.step_config import load_step_config
-from gpu_check.train_step import _batch, run, step_and_calibrate
+from gpu_check.train_step import _batch, compile_as_configured, run, step_and_calibrate
 from stages.trainer.update import make_optimizer
 
 torch.set_num_threads(1)
@@ -138,7 +138,9 @@ torch.manual_seed(0)
 model = Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                      num_attention_heads=2, num_key_value_heads=2, head_dim=32))
 cfg = load_step_config("fp8_rowwise")
-convert_for_training(model, "fp8_rowwise")
+report = convert_for_training(model, "fp8_rowwise")
+assert cfg.precision.compile == "auto"
+assert not compile_as_configured(model, cfg, torch.device("cpu"), report).enabled  # auto: eager on the CPU
 opt, sched = make_optimizer(model, cfg)
 res, cal, sec = step_and_calibrate(model, opt, sched, _batch("cpu", n=32, p=8, r=16, vocab=128), cfg)
 assert callable(run) and not [m for m in sys.modules if m.startswith("pydantic")]
@@ -174,3 +176,51 @@ def test_the_shipped_step_config_is_the_validated_campaign_config():
     assert cfg.precision.train == "fp8_blockwise" and cfg.algorithm.micro_batch_size == 8
     with pytest.raises(AttributeError, match="read-only"):
         cfg.algorithm.lr = 1.0
+
+
+def test_the_budget_fits_five_minutes_and_each_section_has_a_share():
+    assert gpu_check.TOTAL_BUDGET_S <= 300
+    assert sum(gpu_check.SECTION_BUDGETS_S.values()) + 15 <= gpu_check.TOTAL_BUDGET_S
+    assert [k.split()[0] for k in gpu_check.SECTION_BUDGETS_S] == ["[1]", "[2]", "[3]", "[4]", "[5]"]
+
+
+def test_sections_get_their_share_print_their_wall_time_and_a_late_one_is_skipped(monkeypatch):
+    import time
+
+    lines, seen = [], {}
+    monkeypatch.setattr(gpu_check, "emit", lines.append)
+    monkeypatch.setattr(gpu_check, "SECTION_BUDGETS_S", {"[a] quick": 30.0, "[b] broken": 5.0, "[c] late": 20.0})
+
+    def quick(deadline):
+        seen["a"] = deadline - time.monotonic()
+
+    def broken(deadline):
+        raise RuntimeError("no kernel")
+
+    start = time.monotonic()
+    cells = gpu_check.run_sections(
+        [("[a] quick", quick), ("[b] broken", broken), ("[c] late", lambda d: seen.setdefault("c", d))],
+        start - 280.0,  # 20 s of a 300 s total left: [a] gets them, not its 30 s
+        300.0,
+    )
+    assert 19.0 < seen["a"] <= 20.0 and seen["c"] <= start + 20.0  # [c] runs, capped at the total's deadline
+    assert cells[0].startswith("[a] ") and cells[0].endswith(" s") and len(cells) == 3
+    assert any(ln.startswith("[a] quick: ") and "(budget 30 s)" in ln for ln in lines)
+    assert "    section FAILED: RuntimeError: no kernel" in lines and any(ln.startswith("[b] broken: ") for ln in lines)
+    lines.clear()
+    cells = gpu_check.run_sections([("[c] late", lambda d: None)], start - 295.0, 300.0)  # 5 s < 10 s left
+    assert cells == ["[c] skipped"] and lines == ["[c] late: skipped (total budget of 300 s reached)"]
+
+
+def test_the_alarm_stops_a_section_that_overruns_the_total():
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(gpu_check.BudgetExceeded):
+        with gpu_check.alarm_at(0.2):
+            try:
+                while time.monotonic() - t0 < 10:
+                    time.sleep(0.01)
+            except Exception:  # a section's own handler must not swallow the budget
+                pass
+    assert time.monotonic() - t0 < 2

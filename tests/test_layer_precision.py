@@ -66,3 +66,4 @@ def test_a_run_records_its_layer_precision_in_run_json_and_one_console_line(tmp_
     assert lp["mode"] == "fp8_blockwise" and lp["fp8_linears"] == 7 * cfg.model.num_layers and lp["bf16_linears"] == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("precision fp8_blockwise")]
     assert lines == [precision_line(lp)]
+    assert lp["compile"]["enabled"] is False and "decoder blocks eager (precision.compile auto: cpu" in lines[0]

@@ -1,6 +1,6 @@
 """The measured memory plan at a small depth, against hand-computed bytes and the analytic estimate.
 
-A 2- and 3-layer Qwen3 (hidden 512, MLP 1536, GQA 4/2, vocabulary 1024) is sharded
+A 2- to 5-layer Qwen3 (hidden 512, MLP 1536, GQA 4/2, vocabulary 1024) is sharded
 over 4 fake ranks and one train step is tracked on fake tensors. Every dim is a
 multiple of 4, so FSDP2 shards without padding and the bytes are exact:
 
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from flows.plan import Arch, total_params
-from stages.trainer.memory_measure import extrapolate, measure_step
+from stages.trainer.memory_measure import extrapolate, linearity_error, measure_step
 
 ARCH = Arch(hidden=512, layers=3, heads=4, kv_heads=2, head_dim=128, intermediate=1536, vocab=1024, tied=False)
 W, MB, SEQ = 4, 2, 256
@@ -44,7 +44,9 @@ def _measure(layers: int, checkpointing: bool, mode: str = "bf16"):
 
 @pytest.fixture(scope="module")
 def runs():
-    return {(L, ac): _measure(L, ac) for L in (2, 3) for ac in (False, True)}
+    runs = {(L, ac): _measure(L, ac) for L in (2, 3) for ac in (False, True)}
+    runs.update({(L, True): _measure(L, True) for L in (4, 5)})
+    return runs
 
 
 def test_parameters_gradients_and_adamw_state_are_the_hand_computed_bytes(runs):
@@ -73,3 +75,63 @@ def test_depth_extrapolation_is_linear_per_kind(runs):
     assert four.phases["after step"]["OptState"] == b.phases["after step"]["OptState"] + step
     with pytest.raises(ValueError, match="two different depths"):
         extrapolate(a, a, 5)
+
+
+def test_the_plans_depths_fit_a_third_depth_and_two_layers_do_not(runs):
+    """The plan extrapolates from DEPTHS and checks at CHECK_DEPTH: exact on the line. At 2 layers the
+    backward's peak falls where no block is prefetched, so a fit through 2 and 3 layers overshoots."""
+    from flows.plan_measured import CHECK_DEPTH, DEPTHS
+
+    assert min(DEPTHS) >= 3
+    fit = [runs[(d, True)] for d in (*DEPTHS, CHECK_DEPTH)]
+    assert linearity_error(*fit) < 1e-9
+    assert linearity_error(runs[(2, True)], runs[(3, True)], runs[(5, True)]) > 0.02
+
+
+def test_each_phase_peak_is_the_largest_total_any_op_of_that_phase_saw(monkeypatch):
+    """The backward's peak is the tracker's running peak restarted at the backward's start: it must be the
+    largest total after any backward op (a restart at twice the usage hid every backward peak below that)."""
+    from torch.distributed._tools import fsdp2_mem_tracker as fmt
+
+    seen = {"forward": 0, "backward": 0}
+    dispatch = fmt.FSDPMemTracker.__torch_dispatch__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        out = dispatch(self, func, types, args, kwargs)
+        total = max((v for d in self._curr_mem_snap.values() for k, v in d.items() if str(k) == "Total"), default=0)
+        if self._mod_tracker.is_bw:
+            seen["backward"] = max(seen["backward"], total)
+        elif not seen["backward"]:  # the forward: every op before the backward's first
+            seen["forward"] = max(seen["forward"], total)
+        return out
+
+    monkeypatch.setattr(fmt.FSDPMemTracker, "__torch_dispatch__", spy)
+    from flows.plan_measured import hf_config
+
+    wide_vocab = Arch(**{**ARCH.__dict__, "vocab": 65536})  # a preset's proportions: logits dominate the backward
+    m = measure_step(
+        hf_config(wide_vocab),
+        layers=3,
+        world_size=W,
+        mode="bf16",
+        micro_batch_size=1,
+        seq_len=16384,
+        activation_checkpointing=True,
+    )
+    assert m.total("forward") == seen["forward"] and m.total("backward") == seen["backward"]
+
+
+def test_the_plans_forward_and_backward_hold_the_adamw_state_of_the_steps_before():
+    """The tracked step is a run's first (no AdamW state before its update); from the second step on the
+    state is resident through the forward and backward, and the plan's train phase counts it."""
+    from flows.plan_measured import measured_plan
+    from tests.conftest import micro_config
+
+    cfg = micro_config()
+    plan = measured_plan(cfg, gpus=2, gpu_memory_gib=80)
+    state = plan.resident_gib - plan.train["optimizer"]["Sharded Param"]  # AdamW state after a step
+    assert state > 0 and len(plan.depths) == 1  # the micro model is measured whole
+    for ph in ("forward", "backward"):
+        assert plan.train[ph]["OptState"] == pytest.approx(state, rel=1e-12)
+    peak = max(sum(k.values()) for k in plan.train.values())
+    assert plan.phases["train step (measured peak + sleeping engine)"] == pytest.approx(peak, rel=1e-12)

@@ -13,11 +13,17 @@ every tensor the step allocates by kind: sharded and unsharded parameters,
 gradients, optimizer state, activations, temporaries, all-gather and
 reduce-scatter buffers. Rank 0's view; every rank holds the same shapes.
 
-Depth: a few decoder layers are measured, twice (``depths``, e.g. 2 and 4), and
+Depth: a few decoder layers are measured, twice (``depths``, e.g. 3 and 4), and
 every kind is extrapolated linearly in the number of layers,
 ``m(L) = m(d1) + (L - d1) * (m(d2) - m(d1)) / (d2 - d1)``: parameters, gradients,
 optimizer state and stored activations grow by one block per layer; the gathered
 blocks, the logits and the all-gather buffers do not, and the difference says so.
+Both depths must hold a block that is neither the first nor the last (3 layers or
+more): the last block is not resharded after its forward and the first has no
+block to prefetch in the backward, so at 2 layers a phase's peak can fall at a
+different moment (the backward's peak lacks the prefetched block's all-gather
+buffer), and the difference from 2 to 3 layers is not one block's.
+:func:`linearity_error` checks a fit against a third depth.
 
 What the tracker cannot see: the CUDA context and NCCL buffers (about 1-2 GiB a
 GPU), allocator fragmentation (the plan's headroom covers both), and kernels that
@@ -106,9 +112,17 @@ def _snapshot(tracker: Any, kind: str = "peak") -> dict[str, int]:
 
 
 def _reset_peak(tracker: Any) -> None:
-    """Start a new phase's peak at the current usage (the tracker keeps one running peak)."""
-    tracker._peak_mem = {d: sum(v.values()) for d, v in tracker.get_tracker_snapshot("current").items()}
-    tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
+    """Start a new phase's peak at the current usage (the tracker keeps one running peak).
+
+    The tracker compares each op's current total (the snapshot's ``"Total"`` entry) with
+    ``_peak_mem``: that is what the reset sets, not the sum of the snapshot's entries (which
+    counts every byte twice, kinds and total, and hid every later peak below twice the usage
+    at the reset)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    current = tracker.get_tracker_snapshot("current")
+    tracker._peak_mem = {d: v[_TOTAL_KEY] for d, v in current.items()}
+    tracker._peak_mem_snap = current
 
 
 def measure_step(
@@ -126,6 +140,7 @@ def measure_step(
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import AutoModelForCausalLM
 
+    from fp8rl_core.fp8_operands import gpu_sized_chunks
     from fp8rl_core.precision import convert_for_training
     from stages.trainer.distributed import shard_policy
     from stages.trainer.update import policy_logprobs, token_multiple
@@ -139,7 +154,7 @@ def measure_step(
         if activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         shard_policy(model, mesh=mesh)
-        with _fake_mode():
+        with _fake_mode(), gpu_sized_chunks():
             model.to_empty(device="cpu")
             opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)  # as make_optimizer
             ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
@@ -213,4 +228,11 @@ def extrapolate(a: StepMemory, b: StepMemory, layers: int) -> StepMemory:
     return out
 
 
-__all__ = ["GiB", "KINDS", "StepMemory", "extrapolate", "fake_world", "measure_step"]
+def linearity_error(a: StepMemory, b: StepMemory, c: StepMemory) -> float:
+    """Largest relative gap, over the phases' totals, between ``c`` measured and ``c`` extrapolated
+    from ``a`` and ``b``: 0 when the depth fit holds exactly."""
+    fit = extrapolate(a, b, c.layers)
+    return max(abs(fit.total(ph) - c.total(ph)) / max(c.total(ph), 1) for ph in c.phases)
+
+
+__all__ = ["GiB", "KINDS", "StepMemory", "extrapolate", "fake_world", "linearity_error", "measure_step"]
