@@ -84,16 +84,23 @@ class Fp4State:
 
 
 def _fq(
-    t: torch.Tensor, fmt: FP4Format, layout: str, dtype: torch.dtype, *, state: Fp4State | None = None
+    t: torch.Tensor,
+    fmt: FP4Format,
+    layout: str,
+    dtype: torch.dtype,
+    *,
+    state: Fp4State | None = None,
+    inplace: bool = False,
 ) -> torch.Tensor:
-    """Fake-quantize t; stochastic rounding when a state (its generator) is given."""
+    """Fake-quantize t; stochastic rounding when a state (its generator) is given.
+    ``inplace``: t is a float32 tensor of the caller's own that may be computed in."""
     if state is None:
-        return fake_quantize_fp4(t, fmt, layout).to(dtype)
+        return fake_quantize_fp4(t, fmt, layout, inplace=inplace).to(dtype)
     gen = state.generator
     if t.device.type != "cpu":  # one generator on the CPU: draw there, reproducible on any device
         y = fake_quantize_fp4(t.cpu(), fmt, layout, stochastic=True, generator=gen)
         return y.to(t.device, dtype)
-    return fake_quantize_fp4(t, fmt, layout, stochastic=True, generator=gen).to(dtype)
+    return fake_quantize_fp4(t, fmt, layout, stochastic=True, generator=gen, inplace=inplace).to(dtype)
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -142,8 +149,9 @@ class _Fp4LinearFunction(torch.autograd.Function):
                 if r.hadamard_wgrad:
                     gp, xp = random_hadamard(gp, ctx.state.signs), random_hadamard(xp, ctx.state.signs)
                 # blocks along M, down the columns: no transposed copies of [M', N] / [M', K]
-                gt = _fq(gp, f, "col", cd, state=sr)  # [M', N]
-                xt = _fq(xp, f, "col", cd)  # [M', K]
+                own = r.hadamard_wgrad  # the transform's outputs are fresh tensors: quantized in place
+                gt = _fq(gp, f, "col", cd, state=sr, inplace=own)  # [M', N]
+                xt = _fq(xp, f, "col", cd, inplace=own)  # [M', K]
                 grad_w = cpu_gemm.mm(gt.t(), xt)
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None, None
