@@ -177,3 +177,24 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if _OPEN[0] and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16 and a.device.type == "cpu":
         return torch.mm(a.float(), b.float()).to(torch.bfloat16)
     return torch.mm(a, b)
+
+
+def rounded_operand(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 tensor the caller owns, made an operand of :func:`mm_rounded` in ``dtype``.
+
+    Inside a ``cpu_bf16_gemm("fp32")`` context, on CPU, for ``dtype`` BF16: y rounded to BF16 in
+    place and kept in float32 -- the value :func:`mm` upcasts a BF16 operand to, without the BF16
+    copy's second upcast. Otherwise ``y.to(dtype)``."""
+    if _OPEN[0] and dtype == torch.bfloat16 and y.dtype == torch.float32 and y.device.type == "cpu":
+        return y.copy_(y.to(torch.bfloat16))
+    return y.to(dtype)
+
+
+def mm_rounded(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`mm` of :func:`rounded_operand` results for a product in ``dtype``: bit for bit the
+    product of the ``dtype`` operands, float32-held BF16 values included (either or both)."""
+    if dtype != torch.bfloat16 or (a.dtype != torch.float32 and b.dtype != torch.float32):
+        return mm(a, b)
+    if _OPEN[0] and a.device.type == "cpu":
+        return torch.mm(a.float(), b.float()).to(torch.bfloat16)
+    return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16))
