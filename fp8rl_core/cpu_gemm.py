@@ -198,3 +198,15 @@ def mm_rounded(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Te
     if _OPEN[0] and a.device.type == "cpu":
         return torch.mm(a.float(), b.float()).to(torch.bfloat16)
     return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16))
+
+
+def modes_off(*tensors: torch.Tensor) -> contextlib.AbstractContextManager:
+    """A context without torch-function handling (:class:`Bf16GemmsInFp32` included), for plain CPU
+    ``tensors``; anything else (a tensor subclass, another device): a context that changes nothing.
+
+    For code that runs no GEMM the mode would take and applies the BF16 rule itself (the emulated
+    FP4 linears' quantize-dequantize, :func:`mm_rounded`): the same ops, without the mode's
+    Python call per op -- a third of an FP4 rollout linear's time on a 128-token decode step."""
+    if all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors):
+        return torch._C.DisableTorchFunction()
+    return contextlib.nullcontext()

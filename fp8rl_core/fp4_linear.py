@@ -116,7 +116,7 @@ class _Fp4LinearFunction(torch.autograd.Function):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)  # [M, K]
         f = recipe.fmt
-        with torch.autocast(x.device.type, enabled=False):
+        with torch.autocast(x.device.type, enabled=False), cpu_gemm.modes_off(x2, weight):
             xq = _fq(x2, f, "row", compute_dtype)  # 1 x b along K
             wq = _fq(weight, f, "block2d" if recipe.weight_2d else "row", compute_dtype)
             out = cpu_gemm.mm_rounded(xq, wq.t(), compute_dtype)
@@ -240,6 +240,17 @@ class Fp4RolloutLinear(nn.Module):
             raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
         self.weight_values = fake_quantize_fp4(weight.detach(), self.fmt, "row").to(dtype)
         self.bias = None if bias is None else bias.detach().to(dtype)
+        self._weight_f32 = None  # the float32 copy the FP32 GEMMs multiply with, made at first use
+
+    def _gemm_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight operand of ``cpu_gemm.mm_rounded`` in ``dtype``: for BF16 values, one float32
+        copy per refresh (the value the FP32 GEMMs upcast to at every call otherwise)."""
+        w = self.weight_values
+        if dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+            return w.to(dtype)
+        if getattr(self, "_weight_f32", None) is None or self._weight_f32[0] is not w:
+            self._weight_f32 = (w, w.float())
+        return self._weight_f32[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_values.numel() == 0:
@@ -250,9 +261,9 @@ class Fp4RolloutLinear(nn.Module):
             else self.weight_values.dtype
         )
         x2 = x.reshape(-1, self.in_features)
-        with torch.autocast(x.device.type, enabled=False):
+        with torch.autocast(x.device.type, enabled=False), cpu_gemm.modes_off(x2, self.weight_values):
             xq = cpu_gemm.rounded_operand(fake_quantize_fp4(x2, self.fmt, "row"), dtype)
-            out = cpu_gemm.mm_rounded(xq, self.weight_values.to(dtype).t(), dtype)
+            out = cpu_gemm.mm_rounded(xq, self._gemm_weight(dtype).t(), dtype)
             if self.bias is not None:
                 out = out.add_(self.bias.to(dtype))
         return out.reshape(*x.shape[:-1], self.out_features)

@@ -105,3 +105,34 @@ def test_rounded_operands_give_the_bf16_product_bit_for_bit(kind):
         mixed = cpu_gemm.mm_rounded(ra, b.bfloat16().t(), torch.bfloat16)  # one operand plain BF16
     assert got.dtype == want.dtype == torch.bfloat16
     assert torch.equal(got, want) and torch.equal(mixed, want)
+
+
+def test_modes_off_keeps_the_gemm_mode_out_for_plain_cpu_tensors():
+    a = torch.randn(4, 4).bfloat16()
+    with cpu_gemm.cpu_bf16_gemm("fp32") as mode:
+        with cpu_gemm.modes_off(a):
+            torch.mm(a, a)
+        assert mode.calls == 0
+        torch.mm(a, a)
+        assert mode.calls == 1
+
+
+def test_rollout_linear_is_the_plain_formulation_and_follows_a_refresh():
+    from fp8rl_core.fp4_linear import Fp4RolloutLinear
+
+    g = torch.Generator().manual_seed(7)
+    w1, w2, x = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(8, 64, generator=g)
+    lin = Fp4RolloutLinear(64, 32, fmt=NVFP4)
+
+    def plain(w: torch.Tensor) -> torch.Tensor:  # quantize both, round to BF16, multiply by the BF16 rule
+        xq = fake_quantize_fp4(x.bfloat16().float(), NVFP4).bfloat16()
+        return cpu_gemm.mm(xq, fake_quantize_fp4(w, NVFP4).bfloat16().t())
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), cpu_gemm.cpu_bf16_gemm("fp32"):
+        lin.refresh_weight(w1, None)
+        first = [lin(x.bfloat16()) for _ in range(2)]  # the second call uses the cached float32 weight
+        lin.refresh_weight(w2, None)
+        second = lin(x.bfloat16())
+        want1, want2 = plain(w1), plain(w2)
+    assert all(torch.equal(f, want1) for f in first)
+    assert torch.equal(second, want2) and not torch.equal(want1, want2)
