@@ -35,8 +35,13 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 
 def keep_freed_memory(environ: MutableMapping[str, str] | None = None) -> bool:
     """Set the :data:`MALLOC_ENV` variables the user has not set and, for ``os.environ`` on glibc,
-    apply them to this process (``mallopt``). Returns whether this process's allocator was changed."""
+    apply them to this process (``mallopt``). Returns whether this process's allocator was changed.
+
+    As :func:`fp8rl_core.cpu_env.pin_cpu_numerics`: once torch is imported in this process (an
+    in-process caller such as a test) nothing is changed, neither the allocator nor the environment."""
     environ = os.environ if environ is None else environ
+    if environ is os.environ and "torch" in sys.modules:
+        return False
     user_set = all(k in environ for k in MALLOC_ENV)  # glibc read them when this process started
     for k, v in MALLOC_ENV.items():
         environ.setdefault(k, v)

@@ -8,6 +8,7 @@ counts the page faults of FP4 quantizations in a child with the call and in one 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -25,13 +26,22 @@ def test_sets_the_variables_children_inherit_and_keeps_the_users():
     assert env == {**MALLOC_ENV, "MALLOC_TRIM_THRESHOLD_": "1"}
 
 
+def test_changes_nothing_in_a_process_that_already_imported_torch(monkeypatch):
+    for k in MALLOC_ENV:
+        monkeypatch.delenv(k, raising=False)
+    import torch  # noqa: F401  (this test process has it already)
+
+    assert keep_freed_memory() is False
+    assert not any(k in os.environ for k in MALLOC_ENV)
+
+
 _CHILD = textwrap.dedent(
     """
     import resource, sys
-    import torch
     if sys.argv[1] == "keep":
         from fp8rl_core.cpu_malloc import keep_freed_memory
-        assert keep_freed_memory()
+        assert keep_freed_memory()  # before torch, as the fp8rl command does
+    import torch
     from fp8rl_core.fp4 import NVFP4, fake_quantize_fp4
     torch.set_num_threads(1)
     x, g = torch.randn(2048, 1024), torch.Generator().manual_seed(1)  # 8 MiB: several temporaries a call
@@ -45,7 +55,7 @@ _CHILD = textwrap.dedent(
 
 
 def _faults(mode: str) -> int:
-    env = {k: v for k, v in __import__("os").environ.items() if k not in MALLOC_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}
     out = subprocess.run([sys.executable, "-c", _CHILD, mode], env=env, capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1])
 
