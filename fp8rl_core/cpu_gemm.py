@@ -201,12 +201,14 @@ def mm_rounded(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Te
 
 
 def modes_off(*tensors: torch.Tensor) -> contextlib.AbstractContextManager:
-    """A context without torch-function handling (:class:`Bf16GemmsInFp32` included), for plain CPU
-    ``tensors``; anything else (a tensor subclass, another device): a context that changes nothing.
+    """A context without torch-function handling for plain CPU ``tensors`` while no torch-function
+    mode other than :class:`Bf16GemmsInFp32` is active; otherwise a context that changes nothing
+    (another mode, e.g. ``fp8rl_core.device_discipline``'s, keeps seeing every op).
 
     For code that runs no GEMM the mode would take and applies the BF16 rule itself (the emulated
     FP4 linears' quantize-dequantize, :func:`mm_rounded`): the same ops, without the mode's
     Python call per op -- a third of an FP4 rollout linear's time on a 128-token decode step."""
-    if all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors):
+    ours = all(isinstance(m, Bf16GemmsInFp32) for m in torch.overrides._get_current_function_mode_stack())
+    if ours and all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors):
         return torch._C.DisableTorchFunction()
     return contextlib.nullcontext()

@@ -136,3 +136,20 @@ def test_rollout_linear_is_the_plain_formulation_and_follows_a_refresh():
         want1, want2 = plain(w1), plain(w2)
     assert all(torch.equal(f, want1) for f in first)
     assert torch.equal(second, want2) and not torch.equal(want1, want2)
+
+
+def test_modes_off_leaves_another_mode_on():
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        seen = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.seen += 1
+            return func(*args, **(kwargs or {}))
+
+    a = torch.randn(4, 4)
+    with cpu_gemm.cpu_bf16_gemm("fp32"), Count():
+        with cpu_gemm.modes_off(a):
+            a.abs()
+    assert Count.seen == 1
