@@ -191,8 +191,10 @@ def main() -> None:
         return
     if args.role:
         from fp8rl_core.cpu_env import pin_cpu_numerics
+        from fp8rl_core.cpu_malloc import keep_freed_memory
 
         pin_cpu_numerics()  # what `fp8rl run` does, before torch
+        keep_freed_memory()  # and its allocator setting
         print(json.dumps(fp8rl_steps(args.role, args.steps, args.warmup)))
         return
     times: dict[str, list[list[float]]] = {"trl": [], "bf16": [], "fp8": []}

@@ -75,8 +75,10 @@ _register_all()
 def main(argv: list[str] | None = None) -> None:
     """The ``fp8rl`` entry point: usage errors are one line (not a box), exit 2."""
     from fp8rl_core.cpu_env import pin_cpu_numerics
+    from fp8rl_core.cpu_malloc import keep_freed_memory
 
     pin_cpu_numerics()  # before torch: the same numbers on every x86-64 CPU (fp8rl_core/cpu_env.py)
+    keep_freed_memory()  # freed tensors' memory reused, not returned to the kernel (fp8rl_core/cpu_malloc.py)
     try:
         code = app(args=argv, prog_name="fp8rl", standalone_mode=False)
     except UsageError as err:

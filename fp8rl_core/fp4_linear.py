@@ -84,16 +84,25 @@ class Fp4State:
 
 
 def _fq(
-    t: torch.Tensor, fmt: FP4Format, layout: str, dtype: torch.dtype, *, state: Fp4State | None = None
+    t: torch.Tensor,
+    fmt: FP4Format,
+    layout: str,
+    dtype: torch.dtype,
+    *,
+    state: Fp4State | None = None,
+    inplace: bool = False,
 ) -> torch.Tensor:
-    """Fake-quantize t; stochastic rounding when a state (its generator) is given."""
+    """Fake-quantize t; stochastic rounding when a state (its generator) is given.
+    ``inplace``: t is a float32 tensor of the caller's own that may be computed in.
+    Returns a ``cpu_gemm.mm_rounded`` operand in ``dtype`` (float32-held BF16 under the FP32 GEMMs)."""
     if state is None:
-        return fake_quantize_fp4(t, fmt, layout).to(dtype)
+        return cpu_gemm.rounded_operand(fake_quantize_fp4(t, fmt, layout, inplace=inplace), dtype)
     gen = state.generator
     if t.device.type != "cpu":  # one generator on the CPU: draw there, reproducible on any device
         y = fake_quantize_fp4(t.cpu(), fmt, layout, stochastic=True, generator=gen)
         return y.to(t.device, dtype)
-    return fake_quantize_fp4(t, fmt, layout, stochastic=True, generator=gen).to(dtype)
+    y = fake_quantize_fp4(t, fmt, layout, stochastic=True, generator=gen, inplace=inplace)
+    return cpu_gemm.rounded_operand(y, dtype)
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -107,10 +116,10 @@ class _Fp4LinearFunction(torch.autograd.Function):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)  # [M, K]
         f = recipe.fmt
-        with torch.autocast(x.device.type, enabled=False):
+        with torch.autocast(x.device.type, enabled=False), cpu_gemm.modes_off(x2, weight):
             xq = _fq(x2, f, "row", compute_dtype)  # 1 x b along K
             wq = _fq(weight, f, "block2d" if recipe.weight_2d else "row", compute_dtype)
-            out = cpu_gemm.mm(xq, wq.t())
+            out = cpu_gemm.mm_rounded(xq, wq.t(), compute_dtype)
             if bias is not None:
                 out = out.add_(bias.to(out.dtype))
         ctx.save_for_backward(x2, wq if recipe.weight_2d else weight)
@@ -130,21 +139,28 @@ class _Fp4LinearFunction(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [M, N]
         sr = ctx.state if r.stochastic_grad else None
         grad_x = grad_w = None
+        tile = max(HADAMARD_SIZE, f.block) if r.hadamard_wgrad else f.block
+        g32 = g2.float()  # a copy of the BF16 gradient (g2 itself if it is float32)
         with torch.autocast(grad_out.device.type, enabled=False):
+            gp = None
+            if ctx.needs_input_grad[1] and r.hadamard_wgrad:  # reads g32 before dgrad quantizes it in place
+                gp = random_hadamard(_pad_rows(g32, tile), ctx.state.signs)
             if ctx.needs_input_grad[0]:
-                gq = _fq(g2, f, "row", cd, state=sr)  # 1 x b along N
+                gq = _fq(g32, f, "row", cd, state=sr, inplace=g32 is not g2)  # 1 x b along N
                 # 2-D tiles: the forward's quantized weight serves dgrad as it is
                 wq = w if r.weight_2d else _fq(w.t().contiguous(), f, "row", cd).t()
-                grad_x = cpu_gemm.mm(gq, wq).reshape(ctx.x_shape)
+                grad_x = cpu_gemm.mm_rounded(gq, wq, cd).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                tile = max(HADAMARD_SIZE, f.block) if r.hadamard_wgrad else f.block
-                gp, xp = _pad_rows(g2.float(), tile), _pad_rows(x2.float(), tile)
+                xp = _pad_rows(x2.float(), tile)
                 if r.hadamard_wgrad:
-                    gp, xp = random_hadamard(gp, ctx.state.signs), random_hadamard(xp, ctx.state.signs)
+                    xp = random_hadamard(xp, ctx.state.signs)
+                else:
+                    gp = _pad_rows(g2.float(), tile)
                 # blocks along M, down the columns: no transposed copies of [M', N] / [M', K]
-                gt = _fq(gp, f, "col", cd, state=sr)  # [M', N]
-                xt = _fq(xp, f, "col", cd)  # [M', K]
-                grad_w = cpu_gemm.mm(gt.t(), xt)
+                own = r.hadamard_wgrad  # the transform's outputs are fresh tensors: quantized in place
+                gt = _fq(gp, f, "col", cd, state=sr, inplace=own)  # [M', N]
+                xt = _fq(xp, f, "col", cd, inplace=own)  # [M', K]
+                grad_w = cpu_gemm.mm_rounded(gt.t(), xt, cd)
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None, None
 
@@ -224,6 +240,17 @@ class Fp4RolloutLinear(nn.Module):
             raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
         self.weight_values = fake_quantize_fp4(weight.detach(), self.fmt, "row").to(dtype)
         self.bias = None if bias is None else bias.detach().to(dtype)
+        self._weight_f32 = None  # the float32 copy the FP32 GEMMs multiply with, made at first use
+
+    def _gemm_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight operand of ``cpu_gemm.mm_rounded`` in ``dtype``: for BF16 values, one float32
+        copy per refresh (the value the FP32 GEMMs upcast to at every call otherwise)."""
+        w = self.weight_values
+        if dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+            return w.to(dtype)
+        if getattr(self, "_weight_f32", None) is None or self._weight_f32[0] is not w:
+            self._weight_f32 = (w, w.float())
+        return self._weight_f32[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_values.numel() == 0:
@@ -234,8 +261,9 @@ class Fp4RolloutLinear(nn.Module):
             else self.weight_values.dtype
         )
         x2 = x.reshape(-1, self.in_features)
-        with torch.autocast(x.device.type, enabled=False):
-            out = cpu_gemm.mm(fake_quantize_fp4(x2, self.fmt, "row").to(dtype), self.weight_values.to(dtype).t())
+        with torch.autocast(x.device.type, enabled=False), cpu_gemm.modes_off(x2, self.weight_values):
+            xq = cpu_gemm.rounded_operand(fake_quantize_fp4(x2, self.fmt, "row"), dtype)
+            out = cpu_gemm.mm_rounded(xq, self._gemm_weight(dtype).t(), dtype)
             if self.bias is not None:
                 out = out.add_(self.bias.to(dtype))
         return out.reshape(*x.shape[:-1], self.out_features)

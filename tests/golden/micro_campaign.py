@@ -121,11 +121,13 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help=f"write {GOLDEN.name} (regenerate the golden values)")
     args = ap.parse_args()
     from fp8rl_core.cpu_env import pin_cpu_numerics
+    from fp8rl_core.cpu_malloc import keep_freed_memory
 
     # MKL's vendor-neutral branch: MKL honours AVX2 (the default pin) on Intel CPUs only and runs its own
     # branch on others, so the committed values are taken on the branch every x86-64 CPU runs alike
     os.environ["MKL_CBWR"] = "COMPATIBLE"
     pin_cpu_numerics()  # before torch (imported by run_micro); keeps the MKL branch set above
+    keep_freed_memory()  # the allocator setting of `fp8rl run` (speed only: the values must not change)
     os.environ.setdefault("FP8RL_BOOTSTRAP_CACHE", str(Path(tempfile.gettempdir()) / "fp8rl-golden-bootstrap"))
     with tempfile.TemporaryDirectory(prefix="fp8rl-golden-") as tmp, contextlib.redirect_stdout(sys.stderr):
         values = run_micro(Path(tmp))  # the run's console lines go to stderr: stdout carries the JSON alone
