@@ -7,6 +7,7 @@ written. Prefect is imported only once the inputs are known to be good.
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from datetime import datetime
@@ -267,10 +268,15 @@ def resume(
                 f"{moved.ledger_records} ledger record(s)"
             )
             typer.echo(f"set aside outputs from {from_stage.value} of step {step} on")
-        _report_broken_checkpoints(run_dir)
+        _report_broken_checkpoints(run_dir)  # hashes the newest complete checkpoint once, for the restore too
         t0 = time.perf_counter()
         _echo_cpu_numerics(cfg)
-        result = _run_flow(run_dir, resume=True, nproc_per_node=nproc_per_node)
+        try:
+            result = _run_flow(run_dir, resume=True, nproc_per_node=nproc_per_node)
+        finally:
+            from storage.checkpoints import VERIFIED_ENV
+
+            os.environ.pop(VERIFIED_ENV, None)
     typer.echo(f"wall time: {time.perf_counter() - t0:.0f} s")
     _print_summary(run_dir, result)
 

@@ -357,12 +357,56 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+VERIFIED_ENV = "FP8RL_HASHED_CHECKPOINT"
+"""``<folder>|<fingerprint>`` of the checkpoint whose hashes ``fp8rl resume`` has just checked, so
+the flow it starts (in this process or a child) does not hash the same bytes again."""
+
+
+def fingerprint(path: str | Path) -> str | None:
+    """The manifest's bytes and every listed file's size, mtime and inode, hashed (None: no manifest).
+
+    Any write to the folder's files (a restore of old bytes included) changes it; it costs one
+    ``stat`` per file, no reads. It stands for "nothing changed since the hashes were checked".
+    """
+    path = Path(path)
+    try:
+        raw = (path / MANIFEST).read_bytes()
+        manifest = json.loads(raw)
+        entries = [(path, manifest["files"])]
+        if manifest.get("dcp"):
+            entries.append((path.parent / manifest["dcp"]["dir"], manifest["dcp"]["files"]))
+        h = hashlib.sha256(raw)
+        for base, files in entries:
+            for rel in sorted(files):
+                st = (base / rel).stat()
+                h.update(f"{base / rel}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}\n".encode())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return h.hexdigest()
+
+
+def mark_hash_verified(path: str | Path) -> None:
+    """Record in the environment that ``path``'s hashes were checked just now (see :data:`VERIFIED_ENV`)."""
+    fp = fingerprint(path)
+    if fp is not None:
+        os.environ[VERIFIED_ENV] = f"{Path(path).resolve()}|{fp}"
+
+
+def _hash_verified(path: Path) -> bool:
+    mark = os.environ.get(VERIFIED_ENV, "")
+    folder, _, fp = mark.rpartition("|")
+    return bool(folder) and folder == str(path.resolve()) and fp == fingerprint(path)
+
+
 def latest_complete(run_dir: str | Path, *, at_most: int | None = None, hashes: bool = True) -> Path | None:
-    """Newest complete checkpoint (manifest verifies), optionally of a step <= ``at_most``."""
+    """Newest complete checkpoint (manifest verifies), optionally of a step <= ``at_most``.
+
+    A checkpoint marked by :func:`mark_hash_verified` whose files have not changed since is
+    checked for sizes only: its hashes were checked moments ago by the same ``resume``."""
     for step, path in reversed(list_checkpoints(run_dir)):
         if at_most is not None and step > at_most:
             continue
-        if not verify_checkpoint(path, hashes=hashes):
+        if not verify_checkpoint(path, hashes=hashes and not _hash_verified(path)):
             return path
     return None
 
@@ -372,13 +416,16 @@ def set_aside_broken(run_dir: str | Path, *, hashes: bool = True) -> list[tuple[
 
     Resume loads the newest complete checkpoint; the broken ones above it
     (truncated, bit-rotted, half-written) would otherwise be mistaken for the
-    newest by a later reader. Returns ``(folder, first problem, where it went)``.
+    newest by a later reader. Returns ``(folder, first problem, where it went)``. The newest
+    complete one is marked hash-verified (:func:`mark_hash_verified`) for the restore after it.
     """
     layout = RunLayout(Path(run_dir))
     out = []
     for step, path in reversed(list_checkpoints(run_dir)):
         why = verify_checkpoint(path, hashes=hashes)
         if not why:
+            if hashes:
+                mark_hash_verified(path)
             break
         moved = []
         for old in (path, dcp_dir(layout.checkpoints, step)):

@@ -691,3 +691,25 @@ def test_a_config_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
 def test_report_out_below_a_file_is_one_line(micro_run: Path, tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("x")
     one_line_exit_2(cli("report", micro_run, "--out", tmp_path / "afile" / "report"), str(tmp_path / "afile"))
+
+
+def test_resume_hashes_the_newest_checkpoint_once_and_again_after_any_change(two_checkpoints, monkeypatch) -> None:
+    """``resume`` sets broken checkpoints aside (hashing the newest complete one), then the flow restores it:
+    the second look checks sizes only, unless a file changed since the first."""
+    import storage.checkpoints as ck
+
+    monkeypatch.setenv(ck.VERIFIED_ENV, "")  # restored on teardown
+    env, _, _ = two_checkpoints
+    run = env.run_dir
+    hashed = []
+    real = ck._sha256
+    monkeypatch.setattr(ck, "_sha256", lambda p: hashed.append(p) or real(p))
+    assert ck.set_aside_broken(run) == []
+    first = len(hashed)
+    assert first > 0 and len(set(hashed)) == first  # every file of step_2 once
+    assert ck.latest_complete(run) == run / "checkpoints" / "step_2"
+    assert len(hashed) == first  # the restore's look: sizes only
+    shard = _dcp_shard(run, 2)
+    _flip(shard, shard.stat().st_size // 2)  # same size, new bytes: the fingerprint moves with the write
+    assert ck.latest_complete(run) == run / "checkpoints" / "step_1"
+    assert len(hashed) > first
