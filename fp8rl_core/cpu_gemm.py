@@ -114,8 +114,29 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
 
 
+_BF16_EXACT = "_fp8rl_bf16_exact"  # attribute of a float32 tensor whose values are all BF16 values
+
+
+def mark_bf16_exact(t: torch.Tensor) -> torch.Tensor:
+    """Tag a float32 tensor that holds only BF16 values (e.g. BF16 upcast): the ``fp32`` path takes it
+    as an operand as it is, without the BF16 round trip (which would give the same values). Returns ``t``.
+    The tag is on this tensor object, not on its storage: views and results of ops are untagged."""
+    if t.dtype != torch.float32:
+        raise ValueError(f"mark_bf16_exact: a float32 tensor holding BF16 values, got {t.dtype}")
+    setattr(t, _BF16_EXACT, True)
+    return t
+
+
+def fp32_gemms_active() -> bool:
+    """Whether a :class:`Bf16GemmsInFp32` mode handles this thread's GEMMs (a ``cpu_bf16_gemm("fp32")``
+    context is open here)."""
+    return any(isinstance(m, Bf16GemmsInFp32) for m in torch.overrides._get_current_function_mode_stack())
+
+
 def _bf16_operand(a: Any) -> Any:
     if isinstance(a, torch.Tensor) and a.is_floating_point():
+        if a.dtype == torch.float32 and getattr(a, _BF16_EXACT, False):
+            return a
         return a.to(torch.bfloat16).float()  # the BF16 value, held in FP32 (exact)
     return a
 
