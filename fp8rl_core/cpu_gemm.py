@@ -135,7 +135,7 @@ def fp32_gemms_active() -> bool:
 
 def _bf16_operand(a: Any) -> Any:
     if isinstance(a, torch.Tensor) and a.is_floating_point():
-        if a.dtype == torch.float32 and getattr(a, _BF16_EXACT, False):
+        if getattr(a, _BF16_EXACT, False):  # float32 holding BF16 values (mark_bf16_exact)
             return a
         return a.to(torch.bfloat16).float()  # the BF16 value, held in FP32 (exact)
     return a

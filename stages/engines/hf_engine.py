@@ -51,7 +51,9 @@ FP8 modes against a forward of the same FP8 copy, whose discontinuous rounding
 amplifies the bf16 differences; all exact in fp32). ``copy_dtype=torch.bfloat16`` halves the copy's
 memory and keeps the whole residual stream in bf16, like vLLM.
 ``bf16_autocast=False`` computes in ``copy_dtype`` (fp32: the exact reference
-the tests use).
+the tests use). On the CPU ``fp32`` GEMM path (``cpu_bf16_gemm``) the KV cache is
+held as the float32 BF16 values attention consumes, converted once per token
+instead of whole at every step (:mod:`stages.engines.kv_mirror`; same bits).
 """
 
 from __future__ import annotations
