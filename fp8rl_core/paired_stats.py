@@ -63,5 +63,5 @@ def mcnemar_exact_p(b: int, c: int) -> float:
     if n == 0:
         return 1.0
     k = min(b, c)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / (1 << n)  # exact integers: no overflow at large n
     return min(1.0, 2.0 * tail)

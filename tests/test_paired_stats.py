@@ -68,5 +68,6 @@ def test_mcnemar_exact_against_the_binomial_by_hand():
     assert mcnemar_exact_p(0, 6) == pytest.approx(2 / 64)
     assert mcnemar_exact_p(2, 10) == pytest.approx(2 * (1 + 12 + 66) / 4096)
     assert mcnemar_exact_p(10, 2) == mcnemar_exact_p(2, 10)
+    assert mcnemar_exact_p(600, 600) == 1.0 and 0 < mcnemar_exact_p(500, 640) < 1e-4  # thousands of pairs
     with pytest.raises(ValueError):
         mcnemar_exact_p(-1, 2)
