@@ -15,8 +15,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 
 import pytest
@@ -163,10 +161,12 @@ def test_padding_leaves_bf16_logprobs_unchanged():
 # --------------------------------------------------------------------------- FSDP2, 2 ranks vs 1 process
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port() -> str:
+    """A rendezvous of its own for one group of ranks: a fresh FileStore (a TCP port picked free here could
+    be taken by another test's group before the ranks bind it, and two groups would then meet)."""
+    import tempfile
+
+    return f"file://{tempfile.mkdtemp(prefix='fp8rl-store-')}/store"
 
 
 def _spawn(fn, args: tuple, timeout: float = 180.0, nprocs: int = 2) -> None:
@@ -184,7 +184,7 @@ def _spawn(fn, args: tuple, timeout: float = 180.0, nprocs: int = 2) -> None:
 
 
 def _rank_main(
-    rank: int, world: int, port: int, mode: str, steps: int, out: str, n: int = 16, kw: dict | None = None
+    rank: int, world: int, port: str, mode: str, steps: int, out: str, n: int = 16, kw: dict | None = None
 ) -> None:
     import torch.distributed as dist
 
@@ -192,8 +192,7 @@ def _rank_main(
     from stages.trainer.update import DistCollective
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=port, rank=rank, world_size=world)
     try:
         cfg = _cfg(mode, **(kw or {}))
         model = shard_policy(_model(mode))
@@ -383,15 +382,14 @@ def test_memory_plan_counts_qwen3_8b_parameters():
 # --------------------------------------------------------------------------- distributed checkpoints
 
 
-def _ckpt_rank(rank: int, world: int, port: int, path: str, mode: str, out: str) -> None:
+def _ckpt_rank(rank: int, world: int, port: str, path: str, mode: str, out: str) -> None:
     """Save (mode 'save': after one update) or load (mode 'load') a DCP checkpoint on ``world`` ranks."""
     import torch.distributed as dist
 
     from stages.trainer.distributed import full_model_state, load_sharded, save_sharded, shard_policy
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=port, rank=rank, world_size=world)
     try:
         from stages.trainer.update import DistCollective
 
