@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from fp8rl_core.precision import convert_for_training
@@ -22,12 +20,11 @@ from stages.trainer.distributed import RESHARD_AFTER_FORWARD, decoder_blocks, en
 from tests.test_train_scaleout import SMALL, _free_port, _spawn
 
 
-def _check_sharded(rank: int, port: int, out: str) -> None:
+def _check_sharded(rank: int, port: str, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=1)
+    dist.init_process_group("gloo", init_method=port, rank=rank, world_size=1)
     try:
         torch.manual_seed(0)
         model = build_tiny_model(SMALL)
