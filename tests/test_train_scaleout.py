@@ -443,17 +443,64 @@ def _same_state(a, b):
             assert torch.equal(torch.as_tensor(sa[k][f]).float(), torch.as_tensor(sb[k][f]).float()), (k, f)
 
 
+def _coordinate_rank(rank: int, world: int, port: str, out: str, through_policy: bool) -> None:
+    """Shard a model on ``world`` gloo ranks and write the mesh coordinates its parameters carry."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from stages.trainer.distributed import shard_policy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=port, rank=rank, world_size=world)
+    try:
+        model = _model("bf16")
+        if through_policy:
+            shard_policy(model)
+        else:
+            fully_shard(model)
+        coords = sorted({p.device_mesh.get_coordinate() for p in model.parameters()})
+        torch.save(coords, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("route", ["measured in a fake world", "sharded under a bare fake group"])
+def test_ranks_forked_after_sharding_elsewhere_hold_their_own_shards(tmp_path, route):
+    """DTensor caches sharding decisions by mesh shape, with the rank inside: ranks forked from a process
+    that sharded as rank 0 of a same-shaped group (a measured memory plan) all held rank 0's shard, and a
+    2-rank checkpoint lost half of every tensor. The memory plan's fake world and the shard policy forget
+    the cached decisions."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from stages.trainer.distributed import shard_policy
+    from stages.trainer.memory_measure import fake_world
+
+    model = _model("bf16")
+    if route == "measured in a fake world":
+        with fake_world(2) as mesh:
+            shard_policy(model, mesh=mesh)
+            assert model.lm_head.weight.device_mesh.get_coordinate() == (0,)
+    else:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        try:
+            fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        finally:
+            dist.destroy_process_group()
+    out = str(tmp_path / "coords")
+    _spawn(_coordinate_rank, (2, _free_port(), out, route != "measured in a fake world"))
+    for rank in range(2):
+        assert torch.load(f"{out}.{rank}") == [(rank,)], rank
+
+
 @pytest.mark.timeout(240)
 def test_two_rank_checkpoint_restores_in_one_process_and_the_reverse(tmp_path):
     # 2 ranks save -> 1 process loads
     out = str(tmp_path / "saved.pt")
-    try:
-        _spawn(_ckpt_rank, (2, _free_port(), str(tmp_path / "dcp2"), "save", out))
-    except Exception:  # seen twice in full-suite runs, never alone: DCP's global plan with one rank's chunks only
-        import shutil  # (under investigation); a second save into a fresh folder must succeed
-
-        shutil.rmtree(tmp_path / "dcp2", ignore_errors=True)
-        _spawn(_ckpt_rank, (2, _free_port(), str(tmp_path / "dcp2"), "save", out))
+    _spawn(_ckpt_rank, (2, _free_port(), str(tmp_path / "dcp2"), "save", out))
     saved2 = torch.load(out, weights_only=False)
     _same_state(saved2, _ckpt_one(str(tmp_path / "dcp2"), "load"))
     # 1 process saves -> 2 ranks load

@@ -108,13 +108,28 @@ def enable_float8_all_gather(model: nn.Module) -> list[str]:
 RESHARD_AFTER_FORWARD = "blocks and root: yes; last block: no (its backward follows at once)"
 
 
+def forget_sharding_decisions() -> None:
+    """Empty DTensor's sharding-propagation caches (the Python one and the C++ fast path's).
+
+    They key each decision on the device mesh's shape, not on the rank, and keep the output
+    specs they computed, mesh and rank included. A process that sharded under one process
+    group (say, rank 0 of the fake world a memory plan is measured on) and then forks the
+    ranks of another would hand every rank rank 0's specs: each rank then believes it holds
+    shard 0, and a distributed checkpoint finds half of every tensor missing."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
 def shard_policy(
     model: nn.Module, cfg: Any = None, *, device: torch.device | None = None, mesh: Any = None
 ) -> nn.Module:
     """FSDP2-shard ``model`` in place: each decoder block, then the root, bf16 all-gather with fp32
-    gradient reduction, float8 all-gather for torchao tensorwise linears. Returns the model."""
+    gradient reduction, float8 all-gather for torchao tensorwise linears. Returns the model.
+    Sharding decisions cached before (under another process group) are forgotten first."""
     from torch.distributed.fsdp import fully_shard
 
+    forget_sharding_decisions()
     enable_float8_all_gather(model)
     mp = mixed_precision_policy()
     blocks = decoder_blocks(model)

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from stages.trainer.distributed import forget_sharding_decisions
+
 GiB = 1024**3
 KINDS = (
     "Sharded Param",
@@ -82,6 +84,7 @@ def fake_world(world_size: int):
         yield init_device_mesh("cpu", (world_size,))
     finally:
         dist.destroy_process_group()
+        forget_sharding_decisions()  # cached specs say "rank 0 of this fake world"
 
 
 def _fake_mode():
