@@ -23,6 +23,13 @@ and the medians of the timed steps are compared. TRL is an optional extra:
     pip install 'fp8rl[bench]'      # or: pip install --no-deps trl accelerate (+ psutil)
     nice python benchmarks/peer_trl.py [--rounds 2] [--steps 6] [--warmup 2] [--threads 2]
 
+``--cpu-isa avx2`` runs both sides as on an x86 CPU without BF16 or AVX-512 instructions
+(the AMD EPYC Zen 2/3 class): oneDNN, MKL and ATen are held to AVX2
+(``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``, ``ATEN_CPU_CAPABILITY``), so TRL's
+BF16 GEMMs take oneDNN's conversion path (~1 GFLOP/s for a 1024 square, as measured on
+such a CPU) and every FP32 GEMM MKL's AVX2 kernels. An emulation on this CPU's cores and
+caches, not a measurement on such a machine.
+
 Wall time is the figure; the CPU time beside it (``time.process_time``) is steadier on a
 shared machine with one thread (with two, OpenMP barriers spin under load).
 """
@@ -42,6 +49,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, SAMPLES, NEW_TOKENS, LAYERS, LR = 16, 8, 16, 4, 1e-4
 THREADS = int(os.environ.get("PEER_THREADS", "2"))  # --threads, passed to the children
+# --cpu-isa: the instruction-set limits of both sides' children ("native": this CPU's own)
+CPU_ISA_ENV = {
+    "native": {},
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+}
 FP8RL_PRECISION = {"bf16": ("bf16", "bf16"), "fp8": ("fp8_tensorwise", "fp8_per_tensor")}
 
 
@@ -157,9 +169,12 @@ def trl_steps(steps: int, warmup: int) -> list[tuple[float, float]]:
     return clock.times[warmup:]
 
 
-def _child(role: str, steps: int, warmup: int, threads: int, fp8rl_set: list[str]) -> list[list[float]]:
+def _child(
+    role: str, steps: int, warmup: int, threads: int, fp8rl_set: list[str], cpu_isa: str = "native"
+) -> list[list[float]]:
     env = dict(
         os.environ,
+        **CPU_ISA_ENV[cpu_isa],
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         PEER_THREADS=str(threads),
         PEER_FP8RL_SET=";".join(fp8rl_set),
@@ -184,6 +199,12 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="extra config override of fp8rl's side, e.g. precision.cpu_bf16_gemm=native (repeatable)",
     )
+    ap.add_argument(
+        "--cpu-isa",
+        choices=tuple(CPU_ISA_ENV),
+        default="native",
+        help="avx2: both sides as on a CPU without BF16/AVX-512 instructions (emulated, see above)",
+    )
     ap.add_argument("--role", choices=("trl", "bf16", "fp8"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "trl":
@@ -200,7 +221,7 @@ def main() -> None:
     times: dict[str, list[list[float]]] = {"trl": [], "bf16": [], "fp8": []}
     for r in range(args.rounds):
         for role in times:
-            times[role] += _child(role, args.steps, args.warmup, args.threads, args.fp8rl_set)
+            times[role] += _child(role, args.steps, args.warmup, args.threads, args.fp8rl_set, args.cpu_isa)
             print(
                 f"round {r + 1}: {role:<4} median {statistics.median(t[0] for t in times[role]):.3f} s/step", flush=True
             )
@@ -208,7 +229,8 @@ def main() -> None:
     cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
     print(
         f"\n{PROMPTS} prompts x {SAMPLES} samples, <= {NEW_TOKENS} new tokens, {LAYERS} layers x 128, "
-        f"{args.threads} thread(s); medians of {len(times['trl'])} steps per side (wall s, CPU s)"
+        f"{args.threads} thread(s), CPU ISA {args.cpu_isa}; medians of {len(times['trl'])} steps per side "
+        "(wall s, CPU s)"
     )
     print(f"TRL GRPOTrainer (BF16)   {wall['trl']:.3f}  {cpu['trl']:.3f}")
     for k, name in (("bf16", "fp8rl BF16"), ("fp8", "fp8rl FP8 (emulated)")):

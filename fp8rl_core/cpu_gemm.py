@@ -80,11 +80,50 @@ class GemmChoice:
     reason: str
 
 
+# oneDNN's CPU instruction-set limits (``ONEDNN_MAX_CPU_ISA``), lowest first; the BF16 kernels
+# need AVX512_CORE_BF16 (AVX512-BF16) or AVX512_CORE_AMX (AMX-BF16) at least
+_ONEDNN_ISAS = (
+    "SSE41",
+    "AVX",
+    "AVX2",
+    "AVX2_VNNI",
+    "AVX2_VNNI_2",
+    "AVX512_CORE",
+    "AVX512_CORE_VNNI",
+    "AVX512_CORE_BF16",
+    "AVX512_CORE_FP16",
+    "AVX10_1_512",
+    "AVX512_CORE_AMX",
+    "AVX10_1_512_AMX",
+    "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512_AMX_FP16",
+    "AVX10_2_512",
+    "AVX10_2_512_AMX_2",
+    "ALL",
+)
+
+
+def onednn_isa_limit(environ: dict[str, str] | None = None) -> str | None:
+    """The instruction-set limit set for oneDNN (``ONEDNN_MAX_CPU_ISA``, or its older name
+    ``DNNL_MAX_CPU_ISA``), upper-cased; None when unset or not a name oneDNN knows (it ignores those)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    value = (environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    return value if value in _ONEDNN_ISAS else None
+
+
 def fast_bf16_isa() -> str | None:
-    """The CPU's fast BF16 GEMM instructions PyTorch's oneDNN kernels use, or None."""
-    if torch.cpu._is_amx_tile_supported():
+    """The CPU's fast BF16 GEMM instructions PyTorch's oneDNN kernels use, or None.
+
+    The hardware's, unless ``ONEDNN_MAX_CPU_ISA`` keeps oneDNN below them: then its BF16
+    kernels run the slow conversion path whatever the CPU has (``ONEDNN_MAX_CPU_ISA=AVX2``
+    makes an AMX CPU compute BF16 GEMMs as an AVX2-only CPU does, ~1 GFLOP/s)."""
+    limit = onednn_isa_limit()
+    rank = _ONEDNN_ISAS.index(limit) if limit else len(_ONEDNN_ISAS)
+    if torch.cpu._is_amx_tile_supported() and rank >= _ONEDNN_ISAS.index("AVX512_CORE_AMX"):
         return "AMX-BF16"
-    if torch.cpu._is_avx512_bf16_supported():
+    if torch.cpu._is_avx512_bf16_supported() and rank >= _ONEDNN_ISAS.index("AVX512_CORE_BF16"):
         return "AVX512-BF16"
     return None
 

@@ -42,6 +42,31 @@ def test_auto_takes_native_only_with_a_fast_kernel_and_a_wide_model(monkeypatch,
     assert choice.reason
 
 
+@pytest.mark.parametrize(
+    "limit,amx,avx512bf16,isa",
+    [
+        (None, True, True, "AMX-BF16"),
+        ("AVX2", True, True, None),  # oneDNN held to AVX2: its BF16 GEMMs are the slow path
+        ("avx512_core", True, True, None),
+        ("AVX512_CORE_BF16", True, True, "AVX512-BF16"),
+        ("AVX512_CORE_AMX", True, True, "AMX-BF16"),
+        ("ALL", False, True, "AVX512-BF16"),
+        ("NOT_AN_ISA", True, False, "AMX-BF16"),  # oneDNN ignores an unknown limit
+        (None, False, False, None),
+    ],
+)
+def test_a_onednn_isa_limit_below_the_bf16_kernels_is_no_fast_kernel(monkeypatch, limit, amx, avx512bf16, isa):
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if limit is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", limit)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512bf16)
+    assert cpu_gemm.fast_bf16_isa() == isa
+    assert resolve_cpu_bf16_gemm("auto", 4096).kind == ("native" if isa else "fp32")
+
+
 def test_explicit_settings_and_cuda_are_kept(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "fast_bf16_isa", lambda: None)
     assert resolve_cpu_bf16_gemm("native", 128).kind == "native"
