@@ -19,9 +19,7 @@ import hashlib
 import json
 import logging
 import math
-import os
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -30,7 +28,7 @@ import torch
 from fp8rl_core import code_task
 from fp8rl_core.config import BootstrapConfig, ModelConfig, TaskConfig
 from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
-from stages.bootstrap.math import META_FILE, _sft_step, _threads, default_cache_root
+from stages.bootstrap.math import META_FILE, _sft_step, _threads, default_cache_root, publish_checkpoint
 
 log = logging.getLogger(__name__)
 CODE_BOOTSTRAP_VERSION = "code-1"
@@ -155,25 +153,13 @@ def bootstrap_code(
     root.mkdir(parents=True, exist_ok=True)
     log.info("bootstrapping the tiny code policy (%d steps) into %s", boot_cfg.steps, final)
     model, tokenizer, stats = train_code_policy(model_cfg, task_cfg, boot_cfg, eval_size or EVAL_SIZE)
-    tmp = root / f".tmp-code-{digest[:16]}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        meta = {
-            "config_hash": digest,
-            "version": CODE_BOOTSTRAP_VERSION,
-            "task": task_cfg.model_dump(mode="json"),
-            "bootstrap": boot_cfg.model_dump(mode="json"),
-            "model": model_cfg.model_dump(mode="json"),
-            **stats,
-        }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if not final.exists():
-            try:
-                os.replace(tmp, final)
-            except OSError:
-                pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    meta = {
+        "config_hash": digest,
+        "version": CODE_BOOTSTRAP_VERSION,
+        "task": task_cfg.model_dump(mode="json"),
+        "bootstrap": boot_cfg.model_dump(mode="json"),
+        "model": model_cfg.model_dump(mode="json"),
+        **stats,
+    }
+    publish_checkpoint(final, model, tokenizer, meta)
     return final

@@ -314,20 +314,29 @@ def bootstrap(
             lo,
             hi,
         )
-    tmp = root / f".tmp-{digest[:16]}-{os.getpid()}"
+    meta = {
+        "config_hash": digest,
+        "version": BOOTSTRAP_VERSION,
+        "teacher": asdict(teacher),
+        "model": model_cfg.model_dump(mode="json"),
+        "task": task_cfg.model_dump(mode="json"),
+        "bootstrap": boot_cfg.model_dump(mode="json"),
+        **stats,
+    }
+    publish_checkpoint(final, model, tokenizer, meta)
+    if not (final / META_FILE).is_file():
+        raise RuntimeError(f"bootstrap: {final} is incomplete (no {META_FILE}); delete it and rerun")
+    return final
+
+
+def publish_checkpoint(final: Path, model, tokenizer, meta: dict) -> None:
+    """Write a bootstrapped policy to ``final`` atomically: saved with its ``bootstrap.json`` into a
+    temporary folder beside it, then renamed. Where another process published first, theirs is kept."""
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        meta = {
-            "config_hash": digest,
-            "version": BOOTSTRAP_VERSION,
-            "teacher": asdict(teacher),
-            "model": model_cfg.model_dump(mode="json"),
-            "task": task_cfg.model_dump(mode="json"),
-            "bootstrap": boot_cfg.model_dump(mode="json"),
-            **stats,
-        }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if not final.exists():
             try:
@@ -336,9 +345,6 @@ def bootstrap(
                 pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if not (final / META_FILE).is_file():
-        raise RuntimeError(f"bootstrap: {final} is incomplete (no {META_FILE}); delete it and rerun")
-    return final
 
 
 def read_meta(checkpoint: str | Path) -> dict:
