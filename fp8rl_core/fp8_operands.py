@@ -17,6 +17,7 @@ from typing import Iterator, Literal
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fp8rl_core import cpu_gemm
 from fp8rl_core.fp8 import FP8Format, amax_to_qscale
@@ -305,6 +306,15 @@ def _mm(a: torch.Tensor, b: torch.Tensor, post_a: torch.Tensor | None, post_b: t
     return _scale_output_(out, post_a, post_b)
 
 
+def _data_identity(t: torch.Tensor) -> tuple:
+    """Where ``t``'s elements live: its data pointer; for a fake tensor (the measured memory plan),
+    which has no data and reports pointer 0 for all, its storage object (held by the cache while the
+    key is, so the id cannot be reused) and offset."""
+    if isinstance(t, FakeTensor):
+        return ("fake", id(t.untyped_storage()), t.storage_offset())
+    return ("data", t.data_ptr())
+
+
 class SharedInputCache:
     """One-slot cache of a quantized operand, shared by the FP8 linears of one model.
 
@@ -330,7 +340,7 @@ class SharedInputCache:
             version = t._version
         except RuntimeError:  # inference tensors have no version counter (and cannot be modified)
             version = None
-        return (t.data_ptr(), tuple(t.shape), t.stride(), version, *settings)
+        return (_data_identity(t), tuple(t.shape), t.stride(), version, *settings)
 
     def quantize(
         self, t: torch.Tensor, fmt: FP8Format, layout: Layout, **kw

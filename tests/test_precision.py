@@ -310,6 +310,28 @@ def test_rollout_quantizes_shared_inputs_once(base_model, monkeypatch):
     assert len(calls) == 8 + 2 * LINEARS_PER_LAYER and torch.equal(cached, uncached)
 
 
+def test_the_shared_input_cache_tells_fake_tensors_apart(monkeypatch):
+    """The measured memory plan runs the step on fake tensors, whose data pointer is 0 for all: keyed
+    by it, the attention and MLP inputs of a layer (same shape) shared one quantization, and the plan
+    counted one quantized activation where the GPU allocates three."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import fp8rl_core.fp8_operands as fo
+
+    calls = []
+    real = fo.quantize_operand
+    monkeypatch.setattr(fo, "quantize_operand", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache = fo.SharedInputCache()
+    with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+        warnings.simplefilter("error")  # no data_ptr() of a fake tensor either (deprecated, to become an error)
+        a, b = torch.randn(256, 128), torch.randn(256, 128)
+        for t, quantizations in ((a, 1), (a, 1), (b, 2), (b[:128], 3), (a, 4)):
+            cache.quantize(t, E4M3, "tensor", pow2=False, compute_dtype=torch.float32)
+            assert len(calls) == quantizations
+
+
 @pytest.mark.parametrize("mode", FP8_MODES)
 def test_training_quantizes_shared_inputs_once(base_model, mode, monkeypatch):
     """Same logits and gradients with the shared-input cache as without; fewer roundings."""
