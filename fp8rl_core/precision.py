@@ -380,6 +380,16 @@ def bf16_parameters(model: nn.Module) -> Iterator[nn.Module]:
         _BF16_CASTS_ON.reset(token)
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """transformers' activation checkpointing of every decoder block, non-reentrant
+    (``activation_checkpointing_enable``; its older name where the installed transformers has only that)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def bf16_recompute_checkpointing(model: nn.Module) -> int:
     """Make every checkpointed block of an unsharded ``model`` recompute, in backward, on the bf16 casts
     its forward read under :func:`bf16_parameters`; returns the number of blocks.
@@ -390,7 +400,7 @@ def bf16_recompute_checkpointing(model: nn.Module) -> int:
     it saved were bf16). Each block's checkpoint gets a ``context_fn`` whose recompute context
     casts that block's parameters again (the same bf16 values). An FSDP2-sharded model needs none
     of this: FSDP2 all-gathers the bf16 parameters again before a block's backward. Call after
-    ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``.
+    :func:`enable_activation_checkpointing`.
     """
     import functools
 

@@ -252,7 +252,7 @@ def open_run(
     A vLLM engine is built first, while the trainer holds nothing on the device, and
     under torchrun the policy goes from the host straight into its shards: no
     device ever holds the whole fp32 model."""
-    from fp8rl_core.precision import bf16_recompute_checkpointing, convert_for_training
+    from fp8rl_core.precision import bf16_recompute_checkpointing, convert_for_training, enable_activation_checkpointing
     from fp8rl_core.tiny_model import load_policy
     from stages.bootstrap.math import capped_threads
     from stages.data.prompt_format import apply_stop_tokens
@@ -284,7 +284,7 @@ def open_run(
     compiled = compile_choice(cfg.precision.compile, device, report.backend)
     state_layer_precision(run_dir, policy, report, main=rank == 0, compiled=compiled)
     if cfg.algorithm.activation_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(policy)
         if world_size == 1:  # unsharded: recompute on the bf16 casts (FSDP2 re-gathers them itself)
             bf16_recompute_checkpointing(policy)
     if engine is None:

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from fp8rl_core.precision import bf16_recompute_checkpointing
+from fp8rl_core.precision import bf16_recompute_checkpointing, enable_activation_checkpointing
 from stages.trainer.block_compile import compile_choice, compile_decoder_blocks, is_compiled
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
@@ -66,7 +66,7 @@ def _tiny_qwen3(layers: int):
         tie_word_embeddings=False,
     )
     model = Qwen3ForCausalLM(cfg).float().train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model)
     bf16_recompute_checkpointing(model)  # one process: recompute on the bf16 casts, as open_run sets it
     return model
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8rl_core.precision import bf16_recompute_checkpointing
+from fp8rl_core.precision import bf16_recompute_checkpointing, enable_activation_checkpointing
 from stages.trainer.update import make_optimizer, policy_update
 from tests.test_train_scaleout import _batch, _cfg, _model
 
@@ -22,7 +22,7 @@ def _update(mode: str, checkpointing: str):
     cfg = _cfg(mode)
     model = _model(mode)
     if checkpointing != "off":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     if checkpointing == "bf16 recompute":
         assert bf16_recompute_checkpointing(model) == 2
     opt, sched = make_optimizer(model, cfg)

@@ -144,7 +144,7 @@ def measure_step(
     from transformers import AutoModelForCausalLM
 
     from fp8rl_core.fp8_operands import gpu_sized_chunks
-    from fp8rl_core.precision import convert_for_training
+    from fp8rl_core.precision import convert_for_training, enable_activation_checkpointing
     from stages.trainer.distributed import shard_policy
     from stages.trainer.update import policy_logprobs, token_multiple
 
@@ -155,7 +155,7 @@ def measure_step(
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         convert_for_training(model, mode, backend="emulated")
         if activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
         shard_policy(model, mesh=mesh)
         with _fake_mode(), gpu_sized_chunks():
             model.to_empty(device="cpu")
