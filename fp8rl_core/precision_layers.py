@@ -74,8 +74,10 @@ def precision_line(summary: dict) -> str:
 
 
 def _linears_line(summary: dict) -> str:
+    mode = summary["mode"]
+    fmt = mode.split("_")[0].upper() if "fp4" in mode else "FP8"  # nvfp4 -> NVFP4, mxfp4 -> MXFP4
     head = (
-        f"precision {summary['mode']} ({summary['backend']}): {summary['fp8_linears']} linears in FP8 "
+        f"precision {mode} ({summary['backend']}): {summary['fp8_linears']} linears in {fmt} "
         f"({100 * summary['fp8_share']:.1f}% of decoder-linear weights)"
     )
     if summary["mode"] == "bf16":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from fp8rl_core.precision import convert_for_training
@@ -49,6 +50,13 @@ def test_blockwise_keeps_qwen25_biased_qkv_in_bf16_and_says_so():
     model = _qwen25_32b_layers(1)  # rowwise and tensorwise take biases: every decoder linear in FP8
     s = layer_precision(model, convert_for_training(model, "fp8_rowwise", backend="emulated"))
     assert s["bf16_linears"] == 0 and s["fp8_share"] == 1.0 and "no decoder linear kept" in precision_line(s)
+
+
+@pytest.mark.parametrize("mode,fmt", [("nvfp4", "NVFP4"), ("mxfp4", "MXFP4")])
+def test_fp4_runs_say_fp4_not_fp8(mode, fmt):
+    model = _qwen25_32b_layers(1)
+    line = precision_line(layer_precision(model, convert_for_training(model, mode, backend="emulated")))
+    assert f"7 linears in {fmt} (100.0%" in line and "FP8" not in line
 
 
 def test_a_run_records_its_layer_precision_in_run_json_and_one_console_line(tmp_path, capsys):
