@@ -496,6 +496,38 @@ def test_ranks_forked_after_sharding_elsewhere_hold_their_own_shards(tmp_path, r
         assert torch.load(f"{out}.{rank}") == [(rank,)], rank
 
 
+def test_forgetting_sharding_decisions_works_without_torchs_one_call(monkeypatch):
+    """On a torch without ``debug._clear_sharding_prop_cache`` the caches are emptied one by one: the
+    same DTensor op that hit the fast path's cache before misses it after."""
+    import torch.distributed as dist
+    import torch.distributed.tensor.debug as dtensor_debug
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from stages.trainer.distributed import forget_sharding_decisions
+
+    stats = torch._C._get_DTensor_sharding_propagator_cache_stats  # (hits, misses)
+
+    def hit_or_miss(x) -> str:
+        before = stats()
+        torch.ops.aten.mul.Tensor(x, 2.0)
+        after = stats()
+        return "hit" if after[0] > before[0] and after[1] == before[1] else "miss"
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        x = DTensor.from_local(torch.ones(4, 4), init_device_mesh("cpu", (2,)), [Shard(0)])
+        hit_or_miss(x)
+        assert hit_or_miss(x) == "hit"
+        monkeypatch.delattr(dtensor_debug, "_clear_sharding_prop_cache")
+        forget_sharding_decisions()
+        assert hit_or_miss(x) == "miss"
+    finally:
+        dist.destroy_process_group()
+        forget_sharding_decisions()
+
+
 @pytest.mark.timeout(240)
 def test_two_rank_checkpoint_restores_in_one_process_and_the_reverse(tmp_path):
     # 2 ranks save -> 1 process loads

@@ -116,8 +116,16 @@ def forget_sharding_decisions() -> None:
     group (say, rank 0 of the fake world a memory plan is measured on) and then forks the
     ranks of another would hand every rank rank 0's specs: each rank then believes it holds
     shard 0, and a distributed checkpoint finds half of every tensor missing."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    try:  # one call clears both where torch has it (2.13 does)
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # older torch (the GPU machine's may be): whichever of the two exist
+        from torch.distributed.tensor import DTensor
 
+        cached = getattr(DTensor._op_dispatcher.sharding_propagator, "propagate_op_sharding", None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()
+        return
     _clear_sharding_prop_cache()
 
 
