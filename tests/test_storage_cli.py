@@ -27,6 +27,7 @@ NAMED = (
     "failure-signals",
     "guard-events",
     "noise-sources",
+    "bound-estimates",
 )
 
 
@@ -91,7 +92,18 @@ def campaign(tmp_path_factory) -> Path:
             w.write(
                 "bounds",
                 step,
-                {"mode": "calibrated", "alpha": 0.02, "lower": 0.8 - step / 100, "upper": 1.28},
+                {
+                    "mode": "calibrated",
+                    "alpha": 0.02,
+                    "lower": 0.8 - step / 100,
+                    "upper": 1.28,
+                    "negative_tokens": 200,
+                    "estimator": "harrell_davis",
+                    "lower_ci_low": 0.7,
+                    "lower_ci_high": 0.9 - step / 100,
+                    "lower_clip_share_neg_before": 0.01 * (step + 1),
+                    "lower_clip_share_neg_bf16": 0.02,
+                },
                 stage="calibrate",
             )
             w.write(
@@ -144,6 +156,15 @@ def test_eval_best_average_values(app, campaign: Path) -> None:
     assert rows[1]["initial_step"] == 0 and rows[1]["benchmarks"] == 2
 
 
+def test_bound_estimates_pair_each_l_with_the_next_calibrations_shares(app, campaign: Path) -> None:
+    rows = json.loads(invoke(app, "query", campaign, "-n", "bound-estimates", "-f", "json", "--run", "fp8").stdout)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[0]["bf16_clipped"] == 4  # 0.02 x 200
+    assert rows[1]["lower_ci_width"] == pytest.approx(0.19) and rows[1]["estimator"] == "harrell_davis"
+    assert rows[1]["next_calibration"] == 2 and rows[1]["next_fp8_share"] == pytest.approx(0.03)
+    assert rows[1]["next_share_error"] == pytest.approx(0.01)  # |0.03 - 0.02|, FP8 under step 1's L at step 2
+    assert rows[3]["next_calibration"] is None and rows[3]["next_share_error"] is None
+
+
 def test_clip_shares_match_the_definition(app, campaign: Path) -> None:
     rows = json.loads(invoke(app, "query", campaign, "-n", "clip-shares-by-sign", "-f", "json", "--run", "fp8").stdout)
     tbl = pq.read_table(
@@ -182,7 +203,7 @@ def test_params_and_output_formats(app, campaign: Path, tmp_path: Path) -> None:
         (["{root}", "SELEC * FROM steps"], "SQL syntax error"),
         (["{root}", "SELECT * FROM stepz"], "stepz does not exist"),
         (["{root}", "SELECT no_such_column FROM steps"], "no_such_column"),
-        (["{root}", "--named", "nope"], "unknown named query 'nope'; known: calibration-history"),
+        (["{root}", "--named", "nope"], "unknown named query 'nope'; known: bound-estimates, calibration-history"),
         (["{root}", "-n", "entropy-bins", "-p", "bins=3"], "has no parameter 'bins'"),
         (["{root}", "SELECT 1", "--out", "x.txt"], "extension must be one of"),
         (["{root}"], "missing SQL"),
