@@ -443,6 +443,51 @@ def _same_state(a, b):
             assert torch.equal(torch.as_tensor(sa[k][f]).float(), torch.as_tensor(sb[k][f]).float()), (k, f)
 
 
+def _stale_rank(rank: int, world: int, port: str, out: str) -> None:
+    """Shard through the policy with the cache-forgetting switched off; write what it raised."""
+    import torch.distributed as dist
+
+    import stages.trainer.distributed as distributed
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=port, rank=rank, world_size=world)
+    try:
+        distributed.forget_sharding_decisions = lambda: None
+        try:
+            distributed.shard_policy(_model("bf16"))
+            outcome = "sharded"
+        except RuntimeError as e:
+            outcome = str(e)
+        torch.save(outcome, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_holding_another_ranks_shard_is_refused_in_one_line(tmp_path):
+    """Should a stale sharding decision get through again, the shard policy refuses it, naming the parameter."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from stages.trainer.distributed import forget_sharding_decisions, shard_policy
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        shard_policy(_model("bf16"), mesh=init_device_mesh("cpu", (2,)))  # decisions cached as rank 0
+    finally:
+        dist.destroy_process_group()
+    out = str(tmp_path / "outcome")
+    try:
+        _spawn(_stale_rank, (2, _free_port(), out))
+    finally:
+        forget_sharding_decisions()  # this worker's later tests start clean
+    assert torch.load(f"{out}.0") == "sharded"
+    message = torch.load(f"{out}.1")
+    assert message.startswith("rank 1: parameter ") and "(0,)" in message and "(1,)" in message
+    assert "\n" not in message
+
+
 def _coordinate_rank(rank: int, world: int, port: str, out: str, through_policy: bool) -> None:
     """Shard a model on ``world`` gloo ranks and write the mesh coordinates its parameters carry."""
     import torch.distributed as dist

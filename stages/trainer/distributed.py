@@ -144,7 +144,30 @@ def shard_policy(
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    check_own_shards(model)
     return model
+
+
+def check_own_shards(model: nn.Module) -> None:
+    """Every sharded parameter must say it is this rank's shard: its mesh coordinate is this rank's
+    place in its mesh. A parameter carrying another rank's (a stale sharding decision, see
+    :func:`forget_sharding_decisions`) would train and checkpoint the wrong rows without an error;
+    this raises in one line instead."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    rank = dist.get_rank()
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        mesh = p.device_mesh
+        where = (mesh.mesh == rank).nonzero()
+        expected = tuple(where[0].tolist()) if len(where) else None
+        if mesh.get_coordinate() != expected:
+            raise RuntimeError(
+                f"rank {rank}: parameter {name} is sharded as mesh coordinate {mesh.get_coordinate()}, "
+                f"but this rank's is {expected}: a sharding decision of another process group was reused"
+            )
 
 
 def uses_fsdp_float8(model: nn.Module) -> bool:
