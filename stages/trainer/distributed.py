@@ -157,10 +157,12 @@ def check_own_shards(model: nn.Module) -> None:
     from torch.distributed.tensor import DTensor
 
     rank = dist.get_rank()
+    checked: set[int] = set()  # the parameters share a few mesh objects: each is checked once
     for name, p in model.named_parameters():
-        if not isinstance(p, DTensor):
+        if not isinstance(p, DTensor) or id(p.device_mesh) in checked:
             continue
         mesh = p.device_mesh
+        checked.add(id(mesh))
         where = (mesh.mesh == rank).nonzero()
         expected = tuple(where[0].tolist()) if len(where) else None
         if mesh.get_coordinate() != expected:
