@@ -52,6 +52,23 @@ def micro_config(*extra: str):
     return load_config("tiny-cpu", MICRO_OVERRIDES + list(extra))
 
 
+def peaked_policy():
+    """A tiny Qwen3 whose next-token distributions are peaked (random init is nearly uniform,
+    which would make log-prob comparisons toothless): the engines' tests' policy."""
+    import torch
+
+    from fp8rl_core.config import ModelConfig
+    from fp8rl_core.tiny_model import build_tiny_model
+
+    model = build_tiny_model(ModelConfig(seed=3))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.15, generator=gen)
+    return model.eval()
+
+
 class StageRun:
     """The explicit (environment, state) pair of a run, the state threaded through stage calls:
     ``run(run_train, step)`` calls ``run_train(env, state, step)`` and keeps the new state."""

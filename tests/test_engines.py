@@ -18,12 +18,13 @@ import copy
 import pytest
 import torch
 
-from fp8rl_core.config import ModelConfig, PrecisionConfig, RolloutConfig
+from fp8rl_core.config import PrecisionConfig, RolloutConfig
 from fp8rl_core.logprobs import sequence_logprobs
 from fp8rl_core.precision import autocast_context, convert_for_training
-from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
+from fp8rl_core.tiny_model import build_tokenizer
 from stages.engines import ENGINES, RolloutBatch, RolloutSample, TransformersEngine, hf_engine, make_engine
 from stages.engines.hf_engine import sample_next, top_p_mask
+from tests.conftest import peaked_policy
 
 EOS = 2
 
@@ -35,15 +36,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def policy():
-    """A tiny Qwen3 whose next-token distributions are peaked (random init is
-    nearly uniform, which would make log-prob comparisons toothless)."""
-    model = build_tiny_model(ModelConfig(seed=3))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.15, generator=gen)
-    return model.eval()
+    return peaked_policy()
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from fp8rl_core import cpu_gemm
-from fp8rl_core.config import ModelConfig, PrecisionConfig, RolloutConfig
+from fp8rl_core.config import PrecisionConfig, RolloutConfig
 from fp8rl_core.cpu_gemm import cpu_bf16_gemm
-from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
+from fp8rl_core.tiny_model import build_tokenizer
 from stages.engines import make_engine
 from stages.engines.kv_mirror import MirroredKVCache, MirrorLayer
+from tests.conftest import peaked_policy
 
 MANY_EOS = frozenset(range(2, 12))  # rows finish at staggered steps: the batch is compacted
 
@@ -24,14 +25,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def policy():
-    """A tiny Qwen3 with peaked next-token distributions (as tests/test_engines.py)."""
-    model = build_tiny_model(ModelConfig(seed=3))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.15, generator=gen)
-    return model.eval()
+    return peaked_policy()
 
 
 @pytest.fixture(scope="module")

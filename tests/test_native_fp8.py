@@ -119,26 +119,21 @@ def test_vllm_engine_settings_and_checkpoint_for_native_fp8(trainer, tmp_path):
     from stages.engines.native_fp8 import write_native_fp8_checkpoint
     from stages.engines.vllm_engine import build_llm_kwargs
 
-    native = RolloutConfig(weight_format="native_fp8")
-    kw = build_llm_kwargs(
-        native,
-        PrecisionConfig(rollout="fp8_per_block"),
-        model_path="/c",
-        seed=0,
-        logprobs_mode="raw",
-        weight_sync="tensors",
-    )
-    assert kw["quantization"] == "fp8"
-    assert kw["hf_overrides"]["quantization_config"]["weight_block_size"] == [128, 128]
-    with pytest.raises(ValueError, match="tensors or path"):
-        build_llm_kwargs(
-            native,
-            PrecisionConfig(rollout="fp8_per_tensor"),
+    def kwargs(rollout: str, weight_sync: str) -> dict:
+        return build_llm_kwargs(
+            RolloutConfig(weight_format="native_fp8"),
+            PrecisionConfig(rollout=rollout),
             model_path="/c",
             seed=0,
             logprobs_mode="raw",
-            weight_sync="ipc",
+            weight_sync=weight_sync,
         )
+
+    kw = kwargs("fp8_per_block", "tensors")
+    assert kw["quantization"] == "fp8"
+    assert kw["hf_overrides"]["quantization_config"]["weight_block_size"] == [128, 128]
+    with pytest.raises(ValueError, match="tensors or path"):
+        kwargs("fp8_per_tensor", "ipc")
     path = write_native_fp8_checkpoint(trainer, "fp8_per_tensor", tmp_path / "ckpt")
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "fp8", "activation_scheme": "dynamic"}
