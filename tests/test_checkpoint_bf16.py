@@ -15,18 +15,18 @@ import torch
 
 from fp8rl_core.precision import bf16_recompute_checkpointing, enable_activation_checkpointing
 from stages.trainer.update import make_optimizer, policy_update
-from tests.test_train_scaleout import _batch, _cfg, _model
+from tests.scaleout_common import small_batch, small_cfg, small_model
 
 
 def _update(mode: str, checkpointing: str):
-    cfg = _cfg(mode)
-    model = _model(mode)
+    cfg = small_cfg(mode)
+    model = small_model(mode)
     if checkpointing != "off":
         enable_activation_checkpointing(model)
     if checkpointing == "bf16 recompute":
         assert bf16_recompute_checkpointing(model) == 2
     opt, sched = make_optimizer(model, cfg)
-    res = policy_update(model, opt, sched, _batch(), cfg, bounds=(0.8, 1.28), shadow=False, seed=0)
+    res = policy_update(model, opt, sched, small_batch(), cfg, bounds=(0.8, 1.28), shadow=False, seed=0)
     return res, [p.detach().clone() for p in model.parameters()]
 
 

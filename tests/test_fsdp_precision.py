@@ -17,7 +17,7 @@ import torch
 from fp8rl_core.precision import convert_for_training
 from fp8rl_core.tiny_model import build_tiny_model
 from stages.trainer.distributed import RESHARD_AFTER_FORWARD, decoder_blocks, enable_float8_all_gather, shard_policy
-from tests.test_train_scaleout import SMALL, _free_port, _spawn
+from tests.scaleout_common import SMALL, rendezvous, spawn_ranks
 
 
 def _check_sharded(rank: int, port: str, out: str) -> None:
@@ -60,7 +60,7 @@ def _check_sharded(rank: int, port: str, out: str) -> None:
 
 def test_sharded_modules_all_gather_bf16_and_reduce_fp32(tmp_path):
     out = str(tmp_path / "fsdp.pt")
-    _spawn(_check_sharded, (_free_port(), out), nprocs=1)
+    spawn_ranks(_check_sharded, (rendezvous(), out), nprocs=1)
     got = torch.load(out)
     blocks = got["policies"][:-1]
     assert all(p[:2] == ("torch.bfloat16", "torch.float32") for p in got["policies"])

@@ -17,7 +17,7 @@ import torch
 
 from stages.trainer.minibatch_plan import minibatch_plan, padded_tokens, token_budget_micros
 from stages.trainer.update import make_optimizer, policy_update
-from tests.test_train_scaleout import _batch, _cfg, _model
+from tests.scaleout_common import small_batch, small_cfg, small_model
 
 
 def test_padded_tokens_meets_the_kernel_multiple():
@@ -42,8 +42,8 @@ def test_every_micro_batch_keeps_the_budget_and_the_mini_batch_is_unchanged(mult
     g = torch.Generator().manual_seed(0)
     lengths = (torch.rand(64, generator=g) ** 3 * 480 + 30).long()  # long-tailed, 16x spread
     budget = 4096
-    cfg = _cfg(ppo_mini_batch_size=16, micro_batch_size=8, max_tokens_per_micro_batch=budget)
-    plain = minibatch_plan(64, _cfg(ppo_mini_batch_size=16, micro_batch_size=8), seed=3)
+    cfg = small_cfg(ppo_mini_batch_size=16, micro_batch_size=8, max_tokens_per_micro_batch=budget)
+    plain = minibatch_plan(64, small_cfg(ppo_mini_batch_size=16, micro_batch_size=8), seed=3)
     plan = minibatch_plan(64, cfg, seed=3, lengths=lengths, multiple=multiple)
     assert len(plan) == len(plain) == 4
     for micros, same in zip(plan, plain):
@@ -57,7 +57,7 @@ def test_every_micro_batch_keeps_the_budget_and_the_mini_batch_is_unchanged(mult
 
 def test_the_ranks_together_run_the_one_process_micro_batches():
     lengths = (torch.rand(48, generator=torch.Generator().manual_seed(1)) * 60 + 4).long()
-    cfg = _cfg(ppo_mini_batch_size=16, micro_batch_size=4, max_tokens_per_micro_batch=96)
+    cfg = small_cfg(ppo_mini_batch_size=16, micro_batch_size=4, max_tokens_per_micro_batch=96)
     one = minibatch_plan(48, cfg, seed=5, lengths=lengths, multiple=16)
     for w in (2, 3):
         ranks = [minibatch_plan(48, cfg, seed=5, rank=r, world_size=w, lengths=lengths, multiple=16) for r in range(w)]
@@ -67,17 +67,17 @@ def test_the_ranks_together_run_the_one_process_micro_batches():
 
 def test_minibatch_plan_without_lengths_under_a_budget_is_an_error():
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
-        minibatch_plan(8, _cfg(max_tokens_per_micro_batch=64), seed=0)
+        minibatch_plan(8, small_cfg(max_tokens_per_micro_batch=64), seed=0)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8_rowwise"])
 def test_an_update_with_a_token_budget_trains_the_same_mini_batches(mode):
-    batch = _batch(n=16, p=7, r=6)
+    batch = small_batch(n=16, p=7, r=6)
     results, tokens = [], []
     for budget in (None, 30):
         torch.manual_seed(0)
-        cfg = _cfg(mode, max_tokens_per_micro_batch=budget)
-        model = _model(mode)
+        cfg = small_cfg(mode, max_tokens_per_micro_batch=budget)
+        model = small_model(mode)
         seen = []
         model.model.embed_tokens.register_forward_pre_hook(lambda mod, args: seen.append(args[0].numel()))
         opt, sched = make_optimizer(model, cfg)

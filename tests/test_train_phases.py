@@ -11,20 +11,20 @@ import math
 
 import pytest
 import torch
-from test_train_scaleout import _batch, _cfg, _model
 
 from fp8rl_core.bapo import UpdateBoundsRule
 from fp8rl_core.calibration import CLIP_MODES, UPDATE_BOUNDS
 from fp8rl_core.losses import LOSS_BOUNDS
 from fp8rl_core.registered import CALIBRATION_UNITS, LOSS_STATISTICS, POLICY_LOSSES
 from stages.trainer import update as tc
+from tests.scaleout_common import small_batch, small_cfg, small_model
 
 
 def _setup(n: int = 16, shadow_rows=None, **algo):
-    cfg = _cfg("bf16", **algo)
-    model = _model("bf16")
+    cfg = small_cfg("bf16", **algo)
+    model = small_model("bf16")
     rows = tc.split_rows(
-        _batch(n=n), cfg, seed=3, collective=tc.LOCAL, device=torch.device("cpu"), shadow_rows=shadow_rows
+        small_batch(n=n), cfg, seed=3, collective=tc.LOCAL, device=torch.device("cpu"), shadow_rows=shadow_rows
     )
     return cfg, model, rows
 
@@ -144,7 +144,15 @@ def test_gather_step_stats_in_one_process_returns_the_rows_as_they_are():
     t = tc.old_logprobs(model, rows, cfg, shadow=False, timings={})
     log = tc.UpdateLog(minibatch=torch.arange(16) % 2, losses=[1.0, 3.0], grad_norms=[2.0, 4.0])
     res = tc.gather_step_stats(
-        _batch(n=16), rows, t, log, cfg, bounds=(0.8, 1.28), collective=tc.LOCAL, lr=1e-3, timings={"update_s": 1.0}
+        small_batch(n=16),
+        rows,
+        t,
+        log,
+        cfg,
+        bounds=(0.8, 1.28),
+        collective=tc.LOCAL,
+        lr=1e-3,
+        timings={"update_s": 1.0},
     )
     assert torch.equal(res.old_logp_fp8, t.old8) and res.logp_bf16 is None and res.row_bounds is None
     m = res.metrics

@@ -15,63 +15,23 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
-from fp8rl_core.config import CampaignConfig, ModelConfig
 from fp8rl_core.fp8_linear import KernelShapeError, set_strict_shapes
 from fp8rl_core.logprobs import position_ids_from_mask
 from fp8rl_core.precision import convert_for_training
-from fp8rl_core.tiny_model import build_tiny_model
-from stages.trainer.update import TrainBatch, make_optimizer, policy_update
-
-SMALL = ModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=256)
-
-
-def _cfg(mode: str = "fp8_rowwise", calibration: str | None = None, **algo) -> CampaignConfig:
-    a = {"ppo_mini_batch_size": 8, "micro_batch_size": 4, "lr": 1e-3, **algo}
-    c = {
-        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 8},
-        "algorithm": a,
-        "precision": {"train": mode},
-    }
-    if calibration is not None:
-        c["calibration"] = {"mode": calibration}
-    return CampaignConfig.model_validate(c)
-
-
-def _batch(n=16, p=7, r=6, seed=0) -> TrainBatch:
-    g = torch.Generator().manual_seed(seed)
-    t = p + r
-    ids = torch.randint(4, 60, (n, t), generator=g)
-    lengths = torch.randint(2, r + 1, (n,), generator=g)
-    am = torch.zeros(n, t, dtype=torch.long)
-    rm = torch.zeros(n, t)
-    for i, ln in enumerate(lengths.tolist()):
-        am[i, : p + ln] = 1
-        rm[i, p : p + ln] = 1
-    ids = ids * am
-    adv = torch.randn(n, generator=g)
-    return TrainBatch(ids, am, rm, -torch.rand(n, t, generator=g) * rm, adv, torch.arange(n))
-
-
-def _model(mode: str, seed: int = 0):
-    torch.manual_seed(seed)
-    m = build_tiny_model(SMALL)
-    convert_for_training(m, mode)
-    return m
-
+from stages.trainer.update import make_optimizer, policy_update
+from tests.scaleout_common import rendezvous, small_batch, small_cfg, small_model, spawn_ranks
 
 # --------------------------------------------------------------------------- one forward path
 
 
 def test_every_train_forward_runs_under_its_devices_autocast_with_position_ids():
-    cfg = _cfg()
-    model = _model("fp8_rowwise")
+    cfg = small_cfg()
+    model = small_model("fp8_rowwise")
     opt, sched = make_optimizer(model, cfg)
-    batch = _batch()
+    batch = small_batch()
     seen = []
 
     def hook(mod, args, kwargs):
@@ -132,12 +92,14 @@ def test_strict_emulation_rejects_what_the_kernel_rejects(mode, bad, good):
 
 @pytest.mark.parametrize("mode", ["fp8_tensorwise", "fp8_blockwise"])
 def test_every_micro_batch_the_trainer_builds_passes_strict_mode(mode):
-    cfg = _cfg(mode, micro_batch_size=2, ppo_mini_batch_size=4)
-    model = _model(mode)
+    cfg = small_cfg(mode, micro_batch_size=2, ppo_mini_batch_size=4)
+    model = small_model(mode)
     opt, sched = make_optimizer(model, cfg)
     prev = set_strict_shapes(True)
     try:
-        res = policy_update(model, opt, sched, _batch(n=16, p=5, r=4), cfg, bounds=(0.8, 1.28), shadow=True, seed=1)
+        res = policy_update(
+            model, opt, sched, small_batch(n=16, p=5, r=4), cfg, bounds=(0.8, 1.28), shadow=True, seed=1
+        )
     finally:
         set_strict_shapes(prev)
     assert res.skipped_updates == 0 and res.metrics["updates"] == 4
@@ -146,8 +108,8 @@ def test_every_micro_batch_the_trainer_builds_passes_strict_mode(mode):
 def test_padding_leaves_bf16_logprobs_unchanged():
     from stages.trainer.update import policy_logprobs
 
-    model = _model("bf16")
-    b = _batch(n=3)
+    model = small_model("bf16")
+    b = small_batch(n=3)
     with torch.no_grad():
         lp, _ = policy_logprobs(model, b.input_ids, b.attention_mask, mode="bf16")
         # same rows through fp8_blockwise's padding rule (to 128 tokens), in the shadow (bf16) path
@@ -161,28 +123,6 @@ def test_padding_leaves_bf16_logprobs_unchanged():
 # --------------------------------------------------------------------------- FSDP2, 2 ranks vs 1 process
 
 
-def _free_port() -> str:
-    """A rendezvous of its own for one group of ranks: a fresh FileStore (a TCP port picked free here could
-    be taken by another test's group before the ranks bind it, and two groups would then meet)."""
-    import tempfile
-
-    return f"file://{tempfile.mkdtemp(prefix='fp8rl-store-')}/store"
-
-
-def _spawn(fn, args: tuple, timeout: float = 180.0, nprocs: int = 2) -> None:
-    """Run ``fn(rank, *args)`` on ``nprocs`` forked ranks; fail (killing them) if they outlive ``timeout``:
-    ranks whose collectives do not match hang rather than fail."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="fork")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{nprocs} ranks still running after {timeout:.0f} s (mismatched collectives?)")
-
-
 def _rank_main(
     rank: int, world: int, port: str, mode: str, steps: int, out: str, n: int = 16, kw: dict | None = None
 ) -> None:
@@ -194,8 +134,8 @@ def _rank_main(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=port, rank=rank, world_size=world)
     try:
-        cfg = _cfg(mode, **(kw or {}))
-        model = shard_policy(_model(mode))
+        cfg = small_cfg(mode, **(kw or {}))
+        model = shard_policy(small_model(mode))
         opt, sched = make_optimizer(model, cfg)
         results = []
         for step in range(steps):
@@ -203,7 +143,7 @@ def _rank_main(
                 model,
                 opt,
                 sched,
-                _batch(n=n, seed=step),
+                small_batch(n=n, seed=step),
                 cfg,
                 bounds=(0.8, 1.28),
                 shadow=step == 0,
@@ -223,11 +163,11 @@ def _rank_main(
 
 def _one_process(mode: str, steps: int, n: int = 16, kw: dict | None = None):
     torch.set_num_threads(1)
-    cfg = _cfg(mode, **(kw or {}))
-    model = _model(mode)
+    cfg = small_cfg(mode, **(kw or {}))
+    model = small_model(mode)
     opt, sched = make_optimizer(model, cfg)
     results = [
-        policy_update(model, opt, sched, _batch(n=n, seed=s), cfg, bounds=(0.8, 1.28), shadow=s == 0, seed=s)
+        policy_update(model, opt, sched, small_batch(n=n, seed=s), cfg, bounds=(0.8, 1.28), shadow=s == 0, seed=s)
         for s in range(steps)
     ]
     return [(r.metrics, r.logp_fp8, r.old_logp_fp8, r.logp_bf16) for r in results], model.state_dict()
@@ -251,11 +191,11 @@ def test_two_gloo_ranks_with_fsdp2_match_one_process(tmp_path, mode):
 
 
 def _two_ranks_match_one_process(tmp_path, mode: str, n: int = 16, kw: dict | None = None) -> None:
-    """2 FSDP2 ranks vs 1 process, 3 steps on global batches of ``n`` rows, config ``_cfg(mode, **kw)``
+    """2 FSDP2 ranks vs 1 process, 3 steps on global batches of ``n`` rows, config ``small_cfg(mode, **kw)``
     (tolerances: see above)."""
     steps = 3
     out = str(tmp_path / "rank0.pt")
-    _spawn(_rank_main, (2, _free_port(), mode, steps, out, n, kw))
+    spawn_ranks(_rank_main, (2, rendezvous(), mode, steps, out, n, kw))
     dist_res = torch.load(out, weights_only=False)
     ref, ref_state = _one_process(mode, steps, n, kw)
     (m1, lp1, old1, b1), (m2, lp2, old2, b2) = ref[0], dist_res["results"][0]
@@ -264,7 +204,7 @@ def _two_ranks_match_one_process(tmp_path, mode: str, n: int = 16, kw: dict | No
     for k in ("loss", "clipfrac", "clipfrac_lower", "ppo_kl", "entropy_mean", "n_tokens", *bapo):
         assert m1[k] == pytest.approx(m2[k], rel=1e-6, abs=1e-9), k
     assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
-    cfg = _cfg(mode, **(kw or {}))
+    cfg = small_cfg(mode, **(kw or {}))
     lr, updates = cfg.algorithm.lr, steps * -(-n // cfg.algorithm.ppo_mini_batch_size)
     assert all(r[0]["updates"] == updates // steps for r in dist_res["results"])
     for k, v in ref_state.items():
@@ -326,7 +266,7 @@ def test_device_setting_resolves_and_gpu_emulation_is_an_error_naming_the_layer(
         assert resolve_device("auto") == torch.device("cpu")
         with pytest.raises(ValueError, match="no CUDA"):
             resolve_device("cuda")
-    cfg = _cfg("fp8_blockwise")
+    cfg = small_cfg("fp8_blockwise")
     report = SimpleNamespace(emulate=True, backend="fp8rl-emulated", converted=("model.layers.0.self_attn.q_proj", "x"))
     with pytest.raises(RuntimeError, match=r"model\.layers\.0\.self_attn\.q_proj.*SM90"):
         check_no_silent_emulation(cfg, torch.device("cuda"), report)
@@ -345,10 +285,10 @@ def test_gpu_presets_demand_real_kernels():
 
 def test_policy_and_batches_live_on_the_models_device():
     """policy_update moves the batch to the policy's device and returns CPU tensors for the tables."""
-    cfg = _cfg("bf16")
-    model = _model("bf16")
+    cfg = small_cfg("bf16")
+    model = small_model("bf16")
     opt, sched = make_optimizer(model, cfg)
-    res = policy_update(model, opt, sched, _batch(), cfg, bounds=(0.8, 1.28), shadow=False, seed=0)
+    res = policy_update(model, opt, sched, small_batch(), cfg, bounds=(0.8, 1.28), shadow=False, seed=0)
     assert res.logp_fp8.device.type == "cpu"
     assert all(s["exp_avg"].device == p.device for p, s in opt.state.items())
 
@@ -377,210 +317,3 @@ def test_memory_plan_counts_qwen3_8b_parameters():
     assert total_params(ARCHITECTURES["Qwen/Qwen2.5-32B"]) == pytest.approx(
         32.76e9, rel=0.005
     )  # published: 32.5B (rounded model card)
-
-
-# --------------------------------------------------------------------------- distributed checkpoints
-
-
-def _ckpt_rank(rank: int, world: int, port: str, path: str, mode: str, out: str) -> None:
-    """Save (mode 'save': after one update) or load (mode 'load') a DCP checkpoint on ``world`` ranks."""
-    import torch.distributed as dist
-
-    from stages.trainer.distributed import full_model_state, load_sharded, save_sharded, shard_policy
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=port, rank=rank, world_size=world)
-    try:
-        from stages.trainer.update import DistCollective
-
-        cfg = _cfg("bf16")
-        model = shard_policy(_model("bf16", seed=1 if mode == "load" else 0))
-        opt, sched = make_optimizer(model, cfg)
-        if mode == "save":
-            policy_update(
-                model, opt, sched, _batch(), cfg, bounds=(0.8, 1.28), shadow=False, seed=0, collective=DistCollective()
-            )
-            save_sharded(path, model, opt)
-        else:
-            load_sharded(path, model, opt)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        state = full_model_state(model)
-        if rank == 0:
-            torch.save({"model": state, "optim": osd}, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def _ckpt_one(path: str, mode: str):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    from stages.trainer.distributed import load_sharded, save_sharded
-
-    cfg = _cfg("bf16")
-    model = _model("bf16", seed=1 if mode == "load" else 0)
-    opt, sched = make_optimizer(model, cfg)
-    if mode == "save":
-        policy_update(model, opt, sched, _batch(), cfg, bounds=(0.8, 1.28), shadow=False, seed=0)
-        save_sharded(path, model, opt)
-    else:
-        load_sharded(path, model, opt)
-    return {
-        "model": model.state_dict(),
-        "optim": get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)),
-    }
-
-
-def _same_state(a, b):
-    assert a["model"].keys() == b["model"].keys()
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    sa, sb = a["optim"]["state"], b["optim"]["state"]
-    assert sa.keys() == sb.keys() and len(sa) > 0
-    for k in sa:
-        for f in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(torch.as_tensor(sa[k][f]).float(), torch.as_tensor(sb[k][f]).float()), (k, f)
-
-
-def _stale_rank(rank: int, world: int, port: str, out: str) -> None:
-    """Shard through the policy with the cache-forgetting switched off; write what it raised."""
-    import torch.distributed as dist
-
-    import stages.trainer.distributed as distributed
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=port, rank=rank, world_size=world)
-    try:
-        distributed.forget_sharding_decisions = lambda: None
-        try:
-            distributed.shard_policy(_model("bf16"))
-            outcome = "sharded"
-        except RuntimeError as e:
-            outcome = str(e)
-        torch.save(outcome, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.timeout(120)
-def test_a_rank_holding_another_ranks_shard_is_refused_in_one_line(tmp_path):
-    """Should a stale sharding decision get through again, the shard policy refuses it, naming the parameter."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from stages.trainer.distributed import forget_sharding_decisions, shard_policy
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        shard_policy(_model("bf16"), mesh=init_device_mesh("cpu", (2,)))  # decisions cached as rank 0
-    finally:
-        dist.destroy_process_group()
-    out = str(tmp_path / "outcome")
-    try:
-        _spawn(_stale_rank, (2, _free_port(), out))
-    finally:
-        forget_sharding_decisions()  # this worker's later tests start clean
-    assert torch.load(f"{out}.0") == "sharded"
-    message = torch.load(f"{out}.1")
-    assert message.startswith("rank 1: parameter ") and "(0,)" in message and "(1,)" in message
-    assert "\n" not in message
-
-
-def _coordinate_rank(rank: int, world: int, port: str, out: str, through_policy: bool) -> None:
-    """Shard a model on ``world`` gloo ranks and write the mesh coordinates its parameters carry."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    from stages.trainer.distributed import shard_policy
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=port, rank=rank, world_size=world)
-    try:
-        model = _model("bf16")
-        if through_policy:
-            shard_policy(model)
-        else:
-            fully_shard(model)
-        coords = sorted({p.device_mesh.get_coordinate() for p in model.parameters()})
-        torch.save(coords, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("route", ["measured in a fake world", "sharded under a bare fake group"])
-def test_ranks_forked_after_sharding_elsewhere_hold_their_own_shards(tmp_path, route):
-    """DTensor caches sharding decisions by mesh shape, with the rank inside: ranks forked from a process
-    that sharded as rank 0 of a same-shaped group (a measured memory plan) all held rank 0's shard, and a
-    2-rank checkpoint lost half of every tensor. The memory plan's fake world and the shard policy forget
-    the cached decisions."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from stages.trainer.distributed import shard_policy
-    from stages.trainer.memory_measure import fake_world
-
-    model = _model("bf16")
-    if route == "measured in a fake world":
-        with fake_world(2) as mesh:
-            shard_policy(model, mesh=mesh)
-            assert model.lm_head.weight.device_mesh.get_coordinate() == (0,)
-    else:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-        try:
-            fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
-        finally:
-            dist.destroy_process_group()
-    out = str(tmp_path / "coords")
-    _spawn(_coordinate_rank, (2, _free_port(), out, route != "measured in a fake world"))
-    for rank in range(2):
-        assert torch.load(f"{out}.{rank}") == [(rank,)], rank
-
-
-def test_forgetting_sharding_decisions_works_without_torchs_one_call(monkeypatch):
-    """On a torch without ``debug._clear_sharding_prop_cache`` the caches are emptied one by one: the
-    same DTensor op that hit the fast path's cache before misses it after."""
-    import torch.distributed as dist
-    import torch.distributed.tensor.debug as dtensor_debug
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from stages.trainer.distributed import forget_sharding_decisions
-
-    stats = torch._C._get_DTensor_sharding_propagator_cache_stats  # (hits, misses)
-
-    def hit_or_miss(x) -> str:
-        before = stats()
-        torch.ops.aten.mul.Tensor(x, 2.0)
-        after = stats()
-        return "hit" if after[0] > before[0] and after[1] == before[1] else "miss"
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        x = DTensor.from_local(torch.ones(4, 4), init_device_mesh("cpu", (2,)), [Shard(0)])
-        hit_or_miss(x)
-        assert hit_or_miss(x) == "hit"
-        monkeypatch.delattr(dtensor_debug, "_clear_sharding_prop_cache")
-        forget_sharding_decisions()
-        assert hit_or_miss(x) == "miss"
-    finally:
-        dist.destroy_process_group()
-        forget_sharding_decisions()
-
-
-@pytest.mark.timeout(240)
-def test_two_rank_checkpoint_restores_in_one_process_and_the_reverse(tmp_path):
-    # 2 ranks save -> 1 process loads
-    out = str(tmp_path / "saved.pt")
-    _spawn(_ckpt_rank, (2, _free_port(), str(tmp_path / "dcp2"), "save", out))
-    saved2 = torch.load(out, weights_only=False)
-    _same_state(saved2, _ckpt_one(str(tmp_path / "dcp2"), "load"))
-    # 1 process saves -> 2 ranks load
-    saved1 = _ckpt_one(str(tmp_path / "dcp1"), "save")
-    _spawn(_ckpt_rank, (2, _free_port(), str(tmp_path / "dcp1"), "load", out))
-    _same_state(saved1, torch.load(out, weights_only=False))
