@@ -53,7 +53,8 @@ def _setup(rows: int, mode: str):
 
 
 def _time_steps(model, cfg, batch, repeats, collective=None) -> float:
-    from stages.trainer.update import LOCAL, make_optimizer, policy_update
+    from stages.trainer.collective import LOCAL
+    from stages.trainer.update import make_optimizer, policy_update
 
     opt, sched = make_optimizer(model, cfg)
     kw = dict(bounds=(0.8, 1.28), shadow=False, collective=collective or LOCAL)
@@ -69,8 +70,8 @@ def _time_steps(model, cfg, batch, repeats, collective=None) -> float:
 def _rank(rank: int, port: int, rows: int, mode: str, repeats: int, out: str) -> None:
     import torch.distributed as dist
 
+    from stages.trainer.collective import DistCollective
     from stages.trainer.distributed import shard_policy
-    from stages.trainer.update import DistCollective
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -66,7 +66,7 @@ def compare(other_cls, fmt: str, rounds: int) -> None:
     from fp8rl_core.cpu_gemm import cpu_bf16_gemm
     from fp8rl_core.precision import convert_for_training
     from fp8rl_core.tiny_model import build_tiny_model
-    from stages.trainer.update import policy_logprobs
+    from stages.trainer.forward import policy_logprobs
 
     torch.set_num_threads(1)
     model = build_tiny_model(ModelConfig(num_layers=2, intermediate_size=384))

@@ -69,8 +69,8 @@ def make_batch(prompts: list[int], responses: list[int], vocab: int, seed: int =
 
 def padded_share(batch, cfg, seed: int) -> float:
     """Padded tokens / computed tokens of the step's micro-batches (the kernel multiple included)."""
+    from stages.trainer.forward import token_multiple
     from stages.trainer.minibatch_plan import minibatch_plan, padded_tokens
-    from stages.trainer.update import token_multiple
 
     lengths = batch.attention_mask.sum(1)
     multiple = token_multiple(cfg.precision.train)

@@ -52,7 +52,7 @@ def measure_step(env, state, step: int, cfg) -> dict[str, torch.Tensor]:
     from fp8rl_core.precision import convert_for_rollout
     from stages.runtime.io import read_step
     from stages.train import build_batch
-    from stages.trainer.update import policy_logprobs
+    from stages.trainer.forward import policy_logprobs
 
     batch = build_batch(read_step(env, "rollouts", step), read_step(env, "scores", step), env.tokenizer.pad_token_id)
     ids, am = batch.input_ids.to(env.device), batch.attention_mask.to(env.device)

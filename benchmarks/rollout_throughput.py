@@ -135,7 +135,7 @@ def _vllm_engine(policy: torch.nn.Module, args: argparse.Namespace):
 
 def _train_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: int, width: int) -> int:
     """One forward + backward + AdamW step of the trainer's BF16 path over ``rows x width`` tokens."""
-    from stages.trainer.update import policy_logprobs
+    from stages.trainer.forward import policy_logprobs
 
     ids = torch.randint(4, policy.config.vocab_size, (rows, width))
     lp, _ = policy_logprobs(policy, ids, torch.ones_like(ids), mode="bf16")

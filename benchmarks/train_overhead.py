@@ -31,7 +31,8 @@ def main() -> None:
     from fp8rl_core.logprobs import token_logprobs_and_entropy
     from fp8rl_core.precision import autocast_context, convert_for_training
     from fp8rl_core.tiny_model import build_tiny_model
-    from stages.trainer.update import TrainBatch, make_optimizer, pad_to_contract, policy_update, token_multiple
+    from stages.trainer.forward import pad_to_contract, token_multiple
+    from stages.trainer.update import TrainBatch, make_optimizer, policy_update
 
     cfg = CampaignConfig.model_validate(
         {

@@ -134,7 +134,8 @@ def _one_mode(emit: Callable[[str], None], mode: str, device, batch) -> None:
 
     from fp8rl_core.precision import convert_for_training
     from gpu_check.step_config import load_step_config
-    from stages.trainer.update import make_optimizer, policy_logprobs
+    from stages.trainer.forward import policy_logprobs
+    from stages.trainer.update import make_optimizer
 
     cfg = load_step_config(mode)
     model = _model(device)

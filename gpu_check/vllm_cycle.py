@@ -78,7 +78,7 @@ def _engine(model, tok, folder: str, *, sleep: bool, memory: float):
 def _trainer_logprobs(model, rows, device: str):
     import torch
 
-    from stages.trainer.update import policy_logprobs
+    from stages.trainer.forward import policy_logprobs
 
     ids = torch.tensor(rows[:1], device=device), torch.tensor(rows[1:], device=device)
     out, zmax = [], 0.0
@@ -104,7 +104,7 @@ def _gap(a, b) -> float:
 def _train_step(model, device: str) -> None:
     import torch
 
-    from stages.trainer.update import policy_logprobs
+    from stages.trainer.forward import policy_logprobs
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # a large step: the sync must visibly move the engine
     ids = torch.tensor(FIXED[:1], device=device)

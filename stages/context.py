@@ -127,7 +127,7 @@ class RunEnv:
 
     @property
     def collective(self):
-        from stages.trainer.update import LOCAL, DistCollective
+        from stages.trainer.collective import LOCAL, DistCollective
 
         return LOCAL if self.world_size == 1 else DistCollective(self.group, self.device)
 

@@ -72,7 +72,7 @@ def _tiny_qwen3(layers: int):
 
 
 def test_every_block_is_compiled_in_place_one_graph_serves_all_and_values_are_unchanged():
-    from stages.trainer.update import policy_logprobs
+    from stages.trainer.forward import policy_logprobs
 
     model = _tiny_qwen3(4)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))

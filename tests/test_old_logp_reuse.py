@@ -20,7 +20,8 @@ from fp8rl_core.cpu_gemm import cpu_bf16_gemm
 from fp8rl_core.precision import convert_for_training
 from fp8rl_core.tiny_model import build_tiny_model
 from stages.trainer import old_logp as old_logp
-from stages.trainer.update import TrainBatch, make_optimizer, policy_logprobs, policy_update
+from stages.trainer.forward import policy_logprobs
+from stages.trainer.update import TrainBatch, make_optimizer, policy_update
 
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=128)
 

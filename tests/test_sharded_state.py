@@ -25,7 +25,7 @@ def _ckpt_rank(rank: int, world: int, port: str, path: str, mode: str, out: str)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=port, rank=rank, world_size=world)
     try:
-        from stages.trainer.update import DistCollective
+        from stages.trainer.collective import DistCollective
 
         cfg = small_cfg("bf16")
         model = shard_policy(small_model("bf16", seed=1 if mode == "load" else 0))

@@ -59,7 +59,8 @@ def test_every_train_forward_runs_under_its_devices_autocast_with_position_ids()
 
 
 def test_token_multiples_of_each_mode():
-    from stages.trainer.update import padded_width, token_multiple
+    from stages.trainer.forward import token_multiple
+    from stages.trainer.minibatch_plan import padded_width
 
     assert token_multiple("bf16") == 1
     assert token_multiple("fp8_tensorwise") == token_multiple("fp8_rowwise") == 16
@@ -106,7 +107,7 @@ def test_every_micro_batch_the_trainer_builds_passes_strict_mode(mode):
 
 
 def test_padding_leaves_bf16_logprobs_unchanged():
-    from stages.trainer.update import policy_logprobs
+    from stages.trainer.forward import policy_logprobs
 
     model = small_model("bf16")
     b = small_batch(n=3)
@@ -128,8 +129,8 @@ def _rank_main(
 ) -> None:
     import torch.distributed as dist
 
+    from stages.trainer.collective import DistCollective
     from stages.trainer.distributed import full_model_state, shard_policy
-    from stages.trainer.update import DistCollective
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=port, rank=rank, world_size=world)

@@ -79,7 +79,7 @@ def trainer_bf16_logprobs(model, rows: list[list[int]]):
     """The trainer's BF16 log-probs (autocast over fp32 masters) and its largest |logit|."""
     import torch
 
-    from stages.trainer.update import policy_logprobs
+    from stages.trainer.forward import policy_logprobs
 
     width = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -151,7 +151,7 @@ def train_step(model) -> None:
     """One AdamW step raising the log-likelihood of a fixed text (the trainer's BF16 forward)."""
     import torch
 
-    from stages.trainer.update import policy_logprobs
+    from stages.trainer.forward import policy_logprobs
 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
     ids = torch.tensor([[1] + list(range(40, 60))])

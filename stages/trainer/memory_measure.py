@@ -7,7 +7,7 @@ reduction) over a ``"fake"`` process group of N ranks (``FakeStore``) on a CPU
 mesh (FSDP2 asks ``torch.cuda`` for its device on a CUDA mesh), materialized with
 ``to_empty`` under ``FakeTensorMode(allow_non_fake_inputs=True)`` (shapes and
 dtypes only, no bytes), and then one micro-batch forward, backward and AdamW step
-of the trainer's own forward path (:func:`stages.trainer.update.policy_logprobs`) runs
+of the trainer's own forward path (:func:`stages.trainer.forward.policy_logprobs`) runs
 under ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, which counts
 every tensor the step allocates by kind: sharded and unsharded parameters,
 gradients, optimizer state, activations, temporaries, all-gather and
@@ -146,7 +146,7 @@ def measure_step(
     from fp8rl_core.fp8_operands import gpu_sized_chunks
     from fp8rl_core.precision import convert_for_training, enable_activation_checkpointing
     from stages.trainer.distributed import shard_policy
-    from stages.trainer.update import policy_logprobs, token_multiple
+    from stages.trainer.forward import policy_logprobs, token_multiple
 
     fields = {k: v for k, v in hf_config.to_dict().items() if k != "layer_types"}  # per-layer list: rebuilt
     cfg = hf_config.__class__.from_dict({**fields, "num_hidden_layers": layers})

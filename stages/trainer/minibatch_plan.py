@@ -34,11 +34,16 @@ def _micro_slices(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
     return [idx[i : i + size] for i in range(0, idx.numel(), size)]
 
 
+def padded_width(rows: int, width: int, multiple: int) -> int:
+    """Smallest ``T >= width`` with ``rows * T`` a multiple of ``multiple``."""
+    step = multiple // math.gcd(rows, multiple) if rows else 1
+    return -(-width // step) * step
+
+
 def padded_tokens(rows: int, width: int, multiple: int) -> int:
     """Tokens a micro-batch of ``rows`` rows occupies once padded to ``width`` and the kernel's ``multiple``
-    (``rows x T'``, ``T' >= width`` the smallest with ``rows x T'`` a multiple of ``multiple``)."""
-    step = multiple // math.gcd(rows, multiple) if rows else 1
-    return rows * (-(-width // step) * step)
+    (``rows x T'``, ``T' = padded_width(rows, width, multiple)``)."""
+    return rows * padded_width(rows, width, multiple)
 
 
 def token_budget_micros(

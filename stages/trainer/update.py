@@ -23,17 +23,8 @@ per mini-batch (steps 3-5: the BF16 shadow of π_θ, the clip mode's per-update
 bounds, :func:`micro_batch_pass` over the micro-batches, :func:`optimizer_step`),
 and :func:`gather_step_stats` (the step's statistics over every rank's tokens).
 
-One forward path: every forward of a step — π_old, π_θ and both shadow passes —
-goes through :func:`policy_logprobs`, which calls
-:func:`fp8rl_core.logprobs.sequence_logprobs` (autocast of the inputs' device,
-position ids counted over real tokens, log-softmax chunked over the vocabulary).
-
-Kernel shape contracts (DESIGN.md section 3): :func:`policy_logprobs` pads each
-micro-batch on the right (attention mask 0, so no real token sees the padding;
-loss mask 0, so no padded column enters a loss or a statistic) until its token
-count ``rows x T`` is a multiple of :func:`token_multiple` of the precision mode
-(16 for tensorwise/rowwise ``_scaled_mm``, 128 for torchao's blockwise backward).
-Padding tokens do enter a tensorwise activation amax, as they would on the GPU.
+One forward path and kernel shape contracts: :mod:`stages.trainer.forward`; the
+reductions over ranks: :mod:`stages.trainer.collective`.
 
 Data parallelism (SPMD): the mini-batch partition does not depend on the number
 of ranks. Mini-batch j is rows ``order[j*B:(j+1)*B]`` of a permutation seeded by
@@ -61,7 +52,6 @@ contiguous); column t is the log-prob of ``input_ids[:, t]`` given its prefix.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from contextlib import contextmanager
@@ -72,12 +62,11 @@ import torch
 
 from fp8rl_core.bapo import UpdateBoundsRule
 from fp8rl_core.calibration import per_update_rule
-from fp8rl_core.fp8_linear import TOKEN_MULTIPLE
-from fp8rl_core.logprobs import sequence_logprobs
 from fp8rl_core.losses import importance_ratio, loss_bounds, tis_weights
-from fp8rl_core.precision import bf16_parameters, bf16_shadow
 from fp8rl_core.registered import LOSS_STATISTICS, POLICY_LOSSES
 from stages.trainer import old_logp as old_logp
+from stages.trainer.collective import LOCAL, Collective
+from stages.trainer.forward import policy_logprobs, token_multiple
 from stages.trainer.minibatch_plan import check_world_size, minibatch_plan, pad_micros, plan_depth  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
@@ -164,141 +153,6 @@ class UpdateResult:
     timings: dict[str, float] = field(default_factory=dict)
     rows: torch.Tensor | None = None  # global rows this rank trained (its share of the per-token tables)
     row_bounds: torch.Tensor | None = None  # [N, 2] (L, H) of each row's epoch-0 update (bounds per update: BAPO)
-
-
-# --------------------------------------------------------------------------- collectives
-
-
-class Collective:
-    """Global reductions of the trainer; this base class is one process (identity)."""
-
-    rank: int = 0
-    world_size: int = 1
-
-    def sum(self, x: float) -> float:
-        return x
-
-    def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's ``[n_r, ...]`` rows in rank order."""
-        return t
-
-    def max(self, x: float) -> float:
-        return x
-
-
-class DistCollective(Collective):
-    """Reductions over a ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA)."""
-
-    def __init__(self, group=None, device: torch.device | str = "cpu") -> None:
-        import torch.distributed as dist
-
-        self.dist, self.group, self.device = dist, group, torch.device(device)
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-
-    def sum(self, x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64, device=self.device)
-        self.dist.all_reduce(t, group=self.group)
-        return float(t.item())
-
-    def max(self, x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64, device=self.device)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
-        return float(t.item())
-
-    def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
-        n = torch.tensor([t.shape[0]], device=self.device)
-        sizes = [torch.zeros_like(n) for _ in range(self.world_size)]
-        self.dist.all_gather(sizes, n, group=self.group)
-        rows = [int(s.item()) for s in sizes]
-        big = max(rows)
-        src = t.to(self.device)
-        if src.shape[0] < big:  # all_gather needs equal shapes: pad, then cut
-            src = torch.cat([src, src.new_zeros((big - src.shape[0], *src.shape[1:]))])
-        out = [torch.empty_like(src) for _ in range(self.world_size)]
-        self.dist.all_gather(out, src.contiguous(), group=self.group)
-        return torch.cat([o[:r] for o, r in zip(out, rows)]).to(t.device)
-
-
-LOCAL = Collective()
-
-
-# --------------------------------------------------------------------------- the one forward path
-
-
-def token_multiple(mode: str) -> int:
-    """Token-count multiple a micro-batch must meet for ``mode``'s FP8 kernels (1 for bf16)."""
-    for granularity, m in TOKEN_MULTIPLE.items():
-        if mode.endswith(granularity):
-            return m
-    return 1
-
-
-def padded_width(rows: int, width: int, multiple: int) -> int:
-    """Smallest ``T >= width`` with ``rows * T`` a multiple of ``multiple``."""
-    step = multiple // math.gcd(rows, multiple) if rows else 1
-    return -(-width // step) * step
-
-
-def pad_to_contract(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, multiple: int, pad_id: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad ``[m, T]`` to ``[m, T']`` with ``m * T'`` a multiple of ``multiple`` (mask 0)."""
-    m, t = input_ids.shape
-    extra = padded_width(m, t, multiple) - t
-    if extra == 0:
-        return input_ids, attention_mask
-    pad = (0, extra)
-    return (
-        torch.nn.functional.pad(input_ids, pad, value=pad_id),
-        torch.nn.functional.pad(attention_mask, pad, value=0),
-    )
-
-
-def _widen(x: torch.Tensor, t: int) -> torch.Tensor:
-    """``[m, w]`` -> ``[m, t]``, zeros on the right (the columns a trimmed micro-batch did not compute)."""
-    return x if x.shape[1] == t else torch.nn.functional.pad(x, (0, t - x.shape[1]))
-
-
-def policy_logprobs(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    *,
-    mode: str,
-    shadow: bool = False,
-    with_entropy: bool = False,
-    micro_batch_size: int | None = None,
-    trim: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropy) of ``model`` over ``[N, T]``: the step's one forward path.
-
-    Micro-batches of ``micro_batch_size`` rows (None: all at once), each padded to
-    ``mode``'s kernel contract; ``shadow`` runs the BF16 shadow pass (same master
-    weights, FP8 linears bypassed). Every forward computes on the bf16 casts of the
-    fp32 masters, as FSDP2's all-gather hands them over (``bf16_parameters``), so
-    one process and N ranks compute alike. ``trim``: each micro-batch is cut to its own
-    longest row before the kernel padding (token-budget micro-batches), its outputs padded
-    back with zeros. Differentiable when grad is enabled. Returns float32 ``[N, T]``
-    (padding columns removed).
-    """
-    n, t = input_ids.shape
-    step = n if micro_batch_size is None else micro_batch_size
-    run_mode = "bf16" if shadow else mode
-    multiple = token_multiple(run_mode)
-    lps, ents = [], []
-    for s in range(0, n, max(step, 1)):
-        w = int(attention_mask[s : s + step].sum(1).max()) if trim else t  # rows are right-padded
-        ids, am = pad_to_contract(input_ids[s : s + step, :w], attention_mask[s : s + step, :w], multiple)
-        with bf16_parameters(model), bf16_shadow(model) if shadow else contextlib.nullcontext():
-            lp, ent = sequence_logprobs(model, ids, am, mode=run_mode, with_entropy=with_entropy)
-        lps.append(_widen(lp[:, :w], t))
-        ents.append(None if ent is None else _widen(ent[:, :w], t))
-    if not lps:
-        empty = torch.zeros(0, t, device=input_ids.device)
-        return empty, (empty if with_entropy else None)
-    lp = torch.cat(lps) if len(lps) > 1 else lps[0]
-    ent = None if not with_entropy else (torch.cat(ents) if len(ents) > 1 else ents[0])
-    return lp, ent
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -863,9 +717,6 @@ def _mean(xs: list[float]) -> float:
 
 
 __all__ = [
-    "Collective",
-    "DistCollective",
-    "LOCAL",
     "TrainBatch",
     "UpdateResult",
     "make_optimizer",
@@ -873,11 +724,7 @@ __all__ = [
     "local_rows",
     "minibatch_plan",
     "pad_micros",
-    "pad_to_contract",
-    "padded_width",
     "plan_depth",
-    "policy_logprobs",
     "policy_update",
     "step_metrics",
-    "token_multiple",
 ]

@@ -1,0 +1,95 @@
+"""The train step's one forward path, and the kernels' shape contracts.
+
+Every forward of a step — π_old, π_θ and both shadow passes —
+goes through :func:`policy_logprobs`, which calls
+:func:`fp8rl_core.logprobs.sequence_logprobs` (autocast of the inputs' device,
+position ids counted over real tokens, log-softmax chunked over the vocabulary).
+
+Kernel shape contracts (DESIGN.md section 3): :func:`policy_logprobs` pads each
+micro-batch on the right (attention mask 0, so no real token sees the padding;
+loss mask 0, so no padded column enters a loss or a statistic) until its token
+count ``rows x T`` is a multiple of :func:`token_multiple` of the precision mode
+(16 for tensorwise/rowwise ``_scaled_mm``, 128 for torchao's blockwise backward).
+Padding tokens do enter a tensorwise activation amax, as they would on the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from fp8rl_core.fp8_linear import TOKEN_MULTIPLE
+from fp8rl_core.logprobs import sequence_logprobs
+from fp8rl_core.precision import bf16_parameters, bf16_shadow
+from stages.trainer.minibatch_plan import padded_width
+
+
+def token_multiple(mode: str) -> int:
+    """Token-count multiple a micro-batch must meet for ``mode``'s FP8 kernels (1 for bf16)."""
+    for granularity, m in TOKEN_MULTIPLE.items():
+        if mode.endswith(granularity):
+            return m
+    return 1
+
+
+def pad_to_contract(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, multiple: int, pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ``[m, T]`` to ``[m, T']`` with ``m * T'`` a multiple of ``multiple`` (mask 0)."""
+    m, t = input_ids.shape
+    extra = padded_width(m, t, multiple) - t
+    if extra == 0:
+        return input_ids, attention_mask
+    pad = (0, extra)
+    return (
+        torch.nn.functional.pad(input_ids, pad, value=pad_id),
+        torch.nn.functional.pad(attention_mask, pad, value=0),
+    )
+
+
+def _widen(x: torch.Tensor, t: int) -> torch.Tensor:
+    """``[m, w]`` -> ``[m, t]``, zeros on the right (the columns a trimmed micro-batch did not compute)."""
+    return x if x.shape[1] == t else torch.nn.functional.pad(x, (0, t - x.shape[1]))
+
+
+def policy_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    mode: str,
+    shadow: bool = False,
+    with_entropy: bool = False,
+    micro_batch_size: int | None = None,
+    trim: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropy) of ``model`` over ``[N, T]``: the step's one forward path.
+
+    Micro-batches of ``micro_batch_size`` rows (None: all at once), each padded to
+    ``mode``'s kernel contract; ``shadow`` runs the BF16 shadow pass (same master
+    weights, FP8 linears bypassed). Every forward computes on the bf16 casts of the
+    fp32 masters, as FSDP2's all-gather hands them over (``bf16_parameters``), so
+    one process and N ranks compute alike. ``trim``: each micro-batch is cut to its own
+    longest row before the kernel padding (token-budget micro-batches), its outputs padded
+    back with zeros. Differentiable when grad is enabled. Returns float32 ``[N, T]``
+    (padding columns removed).
+    """
+    n, t = input_ids.shape
+    step = n if micro_batch_size is None else micro_batch_size
+    run_mode = "bf16" if shadow else mode
+    multiple = token_multiple(run_mode)
+    lps, ents = [], []
+    for s in range(0, n, max(step, 1)):
+        w = int(attention_mask[s : s + step].sum(1).max()) if trim else t  # rows are right-padded
+        ids, am = pad_to_contract(input_ids[s : s + step, :w], attention_mask[s : s + step, :w], multiple)
+        with bf16_parameters(model), bf16_shadow(model) if shadow else contextlib.nullcontext():
+            lp, ent = sequence_logprobs(model, ids, am, mode=run_mode, with_entropy=with_entropy)
+        lps.append(_widen(lp[:, :w], t))
+        ents.append(None if ent is None else _widen(ent[:, :w], t))
+    if not lps:
+        empty = torch.zeros(0, t, device=input_ids.device)
+        return empty, (empty if with_entropy else None)
+    lp = torch.cat(lps) if len(lps) > 1 else lps[0]
+    ent = None if not with_entropy else (torch.cat(ents) if len(ents) > 1 else ents[0])
+    return lp, ent
