@@ -53,11 +53,11 @@ def _setup(rows: int, mode: str):
 
 
 def _time_steps(model, cfg, batch, repeats, collective=None) -> float:
-    from stages.trainer.collective import LOCAL
+    from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE
     from stages.trainer.update import make_optimizer, policy_update
 
     opt, sched = make_optimizer(model, cfg)
-    kw = dict(bounds=(0.8, 1.28), shadow=False, collective=collective or LOCAL)
+    kw = dict(bounds=(0.8, 1.28), shadow=False, collective=collective or SINGLE_PROCESS_COLLECTIVE)
     policy_update(model, opt, sched, batch, cfg, seed=0, **kw)  # warm-up
     best = float("inf")
     for i in range(repeats):

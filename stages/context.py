@@ -121,15 +121,15 @@ class RunEnv:
     @property
     def stage_comm(self):
         """The object collectives of stages every rank runs together (rollout, score)."""
-        from stages.runtime.stage_comm import LOCAL, DistStageComm
+        from stages.runtime.stage_comm import SINGLE_PROCESS_COMM, DistStageComm
 
-        return LOCAL if self.world_size == 1 else DistStageComm(self.group)
+        return SINGLE_PROCESS_COMM if self.world_size == 1 else DistStageComm(self.group)
 
     @property
     def collective(self):
-        from stages.trainer.collective import LOCAL, DistCollective
+        from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE, DistCollective
 
-        return LOCAL if self.world_size == 1 else DistCollective(self.group, self.device)
+        return SINGLE_PROCESS_COLLECTIVE if self.world_size == 1 else DistCollective(self.group, self.device)
 
     def close(self) -> None:
         try:

@@ -153,7 +153,7 @@ def run_evaluate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0)
     any number of ranks, every rank calling the engine equally often); rank 0
     gathers them, grades and writes."""
     from stages.data.prompt_format import encode_prompts
-    from stages.runtime.stage_comm import on_main, together
+    from stages.runtime.stage_comm import from_main, together
 
     t0 = time.perf_counter()
     comm = env.stage_comm
@@ -180,7 +180,7 @@ def run_evaluate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0)
             all_metrics.extend(metrics)
         return _write_eval(env, step, attempt, all_rows, all_metrics, t0)
 
-    return on_main(comm, write), state
+    return from_main(comm, write), state
 
 
 def _write_eval(env: RunEnv, step: int, attempt: int, all_rows: list, all_metrics: list, t0: float) -> StageResult:

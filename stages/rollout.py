@@ -30,7 +30,7 @@ from stages.runtime.rollout_plan import (
     generation_lanes,
     padding_calls,
 )
-from stages.runtime.stage_comm import on_main, together
+from stages.runtime.stage_comm import from_main, together
 
 
 def sync_engine(env: RunEnv, state: TrainState) -> None:
@@ -230,4 +230,4 @@ def run_rollout(
             info={"samples": rows.num_rows, "tokens_per_second": per_second, "generated_tokens": tokens},
         )
 
-    return on_main(comm, write), state.replace(sampler=after)
+    return from_main(comm, write), state.replace(sampler=after)

@@ -26,7 +26,7 @@ from fp8rl_core.advantages import ADVANTAGE_ESTIMATORS, dynamic_sampling_mask, o
 from stages.context import RunEnv, TrainState
 from stages.result import StageResult
 from stages.runtime.io import read_step
-from stages.runtime.stage_comm import on_main, together
+from stages.runtime.stage_comm import from_main, together
 
 
 def grade(env: RunEnv, rows: pa.Table) -> list[float]:
@@ -156,7 +156,7 @@ def run_score(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) ->
         # A retried score stage starts its refills afresh: set aside earlier refill
         # rounds of this step (the sampler it was given is the one after round 0).
         refills = [f"rollout{r}" for r in range(1, cfg.algorithm.max_refill_rounds + 1)]
-        on_main(comm, lambda: env.writer.supersede("rollouts", [step], stages=refills, variant=env.variant))
+        from_main(comm, lambda: env.writer.supersede("rollouts", [step], stages=refills, variant=env.variant))
     rows = _read_rollouts(env, step)
     graded = grade_shared(env, rows)  # every row's grade on rank 0 (None elsewhere)
 
@@ -165,7 +165,9 @@ def run_score(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) ->
 
     rounds, refill_seconds = 0, 0.0
     while (
-        cfg.algorithm.dynamic_sampling and rounds < cfg.algorithm.max_refill_rounds and on_main(comm, short_of_a_batch)
+        cfg.algorithm.dynamic_sampling
+        and rounds < cfg.algorithm.max_refill_rounds
+        and from_main(comm, short_of_a_batch)
     ):
         rounds += 1
         t_r = time.perf_counter()
@@ -193,4 +195,4 @@ def run_score(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) ->
             },
         )
 
-    return on_main(comm, write), state
+    return from_main(comm, write), state

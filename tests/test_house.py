@@ -241,3 +241,37 @@ def test_no_issue_number_references_in_the_tree() -> None:
             if pattern.search(line) and "ISSUE_REF" not in line:
                 bad.append(f"{rel}:{i}: {line.strip()[:100]}")
     assert not bad, f"{len(bad)} line(s):\n" + "\n".join(bad[:60])
+
+
+# --------------------------------------------------------------------------- one name, one meaning
+
+# The vocabulary of ranks and collectives: the helpers that decide which ranks run what, and the
+# one-process stand-ins of the collectives. Each public module-level name here means one thing.
+RANK_VOCABULARY = ("stages/runtime", "stages/trainer/collective.py", "stages/context.py")
+
+
+def _public_module_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {n for n in names if not n.startswith("_") and len(n) > 1}
+
+
+def test_rank_and_collective_names_mean_one_thing() -> None:
+    """``from_main`` (a value rank 0 computes) is not ``on_main`` (a stage rank 0 runs); the
+    one-process stage comm is not the one-process trainer collective."""
+    files = []
+    for entry in RANK_VOCABULARY:
+        path = ROOT / entry
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    homes: dict[str, list[str]] = {}
+    for f in files:
+        for name in _public_module_names(f):
+            homes.setdefault(name, []).append(str(f.relative_to(ROOT)))
+    twice = {name: where for name, where in homes.items() if len(where) > 1}
+    assert not twice, "\n".join(f"{name}: {', '.join(where)}" for name, where in sorted(twice.items()))

@@ -35,7 +35,7 @@ from stages.engines import make_engine
 from stages.rollout import generate_rows, generate_share, plan_rollout, rows_from_batches, run_rollout
 from stages.runtime.io import read_step
 from stages.runtime.rollout_plan import blocks_of_rank, generation_blocks
-from stages.runtime.stage_comm import PeerStageError, StageComm, on_main, together
+from stages.runtime.stage_comm import PeerStageError, StageComm, from_main, together
 from stages.score import rank_groups, run_score
 from storage.faults import InjectedTransientFault
 from storage.layout import create_run
@@ -255,7 +255,7 @@ def _stage(fail: dict, bodies: list):
 
         share = together(env.stage_comm, local)
         everyone = env.stage_comm.gather(share)
-        summary = on_main(env.stage_comm, lambda: {"shares": everyone, "attempt": attempt})
+        summary = from_main(env.stage_comm, lambda: {"shares": everyone, "attempt": attempt})
         return summary, state.replace(sampler=SamplerState(0, 8 + attempt))
 
     return run
@@ -318,6 +318,6 @@ def test_transient_failures_on_every_attempt_end_fatal_on_both_ranks():
 
 def test_one_process_collectives_are_the_identity_and_errors_pass_unchanged():
     comm = StageComm()
-    assert together(comm, lambda: 3) == 3 and on_main(comm, lambda: 4) == 4
+    assert together(comm, lambda: 3) == 3 and from_main(comm, lambda: 4) == 4
     with pytest.raises(KeyError):
         together(comm, lambda: {}["x"])

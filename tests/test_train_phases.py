@@ -17,6 +17,7 @@ from fp8rl_core.calibration import CLIP_MODES, UPDATE_BOUNDS
 from fp8rl_core.losses import LOSS_BOUNDS
 from fp8rl_core.registered import CALIBRATION_UNITS, LOSS_STATISTICS, POLICY_LOSSES
 from stages.trainer import update as tc
+from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE
 from tests.scaleout_common import small_batch, small_cfg, small_model
 
 
@@ -24,7 +25,12 @@ def _setup(n: int = 16, shadow_rows=None, **algo):
     cfg = small_cfg("bf16", **algo)
     model = small_model("bf16")
     rows = tc.split_rows(
-        small_batch(n=n), cfg, seed=3, collective=tc.LOCAL, device=torch.device("cpu"), shadow_rows=shadow_rows
+        small_batch(n=n),
+        cfg,
+        seed=3,
+        collective=SINGLE_PROCESS_COLLECTIVE,
+        device=torch.device("cpu"),
+        shadow_rows=shadow_rows,
     )
     return cfg, model, rows
 
@@ -97,10 +103,11 @@ def test_optimizer_step_skips_a_non_finite_loss_and_leaves_the_weights():
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     log = tc.UpdateLog(minibatch=torch.zeros(16, dtype=torch.long))
-    tc.optimizer_step(model, opt, sched, float("nan"), cfg, tc.LOCAL, log)
+    tc.optimizer_step(model, opt, sched, float("nan"), cfg, SINGLE_PROCESS_COLLECTIVE, log)
     assert log.skipped == 1 and math.isnan(log.losses[0])
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    tc.optimizer_step(model, opt, sched, 0.5, cfg, tc.LOCAL, log)  # no gradient now: the norm is 0, a finite step
+    # no gradient now: the norm is 0, a finite step
+    tc.optimizer_step(model, opt, sched, 0.5, cfg, SINGLE_PROCESS_COLLECTIVE, log)
     assert log.skipped == 1 and log.grad_norms == [pytest.approx(math.sqrt(sum(p.numel() for p in before))), 0.0]
 
 
@@ -129,7 +136,7 @@ def test_minibatch_update_takes_its_bounds_from_the_clip_modes_hook():
         cfg,
         bounds=(0.8, 1.28),
         shadow=False,
-        collective=tc.LOCAL,
+        collective=SINGLE_PROCESS_COLLECTIVE,
         log=log,
         timings={},
         rule=rule,
@@ -150,7 +157,7 @@ def test_gather_step_stats_in_one_process_returns_the_rows_as_they_are():
         log,
         cfg,
         bounds=(0.8, 1.28),
-        collective=tc.LOCAL,
+        collective=SINGLE_PROCESS_COLLECTIVE,
         lr=1e-3,
         timings={"update_s": 1.0},
     )

@@ -8,14 +8,14 @@ would hang the job, so a stage's local work runs inside one of two helpers:
 * :func:`together` — every rank runs ``fn``; then the ranks exchange a status
   (``all_gather_object``) and, if any rank failed, *every* rank raises: the
   rank that failed its own error, the others :class:`PeerStageError` naming it;
-* :func:`on_main` — rank 0 alone runs ``fn`` (the ledger's and per-step tables'
+* :func:`from_main` — rank 0 alone runs ``fn`` (the ledger's and per-step tables'
   writer) and broadcasts its value, or its failure, which every rank raises.
 
 An error is *transient* (worth a retry) when :func:`is_transient` says so; a
 :class:`PeerStageError` carries the failing rank's verdict, so rank 0 retries
 a peer's I/O hiccup and gives up on a peer's bug, and all ranks follow
 (``flows.campaign`` broadcasts the outcome of each attempt). In one process
-:data:`LOCAL` makes every collective the identity and errors propagate unchanged.
+:data:`SINGLE_PROCESS_COMM` makes every collective the identity and errors propagate unchanged.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class DistStageComm(StageComm):
         return box[0]
 
 
-LOCAL = StageComm()
+SINGLE_PROCESS_COMM = StageComm()
 
 
 def _status(err: BaseException) -> tuple[str, bool]:
@@ -125,7 +125,7 @@ def together(comm: StageComm, fn: Callable[[], T]) -> T:
     return value
 
 
-def on_main(comm: StageComm, fn: Callable[[], T]) -> T:
+def from_main(comm: StageComm, fn: Callable[[], T]) -> T:
     """Run ``fn()`` on rank 0 alone; every rank gets its value, or raises its failure."""
     value, own = None, None
     if comm.rank == 0:

@@ -60,4 +60,4 @@ class DistCollective(Collective):
         return torch.cat([o[:r] for o, r in zip(out, rows)]).to(t.device)
 
 
-LOCAL = Collective()
+SINGLE_PROCESS_COLLECTIVE = Collective()

@@ -65,7 +65,7 @@ from fp8rl_core.calibration import per_update_rule
 from fp8rl_core.losses import importance_ratio, loss_bounds, tis_weights
 from fp8rl_core.registered import LOSS_STATISTICS, POLICY_LOSSES
 from stages.trainer import old_logp as old_logp
-from stages.trainer.collective import LOCAL, Collective
+from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE, Collective
 from stages.trainer.forward import policy_logprobs, token_multiple
 from stages.trainer.minibatch_plan import check_world_size, minibatch_plan, pad_micros, plan_depth  # noqa: F401  (re-exported)
 
@@ -530,7 +530,7 @@ def policy_update(
     bounds: tuple[float, float],
     shadow: bool,
     seed: int,
-    collective: Collective = LOCAL,
+    collective: Collective = SINGLE_PROCESS_COLLECTIVE,
     shadow_rows: torch.Tensor | None = None,
 ) -> UpdateResult:
     """Run ``ppo_epochs`` passes of mini-batch updates over ``batch`` (the *global* batch).
