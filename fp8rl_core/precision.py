@@ -17,10 +17,11 @@ Training modes (``convert_for_training``, registry ``TRAIN_PRECISIONS``):
   says which and why; emulation skips the same layers, so a CPU run converts
   exactly what the GPU run would.
 
-The BF16 shadow pass (DESIGN.md section 3): ``with bf16_shadow(model):`` makes
-every converted linear run ``nn.Linear.forward`` on the same master weights, so
+The BF16 shadow pass: ``with bf16_shadow(model):`` makes every converted linear
+compute as a plain BF16 linear on the BF16 cast of the same master weights, so
 under ``autocast_context`` the FP8 model computes the BF16-mode forward bit for
-bit. Calibrated Clipping compares FP8 and BF16 log-probs through it.
+bit, on one process or under FSDP2 (float8 all-gather included). Calibrated
+Clipping compares FP8 and BF16 log-probs through it (``fp8rl_core.bf16_pass``).
 
 Rollout modes (``convert_for_rollout``, registry ``ROLLOUT_PRECISIONS``): a BF16
 inference copy of the policy for CPU generation, whose decoder linears are
@@ -32,18 +33,24 @@ inference copy of the policy for CPU generation, whose decoder linears are
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import copy
 import dataclasses
 import fnmatch
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import nn
 
+from fp8rl_core.bf16_pass import (  # noqa: F401  (re-exported: the BF16 pass of a converted policy)
+    CONVERTED,
+    bf16_parameters,
+    bf16_recompute_checkpointing,
+    bf16_shadow,
+    enable_activation_checkpointing,
+)
 from fp8rl_core.fp4 import MXFP4, NVFP4, FP4Format
 from fp8rl_core.fp4_linear import Fp4Recipe, Fp4RolloutLinear, Fp4State, Fp4TrainingLinear
 from fp8rl_core.fp8_linear import Fp8Recipe, Fp8RolloutLinear, Fp8TrainingLinear, SharedInputCache
@@ -52,7 +59,7 @@ from fp8rl_core.registry import Registry
 
 log = logging.getLogger(__name__)
 
-_CONVERTED = "_fp8rl_converted"  # marker attribute on every linear we converted for training
+_CONVERTED = CONVERTED  # marker attribute on every linear we converted for training
 
 
 @dataclass(frozen=True)
@@ -324,118 +331,6 @@ def autocast_context(mode: str, device: str | torch.device = "cpu") -> contextli
         raise KeyError(f"unknown precision mode {mode!r}; valid: {', '.join(valid)}")
     device_type = torch.device(device).type
     return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
-
-
-@contextlib.contextmanager
-def bf16_shadow(model: nn.Module) -> Iterator[nn.Module]:
-    """Inside: every converted FP8 linear of ``model`` runs ``nn.Linear.forward``.
-
-    With the same master weights and ``autocast_context``, the forward is then
-    bit-identical to the ``bf16`` mode's (the BF16 shadow pass). Works for our
-    linears and torchao's; nests; restores the FP8 forwards on exit.
-    """
-    patched = []
-    for mod in model.modules():
-        if getattr(mod, _CONVERTED, False) and "forward" not in mod.__dict__:
-            mod.forward = nn.Linear.forward.__get__(mod)  # instance attribute shadows the class forward
-            patched.append(mod)
-    try:
-        yield model
-    finally:
-        for mod in patched:
-            del mod.forward
-
-
-# Set while bf16_parameters reparametrizes a model: a block's checkpoint (entered during that forward) then
-# recomputes on the same casts in backward (bf16_recompute_checkpointing).
-_BF16_CASTS_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8rl_bf16_parameters", default=False)
-
-
-@contextlib.contextmanager
-def bf16_parameters(model: nn.Module) -> Iterator[nn.Module]:
-    """Inside: ``model``'s floating-point parameters read as their bf16 casts (differentiable: the bf16
-    gradient flows back to the fp32 master as an fp32 gradient).
-
-    The cast FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` applies to
-    every all-gathered parameter (``stages.trainer.distributed.mixed_precision_policy``), done in one
-    process without sharding, so one process computes exactly as N ranks do. A no-op on an
-    FSDP2-sharded model (FSDP casts already) and when the parameters are not fp32. With activation
-    checkpointing, see :func:`bf16_recompute_checkpointing`.
-    """
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call runs
-
-    if isinstance(model, FSDPModule):
-        yield model
-        return
-    casts = {n: p.to(torch.bfloat16) for n, p in model.named_parameters() if p.dtype == torch.float32}
-    if not casts:
-        yield model
-        return
-    token = _BF16_CASTS_ON.set(True)
-    try:
-        with _reparametrize_module(model, casts, tie_weights=True):
-            yield model
-    finally:
-        _BF16_CASTS_ON.reset(token)
-
-
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """transformers' activation checkpointing of every decoder block, non-reentrant
-    (``activation_checkpointing_enable``; its older name where the installed transformers has only that)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def bf16_recompute_checkpointing(model: nn.Module) -> int:
-    """Make every checkpointed block of an unsharded ``model`` recompute, in backward, on the bf16 casts
-    its forward read under :func:`bf16_parameters`; returns the number of blocks.
-
-    transformers checkpoints a block's ``forward`` (its hooks stay outside), and by the time
-    backward recomputes the block, ``bf16_parameters`` has handed the fp32 masters back: the
-    recomputation would compute in fp32 and ``torch.utils.checkpoint`` refuses it (the tensors
-    it saved were bf16). Each block's checkpoint gets a ``context_fn`` whose recompute context
-    casts that block's parameters again (the same bf16 values). An FSDP2-sharded model needs none
-    of this: FSDP2 all-gathers the bf16 parameters again before a block's backward. Call after
-    :func:`enable_activation_checkpointing`.
-    """
-    import functools
-
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    blocks = 0
-    for mod in model.modules():
-        fn = getattr(mod, "_gradient_checkpointing_func", None)
-        if not isinstance(mod, GradientCheckpointingLayer) or not getattr(mod, "gradient_checkpointing", False):
-            continue
-        if not isinstance(fn, functools.partial):
-            raise ValueError(f"{type(mod).__name__}: unexpected checkpointing function {fn!r}")
-        if fn.keywords.get("use_reentrant", True):
-            raise ValueError("bf16_recompute_checkpointing needs non-reentrant checkpointing (use_reentrant=False)")
-        kw = {**fn.keywords, "context_fn": functools.partial(_bf16_recompute_contexts, mod)}
-        mod._plain_checkpointing_func = fn  # what a compiled block goes back to (stages.trainer.block_compile)
-        mod._gradient_checkpointing_func = functools.partial(fn.func, *fn.args, **kw)
-        blocks += 1
-    return blocks
-
-
-def _bf16_recompute_contexts(block: nn.Module):
-    """``torch.utils.checkpoint``'s (forward, recompute) contexts of ``block``, chosen when its forward runs."""
-    if not _BF16_CASTS_ON.get():
-        return contextlib.nullcontext(), contextlib.nullcontext()
-    return contextlib.nullcontext(), _bf16_block(block)
-
-
-@contextlib.contextmanager
-def _bf16_block(block: nn.Module) -> Iterator[None]:
-    from torch.nn.utils.stateless import _reparametrize_module
-
-    casts = {n: p.to(torch.bfloat16) for n, p in block.named_parameters() if p.dtype == torch.float32}
-    with _reparametrize_module(block, casts):
-        yield
 
 
 # ---------------------------------------------------------------------------

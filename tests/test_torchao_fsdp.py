@@ -1,0 +1,68 @@
+"""torchao's own float8 training modules (emulated on CPU) under FSDP2 on gloo, as a tensorwise GPU run uses them.
+
+A tensorwise FP8 run on several GPUs trains torchao's ``Float8Linear`` with float8
+all-gather (``stages.trainer.distributed.shard_policy``): FSDP2 hands each linear the
+all-gathered float8 payload, not BF16 weights. torchao's ``emulate=True`` runs the same
+modules and the same FSDP2 hooks on CPU; gloo moves the float8 payloads as bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.scaleout_common import SMALL, rendezvous, small_batch, spawn_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _torchao_tensorwise(seed: int = 0):
+    from fp8rl_core.precision import convert_for_training
+    from fp8rl_core.tiny_model import build_tiny_model
+
+    torch.manual_seed(seed)
+    m = build_tiny_model(SMALL)
+    report = convert_for_training(m, "fp8_tensorwise", backend="torchao", emulate=True)
+    assert report.backend == "torchao" and report.converted
+    return m
+
+
+def _bf16_model(seed: int = 0):
+    from fp8rl_core.tiny_model import build_tiny_model
+
+    torch.manual_seed(seed)
+    return build_tiny_model(SMALL)
+
+
+def _shadow_rank(rank: int, store: str, world: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from stages.trainer.distributed import shard_policy, uses_fsdp_float8
+    from stages.trainer.forward import policy_logprobs
+
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        fp8 = shard_policy(_torchao_tensorwise(), mesh=mesh)
+        assert uses_fsdp_float8(fp8)
+        ref = shard_policy(_bf16_model(), mesh=mesh)
+        b = small_batch(n=4)
+        with torch.no_grad():
+            lp8, _ = policy_logprobs(fp8, b.input_ids, b.attention_mask, mode="fp8_tensorwise")
+            lp_shadow, _ = policy_logprobs(fp8, b.input_ids, b.attention_mask, mode="fp8_tensorwise", shadow=True)
+            lp16, _ = policy_logprobs(ref, b.input_ids, b.attention_mask, mode="bf16")
+        torch.save({"fp8": lp8, "shadow": lp_shadow, "bf16": lp16}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_shadow_pass_under_float8_all_gather_is_the_bf16_forward(tmp_path, world):
+    """The BF16 shadow pass of torchao's tensorwise modules under FSDP2 with float8 all-gather computes
+    the bf16 mode's forward on the same masters, bit for bit (it used to fail on the float8 payload)."""
+    spawn_ranks(_shadow_rank, (rendezvous(), world, str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(r["shadow"], r["bf16"])
+        assert not torch.equal(r["fp8"], r["bf16"])  # the FP8 forward is FP8: the comparison can fail
