@@ -213,7 +213,15 @@ def _echo_cpu_numerics(cfg: CampaignConfig) -> None:
     typer.echo(summary_line(describe(choice, threads=capped_threads(cfg.threads))))
 
 
-def _check_run_config(run_dir: Path, config: str | None, set_: list[str]) -> CampaignConfig:
+def _check_run_config(
+    run_dir: Path, config: str | None, set_: list[str], *, accept_change: bool = False
+) -> tuple[CampaignConfig, list[str] | None]:
+    """The run's config, checked against what run.json records, and its changes (None: unchanged).
+
+    An edited config.yaml is refused in one line naming the changed keys, unless
+    ``accept_change`` (the caller then records it with :func:`_take_config_change`).
+    """
+    from flows.run_checks import config_drift, drift_message
     from storage.errors import StorageError
     from storage.layout import config_hash, read_run_info
 
@@ -223,19 +231,34 @@ def _check_run_config(run_dir: Path, config: str | None, set_: list[str]) -> Cam
         raise _fail(str(err))
     try:
         stored = load_config(run_dir / "config.yaml")
+        with io_errors(run_dir):
+            text = (run_dir / "config.yaml").read_text(encoding="utf-8")
     except ConfigError as err:
         raise _fail(str(err))
+    drift = config_drift(info, text, stored)
+    if drift is not None and not accept_change:
+        raise _fail(drift_message(run_dir, drift))
     if config is not None or set_:
         try:
             wanted = load_config(config or (run_dir / "config.yaml"), set_)
         except ConfigError as err:
             raise _fail(str(err))
-        if config_hash(dump_config(wanted)) != info.config_hash:
+        if config_hash(dump_config(wanted)) != config_hash(dump_config(stored)):
             raise _fail(
-                f"{run_dir} was made by another config (hash {str(info.config_hash)[:12]}…); "
+                f"{run_dir} was made by another config (hash {str(info.current_config_hash)[:12]}…); "
                 "resume it without --config/--set or start a new run"
             )
-    return stored
+    return stored, drift
+
+
+def _take_config_change(run_dir: Path, cfg: CampaignConfig, drift: list[str]) -> None:
+    """Record an accepted config edit (run.json and the ledger) and say so in one line."""
+    from flows.run_checks import record_config_change
+    from storage.layout import read_run_info
+
+    with io_errors(run_dir):
+        record_config_change(run_dir, read_run_info(run_dir), cfg, drift)
+    typer.echo(f"warning: config change taken into the run: {'; '.join(drift)}", err=True)
 
 
 def resume(
@@ -247,16 +270,31 @@ def resume(
     config: str | None = typer.Option(None, "--config", help="Check the run against this config (must match)."),
     set_: list[str] = typer.Option([], "--set", help="Overrides for --config (must still match)."),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1, help=NPROC_HELP),
+    accept_config_change: bool = typer.Option(
+        False,
+        "--accept-config-change",
+        help="Take an edit of RUN/config.yaml into the run (recorded in run.json and the ledger); "
+        "without it an edited config is refused.",
+    ),
 ) -> None:
     """Resume a campaign from its ledger: restore the newest checkpoint, replay, continue."""
+    from flows.run_checks import RunMismatch, check_resume_point
     from storage.writer import set_aside_from
 
     run_dir = run_dir.resolve()
-    cfg = _check_run_config(run_dir, config, set_)
-    preflight(cfg, nproc_per_node)
     if (from_stage is None) != (step is None):
         raise _fail("--from and --step go together")
+    cfg, drift = _check_run_config(run_dir, config, set_, accept_change=accept_config_change)
+    preflight(cfg, nproc_per_node)
     with _locked(run_dir):
+        if from_stage is not None:
+            try:
+                with io_errors(run_dir):
+                    check_resume_point(run_dir, cfg, from_stage.value, step)
+            except RunMismatch as err:
+                raise _fail(str(err)) from None
+        if drift is not None:
+            _take_config_change(run_dir, cfg, drift)
         if from_stage is not None:
             later = list(STAGES_FOR_FROM[STAGES_FOR_FROM.index(from_stage.value) :])
             if "score" in later:  # DAPO refill rounds belong to the score stage
@@ -310,7 +348,7 @@ def rerun(
     from storage.schemas import MAIN_VARIANT, VARIANT_NAME
 
     run_dir = run_dir.resolve()
-    base = _check_run_config(run_dir, None, [])
+    base, _ = _check_run_config(run_dir, None, [])
     try:
         a, b = (int(x) for x in steps.split(":"))
     except ValueError:

@@ -48,6 +48,7 @@ raise an I/O error; :func:`query` then re-lists the files and retries.
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import time
@@ -383,6 +384,12 @@ def refresh(con: duckdb.DuckDBPyConnection, *, retries: int = 5) -> list[tuple[s
                 "config_hash": i.config_hash,
                 "created_at": i.created_at,
                 "schema_version": i.schema_version,
+                "uid": i.uid,
+                "config_changes": json.dumps(
+                    [{k: c.get(k) for k in ("at", "after_step", "keys", "to_hash")} for c in i.config_changes]
+                )
+                if i.config_changes
+                else None,
             }
             for i in infos
         ],
@@ -393,6 +400,8 @@ def refresh(con: duckdb.DuckDBPyConnection, *, retries: int = 5) -> list[tuple[s
                 ("config_hash", pa.string()),
                 ("created_at", pa.string()),
                 ("schema_version", pa.int32()),
+                ("uid", pa.string()),
+                ("config_changes", pa.string()),
             ]
         ),
     )

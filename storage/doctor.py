@@ -2,7 +2,10 @@
 
 Checks, per run:
 
-- ``run.json`` parses and its schema version is readable;
+- ``run.json`` parses and its schema version is readable; it carries the run's
+  uid (a run written before uids is a warning); ``config.yaml`` is the config it
+  records (an edit is an error: resume refuses it), and config changes taken on
+  purpose at a resume are listed as warnings;
 - every Parquet part under ``tables/``: its footer parses, it says which table
   and schema version it holds (readable by this code), its ``run_id`` / ``step``
   statistics match its partition path, its name is one the writer produces;
@@ -35,11 +38,13 @@ import pyarrow.parquet as pq
 from storage.catalog import footer_problem
 from storage.checkpoints import DCP_DIR, list_checkpoints, pruned_checkpoints, verify_checkpoint
 from storage.errors import DuplicateRun, NotARunDirectory, SchemaVersionError, StorageError
+from storage.identity import config_file_drift, no_uid_warning
 from storage.layout import (
     META_RUN_ID,
     META_STEP,
     META_VARIANT,
     Part,
+    RunInfo,
     RunLayout,
     find_runs,
     is_run_dir,
@@ -199,6 +204,38 @@ def _check_ledger(layout: RunLayout, live_files: set[str]) -> list[Problem]:
     return out
 
 
+def _check_identity(layout: RunLayout, info: RunInfo) -> list[Problem]:
+    """The run's uid (a warning for runs written before it), config.yaml against the recorded config,
+    and the config changes accepted at resume (warnings: the run mixes two configs on purpose)."""
+    out: list[Problem] = []
+    if info.uid is None:
+        out.append(Problem(WARNING, str(layout.run_json), no_uid_warning(info)))
+    try:
+        text = layout.config_yaml.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        text = None
+    drift = None if text is None else config_file_drift(info, text)
+    if drift:
+        out.append(
+            Problem(
+                ERROR,
+                str(layout.config_yaml),
+                f"edited since the run was made ({'; '.join(drift)}); resume refuses it unless given "
+                "--accept-config-change",
+            )
+        )
+    for change in info.config_changes:
+        out.append(
+            Problem(
+                WARNING,
+                str(layout.run_json),
+                f"config changed at a resume after step {change.get('after_step')} ({change.get('at')}): "
+                + "; ".join(change.get("keys") or []),
+            )
+        )
+    return out
+
+
 def check_run(run_dir: str | Path, *, deep: bool = False) -> list[Problem]:
     """All problems of one run directory (empty list = healthy)."""
     layout = RunLayout(Path(run_dir))
@@ -206,7 +243,9 @@ def check_run(run_dir: str | Path, *, deep: bool = False) -> list[Problem]:
         info = read_run_info(layout.root)
     except StorageError as err:
         return [Problem(ERROR, str(layout.run_json), str(err))]
-    out, files = _check_tables(layout, info.run_id, deep)
+    out = _check_identity(layout, info)
+    tables, files = _check_tables(layout, info.run_id, deep)
+    out += tables
     if layout.tmp.is_dir():
         for f in sorted(layout.tmp.iterdir()):
             out.append(Problem(WARNING, str(f), "leftover temporary file of an interrupted write; safe to delete"))

@@ -44,6 +44,7 @@ SUPERSEDED_DIR = "superseded"
 TMP_DIR = "tmp"
 # What a Parquet part says it holds (file key-value metadata, beside fp8rl.table): checked against its location
 META_RUN_ID, META_STEP, META_VARIANT = b"fp8rl.run_id", b"fp8rl.step", b"fp8rl.variant"
+META_RUN_UID = b"fp8rl.run_uid"  # the run's uid (run.json): a part of another run of the same name is told apart
 
 _PART = re.compile(r"^part-(?P<stage>[^-]+)-(?P<attempt>\d+)-(?P<write_id>[0-9a-f]+)-(?P<variant>.+)\.parquet$")
 
@@ -57,6 +58,19 @@ class RunInfo:
     created_at: str
     schema_version: int
     path: Path
+    uid: str | None = None  # made once at creation, kept when the folder is copied or moved; None: an older run
+    config: dict | None = None  # the config the run was created with (older runs: None, the hash only)
+    config_changes: tuple[dict, ...] = ()  # config edits accepted at resume, oldest first
+
+    @property
+    def current_config_hash(self) -> str | None:
+        """The hash the run's config.yaml must have now: the creation hash, or the last accepted change's."""
+        return self.config_changes[-1]["to_hash"] if self.config_changes else self.config_hash
+
+    @property
+    def current_config(self) -> dict | None:
+        """The config the run runs with now, as recorded (None for runs written before it was recorded)."""
+        return self.config_changes[-1].get("config") if self.config_changes else self.config
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,15 @@ class PartName:
     @property
     def filename(self) -> str:
         return f"part-{self.stage}-{self.attempt}-{self.write_id}-{self.variant}.parquet"
+
+
+def new_run_uid() -> str:
+    """A run's identity: 32 random hex digits, made once when the run is created.
+
+    The run id is the folder's name, which two unrelated runs may share; the uid is
+    carried in every part's footer, so a part of another run is told apart by it.
+    """
+    return secrets.token_hex(16)
 
 
 def new_write_id() -> str:
@@ -214,20 +237,26 @@ def create_run(
         return layout
     for d in (layout.root, layout.tables, layout.checkpoints, layout.tmp):
         d.mkdir(parents=True, exist_ok=True)
+    recorded = None
     if config is not None:
+        import yaml
+
         if isinstance(config, str):
             text = config
+            recorded = yaml.safe_load(text)
         else:
-            import yaml
-
             text = yaml.safe_dump(dict(config), sort_keys=False)
+            recorded = dict(config)
         write_text_atomic(layout.config_yaml, text)
     info = {
         "run_id": run_id,
+        "uid": new_run_uid(),
         "config_hash": config_hash_value,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "schema_version": SCHEMA_VERSION,
     }
+    if isinstance(recorded, dict):
+        info["config"] = recorded  # what resume compares an edited config.yaml with, key by key
     write_text_atomic(layout.run_json, json.dumps(info, indent=2) + "\n")
     return layout
 
@@ -248,7 +277,18 @@ def read_run_info(run_dir: str | Path) -> RunInfo:
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise NotARunDirectory(f"{p}: unreadable run file ({err.__class__.__name__}: {err})") from None
     version = check_schema_version(data.get("schema_version"), str(p))
-    return RunInfo(run_id, data.get("config_hash"), data.get("created_at", ""), version, run_dir)
+    uid = data.get("uid")
+    changes = data.get("config_changes") or ()
+    return RunInfo(
+        run_id,
+        data.get("config_hash"),
+        data.get("created_at", ""),
+        version,
+        run_dir,
+        uid=uid if isinstance(uid, str) else None,
+        config=data.get("config") if isinstance(data.get("config"), dict) else None,
+        config_changes=tuple(c for c in changes if isinstance(c, dict)) if isinstance(changes, list) else (),
+    )
 
 
 def update_run_info(run_dir: str | Path, **fields: Any) -> None:
@@ -256,7 +296,7 @@ def update_run_info(run_dir: str | Path, **fields: Any) -> None:
     read_run_info(run_dir)  # a run directory with a readable run.json, or the usual error
     p = Path(run_dir) / RUN_FILE
     data = json.loads(p.read_text(encoding="utf-8"))
-    fixed = {"run_id", "config_hash", "created_at", "schema_version"} & set(fields)
+    fixed = {"run_id", "uid", "config", "config_hash", "created_at", "schema_version"} & set(fields)
     if fixed:
         raise ValueError(f"update_run_info: {sorted(fixed)} are fixed at creation")
     data.update(fields)

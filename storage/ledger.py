@@ -8,6 +8,8 @@ file, ``RUN_DIR/ledger.jsonl``, one event per line::
     {"event": "finish", ..., "outputs": ["tables/steps/run=r/step=3/part-....parquet"], "info": {...}}
     {"event": "fail",   ..., "error": "RuntimeError: ..."}
     {"event": "set_aside", "from_step": 3, "stages": ["train", "calibrate"], "variant": "main", "at": "..."}
+    {"event": "config_change", "keys": ["calibration.max_delta (0.05 -> 0.1)"], "from_hash": ..., "to_hash": ...,
+     "after_step": 2, "at": "..."}
 
 Durability: each event is one ``write()`` on an ``O_APPEND`` descriptor
 followed by ``fsync``, so it is on disk before the stage goes on. A crash can at
@@ -106,6 +108,7 @@ class _Fold:
     current: dict = field(default_factory=dict)  # (variant, step) -> {stage: record touched last}
     attempts: dict = field(default_factory=dict)  # (step, stage, variant) -> highest attempt, set aside included
     bad: list = field(default_factory=list)  # line numbers that did not parse
+    config_changes: list = field(default_factory=list)  # config edits accepted at resume (events, in order)
     mark: bytes = b""  # the last line folded (its newline included)
 
 
@@ -270,7 +273,15 @@ class Ledger:
         )
         return len(hidden)
 
+    def config_change(self, change: dict) -> None:
+        """Record a config edit accepted at resume (``run.json`` holds it too); stage records are unchanged."""
+        self._append({"event": "config_change", "run_id": self.run_id, **change, "at": _now().isoformat()})
+
     # -- reading -------------------------------------------------------------------------
+
+    def config_changes(self) -> list[dict]:
+        """The config edits accepted at resume, oldest first (``config_change`` events)."""
+        return list(self._refresh().config_changes)
 
     def events(self) -> tuple[list[dict], list[int]]:
         """All parseable events in order, and the line numbers (1-based) that did not parse.
@@ -330,6 +341,9 @@ class Ledger:
             fold.bad.append(seq)
             return
         kind = ev["event"]
+        if kind == "config_change":
+            fold.config_changes.append(ev)
+            return
         if kind == "set_aside":
             for key, r in list(fold.recs.items()):
                 if (ev.get("variant") in (None, r.variant)) and _after(r, ev["from_step"], ev.get("stages")):
