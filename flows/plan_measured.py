@@ -8,7 +8,9 @@ per GPU:
 
 * **rollout**: vLLM, colocated, claims ``rollout.gpu_memory_utilization`` of the
   GPU (weights + KV cache) while the trainer's resident state stays: the sharded
-  fp32 parameters and the AdamW state (gradients are freed after each update);
+  fp32 parameters and the AdamW state (:func:`resident_bytes`; every optimizer step
+  frees the gradients, ``stages.trainer.update.optimizer_step``, so none outlive the
+  train stage);
 * **train step**: the measured peak of forward, backward and the AdamW step, the forward
   and backward with the AdamW state resident (:func:`steady_state`: the measured step is a
   run's first, before AdamW has any state), plus
@@ -48,6 +50,15 @@ def steady_state(step: Any) -> dict[str, dict[str, int]]:
     for ph in ("forward", "backward"):
         out[ph]["OptState"] = out[ph].get("OptState", 0) + state
     return out
+
+
+def resident_bytes(step: Any) -> int:
+    """Bytes the trainer keeps on each GPU between its train stages (through rollout and the weight sync):
+    the sharded fp32 parameters and the AdamW state after the step. Not the gradients: the trainer's
+    optimizer step sets them to None (``stages.trainer.update.optimizer_step``), the last update of a
+    stage included; the measured step holds them until its own ``zero_grad``."""
+    after = step.phases["after step"]
+    return after.get("Sharded Param", 0) + after.get("OptState", 0)
 
 
 @dataclass(frozen=True)
@@ -133,8 +144,7 @@ def measured_plan(
         step = extrapolate(r1, r2, a.layers)
         linearity = linearity_error(r1, r2, r3)
     p = total_params(a)
-    after = step.phases["after step"]
-    resident = after.get("Sharded Param", 0) + after.get("OptState", 0)
+    resident = resident_bytes(step)
     engine_weights = p * (1 if cfg.precision.rollout.startswith("fp8") else 2) if cfg.rollout.engine == "vllm" else 0
     r = cfg.rollout
     sleeping = (
@@ -223,5 +233,6 @@ __all__ = [
     "hf_config",
     "measured_plan",
     "plan_precision_line",
+    "resident_bytes",
     "steady_state",
 ]

@@ -447,7 +447,11 @@ def micro_batch_pass(
 def optimizer_step(
     model, optimizer, scheduler, loss: float, cfg: CampaignConfig, collective: Collective, log: UpdateLog
 ) -> None:
-    """Clip the gradient and step, unless the loss or the gradient norm is not finite (then skip, recorded)."""
+    """Clip the gradient and step, unless the loss or the gradient norm is not finite (then skip, recorded).
+
+    The gradients are freed either way (set to None): nothing reads them before the next
+    update's backward, and after a stage's last update none stay on the device through the
+    rollout and the weight sync (the memory plan counts only parameters and AdamW state there)."""
     gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.algorithm.grad_clip)
     grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)  # a DTensor under FSDP2
     if math.isfinite(loss) and math.isfinite(grad_norm):
@@ -459,7 +463,7 @@ def optimizer_step(
             after_optimizer_step(model)
     else:
         log.skipped += 1
-        optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
     log.losses.append(loss)
     log.grad_norms.append(grad_norm)
 
