@@ -7,7 +7,7 @@ names match its regex, one colour per run and one line style per column. The
 same SQL is printed under the figure in the report and saved next to it, so a
 reader can re-run or adapt it with ``fp8rl query RUN_DIR "$(cat report/<name>.sql)"``.
 
-Which quantities, and why (DESIGN.md §1–2, the paper's figures):
+Which quantities, and why (docs/method.md, the paper's figures):
 
 - reward, evaluation, entropy, response length, garbled share: the collapse
   the paper describes for vanilla FP8 — entropy surges, responses lengthen
@@ -79,7 +79,7 @@ FIGURES: tuple[Figure, ...] = (
         "Policy entropy",
         "Mean token entropy of the policy over valid response tokens (nats). "
         "A mid-training surge is the FP8 collapse the paper describes. Dashed: the surge threshold, "
-        "1.5x the median of the previous 10 steps (DESIGN.md section 2: a surge is 3+ steps above the "
+        "1.5x the median of the previous 10 steps (docs/method.md: a surge is 3+ steps above the "
         "threshold of its first step; the failure-signals query lists them).",
         "SELECT\n    run_id,\n    step,\n    entropy_mean,\n"
         "    CASE WHEN count(entropy_mean) OVER w10 = 10 THEN 1.5 * median(entropy_mean) OVER w10 END AS "
@@ -231,7 +231,7 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-# (failure-signals column, markdown header, format): the failure's signals (DESIGN.md section 2,
+# (failure-signals column, markdown header, format): the failure's signals (docs/method.md,
 # per run, from the ``failure-signals`` query; the sweep table shows them per cell.
 FAILURE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("first_surge_step", "first entropy surge", "d"),

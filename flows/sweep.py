@@ -511,7 +511,7 @@ def write_tables(sweep_dir: Path, spec: SweepSpec, rows: list[dict]) -> str:
             f"{paper_table_markdown(means, list(spec.axes) + ['seeds', 'seeds with a surge'], fail_cols)}\n"
         )
     md += (
-        "\nFailure signals (DESIGN.md section 2; `fp8rl query <dir> --named failure-signals`): an entropy "
+        "\nFailure signals (docs/method.md; `fp8rl query <dir> --named failure-signals`): an entropy "
         "surge is a step above 1.5x the median entropy of the previous 10 steps for at least 3 steps; a "
         "garbled response is one the task's answer parser cannot read; A<0 / A>0 clipped: the mean share "
         "of tokens clipped below L with negative advantage / above H with positive advantage.\n"

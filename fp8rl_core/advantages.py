@@ -1,4 +1,4 @@
-"""Advantage estimators and DAPO reward shaping (DESIGN.md section 2).
+"""Advantage estimators and DAPO reward shaping (docs/method.md, "Advantages").
 
 GRPO (Shao et al. 2024) samples a group of G responses per prompt and scores each
 sequence against its own group instead of a learned value function::
@@ -140,7 +140,7 @@ def dynamic_sampling_mask(accuracy: torch.Tensor, group_index: torch.Tensor) -> 
 
 
 def overlong_penalty(lengths: torch.Tensor, *, max_len: int, cache_len: int, factor: float = 1.0) -> torch.Tensor:
-    """DAPO overlong reward shaping, exactly DESIGN.md's formula.
+    """DAPO overlong reward shaping, exactly the formula of docs/method.md, "Advantages".
 
     ``R_len = min(-(|y| - (max_len - cache_len)) / cache_len * factor, 0)``: zero
     up to ``max_len - cache_len`` tokens, then a linear ramp reaching

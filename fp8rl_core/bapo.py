@@ -2,8 +2,8 @@
 
 Source: Xi et al. 2025, "BAPO: Stabilizing Off-Policy Reinforcement Learning for
 LLMs via Balanced Policy Optimization with Adaptive Clipping", arXiv 2510.18927,
-and its public verl recipe (github.com/WooooDyy/BAPO, ``recipe/bapo``). DESIGN.md
-section 2 states the rule; this module is its implementation.
+and its public verl recipe (github.com/WooooDyy/BAPO, ``recipe/bapo``). docs/method.md
+("BAPO as published") states the rule; this module is its implementation.
 
 Rule (the paper's pseudo-code; every choice is a ``BapoConfig`` field). On every
 update, from the ratios ``r = pi_theta / pi_old`` of that update's tokens, with no

@@ -1,7 +1,7 @@
 """Calibrated Clipping: ratio clip bounds that undo FP8 ratio noise.
 
 Source: Chen et al. 2026, "Towards Full Pipeline FP8 Reinforcement Learning for
-LLMs", section 4; the exact rules are DESIGN.md section 2 (the contract).
+LLMs", section 4; the exact rules are in docs/method.md, "Calibrated Clipping".
 
 Why. FP8 noise in both pi_theta and pi_old compounds in the ratio r = pi/pi_old,
 widening its spread. The PPO gradient of a negative-advantage token vanishes
@@ -684,7 +684,7 @@ def _estimate_fields(est: LowerEstimate | None) -> dict:
 def pos_neg_contrib(
     r: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, lower: float, upper: float, dual_clip: float = 3.0
 ) -> tuple[float, float]:
-    """``(Pos, Neg)`` of DESIGN.md section 2 for ratios ``r`` ``[N]`` (any shape),
+    """``(Pos, Neg)`` (docs/method.md, "Calibrated Clipping") for ratios ``r`` ``[N]`` (any shape),
     advantages and mask of the same shape; non-finite tokens are ignored."""
     tok = CalibrationTokens(r, r, advantages, mask, dual_clip)
     return tok.pos_contrib("p8", upper), tok.neg_contrib("n8", lower)

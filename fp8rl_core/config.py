@@ -6,7 +6,7 @@ is read with ``dict.get(key, default)`` at a call site. Models are frozen and
 Loading from YAML files (which touches the filesystem) lives in
 ``flows.configuration``; this module is pure pydantic.
 
-The defaults follow ``DESIGN.md`` section 2 and the paper (Chen et al. 2026);
+The defaults follow docs/method.md and the paper (Chen et al. 2026);
 values the paper does not give are marked "our choice".
 """
 
@@ -416,7 +416,7 @@ class BapoConfig(_Frozen):
 
 
 class CalibrationConfig(_Frozen):
-    """Calibrated Clipping (DESIGN.md section 2) and the comparison modes."""
+    """Calibrated Clipping (docs/method.md) and the comparison modes."""
 
     mode: str = Field(
         "calibrated",
@@ -618,7 +618,7 @@ class StorageConfig(_Frozen):
 
 
 class SurgeConfig(_Frozen):
-    """Entropy surge (DESIGN.md section 2): a step whose mean token entropy exceeds
+    """Entropy surge (docs/method.md, "Failure signals"): a step whose mean token entropy exceeds
     ``factor`` x the median of the previous ``window`` steps and stays above it
     for at least ``min_steps`` steps (``fp8rl_core.failure_signals``)."""
 
@@ -685,10 +685,10 @@ class GuardConfig(_Frozen):
         True, description="Watch every step; on a trip restore the last good checkpoint and apply the remedy."
     )
     surge_factor: float = Field(
-        1.5, gt=1, description="Surge: value > factor x the median of the `window` steps before (DESIGN)."
+        1.5, gt=1, description="Surge: value > factor x the median of the `window` steps before (docs/method.md)."
     )
-    window: int = Field(10, ge=1, description="Surge / collapse reference: median of this many earlier steps (DESIGN).")
-    persist: int = Field(3, ge=1, description="Surge / collapse: for at least this many consecutive steps (DESIGN).")
+    window: int = Field(10, ge=1, description="Surge / collapse reference: median of this many earlier steps.")
+    persist: int = Field(3, ge=1, description="Surge / collapse: for at least this many consecutive steps.")
     entropy_floor: float = Field(
         0.2, ge=0, description="Entropy surge also needs entropy above this (nats; our choice)."
     )

@@ -1,6 +1,6 @@
 """Diagnostics of FP8 noise, clipping errors and garbage generations.
 
-Definitions from DESIGN.md section 2 and Chen et al. 2026 (section 3):
+Definitions from docs/method.md ("Diagnostics") and Chen et al. 2026 (section 3):
 
 * ``NMAE(x, ref) = sum |x - ref| / sum |ref|`` over valid tokens. Applied to the
   probabilities pi_theta (FP8 vs BF16 shadow) and to the ratios r8 vs r16; the
@@ -15,7 +15,7 @@ Definitions from DESIGN.md section 2 and Chen et al. 2026 (section 3):
   bound silences. (In the Parquet tables the same binning is a SQL GROUP BY over
   ``token_stats``; the in-memory version here serves tests and live logging.)
 * ``garbled_score``: a cheap text heuristic to flag the garbage outputs that
-  follow an entropy surge (section 1 of DESIGN.md).
+  follow an entropy surge (docs/method.md, "Failure signals").
 
 All tensor inputs are ``[...]`` of one shape (flattened), float32/float64,
 ``mask`` bool or 0/1; outputs are Python floats, bool tensors or small dicts.

@@ -1,6 +1,6 @@
 """Estimators of the calibrated lower bound L (``calibration.estimator``).
 
-The paper's rule (DESIGN.md section 2, rule 1) sets the raw L from one step's
+The paper's rule (docs/method.md, "Calibrated Clipping", rule 1) sets the raw L from one step's
 shadow tokens: with k = the number of A<0 tokens BF16 clips at ``1 - eps_low``
 and v1 <= ... <= vn their sorted FP8 ratios, raw L is the midpoint of v_k and
 v_k+1. When BF16 clips ~1% of a few hundred tokens, k is a handful and raw L is

@@ -1,4 +1,4 @@
-"""The failure's observable signals, in DESIGN.md section 2's terms: garbled share and entropy surge.
+"""The failure's observable signals (docs/method.md, "Failure signals"): garbled share and entropy surge.
 
 * Garbled response: one the task's answer parser cannot read (``parse(response)
   is None``). ``garbled_share`` is the share of a step's responses that are

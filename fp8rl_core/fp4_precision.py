@@ -12,7 +12,7 @@ wired (Blackwell's would be the GPU path), so ``emulate=False`` is an error.
 
 Rollout (``ROLLOUT_PRECISIONS``): ``nvfp4_w4a4`` and ``mxfp4_w4a4`` (``Fp4RolloutLinear``).
 
-In DESIGN.md's terms (section 2/3): the BF16 shadow pass of an FP4 model is the
+In the terms of docs/method.md ("Precision modes"): the BF16 shadow pass of an FP4 model is the
 same ``bf16_shadow`` (every converted linear runs ``nn.Linear.forward`` on the
 master weights), so Calibrated Clipping, r8/r16 and the ``*_fp8`` columns work
 unchanged; for these modes "fp8"/"r8" mean "the low-precision pass".

@@ -118,7 +118,7 @@ def amax_to_qscale(
 ) -> torch.Tensor:
     """Quantization multiplier ``fp8_max / max(amax, EPS)`` as float32 (same shape as amax).
 
-    The dequantization scale of DESIGN.md ("amax / fp8_max") is its reciprocal.
+    The dequantization scale of docs/method.md ("amax / fp8_max") is its reciprocal.
     ``rule="torchao"``: float64 division then float32 rounding, torchao's multiplier bit
     for bit. ``rule="vllm"``: vLLM's dynamic quantization, which computes the scale
     ``s = amax / fp8_max`` in float32 and multiplies by ``1 / s``, also float32; the two

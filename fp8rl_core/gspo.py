@@ -1,7 +1,7 @@
 """GSPO: sequence-level ratio and clipping, and Calibrated Clipping on sequence ratios.
 
 Source: Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv
-2507.18071 (DESIGN.md section 2, "Sequence level"). For response i of length
+2507.18071 (docs/method.md, "Sequence level (GSPO)"). For response i of length
 |y_i| (valid tokens):
 
     s_i = exp( mean_t (logp_it - old_logp_it) )      (geometric mean of token ratios)

@@ -4,14 +4,14 @@ Pure functions over the sequence of step rows (``steps`` table values, in step
 order); the campaign hook (``flows.guard``) acts on a trip: restore the last
 good checkpoint on all ranks, record why in the ledger, continue with a remedy.
 
-Surge (DESIGN.md section 2): step s starts a surge of a series x when x_s and
+Surge (docs/method.md, "Failure signals"): step s starts a surge of a series x when x_s and
 the next ``persist - 1`` steps all exceed ``factor`` x the median of the
 ``window`` steps before s (the reference stays the one before the surge
 started), and exceed ``floor`` (an absolute level below which a rise is not a
 surge: 1.5 x a garbled share of 0 would be any garbled answer). It is
 *detected* at step s + persist - 1. A median needs ``window`` earlier steps;
 before that nothing is detected. Defaults (config ``guard.*``): factor 1.5,
-window 10, persist 3 (DESIGN), entropy floor 0.2 nats and garbled floor 0.05
+window 10, persist 3 (docs/method.md), entropy floor 0.2 nats and garbled floor 0.05
 (our choices: the tiny task's entropy is 0.05-0.15 nats).
 
 Reward collapse: the mirror image on reward_mean: ``persist`` steps below

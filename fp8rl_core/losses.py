@@ -1,6 +1,6 @@
 """Policy losses: PPO clip with dual clip, CISPO, TIS weights, aggregation.
 
-Definitions are DESIGN.md section 2 (the contract); the form is verl's
+Definitions are docs/method.md, "Ratio and policy loss"; the form is verl's
 ``compute_policy_loss``. Per valid token, with ratio
 ``r = exp(clamp(logp - old_logp, -20, 20))`` and bounds ``(L, H)``::
 
@@ -251,7 +251,7 @@ def clip_metrics(
     upper: float,
     dual_clip: float,
 ) -> dict[str, float]:
-    """Clip statistics of DESIGN.md section 2, each a share of all valid tokens.
+    """Clip statistics of docs/method.md ("Clip metrics"), each a share of all valid tokens.
 
     Args:
         ratio: ``[B, T]`` importance ratios; ``log_ratio``: ``[B, T]`` the
@@ -319,7 +319,7 @@ def policy_loss(
     global_seq_count: float | None = None,
     norm_len: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clip loss with dual clip (DESIGN.md section 2).
+    """PPO clip loss with dual clip (docs/method.md, "Ratio and policy loss").
 
     Args:
         logp: ``[B, T]`` log pi_theta of the sampled tokens (carries the grad).

@@ -2,7 +2,7 @@
 
 ``convert_for_training`` converts every decoder linear the kernel can take and
 keeps the rest in high precision: the output embedding (lm_head) and the
-embeddings always (DESIGN.md section 3), and any linear whose shape or bias the
+embeddings always (docs/method.md, "Precision modes"), and any linear whose shape or bias the
 kernel rejects (``torch._scaled_mm`` needs dims divisible by 16; torchao's
 blockwise kernels need multiples of 128 and take no bias, so Qwen2.5's biased
 q/k/v projections stay BF16 under ``fp8_blockwise``). A "full FP8" run is then

@@ -25,7 +25,7 @@ Headroom for RL, as in the short task: the bootstrap's noisy teacher writes
 then continues faithfully, so a clone samples a fully right chain only when it
 keeps every carry, while keeping it stays the mode (greedy).
 
-Garbled (DESIGN.md section 2): a response ``extract_answer`` cannot read (no
+Garbled (docs/method.md, "Failure signals"): a response ``extract_answer`` cannot read (no
 ``#`` or no integer after it) — the same parser as the short task.
 
 Splits: a hash of ``(difficulty, operands)`` as in ``fp8rl_core.task``; levels

@@ -209,7 +209,7 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     m.update({
         "reward_mean": float(np.mean(scores_all["reward"])), "accuracy": float(np.mean(scores_all["correct"])),
         "response_length_mean": float(np.mean(rows.column("response_length").to_numpy())),
-        # DESIGN §2: the share of responses the answer parser cannot read
+        # docs/method.md, "Failure signals": the share of responses the answer parser cannot read
         "garbled_share": garbled_share(responses, answer_parser(env.source.verifier)),
         "garbled_heuristic_share": float(np.mean([is_garbled(r) for r in responses])) if responses else 0.0,
         "kept_share": float(np.mean(scores_all["kept"])), "shadow": float(shadow),

@@ -5,7 +5,7 @@ step that produced it) and ``variant`` ('main' for the campaign itself, another
 name for a re-run of a stage written beside the original — e.g. a what-if
 calibration — so both can be compared in one SQL query).
 
-The column contract of DESIGN.md §4 is a floor: saved queries rely on those
+The column contract (docs/method.md, "Tables and the column contract") is a floor: saved queries rely on those
 names, so they are never renamed; more columns may be added at any time. Old
 files lacking a newer column read as NULL there (the catalog unions files by
 name and adds the schema's columns, typed, to every view).
@@ -20,7 +20,7 @@ response token of a calibration step, i.e. tens of millions of rows per run:
   every token of its sequence and costs ~0.03 byte/row);
 - per-step constants (bounds in force) repeat and cost ~0 bytes;
 - the ratios r8 and r16 are *derived*, not stored: r = exp(clamp(logp − old_logp,
-  −20, 20)) is DESIGN §2's definition, so the catalog computes them from the
+  −20, 20)) is the definition of docs/method.md, so the catalog computes them from the
   stored log-probs. Storing them would add ~7 bytes/row of incompressible
   mantissa for no information (writers may pass them; they are dropped);
 - the clip flags (clipped_lower/upper, bf16_clipped_lower/upper) *are* stored:
@@ -142,7 +142,7 @@ def _ratio(logp: pa.ChunkedArray, old_logp: pa.ChunkedArray) -> pa.ChunkedArray:
 
 
 def fill_clip_flags(t: pa.Table) -> pa.Table:
-    """Compute token_stats' clip flags that the writer was not given (DESIGN §2).
+    """Compute token_stats' clip flags that the writer was not given (docs/method.md, "Clip metrics").
 
     clipped_lower = A<0 ∧ r8<L, clipped_upper = A>0 ∧ r8>H; the bf16 ones use
     r16 and the standard bounds. NULL propagates (no shadow pass → NULL), so
@@ -257,7 +257,7 @@ TOKEN_STATS = TableSpec(
         (
             "ratio_fp8",
             _ratio_sql("logp_fp8", "old_logp_fp8"),
-            "r8 = exp(clamp(logp_fp8 − old_logp_fp8, −20, 20)) (DESIGN §2).",
+            "r8 = exp(clamp(logp_fp8 − old_logp_fp8, −20, 20)) (docs/method.md).",
         ),
         (
             "ratio_bf16",
@@ -335,7 +335,7 @@ _STEP_METRICS = (
     ("kept_share", "Share of samples kept by dynamic sampling."),
     ("shadow", "1 on steps with the BF16 shadow pass, else 0."),
     ("train_tokens_per_second", "Valid tokens trained per second of update."),
-    ("garbled_share", "Share of the step's responses the task's answer parser cannot read (DESIGN §2 'garbled')."),
+    ("garbled_share", "Share of the step's responses the task's answer parser cannot read (docs/method.md)."),
     ("garbled_heuristic_share", "Share of responses the text heuristic diagnostics.garbled_score flags (>= 0.5)."),
     ("seq_clipfrac_lower", "GSPO: share of sequences with A<0 and sequence ratio s < L (sequence level)."),
     ("seq_clipfrac_upper", "GSPO: share of sequences with A>0 and s > H."),

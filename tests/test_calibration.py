@@ -82,7 +82,7 @@ def test_pos_neg_contrib_and_balance():
 
 
 def _loop_calibrate(r8, r16, adv, mask, cfg: CalibrationConfig, prev, c=3.0):
-    """DESIGN.md section 2, literally, in Python floats (mode 'calibrated')."""
+    """docs/method.md ("Calibrated Clipping"), literally, in Python floats (mode 'calibrated')."""
     toks = [
         (x8, x16, a)
         for x8, x16, a, m in zip(r8.tolist(), r16.tolist(), adv.tolist(), mask.tolist())

@@ -80,7 +80,7 @@ def test_one_full_step_in_each_fp4_precision_writes_every_table(tmp_path, mode):
     assert m["prob_nmae"] > 0 and m["ratio_nmae"] >= 0
     s = query(con, "SELECT garbled_share, garbled_heuristic_share FROM steps").to_pylist()[0]
     responses = query(con, "SELECT response FROM rollouts").column("response").to_pylist()
-    # DESIGN §2: garbled = the task's answer parser cannot read it (the micro model garbles plenty)
+    # docs/method.md: garbled = the task's answer parser cannot read it (the micro model garbles plenty)
     assert s["garbled_share"] == pytest.approx(sum(extract_answer(r) is None for r in responses) / len(responses))
     assert s["garbled_heuristic_share"] is not None
     rollout_precision = query(con, "SELECT DISTINCT precision FROM rollouts").column("precision").to_pylist()

@@ -167,7 +167,7 @@ def test_clipfrac_is_sum_of_sides_when_no_zero_advantage(seed):
     assert m["clipfrac_lower"] > 0 and m["clipfrac_upper"] > 0
     # pg_clipfrac is verl's [pg2 > pg1], computed independently of the two sides
     assert m["pg_clipfrac"] == pytest.approx(m["clipfrac_lower"] + m["clipfrac_upper"], abs=1e-12)
-    # each side recounted by hand from its definition (DESIGN §2): A<0 and r<L, A>0 and r>H, over valid tokens
+    # each side recounted by hand from its definition (docs/method.md): A<0 and r<L, A>0 and r>H, over valid tokens
     r = torch.exp(logp.detach() - old)
     n = mask.sum().item()
     assert m["clipfrac_lower"] == pytest.approx(((adv < 0) & (r < 0.8) & mask).sum().item() / n, abs=1e-12)

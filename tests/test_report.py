@@ -307,7 +307,7 @@ def test_comparison_table_is_the_paper_table_query(report, runs_root: Path) -> N
 
 
 def test_paper_table_matches_the_definitions(runs_root: Path) -> None:
-    """Lower-clip shares and over-clipping recomputed from the Parquet files with numpy (DESIGN §2)."""
+    """Lower-clip shares and over-clipping recomputed from the Parquet files with numpy (docs/method.md)."""
     named = get_query("paper-table")
     con = connect(runs_root)
     set_params(con, {k: d for k, (d, _) in named.params.items()})

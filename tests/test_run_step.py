@@ -2,7 +2,7 @@
 
 The stage tasks are replaced by recorders (``monkeypatch`` on the module's
 names, which ``run_step`` looks up at call time), the ledger is real: which
-stages run again after a crash is decided by the ledger alone, as DESIGN §4 says.
+stages run again after a crash is decided by the ledger alone, as docs/method.md says.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def test_one_full_step_in_each_precision_mode_writes_every_table(tmp_path, mode)
     assert valid == 32
     m = out["metrics"]
     assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["skipped_updates"] == 0
-    # the step's clip shares, recounted from the stored per-token flags (DESIGN §2's definitions)
+    # the step's clip shares, recounted from the stored per-token flags (the definitions of docs/method.md)
     shares = query(
         con, "SELECT avg(clipped_lower::DOUBLE) AS lo, avg(clipped_upper::DOUBLE) AS hi, count(*) AS n FROM token_stats"
     ).to_pylist()[0]

@@ -17,7 +17,7 @@ from storage.layout import create_run, parse_part_name
 from storage.schemas import MAIN_VARIANT, SCHEMA_VERSION, STORED_TABLES, TABLES
 from storage.writer import TableWriter, read_table, rows_to_table, steps_from
 
-# DESIGN.md §4 column contract: saved queries rely on these names.
+# The column contract of docs/method.md: saved queries rely on these names.
 CONTRACT = {
     "steps": [
         "run_id",
@@ -230,7 +230,7 @@ def test_token_stats_derived_ratios_and_clip_flags(run_dir: Path) -> None:
         )
         .fetchall()
     )
-    r8 = np.exp(np.clip(logp - old, -20, 20))  # DESIGN §2
+    r8 = np.exp(np.clip(logp - old, -20, 20))  # docs/method.md
     assert [g[0] for g in got] == pytest.approx(r8.tolist(), rel=1e-6)
     assert [g[1] for g in got] == pytest.approx([1.0] * 5)
     # r8 = 0.61 (A<0: clipped low), 1.22 (A>0: clipped high), 1.0, 0.74 (A<0: clipped), exp(-20) (A<0: clipped)

@@ -23,7 +23,7 @@ get ``-inf`` and the rest are renormalised). With ``"raw"`` it is vLLM's
 ``raw_logprobs``: ``log_softmax(logits)``, ignoring temperature and top-p. For
 ``T = 1`` and ``top_p = 1`` — the RL setting — both equal the teacher-forced
 log-prob a trainer recomputes, which is what truncated importance sampling
-(TIS, DESIGN.md section 2) compares against. ``T = 0`` means greedy decoding;
+(TIS, docs/method.md) compares against. ``T = 0`` means greedy decoding;
 its log-probs are ``log_softmax(logits)`` of the argmax token.
 
 Engines are built by name through :data:`ENGINES` (``make_engine("transformers",

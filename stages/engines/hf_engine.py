@@ -44,7 +44,7 @@ weight / 1x128 activation blocks, as vLLM's online FP8), refreshed by
 ``sync_rollout_weights`` (which re-quantizes the FP8 layers) in
 :meth:`TransformersEngine.load_weights`. Forwards run under the mode's BF16
 autocast (``precision.autocast_context``). With the default fp32 copy this is
-exactly the trainer's BF16-mode numerics (DESIGN.md section 3: fp32 values,
+exactly the trainer's BF16-mode numerics (docs/method.md, "Precision modes": fp32 values,
 bf16 matmuls), so the rollout log-probs match the train stage's recomputation
 to within KV-cache rounding (tiny model: mean |diff| 0.008 nats; 0.03 for the
 FP8 modes against a forward of the same FP8 copy, whose discontinuous rounding

@@ -65,7 +65,7 @@ def _extract(verifier: str, response: str) -> str | None:
 
 def answer_parser(verifier: str) -> Callable[[str], str | None]:
     """The answer parser of a verifier: a response it returns None for is *garbled*
-    (DESIGN.md section 2; ``fp8rl_core.failure_signals``)."""
+    (docs/method.md, "Failure signals"; ``fp8rl_core.failure_signals``)."""
     return lambda response: _extract(verifier, response)
 
 

@@ -5,7 +5,7 @@ goes through :func:`policy_logprobs`, which calls
 :func:`fp8rl_core.logprobs.sequence_logprobs` (autocast of the inputs' device,
 position ids counted over real tokens, log-softmax chunked over the vocabulary).
 
-Kernel shape contracts (DESIGN.md section 3): :func:`policy_logprobs` pads each
+Kernel shape contracts (docs/method.md, "Precision modes"): :func:`policy_logprobs` pads each
 micro-batch on the right (attention mask 0, so no real token sees the padding;
 loss mask 0, so no padded column enters a loss or a statistic) until its token
 count ``rows x T`` is a multiple of :func:`token_multiple` of the precision mode

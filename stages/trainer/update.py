@@ -1,7 +1,7 @@
 """One RL policy update over a step's batch, with the BF16 shadow passes.
 
 This is the numerical heart of the train stage, kept free of storage so it can be
-tested on tensors. Per step (DESIGN.md sections 2-3):
+tested on tensors. Per step (docs/method.md, "Ratio and policy loss", "Precision modes"):
 
 1. old log-probs are recomputed in the *training* precision, once, on the whole
    batch (π_old); on calibration steps the BF16 shadow forward runs on the same

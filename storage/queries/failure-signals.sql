@@ -1,8 +1,8 @@
 -- name: failure-signals
--- description: One row per run: the failure's signals (DESIGN.md section 2): first entropy surge, garbled share, clip shares by sign, accuracy, noise amplification.
+-- description: One row per run: the failure's signals (docs/method.md, "Failure signals"): first entropy surge, garbled share, clip shares by sign, accuracy, noise amplification.
 -- param: factor = 1.5 : surge threshold, a multiple of the median entropy of the previous 10 steps
 --
--- Entropy surge (DESIGN.md section 2; fp8rl_core.failure_signals): a step whose
+-- Entropy surge (docs/method.md; fp8rl_core.failure_signals): a step whose
 -- steps.entropy_mean exceeds factor x the median of the previous 10 steps and
 -- stays above that threshold for at least 3 steps (10 and 3 are the defaults of
 -- the surge.* config fields; this SQL fixes them, the Python function takes them).
