@@ -66,3 +66,52 @@ def test_shadow_pass_under_float8_all_gather_is_the_bf16_forward(tmp_path, world
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert torch.equal(r["shadow"], r["bf16"])
         assert not torch.equal(r["fp8"], r["bf16"])  # the FP8 forward is FP8: the comparison can fail
+
+
+def _train_rank(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from stages.trainer.collective import DistCollective
+    from stages.trainer.distributed import shard_policy
+    from stages.trainer.update import make_optimizer, policy_update
+    from tests.scaleout_common import small_cfg
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
+    try:
+        cfg = small_cfg("fp8_tensorwise")
+        model = shard_policy(_torchao_tensorwise())
+        opt, sched = make_optimizer(model, cfg)
+        b = small_batch()
+        res = policy_update(
+            model, opt, sched, b, cfg, bounds=(0.8, 1.28), shadow=True, seed=0, collective=DistCollective()
+        )
+        scales = [
+            m.weight._local_tensor._precomputed_scale for m in model.modules() if type(m).__name__ == "Float8Linear"
+        ]
+        torch.save(
+            {
+                "grads": [n for n, p in model.named_parameters() if p.grad is not None],
+                "scales": [s is not None for s in scales],
+                "old16": res.old_logp_bf16,
+                "logp16": res.logp_bf16,
+                "mask": b.response_mask,
+                "updates": res.metrics["updates"] - res.metrics["skipped_updates"],
+            },
+            f"{out}/rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_shadow_step_trains_torchaos_tensorwise_modules_on_two_ranks_and_frees_the_gradients(tmp_path):
+    """The trainer's update with its BF16 shadow passes, on torchao's tensorwise modules with float8
+    all-gather: every update applied, the scales precomputed for the next all-gather, BF16 log-probs on
+    every response token, and no gradient left behind on any rank."""
+    spawn_ranks(_train_rank, (rendezvous(), str(tmp_path)))
+    for rank in range(2):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        m = r["mask"] > 0
+        assert r["updates"] == 2 and r["scales"] and all(r["scales"])
+        assert torch.isfinite(r["old16"][m]).all() and torch.isfinite(r["logp16"][m]).all()
+        assert r["grads"] == []
