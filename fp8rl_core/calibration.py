@@ -473,6 +473,7 @@ class CalibratorState:
     last_step: int | None = None
     alpha: float | None = None  # BF16's lower-clip share at the last calibration (the quantile drift signal's level)
     pool: tuple[PoolEntry, ...] = ()  # earlier calibration steps a pooled estimator re-uses (fp8rl_core.estimators)
+    correction: tuple[float, float] | None = None  # calibrated mismatch-correction thresholds (None: configured)
 
     @property
     def bounds(self) -> tuple[float, float]:
@@ -487,7 +488,7 @@ class CalibratorState:
         """The state after applying ``result`` at ``step``."""
         alpha = result.alpha if math.isfinite(result.alpha) else self.alpha  # no A<0 token: keep the last level
         pool = result.pool if result.pool is not None else self.pool  # no A<0 token: the pool stays
-        return CalibratorState(result.lower, result.upper, self.n_calibrations + 1, step, alpha, pool)
+        return CalibratorState(result.lower, result.upper, self.n_calibrations + 1, step, alpha, pool, self.correction)
 
     def to_dict(self) -> dict:
         """Plain JSON-able values (the pool as lists of floats, which JSON round-trips exactly)."""
@@ -503,6 +504,7 @@ class CalibratorState:
             )
         last, alpha = d.get("last_step"), d.get("alpha")  # alpha, pool: absent from older checkpoints
         pool = tuple(PoolEntry.from_dict(e) for e in d.get("pool") or ())
+        correction = d.get("correction")  # absent from older checkpoints
         return cls(
             float(d["lower"]),
             float(d["upper"]),
@@ -510,6 +512,7 @@ class CalibratorState:
             None if last is None else int(last),
             None if alpha is None else float(alpha),
             pool,
+            None if correction is None else (float(correction[0]), float(correction[1])),
         )
 
 

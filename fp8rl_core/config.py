@@ -16,6 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fp8rl_core.correction_config import CorrectionConfig
+
 # Fields that name a registry entry (algorithm.advantage, .loss and .loss_agg, precision.train and .rollout,
 # calibration.mode) are plain strings: the registries are the one list of names, and
 # fp8rl_core.registered.unknown_names checks a config against them where configs are loaded.
@@ -265,6 +267,10 @@ class AlgorithmConfig(_Frozen):
     )
     tis: bool = Field(True, description="Truncated importance sampling against rollout log-probs.")
     tis_cap: float = Field(2.0, gt=0, description="TIS cap C.")
+    correction: CorrectionConfig = Field(
+        default_factory=CorrectionConfig,
+        description="The mismatch correction applied while tis is on (fp8rl_core.corrections); default token TIS.",
+    )
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
@@ -315,6 +321,8 @@ class AlgorithmConfig(_Frozen):
             )
         if self.overlong_cache_len > self.overlong_max_len:
             raise ValueError("algorithm.overlong_cache_len must not exceed algorithm.overlong_max_len")
+        if not self.tis and self.correction != CorrectionConfig():
+            raise ValueError("algorithm.correction is set but algorithm.tis is off: set algorithm.tis: true")
         return self
 
 
@@ -768,4 +776,6 @@ class CampaignConfig(_Frozen):
                 f"rollout.weight_format native_fp8 sends FP8 weights: it needs an FP8 precision.rollout "
                 f"(fp8_per_tensor, fp8_per_block), got {self.precision.rollout!r}"
             )
+        if c.tis_weighted_balance and a.correction != CorrectionConfig():
+            raise ValueError("calibration.tis_weighted_balance weighs by token TIS: leave algorithm.correction unset")
         return self

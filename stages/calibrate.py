@@ -4,11 +4,15 @@ Reads the calibration step's ``token_stats`` (every token, with FP8 and BF16
 log-probs of π_θ and π_old), forms r8 and r16 exactly as the loss does
 (``exp(clamp(Δlogp, −20, 20))``), calls :func:`fp8rl_core.calibration.calibrate`
 in the configured mode, writes one ``bounds`` row, and moves the calibrator
-state forward: the new (L, H) are in force from step t+1.
+state forward: the new (L, H) are in force from step t+1. With
+``algorithm.correction.calibrate: true`` the mismatch correction's
+thresholds are re-set on the same tokens (:func:`fp8rl_core.corrections.calibrate_correction`),
+recorded in the row's ``correction_*`` columns and in force from step t+1 too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -42,6 +46,47 @@ def _tis_weights(env: RunEnv, step: int, tok, old_logp_fp8: np.ndarray) -> torch
     return tis_weights(
         torch.from_numpy(old_logp_fp8.astype(np.float32)), torch.from_numpy(rollout), cap=env.cfg.algorithm.tis_cap
     )
+
+
+def _rollout_logp(env: RunEnv, step: int, tok) -> np.ndarray:
+    """The rollout engine's log-prob of every ``token_stats`` row (from the ``rollouts`` table)."""
+    rows = read_step(env, "rollouts", step)
+    by_id = dict(zip(rows.column("sample_id").to_pylist(), rows.column("rollout_logp").to_pylist()))
+    sid, pos = tok.column("sample_id").to_pylist(), tok.column("position").to_pylist()
+    return np.array([by_id[s][p] for s, p in zip(sid, pos)], dtype=np.float32)
+
+
+def _as_rows(tok, columns: dict[str, np.ndarray], keep: np.ndarray) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``[B, T]`` float32 tensors of per-token ``columns`` (one row per sample, column = position) and the mask of
+    the ``keep`` tokens, so sequence-level corrections see whole sequences."""
+    sid, pos = tok.column("sample_id").to_numpy(), tok.column("position").to_numpy().astype(np.int64)
+    _, row = np.unique(sid, return_inverse=True)
+    shape = (int(row.max()) + 1 if row.size else 0, int(pos.max()) + 1 if pos.size else 0)
+    out = {}
+    for name, values in columns.items():
+        t = np.zeros(shape, dtype=np.float32)
+        t[row, pos] = np.nan_to_num(values.astype(np.float32))
+        out[name] = torch.from_numpy(t)
+    mask = np.zeros(shape, dtype=bool)
+    mask[row, pos] = keep
+    return out, torch.from_numpy(mask)
+
+
+def _correction_columns(env: RunEnv, step: int, tok, col: dict, shadowed: np.ndarray) -> tuple[dict, tuple | None]:
+    """The ``bounds`` row's ``correction_*`` columns and the thresholds to put in force (None: not calibrated)."""
+    from fp8rl_core.corrections import calibrate_correction
+
+    a = env.cfg.algorithm
+    names = ("lower", "upper", "reference_lower", "reference_upper", "units", "outside_share_bf16",
+             "outside_share_fp8_before", "outside_share_fp8_after")
+    row = {"correction": [a.correction.mode if a.tis else None], **{f"correction_{n}": [None] for n in names}}
+    if not (a.tis and a.correction.calibrate):
+        return row, None
+    t, mask = _as_rows(tok, {"old8": col["old_logp_fp8"], "old16": col["old_logp_bf16"],
+                             "rollout": _rollout_logp(env, step, tok)}, shadowed)
+    res = calibrate_correction(t["old8"], t["old16"], t["rollout"], mask, a)
+    row.update({f"correction_{n}": [getattr(res, n)] for n in names})
+    return row, (res.lower, res.upper)
 
 
 def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[StageResult, TrainState]:
@@ -110,8 +155,12 @@ def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0
         "pooled_steps": [res.pooled_steps],
         **{k: [v] for k, v in sub_cols.items()},
     }
+    correction_row, thresholds = _correction_columns(env, step, tok, col, shadowed)
+    row.update(correction_row)
     path = env.writer.write("bounds", step, row, stage="calibrate", attempt=attempt, variant=env.variant)
     calibrator = state.calibrator.updated(res, step)
+    if thresholds is not None:
+        calibrator = dataclasses.replace(calibrator, correction=thresholds)
     seconds = time.perf_counter() - t0
     info = {"lower": res.lower, "upper": res.upper, "alpha": res.alpha, "calibrator": calibrator.to_dict()}
     return StageResult(outputs=[str(path)], seconds=seconds, info=info), state.replace(calibrator=calibrator)

@@ -181,7 +181,7 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
         res = policy_update(
             state.policy, state.optimizer, state.scheduler, batch, cfg, bounds=bounds, shadow=shadow,
             seed=step_seed(cfg.seed, step, 7), collective=env.collective,
-            shadow_rows=shadow_rows,
+            shadow_rows=shadow_rows, correction_thresholds=state.calibrator.correction,
         )
     state = state.replace(policy_version=step)
     # per-token rows: each rank writes the rows it trained, as its own part file

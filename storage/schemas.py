@@ -437,6 +437,18 @@ BOUNDS = TableSpec(
             "estimator_shadow_tokens", pa.int64(), "Shadow-passed tokens the raw L rests on (pooled steps included)."
         ),
         Column("pooled_steps", pa.int64(), "Calibration steps the raw L pooled (1 = this step only)."),
+        # the mismatch correction (algorithm.correction); thresholds NULL unless calibrated, all NULL in older runs
+        Column("correction", pa.string(), "Mismatch correction in force (algorithm.correction.mode; NULL: tis off)."),
+        Column("correction_lower", _F64, "Calibrated lower threshold, in force from the next step."),
+        Column("correction_upper", _F64, "Calibrated upper threshold (cap), in force from the next step."),
+        Column("correction_reference_lower", _F64, "The configured lower threshold it was calibrated against."),
+        Column("correction_reference_upper", _F64, "The configured upper threshold it was calibrated against."),
+        Column("correction_units", pa.int64(), "Units (tokens or sequences) with a BF16 shadow pass it used."),
+        Column("correction_outside_share_bf16", _F64, "Share of units outside the configured thresholds, BF16 pi_old."),
+        Column(
+            "correction_outside_share_fp8_before", _F64, "The same share with FP8 pi_old (what FP8 noise adds)."
+        ),
+        Column("correction_outside_share_fp8_after", _F64, "Share with FP8 pi_old outside the calibrated thresholds."),
     ),
 )
 

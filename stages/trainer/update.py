@@ -7,7 +7,8 @@ tested on tensors. Per step (docs/method.md, "Ratio and policy loss", "Precision
    batch (π_old); on calibration steps the BF16 shadow forward runs on the same
    master weights (π_old in BF16);
 2. TIS weights ``min(exp(old_logp - rollout_logp), C)`` correct the
-   rollout-vs-train mismatch (detached);
+   rollout-vs-train mismatch (detached), or the weights of the mismatch
+   correction ``algorithm.correction`` selects (:mod:`fp8rl_core.corrections`);
 3. the batch is split into mini-batches (one optimizer update each), each into
    micro-batches (one forward/backward each, gradients accumulated), so peak
    memory grows with the micro-batch, not the mini-batch;
@@ -62,7 +63,8 @@ import torch
 
 from fp8rl_core.bapo import UpdateBoundsRule
 from fp8rl_core.calibration import per_update_rule
-from fp8rl_core.losses import importance_ratio, loss_bounds, tis_weights
+from fp8rl_core.corrections import step_weights
+from fp8rl_core.losses import importance_ratio, loss_bounds
 from fp8rl_core.registered import LOSS_STATISTICS, POLICY_LOSSES
 from stages.trainer import old_logp as old_logp
 from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE, Collective
@@ -306,6 +308,7 @@ class StepTensors:
     is_w: torch.Tensor | None  # TIS weights (algorithm.tis)
     logp8: torch.Tensor  # π_θ of each row's epoch-0 update, training precision
     entropy: torch.Tensor
+    thresholds: tuple[float, float] | None = None  # the correction's calibrated thresholds (None: configured)
 
 
 def _no_grad_logprobs(
@@ -320,7 +323,14 @@ def _no_grad_logprobs(
 
 
 def old_logprobs(
-    model, rows: StepRows, cfg: CampaignConfig, *, shadow: bool, timings: dict[str, float], reuse_first: bool = False
+    model,
+    rows: StepRows,
+    cfg: CampaignConfig,
+    *,
+    shadow: bool,
+    timings: dict[str, float],
+    reuse_first: bool = False,
+    thresholds: tuple[float, float] | None = None,
 ) -> StepTensors:
     """Phase 1: π_old in the training precision and, on shadow steps, in BF16; the TIS weights.
 
@@ -343,7 +353,7 @@ def old_logprobs(
         _no_grad_logprobs(model, rows, first, mode, shadow=True, out=old16)
         logp16 = torch.zeros_like(old8) if rows.sub is None else torch.full_like(old8, float("nan"))
         timings["shadow_s"] = time.perf_counter() - t0
-    is_w = tis_weights(old8, x.rollout_logp, cap=a.tis_cap) * mask if a.tis and not reuse_first else None
+    is_w = None if reuse_first else step_weights(old8, x.rollout_logp, mask, a, thresholds)
     return StepTensors(
         mask,
         x.advantages.float()[:, None] * mask,
@@ -353,6 +363,7 @@ def old_logprobs(
         is_w,
         torch.zeros_like(old8),
         torch.zeros_like(old8),
+        thresholds,
     )
 
 
@@ -420,7 +431,7 @@ def micro_batch_pass(
         lp, ent = rows.logprobs(model, r, cfg.precision.train, with_entropy=True)
         if adopt_old:
             t.old8[r] = lp.detach()
-            t.is_w = tis_weights(t.old8, rows.local.rollout_logp, cap=a.tis_cap) * t.mask if a.tis else None
+            t.is_w = step_weights(t.old8, rows.local.rollout_logp, t.mask, a, t.thresholds)
         loss, _ = loss_fn(
             lp,
             t.old8[r],
@@ -536,6 +547,7 @@ def policy_update(
     seed: int,
     collective: Collective = SINGLE_PROCESS_COLLECTIVE,
     shadow_rows: torch.Tensor | None = None,
+    correction_thresholds: tuple[float, float] | None = None,
 ) -> UpdateResult:
     """Run ``ppo_epochs`` passes of mini-batch updates over ``batch`` (the *global* batch).
 
@@ -548,7 +560,8 @@ def policy_update(
     metrics are global and identical on every rank.
     ``shadow_rows`` (``[N]`` bool over the global batch, optional): shadow only
     these sequences (subsampled shadow passes, ``fp8rl_core.subsample``); the
-    BF16 log-probs of the other rows are NaN.
+    BF16 log-probs of the other rows are NaN. ``correction_thresholds``: the mismatch
+    correction's calibrated thresholds in force (None: the configured ones).
     """
     check_world_size(cfg, collective.world_size)
     rows = split_rows(batch, cfg, seed, collective, next(model.parameters()).device, shadow_rows)
@@ -558,7 +571,9 @@ def policy_update(
     reuse = old_logp.first_forward_is_old(
         rows.plan, rows.local.input_ids.device, collective.world_size, per_update_bounds=rule is not None
     )  # π_old of mini-batch 0 from its update
-    t = old_logprobs(model, rows, cfg, shadow=shadow, timings=timings, reuse_first=reuse)  # 1. π_old (+ BF16 shadow)
+    t = old_logprobs(  # 1. π_old (+ BF16 shadow)
+        model, rows, cfg, shadow=shadow, timings=timings, reuse_first=reuse, thresholds=correction_thresholds
+    )
     log = UpdateLog(minibatch=torch.zeros(rows.n, dtype=torch.long))
     t_train = time.perf_counter()
     for k in range(len(rows.plan)):  # 2. one optimizer update per mini-batch, every epoch
