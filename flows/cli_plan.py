@@ -1,5 +1,6 @@
 """``fp8rl plan``: the command. It measures (:mod:`flows.plan_measured`) and prints the
-arithmetic of :mod:`flows.plan` beside it, or the arithmetic alone (``--analytic``)."""
+arithmetic of :mod:`flows.plan` beside it, or the arithmetic alone (``--analytic``); then
+the generation work per rollout engine (:mod:`flows.plan_work`)."""
 
 from __future__ import annotations
 
@@ -21,17 +22,21 @@ def register(app) -> None:
         """Per-GPU memory plan of a campaign under FSDP2, measured on fake tensors; says whether it fits."""
         from flows.cli import fail
         from flows.configuration import ConfigError, load_config
+        from flows.plan_work import format_work_balance
 
         try:
             cfg = load_config(config, set_)
             p = memory_plan(cfg, gpus=gpus, gpu_memory_gib=gpu_memory, prompt_tokens=prompt_tokens)
+            work = format_work_balance(cfg, gpus=gpus)
         except (ConfigError, ValueError) as err:
             raise fail(str(err))
         if analytic:
             typer.echo(format_plan(cfg, p, gpus=gpus, gpu_memory_gib=gpu_memory))
+            typer.echo(work)
             return
         from flows.plan_measured import format_measured, measured_plan, plan_precision_line
 
         typer.echo(plan_precision_line(cfg))
         m = measured_plan(cfg, gpus=gpus, gpu_memory_gib=gpu_memory, prompt_tokens=prompt_tokens)
         typer.echo(format_measured(cfg, m, gpus=gpus, gpu_memory_gib=gpu_memory, prompt_tokens=prompt_tokens))
+        typer.echo(work)

@@ -47,29 +47,52 @@ def check_benchmarks(cfg: CampaignConfig) -> None:
         eval_problems(cfg, bench)
 
 
-def eval_blocks(env: RunEnv, prompt_ids: list[list[int]], step: int, bench: BenchmarkEval, salt: int) -> list:
-    """The benchmark's generation blocks: whole groups of ``k``, seeded per prompt, independent of the rank count."""
-    from stages.runtime.rollout_plan import generation_blocks
+def eval_blocks(
+    env: RunEnv, prompt_ids: list[list[int]], step: int, bench: BenchmarkEval, salt: int, loads: list[int] | None = None
+) -> tuple[list, list[int]]:
+    """The benchmark's generation blocks (whole groups of ``k``, every prompt seeded on its own, independent
+    of the rank count) for the job's engines, and the engines' expected tokens after them.
 
-    return generation_blocks(
-        [len(p) for p in prompt_ids],
+    ``loads``: the engines' expected tokens from the benchmarks before (vLLM's blocks are balanced
+    over all of an evaluation's benchmarks together; the transformers engine's are dealt)."""
+    from stages.runtime.rollout_plan import balanced_blocks, engine_layout, expected_tokens, generation_blocks
+
+    cfg = env.cfg
+    layout = engine_layout(cfg.rollout, env.world_size)
+    seeding = (step_seed(cfg.seed, step, 1000 + salt), step, 0)
+    lengths = [len(p) for p in prompt_ids]
+    if not layout.balanced:
+        blocks = generation_blocks(
+            lengths,
+            group_size=bench.k,
+            generation_batch_size=cfg.rollout.generation_batch_size,
+            seed=seeding[0],
+            step=step,
+            round_=0,
+        )
+        return blocks, list(loads or [0] * layout.engines)
+    return balanced_blocks(
+        lengths,
+        layout=layout,
         group_size=bench.k,
-        generation_batch_size=env.cfg.rollout.generation_batch_size,
-        seed=step_seed(env.cfg.seed, step, 1000 + salt),
-        step=step,
-        round_=0,
+        generation_batch_size=cfg.rollout.generation_batch_size,
+        tokens_per_prompt=expected_tokens(bench.k, bench.max_new_tokens),
+        seeding=seeding,
+        loads=loads,
     )
 
 
 def generate_eval_share(
     env: RunEnv, state: TrainState, prompt_ids: list[list[int]], blocks: list, bench: BenchmarkEval
 ) -> dict[int, RolloutBatch]:
-    """This rank's blocks of a benchmark (``{block index: batch}``), padded to the busiest rank's call count."""
+    """This rank's engine's blocks of a benchmark (``{block index: batch}``), padded to the busiest
+    engine's call count; every rank of a tensor-parallel group submits the same blocks."""
     from stages.rollout import sync_engine
-    from stages.runtime.rollout_plan import blocks_of_rank, calls_per_rank, padding_calls
+    from stages.runtime.rollout_plan import blocks_of_rank, calls_per_rank, engine_layout, padding_calls
 
     sync_engine(env, state)
-    mine = blocks_of_rank(blocks, env.rank, env.world_size)
+    layout = engine_layout(env.cfg.rollout, env.world_size)
+    mine = blocks_of_rank(blocks, env.rank, layout)
     out = {}
     for block in mine:
         out[block.index] = env.engine.generate(
@@ -82,13 +105,16 @@ def generate_eval_share(
             seeds=list(block.prompt_seeds),
         )
     if blocks:
-        padding_calls(env.engine, prompt_ids[blocks[0].prompts[0]], calls_per_rank(blocks, env.world_size) - len(mine))
+        padding_calls(env.engine, prompt_ids[blocks[0].prompts[0]], calls_per_rank(blocks, layout) - len(mine))
     return out
 
 
 def merged_batch(blocks: list, shares: list[dict[int, RolloutBatch]], num_prompts: int, k: int) -> RolloutBatch:
     """Every rank's blocks as one batch in the benchmark's prompt order (group layout)."""
-    merged = {i: b for share in shares for i, b in share.items()}
+    merged: dict[int, RolloutBatch] = {}
+    for share in shares:  # a block every rank of a tensor-parallel group generated: rank 0's (the first)
+        for i, b in share.items():
+            merged.setdefault(i, b)
     groups: list[list[RolloutSample]] = [[] for _ in range(num_prompts)]
     for block in blocks:
         for j, p in enumerate(block.prompts):
@@ -149,7 +175,7 @@ def grade_benchmark(
 def run_evaluate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0) -> tuple[StageResult, TrainState]:
     """Evaluate every configured benchmark at ``step``; write ``evals`` and ``eval_scores``.
 
-    Every rank generates its blocks of each benchmark (the same blocks and seeds on
+    Every rank generates its engine's blocks of each benchmark (every prompt's seed the same on
     any number of ranks, every rank calling the engine equally often); rank 0
     gathers them, grades and writes."""
     from stages.data.prompt_format import encode_prompts
@@ -160,11 +186,11 @@ def run_evaluate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0)
     benches = list(env.cfg.evaluation.benchmarks)
 
     def local():
-        plans = []
+        plans, loads = [], None
         for i, bench in enumerate(benches):
             items, verifier = eval_problems(env.cfg, bench)
             prompt_ids = encode_prompts(env, [it.prompt for it in items], state)
-            blocks = eval_blocks(env, prompt_ids, step, bench, i)
+            blocks, loads = eval_blocks(env, prompt_ids, step, bench, i, loads)
             plans.append((items, verifier, blocks, generate_eval_share(env, state, prompt_ids, blocks, bench)))
         return plans
 

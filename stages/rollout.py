@@ -1,11 +1,12 @@
 """Rollout stage: draw the step's prompts, generate G samples each, write ``rollouts``.
 
 Prompts come from the persisted sampler position (deterministic in the campaign
-seed). Generation is cut into blocks of whole GRPO groups that do not depend on
-the number of ranks (:mod:`stages.runtime.rollout_plan`): each rank generates its blocks,
-each block seeded by ``(seed, step, round, first prompt of the block)``; rank 0
+seed). Generation is cut into blocks of whole GRPO groups for the job's engines
+(:mod:`stages.runtime.rollout_plan`: every rank of a tensor-parallel group submits the
+same blocks; vLLM's blocks are balanced by expected tokens): each rank generates its
+engine's blocks, every prompt seeded by ``(seed, step, round, prompt)``; rank 0
 gathers them, puts the samples back in the step's prompt order and writes the
-rows, so the table is the same, bit for bit, on any number of ranks. The engine's
+rows, so the samples do not depend on the number of ranks. The engine's
 weights are refreshed from the trainer first (``load_weights``), so samples of
 step t come from the policy after step t-1's update (``policy_version = t - 1``).
 """
@@ -23,11 +24,12 @@ from stages.data.prompts import PromptItem, draw_prompts
 from stages.engines.base import RolloutBatch, RolloutSample
 from stages.result import StageResult
 from stages.runtime.rollout_plan import (
+    EngineLayout,
     GenerationBlock,
     blocks_of_rank,
     calls_per_rank,
+    engine_layout,
     generation_blocks,
-    generation_lanes,
     padding_calls,
 )
 from stages.runtime.stage_comm import from_main, together
@@ -74,7 +76,7 @@ class RolloutPlan:
 
 
 def plan_rollout(env: RunEnv, state: TrainState, step: int, items: list[PromptItem], *, round_: int) -> RolloutPlan:
-    """Encode the drawn prompts and cut them into generation blocks (the same on every rank)."""
+    """Encode the drawn prompts and cut them into blocks for the job's engines (the same on every rank)."""
     r = env.cfg.rollout
     prompt_ids = encode_prompts(env, [it.prompt for it in items], state)
     blocks = generation_blocks(
@@ -84,12 +86,14 @@ def plan_rollout(env: RunEnv, state: TrainState, step: int, items: list[PromptIt
         seed=env.cfg.seed,
         step=step,
         round_=round_,
+        layout=engine_layout(r, env.world_size),
+        max_new_tokens=r.max_new_tokens,
     )
     return RolloutPlan(items, prompt_ids, blocks)
 
 
 def generate_share(
-    env: RunEnv, state: TrainState, plan: RolloutPlan, *, rank: int, lanes: int
+    env: RunEnv, state: TrainState, plan: RolloutPlan, *, rank: int, lanes: int | EngineLayout
 ) -> dict[int, RolloutBatch]:
     """Generate the blocks of ``rank`` (one ``engine.generate`` call each): ``{block index: batch}``.
 
@@ -208,7 +212,7 @@ def run_rollout(
     def local():
         items, after = draw_prompts(env.source, state.sampler, env.cfg.rollout.prompts_per_step, env.cfg.seed)
         plan = plan_rollout(env, state, step, items, round_=round_)
-        lanes = generation_lanes(env.cfg.rollout, env.world_size)
+        lanes = engine_layout(env.cfg.rollout, env.world_size)
         share = generate_share(env, state, plan, rank=env.rank, lanes=lanes)
         return plan, after, share, sleep_engine(env)
 
