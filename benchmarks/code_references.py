@@ -5,7 +5,7 @@ solutions pass every case of their own problem, and how many pass every case of 
 neighbouring problem (the next one with another entry point; must be 0). Also checks
 that every Codeforces test set parses. Needs the data folder (``FP8RL_DATA_DIR``).
 
-    FP8RL_DATA_DIR=../shared/data python benchmarks/code_references.py [--limit N] [--splits test,train]
+    FP8RL_DATA_DIR=/path/to/data python benchmarks/code_references.py [--limit N] [--splits test,train]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages.data.benchmarks import resolve_data_dir  # noqa: E402
+from stages.data.benchmarks import DATA_FOLDER, resolve_data_dir  # noqa: E402
 from stages.data.code_benchmarks import load_code_benchmark  # noqa: E402
 from stages.grade.code import CodeGradingConfig, grade_code_batch, parse_tests  # noqa: E402
 
@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     root = resolve_data_dir(None)
     if root is None:
-        print("no data folder: set FP8RL_DATA_DIR (../shared/data)", file=sys.stderr)
+        print(f"no data folder: set FP8RL_DATA_DIR to {DATA_FOLDER}", file=sys.stderr)
         sys.exit(2)
     cfg = CodeGradingConfig(max_sandboxes=args.sandboxes, batch_wall_s=1e9)  # a measurement, not a step: no deadline
     for split, name in (("test", "leetcode_test.json"), ("train", "leetcode_train.json")):

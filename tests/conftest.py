@@ -114,7 +114,7 @@ def _one_thread():
 def data_dir() -> Path:
     d = os.environ.get("FP8RL_DATA_DIR")
     if not d or not Path(d).is_dir():
-        pytest.skip("benchmark data folder absent: set FP8RL_DATA_DIR (../shared/data)")
+        pytest.skip("benchmark data folder absent: set FP8RL_DATA_DIR to the folder of benchmark files")
     return Path(d)
 
 

@@ -23,7 +23,7 @@ from stages.grade.pool import grade_batch
 DATA_DIR = os.environ.get("FP8RL_DATA_DIR")
 needs_data = pytest.mark.skipif(
     not DATA_DIR or not Path(DATA_DIR).is_dir(),
-    reason="FP8RL_DATA_DIR is not set to the benchmark folder (../shared/data)",
+    reason="FP8RL_DATA_DIR is not set to the folder of benchmark files",
 )
 EXPECTED = {
     "aime24": 30,

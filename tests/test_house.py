@@ -275,3 +275,184 @@ def test_rank_and_collective_names_mean_one_thing() -> None:
             homes.setdefault(name, []).append(str(f.relative_to(ROOT)))
     twice = {name: where for name, where in homes.items() if len(where) > 1}
     assert not twice, "\n".join(f"{name}: {', '.join(where)}" for name, where in sorted(twice.items()))
+
+
+# --------------------------------------------------------------------------- the repository stands alone
+
+# Lines that may name a place outside the repository, and why: the Makefile's default data folder
+# (FP8RL_DATA_DIR overrides it), and a host path the code sandbox must keep out of a program's sight.
+OUTSIDE_ALLOWED = {
+    "Makefile": "FP8RL_DATA_DIR ?=",
+    "tests/test_sandbox_attacks.py": '"/work/',
+}
+OUTSIDE_REF = "|".join(["DESIGN" + r"\.md", r"\.\./" + "shared", "/work/" + "shared"])
+
+
+def _tracked_text_files() -> list[str]:
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    keep = (".py", ".md", ".yaml", ".yml", ".toml", ".sql", ".txt", ".cfg", ".json", ".sh")
+    return [rel for rel in tracked if (rel.endswith(keep) or rel == "Makefile") and (ROOT / rel).is_file()]
+
+
+def test_no_file_cites_a_document_outside_the_repository() -> None:
+    """A clone holds everything it cites: the method's definitions are docs/method.md, and the data
+    folder is named by FP8RL_DATA_DIR, never by where one copy happens to live."""
+    import re
+
+    pattern = re.compile(OUTSIDE_REF)
+    bad = []
+    for rel in _tracked_text_files():
+        for i, line in enumerate((ROOT / rel).read_text(errors="replace").splitlines(), 1):
+            if pattern.search(line) and OUTSIDE_ALLOWED.get(rel, "\0") not in line:
+                bad.append(f"{rel}:{i}: {line.strip()[:100]}")
+    assert not bad, f"{len(bad)} line(s):\n" + "\n".join(bad[:60])
+
+
+DATA_HOME = "stages/data/benchmarks.py"  # resolve_data_dir: task.data_dir, else $FP8RL_DATA_DIR
+
+
+def test_the_data_folder_is_reached_only_through_resolve_data_dir() -> None:
+    """Only ``stages.data.benchmarks.resolve_data_dir`` reads the variable; every other module asks it."""
+    bad = []
+    for f in _sources():
+        rel = str(f.relative_to(ROOT))
+        if rel == DATA_HOME:
+            continue
+        for node in ast.walk(ast.parse(f.read_text(), rel)):
+            if isinstance(node, ast.Constant) and node.value == "FP8RL_DATA_DIR":
+                bad.append(f"{rel}:{node.lineno} reads FP8RL_DATA_DIR itself")
+            elif isinstance(node, (ast.Name, ast.Attribute)) and "DATA_DIR_ENV" in (
+                getattr(node, "id", None),
+                getattr(node, "attr", None),
+            ):
+                bad.append(f"{rel}:{node.lineno} reads FP8RL_DATA_DIR itself")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("kind", ["math500", "deepscaler", "leetcode"])
+@pytest.mark.parametrize("folder", ["unset", "empty"])
+def test_a_missing_data_folder_or_file_says_what_the_folder_must_hold(kind, folder, tmp_path, monkeypatch) -> None:
+    from stages.data.benchmarks import SOURCES, TRAIN_SOURCES, load_benchmark, load_train_prompts
+    from stages.data.code_benchmarks import CODE_SOURCES, load_code_benchmark
+
+    monkeypatch.delenv("FP8RL_DATA_DIR", raising=False)
+    root = None if folder == "unset" else tmp_path
+    loaders = {
+        "math500": (lambda: load_benchmark("math500", root), SOURCES.get("math500").relpath),
+        "deepscaler": (lambda: load_train_prompts("deepscaler", None, root), TRAIN_SOURCES.get("deepscaler").relpath),
+        "leetcode": (lambda: load_code_benchmark("leetcode", root), CODE_SOURCES["leetcode"].relpath),
+    }
+    load, relpath = loaders[kind]
+    with pytest.raises(FileNotFoundError) as err:
+        load()
+    msg = str(err.value)
+    assert "FP8RL_DATA_DIR" in msg and "task.data_dir" in msg and "one subfolder per benchmark" in msg, msg
+    assert relpath in msg and "shared" not in msg, msg
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+# --------------------------------------------------------------------------- names given as strings resolve
+
+PACKAGES = ("fp8rl_core", "stages", "flows", "storage", "gpu_check")
+DOTTED_PATH = r"(?<![\w./-])(?:" + "|".join(PACKAGES) + r")(?:\.[A-Za-z_]\w*)+(?::[A-Za-z_]\w*)?"
+FILE_PATH = (
+    r"(?<![\w./-])((?:" + "|".join((*PACKAGES, "benchmarks", "tests", "configs", "docs")) + r")"
+    r"/[\w./-]*\.(?:py|yaml|md|sql|json))(?::([A-Za-z_]\w*))?"
+)
+PLACEHOLDER_PATHS = {"configs/x.yaml"}  # "configs/x.yaml" in usage text stands for any preset
+
+
+def _top_level_names(path: Path, cache: dict[Path, set[str]] = {}) -> set[str]:  # noqa: B006 (a cache)
+    """Names a module defines or imports at its top level (``if``/``try`` blocks included)."""
+    if path not in cache:
+        names: set[str] = set()
+        tree = ast.parse(path.read_text(), str(path))
+        for top in tree.body:
+            nodes = ast.walk(top) if isinstance(top, (ast.If, ast.Try)) else [top]
+            for node in nodes:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+                elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        cache[path] = names
+    return cache[path]
+
+
+def _resolves(name: str) -> bool:
+    """``pkg.module[.attr]`` or ``pkg.module:function``: the module is a file of the tree and the
+    first attribute after it is defined there (read from the source: nothing is imported)."""
+    dotted, _, func = name.partition(":")
+    parts = dotted.split(".") + ([func] if func else [])
+    path, i = ROOT / parts[0], 1
+    while i < len(parts) and ((path / parts[i]).is_dir() or (path / f"{parts[i]}.py").is_file()):
+        path = path / parts[i] if (path / parts[i]).is_dir() else path / f"{parts[i]}.py"
+        i += 1
+    if i == len(parts):
+        return True
+    module = path / "__init__.py" if path.is_dir() else path
+    return module.is_file() and parts[i] in _top_level_names(module)
+
+
+def _strings(path: Path):
+    """(line, text) of every string in a Python file, docstrings included; of every line elsewhere."""
+    if path.suffix != ".py":
+        yield from enumerate(path.read_text().splitlines(), 1)
+        return
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.lineno, node.value
+
+
+def test_every_module_path_named_as_a_string_resolves() -> None:
+    """Module paths in strings (a verifier's ``module:function``, ``:func:`` references, config
+    descriptions), prefect.yaml's entrypoints and the files the docs name all exist, so a moved
+    module cannot leave a dangling name behind."""
+    import re
+
+    from fp8rl_core.config import StorageConfig
+
+    config_keys = {f"storage.{k}" for k in StorageConfig.model_fields}  # `storage.runs_root` is a setting
+    files = [*_sources(), *sorted((ROOT / "tests").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
+    files += [ROOT / "README.md", ROOT / "prefect.yaml", *sorted(ROOT.glob("docs/*.md"))]
+    files += sorted((ROOT / "configs").rglob("*.yaml"))
+    bad = []
+    for f in files:
+        rel = f.relative_to(ROOT)
+        for line, text in _strings(f):
+            for name in re.findall(DOTTED_PATH, text):
+                if name not in config_keys and not _resolves(name):
+                    bad.append(f"{rel}:{line}: {name}")
+            for path, func in re.findall(FILE_PATH, text):
+                target = ROOT / path
+                ok = path in PLACEHOLDER_PATHS or target.is_file()
+                if ok and func and target.suffix == ".py":
+                    ok = func in _top_level_names(target)
+                if not ok:
+                    bad.append(f"{rel}:{line}: {path}{':' + func if func else ''}")
+    assert not bad, f"{len(bad)} dangling name(s):\n" + "\n".join(sorted(set(bad))[:60])
+
+
+def test_every_registry_a_config_field_names_exists_and_holds_its_default() -> None:
+    """``description="... a name in fp8rl_core.losses.POLICY_LOSSES"``: that registry, with the default in it."""
+    import importlib
+    import re
+
+    from fp8rl_core.registry import Registry
+
+    checked = 0
+    tree = ast.parse((ROOT / "fp8rl_core/config.py").read_text())
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Field" and node.args):
+            continue
+        described = [k.value for k in node.keywords if k.arg == "description" and isinstance(k.value, ast.Constant)]
+        desc = "".join(ast.literal_eval(v) for v in described)
+        for module, attr in re.findall(r"a name in ((?:\w+\.)+)(\w+)", desc):
+            registry = getattr(importlib.import_module(module.rstrip(".")), attr)
+            default = ast.literal_eval(node.args[0])
+            assert isinstance(registry, Registry), f"{module}{attr} is not a registry"
+            assert default in registry, f"config default {default!r} is not in {module}{attr}: {registry.names()}"
+            checked += 1
+    assert checked >= 6, checked

@@ -25,7 +25,7 @@ from fp8rl_core.tiny_model import (
 DATA_DIR = os.environ.get("FP8RL_DATA_DIR")
 needs_data = pytest.mark.skipif(
     not DATA_DIR or not Path(DATA_DIR).is_dir(),
-    reason="FP8RL_DATA_DIR is not set to the benchmark folder (../shared/data)",
+    reason="FP8RL_DATA_DIR is not set to the folder of benchmark files",
 )
 
 

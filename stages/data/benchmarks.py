@@ -56,6 +56,11 @@ from fp8rl_core.verifiers import last_boxed
 log = logging.getLogger(__name__)
 
 DATA_DIR_ENV = "FP8RL_DATA_DIR"
+# What a data folder holds, said by every message that asks for one.
+DATA_FOLDER = (
+    "the folder of benchmark files, one subfolder per benchmark "
+    "(aime24/test.jsonl, math500/test.jsonl, gsm8k/train.jsonl, code_rl_rllm/leetcode_test.json, ...)"
+)
 BOXED_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 SYNTHETIC_DEFAULT_SIZE = 1000  # problems of the synthetic test split when no limit is given
 
@@ -282,10 +287,7 @@ def _raw_records(path: Path) -> Iterator[tuple[int, str, dict[str, Any] | None, 
 
 def _load_file(name: str, path: Path, parser: RecordParser, limit: int | None) -> BenchmarkSet:
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{name}: data file {path} not found; point {DATA_DIR_ENV} (or task.data_dir) at the benchmark folder "
-            f"(../shared/data)"
-        )
+        raise missing_data_file(name, path)
     report = LoadReport(source=name, path=str(path))
     problems: list[BenchmarkProblem] = []
     for no, where, rec, error in _raw_records(path):
@@ -304,10 +306,20 @@ def _load_file(name: str, path: Path, parser: RecordParser, limit: int | None) -
     return BenchmarkSet(name=name, problems=problems, report=report)
 
 
-def _no_data_dir(name: str) -> FileNotFoundError:
+def missing_data_file(name: str, path: Path) -> FileNotFoundError:
+    """The error for a file the data folder lacks: which file, and what the folder must hold."""
     return FileNotFoundError(
-        f"{name}: no data folder: set {DATA_DIR_ENV} (or task.data_dir) to the benchmark folder (../shared/data), "
-        "or pass hub=True on a machine with network access"
+        f"{name}: data file {path} not found; {DATA_DIR_ENV} (or task.data_dir) must name {DATA_FOLDER}"
+    )
+
+
+def no_data_folder(name: str, relpath: str | None, *, hub: bool = True) -> FileNotFoundError:
+    """The error for a loader given no data folder: the variable to set and what the folder must hold
+    (``relpath``: the file ``name`` reads there; ``hub``: whether a Hugging Face dataset can stand in)."""
+    reads = f" ({name} reads {relpath} there)" if relpath else ""
+    online = ", or pass hub=True on a machine with network access" if hub else ""
+    return FileNotFoundError(
+        f"{name}: no data folder: set {DATA_DIR_ENV} (or task.data_dir) to {DATA_FOLDER}{reads}{online}"
     )
 
 
@@ -371,7 +383,7 @@ def load_benchmark(
     root = resolve_data_dir(data_dir)
     if root is None:
         if not hub:
-            raise _no_data_dir(name)
+            raise no_data_folder(name, source.relpath, hub=source.hf is not None)
         return _load_hf(name, source, limit)
     return _load_file(name, root / source.relpath, source.parser, limit)
 
@@ -403,7 +415,7 @@ def load_train_prompts(
         raise FileNotFoundError(f"{kind}: training prompt file {p} not found")
     if root is None:
         if not hub:
-            raise _no_data_dir(kind)
+            raise no_data_folder(kind, source.relpath, hub=source.hf is not None)
         return _load_hf(kind, source, limit)
     return _load_file(kind, root / source.relpath, source.parser, limit)
 

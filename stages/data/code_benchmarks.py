@@ -38,7 +38,14 @@ from typing import Any, Callable, Sequence
 
 from fp8rl_core import code_task
 from fp8rl_core.config import CodeConfig, TaskConfig
-from stages.data.benchmarks import BenchmarkProblem, BenchmarkSet, LoadReport, resolve_data_dir
+from stages.data.benchmarks import (
+    BenchmarkProblem,
+    BenchmarkSet,
+    LoadReport,
+    missing_data_file,
+    no_data_folder,
+    resolve_data_dir,
+)
 from stages.grade.code import CodeGradingConfig, extract_code, grade_code_batch, parse_tests, statement_allows_any_case
 from stages.grade.result import GradeResult
 
@@ -167,13 +174,13 @@ def load_code_benchmark(
         file = root / file
     if file is not None:
         if not file.is_file():
-            raise FileNotFoundError(f"{name}: data file {file} not found; point FP8RL_DATA_DIR at ../shared/data")
+            raise missing_data_file(name, file)
         items = json.loads(file.read_text(encoding="utf-8"))
         if not isinstance(items, list):
             raise ValueError(f"{file}: expected a JSON list of objects")
         return records_to_set(name, str(file), items, src, limit, code)
     if src.hf is None or not hub:
-        raise FileNotFoundError(f"{name}: no data folder (set FP8RL_DATA_DIR) and no hub access (hub=True)")
+        raise no_data_folder(name, src.relpath, hub=src.hf is not None)
     return _load_hf(name, src, limit, code)  # pragma: no cover - needs a network
 
 

@@ -10,7 +10,6 @@ campaign draws exactly the prompts an uninterrupted one would.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -103,8 +102,10 @@ class ListSource(PromptSource):
 
 
 def data_dir(cfg: TaskConfig) -> Path | None:
-    d = cfg.data_dir or os.environ.get("FP8RL_DATA_DIR")
-    return Path(d) if d else None
+    """The task's data folder: ``task.data_dir``, else ``$FP8RL_DATA_DIR``, else ``None``."""
+    from stages.data.benchmarks import resolve_data_dir
+
+    return resolve_data_dir(cfg.data_dir or None)
 
 
 def make_source(cfg: TaskConfig) -> PromptSource:
