@@ -224,3 +224,39 @@ def test_the_alarm_stops_a_section_that_overruns_the_total():
             except Exception:  # a section's own handler must not swallow the budget
                 pass
     assert time.monotonic() - t0 < 2
+
+
+def test_the_sync_tolerance_passes_a_bf16_copy_of_the_weights_and_fails_one_with_a_stale_layer(tmp_path):
+    """The sync check's tolerance, on the main venv without vLLM: the rollout engine is stood in for by the
+    project's BF16 inference copy (every weight and the residual stream in BF16, like vLLM), at Qwen3-0.6B's
+    depth (28 layers) and a narrow width. A copy synced after the train step is within the tolerance; one
+    with the last layer's pre-step weights is outside it (and inside the worst-case bound, which let it pass)."""
+    from fp8rl_core.precision import convert_for_rollout
+    from gpu_check import vllm_cycle
+    from stages.engines.weight_transfer import bf16_logprob_tolerance, bf16_sync_tolerance
+
+    model, _ = vllm_cycle._policy(str(tmp_path), vllm_cycle.NARROW_28)
+    last = vllm_cycle.NARROW_28["num_hidden_layers"] - 1
+    old = {n: p.detach().clone() for n, p in vllm_cycle._layer_params(model, last).items()}
+    vllm_cycle._train_step(model, "cpu")
+    trainer, exact = vllm_cycle._trainer_logprobs(model, vllm_cycle.FIXED, "cpu")
+    tol = bf16_sync_tolerance(trainer, exact)
+
+    def engine_gap() -> float:
+        copy = convert_for_rollout(model, "bf16", dtype=torch.bfloat16)
+        rows = []
+        with torch.no_grad():
+            for r in vllm_cycle.FIXED:
+                t = torch.tensor([r])
+                lp = copy(input_ids=t).logits.float()[0, :-1].log_softmax(-1)
+                rows.append(lp.gather(-1, t[0, 1:, None])[:, 0].tolist())
+        return vllm_cycle._gap(rows, trainer)
+
+    synced = engine_gap()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in old:
+                p.copy_(old[n])
+    stale = engine_gap()
+    assert 0 < synced <= tol < stale
+    assert stale < bf16_logprob_tolerance(1.0, 56)  # the worst-case bound, even at its smallest (max|z| <= 1)

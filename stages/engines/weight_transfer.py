@@ -153,16 +153,39 @@ BF16_UNIT_ROUNDOFF = 2.0**-8
 
 
 def bf16_logprob_tolerance(max_abs_logit: float, depth: int) -> float:
-    """Largest expected |engine - trainer| log-prob gap between two BF16 forwards of the same weights.
+    """A worst-case bound on the |engine - trainer| log-prob gap between two BF16 forwards of the same weights.
 
     Both sides hold bf16 weights and run bf16 matmuls but accumulate in different
     orders (vLLM's kernels, torch's autocast): each of the ``depth`` rounded
     stages (two per decoder block, plus the head) moves a logit by up to one
     unit roundoff of its magnitude, and a log-softmax moves by at most twice the
-    largest logit error: ``2 * u * max(max|z|, 1) * (depth + 1)``. A sync that
-    did not arrive leaves the engine off by the whole update, far above it.
+    largest logit error: ``2 * u * max(max|z|, 1) * (depth + 1)``. Worst case:
+    at 28 layers it is 0.445 nats per unit of the largest logit, so loose that a
+    sync leaving one layer stale passes it; a sync check judges with
+    :func:`bf16_sync_tolerance` instead.
     """
     return 2.0 * BF16_UNIT_ROUNDOFF * max(max_abs_logit, 1.0) * (depth + 1)
+
+
+BF16_SYNC_FACTOR = 2.0
+"""Engine and trainer each sit within the trainer's own BF16 rounding footprint of the exact forward."""
+
+
+def bf16_sync_tolerance(trainer_bf16: list[list[float]], trainer_fp32: list[list[float]]) -> float:
+    """Largest |engine - trainer| log-prob gap a correct BF16 weight sync may show, from the trainer's own rounding.
+
+    ``trainer_bf16`` / ``trainer_fp32``: the trainer's log-probs of the same tokens (one list per
+    sequence) in its BF16 forward and in float32 (the exact forward, to 2^-24). Their largest gap
+    ``d`` is what BF16 rounding does to this model at these weights and tokens. A synced engine
+    computes a BF16 forward of the same weights with other kernels: its own rounding error is of
+    the same kind and size (measured on vLLM's CPU build at 28 layers: 0.33 d), so
+    ``|engine - trainer| <= |engine - exact| + |trainer - exact| <= 2 d``: the tolerance
+    :data:`BF16_SYNC_FACTOR` x ``d``. A sync that leaves even one layer at its old weights moves
+    the log-probs by that layer's share of the update, well above it (docs/gpu-and-scale.md has
+    the figures); the worst-case :func:`bf16_logprob_tolerance` lets such a sync pass.
+    """
+    d = max((abs(a - b) for ra, rb in zip(trainer_bf16, trainer_fp32) for a, b in zip(ra, rb)), default=0.0)
+    return BF16_SYNC_FACTOR * d
 
 
 def cuda_ipc_handle(tensor: torch.Tensor) -> tuple:
