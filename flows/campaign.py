@@ -4,7 +4,7 @@ This module holds the DAG and its Prefect tasks; the stages are plain functions
 in ``stages/`` returning a :class:`stages.result.StageResult`, and how ranks agree
 on an attempt's outcome is :mod:`stages.runtime.rank_outcome`.
 
-Prefect gives retries, timeouts, states, logs and artifacts; the ledger in the
+Prefect gives retries, states, logs and artifacts; the ledger in the
 run directory is the truth for resume. Each stage is one Prefect task:
 
 =========== ======================= ==========================================
@@ -17,6 +17,12 @@ calibrate   1                       reads persisted token_stats
 evaluate    2, on transient errors
 checkpoint  2, on OSError
 =========== ======================= ==========================================
+
+Every stage has a time limit (``timeouts.<stage>_s``), armed alike on every rank
+by :mod:`stages.runtime.deadline` (never by Prefect on rank 0 alone): a stage
+past it ends every rank with one line, and ``fp8rl resume`` redoes it. Under
+several ranks a stage that fails ends each rank with one line, its traceback in
+the run directory.
 
 Transient = :class:`TransientStageError`, ``OSError``, ``TimeoutError``,
 ``ConnectionError`` (or another rank's transient failure); anything else (a
@@ -56,6 +62,7 @@ from fp8rl_core.config import CampaignConfig
 from stages.checkpoint import eval_scores, restore_latest
 from stages.context import RunEnv, TrainState, is_checkpoint_step, is_eval_step
 from stages.result import StageResult
+from stages.runtime.deadline import end_rank, stage_deadline
 from stages.runtime.rank_outcome import RankedStage, after_go, on_all, on_main, on_ranks
 from stages.runtime.stage_comm import TRANSIENT, TransientStageError, broadcast, is_transient  # noqa: F401 (re-exported)
 from storage import faults, lock
@@ -97,7 +104,7 @@ def _run_stage(
     return result, state
 
 
-def _stage_task(name: str, retries: int, timeout_s: float | None = None):
+def _stage_task(name: str, retries: int):
     def deco(fn: Callable[..., tuple[StageResult, Any]]):
         @task(
             name=name,
@@ -106,7 +113,6 @@ def _stage_task(name: str, retries: int, timeout_s: float | None = None):
             retry_condition_fn=_is_transient if retries else None,
             cache_policy=NO_CACHE,
             persist_result=False,
-            timeout_seconds=timeout_s,
             task_run_name=f"{name}-step-{{step}}",
         )
         def run(env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
@@ -158,11 +164,11 @@ def _checkpoint(env, state, step, **kw):
     return run_checkpoint(env, state, step, **kw)
 
 
-rollout_task = _stage_task("rollout", retries=2, timeout_s=3600)(after_go(_rollout))
-score_task = _stage_task("score", retries=2, timeout_s=3600)(after_go(_score))
+rollout_task = _stage_task("rollout", retries=2)(after_go(_rollout))
+score_task = _stage_task("score", retries=2)(after_go(_score))
 train_task = _stage_task("train", retries=0)(_train)
 calibrate_task = _stage_task("calibrate", retries=1)(_calibrate)
-evaluate_task = _stage_task("evaluate", retries=2, timeout_s=3600)(_evaluate)
+evaluate_task = _stage_task("evaluate", retries=2)(_evaluate)
 checkpoint_task = _stage_task("checkpoint", retries=2)(_checkpoint)
 
 
@@ -214,16 +220,25 @@ def _ranked(task_obj) -> RankedStage:
     return RankedStage(task_obj.name, task_obj.retries, task_obj, task_obj.with_options(retries=0), task_obj.stage_fn)
 
 
+def _deadline(task_obj, env: RunEnv, step: int):
+    """The stage's limit (``timeouts.<stage>_s``), armed alike on every rank (stages.runtime.deadline)."""
+    seconds = env.cfg.timeouts.stage_s(task_obj.name)
+    return stage_deadline(task_obj.name, step, seconds, rank=env.rank, run_dir=env.run_dir)
+
+
 def _on_ranks(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
-    return on_ranks(_ranked(task_obj), env, state, step, log=_logger(), **kw)
+    with _deadline(task_obj, env, step):
+        return on_ranks(_ranked(task_obj), env, state, step, log=_logger(), **kw)
 
 
 def _on_main(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
-    return on_main(_ranked(task_obj), env, state, step, **kw)
+    with _deadline(task_obj, env, step):  # the other ranks wait for rank 0 under the same limit
+        return on_main(_ranked(task_obj), env, state, step, **kw)
 
 
 def _on_all(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
-    return on_all(_ranked(task_obj), env, state, step, **kw)
+    with _deadline(task_obj, env, step):
+        return on_all(_ranked(task_obj), env, state, step, **kw)
 
 
 _after_go = after_go  # the name the rank tests use
@@ -340,7 +355,7 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
     cfg = load_config(Path(run_dir) / "config.yaml")
     lock.acquire(run_dir)  # one writer per run (rank 0 only; re-entrant: the CLI already holds it)
     try:
-        rank, world, group = init_from_env(resolve_device(cfg.device))
+        rank, world, group = init_from_env(resolve_device(cfg.device), timeout_s=cfg.timeouts.process_group_s)
         env, state = open_run(cfg, run_dir, rank=rank, world_size=world, group=group)
     except BaseException:
         lock.release(run_dir)
@@ -367,7 +382,12 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
             guard = CampaignGuard(env)
             step = start
             while step <= last:
-                trained, state, last_eval = run_step(env, state, step, progress, last_eval, synced)
+                try:
+                    trained, state, last_eval = run_step(env, state, step, progress, last_eval, synced)
+                except Exception as err:
+                    if world == 1:
+                        raise
+                    end_rank(err, rank=rank, run_dir=run_dir, where=f"step {step}")  # never returns
                 metrics = trained.metrics or metrics
                 # step + 1, or (all ranks together) the step after the checkpoint a guard rollback restored
                 step, state, last_eval = guard.after_step(state, step, metrics, last_eval)

@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fp8rl_core.correction_config import CorrectionConfig
+from fp8rl_core.timeouts_config import TimeoutConfig
 
 # Fields that name a registry entry (algorithm.advantage, .loss and .loss_agg, precision.train and .rollout,
 # calibration.mode) are plain strings: the registries are the one list of names, and
@@ -753,6 +754,9 @@ class CampaignConfig(_Frozen):
     )
     surge: SurgeConfig = Field(default_factory=SurgeConfig)
     code: CodeConfig = Field(default_factory=CodeConfig)
+    timeouts: TimeoutConfig = Field(
+        default_factory=TimeoutConfig, description="Stage and process-group time limits, enforced alike on every rank."
+    )
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "CampaignConfig":

@@ -37,8 +37,14 @@ import torch
 from torch import nn
 
 
-def init_from_env(device: torch.device | None = None) -> tuple[int, int, Any]:
-    """(rank, world size, group) of this process; a single process when not under torchrun."""
+def init_from_env(device: torch.device | None = None, *, timeout_s: float | None = None) -> tuple[int, int, Any]:
+    """(rank, world size, group) of this process; a single process when not under torchrun.
+
+    ``timeout_s``: how long a collective waits for a missing rank before it fails (the campaign
+    passes ``timeouts.process_group_s``, longer than any stage's limit); ``None``: torch's default
+    (10 minutes for NCCL, 30 for gloo)."""
+    import datetime
+
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -48,7 +54,8 @@ def init_from_env(device: torch.device | None = None) -> tuple[int, int, Any]:
         backend = "nccl" if (device is not None and device.type == "cuda") else "gloo"
         if device is not None and device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend=backend)
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend=backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), dist.group.WORLD
 
 
