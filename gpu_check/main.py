@@ -36,11 +36,15 @@ compiled as ``precision.compile: auto`` runs them on CUDA):
 
 Time: the whole check is budgeted at :data:`TOTAL_BUDGET_S` (5 minutes) and each
 section at its share (:data:`SECTION_BUDGETS_S`, which leave 15 s for start-up and
-imports). A section that loops stops between items at its deadline (the rest
-printed as skipped), a later section starts only with its budget's time left, and
-an alarm at the total budget stops whatever runs then. Each section's wall time and
-the total are printed. The budget has not been checked on a GPU (as of 2026-12-02:
-nothing here has run on one).
+imports). Every section runs in a process of its own
+(``gpu_check/section_process.py``) with an alarm at its deadline inside its work,
+and is killed a few seconds after it if still running, so the whole check returns
+within its total budget plus those few seconds, and a CUDA error or a half-built
+engine ends with its section. A section that loops also stops between items at its
+deadline (the rest printed as skipped); a later section starts only with its
+budget's time left. Each section's wall time and the total are printed. The
+budget has not been checked on a GPU (as of 2026-12-03: nothing here has run on
+one).
 
 On a machine without CUDA it prints one line saying so and exits 0.
 """
@@ -366,7 +370,39 @@ def alarm_at(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+SECTIONS: dict[str, Callable[[float], None]] = {}  # name -> fn(deadline), filled below
+
+
+def run_one_section(name: str, seconds: float) -> int:
+    """The child's side: section ``name`` under an alarm at ``seconds`` from now (exit status 3 when it rang)."""
+    add_paths()
+    from gpu_check.section_process import STOPPED_EXIT
+
+    if name not in SECTIONS:
+        print(f"gpu-check: unknown section {name!r}; valid: {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    with alarm_at(seconds):
+        try:
+            SECTIONS[name](time.monotonic() + seconds)
+        except BudgetExceeded:
+            return STOPPED_EXIT
+    return 0
+
+
+def in_own_process(name: str) -> Callable[[float], None]:
+    """``fn(deadline)`` running section ``name`` in a process of its own (``gpu_check.section_process``)."""
+    from gpu_check.section_process import run_in_process
+
+    def run(deadline: float) -> None:
+        run_in_process(name, deadline, emit)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(argv or [])
+    if argv[:1] == ["--section"] and len(argv) == 4 and argv[2] == "--seconds":
+        return run_one_section(argv[1], float(argv[3]))
     start = time.monotonic()
     wheels = add_paths()
     try:
@@ -391,18 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         f"gpu-check: {name}, CUDA capability {torch.cuda.get_device_capability()}, torch {torch.__version__}, {ao}, "
         f"wheels: {[Path(w).name for w in wheels] or 'none'}"
     )
-    sections = list(
-        zip(
-            SECTION_BUDGETS_S,
-            (
-                section_throughput,
-                section_sqnr,
-                lambda deadline: section_rollout(),
-                section_train_step,
-                section_vllm,
-            ),
-        )
-    )
+    sections = [(name, in_own_process(name)) for name in SECTION_BUDGETS_S]
     with alarm_at(start + TOTAL_BUDGET_S - time.monotonic()):
         try:
             cells = run_sections(sections, start, TOTAL_BUDGET_S)
@@ -410,6 +435,14 @@ def main(argv: list[str] | None = None) -> int:
             cells = ["stopped at the total budget"]
     emit(f"gpu-check: total {time.monotonic() - start:.0f} s (budget {TOTAL_BUDGET_S:.0f} s): " + ", ".join(cells))
     return 0
+
+
+SECTIONS.update(
+    zip(
+        SECTION_BUDGETS_S,
+        (section_throughput, section_sqnr, lambda deadline: section_rollout(), section_train_step, section_vllm),
+    )
+)
 
 
 if __name__ == "__main__":

@@ -260,3 +260,64 @@ def test_the_sync_tolerance_passes_a_bf16_copy_of_the_weights_and_fails_one_with
     stale = engine_gap()
     assert 0 < synced <= tol < stale
     assert stale < bf16_logprob_tolerance(1.0, 56)  # the worst-case bound, even at its smallest (max|z| <= 1)
+
+
+_SECTION_CHILD = r"""
+import signal, sys, time
+sys.path.insert(0, {root!r})
+from gpu_check import main as g
+def slow(deadline):  # overruns inside its work: its own alarm stops it
+    time.sleep(60)
+def stuck(deadline):  # overruns where no alarm reaches it (as a kernel or a compilation that does not return)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGALRM}})
+    time.sleep(60)
+def quick(deadline):
+    print("quick section done", flush=True)
+g.SECTIONS.update({{"[a] slow": slow, "[b] stuck": stuck, "[c] quick": quick}})
+sys.exit(g.run_one_section(sys.argv[1], float(sys.argv[2])))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_each_section_runs_in_its_own_process_and_an_overrun_is_stopped_or_killed_within_the_budget(
+    monkeypatch, capfd
+):
+    """Sections in processes of their own: one overrunning in Python is stopped by its own alarm at its
+    deadline, one that the alarm cannot reach is killed a few seconds after it, the next still runs, and the
+    whole check returns within its total budget + 10 s."""
+    import sys
+    import time
+    from pathlib import Path
+
+    from gpu_check import section_process
+
+    code = _SECTION_CHILD.format(root=str(Path(__file__).resolve().parents[1]))
+    lines = []
+    monkeypatch.setattr(gpu_check, "emit", lines.append)
+    monkeypatch.setattr(gpu_check, "SECTION_BUDGETS_S", {"[a] slow": 2.0, "[b] stuck": 2.0, "[c] quick": 10.0})
+
+    def child(name):
+        def run(deadline):
+            argv = [sys.executable, "-c", code, name, f"{deadline - time.monotonic():.1f}"]
+            section_process.run_in_process(name, deadline, lines.append, argv=argv)
+
+        return run
+
+    total = 20.0
+    start = time.monotonic()
+    cells = gpu_check.run_sections([(n, child(n)) for n in gpu_check.SECTION_BUDGETS_S], start, total)
+    took = time.monotonic() - start
+    assert took <= total + 10.0
+    assert "    [a] slow: stopped at its deadline" in lines
+    killed = f"    [b] stuck: killed {section_process.GRACE_S:.0f} s after its deadline (its own alarm did not stop it)"
+    assert killed in lines
+    assert [c.split()[0] for c in cells] == ["[a]", "[b]", "[c]"]
+    assert "quick section done" in capfd.readouterr().out
+    a, b = (float(c.split()[1]) for c in cells[:2])
+    assert a < 2.0 + 2.0 and 2.0 + section_process.GRACE_S - 1 <= b < 2.0 + section_process.GRACE_S + 2.0
+
+
+def test_an_unknown_section_is_refused_in_one_line(capsys):
+    assert gpu_check.main(["--section", "[9] nothing", "--seconds", "1"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and "unknown section '[9] nothing'" in out.err
