@@ -66,9 +66,9 @@ def _bf16_linear_forward(mod: nn.Module, fsdp_param: Any, x: torch.Tensor) -> to
     (FSDP2's bf16 all-gather, :func:`bf16_parameters`' cast, or the fp32 master under autocast)."""
     weight = mod.weight
     if fsdp_param is not None:
-        # the master shard (fp32, possibly wrapped by torchao), cast as FSDP2's bf16 policy casts, gathered
+        # the master shard, cast as FSDP2's bf16 policy casts, gathered; torchao's weight wrapper may come
+        # back around the bf16 values (on one rank): its ops compute on the plain values inside
         weight = fsdp_param.sharded_param.detach().to(torch.bfloat16).full_tensor()
-        weight = weight.as_subclass(torch.Tensor) if type(weight) is not torch.Tensor else weight
     return F.linear(x, weight, mod.bias)
 
 
