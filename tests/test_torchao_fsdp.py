@@ -16,14 +16,14 @@ from tests.scaleout_common import SMALL, rendezvous, small_batch, spawn_ranks
 pytestmark = pytest.mark.timeout(240)
 
 
-def _torchao_tensorwise(seed: int = 0):
+def _fp8_model(seed: int = 0, mode: str = "fp8_tensorwise", backend: str = "torchao"):
     from fp8rl_core.precision import convert_for_training
     from fp8rl_core.tiny_model import build_tiny_model
 
     torch.manual_seed(seed)
     m = build_tiny_model(SMALL)
-    report = convert_for_training(m, "fp8_tensorwise", backend="torchao", emulate=True)
-    assert report.backend == "torchao" and report.converted
+    report = convert_for_training(m, mode, backend=backend, emulate=True)
+    assert report.backend == ("torchao" if backend == "torchao" else "fp8rl-emulated") and report.converted
     return m
 
 
@@ -34,7 +34,7 @@ def _bf16_model(seed: int = 0):
     return build_tiny_model(SMALL)
 
 
-def _shadow_rank(rank: int, store: str, world: int, out: str) -> None:
+def _shadow_rank(rank: int, store: str, world: int, out: str, mode: str, backend: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -44,24 +44,33 @@ def _shadow_rank(rank: int, store: str, world: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        fp8 = shard_policy(_torchao_tensorwise(), mesh=mesh)
-        assert uses_fsdp_float8(fp8)
+        fp8 = shard_policy(_fp8_model(mode=mode, backend=backend), mesh=mesh)
+        assert uses_fsdp_float8(fp8) == (mode == "fp8_tensorwise" and backend == "torchao")
         ref = shard_policy(_bf16_model(), mesh=mesh)
         b = small_batch(n=4)
         with torch.no_grad():
-            lp8, _ = policy_logprobs(fp8, b.input_ids, b.attention_mask, mode="fp8_tensorwise")
-            lp_shadow, _ = policy_logprobs(fp8, b.input_ids, b.attention_mask, mode="fp8_tensorwise", shadow=True)
+            lp8, _ = policy_logprobs(fp8, b.input_ids, b.attention_mask, mode=mode)
+            lp_shadow, _ = policy_logprobs(fp8, b.input_ids, b.attention_mask, mode=mode, shadow=True)
             lp16, _ = policy_logprobs(ref, b.input_ids, b.attention_mask, mode="bf16")
         torch.save({"fp8": lp8, "shadow": lp_shadow, "bf16": lp16}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_shadow_pass_under_float8_all_gather_is_the_bf16_forward(tmp_path, world):
-    """The BF16 shadow pass of torchao's tensorwise modules under FSDP2 with float8 all-gather computes
-    the bf16 mode's forward on the same masters, bit for bit (it used to fail on the float8 payload)."""
-    spawn_ranks(_shadow_rank, (rendezvous(), world, str(tmp_path)), nprocs=world)
+@pytest.mark.parametrize(
+    "world, mode, backend",
+    [
+        (1, "fp8_tensorwise", "torchao"),
+        (2, "fp8_tensorwise", "torchao"),
+        (2, "fp8_rowwise", "torchao"),
+        (2, "fp8_blockwise", "emulated"),
+    ],
+)
+def test_shadow_pass_under_fsdp2_is_the_bf16_forward(tmp_path, world, mode, backend):
+    """The BF16 shadow pass under FSDP2 computes the bf16 mode's forward on the same masters, bit for bit:
+    torchao's tensorwise modules with float8 all-gather (it used to fail on the float8 payload), torchao's
+    rowwise ones and the blockwise emulation (bf16 all-gather)."""
+    spawn_ranks(_shadow_rank, (rendezvous(), world, str(tmp_path), mode, backend), nprocs=world)
     for rank in range(world):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert torch.equal(r["shadow"], r["bf16"])
@@ -80,7 +89,7 @@ def _train_rank(rank: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
     try:
         cfg = small_cfg("fp8_tensorwise")
-        model = shard_policy(_torchao_tensorwise())
+        model = shard_policy(_fp8_model())
         opt, sched = make_optimizer(model, cfg)
         b = small_batch()
         res = policy_update(
