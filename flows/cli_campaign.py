@@ -67,6 +67,7 @@ def preflight(cfg: CampaignConfig, nproc_per_node: int = 1) -> None:
     from stages.data.prompts import make_source
     from stages.evaluate import check_benchmarks
 
+    _check_device(cfg.device)
     if nproc_per_node > 1:
         from stages.trainer.minibatch_plan import check_world_size
 
@@ -83,6 +84,49 @@ def preflight(cfg: CampaignConfig, nproc_per_node: int = 1) -> None:
         check_benchmarks(cfg)
     except (FileNotFoundError, ValueError, OSError, KeyError) as err:
         raise _fail(f"evaluation data: {str(err).strip(chr(39))}")
+
+
+def _check_device(device: str) -> None:
+    """A CUDA device the machine does not have is one line here, not a traceback once the run folder exists."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise _fail(f"device {device}: this machine has no CUDA device torch can use; set device=cpu (or auto)")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise _fail(f"device {device}: this machine has {torch.cuda.device_count()} CUDA device(s) (cuda:0 first)")
+
+
+# Below a run directory the longest path the writer makes (tables/<table>/run=<id>/step=<n>/part-….parquet,
+# checkpoints/.dcp/…) is well under this many characters beyond the directory itself.
+_PATH_BELOW_RUN = 200
+
+
+def _check_run_dir_name(run_dir: Path) -> None:
+    """A run directory the file system cannot hold (its name is also a partition folder, ``run=<name>``)
+    is refused before anything is written."""
+    from storage.schemas import RUN_ID
+
+    name = run_dir.name
+    if not RUN_ID.match(name):
+        raise _fail(
+            f"run directory name {name!r}: letters, digits and . _ + = - only, starting with a letter or digit "
+            "(it is the run id)"
+        )
+    existing = next(p for p in [run_dir, *run_dir.parents] if p.exists())
+    try:
+        name_max, path_max = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    if len(f"run={name}".encode()) > name_max:
+        raise _fail(
+            f"run directory name {name[:24]!r}… is {len(name.encode())} bytes; this file system holds names of at "
+            f"most {name_max} bytes, and the tables use run=<name>: give a name of at most {name_max - 4} bytes"
+        )
+    if len(str(run_dir).encode()) + _PATH_BELOW_RUN > path_max:
+        raise _fail(f"run directory {str(run_dir)[:40]}…: too long a path for this file system ({path_max} bytes)")
 
 
 def _print_summary(run_dir: Path, result: dict) -> None:
@@ -141,6 +185,7 @@ def check_new_run_dir(run_dir: Path, runs_root: Path | None) -> Path:
     run_dir = run_dir.expanduser().resolve()
     if runs_root is not None and not run_dir.is_relative_to(runs_root.expanduser().resolve()):
         raise _fail(f"run directory {run_dir} would be outside the runs root {runs_root.resolve()}")
+    _check_run_dir_name(run_dir)
     if (run_dir / RUN_FILE).exists():
         raise _fail(f"{run_dir} already holds a run; use `fp8rl resume {run_dir}` or another --run-dir")
     for p in [run_dir, *run_dir.parents]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,83 @@ DEFAULT_PRESET = "tiny-cpu"
 
 class ConfigError(ValueError):
     """A config that cannot be loaded; the message is one line for the user."""
+
+
+# A config file is read as plain YAML: one meaning per text. Refused: a key given twice (YAML keeps the last,
+# silently dropping a whole section), anchors and aliases (shared values, and the way to expand a few lines
+# into gigabytes), merge keys, explicit tags, and YAML 1.1's sexagesimal and leading-zero octal numbers
+# (``1:30`` is 90, ``010`` is 8): those stay text, so ``010`` reads as written (ten) and a number field
+# refuses ``1:30`` by name.
+MAX_CONFIG_BYTES = 1 << 20
+_INT = "tag:yaml.org,2002:int"
+_FLOAT = "tag:yaml.org,2002:float"
+
+
+class _Refused(Exception):
+    def __init__(self, mark, what: str) -> None:
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        super().__init__(where + what)
+
+
+class PlainYamlLoader(yaml.SafeLoader):
+    """SafeLoader without YAML's silent resolutions (see above); refusals raise with the line."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT)]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            raise _Refused(event.start_mark, f"alias *{event.anchor}: anchors and aliases are not allowed in a config")
+        if getattr(event, "anchor", None) is not None:
+            raise _Refused(event.start_mark, f"anchor &{event.anchor}: anchors and aliases are not allowed in a config")
+        if getattr(event, "tag", None) not in (None, "!"):
+            raise _Refused(event.start_mark, f"tag {event.tag}: explicit YAML tags are not allowed in a config")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                raise _Refused(key_node.start_mark, "merge key <<: not allowed in a config (write the keys out)")
+            key = (key_node.tag, key_node.value) if isinstance(key_node, yaml.ScalarNode) else id(key_node)
+            if key in seen:
+                raise _Refused(
+                    key_node.start_mark,
+                    f"key {key_node.value!r} appears twice in one mapping (first on line {seen[key] + 1})",
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+PlainYamlLoader.add_implicit_resolver(
+    _INT, re.compile(r"^(?:[-+]?0|[-+]?[1-9][0-9_]*|0x[0-9a-fA-F_]+)$"), list("-+0123456789")
+)
+PlainYamlLoader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9_]+(?:[eE][-+][0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def read_yaml(text: str) -> Any:
+    """Parse config ``text`` with :class:`PlainYamlLoader`; refusals and syntax errors are one-line ConfigErrors
+    (without the file name: callers add it)."""
+    if len(text.encode()) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{len(text.encode())} bytes: a config is at most {MAX_CONFIG_BYTES} bytes")
+    try:
+        return yaml.load(text, Loader=PlainYamlLoader)
+    except _Refused as err:
+        raise ConfigError(str(err)) from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"not valid YAML ({str(err).splitlines()[0]})") from None
+    except RecursionError:
+        raise ConfigError("nested too deeply to be a config") from None
 
 
 def resolve_preset(name_or_path: str | Path | None) -> Path:
@@ -45,8 +123,10 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not key:
         raise ConfigError(f"--set {item!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
+        value = read_yaml(raw) if raw.strip() else None
+    except ConfigError as err:
+        if "not valid YAML" not in str(err):
+            raise ConfigError(f"--set {item!r}: {err}") from None
         value = raw
     return key.split("."), value
 
@@ -117,9 +197,9 @@ def _refuse_bools_as_numbers(tree: dict, src: str) -> None:
 def load_config(preset: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> CampaignConfig:
     path = resolve_preset(preset)
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        data = read_yaml(path.read_text())
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read ({err.strerror or err})") from None
     except UnicodeDecodeError as err:

@@ -12,6 +12,7 @@ values the paper does not give are marked "our choice".
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -34,13 +35,15 @@ class ModelConfig(_Frozen):
 
     path: str | None = Field(None, description="HF model id or local dir; None = the embedded tiny Qwen3 model.")
     hidden_size: int = Field(
-        128, ge=16, multiple_of=16, description="Tiny model hidden size (multiple of 16 for FP8 kernels)."
+        128, ge=16, le=16384, multiple_of=16, description="Tiny model hidden size (multiple of 16 for FP8 kernels)."
     )
     num_layers: int = Field(2, ge=1, le=12, description="Tiny model decoder layers.")
-    num_heads: int = Field(4, ge=1, description="Tiny model attention heads.")
-    num_kv_heads: int = Field(4, ge=1, description="Tiny model key/value heads (GQA when < num_heads).")
-    intermediate_size: int = Field(384, ge=16, multiple_of=16, description="Tiny model MLP width.")
-    max_position_embeddings: int = Field(256, ge=32, description="Tiny model context length (tokens).")
+    num_heads: int = Field(4, ge=1, le=256, description="Tiny model attention heads.")
+    num_kv_heads: int = Field(4, ge=1, le=256, description="Tiny model key/value heads (GQA when < num_heads).")
+    intermediate_size: int = Field(384, ge=16, le=65536, multiple_of=16, description="Tiny model MLP width.")
+    max_position_embeddings: int = Field(
+        256, ge=32, le=1 << 20, description="Tiny model context length (tokens)."
+    )
     tie_word_embeddings: bool = Field(True, description="Tie lm_head to the input embeddings (tiny model).")
     seed: int = Field(0, description="Seed of the tiny model's initial weights.")
 
@@ -274,7 +277,7 @@ class AlgorithmConfig(_Frozen):
     )
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (each in [0, 1)).")
     warmup_steps: int = Field(0, ge=0, description="Linear LR warmup (optimizer updates).")
     grad_clip: float = Field(1.0, gt=0, description="Global grad-norm clip.")
     ppo_mini_batch_size: int = Field(256, ge=1, description="Sequences per optimizer update (mini-batch).")
@@ -312,6 +315,13 @@ class AlgorithmConfig(_Frozen):
     activation_checkpointing: bool = Field(
         False, description="Recompute each decoder block's activations in backward (stores block inputs only)."
     )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"AdamW betas must each be in [0, 1), got {list(betas)}")
+        return betas
 
     @model_validator(mode="after")
     def _batches(self) -> "AlgorithmConfig":
@@ -726,7 +736,12 @@ class GuardConfig(_Frozen):
 class CampaignConfig(_Frozen):
     """One RL campaign: all of the above plus the step budget."""
 
-    name: str = Field("tiny-cpu", description="Preset / campaign name (run ids start with it).")
+    name: str = Field(
+        "tiny-cpu",
+        min_length=1,
+        max_length=200,
+        description="Preset / campaign name (run ids start with it; at most 200 characters, it names a folder).",
+    )
     seed: int = Field(0, description="Campaign seed (prompt sampling, generation, minibatch order).")
     steps: int = Field(40, ge=1, description="RL steps.")
     threads: int = Field(2, ge=1, description="torch intra-op threads.")
@@ -757,6 +772,14 @@ class CampaignConfig(_Frozen):
     timeouts: TimeoutConfig = Field(
         default_factory=TimeoutConfig, description="Stage and process-group time limits, enforced alike on every rank."
     )
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, device: str) -> str:
+        # whether the machine has it is checked where a run starts (this module does not import torch)
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+            raise ValueError(f"{device!r}: expected auto, cpu, cuda or cuda:N")
+        return device
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "CampaignConfig":

@@ -113,3 +113,80 @@ def test_resume_from_a_recorded_stage_still_sets_aside(micro_run: Path, no_flow)
     r = cli("resume", micro_run, "--from", "train", "--step", "2")
     assert r.exit_code == 0, r.stderr
     assert "set aside 1 table file(s)" in r.stdout and no_flow == [micro_run]
+
+
+# --------------------------------------------------------------------------- 3. configs mean one thing
+
+
+def _yaml(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("steps: 3\nsteps: 5\n", "key 'steps' appears twice in one mapping (first on line 1)"),
+        (
+            "rollout:\n  prompts_per_step: 16\nsteps: 3\nrollout:\n  max_new_tokens: 8\n",
+            "line 4: key 'rollout' appears twice",
+        ),
+        ("a: &x [1, 2]\nb: *x\n", "anchors and aliases are not allowed"),
+        # the shape of a few lines that expand to 10^9 strings (here 10^4): refused at the first anchor
+        (
+            'a: &a ["x","x","x","x","x","x","x","x","x","x"]\n'
+            + "".join(f"{c}: &{c} [{', '.join(['*' + p] * 10)}]\n" for p, c in zip("abc", "bcd")),
+            "anchors and aliases are not allowed",
+        ),
+        ("steps: !!float 3\n", "explicit YAML tags are not allowed"),
+        ("steps: !custom 3\n", "explicit YAML tags are not allowed"),
+        ("<<: {steps: 3}\n", "merge key <<"),
+        ("calibration:\n  interval: 1:30\n", "calibration.interval"),
+    ],
+)
+def test_yaml_that_resolves_silently_is_refused_in_one_line(tmp_path: Path, text: str, needle: str) -> None:
+    cfg = _yaml(tmp_path, text)
+    one_line_exit_2(cli("config", cfg), needle, str(cfg))
+    one_line_exit_2(cli("run", cfg, "--run-dir", tmp_path / "run"), needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_set_values_are_read_the_same_way() -> None:
+    one_line_exit_2(cli("config", "--set", "evaluation.benchmarks=[&a {name: synthetic}, *a]"), "anchor")
+    r = cli("config", "--set", "seed=010")  # YAML 1.1 would read 8
+    assert r.exit_code == 0 and "seed: 10\n" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(
+    "sets, needle",
+    [
+        (["model.hidden_size=1000000000000000000"], "model.hidden_size"),
+        (["algorithm.betas=[2,3]"], "AdamW betas must each be in [0, 1)"),
+        (["device=gpu"], "expected auto, cpu, cuda or cuda:N"),
+        (["name=" + "n" * 230], "name: String should have at most 200 characters"),
+    ],
+)
+def test_values_config_accepted_but_run_could_not_run_are_refused_by_both(tmp_path: Path, sets, needle) -> None:
+    args = [a for s in sets for a in ("--set", s)]
+    one_line_exit_2(cli("config", *args), needle)
+    one_line_exit_2(cli("run", "tiny-cpu", *args, "--run-dir", tmp_path / "run"), needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_cuda_device_the_machine_lacks_is_refused_before_the_run_folder(tmp_path: Path) -> None:
+    import torch
+
+    device = f"cuda:{torch.cuda.device_count()}"  # one past the last device (cuda:0 on a machine without CUDA)
+    one_line_exit_2(cli("run", "tiny-cpu", "--set", f"device={device}", "--run-dir", tmp_path / "run"), device)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "name, needle", [("r" * 252, "this file system holds names of at most"), ("a b", "is the run id")]
+)
+def test_a_run_directory_the_file_system_cannot_hold_is_refused_before_anything_is_written(
+    tmp_path: Path, name: str, needle: str
+) -> None:
+    one_line_exit_2(cli("run", "tiny-cpu", "--run-dir", tmp_path / name), needle)
+    assert list(tmp_path.iterdir()) == []
