@@ -220,25 +220,24 @@ def _ranked(task_obj) -> RankedStage:
     return RankedStage(task_obj.name, task_obj.retries, task_obj, task_obj.with_options(retries=0), task_obj.stage_fn)
 
 
-def _deadline(task_obj, env: RunEnv, step: int):
-    """The stage's limit (``timeouts.<stage>_s``), armed alike on every rank (stages.runtime.deadline)."""
-    seconds = env.cfg.timeouts.stage_s(task_obj.name)
-    return stage_deadline(task_obj.name, step, seconds, rank=env.rank, run_dir=env.run_dir)
-
-
 def _on_ranks(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
-    with _deadline(task_obj, env, step):
-        return on_ranks(_ranked(task_obj), env, state, step, log=_logger(), **kw)
+    return on_ranks(_ranked(task_obj), env, state, step, log=_logger(), **kw)
 
 
 def _on_main(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
-    with _deadline(task_obj, env, step):  # the other ranks wait for rank 0 under the same limit
-        return on_main(_ranked(task_obj), env, state, step, **kw)
+    return on_main(_ranked(task_obj), env, state, step, **kw)
 
 
 def _on_all(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
-    with _deadline(task_obj, env, step):
-        return on_all(_ranked(task_obj), env, state, step, **kw)
+    return on_all(_ranked(task_obj), env, state, step, **kw)
+
+
+def _limited(runner, task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
+    """``runner`` (:func:`_on_ranks`, :func:`_on_main`, :func:`_on_all`) under the stage's limit
+    (``timeouts.<stage>_s``), armed alike on every rank: a rank waiting for rank 0's part of the
+    stage waits under the same limit (:mod:`stages.runtime.deadline`)."""
+    with stage_deadline(task_obj.name, step, env.cfg.timeouts.stage_s(task_obj.name), rank=env.rank):
+        return runner(task_obj, env, state, step, **kw)
 
 
 _after_go = after_go  # the name the rank tests use
@@ -266,7 +265,7 @@ def _rollout_and_score(
             state = state.replace(sampler=SamplerState.from_dict(info[name].get("sampler")))
             continue
         _sync_engine(env, state, synced)  # DAPO refills generate too
-        out, state = _on_ranks(stage_task, env, state, step)
+        out, state = _limited(_on_ranks, stage_task, env, state, step)
         timings[f"{name}_seconds"] = out.seconds
         for k, v in out.timings.items():  # engine memory; refill rounds' generation time adds to rollout's
             timings[k] = timings.get(k, 0.0) + v if k.endswith("_seconds") else v
@@ -296,9 +295,9 @@ def run_step(
     trained, last_eval = StageResult(), dict(last_eval or {})
     if step > 0:
         timings, state = _rollout_and_score(env, state, step, done, info, synced)
-        trained, state = _on_all(train_task, env, state, step, timings=timings)
+        trained, state = _limited(_on_all, train_task, env, state, step, timings=timings)
         if trained.shadow:  # the schedule's decision (fixed K, drift, a guard remedy), as steps.shadow records it
-            cal, state = _on_main(calibrate_task, env, state, step)
+            cal, state = _limited(_on_main, calibrate_task, env, state, step)
             if env.is_main:
                 _bounds_artifact(env, step, cal.info)
                 publish_bounds(env, step)
@@ -310,13 +309,13 @@ def run_step(
             last_eval = eval_scores(info["evaluate"])
         else:
             _sync_engine(env, state, synced)
-            out, state = _on_ranks(evaluate_task, env, state, step)  # every rank generates its share
+            out, state = _limited(_on_ranks, evaluate_task, env, state, step)  # every rank generates its share
             last_eval = dict(out.scores)
             if env.is_main:
                 progress.eval(step, last_eval)
                 _eval_artifact(env, step, last_eval)
     if is_checkpoint_step(env.cfg, step):
-        _, state = _on_all(checkpoint_task, env, state, step, metrics=dict(last_eval))
+        _, state = _limited(_on_all, checkpoint_task, env, state, step, metrics=dict(last_eval))
     return trained, state, last_eval
 
 

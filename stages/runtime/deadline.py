@@ -43,11 +43,11 @@ def _say_and_exit(line: str, status: int) -> None:
         os._exit(status)
 
 
-def timeout_line(stage: str, step: int, seconds: float, rank: int, run_dir: str | Path) -> str:
+def timeout_line(stage: str, step: int, seconds: float, rank: int) -> str:
     """What a rank says when ``stage`` of ``step`` outlives its limit."""
     return (
         f"error: rank {rank}: {stage} of step {step} ran past its limit of {seconds:g} s "
-        f"(timeouts.{stage}_s), so every rank stops; `fp8rl resume {run_dir}` redoes the stage"
+        f"(timeouts.{stage}_s), so every rank stops; `fp8rl resume RUN_DIR` redoes the stage"
     )
 
 
@@ -58,12 +58,11 @@ def stage_deadline(
     seconds: float,
     *,
     rank: int,
-    run_dir: str | Path,
     expire: Callable[[str, int], None] = _say_and_exit,
 ) -> Iterator[None]:
     """Within the block, the stage may run ``seconds``; then ``expire(line, status)`` (default: say the
     line and end the process with :data:`STAGE_TIMEOUT_EXIT`)."""
-    line = timeout_line(stage, step, seconds, rank, run_dir)
+    line = timeout_line(stage, step, seconds, rank)
     timer = threading.Timer(seconds, expire, args=(line, STAGE_TIMEOUT_EXIT))
     timer.daemon = True
     timer.start()
