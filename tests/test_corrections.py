@@ -219,10 +219,21 @@ def test_bad_correction_combinations_fail_at_load(overrides, says):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", sorted(REFERENCE))
-def test_two_step_campaign_with_each_correction(tmp_path, name):
+def test_two_step_campaign_with_each_correction(tmp_path, monkeypatch, name):
     """Two steps of the micro campaign with the correction on (calibrated thresholds where it has any to
     calibrate): the bounds row records them and step 2 trains with them."""
     from conftest import micro_config
+
+    import stages.trainer.update as update
+
+    in_force = []
+    real = update.step_weights
+
+    def spy(old, rollout, mask, algorithm, thresholds=None):
+        in_force.append(thresholds)
+        return real(old, rollout, mask, algorithm, thresholds)
+
+    monkeypatch.setattr(update, "step_weights", spy)
 
     from flows.configuration import dump_config
     from stages.calibrate import run_calibrate
@@ -265,3 +276,6 @@ def test_two_step_campaign_with_each_correction(tmp_path, name):
         assert b["correction_upper"] >= hi and b["correction_lower"] <= lo + 1e-12
         assert b["correction_units"] > 0
         assert state.calibrator.correction is not None
+        first = in_force.index(next(t for t in in_force if t is not None))
+        assert all(t is None for t in in_force[:first]) and first > 0  # step 1: the configured thresholds
+        assert in_force[first] == pytest.approx((b["correction_lower"], b["correction_upper"]))  # step 2: step 1's
