@@ -280,6 +280,10 @@ def _check_run_config(
             text = (run_dir / "config.yaml").read_text(encoding="utf-8")
     except ConfigError as err:
         raise _fail(str(err))
+    if info.uid is None:
+        from storage.identity import no_uid_warning
+
+        typer.echo(f"warning: {no_uid_warning(info)}", err=True)
     drift = config_drift(info, text, stored)
     if drift is not None and not accept_change:
         raise _fail(drift_message(run_dir, drift))

@@ -66,3 +66,28 @@ def io_errors(path: Path | None, *, resume_hint: Path | None = None) -> Iterator
         if resume_hint is not None and (resume_hint / "run.json").exists():
             msg += f"; fix it, then `fp8rl resume {resume_hint}`"
         raise fail(msg) from None
+
+
+def run_dir_holding(path: Path) -> Path | None:
+    """The run directory ``path`` lies in or is (links followed, as a write would), or None."""
+    from storage.layout import is_run_dir
+
+    target = Path(path).expanduser().resolve()
+    return next((d for d in [target, *target.parents] if is_run_dir(d)), None)
+
+
+def refuse_run_paths(out: Path, option: str = "--out", *, own: str | None = None) -> None:
+    """A file or folder written by a command other than the run's writer never lands in a run directory.
+
+    ``own``: a folder of the run directory that belongs to this command (the report's ``report/``).
+    """
+    run = run_dir_holding(out)
+    if run is None:
+        return
+    if own is not None and Path(out).expanduser().resolve().is_relative_to(run / own):
+        return
+    raise fail(
+        f"{option} {out}: inside the run directory {run}, whose files only the run's writer changes; "
+        "write it somewhere else"
+    )
+

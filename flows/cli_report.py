@@ -20,7 +20,7 @@ from typing import Optional
 import typer
 
 from flows.cli_common import fail as _fail
-from flows.cli_common import io_errors
+from flows.cli_common import io_errors, refuse_run_paths
 
 
 def report_command(
@@ -38,6 +38,7 @@ def report_command(
 
     if out is None:
         out = roots[0] / "report" if len(roots) == 1 else Path(f"report-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    refuse_run_paths(out, own="report")  # (the default, ROOT/report, is the report's own folder)
     try:
         with io_errors(out):  # an --out below a file, a full disk: one line
             rep = build_report(roots, out)

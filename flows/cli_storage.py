@@ -22,6 +22,7 @@ from typing import Any, Optional
 import typer
 
 from flows.cli_common import fail as _fail
+from flows.cli_common import io_errors, refuse_run_paths
 
 
 class Format(str, Enum):
@@ -173,6 +174,8 @@ def query_command(
     fmt = Format(fmt).value
     if out is not None and out.suffix.lower() not in OUT_SUFFIXES:
         raise _fail(f"--out {out}: the extension must be one of {', '.join(OUT_SUFFIXES)}")
+    if out is not None:
+        refuse_run_paths(out)
     params = _parse_params(param)
     try:
         if named is not None:
@@ -205,7 +208,8 @@ def query_command(
         raise _fail(f"{_one_line(err)} (views: {views})")
     except duckdb.Error as err:
         raise _fail(_one_line(err))
-    _emit(result, fmt, out, max_rows)
+    with io_errors(out):  # a read-only or full file system under --out: one line
+        _emit(result, fmt, out, max_rows)
 
 
 def doctor_command(

@@ -59,7 +59,18 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from storage.layout import META_RUN_ID, META_STEP, META_VARIANT, Part, RunLayout, find_runs, live_parts, scan_parts
+from storage.identity import no_uid_warning
+from storage.layout import (
+    META_RUN_ID,
+    META_RUN_UID,
+    META_STEP,
+    META_VARIANT,
+    Part,
+    RunLayout,
+    find_runs,
+    live_parts,
+    scan_parts,
+)
 from storage.ledger import Ledger
 from storage.schemas import MAIN_VARIANT, META_TABLE, STORED_TABLES, TABLES, TableSpec
 
@@ -157,32 +168,38 @@ def _footer_kv(footer: bytes, key: bytes) -> str | None:
 
 
 def _said_by_footer(path: Path) -> dict[str, str] | None:
-    """What the part's footer says it holds (table, run_id, step, variant), or None if it cannot be read."""
+    """What the part's footer says it holds (table, run_id, step, variant, and run_uid where it carries one),
+    or None if it cannot be read."""
     import pyarrow.parquet as pq
 
     footer = _footer(path)
     if footer is not None:
         said = {k: v for k, key in _IDENTITY_KEYS.items() if (v := _footer_kv(footer, key)) is not None}
         if len(said) == len(_IDENTITY_KEYS):
+            if (uid := _footer_kv(footer, META_RUN_UID)) is not None:
+                said["run_uid"] = uid
             return said  # the common case: every key found in the raw footer
     try:
         meta = pq.read_metadata(path)
     except Exception:  # pyarrow raises several types; a damaged footer is found and named by footer_problem
         return None
     kv = meta.metadata or {}
-    said = {k: kv[key].decode(errors="replace") for k, key in _IDENTITY_KEYS.items() if key in kv}
+    keys = {**_IDENTITY_KEYS, "run_uid": META_RUN_UID}
+    said = {k: kv[key].decode(errors="replace") for k, key in keys.items() if key in kv}
     for col in ("run_id", "step"):
         if col not in said and (v := _stats_value(meta, col)) is not None:
             said[col] = str(v) if not isinstance(v, tuple) else "..".join(v[1:])
     return said
 
 
-def identity_problem(part: Part) -> str | None:
-    """None if ``part``'s footer agrees with its location (table, run, step, variant), else why not.
+def identity_problem(part: Part, run_uid: str | None = None) -> str | None:
+    """None if ``part``'s footer agrees with its location (table, run, step, variant) and with its run's
+    uid (``run_uid``, from run.json; None for runs written before uids), else why not.
 
     Reads the footer only. A key the file does not carry (written before it was
-    added) is taken from the column statistics, or not checked. A footer that
-    does not parse is left to :func:`footer_problem`.
+    added) is taken from the column statistics, or not checked; in a run with a
+    uid every part carries it, so a part without one was not written by this run.
+    A footer that does not parse is left to :func:`footer_problem`.
     """
     said = _said_by_footer(part.path)
     if said is None:
@@ -195,7 +212,11 @@ def identity_problem(part: Part) -> str | None:
     }
     wrong = [f"{k} {said[k]!r}" for k in where if k in said and where[k] is not None and said[k] != where[k]]
     if not wrong:
-        return None
+        if run_uid is None or said.get("run_uid") == run_uid:
+            return None
+        if "run_uid" not in said:
+            return "part without its run's uid: not written by this run's writer"
+        return f"part of another run (uid {said['run_uid'][:12]}…, this run's is {run_uid[:12]}…)"
     here = ", ".join(f"{k} {where[k]!r}" for k in where if where[k] is not None)
     return f"misplaced part: it holds {', '.join(wrong)} but its location is {here}"
 
@@ -316,9 +337,15 @@ def _live_files(
         parts = scan_parts(RunLayout(info.path), spec.name, info.run_id)
         placed = []
         for p in parts:
-            if p.name is None:
+            if p.link:
+                problems.append((str(p.path), "a link, not a file the run's writer made; skipped (run `fp8rl doctor`)"))
+            elif p.name is None:
                 problems.append((str(p.path), "file name not written by fp8rl storage; ignored"))
-            elif str(p.path) not in excluded and quick_parquet_check(p.path) is None and (why := identity_problem(p)):
+            elif (
+                str(p.path) not in excluded
+                and quick_parquet_check(p.path) is None
+                and (why := identity_problem(p, info.uid))
+            ):
                 problems.append((str(p.path), f"{why}; skipped (run `fp8rl doctor`)"))
             else:
                 placed.append(p)  # (a misplaced part never hides the part it claims to replace)
@@ -340,7 +367,7 @@ def refresh(con: duckdb.DuckDBPyConnection, *, retries: int = 5) -> list[tuple[s
     """
     root, runs = _source(con)
     infos = find_runs(root, runs)
-    problems: list[tuple[str, str]] = []
+    problems: list[tuple[str, str]] = [(str(i.path), no_uid_warning(i)) for i in infos if i.uid is None]
     all_files: list[str] = []
     for name in STORED_TABLES:
         spec = TABLES[name]

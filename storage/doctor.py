@@ -41,6 +41,7 @@ from storage.errors import DuplicateRun, NotARunDirectory, SchemaVersionError, S
 from storage.identity import config_file_drift, no_uid_warning
 from storage.layout import (
     META_RUN_ID,
+    META_RUN_UID,
     META_STEP,
     META_VARIANT,
     Part,
@@ -70,7 +71,7 @@ class Problem:
         return f"{self.severity}: {self.path}: {self.message}"
 
 
-def _check_parquet(path: Path, table: str, run_id: str, step: int, deep: bool) -> list[Problem]:
+def _check_parquet(path: Path, table: str, run_id: str, step: int, deep: bool, uid: str | None) -> list[Problem]:
     out: list[Problem] = []
     try:
         pf = pq.ParquetFile(path)
@@ -89,6 +90,10 @@ def _check_parquet(path: Path, table: str, run_id: str, step: int, deep: bool) -
     for key, col, want in ((META_RUN_ID, "run_id", run_id), (META_STEP, "step", str(step))):
         if kv.get(key, want.encode()).decode() != want:
             out.append(Problem(ERROR, str(path), f"metadata says {col} {kv[key].decode()!r}, not {want!r} of its path"))
+    if uid is not None and kv.get(META_RUN_UID, b"").decode() != uid:
+        said = kv.get(META_RUN_UID, b"").decode()
+        why = f"written by another run (uid {said[:12]}…)" if said else "carries no run uid: not written by this run"
+        out.append(Problem(ERROR, str(path), f"{why}; this run's uid is {uid[:12]}…; queries skip it"))
     try:
         check_schema_version(kv.get(META_VERSION, b"").decode() or None, "file")
     except SchemaVersionError as err:
@@ -117,7 +122,7 @@ def _check_parquet(path: Path, table: str, run_id: str, step: int, deep: bool) -
     return out
 
 
-def _check_tables(layout: RunLayout, run_id: str, deep: bool) -> tuple[list[Problem], set[str]]:
+def _check_tables(layout: RunLayout, run_id: str, deep: bool, uid: str | None) -> tuple[list[Problem], set[str]]:
     out: list[Problem] = []
     known: set[str] = set()
     if not layout.tables.is_dir():
@@ -130,8 +135,11 @@ def _check_tables(layout: RunLayout, run_id: str, deep: bool) -> tuple[list[Prob
         for f in sorted(table_dir.rglob("*")):
             if f.is_dir():
                 continue
-            known.add(layout.relative(f))
             rel = f.relative_to(table_dir).parts
+            if any((table_dir / Path(*rel[: i + 1])).is_symlink() for i in range(len(rel))) or table_dir.is_symlink():
+                out.append(Problem(WARNING, str(f), "a link, not a file the run's writer made; ignored by queries"))
+                continue
+            known.add(layout.relative(f))
             if len(rel) != 3 or not rel[0].startswith("run=") or not rel[1].startswith("step="):
                 out.append(Problem(WARNING, str(f), "not in the <table>/run=<id>/step=<n>/ layout; ignored by queries"))
                 continue
@@ -150,7 +158,7 @@ def _check_tables(layout: RunLayout, run_id: str, deep: bool) -> tuple[list[Prob
             except ValueError:
                 out.append(Problem(WARNING, str(f), f"bad step partition {rel[1]!r}; ignored by queries"))
                 continue
-            out += _check_parquet(f, table, run_id, step, deep)
+            out += _check_parquet(f, table, run_id, step, deep, uid)
         parts = [
             Part(f, table, run_id, int(f.parent.name[5:]), parse_part_name(f.name))
             for f in table_dir.glob(f"run={run_id}/step=*/*.parquet")
@@ -244,7 +252,7 @@ def check_run(run_dir: str | Path, *, deep: bool = False) -> list[Problem]:
     except StorageError as err:
         return [Problem(ERROR, str(layout.run_json), str(err))]
     out = _check_identity(layout, info)
-    tables, files = _check_tables(layout, info.run_id, deep)
+    tables, files = _check_tables(layout, info.run_id, deep, info.uid)
     out += tables
     if layout.tmp.is_dir():
         for f in sorted(layout.tmp.iterdir()):

@@ -366,23 +366,30 @@ class Part:
     run_id: str
     step: int
     name: PartName | None  # None: a file name not written by storage.writer
+    link: bool = False  # a symbolic link (or below one): not a file the run's writer made; never live
 
     @property
     def key(self) -> tuple[str, str, int, str, str] | None:
         """(table, run, step, stage, variant): at most one live file per key."""
-        if self.name is None:
+        if self.name is None or self.link:
             return None
         return (self.table, self.run_id, self.step, self.name.stage, self.name.variant)
 
 
 def scan_parts(layout: RunLayout, table: str, run_id: str) -> list[Part]:
-    """Every ``*.parquet`` under ``tables/<table>/run=<run_id>/step=<n>/`` (no reads)."""
+    """Every ``*.parquet`` under ``tables/<table>/run=<run_id>/step=<n>/`` (no reads).
+
+    A symbolic link (a file, a step folder, or the table's folder itself pointing
+    elsewhere) is listed with ``link=True``: the writer makes none, so none is live.
+    """
     base = layout.partition_dir(table, run_id, 0).parent
     parts: list[Part] = []
     try:
         step_dirs = list(os.scandir(base))
     except FileNotFoundError:
         return parts
+    inside = os.path.join(os.path.realpath(layout.root), os.path.relpath(base, layout.root))
+    linked_base = os.path.realpath(base) != inside  # (a linked run directory is fine: the root is resolved too)
     for d in step_dirs:
         if not (d.is_dir() and d.name.startswith("step=")):
             continue
@@ -392,7 +399,8 @@ def scan_parts(layout: RunLayout, table: str, run_id: str) -> list[Part]:
             continue
         for f in os.scandir(d.path):
             if f.name.endswith(".parquet") and f.is_file():
-                parts.append(Part(Path(f.path), table, run_id, step, parse_part_name(f.name)))
+                link = linked_base or d.is_symlink() or f.is_symlink()
+                parts.append(Part(Path(f.path), table, run_id, step, parse_part_name(f.name), link))
     parts.sort(key=lambda p: (p.step, p.path.name))
     return parts
 
@@ -402,7 +410,7 @@ def live_parts(parts: Iterable[Part]) -> tuple[list[Part], list[Part]]:
 
     Shadowed files exist only if a writer died between renaming its new file
     and setting the old one aside; they are ignored by queries. Files with a
-    foreign name are neither (the caller reports them).
+    foreign name, and links, are neither (the caller reports them).
     """
     newest: dict[tuple, Part] = {}
     shadowed: list[Part] = []

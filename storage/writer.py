@@ -41,6 +41,7 @@ from storage import faults
 from storage.errors import CorruptFile, SchemaError
 from storage.layout import (
     META_RUN_ID,
+    META_RUN_UID,
     META_STEP,
     META_VARIANT,
     Part,
@@ -218,7 +219,8 @@ class TableWriter:
 
     def __post_init__(self) -> None:
         self.layout = RunLayout(Path(self.run_dir))
-        self.run_id = read_run_info(self.layout.root).run_id
+        info = read_run_info(self.layout.root)
+        self.run_id, self.run_uid = info.run_id, info.uid
 
     def write(
         self, table: str, step: int, rows: Rows, *, stage: str, attempt: int = 0, variant: str = MAIN_VARIANT
@@ -245,6 +247,7 @@ class TableWriter:
                 META_RUN_ID: self.run_id.encode(),
                 META_STEP: str(step).encode(),
                 META_VARIANT: variant.encode(),
+                **({META_RUN_UID: self.run_uid.encode()} if self.run_uid else {}),
             }
         )
 

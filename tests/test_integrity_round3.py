@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from conftest import micro_config
-from test_integrity import _run_with_rows, cli, one_line_exit_2
+from test_integrity import _mount_tmpfs, _run_with_rows, cli, one_line_exit_2
 
 from flows.configuration import dump_config
 from storage.ledger import Ledger
@@ -43,6 +43,19 @@ def no_flow(monkeypatch):
     calls = []
     monkeypatch.setattr(cc, "_run_flow", lambda run_dir, resume, **kw: calls.append(run_dir) or {})
     return calls
+
+
+@pytest.fixture
+def read_only_mount(tmp_path: Path):
+    """A read-only tmpfs (skips where the test cannot mount: not root, a container)."""
+    import os
+    import subprocess
+
+    where = tmp_path / "ro"
+    if os.geteuid() != 0 or not _mount_tmpfs(where, "1m", "ro"):
+        pytest.skip("cannot mount a tmpfs here (needs root and mount rights)")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 def _edit_config(run: Path, old: str, new: str) -> None:
@@ -190,3 +203,97 @@ def test_a_run_directory_the_file_system_cannot_hold_is_refused_before_anything_
 ) -> None:
     one_line_exit_2(cli("run", "tiny-cpu", "--run-dir", tmp_path / name), needle)
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- 4. writes never touch a run's files
+
+
+def _live_part(run: Path, table: str, step: int) -> Path:
+    return sorted((run / "tables" / table).rglob(f"step={step}/*.parquet"))[-1]
+
+
+def test_query_out_refuses_every_path_inside_a_run(tmp_path: Path) -> None:
+    run = _run_with_rows(tmp_path / "runs", "A")
+    part = _live_part(run, "steps", 2)
+    link = tmp_path / "elsewhere"
+    link.symlink_to(run / "tables")
+    for out in [run / "run.json", part, link / "steps" / "x.csv", tmp_path / "runs" / "A" / "new.parquet"]:
+        before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+        one_line_exit_2(cli("query", run, "SELECT 9 AS reward_mean", "--out", out), "inside the run directory")
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    r = cli("query", run, "SELECT step, reward_mean FROM steps ORDER BY step", "--out", tmp_path / "ok.csv")
+    assert r.exit_code == 0 and (tmp_path / "ok.csv").read_text().count("\n") == 3, r.stderr
+
+
+def test_report_out_refuses_a_run_folder_but_keeps_its_own(tmp_path: Path) -> None:
+    from flows.cli_common import refuse_run_paths
+
+    run = _run_with_rows(tmp_path / "runs", "A")
+    one_line_exit_2(cli("report", run, "--out", run / "tables"), "inside the run directory")
+    refuse_run_paths(run / "report", own="report")  # the default place of a one-run report: no refusal
+
+
+def test_query_out_on_a_read_only_file_system_is_one_line(tmp_path: Path, read_only_mount: Path) -> None:
+    run = _run_with_rows(tmp_path / "runs", "A")
+    ro = read_only_mount
+    one_line_exit_2(cli("query", run, "SELECT 1 AS x", "--out", ro / "x.parquet"), "read-only", str(ro))
+
+
+def test_links_and_foreign_parts_are_skipped_by_query_with_a_warning(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from storage.layout import part_name
+
+    run = _run_with_rows(tmp_path / "runs", "A")
+    other = _run_with_rows(tmp_path / "other", "B")
+    step2 = _live_part(run, "steps", 2).parent
+    link1 = step2 / part_name("train", 1, "main").filename
+    link1.symlink_to("/etc/passwd")  # a link out of the run: the sandbox would refuse every query of the run
+    link2 = run / "tables" / "steps" / "run=A" / "step=1" / part_name("train", 1, "main").filename
+    link2.symlink_to(_live_part(other, "steps", 1))
+    forged = run / "tables" / "rollouts" / "run=A" / "step=2" / part_name("rollout", 1, "main").filename
+    pq.write_table(pq.read_table(_live_part(run, "rollouts", 2)).replace_schema_metadata(None), forged)
+    r = cli("query", run, "SELECT step, reward_mean FROM steps ORDER BY step", "--format", "csv")
+    assert r.exit_code == 0 and r.stdout.splitlines()[1:] == ["1,0.1", "2,0.2"], r.stdout + r.stderr
+    assert f"warning: {link1}: a link" in r.stderr and f"warning: {link2}: a link" in r.stderr, r.stderr
+    assert f"warning: {forged}: part without its run's uid" in r.stderr, r.stderr
+    r = cli("doctor", run)
+    assert r.exit_code == 1 and "carries no run uid" in r.stderr and f"{link1}: a link" in r.stdout, r.stdout
+
+
+# --------------------------------------------------------------------------- 2. one run identity
+
+
+def test_a_part_of_another_run_with_the_same_folder_name_is_skipped_by_uid(tmp_path: Path) -> None:
+    from storage.layout import part_name
+
+    a = _run_with_rows(tmp_path / "A", "base")
+    b = _run_with_rows(tmp_path / "B", "base")
+    theirs = _live_part(b, "steps", 2)
+    dest = a / "tables" / "steps" / "run=base" / "step=2" / part_name("train", 1, "main").filename
+    dest.write_bytes(theirs.read_bytes())  # a name the writer would use, and newer than A's own
+    r = cli("query", a, "SELECT step, reward_mean FROM steps ORDER BY step", "--format", "csv")
+    assert r.exit_code == 0 and r.stdout.splitlines()[1:] == ["1,0.1", "2,0.2"], r.stdout + r.stderr
+    assert f"warning: {dest}: part of another run (uid" in r.stderr, r.stderr
+    r = cli("doctor", a)
+    assert r.exit_code == 1 and "written by another run" in r.stderr, r.stdout + r.stderr
+
+
+def test_the_uid_survives_a_copy_and_a_run_without_one_opens_with_one_warning(tmp_path: Path) -> None:
+    import shutil
+
+    a = _run_with_rows(tmp_path / "A", "base")
+    uid = json.loads((a / "run.json").read_text())["uid"]
+    copy = tmp_path / "C" / "renamed"
+    shutil.copytree(a, copy)
+    assert json.loads((copy / "run.json").read_text())["uid"] == uid
+    r = cli("query", copy, "SELECT count(*) AS n FROM steps", "--format", "csv")
+    assert r.exit_code == 0 and r.stdout.splitlines()[1:] == ["2"] and r.stderr == "", r.stdout + r.stderr
+    old = _run_with_rows(tmp_path / "old", "before")  # as written before uids: neither run.json nor parts carry one
+    info = json.loads((old / "run.json").read_text())
+    (old / "run.json").write_text(json.dumps({k: v for k, v in info.items() if k not in ("uid", "config")}))
+    r = cli("query", old, "SELECT count(*) AS n FROM steps", "--format", "csv")
+    assert r.exit_code == 0 and r.stdout.splitlines()[1:] == ["2"], r.stdout + r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "written before runs carried a uid" in r.stderr, r.stderr
+    r = cli("doctor", old)
+    assert r.exit_code == 0 and "1 warning" in r.stdout, r.stdout + r.stderr

@@ -472,7 +472,10 @@ def test_file_from_an_older_schema_reads_with_nulls_for_new_columns(run_dir: Pat
             "reward": pa.array([1.0], pa.float32()),
         }
     )
-    old = old.replace_schema_metadata({b"fp8rl.schema_version": b"1", b"fp8rl.table": b"scores"})
+    uid = json.loads((run_dir / "run.json").read_text())["uid"]  # a part of this run, written before the columns
+    old = old.replace_schema_metadata(
+        {b"fp8rl.schema_version": b"1", b"fp8rl.table": b"scores", b"fp8rl.run_uid": uid.encode()}
+    )
     dest = run_dir / "tables" / "scores" / "run=r1" / "step=1" / "part-score-0-00000000000000000000-main.parquet"
     dest.parent.mkdir(parents=True)
     pq.write_table(old, dest)
