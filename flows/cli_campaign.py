@@ -327,7 +327,7 @@ def resume(
     ),
 ) -> None:
     """Resume a campaign from its ledger: restore the newest checkpoint, replay, continue."""
-    from flows.run_checks import RunMismatch, check_resume_point
+    from flows.run_checks import RunMismatch, check_ledger, check_resume_point
     from storage.writer import set_aside_from
 
     run_dir = run_dir.resolve()
@@ -336,12 +336,13 @@ def resume(
     cfg, drift = _check_run_config(run_dir, config, set_, accept_change=accept_config_change)
     preflight(cfg, nproc_per_node)
     with _locked(run_dir):
-        if from_stage is not None:
-            try:
-                with io_errors(run_dir):
+        try:
+            with io_errors(run_dir):
+                check_ledger(run_dir)
+                if from_stage is not None:
                     check_resume_point(run_dir, cfg, from_stage.value, step)
-            except RunMismatch as err:
-                raise _fail(str(err)) from None
+        except RunMismatch as err:
+            raise _fail(str(err)) from None
         if drift is not None:
             _take_config_change(run_dir, cfg, drift)
         if from_stage is not None:

@@ -11,6 +11,8 @@
 - **The arguments.** ``--from STAGE --step N`` sets outputs aside, so both are
   checked against the run first: N within the run's steps, and a STAGE the
   ledger recorded at step N.
+- **The ledger.** A damaged record (not a torn one of a crash) is refused, the
+  verdict ``doctor`` and ``query`` give the same line (``Ledger.damage``).
 
 Nothing here writes, except :func:`record_config_change` on an accepted change.
 """
@@ -84,3 +86,20 @@ def check_resume_point(run_dir: Path, cfg: CampaignConfig, stage: str, step: int
             f"--from {stage} --step {step}: the run has no {stage} at step {step} (recorded there: {have}); "
             f"`fp8rl query {run_dir} \"SELECT step, stage, status FROM ledger ORDER BY step\"` lists them"
         )
+
+
+def check_ledger(run_dir: Path) -> None:
+    """Refuse (RunMismatch) to resume a run whose ledger has a damaged record: the ledger's one reading,
+    the same verdict ``doctor`` and ``query`` give."""
+    from storage.ledger import Ledger
+
+    ledger = Ledger(run_dir)
+    damaged = [(line, what) for line, severity, what in ledger.damage() if severity == "error"]
+    if damaged:
+        line, what = damaged[0]
+        more = f" (and {len(damaged) - 1} more line(s))" if len(damaged) > 1 else ""
+        raise RunMismatch(
+            f"{ledger.path}:{line}: {what}{more}; resume cannot tell what that stage did: restore the line, or "
+            f"delete it to have that stage redone (`fp8rl doctor {run_dir}` names every such line)"
+        )
+

@@ -396,7 +396,15 @@ def refresh(con: duckdb.DuckDBPyConnection, *, retries: int = 5) -> list[tuple[s
     if all_files:
         con.executemany(f"INSERT INTO {_FILES} VALUES (?)", [(f,) for f in all_files])
 
-    ledgers = [Ledger(info.path).to_arrow(variant=None) for info in infos]
+    ledgers = []
+    for info in infos:
+        ledger = Ledger(info.path)
+        ledgers.append(ledger.to_arrow(variant=None))
+        problems += [
+            (f"{ledger.path}:{line}", f"{what}; the ledger view lacks that record (run `fp8rl doctor`)")
+            for line, severity, what in ledger.damage()
+            if severity == "error"
+        ]
     _create_from_arrow(
         con, "_ledger_rows", pa.concat_tables(ledgers) if ledgers else TABLES["ledger"].schema().empty_table()
     )

@@ -53,7 +53,7 @@ from storage.layout import (
     parse_part_name,
     read_run_info,
 )
-from storage.ledger import DONE, Ledger, looks_torn
+from storage.ledger import DONE, Ledger
 from storage.schemas import META_TABLE, META_VERSION, STORED_TABLES, check_schema_version
 
 ERROR, WARNING = "error", "warning"
@@ -178,20 +178,8 @@ def _check_tables(layout: RunLayout, run_id: str, deep: bool, uid: str | None) -
 def _check_ledger(layout: RunLayout, live_files: set[str]) -> list[Problem]:
     out: list[Problem] = []
     ledger = Ledger(layout.root)
-    events, bad = ledger.events()
-    if bad:
-        lines = ledger.path.read_bytes().rstrip(b"\n").split(b"\n")
-        for line in bad:
-            if line == len(lines):
-                what, severity = "torn last record (crash while appending); ignored", WARNING
-            elif looks_torn(lines[line - 1]):  # repaired by a version that started the next record on a fresh line
-                what, severity = (
-                    ("torn record of a crash, repaired (the next record starts a fresh line); ignored"),
-                    WARNING,
-                )
-            else:
-                what, severity = "unparseable record", ERROR
-            out.append(Problem(severity, f"{ledger.path}:{line}", what))
+    for line, severity, what in ledger.damage():  # the one reading doctor, query and resume share
+        out.append(Problem(ERROR if severity == "error" else WARNING, f"{ledger.path}:{line}", what))
     pruned = pruned_checkpoints(layout.root)
     for r in ledger.records(variant=None):
         if r.status != DONE:

@@ -108,6 +108,7 @@ class _Fold:
     current: dict = field(default_factory=dict)  # (variant, step) -> {stage: record touched last}
     attempts: dict = field(default_factory=dict)  # (step, stage, variant) -> highest attempt, set aside included
     bad: list = field(default_factory=list)  # line numbers that did not parse
+    damaged: dict = field(default_factory=dict)  # line number -> bytes, of bad lines that are not torn records
     config_changes: list = field(default_factory=list)  # config edits accepted at resume (events, in order)
     mark: bytes = b""  # the last line folded (its newline included)
 
@@ -279,6 +280,32 @@ class Ledger:
 
     # -- reading -------------------------------------------------------------------------
 
+    def damage(self) -> list[tuple[int, str, str]]:
+        """The ledger's one reading of its bad lines: ``(line, severity, what)``, severity "error" or "warning".
+
+        ``fp8rl doctor``, ``fp8rl query`` and ``fp8rl resume`` all take their verdict
+        from here. A torn last record (a crash while appending; the next append moves
+        it to the quarantine file) and a torn record an older version left in the
+        middle are warnings: nothing was recorded there. Any other line that does not
+        parse is an error: a record was damaged after it was written, and what the
+        stage it belonged to did cannot be read back.
+        """
+        fold = self._refresh()
+        out = []
+        for seq in fold.bad:
+            if seq in fold.damaged:
+                out.append((seq, "error", "unparseable record (damaged after it was written)"))
+            else:
+                what = "torn record of a crash, repaired (the next record starts a fresh line); ignored"
+                out.append((seq, "warning", what))
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return out
+        if size > fold.offset:  # a last line without its newline: torn by a crash while appending
+            out.append((fold.lines + 1, "warning", "torn last record (crash while appending); ignored"))
+        return out
+
     def config_changes(self) -> list[dict]:
         """The config edits accepted at resume, oldest first (``config_change`` events)."""
         return list(self._refresh().config_changes)
@@ -339,6 +366,8 @@ class Ledger:
         ev = _parse(line)
         if ev is None:
             fold.bad.append(seq)
+            if not looks_torn(line):
+                fold.damaged[seq] = line[:80]
             return
         kind = ev["event"]
         if kind == "config_change":

@@ -297,3 +297,37 @@ def test_the_uid_survives_a_copy_and_a_run_without_one_opens_with_one_warning(tm
     assert len(r.stderr.splitlines()) == 1 and "written before runs carried a uid" in r.stderr, r.stderr
     r = cli("doctor", old)
     assert r.exit_code == 0 and "1 warning" in r.stdout, r.stdout + r.stderr
+
+
+# --------------------------------------------------------------------------- 6. the ledger has one reading
+
+
+def _damage_line(run: Path, index: int, new: bytes) -> int:
+    """Replace ledger line ``index`` (0-based) with ``new``; returns its 1-based number."""
+    lines = (run / "ledger.jsonl").read_bytes().split(b"\n")
+    lines[index] = new
+    (run / "ledger.jsonl").write_bytes(b"\n".join(lines))
+    return index + 1
+
+
+def test_a_damaged_ledger_line_in_the_middle_gets_one_verdict_everywhere(micro_run: Path, no_flow) -> None:
+    # line 4 is the finish of step 1's train: damaged, query would show train as running and resume redo it
+    n = _damage_line(micro_run, 3, b'{"event":"finish",\x00\x00 garbage}')
+    where = f"{micro_run / 'ledger.jsonl'}:{n}"
+    r = cli("doctor", micro_run)
+    assert r.exit_code == 1 and f"error: {where}: unparseable record" in r.stderr, r.stdout + r.stderr
+    r = cli("query", micro_run, "SELECT step, stage, status FROM ledger ORDER BY step, stage", "--format", "csv")
+    assert r.exit_code == 0 and f"warning: {where}: unparseable record" in r.stderr, r.stdout + r.stderr
+    one_line_exit_2(cli("resume", micro_run), where, "unparseable record", "restore the line")
+    assert no_flow == []
+
+
+def test_a_torn_last_record_is_harmless_to_all_three(micro_run: Path, no_flow) -> None:
+    with open(micro_run / "ledger.jsonl", "ab") as f:
+        f.write(b'{"event":"start","run_id":"micro","st')  # a crash while appending
+    r = cli("doctor", micro_run)
+    assert r.exit_code == 0 and "torn last record" in r.stdout, r.stdout + r.stderr
+    r = cli("query", micro_run, "SELECT count(*) AS n FROM ledger", "--format", "csv")
+    assert r.exit_code == 0 and r.stderr == "", r.stderr
+    r = cli("resume", micro_run)
+    assert r.exit_code == 0 and no_flow == [micro_run], r.stderr
