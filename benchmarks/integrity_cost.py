@@ -13,7 +13,7 @@ a save, and the figure a resume of a recent checkpoint sees). Figures are per GB
 Parts: ``--rows`` token_stats rows over ``--steps`` steps (the generator of
 ``benchmarks/storage_scale.py``); ``connect`` + each of three shipped queries,
 and the part check itself (each part's footer read and compared with its
-location: ``identity_problem`` over every part), as a share of connect + the
+location and its run's uid: ``identity_problem`` over every part), as a share of connect + the
 queries. Goal <= 5%. Connect + queries with the check and without it
 (``identity_problem`` replaced by a no-op) are printed too; on a shared machine
 their difference is mostly noise.
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import storage.catalog as catalog  # noqa: E402
 from storage.catalog import connect, query, set_params  # noqa: E402
 from storage.checkpoints import verify_checkpoint  # noqa: E402
-from storage.layout import RunLayout, scan_parts  # noqa: E402
+from storage.layout import RunLayout, read_run_info, scan_parts  # noqa: E402
 from storage.queries import get_query  # noqa: E402
 from storage.schemas import STORED_TABLES  # noqa: E402
 
@@ -105,7 +105,7 @@ def part_check_cost(base: Path, rows: int, steps: int, repeats: int) -> None:
     real = catalog.identity_problem
 
     def total(check: bool) -> tuple[float, float]:
-        catalog.identity_problem = real if check else (lambda part: None)
+        catalog.identity_problem = real if check else (lambda part, run_uid=None: None)
         try:
             t = time.perf_counter()
             con = connect(root)
@@ -129,7 +129,8 @@ def part_check_cost(base: Path, rows: int, steps: int, repeats: int) -> None:
         for p in scan_parts(RunLayout(root / "bench"), table, "bench")
         if p.name is not None
     ]
-    check = _median(lambda: [real(p) for p in parts], max(repeats, 5))
+    uid = read_run_info(root / "bench").uid  # the footer is compared with the run's uid too
+    check = _median(lambda: [real(p, uid) for p in parts], max(repeats, 5))
     c_on, c_off = statistics.median(c for c, _ in on), statistics.median(c for c, _ in off)
     t_on, t_off = statistics.median(t for _, t in on), statistics.median(t for _, t in off)
     print(
