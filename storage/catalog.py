@@ -359,6 +359,57 @@ def _live_files(
     return files
 
 
+def _ledger_views(con: duckdb.DuckDBPyConnection, infos: list, problems: list[tuple[str, str]]) -> None:
+    """The ``ledger`` views; a damaged ledger line (the ledger's one reading: ``Ledger.damage``) is a problem."""
+    ledgers = []
+    for info in infos:
+        ledger = Ledger(info.path)
+        ledgers.append(ledger.to_arrow(variant=None))
+        problems += [
+            (f"{ledger.path}:{line}", f"{what}; the ledger view lacks that record (run `fp8rl doctor`)")
+            for line, severity, what in ledger.damage()
+            if severity == "error"
+        ]
+    _create_from_arrow(
+        con, "_ledger_rows", pa.concat_tables(ledgers) if ledgers else TABLES["ledger"].schema().empty_table()
+    )
+    con.execute("CREATE OR REPLACE VIEW ledger_variants AS SELECT * FROM _ledger_rows")
+    con.execute(f"CREATE OR REPLACE VIEW ledger AS SELECT * FROM ledger_variants WHERE variant = '{MAIN_VARIANT}'")
+
+
+def _runs_table(infos: list) -> pa.Table:
+    """One row per run directory: id, uid, where, config hash and the config changes taken at resume."""
+    return pa.Table.from_pylist(
+        [
+            {
+                "run_id": i.run_id,
+                "path": str(i.path),
+                "config_hash": i.config_hash,
+                "created_at": i.created_at,
+                "schema_version": i.schema_version,
+                "uid": i.uid,
+                "config_changes": json.dumps(
+                    [{k: c.get(k) for k in ("at", "after_step", "keys", "to_hash")} for c in i.config_changes]
+                )
+                if i.config_changes
+                else None,
+            }
+            for i in infos
+        ],
+        schema=pa.schema(
+            [
+                ("run_id", pa.string()),
+                ("path", pa.string()),
+                ("config_hash", pa.string()),
+                ("created_at", pa.string()),
+                ("schema_version", pa.int32()),
+                ("uid", pa.string()),
+                ("config_changes", pa.string()),
+            ]
+        ),
+    )
+
+
 def refresh(con: duckdb.DuckDBPyConnection, *, retries: int = 5) -> list[tuple[str, str]]:
     """(Re)build the views from the files now on disk; returns the problems found.
 
@@ -396,51 +447,8 @@ def refresh(con: duckdb.DuckDBPyConnection, *, retries: int = 5) -> list[tuple[s
     if all_files:
         con.executemany(f"INSERT INTO {_FILES} VALUES (?)", [(f,) for f in all_files])
 
-    ledgers = []
-    for info in infos:
-        ledger = Ledger(info.path)
-        ledgers.append(ledger.to_arrow(variant=None))
-        problems += [
-            (f"{ledger.path}:{line}", f"{what}; the ledger view lacks that record (run `fp8rl doctor`)")
-            for line, severity, what in ledger.damage()
-            if severity == "error"
-        ]
-    _create_from_arrow(
-        con, "_ledger_rows", pa.concat_tables(ledgers) if ledgers else TABLES["ledger"].schema().empty_table()
-    )
-    con.execute("CREATE OR REPLACE VIEW ledger_variants AS SELECT * FROM _ledger_rows")
-    con.execute(f"CREATE OR REPLACE VIEW ledger AS SELECT * FROM ledger_variants WHERE variant = '{MAIN_VARIANT}'")
-
-    run_rows = pa.Table.from_pylist(
-        [
-            {
-                "run_id": i.run_id,
-                "path": str(i.path),
-                "config_hash": i.config_hash,
-                "created_at": i.created_at,
-                "schema_version": i.schema_version,
-                "uid": i.uid,
-                "config_changes": json.dumps(
-                    [{k: c.get(k) for k in ("at", "after_step", "keys", "to_hash")} for c in i.config_changes]
-                )
-                if i.config_changes
-                else None,
-            }
-            for i in infos
-        ],
-        schema=pa.schema(
-            [
-                ("run_id", pa.string()),
-                ("path", pa.string()),
-                ("config_hash", pa.string()),
-                ("created_at", pa.string()),
-                ("schema_version", pa.int32()),
-                ("uid", pa.string()),
-                ("config_changes", pa.string()),
-            ]
-        ),
-    )
-    _create_from_arrow(con, "runs", run_rows)
+    _ledger_views(con, infos, problems)
+    _create_from_arrow(con, "runs", _runs_table(infos))
     _create_from_arrow(
         con,
         _PROBLEMS,
