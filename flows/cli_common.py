@@ -47,6 +47,10 @@ def io_error_message(err: BaseException, path: Path | None) -> str | None:
     cause = err.__cause__ or err.__context__
     if isinstance(cause, OSError) and cause.errno is not None:
         return os_error_line(cause, None if path is None else str(path))
+    if path is not None and isinstance(err, RuntimeError) and "unexpected pos" in str(err):
+        # torch.save's zip writer says only this when a write comes up short; the space may be free again by now
+        # (the half-written file is removed), so the free-space test below would miss it
+        return f"{path}: a write came up short (no space left on device, or a quota reached)"
     if path is not None and isinstance(err, (RuntimeError, OSError)) and _disk_full(path):
         return os_error_line(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), str(path))
     return None

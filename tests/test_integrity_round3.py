@@ -331,3 +331,19 @@ def test_a_torn_last_record_is_harmless_to_all_three(micro_run: Path, no_flow) -
     assert r.exit_code == 0 and r.stderr == "", r.stderr
     r = cli("resume", micro_run)
     assert r.exit_code == 0 and no_flow == [micro_run], r.stderr
+
+
+# --------------------------------------------------------------------------- disk full, as torch reports it
+
+
+def test_a_short_write_reported_by_torch_save_is_one_line_even_once_space_is_free(tmp_path: Path, capsys) -> None:
+    import typer
+
+    from flows.cli_common import io_errors
+
+    run = _run_with_rows(tmp_path / "runs", "A")
+    with pytest.raises(typer.Exit) as exc, io_errors(run, resume_hint=run):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4480 vs 4374")
+    assert exc.value.exit_code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no space left on device" in err and f"fp8rl resume {run}" in err, err
