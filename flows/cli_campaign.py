@@ -129,6 +129,50 @@ def _check_run_dir_name(run_dir: Path) -> None:
         raise _fail(f"run directory {str(run_dir)[:40]}…: too long a path for this file system ({path_max} bytes)")
 
 
+def _available_bytes(device: str) -> tuple[int, str] | None:
+    """Memory the run's device has (a CUDA device's total, or the host's available memory) and its name."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        index = int(device.partition(":")[2] or 0)
+        return torch.cuda.mem_get_info(index)[1], f"cuda:{index}"
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024, "this machine's available memory"
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def check_memory_fit(cfg: CampaignConfig, nproc_per_node: int) -> None:
+    """Refuse a model whose training state alone (fp32 weights and gradients, AdamW's two moments: 16 bytes
+    a parameter, sharded over the ranks; ``flows.plan``) exceeds the device's memory, before anything is
+    allocated or written. Activations are left out, so what is refused cannot run at all."""
+    from flows.plan import GiB, arch_of, total_params
+
+    device = "cuda" if cfg.device == "auto" and _has_cuda() else ("cpu" if cfg.device == "auto" else cfg.device)
+    have = _available_bytes(device)
+    try:
+        params = total_params(arch_of(cfg))
+    except ValueError:  # a model whose architecture is not on file: nothing to compare
+        return
+    need = 16 * params / nproc_per_node
+    if have is not None and need > have[0]:
+        raise _fail(
+            f"the model's training state needs {need / GiB:.1f} GiB per rank ({params / 1e9:.2f} B parameters x "
+            f"16 bytes; `fp8rl plan` itemizes the rest) but {have[1]} is {have[0] / GiB:.1f} GiB; make the "
+            "model smaller or use more ranks, or start anyway with --skip-memory-check"
+        )
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _print_summary(run_dir: Path, result: dict) -> None:
     ev = result.get("last_eval") or {}
     typer.echo("")
@@ -212,6 +256,9 @@ def run(
         None, "--run-dir", help="Run directory (default: <storage.runs_root>/<name>-<time>)."
     ),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1, help=NPROC_HELP),
+    skip_memory_check: bool = typer.Option(
+        False, "--skip-memory-check", help="Start even when the memory plan exceeds the device's memory."
+    ),
 ) -> None:
     """Run a campaign (default: the tiny CPU preset) end to end."""
     from storage.errors import StorageError
@@ -227,6 +274,8 @@ def run(
             f"name {cfg.name!r}: a run name is letters, digits and . _ + = - (no '/'), starting with a letter or digit"
         )
     preflight(cfg, nproc_per_node)
+    if not skip_memory_check:
+        check_memory_fit(cfg, nproc_per_node)
     default_root = None
     if run_dir is None:
         default_root = Path(cfg.storage.runs_root)

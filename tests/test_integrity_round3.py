@@ -347,3 +347,13 @@ def test_a_short_write_reported_by_torch_save_is_one_line_even_once_space_is_fre
     assert exc.value.exit_code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no space left on device" in err and f"fp8rl resume {run}" in err, err
+
+
+def test_a_model_far_too_large_for_the_machine_is_refused_before_anything_is_allocated(tmp_path: Path) -> None:
+    big = ["model.hidden_size=16384", "model.intermediate_size=65536", "model.num_layers=12", "device=cpu"]
+    args = [a for s in big for a in ("--set", s)]
+    one_line_exit_2(cli("run", "tiny-cpu", *args, "--run-dir", tmp_path / "run"), "GiB per rank", "--skip-memory-check")
+    assert not (tmp_path / "run").exists()
+    from flows.cli_campaign import check_memory_fit
+
+    check_memory_fit(micro_config(), 1)  # the tiny model fits anywhere
