@@ -8,7 +8,9 @@ Checks, per run:
   purpose at a resume are listed as warnings;
 - every Parquet part under ``tables/``: its footer parses, it says which table
   and schema version it holds (readable by this code), its ``run_id`` / ``step``
-  statistics match its partition path, its name is one the writer produces;
+  statistics match its partition path, it carries the run's uid (a part of
+  another run of the same name, or one without the uid, is an error), its name
+  is one the writer produces; a link is a warning (queries skip it);
   with ``deep=True`` every page is also decompressed and decoded;
 - two live candidates for one (table, step, stage, variant) (a writer died
   between rename and set-aside: harmless, reported as a warning);

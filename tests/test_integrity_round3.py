@@ -15,6 +15,8 @@ replaced where only what resume does before it matters.
 | a link or a foreign part under a run             | skipped with a warning, rest queryable     |
 | a part of another run with the same folder name  | skipped by uid                             |
 | a damaged ledger line in the middle              | the same verdict from doctor/query/resume  |
+| a model far too large for the machine            | one line, exit 2, no run folder            |
+| torch.save's short write (a full disk)           | one line naming the path, exit 2           |
 """
 
 from __future__ import annotations
