@@ -2,7 +2,7 @@
 
 ``precision.cpu_bf16_gemm: auto`` is resolved here for the run's model
 (``fp8rl_core.cpu_gemm.resolve_cpu_bf16_gemm``); the record beside it (CPU model, torch,
-ATen's vector ISA, the pinned MKL branch, threads) is what decides whether two runs on two
+ATen's vector ISA, threads) is what decides whether two runs on two
 machines can agree bit for bit (``fp8rl_core.cpu_env``, docs/cpu.md).
 """
 
@@ -54,13 +54,11 @@ def describe(choice: GemmChoice, threads: int | None = None) -> dict:
 
 
 def summary_line(record: dict) -> str:
-    """One console line: ``cpu numerics: bf16 gemm fp32 (auto: ...); ATen AVX2; MKL_CBWR=AVX2; ...``."""
+    """One console line: ``cpu numerics: bf16 gemm portable (auto: ...); ATen AVX2; 2 thread(s); <CPU>``."""
     g = record["bf16_gemm"]
-    env = "; ".join(f"{k}={v or 'unset'}" for k, v in record["env"].items() if k != "ATEN_CPU_CAPABILITY")
-    return (
-        f"cpu numerics: bf16 gemm {g['kind']} ({g['setting']}: {g['reason']}); "
-        f"ATen {record['aten_cpu_capability']}; {env}; {record['threads']} thread(s); {record['cpu']}"
-    )
+    env = [f"{k}={v or 'unset'}" for k, v in record["env"].items() if k != "ATEN_CPU_CAPABILITY"]
+    parts = [f"bf16 gemm {g['kind']} ({g['setting']}: {g['reason']})", f"ATen {record['aten_cpu_capability']}"]
+    return "cpu numerics: " + "; ".join([*parts, *env, f"{record['threads']} thread(s)", record["cpu"]])
 
 
 def record_cpu_numerics(run_dir: str | Path, choice: GemmChoice) -> dict:

@@ -352,19 +352,15 @@ class PrecisionConfig(_Frozen):
     )
     emulate: bool | None = Field(None, description="Emulate FP8 matmuls; None = auto (emulate unless CUDA SM89+).")
     round_scales_to_power_of_2: bool = Field(False, description="Round FP8 scales down to powers of two.")
-    cpu_bf16_gemm: Literal["auto", "native", "fp32"] = Field(
+    cpu_bf16_gemm: Literal["auto", "native", "fp32", "portable"] = Field(
         "auto",
-        description="CPU only: native = PyTorch's "
-        "BF16 GEMM kernels; fp32 = FP32 "
-        "GEMMs on BF16 operands, output "
-        "rounded to BF16 (the GPU's BF16 "
-        "GEMM rule; 10-130x faster on "
-        "CPUs without BF16 hardware); "
-        "auto = native only on a CPU with "
-        "AMX-BF16/AVX512-BF16 and a model "
-        "at least 256 wide, else fp32 "
-        "(fp8rl_core.cpu_gemm; the choice "
-        "is in run.json). Ignored on CUDA.",
+        description="CPU only: native = PyTorch's BF16 GEMM kernels (fast with AMX-BF16/AVX512-BF16, bits "
+        "depend on the CPU); fp32 = MKL's FP32 GEMMs on BF16 operands, output rounded to BF16 (the GPU's "
+        "BF16 GEMM rule; 10-130x faster than native on CPUs without BF16 hardware, bits depend on the CPU "
+        "vendor); portable = the same BF16 rule with exact GEMMs and library-free exp/log/sin/cos/sqrt, the "
+        "same bits on every x86-64 CPU with AVX2 (fp8rl_core.portable_mode); auto = native only on a CPU "
+        "with AMX-BF16/AVX512-BF16 and a model at least 256 wide, else portable (the choice is in "
+        "run.json). Ignored on CUDA.",
     )
     compile: Literal["auto", "on", "off"] = Field(
         "auto",

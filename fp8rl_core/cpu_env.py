@@ -1,31 +1,25 @@
-"""The CPU settings that make a campaign's numbers the same on every x86-64 CPU (torch-free).
+"""The CPU setting that makes a campaign's numbers the same on every x86-64 CPU (torch-free).
 
 A CPU run's bits depend on three things besides its inputs and seeds:
 
 1. **ATen's vectorized kernels.** PyTorch compiles its elementwise and reduction kernels
-   (softmax, log-softmax, cross-entropy, the attention kernel's online softmax, ...) once
-   per instruction set and picks one at the first op: ``DEFAULT``, ``AVX2`` or
-   ``AVX512``. A wider vector sums in another order, so an AVX-512 CPU (most Intel Xeons,
-   AMD Zen 4) and an AVX2 one (AMD Zen 2/3, older Intel) disagree in the last bits of a
-   softmax. ``ATEN_CPU_CAPABILITY=avx2`` makes every CPU that has AVX2 run the AVX2 code.
-2. **MKL.** FP32 GEMMs (``mm``, ``linear``, the FP32 path of ``cpu_bf16_gemm``) and the
-   vector math behind large ``exp`` calls go through MKL, which dispatches on the CPU
-   (block sizes from cache sizes, AVX2 / AVX-512 kernels, vendor). MKL's Conditional
-   Numerical Reproducibility fixes the code branch: ``MKL_CBWR=AVX2`` gives the same
-   results on every Intel CPU with AVX2, AVX-512 ones included. MKL honours it on Intel
-   CPUs only (elsewhere it runs its automatic branch); ``COMPATIBLE``, the one branch it
-   documents as identical on Intel and non-Intel CPUs, made a tiny-model RL step 1.8x
-   slower (measured: docs/cpu.md), so it is the user's choice, not the default.
-3. **The BF16 GEMM kernel** (oneDNN: AMX, AVX512-BF16 or an AVX2 conversion path, each
-   with its own accumulation order). ``precision.cpu_bf16_gemm: auto`` runs the tiny
-   presets' BF16 GEMMs as FP32 GEMMs on BF16 operands (``fp8rl_core.cpu_gemm``) on every
-   CPU, so oneDNN's choice never reaches them.
+   (softmax, log-softmax, cross-entropy, sums, the optimizer's arithmetic, ...) once per
+   instruction set and picks one at the first op: ``DEFAULT``, ``AVX2`` or ``AVX512``. A wider
+   vector sums in another order, so an AVX-512 CPU (most Intel Xeons, AMD Zen 4) and an AVX2
+   one (AMD Zen 2/3, older Intel) disagree in the last bits of a softmax.
+   ``ATEN_CPU_CAPABILITY=avx2`` makes every CPU that has AVX2 run the same AVX2 code; ATen's
+   own code has no other CPU-dependent branch.
+2. **Libraries that choose their code by the CPU**: MKL's GEMMs and vector math (``exp``,
+   ``log``, ``sin``, ``cos``, ``sqrt``, ``tanh``) and oneDNN's BF16 kernels. No variable makes
+   them agree across vendors (MKL honours ``MKL_CBWR`` branches on Intel CPUs only), so
+   ``precision.cpu_bf16_gemm: portable`` (the ``auto`` choice of the tiny presets) does not call
+   them: ``fp8rl_core.portable_mode`` computes GEMMs exactly and the transcendentals with
+   ATen's own kernels. MKL's branch then changes only its speed, and is left to MKL.
+3. **The thread count**, which splits reductions: part of the config (``threads``).
 
-Both variables are read once, at the first torch op (ATen) and the first MKL call, so
-:func:`pin_cpu_numerics` must run before torch is imported: the ``fp8rl`` command does
-it first thing, and every process it starts (ranks, sweep cells) inherits it. A value
-the user set is kept. The thread count changes reduction orders too; a campaign fixes
-it in its config (``threads``).
+The variable is read once, at the first torch op, so :func:`pin_cpu_numerics` must run before
+torch is imported: the ``fp8rl`` command does it first thing, and every process it starts
+(ranks, sweep cells) inherits it. A value the user set is kept.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ import sys
 from typing import MutableMapping
 
 # variable -> value in force unless the user set it (see the module docstring)
-PINNED_ENV: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
+PINNED_ENV: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx2"}
 
 
 def pin_cpu_numerics(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:

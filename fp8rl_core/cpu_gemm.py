@@ -41,34 +41,19 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-CPU_BF16_GEMMS = ("native", "fp32")  # what a run computes with; the setting may also say "auto"
+from fp8rl_core import portable_math
+from fp8rl_core.bf16_rule import _BF16_EXACT, Bf16GemmsInFp32, _bf16_operand, mark_bf16_exact
+from fp8rl_core.portable_mode import PortableNumerics
+
+CPU_BF16_GEMMS = ("native", "fp32", "portable")  # what a run computes with; the setting may also say "auto"
 NATIVE_MIN_HIDDEN = 256  # auto: narrower models (the tiny presets) keep the CPU-independent fp32 path
 
-_GEMMS = frozenset(
-    {
-        F.linear,
-        torch.mm,
-        torch.bmm,
-        torch.matmul,
-        torch.addmm,
-        torch.baddbmm,
-        torch.Tensor.mm,
-        torch.Tensor.bmm,
-        torch.Tensor.matmul,
-        torch.Tensor.__matmul__,
-        torch.Tensor.addmm,
-        torch.Tensor.baddbmm,
-        F.scaled_dot_product_attention,
-    }
-)
-_OPERAND_DTYPES = (torch.float32, torch.bfloat16)
-_OPEN = [0]  # fp32 contexts open in this process (read by mm, which runs where modes do not reach)
+_OPEN = [0]  # fp32/portable contexts open in this process (read by mm, which runs where modes do not reach)
+_PORTABLE_OPEN = [0]  # of which portable
 
 
 @dataclass(frozen=True)
@@ -139,76 +124,20 @@ def resolve_cpu_bf16_gemm(setting: str, hidden_size: int | None, device: str | t
         return GemmChoice(setting, setting, "configured")
     isa = fast_bf16_isa()
     if isa is None:
-        return GemmChoice(setting, "fp32", "no AMX-BF16/AVX512-BF16: the native BF16 GEMM is slow here")
+        return GemmChoice(setting, "portable", "no AMX-BF16/AVX512-BF16: the CPU-independent exact GEMMs")
     if hidden_size is not None and hidden_size < NATIVE_MIN_HIDDEN:
         return GemmChoice(
             setting,
-            "fp32",
-            f"{isa}, but hidden size {hidden_size} < {NATIVE_MIN_HIDDEN}: the CPU-independent FP32 GEMMs",
+            "portable",
+            f"{isa}, but hidden size {hidden_size} < {NATIVE_MIN_HIDDEN}: the CPU-independent exact GEMMs",
         )
     return GemmChoice(setting, "native", f"{isa} and a model at least {NATIVE_MIN_HIDDEN} wide")
-
-
-def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    return [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-
-
-_BF16_EXACT = "_fp8rl_bf16_exact"  # attribute of a float32 tensor whose values are all BF16 values
-
-
-def mark_bf16_exact(t: torch.Tensor) -> torch.Tensor:
-    """Tag a float32 tensor that holds only BF16 values (e.g. BF16 upcast): the ``fp32`` path takes it
-    as an operand as it is, without the BF16 round trip (which would give the same values). Returns ``t``.
-    The tag is on this tensor object, not on its storage: views and results of ops are untagged."""
-    if t.dtype != torch.float32:
-        raise ValueError(f"mark_bf16_exact: a float32 tensor holding BF16 values, got {t.dtype}")
-    setattr(t, _BF16_EXACT, True)
-    return t
 
 
 def fp32_gemms_active() -> bool:
     """Whether a :class:`Bf16GemmsInFp32` mode handles this thread's GEMMs (a ``cpu_bf16_gemm("fp32")``
     context is open here)."""
     return any(isinstance(m, Bf16GemmsInFp32) for m in torch.overrides._get_current_function_mode_stack())
-
-
-def _bf16_operand(a: Any) -> Any:
-    if isinstance(a, torch.Tensor) and a.is_floating_point():
-        if getattr(a, _BF16_EXACT, False):  # float32 holding BF16 values (mark_bf16_exact)
-            return a
-        return a.to(torch.bfloat16).float()  # the BF16 value, held in FP32 (exact)
-    return a
-
-
-class Bf16GemmsInFp32(TorchFunctionMode):
-    """The torch-function mode behind ``cpu_bf16_gemm: fp32`` (see the module docstring).
-
-    ``calls`` counts the GEMMs it took over (tests read it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _GEMMS and "out" not in kwargs and self._takes(args, kwargs):
-            self.calls += 1
-            with torch.autocast("cpu", enabled=False):
-                out = func(*map(_bf16_operand, args), **{k: _bf16_operand(v) for k, v in kwargs.items()})
-            return out.to(torch.bfloat16)
-        return func(*args, **kwargs)
-
-    @staticmethod
-    def _takes(args: tuple, kwargs: dict) -> bool:
-        tensors = _tensors(args, kwargs)
-        if not tensors or any(t.device.type != "cpu" for t in tensors):
-            return False
-        floats = [t.dtype for t in tensors if t.is_floating_point()]
-        if not floats:
-            return False
-        if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
-            return all(d in _OPERAND_DTYPES for d in floats)
-        return all(d == torch.bfloat16 for d in floats)
 
 
 @contextlib.contextmanager
@@ -222,21 +151,38 @@ def cpu_bf16_gemm(kind: str, device: str | torch.device = "cpu") -> Iterator[Bf1
     if kind == "native" or torch.device(device).type != "cpu":
         yield None
         return
-    mode = Bf16GemmsInFp32()
+    mode = PortableNumerics() if kind == "portable" else Bf16GemmsInFp32()
     _OPEN[0] += 1
+    _PORTABLE_OPEN[0] += kind == "portable"
     try:
         with mode:
             yield mode
     finally:
         _OPEN[0] -= 1
+        _PORTABLE_OPEN[0] -= kind == "portable"
+
+
+def _fp32_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The product of float32-held operands on the open context's path (exact GEMM when portable)."""
+    if _PORTABLE_OPEN[0]:
+        return portable_math.exact_matmul(a, b, 1)
+    return torch.mm(a, b)
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.mm`` for the emulated low-precision linears: inside a ``cpu_bf16_gemm("fp32")``
     context a BF16 x BF16 product on CPU is an FP32 GEMM rounded once to BF16; else torch.mm."""
     if _OPEN[0] and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16 and a.device.type == "cpu":
-        return torch.mm(a.float(), b.float()).to(torch.bfloat16)
+        return _fp32_mm(a.float(), b.float()).to(torch.bfloat16)
     return torch.mm(a, b)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """``torch.exp`` for code that runs where modes do not reach (a custom autograd backward): the
+    library-free exp while a ``cpu_bf16_gemm("portable")`` context is open, else ``torch.exp``."""
+    if _PORTABLE_OPEN[0] and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return portable_math.portable_exp(x)
+    return torch.exp(x)
 
 
 def rounded_operand(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -256,8 +202,11 @@ def mm_rounded(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Te
     if dtype != torch.bfloat16 or (a.dtype != torch.float32 and b.dtype != torch.float32):
         return mm(a, b)
     if _OPEN[0] and a.device.type == "cpu":
-        return torch.mm(a.float(), b.float()).to(torch.bfloat16)
+        return _fp32_mm(a.float(), b.float()).to(torch.bfloat16)
     return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16))
+
+
+__all__ = ["_BF16_EXACT", "Bf16GemmsInFp32", "_bf16_operand", "mark_bf16_exact"]  # re-exported
 
 
 def modes_off(*tensors: torch.Tensor) -> contextlib.AbstractContextManager:

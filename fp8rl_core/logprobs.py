@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fp8rl_core import cpu_gemm
 from fp8rl_core.precision import autocast_context
 
 # Elements of one float32 chunk (64 MiB) when chunk_size is not given.
@@ -79,7 +80,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [B, T, V]
         for bs, ts in ctx.blocks:
             log_q = logits[bs, ts].to(torch.float32, copy=True).sub_(lse[bs, ts, None])  # [nb, nt, V]
-            p = log_q.exp()
+            p = cpu_gemm.exp(log_q)  # the campaign's exp, also here where modes do not reach
             gz = torch.zeros_like(p)
             if grad_logp is not None:
                 gl = grad_logp[bs, ts, None]

@@ -26,10 +26,10 @@ def test_auto_is_the_default():
 @pytest.mark.parametrize(
     "isa,hidden,kind",
     [
-        (None, 128, "fp32"),
-        (None, 4096, "fp32"),  # no fast BF16 kernel: always the FP32 GEMMs
-        ("AMX-BF16", 128, "fp32"),
-        ("AMX-BF16", NATIVE_MIN_HIDDEN - 16, "fp32"),  # too narrow to win
+        (None, 128, "portable"),
+        (None, 4096, "portable"),  # no fast BF16 kernel: always the CPU-independent exact GEMMs
+        ("AMX-BF16", 128, "portable"),
+        ("AMX-BF16", NATIVE_MIN_HIDDEN - 16, "portable"),  # too narrow to win
         ("AMX-BF16", NATIVE_MIN_HIDDEN, "native"),
         ("AVX512-BF16", 1024, "native"),
         ("AMX-BF16", None, "native"),  # a model.path checkpoint: taken as wide
@@ -64,7 +64,7 @@ def test_a_onednn_isa_limit_below_the_bf16_kernels_is_no_fast_kernel(monkeypatch
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512bf16)
     assert cpu_gemm.fast_bf16_isa() == isa
-    assert resolve_cpu_bf16_gemm("auto", 4096).kind == ("native" if isa else "fp32")
+    assert resolve_cpu_bf16_gemm("auto", 4096).kind == ("native" if isa else "portable")
 
 
 def test_explicit_settings_and_cuda_are_kept(monkeypatch):
@@ -72,19 +72,22 @@ def test_explicit_settings_and_cuda_are_kept(monkeypatch):
     assert resolve_cpu_bf16_gemm("native", 128).kind == "native"
     assert resolve_cpu_bf16_gemm("fp32", 4096).kind == "fp32"
     assert resolve_cpu_bf16_gemm("auto", 128, "cuda").kind == "native"  # the hardware's BF16 GEMMs
-    with pytest.raises(ValueError, match="valid: auto, native, fp32"):
+    assert resolve_cpu_bf16_gemm("portable", 4096).kind == "portable"
+    with pytest.raises(ValueError, match="valid: auto, native, fp32, portable"):
         resolve_cpu_bf16_gemm("fast", 128)
 
 
-def test_the_tiny_preset_resolves_to_fp32_on_every_cpu():
-    assert gemm_choice(load_config("tiny-cpu")).kind == "fp32"  # whatever this CPU has
+def test_the_tiny_preset_resolves_to_portable_on_every_cpu():
+    assert gemm_choice(load_config("tiny-cpu")).kind == "portable"  # whatever this CPU has
     assert gemm_choice(load_config("tiny-cpu", ["precision.cpu_bf16_gemm=native"])).kind == "native"
 
 
 def test_pinning_sets_what_is_unset_and_keeps_what_the_user_set():
     env = {"MKL_CBWR": "AVX2"}
-    assert pin_cpu_numerics(env) == {**PINNED_ENV, "MKL_CBWR": "AVX2"}
-    assert env["ATEN_CPU_CAPABILITY"] == PINNED_ENV["ATEN_CPU_CAPABILITY"]
+    assert pin_cpu_numerics(env) == PINNED_ENV  # MKL's branch is MKL's: the portable path never asks it
+    assert env == {"MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": PINNED_ENV["ATEN_CPU_CAPABILITY"]}
+    user = {"ATEN_CPU_CAPABILITY": "avx512"}
+    assert pin_cpu_numerics(user) == user  # a value the user set is kept
 
 
 def test_run_json_records_the_choice_and_keeps_its_fields(tmp_path):
@@ -96,4 +99,5 @@ def test_run_json_records_the_choice_and_keeps_its_fields(tmp_path):
     assert record["bf16_gemm"] == {"setting": "fp32", "kind": "fp32", "reason": "configured"}
     assert record["aten_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     line = summary_line(record)
-    assert line.startswith("cpu numerics: bf16 gemm fp32 (fp32: configured); ATen ") and "MKL_CBWR=" in line
+    assert line.startswith("cpu numerics: bf16 gemm fp32 (fp32: configured); ATen ") and "; ;" not in line
+    assert line.endswith(f"thread(s); {record['cpu']}")

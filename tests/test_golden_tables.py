@@ -37,13 +37,47 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+
+def _cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def _default_env() -> dict:
+    """The environment of `fp8rl run`: no numerics variable of the caller's, no thread cap of the suite's."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "FP8RL_MAX_THREADS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _script(name: str, *args: str, timeout: int = 580) -> str:
+    out = subprocess.run(
+        [sys.executable, str(GOLDEN_DIR / name), *args],
+        env=_default_env(),
+        cwd=GOLDEN_DIR.parents[1],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
+
+# The committed values are x86-64 values (ATen's AVX2 kernels); elsewhere `make run` works, these checks skip.
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or "avx2" not in _cpu_flags(),
+    reason="the golden values and primitive hashes are for x86-64 CPUs with AVX2",
+)
 
 
 def _diff(got: dict, want: dict, where: str = "") -> list[str]:
@@ -57,19 +91,7 @@ def _diff(got: dict, want: dict, where: str = "") -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_micro_campaign_tables_equal_the_committed_golden_values():
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}  # the defaults
-    root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    out = subprocess.run(
-        [sys.executable, str(GOLDEN_DIR / "micro_campaign.py")],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=580,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout)
+    got = json.loads(_script("micro_campaign.py"))
     want = json.loads((GOLDEN_DIR / "micro_campaign.json").read_text())
     assert got["numerics"] == want["numerics"], "this process did not run with the pinned CPU numerics"
     differences = _diff(got, want)
@@ -78,3 +100,49 @@ def test_micro_campaign_tables_equal_the_committed_golden_values():
         "(regenerate only after a deliberate numerics change: "
         "tests/golden/micro_campaign.py --write):\n" + "\n".join(differences[:20])
     )
+
+
+def _hash_lines(text: str) -> dict[str, str]:
+    return dict(line.rsplit(None, 1) for line in text.splitlines() if line.strip() and not line.startswith("#"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_cpu_primitive_hashes_as_committed():
+    """Each primitive of the default campaign (tests/golden/cpu_primitives.py), computed as the
+    campaign computes it, gives the committed bits: a CPU that differs fails naming the primitives."""
+    got = _hash_lines(_script("cpu_primitives.py", timeout=280))
+    want = _hash_lines((GOLDEN_DIR / "cpu_primitive_hashes.txt").read_text())
+    assert set(got) == set(want), f"primitives added or removed: regenerate ({sorted(set(got) ^ set(want))})"
+    differ = [name for name in want if got[name] != want[name]]
+    assert not differ, "these primitives give other bits on this CPU than on the one the hashes were made on:\n" + (
+        "\n".join(differ)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_two_step_campaign_dispatches_only_hashed_ops_and_no_cpu_dependent_library():
+    """Every float ATen op the micro campaign dispatches on the CPU is covered by a primitive's hash
+    (or moves values without arithmetic), and none reaches MKL's or oneDNN's CPU-chosen kernels."""
+    sys.path.insert(0, str(GOLDEN_DIR))
+    import cpu_primitives
+
+    ops = json.loads(_script("micro_campaign.py", "--ops"))
+    campaign = {tuple(x) for x in ops["campaign"]}
+    assert ("aten._log_softmax", "float32") in campaign and ("aten.mm", "float64") in campaign  # it saw the run
+    assert cpu_primitives.library_calls(campaign) == []
+    assert cpu_primitives.unhashed(campaign, {tuple(x) for x in ops["hashed"]}) == []
+
+
+def test_the_ops_check_names_a_library_call_and_an_unhashed_op():
+    """The check itself: an MKL GEMM, a vector exp and an op no primitive covers are each named."""
+    sys.path.insert(0, str(GOLDEN_DIR))
+    import cpu_primitives
+
+    seen = {("aten.mm", "float32"), ("aten.exp", "float64"), ("aten.mm", "float64"), ("aten.view", "float32")}
+    assert cpu_primitives.library_calls(seen) == ["aten.exp float64", "aten.mm float32"]
+    assert cpu_primitives.unhashed({("aten.lgamma", "float32"), ("aten.view", "float32")}, set()) == [
+        "aten.lgamma float32"
+    ]
+    assert cpu_primitives.unhashed({("aten.log_softmax", "float32")}, {("aten._log_softmax", "float32")}) == []

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8rl_core import cpu_gemm
+from fp8rl_core import bf16_rule, cpu_gemm
 from fp8rl_core.config import PrecisionConfig, RolloutConfig
 from fp8rl_core.cpu_gemm import cpu_bf16_gemm
 from fp8rl_core.tiny_model import build_tokenizer
@@ -74,7 +74,7 @@ def test_decoding_converts_the_query_only(policy, tokenizer, prompts, monkeypatc
         queries.append(q.numel())
         return sdpa(q, *args, **kwargs)
 
-    operand = cpu_gemm._bf16_operand
+    operand = bf16_rule._bf16_operand
 
     def counting_operand(a):
         out = operand(a)
@@ -83,7 +83,7 @@ def test_decoding_converts_the_query_only(policy, tokenizer, prompts, monkeypatc
         return out
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", counting_sdpa)
-    monkeypatch.setattr(cpu_gemm, "_bf16_operand", counting_operand)
+    monkeypatch.setattr(bf16_rule, "_bf16_operand", counting_operand)
     rollout(policy, tokenizer, prompts)
     assert len(queries) > 2 * policy.config.num_hidden_layers and converted == queries
 

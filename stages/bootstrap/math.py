@@ -58,13 +58,14 @@ import torch
 
 from fp8rl_core.config import BootstrapConfig, ModelConfig, TaskConfig
 from fp8rl_core.cpu_env import cpu_numerics_env
+from fp8rl_core.cpu_gemm import cpu_bf16_gemm
 from fp8rl_core.stress_task import procedural_task
 from fp8rl_core.task import exact_verify
 from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
 
 log = logging.getLogger(__name__)
 
-BOOTSTRAP_VERSION = "2"  # bump when the training recipe or the task format changes
+BOOTSTRAP_VERSION = "3"  # bump when the training recipe, its numerics or the task format changes
 EVAL_SIZE = 1000  # test problems of the base-accuracy measurement (~1.4 points of noise)
 BASE_BAND = (0.2, 0.6)  # sampled base accuracy that leaves RL headroom
 META_FILE = "bootstrap.json"
@@ -231,7 +232,10 @@ def train_policy(
     tokenizer = build_tokenizer()
     vocab = tokenizer.get_vocab()
     max_clean = max(0, boot_cfg.steps - teacher.noisy_steps)
-    with _threads(boot_cfg.threads), torch.random.fork_rng(devices=[]):
+    # BF16 autocast with the CPU-independent GEMMs (fp8rl_core.portable_mode): the campaign's own rule,
+    # and the same bootstrapped weights on every x86-64 CPU
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    with _threads(boot_cfg.threads), torch.random.fork_rng(devices=[]), cpu_bf16_gemm("portable"), bf16:
         torch.manual_seed(boot_cfg.seed)
         model = build_tiny_model(model_cfg, len(vocab))
         model.train()

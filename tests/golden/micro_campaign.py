@@ -25,12 +25,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "micro_campaign.json"
 # The default preset, shrunk: a barely bootstrapped model, 8 prompts x 4 samples, 2 steps,
-# calibration (shadow passes) on step 1, evaluation at steps 0 and 2, one thread.
+# calibration (shadow passes) on step 1, evaluation at steps 0 and 2; the preset's threads.
 OVERRIDES = [
     "steps=2",
-    "threads=1",
     "task.difficulty=0",
-    "bootstrap.threads=1",
     "bootstrap.steps=150",
     "bootstrap.batch_size=32",
     "bootstrap.noisy_steps=0",
@@ -116,19 +114,37 @@ def run_micro(root: Path) -> dict:
     }
 
 
+def dispatched_ops() -> dict:
+    """The (op, dtype) pairs the micro campaign dispatches on float CPU tensors, and those the
+    primitive hashes cover (``cpu_primitives.py``)."""
+    sys.path.insert(0, str(HERE))
+    import cpu_primitives
+
+    recorder = cpu_primitives.float_ops_recorder()
+    with tempfile.TemporaryDirectory(prefix="fp8rl-golden-") as tmp, contextlib.redirect_stdout(sys.stderr):
+        with recorder:
+            run_micro(Path(tmp))
+        hashed = cpu_primitives.hashed_ops()
+    return {"campaign": sorted(recorder.seen), "hashed": sorted(hashed)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="The golden micro campaign's key table values.")
     ap.add_argument("--write", action="store_true", help=f"write {GOLDEN.name} (regenerate the golden values)")
+    ap.add_argument(
+        "--ops", action="store_true", help="print the float ATen ops the campaign dispatches and those the hashes cover"
+    )
     args = ap.parse_args()
     from fp8rl_core.cpu_env import pin_cpu_numerics
     from fp8rl_core.cpu_malloc import keep_freed_memory
 
-    # MKL's vendor-neutral branch: MKL honours AVX2 (the default pin) on Intel CPUs only and runs its own
-    # branch on others, so the committed values are taken on the branch every x86-64 CPU runs alike
-    os.environ["MKL_CBWR"] = "COMPATIBLE"
-    pin_cpu_numerics()  # before torch (imported by run_micro); keeps the MKL branch set above
+    pin_cpu_numerics()  # before torch (imported by run_micro), as `fp8rl run` does
+    os.environ.pop("FP8RL_MAX_THREADS", None)  # the preset's threads, as `make run` runs them
     keep_freed_memory()  # the allocator setting of `fp8rl run` (speed only: the values must not change)
     os.environ.setdefault("FP8RL_BOOTSTRAP_CACHE", str(Path(tempfile.gettempdir()) / "fp8rl-golden-bootstrap"))
+    if args.ops:
+        sys.stdout.write(json.dumps(dispatched_ops()) + "\n")
+        return
     with tempfile.TemporaryDirectory(prefix="fp8rl-golden-") as tmp, contextlib.redirect_stdout(sys.stderr):
         values = run_micro(Path(tmp))  # the run's console lines go to stderr: stdout carries the JSON alone
     text = json.dumps(values, indent=1, sort_keys=True) + "\n"
