@@ -75,6 +75,7 @@ def test_real_checkpoint_is_not_bootstrapped(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 1,200 steps of the portable numerics on one thread: ~10 min on a 2-core EPYC
 def test_default_bootstrap_reaches_the_rl_band(tmp_path):
     """The default tiny model, bootstrapped with the recommended lr and step cap, lands
     in the band that leaves RL headroom (sampled accuracy inside BASE_BAND) and
