@@ -283,7 +283,10 @@ def test_bounds_written_before_the_estimator_columns_read_with_nulls(tmp_path):
             "upper": [1.3],
         }
     )
-    old = old.replace_schema_metadata({b"fp8rl.schema_version": b"1", b"fp8rl.table": b"bounds"})
+    uid = json.loads((run_dir / "run.json").read_text())["uid"]  # a part of this run, written before the columns
+    old = old.replace_schema_metadata(
+        {b"fp8rl.schema_version": b"1", b"fp8rl.table": b"bounds", b"fp8rl.run_uid": uid.encode()}
+    )
     dest = run_dir / "tables" / "bounds" / "run=r1" / "step=1" / "part-calibrate-0-00000000000000000000-main.parquet"
     dest.parent.mkdir(parents=True)
     pq.write_table(old, dest)

@@ -130,7 +130,7 @@ def test_a_two_step_campaign_dispatches_only_hashed_ops_and_no_cpu_dependent_lib
 
     ops = json.loads(_script("micro_campaign.py", "--ops"))
     campaign = {tuple(x) for x in ops["campaign"]}
-    assert ("aten._log_softmax", "float32") in campaign and ("aten.mm", "float64") in campaign  # it saw the run
+    assert len(campaign) > 50 and ("aten.mm", "float64") in campaign  # it saw the run and its exact GEMMs
     assert cpu_primitives.library_calls(campaign) == []
     assert cpu_primitives.unhashed(campaign, {tuple(x) for x in ops["hashed"]}) == []
 
