@@ -1,7 +1,7 @@
 """How much FP8 noise in pi_old moves each mismatch correction, and where calibrated thresholds put it.
 
 For every shadow step of a run (BF16 pi_old next to the FP8 one) and every
-registered correction (``fp8rl_core.corrections``), the share of units
+registered correction (``fp8rl_core.objective.corrections``), the share of units
 (tokens, or sequences) outside the correction's reference thresholds with BF16
 pi_old, with FP8 pi_old, and with FP8 pi_old at the calibrated thresholds, and
 those thresholds; means over the shadow steps.
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fp8rl_core.corrections import CORRECTIONS, calibrate_correction  # noqa: E402
+from fp8rl_core.objective.corrections import CORRECTIONS, calibrate_correction  # noqa: E402
 
 
 def make_run(run_dir: Path, steps: int, overrides: list[str]) -> None:
@@ -80,7 +80,7 @@ def shadow_steps(run_dir: Path) -> list[dict[str, torch.Tensor]]:
 
 
 def table(steps: list[dict[str, torch.Tensor]], max_factor: float) -> list[dict]:
-    from fp8rl_core.config import AlgorithmConfig
+    from fp8rl_core.config.campaign import AlgorithmConfig
 
     rows = []
     for name in CORRECTIONS.names():

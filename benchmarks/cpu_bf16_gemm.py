@@ -1,7 +1,7 @@
 """Why CPU campaigns are slow: BF16 GEMMs vs FP32 on this CPU, measured side by side.
 
 Every CPU campaign computes under ``torch.autocast("cpu", torch.bfloat16)``
-(``fp8rl_core.precision.autocast_context``): the BF16 numerics the GPU runs.
+(``fp8rl_core.precision.conversion.autocast_context``): the BF16 numerics the GPU runs.
 On a CPU without AVX512-BF16 / AMX, PyTorch's BF16 GEMM has no fast kernel,
 so the linear layers of the tiny and stress worlds run many times slower than
 FP32 GEMMs of the same shapes would. This script prints, for the stress
@@ -17,7 +17,7 @@ world's layer shapes (tokens x 128 -> 128 / 384 and back), the time of
 interleaved, and the ratios to FP32. Then, for a stress-world policy (the
 ``stress-cpu`` model: 2 layers, 128 wide) in BF16, emulated FP8 tensorwise and
 emulated NVFP4, one micro-batch forward + backward under autocast with
-``precision.cpu_bf16_gemm: native`` vs ``fp32`` (``fp8rl_core.cpu_gemm``), interleaved,
+``precision.cpu_bf16_gemm: native`` vs ``fp32`` (``fp8rl_core.cpu_numerics.cpu_gemm``), interleaved,
 and the speed-up. Figures, not a test:
 
     python benchmarks/cpu_bf16_gemm.py [--threads 1] [--reps 20] [--model-reps 3]
@@ -82,8 +82,8 @@ def model_steps(reps: int, batch: int = 32, tokens: int = 60) -> None:
     """A stress-world micro-batch (32 sequences x 60 tokens) forward + backward, native vs fp32 GEMMs."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
-    from fp8rl_core.precision import autocast_context, convert_for_training
+    from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
+    from fp8rl_core.precision.conversion import autocast_context, convert_for_training
 
     cfg = Qwen3Config(
         vocab_size=64,

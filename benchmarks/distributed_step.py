@@ -21,9 +21,9 @@ import torch
 
 
 def _setup(rows: int, mode: str):
-    from fp8rl_core.config import CampaignConfig, ModelConfig
-    from fp8rl_core.precision import convert_for_training
-    from fp8rl_core.tiny_model import build_tiny_model
+    from fp8rl_core.config.campaign import CampaignConfig, ModelConfig
+    from fp8rl_core.precision.conversion import convert_for_training
+    from fp8rl_core.tasks.tiny_model import build_tiny_model
     from stages.trainer.update import TrainBatch
 
     cfg = CampaignConfig.model_validate(

@@ -3,7 +3,7 @@
 One stress-world micro-batch (the ``stress-cpu`` model: 2 layers, 128 wide, MLP 384; 32
 sequences x 60 tokens) forward + backward in emulated NVFP4 or MXFP4 training, the way the
 train stage runs it (``policy_logprobs`` under ``precision.cpu_bf16_gemm: fp32``, BF16
-autocast, one torch thread). The other checkout's ``fp8rl_core/fp4.py`` and ``fp4_linear.py``
+autocast, one torch thread). The other checkout's ``fp8rl_core/precision/fp4.py`` and ``fp4_linear.py``
 are loaded beside this one's, the model's FP4 linears switched between the two, and the
 passes alternate (other, this, other, ...) so that load changes hit both alike. Before timing,
 both compute one pass from the same generator state and the log-probs and every gradient are
@@ -12,7 +12,7 @@ compared bit for bit. Figures, not a test:
     python benchmarks/fp4_emulation.py --against /path/to/older/checkout [--fmt nvfp4] [--rounds 9]
         [--keep-freed-memory]
 
-``--keep-freed-memory``: the allocator setting of ``fp8rl`` (``fp8rl_core.cpu_malloc``), for both.
+``--keep-freed-memory``: the allocator setting of ``fp8rl`` (``fp8rl_core.host.cpu_malloc``), for both.
 """
 
 from __future__ import annotations
@@ -44,28 +44,29 @@ def main() -> None:
     args = ap.parse_args()
     other = args.against / "fp8rl_core"
     if not (other / "fp4.py").is_file() or not (other / "fp4_linear.py").is_file():
-        print(f"error: {args.against} has no fp8rl_core/fp4.py and fp4_linear.py", file=sys.stderr)
+        print(f"error: {args.against} has no fp8rl_core/precision/fp4.py and fp4_linear.py", file=sys.stderr)
         sys.exit(2)
-    from fp8rl_core.cpu_env import pin_cpu_numerics
+    from fp8rl_core.host.cpu_env import pin_cpu_numerics
 
     pin_cpu_numerics()
     if args.keep_freed_memory:
-        from fp8rl_core.cpu_malloc import keep_freed_memory
+        from fp8rl_core.host.cpu_malloc import keep_freed_memory
 
         keep_freed_memory()
     _load("fp4_other", other / "fp4.py")
-    old = _load("fp4_linear_other", other / "fp4_linear.py", ("from fp8rl_core.fp4 import", "from fp4_other import"))
+    old = _load(
+        "fp4_linear_other", other / "fp4_linear.py", ("from fp8rl_core.precision.fp4 import", "from fp4_other import")
+    )
     compare(old.Fp4TrainingLinear, args.fmt, args.rounds)
 
 
 def compare(other_cls, fmt: str, rounds: int) -> None:
     import torch
 
-    from fp8rl_core import fp4_linear
-    from fp8rl_core.config import ModelConfig
-    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
-    from fp8rl_core.precision import convert_for_training
-    from fp8rl_core.tiny_model import build_tiny_model
+    from fp8rl_core.config.campaign import ModelConfig
+    from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
+    from fp8rl_core.precision.conversion import convert_for_training, fp4_linear
+    from fp8rl_core.tasks.tiny_model import build_tiny_model
     from stages.trainer.forward import policy_logprobs
 
     torch.set_num_threads(1)

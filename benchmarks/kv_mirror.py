@@ -31,8 +31,8 @@ def main() -> None:
     ap.add_argument("--world", choices=sorted(WORLDS), default="stress")
     ap.add_argument("--rounds", type=int, default=5, help="timed rollouts per side (after one untimed round)")
     args = ap.parse_args()
-    from fp8rl_core.cpu_env import pin_cpu_numerics
-    from fp8rl_core.cpu_malloc import keep_freed_memory
+    from fp8rl_core.host.cpu_env import pin_cpu_numerics
+    from fp8rl_core.host.cpu_malloc import keep_freed_memory
 
     pin_cpu_numerics()
     keep_freed_memory()
@@ -50,7 +50,7 @@ def _outputs(batch) -> list:
 def run(preset: str, overrides: list[str], rounds: int) -> dict[bool, list[float]]:
     from flows.configuration import dump_config, load_config
     from flows.cpu_numerics import gemm_choice
-    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
+    from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from stages.context import open_run
     from stages.rollout import run_rollout
     from storage.layout import create_run

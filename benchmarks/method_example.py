@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from fp8rl_core.calibration import calibrate
-from fp8rl_core.config import CalibrationConfig
-from fp8rl_core.diagnostics import nmae
+from fp8rl_core.calibration.calibrated_clipping import calibrate
+from fp8rl_core.config.campaign import CalibrationConfig
+from fp8rl_core.signals.diagnostics import nmae
 
 
 def main() -> None:

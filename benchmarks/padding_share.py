@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def stress_lengths(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
     """(prompt, response) lengths of ``n`` stress-world samples (difficulty 0, the preset's)."""
-    from fp8rl_core.stress_task import demonstration, format_prompt, make_problem
+    from fp8rl_core.tasks.stress import demonstration, format_prompt, make_problem
 
     rng = random.Random(seed)
     prompts, responses = [], []
@@ -88,8 +88,8 @@ def padded_share(batch, cfg, seed: int) -> float:
 def time_step(cfg, batch, seed: int) -> float:
     import torch
 
-    from fp8rl_core.precision import convert_for_training
-    from fp8rl_core.tiny_model import build_tiny_model
+    from fp8rl_core.precision.conversion import convert_for_training
+    from fp8rl_core.tasks.tiny_model import build_tiny_model
     from stages.trainer.update import make_optimizer, policy_update
 
     torch.manual_seed(0)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from flows.configuration import load_config
-    from fp8rl_core.tiny_model import VOCAB_SIZE
+    from fp8rl_core.tasks.tiny_model import VOCAB_SIZE
 
     torch.set_num_threads(1)
     base = ["model.max_position_embeddings=1024", *args.sets]

@@ -12,7 +12,7 @@ framework does per update: generate, score, compute log-probs, loss, backward, A
 * fp8rl: the rollout, score and train stages of a campaign (their Parquet writes
   included, Prefect's task wrapping not: ~3-5 % of a step) with the default
   ``precision.cpu_bf16_gemm: auto`` and the CPU-numerics pinning of ``fp8rl run``
-  (``fp8rl_core.cpu_env``), once in BF16 (``precision.train/rollout: bf16``) and once
+  (``fp8rl_core.host.cpu_env``), once in BF16 (``precision.train/rollout: bf16``) and once
   FP8-emulated (``fp8_tensorwise`` training, ``fp8_per_tensor`` rollout). Step 1 (the
   calibration step's shadow passes) is a warm-up and is not timed.
 
@@ -83,7 +83,7 @@ def fp8rl_steps(precision: str, steps: int, warmup: int) -> list[tuple[float, fl
     """(wall, CPU) seconds of fp8rl steps ``warmup + 1 .. warmup + steps`` (rollout + score + train)."""
     from flows.configuration import dump_config, load_config
     from flows.cpu_numerics import gemm_choice
-    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
+    from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.score import run_score
@@ -115,9 +115,9 @@ def trl_steps(steps: int, warmup: int) -> list[tuple[float, float]]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from fp8rl_core.config import ModelConfig, TaskConfig
-    from fp8rl_core.task import exact_verify, make_problem
-    from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
+    from fp8rl_core.config.campaign import ModelConfig, TaskConfig
+    from fp8rl_core.tasks.synthetic import exact_verify, make_problem
+    from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 
     torch.set_num_threads(THREADS)
     task = TaskConfig()
@@ -211,8 +211,8 @@ def main() -> None:
         print(json.dumps(trl_steps(args.steps, args.warmup)))
         return
     if args.role:
-        from fp8rl_core.cpu_env import pin_cpu_numerics
-        from fp8rl_core.cpu_malloc import keep_freed_memory
+        from fp8rl_core.host.cpu_env import pin_cpu_numerics
+        from fp8rl_core.host.cpu_malloc import keep_freed_memory
 
         pin_cpu_numerics()  # what `fp8rl run` does, before torch
         keep_freed_memory()  # and its allocator setting

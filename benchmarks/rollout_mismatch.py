@@ -48,8 +48,8 @@ FORMATS = ("bf16", "native_fp8")
 
 def measure_step(env, state, step: int, cfg) -> dict[str, torch.Tensor]:
     """π_old three ways for ``step``'s rollout batch, and the batch's rollout log-probs and mask."""
-    from fp8rl_core.logprobs import sequence_logprobs
-    from fp8rl_core.precision import convert_for_rollout
+    from fp8rl_core.objective.logprobs import sequence_logprobs
+    from fp8rl_core.precision.conversion import convert_for_rollout
     from stages.runtime.io import read_step
     from stages.train import build_batch
     from stages.trainer.forward import policy_logprobs
@@ -82,7 +82,7 @@ def run_arm(mode: str, weight_format: str, args) -> list[dict[str, torch.Tensor]
     """``args.steps`` RL steps of the preset in ``mode`` with ``weight_format``; the per-step measurements."""
     from flows.configuration import dump_config, load_config
     from flows.cpu_numerics import gemm_choice
-    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
+    from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from stages.calibrate import run_calibrate
     from stages.context import open_run
     from stages.rollout import run_rollout
@@ -121,8 +121,8 @@ def run_arm(mode: str, weight_format: str, args) -> list[dict[str, torch.Tensor]
 def mismatch(steps: list[dict[str, torch.Tensor]], old: str, cap: float, roll: str = "rollout") -> dict[str, float]:
     """NMAE of rollout (``roll``) vs π_old (``old``) probabilities, mean |Δ log π|, TIS weight sd and mean,
     pooled over steps."""
-    from fp8rl_core.diagnostics import nmae
-    from fp8rl_core.losses import tis_weights
+    from fp8rl_core.objective.losses import tis_weights
+    from fp8rl_core.signals.diagnostics import nmae
 
     nm, diffs, weights = [], [], []
     for s in steps:

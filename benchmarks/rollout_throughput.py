@@ -44,9 +44,9 @@ from collections.abc import Callable
 
 import torch
 
-from fp8rl_core.config import ModelConfig, PrecisionConfig, RolloutConfig
-from fp8rl_core.precision import autocast_context
-from fp8rl_core.tiny_model import build_tiny_model
+from fp8rl_core.config.campaign import ModelConfig, PrecisionConfig, RolloutConfig
+from fp8rl_core.precision.conversion import autocast_context
+from fp8rl_core.tasks.tiny_model import build_tiny_model
 from stages.engines import TransformersEngine, make_engine
 
 PAD, BOS, EOS = 0, 1, 2
@@ -114,7 +114,7 @@ def rounds(variants: dict[str, Callable[[], int]], repeats: int) -> dict[str, li
 def _vllm_engine(policy: torch.nn.Module, args: argparse.Namespace):
     import tempfile
 
-    from fp8rl_core.tiny_model import build_tokenizer
+    from fp8rl_core.tasks.tiny_model import build_tokenizer
 
     folder = tempfile.mkdtemp(prefix="fp8rl-bench-vllm-")
     policy.save_pretrained(folder)

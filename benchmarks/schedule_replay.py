@@ -4,7 +4,7 @@ A diagnostic campaign runs the BF16 shadow passes on every step
 (``--set calibration.interval=1``), so its ``token_stats`` hold r8 and r16 for
 every token of every step. Each schedule -- ``fixed`` at several K and
 ``drift`` at several thresholds of each signal (KS, quantile) -- is replayed on those records
-(``fp8rl_core.drift.replay``): its decisions, the bounds it would have in
+(``fp8rl_core.calibration.drift.replay``): its decisions, the bounds it would have in
 force, the shadow passes it spends, and its mean bound error against the
 every-step schedule (K = 1). The K = 1 replay is checked against the run's own
 ``bounds`` table first (same rule, same inputs: they must agree).
@@ -15,7 +15,7 @@ every-step schedule (K = 1). The K = 1 replay is checked against the run's own
 Prints one line per schedule and the verdict: does some drift setting reach the
 bound error of the smallest K with fewer shadow passes than the largest K?
 
-Estimators of the raw L (``calibration.estimator``, fp8rl_core.estimators) are
+Estimators of the raw L (``calibration.estimator``, fp8rl_core.calibration.estimators) are
 scored with ``--estimators quantile,pooled,k_floor,harrell_davis`` (fixed K of
 ``--estimator-ks``) by their *predictive clip-share error*: on every step s
 after the first calibration, |FP8's lower-clip share of the A<0 tokens under
@@ -40,10 +40,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fp8rl_core.calibration import CalibratorState, calibrate  # noqa: E402
-from fp8rl_core.drift import Schedule, StepTokens, negative_ratios, replay  # noqa: E402
-from fp8rl_core.estimators import LOWER_ESTIMATORS  # noqa: E402
-from fp8rl_core.losses import importance_ratio  # noqa: E402
+from fp8rl_core.calibration.calibrated_clipping import CalibratorState, calibrate  # noqa: E402
+from fp8rl_core.calibration.drift import Schedule, StepTokens, negative_ratios, replay  # noqa: E402
+from fp8rl_core.calibration.estimators import LOWER_ESTIMATORS  # noqa: E402
+from fp8rl_core.objective.losses import importance_ratio  # noqa: E402
 
 
 def load_records(run_dir: Path) -> tuple[list[StepTokens], dict[int, tuple[float, float]], object]:

@@ -7,11 +7,11 @@ does Calibrated Clipping close the gap, by more than seed-to-seed noise?
 Per finished cell (its ``_cells/<cell>.json`` marker): **second-half eval** = the mean of the
 evaluation accuracies at steps >= half the campaign (the evaluations of steps 100-200 in a
 200-step cell); the mean A<0 lower-clip share in FP8 and under BF16's bounds on shadow steps
-and their quotient; the over-clipped share; every entropy surge (``fp8rl_core.failure_signals``,
+and their quotient; the over-clipped share; every entropy surge (``fp8rl_core.signals.failure_signals``,
 the campaign's own surge rule). Per pair of settings, over the seeds both finished:
 
 * across seeds: mean difference of second-half eval (points), a 95% percentile bootstrap
-  interval, the exact two-sided sign-flip p-value (``fp8rl_core.paired_stats``);
+  interval, the exact two-sided sign-flip p-value (``fp8rl_core.signals.paired_stats``);
 * per evaluation problem: pairs (seed, step, problem) judged in both cells in the second half,
   how many only A got right / only B, and the exact McNemar p-value (pairs within a seed share
   a policy: a lower bound on the true p).
@@ -65,7 +65,7 @@ def load(sweep_dir: Path, runs: list[str]):
 
 def per_run(evals: list[dict], steps: list[dict]) -> dict[str, dict]:
     """run id -> second-half eval, outcomes by (step, problem, sample), clip shares, surges."""
-    from fp8rl_core.failure_signals import surge_onsets
+    from fp8rl_core.signals.failure_signals import surge_onsets
 
     out: dict[str, dict] = defaultdict(lambda: {"outcomes": {}, "acc": defaultdict(list), "steps": []})
     for e in evals:
@@ -91,7 +91,7 @@ def per_run(evals: list[dict], steps: list[dict]) -> dict[str, dict]:
 
 def compare(a: dict[int, str], b: dict[int, str], runs: dict[str, dict]) -> dict:
     """Paired statistics of setting A - setting B over their common seeds."""
-    from fp8rl_core.paired_stats import bootstrap_mean_ci, mcnemar_exact_p, sign_flip_p
+    from fp8rl_core.signals.paired_stats import bootstrap_mean_ci, mcnemar_exact_p, sign_flip_p
 
     seeds = sorted(set(a) & set(b))
     diffs = [runs[a[s]]["second_half"] - runs[b[s]]["second_half"] for s in seeds]

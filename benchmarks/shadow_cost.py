@@ -3,7 +3,7 @@
 Measured side by side in one process on one batch of the tiny campaign: per
 repetition, interleaved, one rollout + score and three train steps -- without
 shadow passes, with full BF16 shadow passes, and with shadow passes on the
-subset of sequences ``fp8rl_core.subsample.choose_size`` picks for the target
+subset of sequences ``fp8rl_core.calibration.subsample.choose_size`` picks for the target
 error. A schedule's shadow share of campaign time is then
 
     share = n_shadow * shadow_s / (T * step_s + n_shadow * shadow_s)
@@ -41,7 +41,7 @@ def main() -> None:
     import torch
 
     from flows.configuration import dump_config, load_config
-    from fp8rl_core.subsample import choose_size, sample_sequences
+    from fp8rl_core.calibration.subsample import choose_size, sample_sequences
     from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.runtime.io import read_step
@@ -108,7 +108,7 @@ def main() -> None:
     rows = [("fixed K=20 (paper)", 1 / 20, full_s), ("subsampled, K=20", 1 / 20, sub_s)]
     if args.diag is not None:
         from benchmarks.schedule_replay import load_records
-        from fp8rl_core.drift import Schedule, replay
+        from fp8rl_core.calibration.drift import Schedule, replay
 
         recs, _, dcfg = load_records(args.diag)
         a = dcfg.algorithm

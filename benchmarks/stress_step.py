@@ -35,15 +35,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument(
-        "--keep-freed-memory", action="store_true", help="fp8rl's allocator setting (fp8rl_core.cpu_malloc)"
+        "--keep-freed-memory", action="store_true", help="fp8rl's allocator setting (fp8rl_core.host.cpu_malloc)"
     )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override")
     args = ap.parse_args()
-    from fp8rl_core.cpu_env import pin_cpu_numerics
+    from fp8rl_core.host.cpu_env import pin_cpu_numerics
 
     pin_cpu_numerics()
     if args.keep_freed_memory:
-        from fp8rl_core.cpu_malloc import keep_freed_memory
+        from fp8rl_core.host.cpu_malloc import keep_freed_memory
 
         keep_freed_memory()
     run_steps(args.steps, DEFAULTS + args.set)
@@ -52,7 +52,7 @@ def main() -> None:
 def run_steps(steps: int, overrides: list[str]) -> None:
     from flows.configuration import dump_config, load_config
     from flows.cpu_numerics import gemm_choice
-    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
+    from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from stages.calibrate import run_calibrate
     from stages.context import open_run
     from stages.rollout import run_rollout

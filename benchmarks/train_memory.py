@@ -17,9 +17,9 @@ import sys
 
 CHILD = r"""
 import json, resource, sys, torch
-from fp8rl_core.config import CampaignConfig, ModelConfig
-from fp8rl_core.precision import convert_for_training
-from fp8rl_core.tiny_model import build_tiny_model
+from fp8rl_core.config.campaign import CampaignConfig, ModelConfig
+from fp8rl_core.precision.conversion import convert_for_training
+from fp8rl_core.tasks.tiny_model import build_tiny_model
 from stages.trainer.update import TrainBatch, make_optimizer, policy_update
 mini, micro = int(sys.argv[1]), int(sys.argv[2])
 torch.manual_seed(0); torch.set_num_threads(1)

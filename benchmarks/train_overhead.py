@@ -27,10 +27,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from fp8rl_core.config import CampaignConfig, ModelConfig
-    from fp8rl_core.logprobs import token_logprobs_and_entropy
-    from fp8rl_core.precision import autocast_context, convert_for_training
-    from fp8rl_core.tiny_model import build_tiny_model
+    from fp8rl_core.config.campaign import CampaignConfig, ModelConfig
+    from fp8rl_core.objective.logprobs import token_logprobs_and_entropy
+    from fp8rl_core.precision.conversion import autocast_context, convert_for_training
+    from fp8rl_core.tasks.tiny_model import build_tiny_model
     from stages.trainer.forward import pad_to_contract, token_multiple
     from stages.trainer.update import TrainBatch, make_optimizer, policy_update
 

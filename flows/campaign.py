@@ -58,7 +58,7 @@ from flows.prefect_api import (
     task,
 )
 from flows.ui import publish_bounds, publish_failure, publish_step
-from fp8rl_core.config import CampaignConfig
+from fp8rl_core.config.campaign import CampaignConfig
 from stages.checkpoint import eval_scores, restore_latest
 from stages.context import RunEnv, TrainState, is_checkpoint_step, is_eval_step
 from stages.result import StageResult
@@ -365,7 +365,7 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
     try:
         from flows.cpu_numerics import gemm_choice, record_cpu_numerics
         from flows.guard import CampaignGuard, recover_pending
-        from fp8rl_core.cpu_gemm import cpu_bf16_gemm
+        from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
 
         gemm = gemm_choice(cfg, env.device)  # precision.cpu_bf16_gemm: auto resolved here, recorded in run.json
         if env.is_main:

@@ -43,7 +43,7 @@ def _root(ctx: typer.Context) -> None:
     """FP8 end-to-end RL (GRPO/DAPO) with Calibrated Clipping."""
     # Before any command imports transformers (which imports torchao). Log filters only:
     # torch-free, so `--help` and usage errors (`fp8rl run --bogus`) never import torch.
-    from fp8rl_core.quiet_imports import silence_torchao_import_noise
+    from fp8rl_core.host.quiet_imports import silence_torchao_import_noise
 
     silence_torchao_import_noise()
 
@@ -74,11 +74,11 @@ _register_all()
 
 def main(argv: list[str] | None = None) -> None:
     """The ``fp8rl`` entry point: usage errors are one line (not a box), exit 2."""
-    from fp8rl_core.cpu_env import pin_cpu_numerics
-    from fp8rl_core.cpu_malloc import keep_freed_memory
+    from fp8rl_core.host.cpu_env import pin_cpu_numerics
+    from fp8rl_core.host.cpu_malloc import keep_freed_memory
 
-    pin_cpu_numerics()  # before torch: the same numbers on every x86-64 CPU (fp8rl_core/cpu_env.py)
-    keep_freed_memory()  # freed tensors' memory reused, not returned to the kernel (fp8rl_core/cpu_malloc.py)
+    pin_cpu_numerics()  # before torch: the same numbers on every x86-64 CPU (fp8rl_core/host/cpu_env.py)
+    keep_freed_memory()  # freed tensors' memory reused, not returned to the kernel (fp8rl_core/host/cpu_malloc.py)
     try:
         code = app(args=argv, prog_name="fp8rl", standalone_mode=False)
     except UsageError as err:

@@ -19,7 +19,7 @@ import typer
 from flows.cli_common import fail as _fail
 from flows.cli_common import io_errors
 from flows.configuration import ConfigError, dump_config, load_config
-from fp8rl_core.config import CampaignConfig
+from fp8rl_core.config.campaign import CampaignConfig
 
 
 class FromStage(str, Enum):

@@ -1,9 +1,9 @@
 """What a CPU run computes with, resolved once per run and recorded in ``run.json``.
 
 ``precision.cpu_bf16_gemm: auto`` is resolved here for the run's model
-(``fp8rl_core.cpu_gemm.resolve_cpu_bf16_gemm``); the record beside it (CPU model, torch,
+(``fp8rl_core.cpu_numerics.cpu_gemm.resolve_cpu_bf16_gemm``); the record beside it (CPU model, torch,
 ATen's vector ISA, threads) is what decides whether two runs on two
-machines can agree bit for bit (``fp8rl_core.cpu_env``, docs/cpu.md).
+machines can agree bit for bit (``fp8rl_core.host.cpu_env``, docs/cpu.md).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from fp8rl_core.config import CampaignConfig
-from fp8rl_core.cpu_env import cpu_numerics_env
-from fp8rl_core.cpu_gemm import GemmChoice, resolve_cpu_bf16_gemm
+from fp8rl_core.config.campaign import CampaignConfig
+from fp8rl_core.cpu_numerics.cpu_gemm import GemmChoice, resolve_cpu_bf16_gemm
+from fp8rl_core.host.cpu_env import cpu_numerics_env
 
 RUN_JSON_KEY = "cpu_numerics"
 

@@ -44,7 +44,7 @@ from uuid import UUID
 
 from flows.configuration import DEFAULT_PRESET, ConfigError, dump_config, load_config
 from flows.prefect_env import configure_prefect_env
-from fp8rl_core.config import CampaignConfig
+from fp8rl_core.config.campaign import CampaignConfig
 
 configure_prefect_env()
 

@@ -1,11 +1,11 @@
 """The campaign guard: watch the step rows, roll back on a trip, continue with a remedy.
 
 After every step the flow hands the step's metrics to :class:`CampaignGuard`.
-It runs the detectors of :mod:`fp8rl_core.guard` over the live step rows
+It runs the detectors of :mod:`fp8rl_core.signals.guard` over the live step rows
 (entropy surge, garbled surge, reward collapse, non-finite updates). On a trip:
 
 1. the rollback target c = the newest complete checkpoint of a step <= first
-   bad step - 2 (``fp8rl_core.guard.last_good_step``);
+   bad step - 2 (``fp8rl_core.signals.guard.last_good_step``);
 2. a ``guard`` stage record at step c is started in the ledger; inside it every
    output of steps > c is set aside (``storage.writer.set_aside_from``, as
    ``fp8rl resume --from`` does: tables to ``superseded/``, later checkpoints,
@@ -37,7 +37,7 @@ import dataclasses
 import math
 from typing import Any
 
-from fp8rl_core.guard import Trip, check, last_good_step
+from fp8rl_core.signals.guard import Trip, check, last_good_step
 from stages.context import RunEnv, TrainState
 from storage import faults
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fp8rl_core.config import CampaignConfig
+from fp8rl_core.config.campaign import CampaignConfig
 
 GiB = 1024**3
 

@@ -100,8 +100,8 @@ def plan_precision_line(cfg: Any) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fp8rl_core.precision import convert_for_training
-    from fp8rl_core.precision_layers import layer_precision, precision_line
+    from fp8rl_core.precision.conversion import convert_for_training
+    from fp8rl_core.precision.layers import layer_precision, precision_line
     from stages.trainer.block_compile import compile_choice, gpu_backend
 
     with torch.device("meta"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fp8rl_core.config import CampaignConfig
+from fp8rl_core.config.campaign import CampaignConfig
 
 BENCHMARK_RECORDS = {  # the published test splits (stages.data.benchmarks)
     "aime24": 30,

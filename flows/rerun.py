@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fp8rl_core.calibration import CalibratorState
-from fp8rl_core.config import CampaignConfig
+from fp8rl_core.calibration.calibrated_clipping import CalibratorState
+from fp8rl_core.config.campaign import CampaignConfig
 from stages.context import MAIN, RunEnv, open_storage_only
 from stages.runtime.io import shadow_steps
 from storage.ledger import DONE
@@ -107,7 +107,7 @@ def _check_span(env: RunEnv, steps: range, needs: str) -> None:
 
 def _rerun_evaluate(run_dir: Path, cfg: CampaignConfig, steps: range, variant: str) -> int:
     from flows.cpu_numerics import gemm_choice
-    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
+    from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from stages.checkpoint import restore
     from stages.context import open_run
     from stages.evaluate import run_evaluate

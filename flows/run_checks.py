@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from flows.configuration import dump_config
-from fp8rl_core.config import CampaignConfig
+from fp8rl_core.config.campaign import CampaignConfig
 from storage.identity import config_file_drift
 from storage.layout import RunInfo, config_hash
 

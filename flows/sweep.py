@@ -60,7 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from flows.configuration import ConfigError, config_from_dict, dump_config, resolve_preset
 from flows.report_figures import FAILURE_COLUMNS, TABLE_COLUMNS, paper_table_markdown
-from fp8rl_core.config import CampaignConfig
+from fp8rl_core.config.campaign import CampaignConfig
 from storage.layout import config_hash, is_run_dir, read_run_info, write_text_atomic
 
 LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")  # no '.': it joins labels into cell ids

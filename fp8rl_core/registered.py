@@ -1,22 +1,22 @@
 """Every registry a config names, complete, and the check of a config against them.
 
 Every loss registers itself in its own module (the token losses in
-``fp8rl_core.losses``, the sequence-level GSPO loss in ``fp8rl_core.gspo``);
+``fp8rl_core.objective.losses``, the sequence-level GSPO loss in ``fp8rl_core.objective.gspo``);
 this module imports each once, so a reader of a registry sees every loss and
 no module imports another only for its side effect of registering. The config
-(``fp8rl_core.config``) names registry entries as plain strings;
+(``fp8rl_core.config.campaign``) names registry entries as plain strings;
 :func:`unknown_names` is where those names meet the registries (called where
 configs are loaded, ``flows.configuration``), so the registries stay the one list.
 """
 
 from __future__ import annotations
 
-from fp8rl_core import gspo  # noqa: F401  registers "gspo"
-from fp8rl_core.advantages import ADVANTAGE_ESTIMATORS
-from fp8rl_core.calibration import CLIP_MODES
-from fp8rl_core.estimators import LOWER_ESTIMATORS
-from fp8rl_core.losses import AGGREGATIONS, CALIBRATION_UNITS, LOSS_BOUNDS, LOSS_STATISTICS, POLICY_LOSSES
-from fp8rl_core.precision import ROLLOUT_PRECISIONS, TRAIN_PRECISIONS
+from fp8rl_core.calibration.calibrated_clipping import CLIP_MODES
+from fp8rl_core.calibration.estimators import LOWER_ESTIMATORS
+from fp8rl_core.objective import gspo  # noqa: F401  registers "gspo"
+from fp8rl_core.objective.advantages import ADVANTAGE_ESTIMATORS
+from fp8rl_core.objective.losses import AGGREGATIONS, CALIBRATION_UNITS, LOSS_BOUNDS, LOSS_STATISTICS, POLICY_LOSSES
+from fp8rl_core.precision.conversion import ROLLOUT_PRECISIONS, TRAIN_PRECISIONS
 
 __all__ = ["CALIBRATION_UNITS", "LOSS_BOUNDS", "LOSS_STATISTICS", "POLICY_LOSSES", "unknown_names"]
 

@@ -183,7 +183,7 @@ def section_throughput(
 ) -> None:
     import torch
 
-    from fp8rl_core.precision import convert_for_training
+    from fp8rl_core.precision.conversion import convert_for_training
 
     emit(f"[1] train step, {layers} decoder layers, eager, time(bf16) / time(fp8): >1 = FP8 faster")
     for name in models or MODELS:
@@ -217,7 +217,7 @@ def section_throughput(
 def section_sqnr(deadline: float = float("inf"), tokens: int = 512) -> None:
     import torch
 
-    from fp8rl_core.precision import convert_for_training
+    from fp8rl_core.precision.conversion import convert_for_training
 
     emit(
         f"[2] one forward of a Qwen3-8B decoder layer ({tokens} tokens): real FP8 kernels (GPU) vs CPU emulation, "
@@ -262,7 +262,7 @@ def section_rollout(seqs: int = 4, length: int = 256, *, config=None, device: st
 
     import torch
 
-    from fp8rl_core.precision import convert_for_rollout
+    from fp8rl_core.precision.conversion import convert_for_rollout
 
     emit(
         f"[3] rollout numerics, Qwen3-8B-shaped policy (2 layers, vocab 32768), teacher-forced log-probs of "

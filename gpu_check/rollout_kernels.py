@@ -35,7 +35,7 @@ def scaled_mm_forward(self, x: torch.Tensor) -> torch.Tensor:  # [*, K] -> [*, N
 
 def use_scaled_mm(model: torch.nn.Module) -> int:
     """Route every per-tensor FP8 rollout linear of ``model`` through ``torch._scaled_mm``; returns how many."""
-    from fp8rl_core.fp8_linear import Fp8RolloutLinear
+    from fp8rl_core.precision.fp8_linear import Fp8RolloutLinear
 
     n = 0
     for mod in model.modules():

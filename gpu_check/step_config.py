@@ -46,7 +46,7 @@ def _namespace(value: Any) -> Any:
 
 def dump_step_config() -> dict:
     """The validated ``CampaignConfig`` of :data:`OVERRIDES` as JSON data (needs pydantic)."""
-    from fp8rl_core.config import CampaignConfig
+    from fp8rl_core.config.campaign import CampaignConfig
 
     return json.loads(CampaignConfig.model_validate(OVERRIDES).model_dump_json())
 

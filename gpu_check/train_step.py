@@ -81,8 +81,8 @@ def step_and_calibrate(model, optimizer, scheduler, batch, cfg) -> tuple[Any, An
     """
     import torch
 
-    from fp8rl_core.calibration import CalibratorState, calibrate
-    from fp8rl_core.losses import importance_ratio
+    from fp8rl_core.calibration.calibrated_clipping import CalibratorState, calibrate
+    from fp8rl_core.objective.losses import importance_ratio
     from stages.trainer.update import policy_update
 
     a = cfg.algorithm
@@ -132,7 +132,7 @@ def _one_mode(emit: Callable[[str], None], mode: str, device, batch) -> None:
     """Step, calibration and kernel-vs-emulation agreement of one FP8 mode (real kernels, no emulation)."""
     import torch
 
-    from fp8rl_core.precision import convert_for_training
+    from fp8rl_core.precision.conversion import convert_for_training
     from gpu_check.step_config import load_step_config
     from stages.trainer.forward import policy_logprobs
     from stages.trainer.update import make_optimizer
@@ -175,7 +175,7 @@ def run(emit: Callable[[str], None], *, deadline: float = float("inf")) -> None:
     if not torch.cuda.is_available():
         emit("train_step: SKIP - no CUDA device on this machine (nothing ran on a GPU)")
         return
-    from fp8rl_core.fp8_linear import set_strict_shapes
+    from fp8rl_core.precision.fp8_linear import set_strict_shapes
 
     device = torch.device("cuda", torch.cuda.current_device())
     cap = torch.cuda.get_device_capability(device)

@@ -52,7 +52,7 @@ def _policy(folder: str, shapes: dict):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from fp8rl_core.tiny_model import build_tokenizer
+    from fp8rl_core.tasks.tiny_model import build_tokenizer
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(
@@ -64,7 +64,7 @@ def _policy(folder: str, shapes: dict):
 
 
 def _engine(model, tok, folder: str, *, sleep: bool, memory: float):
-    from fp8rl_core.config import PrecisionConfig, RolloutConfig
+    from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
     from stages.engines import make_engine
 
     cfg = RolloutConfig(

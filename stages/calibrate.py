@@ -2,11 +2,11 @@
 
 Reads the calibration step's ``token_stats`` (every token, with FP8 and BF16
 log-probs of π_θ and π_old), forms r8 and r16 exactly as the loss does
-(``exp(clamp(Δlogp, −20, 20))``), calls :func:`fp8rl_core.calibration.calibrate`
+(``exp(clamp(Δlogp, −20, 20))``), calls :func:`fp8rl_core.calibration.calibrated_clipping.calibrate`
 in the configured mode, writes one ``bounds`` row, and moves the calibrator
 state forward: the new (L, H) are in force from step t+1. With
 ``algorithm.correction.calibrate: true`` the mismatch correction's
-thresholds are re-set on the same tokens (:func:`fp8rl_core.corrections.calibrate_correction`),
+thresholds are re-set on the same tokens (:func:`fp8rl_core.objective.corrections.calibrate_correction`),
 recorded in the row's ``correction_*`` columns and in force from step t+1 too.
 """
 
@@ -18,8 +18,8 @@ import time
 import numpy as np
 import torch
 
-from fp8rl_core.calibration import calibrate
-from fp8rl_core.losses import importance_ratio
+from fp8rl_core.calibration.calibrated_clipping import calibrate
+from fp8rl_core.objective.losses import importance_ratio
 from fp8rl_core.registered import CALIBRATION_UNITS
 from stages.context import RunEnv, TrainState
 from stages.result import StageResult
@@ -34,7 +34,7 @@ def _ratio(logp: np.ndarray, old: np.ndarray) -> torch.Tensor:
 def _tis_weights(env: RunEnv, step: int, tok, old_logp_fp8: np.ndarray) -> torch.Tensor:
     """Per-token TIS weights min(exp(old_logp_fp8 - rollout_logp), C), as the loss applies them
     (all ones with ``algorithm.tis`` off): rollout log-probs come from the ``rollouts`` table."""
-    from fp8rl_core.losses import tis_weights
+    from fp8rl_core.objective.losses import tis_weights
 
     if not env.cfg.algorithm.tis:
         return torch.ones(len(old_logp_fp8), dtype=torch.float32)
@@ -74,7 +74,7 @@ def _as_rows(tok, columns: dict[str, np.ndarray], keep: np.ndarray) -> tuple[dic
 
 def _correction_columns(env: RunEnv, step: int, tok, col: dict, shadowed: np.ndarray) -> tuple[dict, tuple | None]:
     """The ``bounds`` row's ``correction_*`` columns and the thresholds to put in force (None: not calibrated)."""
-    from fp8rl_core.corrections import calibrate_correction
+    from fp8rl_core.objective.corrections import calibrate_correction
 
     a = env.cfg.algorithm
     names = ("lower", "upper", "reference_lower", "reference_upper", "units", "outside_share_bf16",

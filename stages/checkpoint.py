@@ -22,8 +22,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from fp8rl_core.calibration import CalibratorState
-from fp8rl_core.fp4_linear import fp4_rng_state, load_fp4_rng_state
+from fp8rl_core.calibration.calibrated_clipping import CalibratorState
+from fp8rl_core.precision.fp4_linear import fp4_rng_state, load_fp4_rng_state
 from stages.context import RunEnv, TrainState
 from stages.data.prompts import SamplerState
 from stages.result import StageResult

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from fp8rl_core.calibration import CalibratorState
-from fp8rl_core.config import CampaignConfig
+from fp8rl_core.calibration.calibrated_clipping import CalibratorState
+from fp8rl_core.config.campaign import CampaignConfig
 from stages.data.prompts import PromptSource, SamplerState, make_source
 from storage.layout import RunLayout, read_run_info
 from storage.ledger import Ledger
@@ -196,8 +196,8 @@ def state_layer_precision(
 ) -> dict:
     """Say which linears train in FP8 and which stay BF16, and why, and whether the decoder blocks run
     compiled (``compiled``: a ``CompileChoice``): one console line and ``run.json``'s ``layer_precision``
-    (rank 0). Returns the summary (``fp8rl_core.precision_layers``)."""
-    from fp8rl_core.precision_layers import layer_precision, precision_line
+    (rank 0). Returns the summary (``fp8rl_core.precision.layers``)."""
+    from fp8rl_core.precision.layers import layer_precision, precision_line
     from storage.layout import update_run_info
 
     summary = layer_precision(policy, report)
@@ -237,6 +237,14 @@ def _make_rollout_engine(cfg: CampaignConfig, policy: torch.nn.Module, tokenizer
     )
 
 
+def _checkpoint_activations(policy: torch.nn.Module, *, sharded: bool) -> None:
+    from fp8rl_core.precision.conversion import bf16_recompute_checkpointing, enable_activation_checkpointing
+
+    enable_activation_checkpointing(policy)
+    if not sharded:  # unsharded: recompute on the bf16 casts (FSDP2 re-gathers them itself)
+        bf16_recompute_checkpointing(policy)
+
+
 def open_run(
     cfg: CampaignConfig,
     run_dir: str | Path,
@@ -252,8 +260,8 @@ def open_run(
     A vLLM engine is built first, while the trainer holds nothing on the device, and
     under torchrun the policy goes from the host straight into its shards: no
     device ever holds the whole fp32 model."""
-    from fp8rl_core.precision import bf16_recompute_checkpointing, convert_for_training, enable_activation_checkpointing
-    from fp8rl_core.tiny_model import load_policy
+    from fp8rl_core.precision.conversion import convert_for_training
+    from fp8rl_core.tasks.tiny_model import load_policy
     from stages.bootstrap.math import capped_threads
     from stages.data.prompt_format import apply_stop_tokens
     from stages.trainer.block_compile import compile_choice, compile_decoder_blocks
@@ -284,9 +292,7 @@ def open_run(
     compiled = compile_choice(cfg.precision.compile, device, report.backend)
     state_layer_precision(run_dir, policy, report, main=rank == 0, compiled=compiled)
     if cfg.algorithm.activation_checkpointing:
-        enable_activation_checkpointing(policy)
-        if world_size == 1:  # unsharded: recompute on the bf16 casts (FSDP2 re-gathers them itself)
-            bf16_recompute_checkpointing(policy)
+        _checkpoint_activations(policy, sharded=world_size > 1)
     if engine is None:
         engine = _make_rollout_engine(cfg, policy, tokenizer, base)
     if compiled.enabled:  # after activation checkpointing and the engine's copy, before fully_shard (torchtitan)

@@ -15,7 +15,7 @@ import time
 
 import pyarrow as pa
 
-from fp8rl_core.config import BenchmarkEval, CampaignConfig
+from fp8rl_core.config.campaign import BenchmarkEval, CampaignConfig
 from stages.context import RunEnv, TrainState, step_seed
 from stages.data.prompts import PromptItem, data_dir
 from stages.engines.base import RolloutBatch, RolloutSample
@@ -131,7 +131,7 @@ def grade_benchmark(
     env: RunEnv, bench: BenchmarkEval, items: list[PromptItem], verifier: str, batch: RolloutBatch
 ) -> tuple[pa.Table, list[dict]]:
     """Grade one benchmark's samples: its ``evals`` rows and its metric rows."""
-    from fp8rl_core.eval_metrics import avg_at_k, maj_at_k, pass_at_k
+    from fp8rl_core.signals.eval_metrics import avg_at_k, maj_at_k, pass_at_k
     from stages.grade.pool import grade_batch
 
     responses = env.tokenizer.batch_decode([s.response_ids for s in batch.samples], skip_special_tokens=True)

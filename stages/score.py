@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from fp8rl_core.advantages import ADVANTAGE_ESTIMATORS, dynamic_sampling_mask, overlong_penalty
+from fp8rl_core.objective.advantages import ADVANTAGE_ESTIMATORS, dynamic_sampling_mask, overlong_penalty
 from stages.context import RunEnv, TrainState
 from stages.result import StageResult
 from stages.runtime.io import read_step

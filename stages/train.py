@@ -20,16 +20,16 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from fp8rl_core.diagnostics import (
+from fp8rl_core.calibration.noise_sources import noise_sources
+from fp8rl_core.objective.losses import importance_ratio
+from fp8rl_core.signals.diagnostics import (
     entropy_binned_clip_shares,
     is_garbled,
     noise_amplification,
     over_clipped_mask,
     under_clipped_mask,
 )
-from fp8rl_core.failure_signals import garbled_share
-from fp8rl_core.losses import importance_ratio
-from fp8rl_core.noise_sources import noise_sources
+from fp8rl_core.signals.failure_signals import garbled_share
 from stages.context import RunEnv, TrainState, step_seed
 from stages.grade.pool import answer_parser
 from stages.result import StageResult

@@ -401,7 +401,7 @@ BOUNDS = TableSpec(
         Column("negative_tokens", pa.int64(), "Of which with A < 0."),
         Column("nonfinite_tokens", pa.int64(), "Tokens with a non-finite ratio, left out of the calibration."),
         Column("status", pa.string(), "Calibration outcome ('ok', or why the previous bounds were kept)."),
-        # subsampled shadow passes (fp8rl_core.subsample)
+        # subsampled shadow passes (fp8rl_core.calibration.subsample)
         Column("shadow_sequences", pa.int64(), "Sequences the BF16 shadow passes ran on (m)."),
         Column("total_sequences", pa.int64(), "Sequences of the batch (N); m = N: full shadow."),
         Column(
@@ -420,7 +420,7 @@ BOUNDS = TableSpec(
             "Bootstrap (over sequences) (1 - delta)-quantile of the L error: tighter, approximate.",
         ),
         Column("shadow_failure_prob", _F64, "delta of the stated bounds."),
-        # the raw-L estimator (fp8rl_core.estimators); NULL in runs written before it was recorded
+        # the raw-L estimator (fp8rl_core.calibration.estimators); NULL in runs written before it was recorded
         Column(
             "estimator",
             pa.string(),

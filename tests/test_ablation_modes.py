@@ -14,7 +14,7 @@ import pytest
 from conftest import micro_config
 
 from flows.configuration import dump_config
-from fp8rl_core.losses import loss_bounds
+from fp8rl_core.objective.losses import loss_bounds
 from stages.context import open_context
 from stages.rollout import run_rollout
 from stages.runtime.io import read_step

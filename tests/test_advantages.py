@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from fp8rl_core.advantages import (
+from fp8rl_core.objective.advantages import (
     ADVANTAGE_ESTIMATORS,
     drgrpo_advantages,
     dynamic_sampling_mask,

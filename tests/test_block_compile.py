@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from fp8rl_core.precision import bf16_recompute_checkpointing, enable_activation_checkpointing
+from fp8rl_core.precision.conversion import bf16_recompute_checkpointing, enable_activation_checkpointing
 from stages.trainer.block_compile import compile_choice, compile_decoder_blocks, is_compiled
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
@@ -106,7 +106,7 @@ def test_every_block_is_compiled_in_place_one_graph_serves_all_and_values_are_un
 
 def test_a_run_states_its_compile_choice_and_compiles_when_asked(tmp_path, capsys):
     from flows.configuration import dump_config
-    from fp8rl_core.precision_layers import precision_line
+    from fp8rl_core.precision.layers import precision_line
     from stages.context import open_run
     from storage.layout import create_run
     from tests.conftest import micro_config

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8rl_core.config import BootstrapConfig, ModelConfig, TaskConfig
-from fp8rl_core.tiny_model import load_policy
+from fp8rl_core.config.campaign import BootstrapConfig, ModelConfig, TaskConfig
+from fp8rl_core.tasks.tiny_model import load_policy
 from stages.bootstrap.math import BASE_BAND, EVAL_SIZE, NoisyTeacher, bootstrap, config_hash, read_meta
 
 # end to end on a shared 2-core machine: a module fixture's campaign counts in its first test

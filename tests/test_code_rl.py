@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from fp8rl_core import code_task
-from fp8rl_core.config import CodeConfig
+from fp8rl_core.config.campaign import CodeConfig
+from fp8rl_core.tasks import code as code_task
 from stages.data.code_benchmarks import (
     CODE_SOURCES,
     _eurus,

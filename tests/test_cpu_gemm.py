@@ -1,4 +1,4 @@
-"""BF16 GEMM numerics through FP32 GEMMs on CPU (fp8rl_core.cpu_gemm, ``precision.cpu_bf16_gemm``).
+"""BF16 GEMM numerics through FP32 GEMMs on CPU (fp8rl_core.cpu_numerics.cpu_gemm, ``precision.cpu_bf16_gemm``).
 
 The reference is written out by hand: BF16 operands, an FP32 product, one rounding of
 the output to BF16 -- and, in the backward, one rounding of every gradient to BF16.
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402  (after precision: quiet torchao)
 
 from flows.configuration import ConfigError, load_config
-from fp8rl_core.cpu_gemm import cpu_bf16_gemm, mm
-from fp8rl_core.precision import autocast_context, convert_for_training
+from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm, mm
+from fp8rl_core.precision.conversion import autocast_context, convert_for_training
 
 BF16_EPS = 2.0**-8  # relative spacing of BF16 (8 significand bits)
 
@@ -160,7 +160,7 @@ def test_every_stage_of_a_campaign_runs_under_the_fp32_gemms(tmp_path, monkeypat
     import storage.faults as faults
     from flows.campaign import campaign_flow
     from flows.configuration import dump_config
-    from fp8rl_core import cpu_gemm
+    from fp8rl_core.cpu_numerics import cpu_gemm
     from storage.layout import create_run
 
     monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "600")

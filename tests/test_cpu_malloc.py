@@ -1,4 +1,4 @@
-"""Freed tensor memory kept in the process (fp8rl_core.cpu_malloc): fewer page faults, same bits.
+"""Freed tensor memory kept in the process (fp8rl_core.host.cpu_malloc): fewer page faults, same bits.
 
 Without ``keep_freed_memory`` glibc serves many multi-MiB temporaries with fresh pages and
 returns them when they die, so each new one page-faults again. ``test_freed_tensors_reuse_their_pages``
@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from fp8rl_core.cpu_malloc import MALLOC_ENV, keep_freed_memory
+from fp8rl_core.host.cpu_malloc import MALLOC_ENV, keep_freed_memory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 
@@ -39,10 +39,10 @@ _CHILD = textwrap.dedent(
     """
     import resource, sys
     if sys.argv[1] == "keep":
-        from fp8rl_core.cpu_malloc import keep_freed_memory
+        from fp8rl_core.host.cpu_malloc import keep_freed_memory
         assert keep_freed_memory()  # before torch, as the fp8rl command does
     import torch
-    from fp8rl_core.fp4 import NVFP4, fake_quantize_fp4
+    from fp8rl_core.precision.fp4 import NVFP4, fake_quantize_fp4
     torch.set_num_threads(1)
     x, g = torch.randn(2048, 1024), torch.Generator().manual_seed(1)  # 8 MiB: several temporaries a call
     fake_quantize_fp4(x, NVFP4, stochastic=True, generator=g)  # warm

@@ -1,4 +1,4 @@
-"""``precision.cpu_bf16_gemm: auto`` and the CPU-numerics record (fp8rl_core.cpu_gemm, cpu_env;
+"""``precision.cpu_bf16_gemm: auto`` and the CPU-numerics record (fp8rl_core.cpu_numerics.cpu_gemm, cpu_env;
 flows.cpu_numerics).
 
 The old default was ``native`` everywhere: 130x slower BF16 GEMMs on CPUs without BF16
@@ -14,9 +14,9 @@ import torch
 
 from flows.configuration import load_config
 from flows.cpu_numerics import RUN_JSON_KEY, gemm_choice, record_cpu_numerics, summary_line
-from fp8rl_core import cpu_gemm
-from fp8rl_core.cpu_env import PINNED_ENV, pin_cpu_numerics
-from fp8rl_core.cpu_gemm import NATIVE_MIN_HIDDEN, resolve_cpu_bf16_gemm
+from fp8rl_core.cpu_numerics import cpu_gemm
+from fp8rl_core.cpu_numerics.cpu_gemm import NATIVE_MIN_HIDDEN, resolve_cpu_bf16_gemm
+from fp8rl_core.host.cpu_env import PINNED_ENV, pin_cpu_numerics
 
 
 def test_auto_is_the_default():

@@ -1,4 +1,4 @@
-"""``precision.cpu_bf16_gemm: portable`` (fp8rl_core.portable_math, portable_mode): one answer on every CPU.
+"""``precision.cpu_bf16_gemm: portable`` (cpu_numerics.portable_math, portable_mode): one answer on every CPU.
 
 The GEMM is exact: its result cannot depend on the order in which a BLAS sums, which is what
 differs between MKL's kernels on Intel and AMD CPUs; the transcendentals use ATen's own kernels
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8rl_core import cpu_gemm
-from fp8rl_core import portable_math as pm
-from fp8rl_core.cpu_gemm import cpu_bf16_gemm
+from fp8rl_core.cpu_numerics import cpu_gemm
+from fp8rl_core.cpu_numerics import portable_math as pm
+from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
 
 
 def _bf16(*shape, seed=0, scale=1.0):

@@ -19,11 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8rl_core.bapo import bapo_bounds
-from fp8rl_core.config import BapoConfig
-from fp8rl_core.device_discipline import HostDeviceMixError, HostDeviceMode, to_device
-from fp8rl_core.precision import convert_for_training
-from fp8rl_core.tiny_model import VOCAB_SIZE, build_tiny_model
+from fp8rl_core.calibration.bapo import bapo_bounds
+from fp8rl_core.config.campaign import BapoConfig
+from fp8rl_core.host.device_discipline import HostDeviceMixError, HostDeviceMode, to_device
+from fp8rl_core.precision.conversion import convert_for_training
+from fp8rl_core.tasks.tiny_model import VOCAB_SIZE, build_tiny_model
 from stages.trainer.update import TrainBatch, make_optimizer, policy_update
 from tests.conftest import micro_config
 
@@ -120,8 +120,8 @@ def test_a_batch_already_on_the_device_reaches_the_step_metrics_on_the_host():
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_the_micro_campaign_step_passes_under_the_mode(precision):
     """π_old, full and subsampled shadow, BAPO updates, metrics and a calibration, every precision."""
-    from fp8rl_core.calibration import CalibratorState, calibrate
-    from fp8rl_core.losses import importance_ratio
+    from fp8rl_core.calibration.calibrated_clipping import CalibratorState, calibrate
+    from fp8rl_core.objective.losses import importance_ratio
     from stages.train import shadow_metrics
 
     cfg, model, opt, sched = _setup(f"precision.train={precision}", "calibration.mode=bapo")

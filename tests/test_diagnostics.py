@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from fp8rl_core.diagnostics import (
+from fp8rl_core.signals.diagnostics import (
     clip_shares_by_sign,
     entropy_binned_clip_shares,
     garbled_components,

@@ -7,9 +7,17 @@ import math
 import pytest
 import torch
 
-from fp8rl_core.calibration import calibrate
-from fp8rl_core.config import CalibrationConfig
-from fp8rl_core.drift import Schedule, StepTokens, drift_decision, ks_distance, negative_ratios, quantile_shift, replay
+from fp8rl_core.calibration.calibrated_clipping import calibrate
+from fp8rl_core.calibration.drift import (
+    Schedule,
+    StepTokens,
+    drift_decision,
+    ks_distance,
+    negative_ratios,
+    quantile_shift,
+    replay,
+)
+from fp8rl_core.config.campaign import CalibrationConfig
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 pytestmark = pytest.mark.timeout(60)
@@ -223,7 +231,7 @@ def test_live_quantile_signal_reads_the_checkpointed_state():
 
     from conftest import micro_config
 
-    from fp8rl_core.calibration import CalibratorState
+    from fp8rl_core.calibration.calibrated_clipping import CalibratorState
     from stages.schedule.shadow import drift_metrics
 
     env = SimpleNamespace(cfg=micro_config("calibration.schedule=drift", "calibration.drift_signal=quantile"))

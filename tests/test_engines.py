@@ -18,10 +18,10 @@ import copy
 import pytest
 import torch
 
-from fp8rl_core.config import PrecisionConfig, RolloutConfig
-from fp8rl_core.logprobs import sequence_logprobs
-from fp8rl_core.precision import autocast_context, convert_for_training
-from fp8rl_core.tiny_model import build_tokenizer
+from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
+from fp8rl_core.objective.logprobs import sequence_logprobs
+from fp8rl_core.precision.conversion import autocast_context, convert_for_training
+from fp8rl_core.tasks.tiny_model import build_tokenizer
 from stages.engines import ENGINES, RolloutBatch, RolloutSample, TransformersEngine, hf_engine, make_engine
 from stages.engines.hf_engine import sample_next, top_p_mask
 from tests.conftest import peaked_policy

@@ -1,4 +1,4 @@
-"""Raw-L estimators (fp8rl_core.estimators): each against a slow reference loop, the
+"""Raw-L estimators (fp8rl_core.calibration.estimators): each against a slow reference loop, the
 Harrell-Davis interval's coverage, the pool across a checkpoint, and a micro campaign."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from fp8rl_core.calibration import CalibratorState, calibrate
-from fp8rl_core.config import CalibrationConfig
-from fp8rl_core.estimators import LOWER_ESTIMATORS, betainc, harrell_davis, hd_interval
+from fp8rl_core.calibration.calibrated_clipping import CalibratorState, calibrate
+from fp8rl_core.calibration.estimators import LOWER_ESTIMATORS, betainc, harrell_davis, hd_interval
+from fp8rl_core.config.campaign import CalibrationConfig
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
@@ -248,7 +248,7 @@ def _replay_module():
 def test_replay_scores_predictive_clip_share_error():
     """Same tokens every step: the unsmoothed paper's L clips exactly BF16's count on the next step (error 0);
     the smoothed L walks from 0.8 and misses it first; the spent shadow tokens follow K."""
-    from fp8rl_core.drift import StepTokens
+    from fp8rl_core.calibration.drift import StepTokens
 
     mod = _replay_module()
     gen = torch.Generator().manual_seed(5)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from fp8rl_core.eval_metrics import avg_at_k, maj_at_k, majority_answer, pass_at_k, pass_at_k_single
+from fp8rl_core.signals.eval_metrics import avg_at_k, maj_at_k, majority_answer, pass_at_k, pass_at_k_single
 
 
 def test_avg_at_k():

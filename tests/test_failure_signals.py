@@ -1,4 +1,4 @@
-"""Garbled share and entropy surge (fp8rl_core.failure_signals), with loop references."""
+"""Garbled share and entropy surge (fp8rl_core.signals.failure_signals), with loop references."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from fp8rl_core.failure_signals import first_surge, garbled_mask, garbled_share, surge_mask, surge_onsets
-from fp8rl_core.task import extract_answer
+from fp8rl_core.signals.failure_signals import first_surge, garbled_mask, garbled_share, surge_mask, surge_onsets
+from fp8rl_core.tasks.synthetic import extract_answer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -69,7 +69,7 @@ def test_surge_matches_the_loop_reference_on_random_walks():
 
 
 def test_failure_signals_query_agrees_with_the_python_definition(tmp_path):
-    """The named query's first surge step equals fp8rl_core.failure_signals on the same steps."""
+    """The named query's first surge step equals fp8rl_core.signals.failure_signals on the same steps."""
     from storage.catalog import connect, query, set_params
     from storage.layout import create_run
     from storage.queries import get_query

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from fp8rl_core.fp4 import (
+from fp8rl_core.precision.fp4 import (
     E2M1_VALUES,
     MXFP4,
     NVFP4,
@@ -131,7 +131,7 @@ def test_ragged_shapes_are_errors(fmt, layout, shape):
 
 
 def _torchao():
-    from fp8rl_core.precision import silence_torchao_import_noise
+    from fp8rl_core.precision.conversion import silence_torchao_import_noise
 
     silence_torchao_import_noise()
     with warnings.catch_warnings():

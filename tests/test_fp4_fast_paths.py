@@ -1,8 +1,8 @@
 """The FP4 emulation's fast paths compute what the plain formulations compute, bit for bit.
 
-``fp8rl_core.fp4`` rounds NVFP4 block scales to E4M3 in the float32 bits instead of casting
+``fp8rl_core.precision.fp4`` rounds NVFP4 block scales to E4M3 in the float32 bits instead of casting
 to FP8 and back, finds block maxima by max pooling, keeps a working buffer through the
-rounding and quantizes a caller's float32 tensor in place; ``fp8rl_core.cpu_gemm`` hands the
+rounding and quantizes a caller's float32 tensor in place; ``fp8rl_core.cpu_numerics.cpu_gemm`` hands the
 FP4 linears' operands to the FP32 GEMMs as float32-held BF16 values. Each test compares with
 the plain formulation written out here (the one the code used before). The inplace and
 rounded-operand tests fail on the old code (neither existed).
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8rl_core import cpu_gemm
-from fp8rl_core.fp4 import MXFP4, NVFP4, _block_amax, _e4m3_normal_, _grouped, fake_quantize_fp4, round_e2m1_
+from fp8rl_core.cpu_numerics import cpu_gemm
+from fp8rl_core.precision.fp4 import MXFP4, NVFP4, _block_amax, _e4m3_normal_, _grouped, fake_quantize_fp4, round_e2m1_
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,7 +118,7 @@ def test_modes_off_keeps_the_gemm_mode_out_for_plain_cpu_tensors():
 
 
 def test_rollout_linear_is_the_plain_formulation_and_follows_a_refresh():
-    from fp8rl_core.fp4_linear import Fp4RolloutLinear
+    from fp8rl_core.precision.fp4_linear import Fp4RolloutLinear
 
     g = torch.Generator().manual_seed(7)
     w1, w2, x = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(8, 64, generator=g)

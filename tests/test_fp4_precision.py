@@ -1,4 +1,4 @@
-"""FP4 training and rollout modes (fp8rl_core.fp4_linear, fp8rl_core.fp4_precision)."""
+"""FP4 training and rollout modes (fp8rl_core.precision.fp4_linear, fp8rl_core.precision.fp4_modes)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,22 @@ import torch
 from torch import nn
 from transformers import Qwen3ForCausalLM
 
-from fp8rl_core.fp4 import MXFP4, NVFP4, fake_quantize_fp4, sqnr_db
-from fp8rl_core.fp4_linear import (
-    Fp4Recipe,
-    Fp4RolloutLinear,
-    Fp4State,
-    Fp4TrainingLinear,
-    fp4_rng_state,
-    load_fp4_rng_state,
-)
-from fp8rl_core.precision import (
+from fp8rl_core.precision.conversion import (
     ROLLOUT_PRECISIONS,
     TRAIN_PRECISIONS,
     autocast_context,
     bf16_shadow,
     convert_for_rollout,
     convert_for_training,
+)
+from fp8rl_core.precision.fp4 import MXFP4, NVFP4, fake_quantize_fp4, sqnr_db
+from fp8rl_core.precision.fp4_linear import (
+    Fp4Recipe,
+    Fp4RolloutLinear,
+    Fp4State,
+    Fp4TrainingLinear,
+    fp4_rng_state,
+    load_fp4_rng_state,
 )
 from tests.test_precision import LINEARS_PER_LAYER, tiny_config, toy_batch, train_steps
 
@@ -85,7 +85,7 @@ def test_weight_gradient_is_the_recipe_written_out(fmt):
     """grad-weight = Q(T dy)^T Q(T x) with T the random Hadamard transform along the (zero-padded)
     token dim and Q blocks of b along that dim: written out here with explicit transposes and
     row blocks, which the layer avoids (it quantizes down the columns)."""
-    from fp8rl_core.fp4 import random_hadamard
+    from fp8rl_core.precision.fp4 import random_hadamard
 
     torch.manual_seed(1)
     lin = nn.Linear(64, 32, bias=False)

@@ -18,7 +18,7 @@ from conftest import StageRun as _Run
 from conftest import micro_config
 
 from flows.configuration import dump_config
-from fp8rl_core.task import extract_answer
+from fp8rl_core.tasks.synthetic import extract_answer
 from stages.calibrate import run_calibrate
 from stages.checkpoint import restore, run_checkpoint
 from stages.context import is_calibration_step, open_context

@@ -1,4 +1,4 @@
-"""FP8 numerics (fp8rl_core.fp8) and the emulated linears (fp8rl_core.fp8_linear).
+"""FP8 numerics (fp8rl_core.precision.fp8) and the emulated linears (fp8rl_core.precision.fp8_linear).
 
 References: real FP8 casts, a hand-written loop, torch._scaled_mm on CPU (tiny
 shapes only: it is ~10^4x slower than a BF16 matmul), torchao's own
@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from fp8rl_core.fp8 import (
+from fp8rl_core.precision.conversion import quiet_import_torchao_float8
+from fp8rl_core.precision.fp8 import (
     E4M3,
     E5M2,
     amax_to_qscale,
@@ -28,8 +29,7 @@ from fp8rl_core.fp8 import (
     scaled_mm_emulated,
     sqnr_db,
 )
-from fp8rl_core.fp8_linear import Fp8Recipe, Fp8RolloutLinear, Fp8TrainingLinear, quantize_operand
-from fp8rl_core.precision import quiet_import_torchao_float8
+from fp8rl_core.precision.fp8_linear import Fp8Recipe, Fp8RolloutLinear, Fp8TrainingLinear, quantize_operand
 
 FORMATS = [E4M3, E5M2]
 GRANS = ["tensorwise", "rowwise", "blockwise"]
@@ -39,7 +39,7 @@ GRANS = ["tensorwise", "rowwise", "blockwise"]
 def _lenient_shapes():
     """These tests check the emulation's own (lenient) numerics on odd shapes against torchao's
     emulate path; the strict kernel-shape mode (on in the suite) is tested in test_train_scaleout."""
-    from fp8rl_core.fp8_linear import set_strict_shapes
+    from fp8rl_core.precision.fp8_linear import set_strict_shapes
 
     prev = set_strict_shapes(False)
     yield
@@ -293,7 +293,7 @@ _LAYOUT_TO_FQ = {  # quantize_operand layout -> the same groups through the publ
 @pytest.mark.parametrize("layout", list(_LAYOUT_TO_FQ))
 @pytest.mark.parametrize("chunk", [4096, None], ids=["chunked", "whole"])
 def test_quantize_operand_equals_fake_quantize(layout, chunk, monkeypatch):
-    import fp8rl_core.fp8_operands as fo
+    import fp8rl_core.precision.fp8_operands as fo
 
     if chunk is not None:
         monkeypatch.setattr(fo, "_CHUNK_ELEMS", chunk)  # several chunks, ragged last chunk
@@ -311,7 +311,7 @@ def test_quantize_operand_equals_fake_quantize(layout, chunk, monkeypatch):
 @pytest.mark.parametrize("layout", ["tensor", "row", "block"])
 def test_gpu_sized_chunks_change_the_op_count_not_the_values(layout, monkeypatch):
     """The memory plan rounds its fake CPU tensors in a GPU's chunks (64x the CPU's): same values, fewer ops."""
-    import fp8rl_core.fp8_operands as fo
+    import fp8rl_core.precision.fp8_operands as fo
 
     monkeypatch.setattr(fo, "_CHUNK_ELEMS", 4096)  # CPU: many chunks; GPU-sized: one (the whole-tensor path)
     x = _outlier_data(7)[:200, :300]
@@ -345,7 +345,7 @@ def test_rounding_runs_on_the_calling_thread_and_restores_the_thread_count():
 def test_matmul_output_scaling(chunk, monkeypatch):
     """Per-row / per-column / scalar dequantization scales applied to a BF16 matmul output
     in float32: the result is the float64 product up to BF16 roundings."""
-    import fp8rl_core.fp8_operands as fo
+    import fp8rl_core.precision.fp8_operands as fo
 
     if chunk is not None:
         monkeypatch.setattr(fo, "_CHUNK_ELEMS", chunk)

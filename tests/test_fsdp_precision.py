@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from fp8rl_core.precision import convert_for_training
-from fp8rl_core.tiny_model import build_tiny_model
+from fp8rl_core.precision.conversion import convert_for_training
+from fp8rl_core.tasks.tiny_model import build_tiny_model
 from stages.trainer.distributed import RESHARD_AFTER_FORWARD, decoder_blocks, enable_float8_all_gather, shard_policy
 from tests.scaleout_common import SMALL, rendezvous, spawn_ranks
 

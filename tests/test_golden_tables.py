@@ -7,7 +7,7 @@ prints its key table values: every ``steps`` metric of the column contract, the
 ``token_stats`` row (FP8 and BF16 log-probs, ratios). They must equal, bit for bit, the values
 committed in ``tests/golden/micro_campaign.json``.
 
-What was made CPU-independent, and how (``fp8rl_core/cpu_env.py``, docs/cpu.md):
+What was made CPU-independent, and how (``fp8rl_core/host/cpu_env.py``, docs/cpu.md):
 
 * ATen's vectorized kernels (softmax, log-softmax, cross-entropy, SDPA's online softmax,
   every reduction): ``ATEN_CPU_CAPABILITY=avx2`` before torch, so AVX-512 CPUs run the

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from fp8rl_core.calibration import calibrate
-from fp8rl_core.config import AlgorithmConfig, CalibrationConfig
-from fp8rl_core.gspo import (
+from fp8rl_core.calibration.calibrated_clipping import calibrate
+from fp8rl_core.config.campaign import AlgorithmConfig, CalibrationConfig
+from fp8rl_core.objective.gspo import (
     GSPO_EPS_HIGH,
     GSPO_EPS_LOW,
     gspo_calibration_config,
@@ -17,7 +17,7 @@ from fp8rl_core.gspo import (
     sequence_calibration_inputs,
     sequence_ratio,
 )
-from fp8rl_core.losses import POLICY_LOSSES
+from fp8rl_core.objective.losses import POLICY_LOSSES
 
 pytestmark = pytest.mark.timeout(30)
 L, H = 1 - GSPO_EPS_LOW, 1 + GSPO_EPS_HIGH

@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from fp8rl_core.config import GuardConfig
-from fp8rl_core.guard import check, last_good_step, surge_start
+from fp8rl_core.config.campaign import GuardConfig
+from fp8rl_core.signals.guard import check, last_good_step, surge_start
 
 
 def _surge_slow(xs, factor, window, persist, floor=0.0):

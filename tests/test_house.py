@@ -132,14 +132,17 @@ def test_no_function_over_80_lines_outside_benchmarks_and_tests() -> None:
 
 def _registry_names() -> dict[str, tuple[set[str], set[str]]]:
     """Registry -> (its names, the modules allowed to spell them: where they are registered)."""
-    from fp8rl_core.advantages import ADVANTAGE_ESTIMATORS
-    from fp8rl_core.calibration import CLIP_MODES, UPDATE_BOUNDS
+    from fp8rl_core.calibration.calibrated_clipping import CLIP_MODES, UPDATE_BOUNDS
+    from fp8rl_core.objective.advantages import ADVANTAGE_ESTIMATORS
     from fp8rl_core.registered import POLICY_LOSSES
 
     return {
-        "policy loss": (set(POLICY_LOSSES.names()), {"fp8rl_core/losses.py", "fp8rl_core/gspo.py"}),
-        "clip mode": (set(CLIP_MODES.names()) | set(UPDATE_BOUNDS.names()), {"fp8rl_core/calibration.py"}),
-        "advantage estimator": (set(ADVANTAGE_ESTIMATORS.names()), {"fp8rl_core/advantages.py"}),
+        "policy loss": (set(POLICY_LOSSES.names()), {"fp8rl_core/objective/losses.py", "fp8rl_core/objective/gspo.py"}),
+        "clip mode": (
+            set(CLIP_MODES.names()) | set(UPDATE_BOUNDS.names()),
+            {"fp8rl_core/calibration/calibrated_clipping.py"},
+        ),
+        "advantage estimator": (set(ADVANTAGE_ESTIMATORS.names()), {"fp8rl_core/objective/advantages.py"}),
     }
 
 
@@ -412,7 +415,7 @@ def test_every_module_path_named_as_a_string_resolves() -> None:
     module cannot leave a dangling name behind."""
     import re
 
-    from fp8rl_core.config import StorageConfig
+    from fp8rl_core.config.campaign import StorageConfig
 
     config_keys = {f"storage.{k}" for k in StorageConfig.model_fields}  # `storage.runs_root` is a setting
     files = [*_sources(), *sorted((ROOT / "tests").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
@@ -436,14 +439,14 @@ def test_every_module_path_named_as_a_string_resolves() -> None:
 
 
 def test_every_registry_a_config_field_names_exists_and_holds_its_default() -> None:
-    """``description="... a name in fp8rl_core.losses.POLICY_LOSSES"``: that registry, with the default in it."""
+    """``description="... a name in fp8rl_core.objective.losses.POLICY_LOSSES"``: that registry, with its default."""
     import importlib
     import re
 
     from fp8rl_core.registry import Registry
 
     checked = 0
-    tree = ast.parse((ROOT / "fp8rl_core/config.py").read_text())
+    tree = ast.parse((ROOT / "fp8rl_core/config/campaign.py").read_text())
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Field" and node.args):
             continue

@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from fp8rl_core.config import ModelConfig, PrecisionConfig, RolloutConfig
-from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
+from fp8rl_core.config.campaign import ModelConfig, PrecisionConfig, RolloutConfig
+from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 from stages.engines import make_engine
 from stages.engines.http_engine import HTTPClient, ServerError
 from stages.engines.vllm_engine import prompt_seed

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8rl_core import bf16_rule, cpu_gemm
-from fp8rl_core.config import PrecisionConfig, RolloutConfig
-from fp8rl_core.cpu_gemm import cpu_bf16_gemm
-from fp8rl_core.tiny_model import build_tokenizer
+from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
+from fp8rl_core.cpu_numerics import bf16_rule, cpu_gemm
+from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
+from fp8rl_core.tasks.tiny_model import build_tokenizer
 from stages.engines import make_engine
 from stages.engines.kv_mirror import MirroredKVCache, MirrorLayer
 from tests.conftest import peaked_policy

@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from fp8rl_core.precision import convert_for_training
-from fp8rl_core.precision_layers import layer_precision, precision_line
+from fp8rl_core.precision.conversion import convert_for_training
+from fp8rl_core.precision.layers import layer_precision, precision_line
 
 
 def _qwen25_32b_layers(n: int):

@@ -1,4 +1,4 @@
-"""Per-token log-probs and entropies (fp8rl_core.logprobs)."""
+"""Per-token log-probs and entropies (fp8rl_core.objective.logprobs)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM  # noqa: E402  (after fp8rl_core: quiet torchao)
 
-from fp8rl_core.logprobs import position_ids_from_mask, sequence_logprobs, token_logprobs_and_entropy
-from fp8rl_core.precision import autocast_context, convert_for_training
+from fp8rl_core.objective.logprobs import position_ids_from_mask, sequence_logprobs, token_logprobs_and_entropy
+from fp8rl_core.precision.conversion import autocast_context, convert_for_training
 
 
 def naive(logits: torch.Tensor, labels: torch.Tensor):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fp8rl_core.losses import AGGREGATIONS, POLICY_LOSSES, aggregate, cispo_loss, policy_loss, tis_weights
+from fp8rl_core.objective.losses import AGGREGATIONS, POLICY_LOSSES, aggregate, cispo_loss, policy_loss, tis_weights
 
 AGGS = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -86,7 +86,7 @@ def test_unknown_agg_and_bad_inputs():
         policy_loss(logp, old[:, :3], adv, mask, lower=0.8, upper=1.28)
     with pytest.raises(ValueError, match="lower <= upper"):
         policy_loss(logp, old, adv, mask, lower=1.3, upper=1.28)
-    assert POLICY_LOSSES.names() == ["cispo", "gspo", "ppo"]  # gspo: fp8rl_core.gspo, registered with the losses
+    assert POLICY_LOSSES.names() == ["cispo", "gspo", "ppo"]  # gspo: objective.gspo, registered with the losses
     assert AGGREGATIONS.names() == sorted(AGGS)
 
 
@@ -245,8 +245,8 @@ def test_empty_mask():
 def test_cispo_gradient_hand_derived_three_tokens():
     """CISPO with verl's example cap (1 + 0.2, lower side unclamped): d loss / d logp_i = -w_i A_i / 3
     with w = sg(min(r, 1.2)). A non-detached weight would add -A_i * r_i * logp_i / 3 where r is not capped."""
-    from fp8rl_core.config import AlgorithmConfig
-    from fp8rl_core.losses import loss_bounds
+    from fp8rl_core.config.campaign import AlgorithmConfig
+    from fp8rl_core.objective.losses import loss_bounds
 
     lower, upper = loss_bounds("cispo", 0.8, 1.28, AlgorithmConfig())
     assert (lower, upper) == (0.0, pytest.approx(1.2))

@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8rl_core.config import CampaignConfig, ModelConfig
-from fp8rl_core.cpu_gemm import cpu_bf16_gemm
-from fp8rl_core.precision import convert_for_training
-from fp8rl_core.tiny_model import build_tiny_model
+from fp8rl_core.config.campaign import CampaignConfig, ModelConfig
+from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
+from fp8rl_core.precision.conversion import convert_for_training
+from fp8rl_core.tasks.tiny_model import build_tiny_model
 from stages.trainer import old_logp as old_logp
 from stages.trainer.forward import policy_logprobs
 from stages.trainer.update import TrainBatch, make_optimizer, policy_update
@@ -101,7 +101,7 @@ def test_the_step_with_the_reuse_equals_the_step_without_it_and_skips_one_forwar
 
 
 def test_bapo_and_a_split_first_mini_batch_keep_the_no_grad_pass():
-    from fp8rl_core.calibration import per_update_rule
+    from fp8rl_core.calibration.calibrated_clipping import per_update_rule
 
     device = torch.device("cpu")
     one = [[torch.arange(8)]]

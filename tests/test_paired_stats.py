@@ -1,4 +1,4 @@
-"""Paired comparisons (fp8rl_core.paired_stats) against slow references and known values."""
+"""Paired comparisons (fp8rl_core.signals.paired_stats) against slow references and known values."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from fp8rl_core.paired_stats import bootstrap_mean_ci, mcnemar_exact_p, sign_flip_p
+from fp8rl_core.signals.paired_stats import bootstrap_mean_ci, mcnemar_exact_p, sign_flip_p
 
 
 def slow_sign_flip(x):

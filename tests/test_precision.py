@@ -1,4 +1,4 @@
-"""Training and rollout precision modes on a tiny Qwen3 (fp8rl_core.precision)."""
+"""Training and rollout precision modes on a tiny Qwen3 (fp8rl_core.precision.conversion)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402  (after precision: quiet torchao)
 
-from fp8rl_core.fp8 import E4M3, fake_quantize, sqnr_db
-from fp8rl_core.fp8_linear import Fp8RolloutLinear, Fp8TrainingLinear
-from fp8rl_core.fp8_operands import quantize_operand
-from fp8rl_core.precision import (
+from fp8rl_core.precision.conversion import (
     ROLLOUT_PRECISIONS,
     TRAIN_PRECISIONS,
     autocast_context,
@@ -22,6 +19,9 @@ from fp8rl_core.precision import (
     convert_for_training,
     sync_rollout_weights,
 )
+from fp8rl_core.precision.fp8 import E4M3, fake_quantize, sqnr_db
+from fp8rl_core.precision.fp8_linear import Fp8RolloutLinear, Fp8TrainingLinear
+from fp8rl_core.precision.fp8_operands import quantize_operand
 
 FP8_MODES = ["fp8_tensorwise", "fp8_rowwise", "fp8_blockwise"]
 LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
@@ -136,7 +136,7 @@ def test_our_emulation_equals_torchao_emulate_end_to_end(base_model):
 def test_layers_the_kernel_cannot_take_are_skipped_with_a_reason(caplog):
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(tiny_config(intermediate_size=200))  # 200 % 16 != 0, % 128 != 0
-    with caplog.at_level(logging.INFO, logger="fp8rl_core.precision"):
+    with caplog.at_level(logging.INFO, logger="fp8rl_core.precision.conversion"):
         report = convert_for_training(copy.deepcopy(model), "fp8_tensorwise")
     skipped = dict(report.skipped)
     assert set(skipped) == {f"model.layers.{i}.mlp.{p}_proj" for i in range(2) for p in ("gate", "up", "down")}
@@ -250,7 +250,7 @@ def test_sync_rollout_weights_requantizes_once_per_sync(base_model):
 @pytest.mark.parametrize("mode", ["fp8_per_tensor", "fp8_per_block"])
 def test_weight_format_decides_what_the_engine_quantizes(base_model, mode):
     """bf16 transfer: the engine quantizes the BF16-rounded masters; native_fp8: the fp32 masters."""
-    from fp8rl_core.precision import fused_rollout_groups
+    from fp8rl_core.precision.conversion import fused_rollout_groups
 
     sent_bf16 = convert_for_rollout(base_model, mode, dtype=torch.float32)
     native = convert_for_rollout(base_model, mode, dtype=torch.float32, weight_format="native_fp8")
@@ -274,7 +274,7 @@ def test_weight_format_decides_what_the_engine_quantizes(base_model, mode):
 def test_vllm_scale_rule_breaks_ties_as_vllm_does():
     """vLLM multiplies by 1 / (amax / 448) in float32, torchao by 448 / amax: an ulp apart on some amaxes,
     which flips BF16-valued operands that sit on a tie between two FP8 values."""
-    from fp8rl_core.fp8 import amax_to_qscale
+    from fp8rl_core.precision.fp8 import amax_to_qscale
 
     amax, w = torch.tensor(0.26953125), torch.tensor([[0.2021484375, -0.26953125]])  # BF16 values; w/s = 336: a tie
     s = amax / 448.0
@@ -290,8 +290,8 @@ def test_vllm_scale_rule_breaks_ties_as_vllm_does():
 
 def test_rollout_quantizes_shared_inputs_once(base_model, monkeypatch):
     """q/k/v (and gate/up) read one tensor: quantized once, same numbers as without the cache."""
-    import fp8rl_core.fp8_linear as fl
-    import fp8rl_core.fp8_operands as fo
+    import fp8rl_core.precision.fp8_linear as fl
+    import fp8rl_core.precision.fp8_operands as fo
 
     rollout = convert_for_rollout(base_model, "fp8_per_tensor")
     calls = []
@@ -318,7 +318,7 @@ def test_the_shared_input_cache_tells_fake_tensors_apart(monkeypatch):
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import fp8rl_core.fp8_operands as fo
+    import fp8rl_core.precision.fp8_operands as fo
 
     calls = []
     real = fo.quantize_operand
@@ -335,8 +335,8 @@ def test_the_shared_input_cache_tells_fake_tensors_apart(monkeypatch):
 @pytest.mark.parametrize("mode", FP8_MODES)
 def test_training_quantizes_shared_inputs_once(base_model, mode, monkeypatch):
     """Same logits and gradients with the shared-input cache as without; fewer roundings."""
-    import fp8rl_core.fp8_linear as fl
-    import fp8rl_core.fp8_operands as fo
+    import fp8rl_core.precision.fp8_linear as fl
+    import fp8rl_core.precision.fp8_operands as fo
 
     calls = []
     real = fl.quantize_operand

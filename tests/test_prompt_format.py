@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fp8rl_core.config import PrecisionConfig, PromptConfig, RolloutConfig
+from fp8rl_core.config.campaign import PrecisionConfig, PromptConfig, RolloutConfig
 
 QWEN_TEMPLATE = (
     "{%- for message in messages %}"
@@ -75,7 +75,7 @@ def chat_ckpt(tmp_path_factory) -> Path:
 
 
 def _load(path: Path):
-    from fp8rl_core.tiny_model import load_policy
+    from fp8rl_core.tasks.tiny_model import load_policy
 
     return load_policy(path)
 

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8rl_core.config import ModelConfig
-from fp8rl_core.fp8_linear import Fp8RolloutLinear
-from fp8rl_core.precision import convert_for_rollout, fused_rollout_groups
-from fp8rl_core.tiny_model import build_tiny_model
+from fp8rl_core.config.campaign import ModelConfig
+from fp8rl_core.precision.conversion import convert_for_rollout, fused_rollout_groups
+from fp8rl_core.precision.fp8_linear import Fp8RolloutLinear
+from fp8rl_core.tasks.tiny_model import build_tiny_model
 
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8rl_core.paired_stats import mcnemar_exact_p
+from fp8rl_core.signals.paired_stats import mcnemar_exact_p
 
 
 @pytest.fixture(scope="module")

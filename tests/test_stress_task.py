@@ -1,4 +1,4 @@
-"""The stress task (fp8rl_core.stress_task): worked chains, noisy teacher, splits, lengths."""
+"""The stress task (fp8rl_core.tasks.stress): worked chains, noisy teacher, splits, lengths."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from fp8rl_core import stress_task as st
-from fp8rl_core.task import exact_verify, extract_answer
+from fp8rl_core.tasks import stress as st
+from fp8rl_core.tasks.synthetic import exact_verify, extract_answer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,7 +71,7 @@ def test_splits_are_disjoint_and_levels_checked():
 
 
 def test_prompt_source_and_benchmark_use_the_stress_task():
-    from fp8rl_core.config import TaskConfig
+    from fp8rl_core.config.campaign import TaskConfig
     from stages.data.benchmarks import load_synthetic
     from stages.data.prompts import make_source
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8rl_core.calibration import calibrate
-from fp8rl_core.config import CalibrationConfig
-from fp8rl_core.subsample import (
+from fp8rl_core.calibration.calibrated_clipping import calibrate
+from fp8rl_core.calibration.subsample import (
     bootstrap_lower_error,
     choose_size,
     level_error,
@@ -15,6 +14,7 @@ from fp8rl_core.subsample import (
     quantile_rule,
     sample_sequences,
 )
+from fp8rl_core.config.campaign import CalibrationConfig
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 pytestmark = pytest.mark.timeout(90)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from fp8rl_core.task import (
+from fp8rl_core.tasks.synthetic import (
     LEVELS,
     carry_columns,
     column_work,

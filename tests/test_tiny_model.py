@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from fp8rl_core.config import ModelConfig
-from fp8rl_core.task import LEVELS, demonstration, make_problem
-from fp8rl_core.tiny_model import (
+from fp8rl_core.config.campaign import ModelConfig
+from fp8rl_core.tasks.synthetic import LEVELS, demonstration, make_problem
+from fp8rl_core.tasks.tiny_model import (
     CHARSET,
     SPECIAL_TOKENS,
     VOCAB_SIZE,

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _fp8_model(seed: int = 0, mode: str = "fp8_tensorwise", backend: str = "torchao"):
-    from fp8rl_core.precision import convert_for_training
-    from fp8rl_core.tiny_model import build_tiny_model
+    from fp8rl_core.precision.conversion import convert_for_training
+    from fp8rl_core.tasks.tiny_model import build_tiny_model
 
     torch.manual_seed(seed)
     m = build_tiny_model(SMALL)
@@ -28,7 +28,7 @@ def _fp8_model(seed: int = 0, mode: str = "fp8_tensorwise", backend: str = "torc
 
 
 def _bf16_model(seed: int = 0):
-    from fp8rl_core.tiny_model import build_tiny_model
+    from fp8rl_core.tasks.tiny_model import build_tiny_model
 
     torch.manual_seed(seed)
     return build_tiny_model(SMALL)

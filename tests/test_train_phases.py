@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from fp8rl_core.bapo import UpdateBoundsRule
-from fp8rl_core.calibration import CLIP_MODES, UPDATE_BOUNDS
-from fp8rl_core.losses import LOSS_BOUNDS
+from fp8rl_core.calibration.bapo import UpdateBoundsRule
+from fp8rl_core.calibration.calibrated_clipping import CLIP_MODES, UPDATE_BOUNDS
+from fp8rl_core.objective.losses import LOSS_BOUNDS
 from fp8rl_core.registered import CALIBRATION_UNITS, LOSS_STATISTICS, POLICY_LOSSES
 from stages.trainer import update as tc
 from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE

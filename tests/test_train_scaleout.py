@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8rl_core.fp8_linear import KernelShapeError, set_strict_shapes
-from fp8rl_core.logprobs import position_ids_from_mask
-from fp8rl_core.precision import convert_for_training
+from fp8rl_core.objective.logprobs import position_ids_from_mask
+from fp8rl_core.precision.conversion import convert_for_training
+from fp8rl_core.precision.fp8_linear import KernelShapeError, set_strict_shapes
 from stages.trainer.update import make_optimizer, policy_update
 from tests.scaleout_common import rendezvous, small_batch, small_cfg, small_model, spawn_ranks
 

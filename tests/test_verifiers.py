@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8rl_core.verifiers import VERIFIERS, extract_final_answer, last_boxed, math_equal
+from fp8rl_core.tasks.verifiers import VERIFIERS, extract_final_answer, last_boxed, math_equal
 from stages.grade.pool import GradingPool, grade_batch
 
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from fp8rl_core.config import ModelConfig, PrecisionConfig, RolloutConfig
-from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
+from fp8rl_core.config.campaign import ModelConfig, PrecisionConfig, RolloutConfig
+from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 from stages.engines import VLLMEngine, make_engine
 from stages.engines.vllm_engine import (
     batch_from_request_outputs,

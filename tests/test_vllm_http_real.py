@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from fp8rl_core.config import ModelConfig, PrecisionConfig, RolloutConfig
-from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
+from fp8rl_core.config.campaign import ModelConfig, PrecisionConfig, RolloutConfig
+from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 from tests.real_vllm import ROOT, require_vllm, vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -17,8 +17,8 @@ import pytest
 import torch
 from vllm_standin import STANDIN_GPU_UUID, make_standin_module, param_digest
 
-from fp8rl_core.config import ModelConfig, PrecisionConfig, RolloutConfig
-from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
+from fp8rl_core.config.campaign import ModelConfig, PrecisionConfig, RolloutConfig
+from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 from stages.engines import make_engine
 from stages.engines import vllm_engine as ve
 from stages.engines import weight_transfer as wt

@@ -24,8 +24,8 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
-from fp8rl_core.config import ModelConfig, PrecisionConfig, RolloutConfig
-from fp8rl_core.tiny_model import build_tiny_model
+from fp8rl_core.config.campaign import ModelConfig, PrecisionConfig, RolloutConfig
+from fp8rl_core.tasks.tiny_model import build_tiny_model
 from stages.engines import weight_transfer as wt
 
 
@@ -159,7 +159,7 @@ def test_engine_is_built_before_the_policy_reaches_the_device(world_size, tmp_pa
     import stages.engines as engines
     import stages.trainer.distributed as distributed
     from flows.configuration import dump_config
-    from fp8rl_core.tiny_model import build_tokenizer
+    from fp8rl_core.tasks.tiny_model import build_tokenizer
     from storage.layout import create_run
 
     base = tmp_path / "base"
@@ -168,7 +168,7 @@ def test_engine_is_built_before_the_policy_reaches_the_device(world_size, tmp_pa
     cfg = micro_config(f"model.path={base}", "rollout.engine=vllm")
     create_run(tmp_path, "r", config=dump_config(cfg))
     events = []
-    import fp8rl_core.tiny_model as tiny
+    import fp8rl_core.tasks.tiny_model as tiny
 
     real_load = tiny.load_policy
 

@@ -5,7 +5,7 @@ thread guard it reuses): SFT on ``prompt -> expression`` demonstrations, an
 exact teacher until the running loss is below ``bootstrap.switch_loss``, then
 ``bootstrap.noisy_steps`` steps of a noisy teacher that writes the wrong
 operator with probability ``bootstrap.carry_drop`` (here: the slip rate of
-:func:`fp8rl_core.code_task.demonstration`), so the clone is right about
+:func:`fp8rl_core.tasks.code.demonstration`), so the clone is right about
 ``1 - carry_drop`` of the time when sampled and RL has one behaviour to fix.
 
 The base accuracy in ``bootstrap.json`` is measured without running model
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from fp8rl_core import code_task
-from fp8rl_core.config import BootstrapConfig, ModelConfig, TaskConfig
-from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
+from fp8rl_core.config.campaign import BootstrapConfig, ModelConfig, TaskConfig
+from fp8rl_core.tasks import code as code_task
+from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 from stages.bootstrap.math import META_FILE, _sft_step, _threads, default_cache_root, publish_checkpoint
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """Bootstrap stage: supervised warm start of the tiny policy, cached by config hash.
 
 RL needs a policy that is right sometimes but far from always. The tiny Qwen3
-model (``fp8rl_core.tiny_model``) is trained by next-token cross-entropy on the
-synthetic task's worked solutions (``fp8rl_core.task``) in two phases
+model (``fp8rl_core.tasks.tiny_model``) is trained by next-token cross-entropy on the
+synthetic task's worked solutions (``fp8rl_core.tasks.synthetic``) in two phases
 (:class:`NoisyTeacher`):
 
 1. *exact teacher*, until the running training loss drops below
@@ -34,7 +34,7 @@ measured base accuracy — sampled and greedy over :data:`EVAL_SIZE` test
 problems — the config hash and timings), named by a hash of everything that
 shapes the weights (model config, task difficulty and seed, bootstrap config
 except its thread count, the teacher, :data:`BOOTSTRAP_VERSION`, the CPU-numerics
-variables of ``fp8rl_core.cpu_env`` where set). A second
+variables of ``fp8rl_core.host.cpu_env`` where set). A second
 call with the same inputs returns the cached directory without training. The
 directory appears atomically: it is written under a temporary name and renamed.
 """
@@ -56,12 +56,12 @@ from typing import Iterator
 
 import torch
 
-from fp8rl_core.config import BootstrapConfig, ModelConfig, TaskConfig
-from fp8rl_core.cpu_env import cpu_numerics_env
-from fp8rl_core.cpu_gemm import cpu_bf16_gemm
-from fp8rl_core.stress_task import procedural_task
-from fp8rl_core.task import exact_verify
-from fp8rl_core.tiny_model import build_tiny_model, build_tokenizer
+from fp8rl_core.config.campaign import BootstrapConfig, ModelConfig, TaskConfig
+from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
+from fp8rl_core.host.cpu_env import cpu_numerics_env
+from fp8rl_core.tasks.stress import procedural_task
+from fp8rl_core.tasks.synthetic import exact_verify
+from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ def train_policy(
     tokenizer = build_tokenizer()
     vocab = tokenizer.get_vocab()
     max_clean = max(0, boot_cfg.steps - teacher.noisy_steps)
-    # BF16 autocast with the CPU-independent GEMMs (fp8rl_core.portable_mode): the campaign's own rule,
+    # BF16 autocast with the CPU-independent GEMMs (fp8rl_core.cpu_numerics.portable_mode): the campaign's own rule,
     # and the same bootstrapped weights on every x86-64 CPU
     bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
     with _threads(boot_cfg.threads), torch.random.fork_rng(devices=[]), cpu_bf16_gemm("portable"), bf16:
@@ -296,7 +296,7 @@ def bootstrap(
 ) -> Path:
     """The bootstrapped checkpoint directory for these configs (trained on the
     first call, read from ``cache_root`` afterwards). Load it with
-    ``fp8rl_core.tiny_model.load_policy``; its measured base accuracy is in
+    ``fp8rl_core.tasks.tiny_model.load_policy``; its measured base accuracy is in
     :func:`read_meta`. ``eval_size`` only sizes that measurement (not hashed)."""
     if model_cfg.path is not None:
         raise ValueError(f"model.path={model_cfg.path!r} is set: there is nothing to bootstrap (use that checkpoint)")

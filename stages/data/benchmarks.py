@@ -16,7 +16,7 @@ minerva_math   minerva_math/test.jsonl                 272      the last ``\\box
 olympiadbench  olympiadbench/test.jsonl                675      ``final_answer`` list, ``$`` stripped,
                                                                  joined with ", " when several
 gsm8k          gsm8k/test.jsonl                        1319     the number after ``####``
-synthetic      (generated: the synthetic test split)   limit    :func:`fp8rl_core.task.make_problem`
+synthetic      (generated: the synthetic test split)   limit    :func:`fp8rl_core.tasks.synthetic.make_problem`
 =============  ======================================  =======  =====================================
 
 The data folder is the ``data_dir`` argument, else ``$FP8RL_DATA_DIR``. Without
@@ -47,11 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from fp8rl_core.config import TaskConfig
+from fp8rl_core.config.campaign import TaskConfig
 from fp8rl_core.registry import Registry
-from fp8rl_core.stress_task import procedural_task
-from fp8rl_core.task import make_problem
-from fp8rl_core.verifiers import last_boxed
+from fp8rl_core.tasks.stress import procedural_task
+from fp8rl_core.tasks.synthetic import make_problem
+from fp8rl_core.tasks.verifiers import last_boxed
 
 log = logging.getLogger(__name__)
 
@@ -429,5 +429,5 @@ def render_prompt(problem: BenchmarkProblem) -> str:
 
 
 def verifier_for(problem: BenchmarkProblem) -> str:
-    """Name of the verifier (in ``fp8rl_core.verifiers.VERIFIERS``) that grades it."""
+    """Name of the verifier (in ``fp8rl_core.tasks.verifiers.VERIFIERS``) that grades it."""
     return "synthetic" if problem.source == "synthetic" else "math"

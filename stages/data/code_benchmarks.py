@@ -19,7 +19,7 @@ taco           HF ``BAAI/TACO`` (test)                              ``input_outp
 apps           HF ``codeparrot/apps`` (test)                        ``input_output`` JSON
 eurus_code     HF ``PRIME-RL/Eurus-2-RL-Data`` (train, ability      ``reward_model.ground_truth``
                = code)                                              JSON
-code_tiny      generated (fp8rl_core.code_task, test split)         hidden inputs, one case
+code_tiny      generated (fp8rl_core.tasks.code, test split)         hidden inputs, one case
 =============  ===================================================  =============================
 
 HF sources are read with ``datasets`` on machines with a network; here their
@@ -36,8 +36,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from fp8rl_core import code_task
-from fp8rl_core.config import CodeConfig, TaskConfig
+from fp8rl_core.config.campaign import CodeConfig, TaskConfig
+from fp8rl_core.tasks import code as code_task
 from stages.data.benchmarks import (
     BenchmarkProblem,
     BenchmarkSet,

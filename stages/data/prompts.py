@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from fp8rl_core import code_task
-from fp8rl_core import task as synthetic
-from fp8rl_core.config import CampaignConfig, CodeConfig, TaskConfig
+from fp8rl_core.config.campaign import CampaignConfig, CodeConfig, TaskConfig
+from fp8rl_core.tasks import code as code_task
+from fp8rl_core.tasks import synthetic
 
 
 @dataclass(frozen=True)
@@ -73,14 +73,14 @@ class SyntheticSource(PromptSource):
 
 
 class StressSource(SyntheticSource):
-    """The long-chain stress task (``fp8rl_core.stress_task``); graded like the short task."""
+    """The long-chain stress task (``fp8rl_core.tasks.stress``); graded like the short task."""
 
     def __init__(self, cfg: TaskConfig) -> None:
         super().__init__(cfg)
         self.dataset = f"stress-d{cfg.difficulty}"
 
     def __getitem__(self, index: int) -> PromptItem:
-        from fp8rl_core import stress_task
+        from fp8rl_core.tasks import stress as stress_task
 
         p = stress_task.make_problem(index, "train", self.cfg.difficulty, self.cfg.seed)
         return PromptItem(p.id, p.prompt, p.answer, self.dataset)

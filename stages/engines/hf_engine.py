@@ -37,7 +37,7 @@ padding, and put back in group layout afterwards. The same seed, prompts and
 config give the same samples.
 
 **Precision.** The engine samples from an *inference copy* of the policy made by
-``fp8rl_core.precision.convert_for_rollout(model, precision.rollout, dtype=copy_dtype)``:
+``fp8rl_core.precision.conversion.convert_for_rollout(model, precision.rollout, dtype=copy_dtype)``:
 plain linears (``bf16``) or FP8 W8A8 emulation (``fp8_per_tensor``: per-tensor
 weight scale, dynamic per-token activation scale; ``fp8_per_block``: 128x128
 weight / 1x128 activation blocks, as vLLM's online FP8), refreshed by
@@ -67,9 +67,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from fp8rl_core.config import PrecisionConfig, RolloutConfig
-from fp8rl_core.cpu_gemm import fp32_gemms_active
-from fp8rl_core.precision import autocast_context, convert_for_rollout, sync_rollout_weights
+from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
+from fp8rl_core.cpu_numerics.cpu_gemm import fp32_gemms_active
+from fp8rl_core.precision.conversion import autocast_context, convert_for_rollout, sync_rollout_weights
 from stages.engines.base import (
     LOGPROBS_MODES,
     LogprobsMode,

@@ -46,7 +46,7 @@ from typing import Any
 
 from torch import nn
 
-from fp8rl_core.config import PrecisionConfig, RolloutConfig
+from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
 from stages.engines.base import (
     FinishReason,
     RolloutBatch,

@@ -1,6 +1,6 @@
 """A KV cache held as the float32 values attention consumes on the CPU ``fp32`` GEMM path.
 
-Under ``cpu_bf16_gemm: fp32`` (:mod:`fp8rl_core.cpu_gemm`) a Qwen3 attention call under BF16
+Under ``cpu_bf16_gemm: fp32`` (:mod:`fp8rl_core.cpu_numerics.cpu_gemm`) a Qwen3 attention call under BF16
 autocast is ``scaled_dot_product_attention(q, k, v)`` with every float operand rounded to BF16
 and held in float32, the output rounded to BF16. With a transformers ``DynamicCache`` the cached
 keys are float32 (the k-norm's float32 weight promotes the BF16 projection) and the values BF16,
@@ -9,7 +9,7 @@ BF16 -> float32, and ``torch.cat`` copies both to grow them by one token.
 
 :class:`MirroredKVCache` stores instead, per layer, preallocated float32 buffers holding each
 token's keys and values rounded to BF16, converted once when the token arrives, and hands
-attention views of them tagged BF16-exact (:func:`fp8rl_core.cpu_gemm.mark_bf16_exact`), which
+attention views of them tagged BF16-exact (:func:`fp8rl_core.cpu_numerics.cpu_gemm.mark_bf16_exact`), which
 the ``fp32`` path takes as they are. Attention sees the same float32 values as with the plain
 cache, so the logits are bit-identical; what goes is the per-step conversion and the growth copy.
 
@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from fp8rl_core.cpu_gemm import mark_bf16_exact
+from fp8rl_core.cpu_numerics.cpu_gemm import mark_bf16_exact
 
 
 class MirrorLayer(DynamicLayer):

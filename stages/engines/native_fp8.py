@@ -4,7 +4,7 @@ With ``weight_format: bf16`` (the default) the engine receives BF16 weights and 
 them itself, so the FP8 values it samples with come from the trainer's fp32 masters
 rounded twice: to BF16, then to the engine's FP8 grid. Here the trainer quantizes its
 fp32 masters on the engine's grid once (the fused q/k/v and gate/up layers vLLM builds,
-vLLM's scale arithmetic: :func:`fp8rl_core.fp8.amax_to_qscale` ``rule="vllm"``) and sends
+vLLM's scale arithmetic: :func:`fp8rl_core.precision.fp8.amax_to_qscale` ``rule="vllm"``) and sends
 the FP8 values with their scales, in vLLM's layout for FP8-serialized checkpoints
 (``quant_method: fp8``, dynamic activation scales):
 
@@ -41,10 +41,10 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from fp8rl_core.fp8 import E4M3
-from fp8rl_core.fp8_linear import Fp8RolloutLinear
-from fp8rl_core.fp8_operands import _grouped, _round_whole, quantize_operand
-from fp8rl_core.precision import FP8_ROLLOUT_MODES, FUSED_PROJECTIONS, _output_embedding_names
+from fp8rl_core.precision.conversion import FP8_ROLLOUT_MODES, FUSED_PROJECTIONS, _output_embedding_names
+from fp8rl_core.precision.fp8 import E4M3
+from fp8rl_core.precision.fp8_linear import Fp8RolloutLinear
+from fp8rl_core.precision.fp8_operands import _grouped, _round_whole, quantize_operand
 from stages.engines.weight_transfer import _is_tied, full_parameter
 
 BLOCK = 128

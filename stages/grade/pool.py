@@ -17,7 +17,7 @@ worker's start-up — importing sympy and math-verify — costs about a second),
 shut down at interpreter exit. Verifiers that are pure string checks
 (``"synthetic"``) run inline in the caller: no pool, no pickling.
 
-A verifier is named as in ``fp8rl_core.verifiers.VERIFIERS`` or, for one the
+A verifier is named as in ``fp8rl_core.tasks.verifiers.VERIFIERS`` or, for one the
 workers must import themselves, as ``"package.module:function"``.
 
 Items are graded in any order; results come back in input order. Scripts that
@@ -37,8 +37,8 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Callable, Sequence
 
-from fp8rl_core.task import extract_answer
-from fp8rl_core.verifiers import extract_final_answer, get_verifier, math_equal
+from fp8rl_core.tasks.synthetic import extract_answer
+from fp8rl_core.tasks.verifiers import extract_final_answer, get_verifier, math_equal
 from stages.grade.result import GradeResult, Status  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def _extract(verifier: str, response: str) -> str | None:
 
 def answer_parser(verifier: str) -> Callable[[str], str | None]:
     """The answer parser of a verifier: a response it returns None for is *garbled*
-    (docs/method.md, "Failure signals"; ``fp8rl_core.failure_signals``)."""
+    (docs/method.md, "Failure signals"; ``fp8rl_core.signals.failure_signals``)."""
     return lambda response: _extract(verifier, response)
 
 

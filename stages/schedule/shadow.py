@@ -4,7 +4,7 @@ The decision is taken here, once, by the train stage, and recorded in its
 ``steps`` row (``steps.shadow``); everything after reads that record
 (``stages.runtime.io.shadow_steps``). ``calibration.schedule: fixed`` keeps the
 paper's rule (steps 1, 1+K, ...). ``drift`` decides from the previous
-step's drift signal (``fp8rl_core.drift``), read back from its ``steps`` row,
+step's drift signal (``fp8rl_core.calibration.drift``), read back from its ``steps`` row,
 and the step of the last calibration (``state.calibrator.last_step``, which
 checkpoints carry): both come from persisted state, so a resumed or replayed
 step decides exactly as the first attempt did.
@@ -22,8 +22,8 @@ import math
 import numpy as np
 import torch
 
-from fp8rl_core.drift import Schedule, negative_ratios, thin
-from fp8rl_core.losses import importance_ratio
+from fp8rl_core.calibration.drift import Schedule, negative_ratios, thin
+from fp8rl_core.objective.losses import importance_ratio
 from stages.context import RunEnv, TrainState
 from stages.runtime.io import read_step
 
@@ -110,7 +110,7 @@ def drift_metrics(
 
 def shadow_subset(env: RunEnv, step: int, advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor | None:
     """``[N]`` bool rows to shadow on ``step`` (``calibration.shadow_target_error`` set), None = all."""
-    from fp8rl_core.subsample import choose_size, sample_sequences
+    from fp8rl_core.calibration.subsample import choose_size, sample_sequences
     from stages.context import step_seed
 
     c = env.cfg.calibration
@@ -127,7 +127,7 @@ def subsample_columns(cols: dict[str, np.ndarray], sample_ids: np.ndarray, cfg, 
 
     Full shadow: every row, the bound columns say m = N and error 0.
     """
-    from fp8rl_core.subsample import bootstrap_lower_error, lower_error_bound
+    from fp8rl_core.calibration.subsample import bootstrap_lower_error, lower_error_bound
     from stages.context import step_seed
 
     has16 = np.isfinite(cols["logp_bf16"]) & np.isfinite(cols["old_logp_bf16"])

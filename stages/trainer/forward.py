@@ -2,7 +2,7 @@
 
 Every forward of a step — π_old, π_θ and both shadow passes —
 goes through :func:`policy_logprobs`, which calls
-:func:`fp8rl_core.logprobs.sequence_logprobs` (autocast of the inputs' device,
+:func:`fp8rl_core.objective.logprobs.sequence_logprobs` (autocast of the inputs' device,
 position ids counted over real tokens, log-softmax chunked over the vocabulary).
 
 Kernel shape contracts (docs/method.md, "Precision modes"): :func:`policy_logprobs` pads each
@@ -19,9 +19,9 @@ import contextlib
 
 import torch
 
-from fp8rl_core.fp8_linear import TOKEN_MULTIPLE
-from fp8rl_core.logprobs import sequence_logprobs
-from fp8rl_core.precision import bf16_parameters, bf16_shadow
+from fp8rl_core.objective.logprobs import sequence_logprobs
+from fp8rl_core.precision.conversion import bf16_parameters, bf16_shadow
+from fp8rl_core.precision.fp8_linear import TOKEN_MULTIPLE
 from stages.trainer.minibatch_plan import padded_width
 
 

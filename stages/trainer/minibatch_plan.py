@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
-    from fp8rl_core.config import CampaignConfig
+    from fp8rl_core.config.campaign import CampaignConfig
 
 
 def _micro_slices(idx: torch.Tensor, size: int) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ tested on tensors. Per step (docs/method.md, "Ratio and policy loss", "Precision
    master weights (π_old in BF16);
 2. TIS weights ``min(exp(old_logp - rollout_logp), C)`` correct the
    rollout-vs-train mismatch (detached), or the weights of the mismatch
-   correction ``algorithm.correction`` selects (:mod:`fp8rl_core.corrections`);
+   correction ``algorithm.correction`` selects (:mod:`fp8rl_core.objective.corrections`);
 3. the batch is split into mini-batches (one optimizer update each), each into
    micro-batches (one forward/backward each, gradients accumulated), so peak
    memory grows with the micro-batch, not the mini-batch;
@@ -61,10 +61,10 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from fp8rl_core.bapo import UpdateBoundsRule
-from fp8rl_core.calibration import per_update_rule
-from fp8rl_core.corrections import step_weights
-from fp8rl_core.losses import importance_ratio, loss_bounds
+from fp8rl_core.calibration.bapo import UpdateBoundsRule
+from fp8rl_core.calibration.calibrated_clipping import per_update_rule
+from fp8rl_core.objective.corrections import step_weights
+from fp8rl_core.objective.losses import importance_ratio, loss_bounds
 from fp8rl_core.registered import LOSS_STATISTICS, POLICY_LOSSES
 from stages.trainer import old_logp as old_logp
 from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE, Collective
@@ -72,7 +72,7 @@ from stages.trainer.forward import policy_logprobs, token_multiple
 from stages.trainer.minibatch_plan import check_world_size, minibatch_plan, pad_micros, plan_depth  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
-    from fp8rl_core.config import CampaignConfig
+    from fp8rl_core.config.campaign import CampaignConfig
 
 
 def maybe_fault(stage: str, point: int) -> None:
@@ -559,7 +559,7 @@ def policy_update(
     last mini-batch; see the module docstring); the returned per-token arrays and
     metrics are global and identical on every rank.
     ``shadow_rows`` (``[N]`` bool over the global batch, optional): shadow only
-    these sequences (subsampled shadow passes, ``fp8rl_core.subsample``); the
+    these sequences (subsampled shadow passes, ``fp8rl_core.calibration.subsample``); the
     BF16 log-probs of the other rows are NaN. ``correction_thresholds``: the mismatch
     correction's calibrated thresholds in force (None: the configured ones).
     """

@@ -150,9 +150,9 @@ def _math_primitives() -> dict[str, Callable]:
 def _model_primitives() -> dict[str, Callable]:
     import torch
 
-    from fp8rl_core.config import ModelConfig
-    from fp8rl_core.fp8_linear import Fp8Recipe, Fp8TrainingLinear
-    from fp8rl_core.tiny_model import build_tiny_model
+    from fp8rl_core.config.campaign import ModelConfig
+    from fp8rl_core.precision.fp8_linear import Fp8Recipe, Fp8TrainingLinear
+    from fp8rl_core.tasks.tiny_model import build_tiny_model
 
     def model_step(fp8: bool):
         torch.manual_seed(0)
@@ -199,7 +199,7 @@ def run(record: Callable | None = None) -> list[str]:
     """Each primitive's line ``name  hash``; ``record(name)`` is entered around each (a recorder of ops)."""
     import torch
 
-    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
+    from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
 
     torch.set_num_threads(THREADS)
     lines = []
@@ -240,7 +240,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="Hash every CPU primitive of the default campaign.")
     ap.add_argument("--write", action="store_true", help=f"write {HASHES.name}")
     args = ap.parse_args()
-    from fp8rl_core.cpu_env import pin_cpu_numerics
+    from fp8rl_core.host.cpu_env import pin_cpu_numerics
 
     pin_cpu_numerics()
     os.environ.pop("FP8RL_MAX_THREADS", None)
@@ -259,7 +259,7 @@ if __name__ == "__main__":
 
 # float ops whose CPU bits a library chooses by the CPU (MKL's GEMMs and vector math, oneDNN):
 # the default campaign must dispatch none of them on float32/float64 CPU tensors. A float64 mm/bmm
-# is the exact GEMM's product of integers (fp8rl_core.portable_math): exact, so allowed.
+# is the exact GEMM's product of integers (fp8rl_core.cpu_numerics.portable_math): exact, so allowed.
 LIBRARY_OPS = frozenset(
     f"aten.{name}"
     for base in (

@@ -2,7 +2,7 @@
 same, bit for bit, on every x86-64 CPU (with AVX2) that runs this torch build.
 
 Run as a script, in a fresh process, because the CPU-numerics variables
-(``fp8rl_core.cpu_env``) must be in force before torch is imported:
+(``fp8rl_core.host.cpu_env``) must be in force before torch is imported:
 
     PYTHONPATH=$PWD .venv/bin/python tests/golden/micro_campaign.py          # print the values
     PYTHONPATH=$PWD .venv/bin/python tests/golden/micro_campaign.py --write  # regenerate the committed JSON
@@ -65,7 +65,7 @@ def run_micro(root: Path) -> dict:
     """Run the micro campaign's stages in order under ``root``; return its key table values."""
     from flows.configuration import dump_config, load_config
     from flows.cpu_numerics import describe, gemm_choice
-    from fp8rl_core.cpu_gemm import cpu_bf16_gemm
+    from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from stages.calibrate import run_calibrate
     from stages.context import is_eval_step, open_run
     from stages.evaluate import run_evaluate
@@ -135,8 +135,8 @@ def main() -> None:
         "--ops", action="store_true", help="print the float ATen ops the campaign dispatches and those the hashes cover"
     )
     args = ap.parse_args()
-    from fp8rl_core.cpu_env import pin_cpu_numerics
-    from fp8rl_core.cpu_malloc import keep_freed_memory
+    from fp8rl_core.host.cpu_env import pin_cpu_numerics
+    from fp8rl_core.host.cpu_malloc import keep_freed_memory
 
     pin_cpu_numerics()  # before torch (imported by run_micro), as `fp8rl run` does
     os.environ.pop("FP8RL_MAX_THREADS", None)  # the preset's threads, as `make run` runs them

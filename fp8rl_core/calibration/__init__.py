@@ -1,0 +1,1 @@
+"""Calibrated Clipping: the method, its estimators, subsampling, drift, BAPO, noise sources."""

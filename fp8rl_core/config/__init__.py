@@ -1,0 +1,1 @@
+"""The campaign configuration: one frozen model of every section, validated at load."""

@@ -1,0 +1,1 @@
+"""Host settings that are not numerics: CPU environment, allocator, device discipline, quiet imports."""

@@ -1,0 +1,1 @@
+"""The RL objective: losses, advantages, GSPO, log-probs, mismatch corrections."""

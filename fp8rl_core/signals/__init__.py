@@ -1,0 +1,1 @@
+"""Signals about a run: the guard, failure signals, diagnostics, evaluation metrics, paired statistics."""
