@@ -27,7 +27,7 @@ import time
 import torch
 
 from fp8rl_core.calibration.calibrated_clipping import calibrate
-from fp8rl_core.config.campaign import CalibrationConfig
+from fp8rl_core.config.method import CalibrationConfig
 from fp8rl_core.objective.losses import policy_loss
 
 T = 1024  # response length of the loss benchmark's [B, T] layout

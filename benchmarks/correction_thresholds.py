@@ -80,7 +80,7 @@ def shadow_steps(run_dir: Path) -> list[dict[str, torch.Tensor]]:
 
 
 def table(steps: list[dict[str, torch.Tensor]], max_factor: float) -> list[dict]:
-    from fp8rl_core.config.campaign import AlgorithmConfig
+    from fp8rl_core.config.method import AlgorithmConfig
 
     rows = []
     for name in CORRECTIONS.names():

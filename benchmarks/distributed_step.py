@@ -21,7 +21,8 @@ import torch
 
 
 def _setup(rows: int, mode: str):
-    from fp8rl_core.config.campaign import CampaignConfig, ModelConfig
+    from fp8rl_core.config.campaign import CampaignConfig
+    from fp8rl_core.config.model import ModelConfig
     from fp8rl_core.precision.conversion import convert_for_training
     from fp8rl_core.tasks.tiny_model import build_tiny_model
     from stages.trainer.update import TrainBatch

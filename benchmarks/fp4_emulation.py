@@ -63,7 +63,7 @@ def main() -> None:
 def compare(other_cls, fmt: str, rounds: int) -> None:
     import torch
 
-    from fp8rl_core.config.campaign import ModelConfig
+    from fp8rl_core.config.model import ModelConfig
     from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from fp8rl_core.precision.conversion import convert_for_training, fp4_linear
     from fp8rl_core.tasks.tiny_model import build_tiny_model

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from fp8rl_core.calibration.calibrated_clipping import calibrate
-from fp8rl_core.config.campaign import CalibrationConfig
+from fp8rl_core.config.method import CalibrationConfig
 from fp8rl_core.signals.diagnostics import nmae
 
 

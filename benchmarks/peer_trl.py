@@ -115,7 +115,7 @@ def trl_steps(steps: int, warmup: int) -> list[tuple[float, float]]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from fp8rl_core.config.campaign import ModelConfig, TaskConfig
+    from fp8rl_core.config.model import ModelConfig, TaskConfig
     from fp8rl_core.tasks.synthetic import exact_verify, make_problem
     from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 

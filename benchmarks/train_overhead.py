@@ -27,7 +27,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from fp8rl_core.config.campaign import CampaignConfig, ModelConfig
+    from fp8rl_core.config.campaign import CampaignConfig
+    from fp8rl_core.config.model import ModelConfig
     from fp8rl_core.objective.logprobs import token_logprobs_and_entropy
     from fp8rl_core.precision.conversion import autocast_context, convert_for_training
     from fp8rl_core.tasks.tiny_model import build_tiny_model

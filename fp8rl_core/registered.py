@@ -4,7 +4,7 @@ Every loss registers itself in its own module (the token losses in
 ``fp8rl_core.objective.losses``, the sequence-level GSPO loss in ``fp8rl_core.objective.gspo``);
 this module imports each once, so a reader of a registry sees every loss and
 no module imports another only for its side effect of registering. The config
-(``fp8rl_core.config.campaign``) names registry entries as plain strings;
+(``fp8rl_core.config``) names registry entries as plain strings;
 :func:`unknown_names` is where those names meet the registries (called where
 configs are loaded, ``flows.configuration``), so the registries stay the one list.
 """

@@ -64,7 +64,8 @@ def _policy(folder: str, shapes: dict):
 
 
 def _engine(model, tok, folder: str, *, sleep: bool, memory: float):
-    from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
+    from fp8rl_core.config.method import PrecisionConfig
+    from fp8rl_core.config.pipeline import RolloutConfig
     from stages.engines import make_engine
 
     cfg = RolloutConfig(

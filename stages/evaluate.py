@@ -15,7 +15,8 @@ import time
 
 import pyarrow as pa
 
-from fp8rl_core.config.campaign import BenchmarkEval, CampaignConfig
+from fp8rl_core.config.campaign import CampaignConfig
+from fp8rl_core.config.pipeline import BenchmarkEval
 from stages.context import RunEnv, TrainState, step_seed
 from stages.data.prompts import PromptItem, data_dir
 from stages.engines.base import RolloutBatch, RolloutSample

@@ -57,7 +57,7 @@ def peaked_policy():
     which would make log-prob comparisons toothless): the engines' tests' policy."""
     import torch
 
-    from fp8rl_core.config.campaign import ModelConfig
+    from fp8rl_core.config.model import ModelConfig
     from fp8rl_core.tasks.tiny_model import build_tiny_model
 
     model = build_tiny_model(ModelConfig(seed=3))

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from fp8rl_core.config.campaign import CampaignConfig, ModelConfig
+from fp8rl_core.config.campaign import CampaignConfig
+from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.precision.conversion import convert_for_training
 from fp8rl_core.tasks.tiny_model import build_tiny_model
 from stages.trainer.update import TrainBatch

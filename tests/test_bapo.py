@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fp8rl_core.calibration.bapo import bapo_bounds, bapo_search, bapo_sums, step_clip_stats, summarize_updates
-from fp8rl_core.config.campaign import BapoConfig
+from fp8rl_core.config.method import BapoConfig
 from fp8rl_core.objective.losses import policy_loss
 
 pytestmark = pytest.mark.timeout(60)

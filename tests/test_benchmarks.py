@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8rl_core.config.campaign import TaskConfig
+from fp8rl_core.config.model import TaskConfig
 from stages.data.benchmarks import (
     BOXED_INSTRUCTION,
     SOURCES,

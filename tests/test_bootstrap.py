@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8rl_core.config.campaign import BootstrapConfig, ModelConfig, TaskConfig
+from fp8rl_core.config.model import BootstrapConfig, ModelConfig, TaskConfig
 from fp8rl_core.tasks.tiny_model import load_policy
 from stages.bootstrap.math import BASE_BAND, EVAL_SIZE, NoisyTeacher, bootstrap, config_hash, read_meta
 

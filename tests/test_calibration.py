@@ -15,7 +15,7 @@ from fp8rl_core.calibration.calibrated_clipping import (
     calibrate,
     pos_neg_contrib,
 )
-from fp8rl_core.config.campaign import CalibrationConfig
+from fp8rl_core.config.method import CalibrationConfig
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from fp8rl_core.config.campaign import CodeConfig
+from fp8rl_core.config.model import CodeConfig
 from fp8rl_core.tasks import code as code_task
 from stages.data.code_benchmarks import (
     CODE_SOURCES,

@@ -98,7 +98,7 @@ def test_the_corrections_do_mask_and_truncate_on_these_inputs():
 
 
 def test_token_tis_default_is_bit_identical_to_the_historical_expression():
-    from fp8rl_core.config.campaign import AlgorithmConfig
+    from fp8rl_core.config.method import AlgorithmConfig
 
     g = torch.Generator().manual_seed(1)
     roll = -torch.rand(8, 11, generator=g) * 4
@@ -156,7 +156,7 @@ def test_calibrated_thresholds_edge_cases():
 
 
 def test_calibrate_correction_uses_the_correction_s_units():
-    from fp8rl_core.config.campaign import AlgorithmConfig
+    from fp8rl_core.config.method import AlgorithmConfig
 
     old8, roll, mask = _batch(3, 0.3)
     old16 = torch.where(mask, roll + (old8 - roll) * 0.5, old8)  # BF16 pi_old: half the mismatch

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8rl_core.config.campaign import DatasetRef
+from fp8rl_core.config.model import DatasetRef
 
 ROWS = [
     {

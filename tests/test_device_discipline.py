@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fp8rl_core.calibration.bapo import bapo_bounds
-from fp8rl_core.config.campaign import BapoConfig
+from fp8rl_core.config.method import BapoConfig
 from fp8rl_core.host.device_discipline import HostDeviceMixError, HostDeviceMode, to_device
 from fp8rl_core.precision.conversion import convert_for_training
 from fp8rl_core.tasks.tiny_model import VOCAB_SIZE, build_tiny_model

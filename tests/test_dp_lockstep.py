@@ -30,7 +30,9 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
-from fp8rl_core.config.campaign import BenchmarkEval, ModelConfig, PrecisionConfig, RolloutConfig
+from fp8rl_core.config.method import PrecisionConfig
+from fp8rl_core.config.model import ModelConfig
+from fp8rl_core.config.pipeline import BenchmarkEval, RolloutConfig
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 
 PROMPTS = [[1, 40, 41], [1, 50], [1, 60, 61, 62], [1, 70], [1, 80, 81], [1, 90, 91, 92]]

@@ -17,7 +17,7 @@ from fp8rl_core.calibration.drift import (
     quantile_shift,
     replay,
 )
-from fp8rl_core.config.campaign import CalibrationConfig
+from fp8rl_core.config.method import CalibrationConfig
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 pytestmark = pytest.mark.timeout(60)

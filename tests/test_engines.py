@@ -18,7 +18,8 @@ import copy
 import pytest
 import torch
 
-from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
+from fp8rl_core.config.method import PrecisionConfig
+from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.objective.logprobs import sequence_logprobs
 from fp8rl_core.precision.conversion import autocast_context, convert_for_training
 from fp8rl_core.tasks.tiny_model import build_tokenizer

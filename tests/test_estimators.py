@@ -13,7 +13,7 @@ import torch
 
 from fp8rl_core.calibration.calibrated_clipping import CalibratorState, calibrate
 from fp8rl_core.calibration.estimators import LOWER_ESTIMATORS, betainc, harrell_davis, hd_interval
-from fp8rl_core.config.campaign import CalibrationConfig
+from fp8rl_core.config.method import CalibrationConfig
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 

@@ -57,7 +57,7 @@ def test_real_scaled_mm_rollout_linear_matches_the_emulation_on_cpu():
     model log-probs differ by as much as the emulation in bf16 differs from
     itself in float32 (~0.01 nats on the tiny model), which gpu-check reports.
     """
-    from fp8rl_core.config.campaign import ModelConfig
+    from fp8rl_core.config.model import ModelConfig
     from fp8rl_core.precision.conversion import convert_for_rollout
     from fp8rl_core.tasks.tiny_model import build_tiny_model
     from gpu_check.rollout_kernels import scaled_mm_forward, use_scaled_mm

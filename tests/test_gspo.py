@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fp8rl_core.calibration.calibrated_clipping import calibrate
-from fp8rl_core.config.campaign import AlgorithmConfig, CalibrationConfig
+from fp8rl_core.config.method import AlgorithmConfig, CalibrationConfig
 from fp8rl_core.objective.gspo import (
     GSPO_EPS_HIGH,
     GSPO_EPS_LOW,

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from fp8rl_core.config.campaign import GuardConfig
+from fp8rl_core.config.pipeline import GuardConfig
 from fp8rl_core.signals.guard import check, last_good_step, surge_start
 
 

@@ -130,6 +130,77 @@ def test_no_function_over_80_lines_outside_benchmarks_and_tests() -> None:
     assert not long, "\n".join(long)
 
 
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_over_600_lines_outside_benchmarks_and_tests() -> None:
+    sizes = {f: len(f.read_text().splitlines()) for f in _sources()}
+    long = [f"{f.relative_to(ROOT)} ({n} lines)" for f, n in sizes.items() if n > MAX_MODULE_LINES]
+    assert not long, "split by concern:\n" + "\n".join(long)
+
+
+# --------------------------------------------------------------------------- the rooms of fp8rl_core
+
+# room -> the rooms it may import (eagerly or lazily). The top-level ``registry`` may be imported by any
+# room; ``registered`` imports the rooms to fill the registries and is imported by none of them.
+ROOMS = {
+    "host": (),  # process settings that are not numerics
+    "cpu_numerics": (),  # the BF16 rule and the CPU-independent exact math
+    "signals": (),  # guard, failure signals, diagnostics, evaluation metrics, paired statistics
+    "config": ("registry",),
+    "precision": ("cpu_numerics", "host", "registry"),  # FP8/FP4 formats, linears, conversion, BF16 shadow
+    "tasks": ("config", "registry"),
+    "objective": ("config", "cpu_numerics", "precision", "registry"),  # losses, advantages, log-probs
+    "calibration": ("config", "objective", "signals", "registry"),  # Calibrated Clipping and its parts
+}
+CORE_TOP_LEVEL = {"__init__.py", "registry.py", "registered.py"}
+
+
+def test_every_core_module_lives_in_a_room() -> None:
+    core = ROOT / "fp8rl_core"
+    loose = sorted(p.name for p in core.glob("*.py") if p.name not in CORE_TOP_LEVEL)
+    assert not loose, f"put these in a room of fp8rl_core ({', '.join(ROOMS)}): {loose}"
+    rooms = sorted(p.name for p in core.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert rooms == sorted(ROOMS), f"a room without its rules in ROOMS (or rules without a room): {rooms}"
+    assert not [d for room in ROOMS for d in (core / room).iterdir() if d.is_dir() and d.name != "__pycache__"]
+
+
+def _core_imports(path: Path) -> list[tuple[int, str]]:
+    """Imported modules, with ``from fp8rl_core import x`` read as ``fp8rl_core.x``; a relative import
+    is reported as such (the rooms import by absolute name only)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            out.append((node.lineno, "fp8rl_core.<relative import>"))
+        elif isinstance(node, ast.ImportFrom) and node.module == "fp8rl_core":
+            out += [(node.lineno, f"fp8rl_core.{a.name}") for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.append((node.lineno, node.module))
+    return out
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_the_rooms_of_fp8rl_core_import_one_way(room: str) -> None:
+    bad = []
+    for f in sorted((ROOT / "fp8rl_core" / room).rglob("*.py")):
+        for line, mod in _core_imports(f):
+            parts = mod.split(".")
+            if parts[0] != "fp8rl_core" or len(parts) < 2 or parts[1] == room:
+                continue
+            if parts[1] not in ROOMS[room]:
+                bad.append(f"{f.relative_to(ROOT)}:{line} imports {mod} (room {room} may import {ROOMS[room]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_room_rules_catch_an_arrow_back(tmp_path: Path) -> None:
+    """The rule reads a room imported by name and lazy imports as well as dotted ones."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from fp8rl_core import calibration\n    import fp8rl_core.objective.losses\n")
+    assert sorted(m for _, m in _core_imports(probe)) == ["fp8rl_core.calibration", "fp8rl_core.objective.losses"]
+
+
 def _registry_names() -> dict[str, tuple[set[str], set[str]]]:
     """Registry -> (its names, the modules allowed to spell them: where they are registered)."""
     from fp8rl_core.calibration.calibrated_clipping import CLIP_MODES, UPDATE_BOUNDS
@@ -415,7 +486,7 @@ def test_every_module_path_named_as_a_string_resolves() -> None:
     module cannot leave a dangling name behind."""
     import re
 
-    from fp8rl_core.config.campaign import StorageConfig
+    from fp8rl_core.config.pipeline import StorageConfig
 
     config_keys = {f"storage.{k}" for k in StorageConfig.model_fields}  # `storage.runs_root` is a setting
     files = [*_sources(), *sorted((ROOT / "tests").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
@@ -446,8 +517,8 @@ def test_every_registry_a_config_field_names_exists_and_holds_its_default() -> N
     from fp8rl_core.registry import Registry
 
     checked = 0
-    tree = ast.parse((ROOT / "fp8rl_core/config/campaign.py").read_text())
-    for node in ast.walk(tree):
+    trees = [ast.parse(f.read_text()) for f in sorted((ROOT / "fp8rl_core/config").glob("*.py"))]
+    for node in (n for tree in trees for n in ast.walk(tree)):
         if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Field" and node.args):
             continue
         described = [k.value for k in node.keywords if k.arg == "description" and isinstance(k.value, ast.Constant)]

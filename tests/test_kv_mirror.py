@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
+from fp8rl_core.config.method import PrecisionConfig
+from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.cpu_numerics import bf16_rule, cpu_gemm
 from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
 from fp8rl_core.tasks.tiny_model import build_tokenizer

@@ -245,7 +245,7 @@ def test_empty_mask():
 def test_cispo_gradient_hand_derived_three_tokens():
     """CISPO with verl's example cap (1 + 0.2, lower side unclamped): d loss / d logp_i = -w_i A_i / 3
     with w = sg(min(r, 1.2)). A non-detached weight would add -A_i * r_i * logp_i / 3 where r is not capped."""
-    from fp8rl_core.config.campaign import AlgorithmConfig
+    from fp8rl_core.config.method import AlgorithmConfig
     from fp8rl_core.objective.losses import loss_bounds
 
     lower, upper = loss_bounds("cispo", 0.8, 1.28, AlgorithmConfig())

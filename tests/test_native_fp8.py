@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from fp8rl_core.config.campaign import ModelConfig
+from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.precision.conversion import convert_for_rollout
 from fp8rl_core.precision.fp8_linear import Fp8RolloutLinear
 from fp8rl_core.tasks.tiny_model import build_tiny_model
@@ -115,7 +115,8 @@ def test_vllm_engine_settings_and_checkpoint_for_native_fp8(trainer, tmp_path):
 
     from safetensors.torch import load_file
 
-    from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
+    from fp8rl_core.config.method import PrecisionConfig
+    from fp8rl_core.config.pipeline import RolloutConfig
     from stages.engines.native_fp8 import write_native_fp8_checkpoint
     from stages.engines.vllm_engine import build_llm_kwargs
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8rl_core.config.campaign import CampaignConfig, ModelConfig
+from fp8rl_core.config.campaign import CampaignConfig
+from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
 from fp8rl_core.precision.conversion import convert_for_training
 from fp8rl_core.tasks.tiny_model import build_tiny_model

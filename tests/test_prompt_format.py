@@ -17,7 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fp8rl_core.config.campaign import PrecisionConfig, PromptConfig, RolloutConfig
+from fp8rl_core.config.method import PrecisionConfig
+from fp8rl_core.config.model import PromptConfig
+from fp8rl_core.config.pipeline import RolloutConfig
 
 QWEN_TEMPLATE = (
     "{%- for message in messages %}"

@@ -27,7 +27,7 @@ from conftest import micro_config
 
 from flows.campaign import _after_go, _on_ranks
 from flows.configuration import dump_config
-from fp8rl_core.config.campaign import ModelConfig
+from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 from stages.context import RunEnv, TrainState, open_run
 from stages.data.prompts import SamplerState, draw_prompts, make_source

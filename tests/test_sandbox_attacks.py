@@ -361,7 +361,7 @@ def test_letter_case_only_where_the_statement_allows_it(sb):
 
 
 def _code_config():
-    from fp8rl_core.config.campaign import CodeConfig
+    from fp8rl_core.config.model import CodeConfig
 
     return CodeConfig()
 

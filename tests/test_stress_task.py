@@ -71,7 +71,7 @@ def test_splits_are_disjoint_and_levels_checked():
 
 
 def test_prompt_source_and_benchmark_use_the_stress_task():
-    from fp8rl_core.config.campaign import TaskConfig
+    from fp8rl_core.config.model import TaskConfig
     from stages.data.benchmarks import load_synthetic
     from stages.data.prompts import make_source
 

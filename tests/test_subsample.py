@@ -14,7 +14,7 @@ from fp8rl_core.calibration.subsample import (
     quantile_rule,
     sample_sequences,
 )
-from fp8rl_core.config.campaign import CalibrationConfig
+from fp8rl_core.config.method import CalibrationConfig
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 pytestmark = pytest.mark.timeout(90)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from fp8rl_core.config.campaign import ModelConfig
+from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.tasks.synthetic import LEVELS, demonstration, make_problem
 from fp8rl_core.tasks.tiny_model import (
     CHARSET,

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from fp8rl_core.config.campaign import ModelConfig, PrecisionConfig, RolloutConfig
+from fp8rl_core.config.method import PrecisionConfig
+from fp8rl_core.config.model import ModelConfig
+from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 from stages.engines import VLLMEngine, make_engine
 from stages.engines.vllm_engine import (

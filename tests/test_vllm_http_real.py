@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from fp8rl_core.config.campaign import ModelConfig, PrecisionConfig, RolloutConfig
+from fp8rl_core.config.method import PrecisionConfig
+from fp8rl_core.config.model import ModelConfig
+from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 from tests.real_vllm import ROOT, require_vllm, vllm_python
 

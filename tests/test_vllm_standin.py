@@ -17,7 +17,9 @@ import pytest
 import torch
 from vllm_standin import STANDIN_GPU_UUID, make_standin_module, param_digest
 
-from fp8rl_core.config.campaign import ModelConfig, PrecisionConfig, RolloutConfig
+from fp8rl_core.config.method import PrecisionConfig
+from fp8rl_core.config.model import ModelConfig
+from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 from stages.engines import make_engine
 from stages.engines import vllm_engine as ve

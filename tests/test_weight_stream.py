@@ -24,7 +24,9 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
-from fp8rl_core.config.campaign import ModelConfig, PrecisionConfig, RolloutConfig
+from fp8rl_core.config.method import PrecisionConfig
+from fp8rl_core.config.model import ModelConfig
+from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.tasks.tiny_model import build_tiny_model
 from stages.engines import weight_transfer as wt
 

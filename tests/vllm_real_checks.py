@@ -29,7 +29,7 @@ def bf16_logprob_tolerance(max_abs_logit: float, depth: int) -> float:
 
 def tiny_policy(folder: Path):
     """A random-init tiny policy (the project's architecture) saved where vLLM loads it."""
-    from fp8rl_core.config.campaign import ModelConfig
+    from fp8rl_core.config.model import ModelConfig
     from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 
     model = build_tiny_model(ModelConfig(seed=3))
@@ -39,7 +39,8 @@ def tiny_policy(folder: Path):
 
 
 def make_engine(model, tok, folder: Path):
-    from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
+    from fp8rl_core.config.method import PrecisionConfig
+    from fp8rl_core.config.pipeline import RolloutConfig
     from stages.engines import make_engine as make
 
     cfg = RolloutConfig(engine="vllm", sleep_between_steps=False, gpu_memory_utilization=0.1, verify_sync="first")

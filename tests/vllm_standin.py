@@ -322,7 +322,8 @@ class Worker:
         from safetensors.torch import load_file
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
+        from fp8rl_core.config.method import PrecisionConfig
+        from fp8rl_core.config.pipeline import RolloutConfig
         from stages.engines.hf_engine import TransformersEngine
 
         torch.set_num_threads(1)

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
-    from fp8rl_core.config.campaign import BapoConfig
+    from fp8rl_core.config.method import BapoConfig
 
 __all__ = ["BapoResult", "bapo_bounds", "bapo_grid", "bapo_search", "bapo_sums", "dist_sum", "summarize_updates"]
 

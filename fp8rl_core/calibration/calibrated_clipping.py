@@ -103,7 +103,7 @@ from fp8rl_core.calibration.estimators import LOWER_ESTIMATORS, EstimatorInput, 
 from fp8rl_core.registry import Registry
 
 if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
-    from fp8rl_core.config.campaign import CalibrationConfig
+    from fp8rl_core.config.method import CalibrationConfig
 
 __all__ = [
     "CLIP_MODES",

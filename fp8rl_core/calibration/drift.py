@@ -57,7 +57,7 @@ from typing import Iterable, Literal, Sequence
 import torch
 
 from fp8rl_core.calibration.calibrated_clipping import CalibratorState, calibrate
-from fp8rl_core.config.campaign import CalibrationConfig
+from fp8rl_core.config.method import CalibrationConfig
 
 __all__ = [
     "ReplayResult",

@@ -57,8 +57,8 @@ from fp8rl_core.objective.losses import (
     clip_metrics,
 )
 
-# The calibration config arrives as an argument (``fp8rl_core.config.campaign.CalibrationConfig``), never imported:
-# fp8rl_core.config.campaign imports the loss registries to validate ``algorithm.loss``, so the arrow points that way.
+# The calibration config arrives as an argument (``fp8rl_core.config.method.CalibrationConfig``), never imported:
+# fp8rl_core.config imports the loss registries to validate ``algorithm.loss``, so the arrow points that way.
 
 __all__ = [
     "GSPO_EPS_HIGH",

@@ -3,7 +3,7 @@
 No weights can be downloaded on the machines this project targets, so the default
 campaign builds its own policy: a Qwen3-architecture decoder (RMSNorm, rotary
 attention with per-head q/k norms, SwiGLU MLP) of a few hundred thousand
-parameters, whose sizes come from :class:`fp8rl_core.config.campaign.ModelConfig`. The
+parameters, whose sizes come from :class:`fp8rl_core.config.model.ModelConfig`. The
 decoder linears have dimensions that are multiples of 16 (the config enforces it)
 so FP8 kernels and the emulated FP8 path accept them; the tied embedding /
 ``lm_head`` stays in high precision, so the vocabulary size need not be.
@@ -37,7 +37,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from fp8rl_core.config.campaign import ModelConfig
+from fp8rl_core.config.model import ModelConfig
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from fp8rl_core.config.campaign import BootstrapConfig, ModelConfig, TaskConfig
+from fp8rl_core.config.model import BootstrapConfig, ModelConfig, TaskConfig
 from fp8rl_core.tasks import code as code_task
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 from stages.bootstrap.math import META_FILE, _sft_step, _threads, default_cache_root, publish_checkpoint

@@ -56,7 +56,7 @@ from typing import Iterator
 
 import torch
 
-from fp8rl_core.config.campaign import BootstrapConfig, ModelConfig, TaskConfig
+from fp8rl_core.config.model import BootstrapConfig, ModelConfig, TaskConfig
 from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
 from fp8rl_core.host.cpu_env import cpu_numerics_env
 from fp8rl_core.tasks.stress import procedural_task

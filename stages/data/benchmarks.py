@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from fp8rl_core.config.campaign import TaskConfig
+from fp8rl_core.config.model import TaskConfig
 from fp8rl_core.registry import Registry
 from fp8rl_core.tasks.stress import procedural_task
 from fp8rl_core.tasks.synthetic import make_problem

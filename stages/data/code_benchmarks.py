@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from fp8rl_core.config.campaign import CodeConfig, TaskConfig
+from fp8rl_core.config.model import CodeConfig, TaskConfig
 from fp8rl_core.tasks import code as code_task
 from stages.data.benchmarks import (
     BenchmarkProblem,

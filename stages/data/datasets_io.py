@@ -1,6 +1,6 @@
 """Problem sets by name or path, through Hugging Face ``datasets``.
 
-A :class:`fp8rl_core.config.campaign.DatasetRef` names where the rows live; this module
+A :class:`fp8rl_core.config.model.DatasetRef` names where the rows live; this module
 reads them with ``datasets`` and maps them to the project's one record type,
 :class:`stages.data.benchmarks.BenchmarkProblem`, so training prompts
 (``task.kind: dataset``) and evaluation benchmarks
@@ -30,7 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fp8rl_core.config.campaign import DatasetRef
+from fp8rl_core.config.model import DatasetRef
 from fp8rl_core.tasks.verifiers import last_boxed
 from stages.data.benchmarks import (
     BenchmarkProblem,

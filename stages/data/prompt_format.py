@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from fp8rl_core.config.campaign import PromptConfig
+from fp8rl_core.config.model import PromptConfig
 
 _BASE_NAME = re.compile(r"(^|[-_./])base($|[-_./])", re.IGNORECASE)
 _PROBE = "fp8rl-probe-reply-7319"

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from fp8rl_core.config.campaign import CampaignConfig, CodeConfig, TaskConfig
+from fp8rl_core.config.campaign import CampaignConfig
+from fp8rl_core.config.model import CodeConfig, TaskConfig
 from fp8rl_core.tasks import code as code_task
 from fp8rl_core.tasks import synthetic
 

@@ -41,7 +41,8 @@ import torch
 from fp8rl_core.registry import Registry
 
 if TYPE_CHECKING:
-    from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
+    from fp8rl_core.config.method import PrecisionConfig
+    from fp8rl_core.config.pipeline import RolloutConfig
 
 FinishReason = Literal["stop", "length"]
 LogprobsMode = Literal["processed", "raw"]
@@ -168,9 +169,9 @@ class RolloutEngine(abc.ABC):
 
     Subclasses are constructed with keyword arguments ``model`` (the trainer's
     policy, an ``nn.Module``), ``tokenizer``, ``precision``
-    (:class:`~fp8rl_core.config.campaign.PrecisionConfig`; its ``rollout`` field selects
+    (:class:`~fp8rl_core.config.method.PrecisionConfig`; its ``rollout`` field selects
     bf16 / ``fp8_per_tensor`` / ``fp8_per_block``) and ``config``
-    (:class:`~fp8rl_core.config.campaign.RolloutConfig`), plus engine-specific options.
+    (:class:`~fp8rl_core.config.pipeline.RolloutConfig`), plus engine-specific options.
     """
 
     name: str = "abstract"

@@ -67,7 +67,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
+from fp8rl_core.config.method import PrecisionConfig
+from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.cpu_numerics.cpu_gemm import fp32_gemms_active
 from fp8rl_core.precision.conversion import autocast_context, convert_for_rollout, sync_rollout_weights
 from stages.engines.base import (

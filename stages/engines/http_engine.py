@@ -46,7 +46,8 @@ from typing import Any
 
 from torch import nn
 
-from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
+from fp8rl_core.config.method import PrecisionConfig
+from fp8rl_core.config.pipeline import RolloutConfig
 from stages.engines.base import (
     FinishReason,
     RolloutBatch,

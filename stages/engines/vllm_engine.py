@@ -123,7 +123,8 @@ from typing import Any, Callable, Literal
 import torch
 from torch import nn
 
-from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
+from fp8rl_core.config.method import PrecisionConfig
+from fp8rl_core.config.pipeline import RolloutConfig
 from stages.engines import native_fp8
 from stages.engines import weight_transfer as wt
 from stages.engines.base import (

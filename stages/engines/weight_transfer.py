@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from fp8rl_core.config.campaign import RolloutConfig
+from fp8rl_core.config.pipeline import RolloutConfig
 
 
 def _is_tied(model: nn.Module) -> bool:

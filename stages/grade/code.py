@@ -668,7 +668,7 @@ def _grade_functional(
 
 @dataclass(frozen=True)
 class CodeGradingConfig:
-    """Grading limits (mirrors ``fp8rl_core.config.campaign.CodeConfig``; defaults: our choice)."""
+    """Grading limits (mirrors ``fp8rl_core.config.model.CodeConfig``; defaults: our choice)."""
 
     per_test_s: float = 4.0
     per_sample_s: float = 20.0

@@ -150,7 +150,7 @@ def _math_primitives() -> dict[str, Callable]:
 def _model_primitives() -> dict[str, Callable]:
     import torch
 
-    from fp8rl_core.config.campaign import ModelConfig
+    from fp8rl_core.config.model import ModelConfig
     from fp8rl_core.precision.fp8_linear import Fp8Recipe, Fp8TrainingLinear
     from fp8rl_core.tasks.tiny_model import build_tiny_model
 

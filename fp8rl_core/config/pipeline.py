@@ -1,0 +1,200 @@
+"""The pipeline's sections: rollout, evaluation, checkpoints, storage, trackers, the guard, surges."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from fp8rl_core.config.model import DatasetRef
+from fp8rl_core.config.section import Section
+
+
+class RolloutConfig(Section):
+    engine: Literal["transformers", "vllm", "vllm_http"] = Field(
+        "transformers",
+        description="Rollout engine: transformers (CPU, small GPU), vLLM (GPU, in process) or vllm_http "
+        "(a running `vllm serve`).",
+    )
+    prompts_per_step: int = Field(64, ge=1, description="Prompts sampled per step (train batch size, in prompts).")
+    samples_per_prompt: int = Field(8, ge=1, description="Group size G.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off).")
+    max_new_tokens: int = Field(24, ge=1, description="Response length cap (tokens).")
+    generation_batch_size: int = Field(512, ge=1, description="Sequences generated at once by the transformers engine.")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="vLLM: share of GPU memory (colocated with training)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel degree.")
+    sleep_between_steps: bool = Field(True, description="vLLM: sleep the engine during training (colocated).")
+    # vLLM engine details
+    sleep_level: int = Field(
+        1,
+        ge=0,
+        le=2,
+        description="vLLM: llm.sleep level after rollout (0 pause, 1 offload weights, 2 discard weights).",
+    )
+    vllm_process: Literal["trainer", "separate"] = Field(
+        "trainer",
+        description="vLLM: run the engine in the "
+        "trainer's process (colocated; "
+        "vLLM's in-process client or "
+        "external launcher) or in vLLM's "
+        "own engine process.",
+    )
+    weight_format: Literal["bf16", "native_fp8"] = Field(
+        "bf16",
+        description="How trained weights reach the engine: bf16 (the engine quantizes BF16 weights itself, "
+        "vLLM's online FP8) or native_fp8 (the trainer quantizes its fp32 masters on the engine's grid and "
+        "sends FP8 values with their scales; FP8 rollout modes only).",
+    )
+    weight_sync: Literal["tensors", "ipc", "nccl", "path"] = Field(
+        "tensors",
+        description="vLLM: weight transfer to the engine: bf16 tensors streamed per parameter (in-process "
+        "engine), CUDA IPC handles or NCCL broadcast (engine in another process), or bf16 safetensors files.",
+    )
+    verify_sync: Literal["first", "always", "never"] = Field(
+        "first",
+        description="vLLM: check with the engine's weight checksums that every layer was reloaded and re-processed.",
+    )
+    data_parallel: Literal["per_rank", "shared_tp"] = Field(
+        "per_rank",
+        description="Under torchrun: every rank "
+        "drives its own engine on its "
+        "own prompts (per_rank), or "
+        "rank 0's tensor-parallel "
+        "engine serves all ranks "
+        "(shared_tp).",
+    )
+    server_url: str | None = Field(
+        None, description="vllm_http: base URL of a running `vllm serve` (e.g. http://host:8000)."
+    )
+    server_timeout_s: float = Field(300.0, gt=0, description="vllm_http: timeout of one HTTP request (s).")
+    server_retries: int = Field(3, ge=0, description="vllm_http: retries of a failed request before the step fails.")
+
+    @model_validator(mode="after")
+    def _sync_fits_process(self) -> "RolloutConfig":
+        if self.engine == "vllm" and self.vllm_process == "trainer" and self.weight_sync == "ipc":
+            raise ValueError(
+                "rollout.weight_sync: ipc hands CUDA IPC handles to another process, but the vllm engine "
+                "runs in the trainer's process (rollout.vllm_process: trainer): use weight_sync: tensors"
+            )
+        if self.engine == "vllm" and self.vllm_process == "separate" and self.weight_sync == "tensors":
+            raise ValueError(
+                "rollout.weight_sync: tensors needs rollout.vllm_process: trainer; "
+                "for vLLM's own process use ipc, nccl or path"
+            )
+        return self
+
+
+class BenchmarkEval(Section):
+    name: str = Field(
+        description="Benchmark: 'synthetic' or one of aime24, aime25, amc23, math500, minerva_math, "
+        "olympiadbench, gsm8k."
+    )
+    k: int = Field(1, ge=1, description="Samples per problem.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass.")
+    max_new_tokens: int = Field(24, ge=1, description="Response cap (tokens).")
+    limit: int | None = Field(None, ge=1, description="Use the first N problems (None = all).")
+    dataset: DatasetRef | None = Field(
+        None,
+        description="Read this benchmark from a dataset (HF name or local "
+        "path) instead of the shipped file; name is then free.",
+    )
+
+
+class EvaluationConfig(Section):
+    interval: int = Field(5, ge=1, description="Evaluate every E steps (and at step 0, and at the end).")
+    benchmarks: tuple[BenchmarkEval, ...] = Field(
+        (BenchmarkEval(name="synthetic", k=1, limit=1000),), description="Benchmarks evaluated on eval steps."
+    )
+
+
+class CheckpointConfig(Section):
+    interval: int = Field(10, ge=1, description="Checkpoint every C steps and at the end.")
+    keep_last: int = Field(2, ge=1, description="Keep the newest N checkpoints.")
+    keep_best_metric: str | None = Field(
+        "synthetic/avg@1", description="Also keep the best checkpoint by this eval metric (benchmark/metric@k)."
+    )
+
+
+class StorageConfig(Section):
+    runs_root: str = Field(
+        "runs", description="Folder holding run directories (each run's Parquet tables live under <run dir>/tables)."
+    )
+    row_group_size: int = Field(1_000_000, ge=1, description="Parquet row-group size (rows).")
+
+
+class SurgeConfig(Section):
+    """Entropy surge (docs/method.md, "Failure signals"): a step whose mean token entropy exceeds
+    ``factor`` x the median of the previous ``window`` steps and stays above it
+    for at least ``min_steps`` steps (``fp8rl_core.signals.failure_signals``)."""
+
+    factor: float = Field(1.5, gt=1, description="Surge threshold: multiple of the trailing median entropy.")
+    window: int = Field(10, ge=1, description="Steps in the trailing median.")
+    min_steps: int = Field(3, ge=1, description="Consecutive steps above the threshold that make a surge.")
+
+
+TrackerName = Literal["tensorboard", "mlflow", "wandb"]
+
+
+class TrackingConfig(Section):
+    """Experiment-tracker sinks (``CampaignConfig.trackers``); the Parquet tables stay the truth."""
+
+    dir: str | None = Field(None, description="Folder of local tracker files; None = <run dir>/trackers.")
+    mlflow_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI (server http(s)://, sqlite:///, file:); "
+        "None = sqlite:///<tracker dir>/mlflow.db.",
+    )
+    experiment: str | None = Field(None, description="MLflow experiment / W&B project; None = the campaign name.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="W&B mode: offline (no network; `wandb sync` later) or online."
+    )
+    wandb_entity: str | None = Field(None, description="W&B entity (team or user); None = the default.")
+    timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="At the end of a campaign, wait at most this long for each "
+        "sink to flush (a hung sink is abandoned).",
+    )
+    queue_size: int = Field(
+        10_000, ge=1, description="Rows buffered per sink; a full queue drops rows for that sink (warned once)."
+    )
+
+
+class GuardConfig(Section):
+    """A monitor over the step rows that rolls a campaign back (fp8rl_core.signals.guard, flows.guard)."""
+
+    enabled: bool = Field(
+        True, description="Watch every step; on a trip restore the last good checkpoint and apply the remedy."
+    )
+    surge_factor: float = Field(
+        1.5, gt=1, description="Surge: value > factor x the median of the `window` steps before (docs/method.md)."
+    )
+    window: int = Field(10, ge=1, description="Surge / collapse reference: median of this many earlier steps.")
+    persist: int = Field(3, ge=1, description="Surge / collapse: for at least this many consecutive steps.")
+    entropy_floor: float = Field(
+        0.2, ge=0, description="Entropy surge also needs entropy above this (nats; our choice)."
+    )
+    garbled_floor: float = Field(
+        0.05, ge=0, description="Garbled surge also needs a garbled share above this (our choice)."
+    )
+    reward_collapse_factor: float = Field(
+        0.5, gt=0, lt=1, description="Reward collapse: reward < factor x the median before."
+    )
+    reward_min: float = Field(
+        0.1, ge=0, description="Reward collapse only counts when the reference median is at least this."
+    )
+    remedy: Literal["recalibrate_now", "recalibrate_every_step", "tighten", "stop"] = Field(
+        "recalibrate_every_step",
+        description="After a rollback: calibrate at the next step; at every step for "
+        "remedy_steps; "
+        "tighten the bounds by tighten_factor; or stop and alert.",
+    )
+    remedy_steps: int = Field(5, ge=1, description="recalibrate_every_step: for this many steps after the rollback.")
+    tighten_factor: float = Field(0.5, gt=0, le=1, description="tighten: L -> 1 - f(1 - L), H -> 1 + f(H - 1).")
+    max_trips: int = Field(
+        2, ge=1, description="After this many rollbacks in one run the next trip stops the campaign."
+    )
