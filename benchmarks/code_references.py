@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stages.data.benchmarks import DATA_FOLDER, resolve_data_dir  # noqa: E402
 from stages.data.code_benchmarks import load_code_benchmark  # noqa: E402
-from stages.grade.code import CodeGradingConfig, grade_code_batch, parse_tests  # noqa: E402
+from stages.grade.code import CodeGradingConfig, grade_code_batch  # noqa: E402
+from stages.grade.code_tests import parse_tests  # noqa: E402
 
 
 def main() -> None:

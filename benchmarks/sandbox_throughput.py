@@ -33,15 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages.grade.code import (  # noqa: E402
-    LEETCODE_PRELUDE,
-    CodeGradingConfig,
-    get_sandbox,
-    grade_program,
-    outputs_match,
-    parse_tests,
-)
-from stages.grade.sandbox import sandbox_python  # noqa: E402
+from stages.grade.code import CodeGradingConfig, get_sandbox, grade_program  # noqa: E402
+from stages.grade.code_tests import parse_tests  # noqa: E402
+from stages.grade.in_sandbox import program_source  # noqa: E402
+from stages.grade.sandbox_launch import sandbox_python  # noqa: E402
+from stages.grade.stdio_match import outputs_match  # noqa: E402
 
 STDIO_CODE = "print(sum(map(int, input().split())))\n"
 STDIO_TESTS = [
@@ -68,7 +64,7 @@ def bare_stdio(py: str) -> bool:
 
 def bare_functional(py: str) -> bool:
     r = subprocess.run(
-        [py, "-I", "-S", "-c", LEETCODE_PRELUDE + "\n" + FUNC_CODE + "\n" + FUNC_TEXT],
+        [py, "-I", "-S", "-c", program_source("leetcode_prelude").decode() + "\n" + FUNC_CODE + "\n" + FUNC_TEXT],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         timeout=10,

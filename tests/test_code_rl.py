@@ -19,16 +19,10 @@ from stages.data.code_benchmarks import (
     load_code_benchmark,
     records_to_set,
 )
-from stages.grade.code import (
-    CodeGradingConfig,
-    extract_code,
-    get_sandbox,
-    grade_code_batch,
-    grade_program,
-    outputs_match,
-    parse_tests,
-)
+from stages.grade.code import CodeGradingConfig, extract_code, get_sandbox, grade_code_batch, grade_program
+from stages.grade.code_tests import parse_tests
 from stages.grade.sandbox import probe_isolation
+from stages.grade.stdio_match import outputs_match
 
 pytestmark = pytest.mark.timeout(120)
 needs_sandbox = pytest.mark.skipif(

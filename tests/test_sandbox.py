@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from stages.grade.code import CodeGradingConfig, grade_code_batch, grade_program, parse_tests
-from stages.grade.sandbox import Sandbox, SandboxLimits, probe_isolation
+from stages.grade.code import CodeGradingConfig, grade_code_batch, grade_program
+from stages.grade.code_tests import parse_tests
+from stages.grade.sandbox import Sandbox, probe_isolation
+from stages.grade.sandbox_limits import SandboxLimits
 
 LEVEL, REASON = probe_isolation()
 pytestmark = [

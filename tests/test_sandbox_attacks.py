@@ -17,8 +17,12 @@ from pathlib import Path
 import pytest
 
 from stages.data.code_benchmarks import CODE_SOURCES, grade_code_responses, records_to_set
-from stages.grade.code import grade_program, leetcode_program, outputs_match, parse_tests, statement_allows_any_case
-from stages.grade.sandbox import Sandbox, SandboxLimits, probe_isolation
+from stages.grade.code import grade_program
+from stages.grade.code_tests import parse_tests
+from stages.grade.functional import functional_run
+from stages.grade.sandbox import Sandbox, probe_isolation
+from stages.grade.sandbox_limits import SandboxLimits
+from stages.grade.stdio_match import outputs_match, statement_allows_any_case
 
 LEVEL, REASON = probe_isolation()
 pytestmark = [
@@ -266,8 +270,9 @@ HONEST_INC = "class Solution:\n    def inc(self, a):\n        return {1: 9876543
 
 
 def test_no_expected_value_enters_the_program(sb):
-    prog = leetcode_program(HONEST_INC.replace("987654321", "0"), INC, 2.0)
-    assert "987654321" not in prog and "== 3" not in prog
+    run = functional_run(HONEST_INC.replace("987654321", "0"), INC, 2.0)
+    for text in (run.source, *(data.decode() for data in run.files.values())):
+        assert "987654321" not in text and "== 3" not in text
     assert grade_program(sb, HONEST_INC, INC, per_test_s=2, per_sample_s=3).correct
 
 

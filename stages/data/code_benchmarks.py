@@ -6,7 +6,7 @@ Every source becomes :class:`stages.data.benchmarks.BenchmarkProblem` records wh
 evaluate stages carry it in ``reference_answer`` like a math gold answer, and
 the ``"code"`` / ``"code_expr"`` verifiers (:func:`grade_code_responses`) run it.
 A stdin/stdout problem whose statement accepts answers in any letter case
-(:func:`stages.grade.code.statement_allows_any_case`) carries ``"any_case": true``;
+(:func:`stages.grade.stdio_match.statement_allows_any_case`) carries ``"any_case": true``;
 every other comparison is case-exact.
 
 =============  ===================================================  =============================
@@ -46,8 +46,10 @@ from stages.data.benchmarks import (
     no_data_folder,
     resolve_data_dir,
 )
-from stages.grade.code import CodeGradingConfig, extract_code, grade_code_batch, parse_tests, statement_allows_any_case
+from stages.grade.code import CodeGradingConfig, extract_code, grade_code_batch
+from stages.grade.code_tests import parse_tests
 from stages.grade.result import GradeResult
+from stages.grade.stdio_match import statement_allows_any_case
 
 log = logging.getLogger(__name__)
 
