@@ -11,7 +11,7 @@ configs are loaded, ``flows.configuration``), so the registries stay the one lis
 
 from __future__ import annotations
 
-from fp8rl_core.calibration.calibrated_clipping import CLIP_MODES
+from fp8rl_core.calibration.clip_modes import CLIP_MODES
 from fp8rl_core.calibration.estimators import LOWER_ESTIMATORS
 from fp8rl_core.objective import gspo  # noqa: F401  registers "gspo"
 from fp8rl_core.objective.advantages import ADVANTAGE_ESTIMATORS

@@ -7,14 +7,9 @@ import math
 import pytest
 import torch
 
-from fp8rl_core.calibration.calibrated_clipping import (
-    BALANCE_RTOL,
-    CLIP_MODES,
-    CalibratorState,
-    balance,
-    calibrate,
-    pos_neg_contrib,
-)
+from fp8rl_core.calibration.calibrated_clipping import CalibratorState, balance, calibrate, pos_neg_contrib
+from fp8rl_core.calibration.clip_modes import CLIP_MODES
+from fp8rl_core.calibration.tokens import BALANCE_RTOL
 from fp8rl_core.config.method import CalibrationConfig
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
@@ -358,7 +353,7 @@ def test_relaxed_lower_is_standard_with_a_wider_fixed_lower_bound():
     assert (res.lower, res.upper) == (pytest.approx(0.6), pytest.approx(1.28))
     std = calibrate(*batch, eps_low=EPS_LOW, eps_high=EPS_HIGH, config=CalibrationConfig(mode="standard"))
     assert res.alpha == std.alpha and res.target_balance == std.target_balance  # measured against eps_low = 0.2
-    from fp8rl_core.calibration.calibrated_clipping import initial_bounds
+    from fp8rl_core.calibration.clip_modes import initial_bounds
 
     assert initial_bounds(eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg) == (pytest.approx(0.6), pytest.approx(1.28))
     assert CalibratorState.initial(eps_low=EPS_LOW, eps_high=EPS_HIGH, config=cfg).lower == pytest.approx(0.6)

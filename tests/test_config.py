@@ -72,7 +72,7 @@ def test_unknown_precision_lists_choices():
 
 def test_initial_bounds_default_to_the_epsilons():
     cfg = CampaignConfig()
-    from fp8rl_core.calibration.calibrated_clipping import initial_bounds
+    from fp8rl_core.calibration.clip_modes import initial_bounds
 
     a = cfg.algorithm
     assert initial_bounds(eps_low=a.eps_low, eps_high=a.eps_high, config=cfg.calibration) == pytest.approx((0.8, 1.28))

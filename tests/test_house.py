@@ -104,7 +104,7 @@ def test_fault_injection_keeps_no_module_state() -> None:
         assert isinstance(value, contextvars.ContextVar), f"storage.faults.{name} is module state: {value!r}"
     with faults.stage_scope("train", 3):
         with pytest.raises(OSError, match="No space left"):
-            faults.at("train", 3, "mb1", env={faults.ENV: "train@3:mb1=enospc"})
+            faults.at("train", 3, "mb1", env={faults.ENV: "train@3:mb1=enospc", faults.ARMED_ENV: "1"})
     with pytest.raises(ValueError, match="bad item"):
         faults.parse("train@x=kill")
 
@@ -166,8 +166,8 @@ def test_every_core_module_lives_in_a_room() -> None:
 
 
 def _core_imports(path: Path) -> list[tuple[int, str]]:
-    """Imported modules, with ``from fp8rl_core import x`` read as ``fp8rl_core.x``; a relative import
-    is reported as such (the rooms import by absolute name only)."""
+    """Imported modules, a room imported by name from the package read as the room's module; a relative
+    import is reported as such (the rooms import by absolute name only)."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -203,7 +203,7 @@ def test_the_room_rules_catch_an_arrow_back(tmp_path: Path) -> None:
 
 def _registry_names() -> dict[str, tuple[set[str], set[str]]]:
     """Registry -> (its names, the modules allowed to spell them: where they are registered)."""
-    from fp8rl_core.calibration.calibrated_clipping import CLIP_MODES, UPDATE_BOUNDS
+    from fp8rl_core.calibration.clip_modes import CLIP_MODES, UPDATE_BOUNDS
     from fp8rl_core.objective.advantages import ADVANTAGE_ESTIMATORS
     from fp8rl_core.registered import POLICY_LOSSES
 
@@ -211,7 +211,7 @@ def _registry_names() -> dict[str, tuple[set[str], set[str]]]:
         "policy loss": (set(POLICY_LOSSES.names()), {"fp8rl_core/objective/losses.py", "fp8rl_core/objective/gspo.py"}),
         "clip mode": (
             set(CLIP_MODES.names()) | set(UPDATE_BOUNDS.names()),
-            {"fp8rl_core/calibration/calibrated_clipping.py"},
+            {"fp8rl_core/calibration/clip_modes.py"},
         ),
         "advantage estimator": (set(ADVANTAGE_ESTIMATORS.names()), {"fp8rl_core/objective/advantages.py"}),
     }

@@ -102,7 +102,7 @@ def test_the_step_with_the_reuse_equals_the_step_without_it_and_skips_one_forwar
 
 
 def test_bapo_and_a_split_first_mini_batch_keep_the_no_grad_pass():
-    from fp8rl_core.calibration.calibrated_clipping import per_update_rule
+    from fp8rl_core.calibration.clip_modes import per_update_rule
 
     device = torch.device("cpu")
     one = [[torch.arange(8)]]

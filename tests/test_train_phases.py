@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fp8rl_core.calibration.bapo import UpdateBoundsRule
-from fp8rl_core.calibration.calibrated_clipping import CLIP_MODES, UPDATE_BOUNDS
+from fp8rl_core.calibration.clip_modes import CLIP_MODES, UPDATE_BOUNDS
 from fp8rl_core.objective.losses import LOSS_BOUNDS
 from fp8rl_core.registered import CALIBRATION_UNITS, LOSS_STATISTICS, POLICY_LOSSES
 from stages.trainer import update as tc

@@ -238,7 +238,7 @@ class UpdateBoundsRule:
     clip statistics with each row at its own update's bounds
     (:func:`step_clip_stats`); ``summarize``: step metrics over the updates'
     results (:func:`summarize_updates`). Registered by clip-mode name in
-    ``fp8rl_core.calibration.calibrated_clipping.UPDATE_BOUNDS``.
+    ``fp8rl_core.calibration.clip_modes.UPDATE_BOUNDS``.
     """
 
     bounds: Callable[..., BapoResult]

@@ -80,7 +80,7 @@ class LowerEstimate:
     pool: tuple[PoolEntry, ...] = ()
 
 
-class _Tokens(Protocol):  # what an estimator reads of fp8rl_core.calibration.calibrated_clipping.CalibrationTokens
+class _Tokens(Protocol):  # what an estimator reads of fp8rl_core.calibration.tokens.CalibrationTokens
     r8n: torch.Tensor
     n_neg: int
     n_tokens: int

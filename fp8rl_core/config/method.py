@@ -206,7 +206,7 @@ class CalibrationConfig(Section):
 
     mode: str = Field(
         "calibrated",
-        description="Clip-bound policy, a name in fp8rl_core.calibration.calibrated_clipping.CLIP_MODES: "
+        description="Clip-bound policy, a name in fp8rl_core.calibration.clip_modes.CLIP_MODES: "
         "standard, calibrated, relaxed_lower (fixed wider eps_low), "
         "calibrated_lower_only, bapo (per update, as published), "
         "bapo_joint_every_k (our earlier variant).",

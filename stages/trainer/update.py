@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from fp8rl_core.calibration.bapo import UpdateBoundsRule
-from fp8rl_core.calibration.calibrated_clipping import per_update_rule
+from fp8rl_core.calibration.clip_modes import per_update_rule
 from fp8rl_core.objective.corrections import step_weights
 from fp8rl_core.objective.losses import importance_ratio, loss_bounds
 from fp8rl_core.registered import LOSS_STATISTICS, POLICY_LOSSES
