@@ -1,7 +1,7 @@
 """Why CPU campaigns are slow: BF16 GEMMs vs FP32 on this CPU, measured side by side.
 
 Every CPU campaign computes under ``torch.autocast("cpu", torch.bfloat16)``
-(``fp8rl_core.precision.conversion.autocast_context``): the BF16 numerics the GPU runs.
+(``fp8rl_core.precision.autocast.autocast_context``): the BF16 numerics the GPU runs.
 On a CPU without AVX512-BF16 / AMX, PyTorch's BF16 GEMM has no fast kernel,
 so the linear layers of the tiny and stress worlds run many times slower than
 FP32 GEMMs of the same shapes would. This script prints, for the stress
@@ -83,7 +83,8 @@ def model_steps(reps: int, batch: int = 32, tokens: int = 60) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
-    from fp8rl_core.precision.conversion import autocast_context, convert_for_training
+    from fp8rl_core.precision.autocast import autocast_context
+    from fp8rl_core.precision.conversion import convert_for_training
 
     cfg = Qwen3Config(
         vocab_size=64,

@@ -34,7 +34,9 @@ from collections.abc import Callable
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402  (after fp8rl_core: quiet torchao)
 
-from fp8rl_core.precision.conversion import autocast_context, convert_for_rollout, convert_for_training
+from fp8rl_core.precision.autocast import autocast_context
+from fp8rl_core.precision.conversion import convert_for_training
+from fp8rl_core.precision.rollout import convert_for_rollout
 
 TRAIN_MODES = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")
 ROLLOUT_MODES = ("bf16", "fp8_per_tensor", "fp8_per_block")

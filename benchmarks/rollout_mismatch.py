@@ -49,7 +49,7 @@ FORMATS = ("bf16", "native_fp8")
 def measure_step(env, state, step: int, cfg) -> dict[str, torch.Tensor]:
     """π_old three ways for ``step``'s rollout batch, and the batch's rollout log-probs and mask."""
     from fp8rl_core.objective.logprobs import sequence_logprobs
-    from fp8rl_core.precision.conversion import convert_for_rollout
+    from fp8rl_core.precision.rollout import convert_for_rollout
     from stages.runtime.io import read_step
     from stages.train import build_batch
     from stages.trainer.forward import policy_logprobs

@@ -47,7 +47,7 @@ import torch
 from fp8rl_core.config.method import PrecisionConfig
 from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.config.pipeline import RolloutConfig
-from fp8rl_core.precision.conversion import autocast_context
+from fp8rl_core.precision.autocast import autocast_context
 from fp8rl_core.tasks.tiny_model import build_tiny_model
 from stages.engines import TransformersEngine, make_engine
 

@@ -30,7 +30,8 @@ def main() -> None:
     from fp8rl_core.config.campaign import CampaignConfig
     from fp8rl_core.config.model import ModelConfig
     from fp8rl_core.objective.logprobs import token_logprobs_and_entropy
-    from fp8rl_core.precision.conversion import autocast_context, convert_for_training
+    from fp8rl_core.precision.autocast import autocast_context
+    from fp8rl_core.precision.conversion import convert_for_training
     from fp8rl_core.tasks.tiny_model import build_tiny_model
     from stages.trainer.forward import pad_to_contract, token_multiple
     from stages.trainer.update import TrainBatch, make_optimizer, policy_update

@@ -16,7 +16,8 @@ from fp8rl_core.calibration.estimators import LOWER_ESTIMATORS
 from fp8rl_core.objective import gspo  # noqa: F401  registers "gspo"
 from fp8rl_core.objective.advantages import ADVANTAGE_ESTIMATORS
 from fp8rl_core.objective.losses import AGGREGATIONS, CALIBRATION_UNITS, LOSS_BOUNDS, LOSS_STATISTICS, POLICY_LOSSES
-from fp8rl_core.precision.conversion import ROLLOUT_PRECISIONS, TRAIN_PRECISIONS
+from fp8rl_core.precision.conversion import TRAIN_PRECISIONS
+from fp8rl_core.precision.rollout import ROLLOUT_PRECISIONS
 
 __all__ = ["CALIBRATION_UNITS", "LOSS_BOUNDS", "LOSS_STATISTICS", "POLICY_LOSSES", "unknown_names"]
 

@@ -262,7 +262,7 @@ def section_rollout(seqs: int = 4, length: int = 256, *, config=None, device: st
 
     import torch
 
-    from fp8rl_core.precision.conversion import convert_for_rollout
+    from fp8rl_core.precision.rollout import convert_for_rollout
 
     emit(
         f"[3] rollout numerics, Qwen3-8B-shaped policy (2 layers, vocab 32768), teacher-forced log-probs of "

@@ -238,7 +238,7 @@ def _make_rollout_engine(cfg: CampaignConfig, policy: torch.nn.Module, tokenizer
 
 
 def _checkpoint_activations(policy: torch.nn.Module, *, sharded: bool) -> None:
-    from fp8rl_core.precision.conversion import bf16_recompute_checkpointing, enable_activation_checkpointing
+    from fp8rl_core.precision.bf16_pass import bf16_recompute_checkpointing, enable_activation_checkpointing
 
     enable_activation_checkpointing(policy)
     if not sharded:  # unsharded: recompute on the bf16 casts (FSDP2 re-gathers them itself)

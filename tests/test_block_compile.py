@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from fp8rl_core.precision.conversion import bf16_recompute_checkpointing, enable_activation_checkpointing
+from fp8rl_core.precision.bf16_pass import bf16_recompute_checkpointing, enable_activation_checkpointing
 from stages.trainer.block_compile import compile_choice, compile_decoder_blocks, is_compiled
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")

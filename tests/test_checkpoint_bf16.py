@@ -1,5 +1,5 @@
 """Activation checkpointing in one process: the backward recomputes each block on the bf16 casts its forward
-read (``fp8rl_core.precision.conversion.bf16_recompute_checkpointing``).
+read (``fp8rl_core.precision.bf16_pass.bf16_recompute_checkpointing``).
 
 One process computes every forward on the bf16 casts of the fp32 masters, as FSDP2's all-gather
 hands them to N ranks (``bf16_parameters``). transformers checkpoints a block's ``forward``; by the
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8rl_core.precision.conversion import bf16_recompute_checkpointing, enable_activation_checkpointing
+from fp8rl_core.precision.bf16_pass import bf16_recompute_checkpointing, enable_activation_checkpointing
 from stages.trainer.update import make_optimizer, policy_update
 from tests.scaleout_common import small_batch, small_cfg, small_model
 

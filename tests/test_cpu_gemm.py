@@ -14,7 +14,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402  (after pre
 
 from flows.configuration import ConfigError, load_config
 from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm, mm
-from fp8rl_core.precision.conversion import autocast_context, convert_for_training
+from fp8rl_core.precision.autocast import autocast_context
+from fp8rl_core.precision.conversion import convert_for_training
 
 BF16_EPS = 2.0**-8  # relative spacing of BF16 (8 significand bits)
 

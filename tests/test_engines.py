@@ -21,7 +21,8 @@ import torch
 from fp8rl_core.config.method import PrecisionConfig
 from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.objective.logprobs import sequence_logprobs
-from fp8rl_core.precision.conversion import autocast_context, convert_for_training
+from fp8rl_core.precision.autocast import autocast_context
+from fp8rl_core.precision.conversion import convert_for_training
 from fp8rl_core.tasks.tiny_model import build_tokenizer
 from stages.engines import ENGINES, RolloutBatch, RolloutSample, TransformersEngine, hf_engine, make_engine
 from stages.engines.hf_engine import sample_next, top_p_mask

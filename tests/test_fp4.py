@@ -131,7 +131,7 @@ def test_ragged_shapes_are_errors(fmt, layout, shape):
 
 
 def _torchao():
-    from fp8rl_core.precision.conversion import silence_torchao_import_noise
+    from fp8rl_core.host.quiet_imports import silence_torchao_import_noise
 
     silence_torchao_import_noise()
     with warnings.catch_warnings():

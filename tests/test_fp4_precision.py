@@ -9,14 +9,9 @@ import torch
 from torch import nn
 from transformers import Qwen3ForCausalLM
 
-from fp8rl_core.precision.conversion import (
-    ROLLOUT_PRECISIONS,
-    TRAIN_PRECISIONS,
-    autocast_context,
-    bf16_shadow,
-    convert_for_rollout,
-    convert_for_training,
-)
+from fp8rl_core.precision.autocast import autocast_context
+from fp8rl_core.precision.bf16_pass import bf16_shadow
+from fp8rl_core.precision.conversion import TRAIN_PRECISIONS, convert_for_training
 from fp8rl_core.precision.fp4 import MXFP4, NVFP4, fake_quantize_fp4, sqnr_db
 from fp8rl_core.precision.fp4_linear import (
     Fp4Recipe,
@@ -26,6 +21,7 @@ from fp8rl_core.precision.fp4_linear import (
     fp4_rng_state,
     load_fp4_rng_state,
 )
+from fp8rl_core.precision.rollout import ROLLOUT_PRECISIONS, convert_for_rollout
 from tests.test_precision import LINEARS_PER_LAYER, tiny_config, toy_batch, train_steps
 
 pytestmark = pytest.mark.timeout(120)

@@ -58,7 +58,7 @@ def test_real_scaled_mm_rollout_linear_matches_the_emulation_on_cpu():
     itself in float32 (~0.01 nats on the tiny model), which gpu-check reports.
     """
     from fp8rl_core.config.model import ModelConfig
-    from fp8rl_core.precision.conversion import convert_for_rollout
+    from fp8rl_core.precision.rollout import convert_for_rollout
     from fp8rl_core.tasks.tiny_model import build_tiny_model
     from gpu_check.rollout_kernels import scaled_mm_forward, use_scaled_mm
 
@@ -231,7 +231,7 @@ def test_the_sync_tolerance_passes_a_bf16_copy_of_the_weights_and_fails_one_with
     project's BF16 inference copy (every weight and the residual stream in BF16, like vLLM), at Qwen3-0.6B's
     depth (28 layers) and a narrow width. A copy synced after the train step is within the tolerance; one
     with the last layer's pre-step weights is outside it (and inside the worst-case bound, which let it pass)."""
-    from fp8rl_core.precision.conversion import convert_for_rollout
+    from fp8rl_core.precision.rollout import convert_for_rollout
     from gpu_check import vllm_cycle
     from stages.engines.weight_transfer import bf16_logprob_tolerance, bf16_sync_tolerance
 

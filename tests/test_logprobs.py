@@ -9,7 +9,8 @@ import torch
 from transformers import Qwen3ForCausalLM  # noqa: E402  (after fp8rl_core: quiet torchao)
 
 from fp8rl_core.objective.logprobs import position_ids_from_mask, sequence_logprobs, token_logprobs_and_entropy
-from fp8rl_core.precision.conversion import autocast_context, convert_for_training
+from fp8rl_core.precision.autocast import autocast_context
+from fp8rl_core.precision.conversion import convert_for_training
 
 
 def naive(logits: torch.Tensor, labels: torch.Tensor):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fp8rl_core.config.model import ModelConfig
-from fp8rl_core.precision.conversion import convert_for_rollout
 from fp8rl_core.precision.fp8_linear import Fp8RolloutLinear
+from fp8rl_core.precision.rollout import convert_for_rollout
 from fp8rl_core.tasks.tiny_model import build_tiny_model
 from stages.engines.native_fp8 import (
     load_native_fp8,

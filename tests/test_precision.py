@@ -10,18 +10,13 @@ import torch
 from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402  (after precision: quiet torchao)
 
-from fp8rl_core.precision.conversion import (
-    ROLLOUT_PRECISIONS,
-    TRAIN_PRECISIONS,
-    autocast_context,
-    bf16_shadow,
-    convert_for_rollout,
-    convert_for_training,
-    sync_rollout_weights,
-)
+from fp8rl_core.precision.autocast import autocast_context
+from fp8rl_core.precision.bf16_pass import bf16_shadow
+from fp8rl_core.precision.conversion import TRAIN_PRECISIONS, convert_for_training
 from fp8rl_core.precision.fp8 import E4M3, fake_quantize, sqnr_db
 from fp8rl_core.precision.fp8_linear import Fp8RolloutLinear, Fp8TrainingLinear
 from fp8rl_core.precision.fp8_operands import quantize_operand
+from fp8rl_core.precision.rollout import ROLLOUT_PRECISIONS, convert_for_rollout, sync_rollout_weights
 
 FP8_MODES = ["fp8_tensorwise", "fp8_rowwise", "fp8_blockwise"]
 LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
@@ -250,7 +245,7 @@ def test_sync_rollout_weights_requantizes_once_per_sync(base_model):
 @pytest.mark.parametrize("mode", ["fp8_per_tensor", "fp8_per_block"])
 def test_weight_format_decides_what_the_engine_quantizes(base_model, mode):
     """bf16 transfer: the engine quantizes the BF16-rounded masters; native_fp8: the fp32 masters."""
-    from fp8rl_core.precision.conversion import fused_rollout_groups
+    from fp8rl_core.precision.rollout import fused_rollout_groups
 
     sent_bf16 = convert_for_rollout(base_model, mode, dtype=torch.float32)
     native = convert_for_rollout(base_model, mode, dtype=torch.float32, weight_format="native_fp8")

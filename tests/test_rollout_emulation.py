@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8rl_core.config.model import ModelConfig
-from fp8rl_core.precision.conversion import convert_for_rollout, fused_rollout_groups
 from fp8rl_core.precision.fp8_linear import Fp8RolloutLinear
+from fp8rl_core.precision.rollout import convert_for_rollout, fused_rollout_groups
 from fp8rl_core.tasks.tiny_model import build_tiny_model
 
 FP8_MAX = 448.0

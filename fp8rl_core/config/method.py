@@ -118,7 +118,7 @@ class PrecisionConfig(Section):
     rollout: str = Field(
         "fp8_per_tensor",
         description="Rollout scheme (vLLM online quantization names): a name in "
-        "fp8rl_core.precision.conversion.ROLLOUT_PRECISIONS (bf16, fp8_per_tensor, fp8_per_block, nvfp4_w4a4, "
+        "fp8rl_core.precision.rollout.ROLLOUT_PRECISIONS (bf16, fp8_per_tensor, fp8_per_block, nvfp4_w4a4, "
         "mxfp4_w4a4).",
     )
     emulate: bool | None = Field(None, description="Emulate FP8 matmuls; None = auto (emulate unless CUDA SM89+).")

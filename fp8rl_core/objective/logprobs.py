@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from fp8rl_core.cpu_numerics import cpu_gemm
-from fp8rl_core.precision.conversion import autocast_context
+from fp8rl_core.precision.autocast import autocast_context
 
 # Elements of one float32 chunk (64 MiB) when chunk_size is not given.
 _DEFAULT_CHUNK_ELEMS = 1 << 24

@@ -20,6 +20,7 @@ unchanged; for these modes "fp8"/"r8" mean "the low-precision pass".
 
 from __future__ import annotations
 
-from fp8rl_core.precision.conversion import FP4_ROLLOUT_MODES, FP4_TRAIN_MODES, fp4_shape_problem
+from fp8rl_core.precision.conversion import FP4_TRAIN_MODES, fp4_shape_problem
+from fp8rl_core.precision.rollout import FP4_ROLLOUT_MODES
 
 __all__ = ["FP4_ROLLOUT_MODES", "FP4_TRAIN_MODES", "fp4_shape_problem"]

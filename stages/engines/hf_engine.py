@@ -37,7 +37,7 @@ padding, and put back in group layout afterwards. The same seed, prompts and
 config give the same samples.
 
 **Precision.** The engine samples from an *inference copy* of the policy made by
-``fp8rl_core.precision.conversion.convert_for_rollout(model, precision.rollout, dtype=copy_dtype)``:
+``fp8rl_core.precision.rollout.convert_for_rollout(model, precision.rollout, dtype=copy_dtype)``:
 plain linears (``bf16``) or FP8 W8A8 emulation (``fp8_per_tensor``: per-tensor
 weight scale, dynamic per-token activation scale; ``fp8_per_block``: 128x128
 weight / 1x128 activation blocks, as vLLM's online FP8), refreshed by
@@ -70,7 +70,8 @@ from transformers import DynamicCache
 from fp8rl_core.config.method import PrecisionConfig
 from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.cpu_numerics.cpu_gemm import fp32_gemms_active
-from fp8rl_core.precision.conversion import autocast_context, convert_for_rollout, sync_rollout_weights
+from fp8rl_core.precision.autocast import autocast_context
+from fp8rl_core.precision.rollout import convert_for_rollout, sync_rollout_weights
 from stages.engines.base import (
     LOGPROBS_MODES,
     LogprobsMode,

@@ -41,10 +41,11 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from fp8rl_core.precision.conversion import FP8_ROLLOUT_MODES, FUSED_PROJECTIONS, _output_embedding_names
+from fp8rl_core.precision.conversion import _output_embedding_names
 from fp8rl_core.precision.fp8 import E4M3
 from fp8rl_core.precision.fp8_linear import Fp8RolloutLinear
 from fp8rl_core.precision.fp8_operands import _grouped, _round_whole, quantize_operand
+from fp8rl_core.precision.rollout import FP8_ROLLOUT_MODES, FUSED_PROJECTIONS
 from stages.engines.weight_transfer import _is_tied, full_parameter
 
 BLOCK = 128

@@ -23,7 +23,7 @@
 
 Under one process the policy runs unsharded, and every forward of the train
 step reads the bf16 casts of its fp32 masters
-(:func:`fp8rl_core.precision.conversion.bf16_parameters`): the cast FSDP2 applies, so one
+(:func:`fp8rl_core.precision.bf16_pass.bf16_parameters`): the cast FSDP2 applies, so one
 process computes exactly as N ranks do.
 """
 

@@ -20,7 +20,7 @@ import contextlib
 import torch
 
 from fp8rl_core.objective.logprobs import sequence_logprobs
-from fp8rl_core.precision.conversion import bf16_parameters, bf16_shadow
+from fp8rl_core.precision.bf16_pass import bf16_parameters, bf16_shadow
 from fp8rl_core.precision.fp8_linear import TOKEN_MULTIPLE
 from stages.trainer.minibatch_plan import padded_width
 

@@ -143,7 +143,8 @@ def measure_step(
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import AutoModelForCausalLM
 
-    from fp8rl_core.precision.conversion import convert_for_training, enable_activation_checkpointing
+    from fp8rl_core.precision.bf16_pass import enable_activation_checkpointing
+    from fp8rl_core.precision.conversion import convert_for_training
     from fp8rl_core.precision.fp8_operands import gpu_sized_chunks
     from stages.trainer.distributed import shard_policy
     from stages.trainer.forward import policy_logprobs, token_multiple
