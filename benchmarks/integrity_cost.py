@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import storage.catalog as catalog  # noqa: E402
 from storage.catalog import connect, query, set_params  # noqa: E402
-from storage.checkpoints import verify_checkpoint  # noqa: E402
+from storage.checkpoint_verify import verify_checkpoint  # noqa: E402
 from storage.layout import RunLayout, read_run_info, scan_parts  # noqa: E402
 from storage.queries import get_query  # noqa: E402
 from storage.schemas import STORED_TABLES  # noqa: E402

@@ -59,7 +59,7 @@ def _live_rows(env: RunEnv) -> list[dict]:
 
 
 def _checkpoint_steps(env: RunEnv) -> list[int]:
-    from storage.checkpoints import list_checkpoints, verify_checkpoint
+    from storage.checkpoint_verify import list_checkpoints, verify_checkpoint
 
     return [s for s, p in list_checkpoints(env.run_dir) if not verify_checkpoint(p, hashes=False)]  # [] = complete
 

@@ -25,7 +25,7 @@ from fp8rl_core.calibration.calibrated_clipping import CalibratorState
 from fp8rl_core.config.campaign import CampaignConfig
 from stages.context import MAIN, RunEnv, open_storage_only
 from stages.runtime.io import shadow_steps
-from storage.ledger import DONE
+from storage.ledger_records import DONE
 
 
 def _bounds_in_force(env: RunEnv, step: int) -> CalibratorState | None:
@@ -111,7 +111,7 @@ def _rerun_evaluate(run_dir: Path, cfg: CampaignConfig, steps: range, variant: s
     from stages.checkpoint import restore
     from stages.context import open_run
     from stages.evaluate import run_evaluate
-    from storage.checkpoints import list_checkpoints
+    from storage.checkpoint_verify import list_checkpoints
 
     todo = [(s, path) for s, path in list_checkpoints(run_dir) if s in steps]
     if not todo:

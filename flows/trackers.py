@@ -362,7 +362,7 @@ class Trackers:
         self.seconds = 0.0  # time spent in on_write (the campaign's share of tracker cost)
 
     def on_write(self, table: str, step: int, rows: pa.Table, variant: str) -> None:
-        from storage.schemas import MAIN_VARIANT
+        from storage.table_spec import MAIN_VARIANT
 
         if table not in TRACKED_TABLES or variant != MAIN_VARIANT or not self.workers:
             return

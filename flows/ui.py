@@ -87,7 +87,7 @@ def live_rows(run_dir: str | Path, table: str, *, from_step: int = 0, to_step: i
     """The live main-variant Parquet rows of ``table`` with ``from_step <= step <= to_step``."""
     import pyarrow.parquet as pq
 
-    from storage.schemas import MAIN_VARIANT
+    from storage.table_spec import MAIN_VARIANT
     from storage.writer import TableWriter
 
     parts = []

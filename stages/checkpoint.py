@@ -28,15 +28,10 @@ from stages.context import RunEnv, TrainState
 from stages.data.prompts import SamplerState
 from stages.result import StageResult
 from storage import faults
-from storage.checkpoints import (
-    DCP_DIR,
-    HashingStream,
-    apply_retention,
-    list_checkpoints,
-    load_checkpoint,
-    new_dcp_tmp_dir,
-    save_checkpoint,
-)
+from storage.checkpoint_format import DCP_DIR, HashingStream, new_dcp_tmp_dir
+from storage.checkpoint_retention import apply_retention
+from storage.checkpoint_verify import list_checkpoints
+from storage.checkpoints import load_checkpoint, save_checkpoint
 
 
 def hashing_dcp_writer(path: Path):
@@ -208,7 +203,7 @@ def restore_latest(env: RunEnv, state: TrainState, *, before_step: int | None = 
 
     Returns ``(first step to run, restored state, eval scores recorded at that step)``."""
     from stages.runtime.stage_comm import broadcast
-    from storage.checkpoints import latest_complete
+    from storage.checkpoint_verify import latest_complete
 
     at_most = None if before_step is None else before_step - 1
     path = broadcast(env, latest_complete(env.run_dir, at_most=at_most) if env.is_main else None)

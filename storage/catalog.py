@@ -22,8 +22,8 @@ How the views are built:
 
 - live files are chosen from the file names (newest write per table, run,
   step, stage, variant; see ``storage.layout``), so nothing is read to plan;
-- each file's Parquet header and footer magic are checked (a few bytes); a
-  truncated or foreign file is skipped and listed in ``catalog_problems``
+- each file's Parquet header and footer magic are checked (a few bytes;
+  :mod:`storage.part_checks`); a truncated or foreign file is skipped and listed in ``catalog_problems``
   instead of failing every query on that table (``fp8rl doctor`` names it);
 - each file's footer says what it holds (table, run id, step, variant in its
   key-value metadata; for files written before those keys, the ``run_id`` and
@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -60,190 +59,21 @@ import duckdb
 import pyarrow as pa
 
 from storage.identity import no_uid_warning
-from storage.layout import (
-    META_RUN_ID,
-    META_RUN_UID,
-    META_STEP,
-    META_VARIANT,
-    Part,
-    RunLayout,
-    find_runs,
-    live_parts,
-    scan_parts,
-)
+from storage.layout import RunLayout, find_runs, live_parts, scan_parts
 from storage.ledger import Ledger
-from storage.schemas import MAIN_VARIANT, META_TABLE, STORED_TABLES, TABLES, TableSpec
+from storage.part_checks import footer_problem, identity_problem, pages_problem, quick_parquet_check
+from storage.schemas import STORED_TABLES, TABLES
+from storage.table_spec import MAIN_VARIANT, TableSpec
 
 _SOURCE = "_catalog_source"
 _PROBLEMS = "catalog_problems"
 _EXCLUDED = "_catalog_excluded"  # files found corrupt on reading: (path, why), skipped from then on
 _FILES = "_catalog_files"  # the files the views read now
 _KEYS = ("run_id", "step", "variant")
-_IDENTITY_KEYS = {"table": META_TABLE, "run_id": META_RUN_ID, "step": META_STEP, "variant": META_VARIANT}
 
 
 def _sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
-
-
-def quick_parquet_check(path: Path) -> str | None:
-    """A cheap validity check: None if the file looks like complete Parquet, else why not.
-
-    Reads 12 bytes: the leading and trailing 'PAR1' magic and the footer length.
-    A file cut short by a crash or a partial copy loses its footer and fails here.
-    """
-    try:
-        size = path.stat().st_size
-        if size < 12:
-            return f"truncated Parquet ({size} bytes)"
-        with open(path, "rb") as f:
-            head = f.read(4)
-            f.seek(size - 8)
-            tail = f.read(8)
-    except OSError as err:
-        return f"unreadable ({err.strerror or err})"
-    if head != b"PAR1":
-        return "not a Parquet file (bad leading magic)"
-    footer_len, magic = struct.unpack("<I4s", tail)
-    if magic != b"PAR1" or footer_len + 12 > size:
-        return "truncated Parquet (no valid footer)"
-    return None
-
-
-def _stats_value(meta: Any, column: str) -> Any:
-    """The one value of ``column`` per its row-group statistics, or None if unknown or not single-valued."""
-    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
-    if column not in names or meta.num_row_groups == 0:
-        return None
-    idx, seen = names.index(column), set()
-    for rg in range(meta.num_row_groups):
-        st = meta.row_group(rg).column(idx).statistics
-        if st is None or not st.has_min_max:
-            return None
-        seen |= {st.min, st.max}
-    return seen.pop() if len(seen) == 1 else ("mixed", *sorted(map(str, seen)))
-
-
-def _footer(path: Path) -> bytes | None:
-    """The Thrift-encoded footer of a Parquet file (a few KB), or None if it has no valid one."""
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            if size < 12:
-                return None
-            f.seek(size - 8)
-            length, magic = struct.unpack("<I4s", f.read(8))
-            if magic != b"PAR1" or length + 12 > size:
-                return None
-            f.seek(size - 8 - length)
-            return f.read(length)
-    except OSError:
-        return None
-
-
-def _varint(b: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while i < len(b):
-        value |= (b[i] & 0x7F) << shift
-        i += 1
-        if not b[i - 1] & 0x80:
-            break
-        shift += 7
-    return value, i
-
-
-def _footer_kv(footer: bytes, key: bytes) -> str | None:
-    """The value of ``key`` in the footer's key-value metadata, found without parsing the footer.
-
-    A ``KeyValue`` is Thrift compact ``0x18 <len> key 0x18 <len> value``; the
-    key-value list follows the row groups (their statistics) in the footer, so
-    its entry is the last match. None if absent (the caller then parses).
-    """
-    pattern = b"\x18" + bytes([len(key)]) + key + b"\x18"
-    i = footer.rfind(pattern)
-    if i < 0:
-        return None
-    length, j = _varint(footer, i + len(pattern))
-    return footer[j : j + length].decode(errors="replace")
-
-
-def _said_by_footer(path: Path) -> dict[str, str] | None:
-    """What the part's footer says it holds (table, run_id, step, variant, and run_uid where it carries one),
-    or None if it cannot be read."""
-    import pyarrow.parquet as pq
-
-    footer = _footer(path)
-    if footer is not None:
-        said = {k: v for k, key in _IDENTITY_KEYS.items() if (v := _footer_kv(footer, key)) is not None}
-        if len(said) == len(_IDENTITY_KEYS):
-            if (uid := _footer_kv(footer, META_RUN_UID)) is not None:
-                said["run_uid"] = uid
-            return said  # the common case: every key found in the raw footer
-    try:
-        meta = pq.read_metadata(path)
-    except Exception:  # pyarrow raises several types; a damaged footer is found and named by footer_problem
-        return None
-    kv = meta.metadata or {}
-    keys = {**_IDENTITY_KEYS, "run_uid": META_RUN_UID}
-    said = {k: kv[key].decode(errors="replace") for k, key in keys.items() if key in kv}
-    for col in ("run_id", "step"):
-        if col not in said and (v := _stats_value(meta, col)) is not None:
-            said[col] = str(v) if not isinstance(v, tuple) else "..".join(v[1:])
-    return said
-
-
-def identity_problem(part: Part, run_uid: str | None = None) -> str | None:
-    """None if ``part``'s footer agrees with its location (table, run, step, variant) and with its run's
-    uid (``run_uid``, from run.json; None for runs written before uids), else why not.
-
-    Reads the footer only. A key the file does not carry (written before it was
-    added) is taken from the column statistics, or not checked; in a run with a
-    uid every part carries it, so a part without one was not written by this run.
-    A footer that does not parse is left to :func:`footer_problem`.
-    """
-    said = _said_by_footer(part.path)
-    if said is None:
-        return None
-    where = {
-        "table": part.table,
-        "run_id": part.run_id,
-        "step": str(part.step),
-        "variant": part.name.variant if part.name is not None else None,
-    }
-    wrong = [f"{k} {said[k]!r}" for k in where if k in said and where[k] is not None and said[k] != where[k]]
-    if not wrong:
-        if run_uid is None or said.get("run_uid") == run_uid:
-            return None
-        if "run_uid" not in said:
-            return "part without its run's uid: not written by this run's writer"
-        return f"part of another run (uid {said['run_uid'][:12]}…, this run's is {run_uid[:12]}…)"
-    here = ", ".join(f"{k} {where[k]!r}" for k in where if where[k] is not None)
-    return f"misplaced part: it holds {', '.join(wrong)} but its location is {here}"
-
-
-def footer_problem(path: str | Path, con: duckdb.DuckDBPyConnection | None = None) -> str | None:
-    """None if DuckDB can read ``path``'s Parquet footer (its schema), else why not (one line)."""
-    con = con or duckdb.connect(":memory:")
-    try:
-        con.execute(f"DESCRIBE SELECT * FROM read_parquet({_sql_str(str(path))})").fetchall()
-    except duckdb.Error as err:
-        return f"corrupt Parquet footer ({_first_line(err)})"
-    return None
-
-
-def pages_problem(path: str | Path) -> str | None:
-    """None if every page of ``path`` decodes (reads the whole file), else why not (one line)."""
-    import pyarrow.parquet as pq
-
-    try:
-        pq.read_table(path)
-    except Exception as err:  # pyarrow raises several types for damaged files
-        return f"corrupt Parquet data ({type(err).__name__}: {_first_line(err)})"
-    return None
-
-
-def _first_line(err: BaseException) -> str:
-    return next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
 
 
 def _exclude(con: duckdb.DuckDBPyConnection, bad: list[tuple[str, str]]) -> None:

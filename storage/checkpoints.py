@@ -11,24 +11,19 @@
                       (DCP) model + optimizer state it names; written last
 
 The sharded state of a checkpoint (``torch.distributed.checkpoint``) lives in
-``checkpoints/.dcp/step_<n>/``, written by every rank into a temporary
-``.dcp/.tmp-step_<n>-<hex>/`` folder through :class:`HashingStream` (sizes and
-hashes are computed as the bytes are written) and renamed into place together
-with the checkpoint folder, so a half-written DCP folder is never part of a
-complete checkpoint. The manifest lists its files under ``"dcp"``.
+``checkpoints/.dcp/step_<n>/``, written by every rank into a temporary folder
+through :class:`storage.checkpoint_format.HashingStream` and renamed into place
+together with the checkpoint folder, so a half-written DCP folder is never part
+of a complete checkpoint. The manifest lists its files under ``"dcp"``.
 
 Atomicity: everything is written into ``checkpoints/.tmp-step_<n>-<hex>/``,
 fsynced, and the folder renamed to ``step_<n>``. A checkpoint is *complete* iff
-its folder has that name and its manifest verifies (every file it lists, the
-DCP shards included, present with its size; and, where hashes are checked, its
-sha256); ``latest_complete`` skips any other (half-written, truncated,
-bit-rotted) and :func:`set_aside_broken` moves those newer than the newest
-complete one under ``superseded/``. Re-checkpointing a step sets the old
+its folder has that name and its manifest verifies
+(:mod:`storage.checkpoint_verify`). Re-checkpointing a step sets the old
 folder aside under ``superseded/``.
 
-Retention (``apply_retention``) keeps the last k complete checkpoints plus the
-best one by a metric recorded in ``state.json``, and deletes the rest: unlike
-table parts, old checkpoints are large and reproducible from the ledger.
+Retention (:mod:`storage.checkpoint_retention`) keeps the last k complete
+checkpoints plus the best one by a metric recorded in ``state.json``.
 
 torch is imported inside the functions that need it so that the catalog and
 ``fp8rl doctor`` stay quick to start.
@@ -37,14 +32,11 @@ torch is imported inside the functions that need it so that the catalog and
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import random
-import re
 import secrets
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -52,81 +44,22 @@ from typing import Any
 
 import numpy as np
 
+from storage.checkpoint_format import (
+    CHECKPOINT_FORMAT,
+    DCP_DIR,
+    MANIFEST,
+    MODEL_DIR,
+    OPTIMIZER,
+    RNG,
+    STATE,
+    HashingStream,
+    dcp_dir,
+    fsync_path,
+    sha256_file,
+)
+from storage.checkpoint_verify import verify_checkpoint
 from storage.errors import CheckpointError
 from storage.layout import RunLayout
-
-MANIFEST, STATE, RNG, OPTIMIZER, MODEL_DIR = "manifest.json", "state.json", "rng.json", "optimizer.pt", "model"
-DCP_DIR = ".dcp"
-DCP_METADATA = ".metadata"
-CHECKPOINT_FORMAT = 1
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class HashingStream:
-    """A binary file opened for writing whose size and sha256 are computed as it is written.
-
-    Writes are sequential (``seek`` is refused); ``on_close(size, sha256)`` is
-    called once, when the file is closed without an error.
-    """
-
-    def __init__(self, raw: Any, on_close: Callable[[int, str], None]) -> None:
-        self.raw, self._on_close = raw, on_close
-        self._hash, self.size, self.closed = hashlib.sha256(), 0, False
-
-    def write(self, data: Any) -> int:
-        n = self.raw.write(data)
-        view = memoryview(data).cast("B")
-        n = view.nbytes if n is None else n
-        self._hash.update(view[:n])
-        self.size += n
-        return n
-
-    def tell(self) -> int:
-        return self.size
-
-    def seek(self, *_: Any) -> int:
-        raise OSError("a hashing stream is written front to back; seek is not supported")
-
-    def seekable(self) -> bool:
-        return False
-
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.raw.close()
-            self._on_close(self.size, self._hash.hexdigest())
-
-    def __enter__(self) -> "HashingStream":
-        return self
-
-    def __exit__(self, kind: Any, *_: Any) -> None:
-        if kind is None:
-            self.close()
-        else:
-            self.closed = True
-            self.raw.close()
-
-
-def dcp_dir(checkpoints: Path, step: int) -> Path:
-    """Where the sharded state of the checkpoint of ``step`` lives."""
-    return checkpoints / DCP_DIR / f"step_{int(step)}"
-
-
-def new_dcp_tmp_dir(checkpoints: Path, step: int) -> Path:
-    """A fresh temporary folder for a DCP save of ``step`` (renamed into place by :func:`save_checkpoint`)."""
-    return checkpoints / DCP_DIR / f".tmp-step_{int(step)}-{secrets.token_hex(4)}"
 
 
 @dataclass
@@ -152,22 +85,6 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, Path):
         return str(x)
     raise TypeError(f"{type(x).__name__} is not JSON-serializable; pass plain numbers, lists, dicts")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def capture_rng_state() -> dict:
@@ -219,8 +136,8 @@ def _hash_rest(tmp: Path, files: dict) -> None:
     for p in sorted(tmp.rglob("*")):
         rel = p.relative_to(tmp).as_posix()
         if p.is_file() and rel not in files:
-            _fsync(p)
-            files[rel] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+            fsync_path(p)
+            files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
 
 
 def _commit(layout: RunLayout, tmp: Path, final: Path, dcp: tuple[Path, Path] | None) -> None:
@@ -233,11 +150,11 @@ def _commit(layout: RunLayout, tmp: Path, final: Path, dcp: tuple[Path, Path] | 
             aside.parent.mkdir(parents=True, exist_ok=True)
             os.replace(old, aside)
     if dcp is not None:
-        _fsync(dcp[0])
+        fsync_path(dcp[0])
         os.replace(dcp[0], dcp[1])
-        _fsync(dcp[1].parent)
+        fsync_path(dcp[1].parent)
     os.replace(tmp, final)
-    _fsync(layout.checkpoints)
+    fsync_path(layout.checkpoints)
 
 
 def save_checkpoint(
@@ -298,146 +215,13 @@ def save_checkpoint(
         if dcp is not None:
             manifest["dcp"] = {"dir": f"{DCP_DIR}/step_{int(step)}", "files": dict(sorted(dcp[1].items()))}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: it makes the folder a checkpoint
-        _fsync(tmp / MANIFEST)
-        _fsync(tmp)
+        fsync_path(tmp / MANIFEST)
+        fsync_path(tmp)
         _commit(layout, tmp, final, None if dcp is None else (Path(dcp[0]), dcp_dir(layout.checkpoints, step)))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
-
-
-def _check_files(base: Path, files: dict, hashes: bool) -> list[str]:
-    problems = []
-    for rel, meta in files.items():
-        p = base / rel
-        if not p.is_file():
-            problems.append(f"{p}: missing")
-        elif p.stat().st_size != meta["size"]:
-            problems.append(f"{p}: size {p.stat().st_size} != {meta['size']} in manifest")
-        elif hashes and _sha256(p) != meta["sha256"]:
-            problems.append(f"{p}: sha256 does not match the manifest")
-    return problems
-
-
-def verify_checkpoint(path: str | Path, *, hashes: bool = True) -> list[str]:
-    """Problems of a checkpoint folder against its manifest ([] = complete).
-
-    Its sharded (DCP) state is checked too. ``hashes=False`` checks presence and
-    sizes only (fast for large models). A checkpoint written before the manifest
-    listed the DCP files is checked for the DCP metadata file only.
-    """
-    path = Path(path)
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        return [f"{path}: no {MANIFEST} (checkpoint incomplete)"]
-    try:
-        manifest = json.loads(mpath.read_text())
-        files = manifest["files"]
-        dcp = manifest.get("dcp")
-        dcp_files = None if dcp is None else (path.parent / dcp["dir"], dcp["files"])
-    except (ValueError, KeyError, TypeError) as err:
-        return [f"{mpath}: unreadable manifest ({err})"]
-    problems = _check_files(path, files, hashes)
-    if dcp_files is not None:
-        problems += _check_files(*dcp_files, hashes)
-    elif not problems:
-        legacy = dcp_dir(path.parent, int(manifest.get("step", -1)))
-        if legacy.is_dir() and not (legacy / DCP_METADATA).is_file():
-            problems.append(f"{legacy / DCP_METADATA}: missing")
-    return problems
-
-
-def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every ``step_<n>`` folder, complete or not, by step."""
-    base = RunLayout(Path(run_dir)).checkpoints
-    if not base.is_dir():
-        return []
-    out = [(int(m.group(1)), d) for d in base.iterdir() if d.is_dir() and (m := _STEP_DIR.match(d.name))]
-    return sorted(out)
-
-
-VERIFIED_ENV = "FP8RL_HASHED_CHECKPOINT"
-"""``<folder>|<fingerprint>`` of the checkpoint whose hashes ``fp8rl resume`` has just checked, so
-the flow it starts (in this process or a child) does not hash the same bytes again."""
-
-
-def fingerprint(path: str | Path) -> str | None:
-    """The manifest's bytes and every listed file's size, mtime and inode, hashed (None: no manifest).
-
-    Any write to the folder's files (a restore of old bytes included) changes it; it costs one
-    ``stat`` per file, no reads. It stands for "nothing changed since the hashes were checked".
-    """
-    path = Path(path)
-    try:
-        raw = (path / MANIFEST).read_bytes()
-        manifest = json.loads(raw)
-        entries = [(path, manifest["files"])]
-        if manifest.get("dcp"):
-            entries.append((path.parent / manifest["dcp"]["dir"], manifest["dcp"]["files"]))
-        h = hashlib.sha256(raw)
-        for base, files in entries:
-            for rel in sorted(files):
-                st = (base / rel).stat()
-                h.update(f"{base / rel}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}\n".encode())
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return h.hexdigest()
-
-
-def mark_hash_verified(path: str | Path) -> None:
-    """Record in the environment that ``path``'s hashes were checked just now (see :data:`VERIFIED_ENV`)."""
-    fp = fingerprint(path)
-    if fp is not None:
-        os.environ[VERIFIED_ENV] = f"{Path(path).resolve()}|{fp}"
-
-
-def _hash_verified(path: Path) -> bool:
-    mark = os.environ.get(VERIFIED_ENV, "")
-    folder, _, fp = mark.rpartition("|")
-    return bool(folder) and folder == str(path.resolve()) and fp == fingerprint(path)
-
-
-def latest_complete(run_dir: str | Path, *, at_most: int | None = None, hashes: bool = True) -> Path | None:
-    """Newest complete checkpoint (manifest verifies), optionally of a step <= ``at_most``.
-
-    A checkpoint marked by :func:`mark_hash_verified` whose files have not changed since is
-    checked for sizes only: its hashes were checked moments ago by the same ``resume``."""
-    for step, path in reversed(list_checkpoints(run_dir)):
-        if at_most is not None and step > at_most:
-            continue
-        if not verify_checkpoint(path, hashes=hashes and not _hash_verified(path)):
-            return path
-    return None
-
-
-def set_aside_broken(run_dir: str | Path, *, hashes: bool = True) -> list[tuple[Path, str, Path]]:
-    """Move the checkpoints newer than the newest complete one under ``superseded/``.
-
-    Resume loads the newest complete checkpoint; the broken ones above it
-    (truncated, bit-rotted, half-written) would otherwise be mistaken for the
-    newest by a later reader. Returns ``(folder, first problem, where it went)``. The newest
-    complete one is marked hash-verified (:func:`mark_hash_verified`) for the restore after it.
-    """
-    layout = RunLayout(Path(run_dir))
-    out = []
-    for step, path in reversed(list_checkpoints(run_dir)):
-        why = verify_checkpoint(path, hashes=hashes)
-        if not why:
-            if hashes:
-                mark_hash_verified(path)
-            break
-        moved = []
-        for old in (path, dcp_dir(layout.checkpoints, step)):
-            if old.exists():
-                aside = layout.superseded_path(old)
-                if aside.exists():
-                    aside = aside.with_name(f"{aside.name}-{secrets.token_hex(4)}")
-                aside.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(old, aside)
-                moved.append(aside)
-        out.append((path, why[0] + (f" (+{len(why) - 1} more)" if len(why) > 1 else ""), moved[0]))
-    return out
 
 
 def load_model_weights(model: Any, model_dir: str | Path, *, map_location: str = "cpu") -> None:
@@ -510,68 +294,3 @@ def load_checkpoint(
         extra=state.get("extra") or {},
         created_at=state.get("created_at", ""),
     )
-
-
-def apply_retention(
-    run_dir: str | Path, *, keep_last: int, best_metric: str | None = None, higher_is_better: bool = True
-) -> list[Path]:
-    """Delete complete checkpoints except the last ``keep_last`` and the best by ``best_metric``.
-
-    The best is read from each checkpoint's ``state.json`` metrics; ones
-    without the metric never count as best. Incomplete folders are left for
-    ``fp8rl doctor`` to report. Returns the deleted folders.
-    """
-    if keep_last < 0:
-        raise ValueError(f"keep_last must be >= 0, got {keep_last}")
-    complete = [(s, p) for s, p in list_checkpoints(run_dir) if not verify_checkpoint(p, hashes=False)]
-    keep = (
-        {p for _, p in complete[max(0, len(complete) - keep_last) :]} if keep_last else set()
-    )  # fewer than keep_last: keep all
-    if best_metric is not None:
-        scored = []
-        for s, p in complete:
-            value = json.loads((p / STATE).read_text()).get("metrics", {}).get(best_metric)
-            if isinstance(value, (int, float)) and value == value:
-                scored.append((value if higher_is_better else -value, s, p))
-        if scored:
-            keep.add(max(scored)[2])
-    removed = []
-    for s, p in complete:
-        if p not in keep:
-            record_pruned(run_dir, s, p)  # first: a crash between the two leaves a record, not a mystery
-            shutil.rmtree(p)
-            removed.append(p)
-    return removed
-
-
-PRUNED_FILE = "pruned.jsonl"
-
-
-def record_pruned(run_dir: str | Path, step: int, path: Path) -> None:
-    """Append to ``checkpoints/pruned.jsonl`` that retention deletes the checkpoint of ``step``."""
-    layout = RunLayout(Path(run_dir))
-    rec = {
-        "step": int(step),
-        "path": layout.relative(path),
-        "reason": "retention",
-        "pruned_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    with open(layout.checkpoints / PRUNED_FILE, "a", encoding="utf-8") as f:
-        f.write(json.dumps(rec) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def pruned_checkpoints(run_dir: str | Path) -> dict[str, dict]:
-    """The checkpoints retention deleted: relative path -> record (a torn last line is ignored)."""
-    path = RunLayout(Path(run_dir)).checkpoints / PRUNED_FILE
-    out: dict[str, dict] = {}
-    if not path.is_file():
-        return out
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-            out[rec["path"]] = rec
-        except (ValueError, KeyError, TypeError):
-            continue
-    return out

@@ -37,8 +37,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from storage.catalog import footer_problem
-from storage.checkpoints import DCP_DIR, list_checkpoints, pruned_checkpoints, verify_checkpoint
+from storage.checkpoint_format import DCP_DIR
+from storage.checkpoint_retention import pruned_checkpoints
+from storage.checkpoint_verify import list_checkpoints, verify_checkpoint
 from storage.errors import DuplicateRun, NotARunDirectory, SchemaVersionError, StorageError
 from storage.identity import config_file_drift, no_uid_warning
 from storage.layout import (
@@ -55,8 +56,11 @@ from storage.layout import (
     parse_part_name,
     read_run_info,
 )
-from storage.ledger import DONE, Ledger
-from storage.schemas import META_TABLE, META_VERSION, STORED_TABLES, check_schema_version
+from storage.ledger import Ledger
+from storage.ledger_records import DONE
+from storage.part_checks import footer_problem
+from storage.schemas import STORED_TABLES
+from storage.table_spec import META_TABLE, META_VERSION, check_schema_version
 
 ERROR, WARNING = "error", "warning"
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from storage.errors import DuplicateRun, NotARunDirectory, UnknownRun
-from storage.schemas import RUN_ID, SCHEMA_VERSION, STAGE_NAME, VARIANT_NAME, check_name, check_schema_version
+from storage.table_spec import RUN_ID, SCHEMA_VERSION, STAGE_NAME, VARIANT_NAME, check_name, check_schema_version
 
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"

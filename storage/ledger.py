@@ -25,11 +25,10 @@ line it folded and, on each query, reads only what was appended since, so a
 query's cost per step does not grow with the ledger's length. A file that
 shrank or was replaced is read again from the start.
 
-Folding: events of one (step, stage, attempt, variant) fold into a record
-whose status is 'running' (start seen, no outcome: in progress or crashed),
-'done' or 'failed'. The *current* record of a (step, stage, variant) is the
-one touched last. ``set_aside`` events hide earlier records from a point on
-(``resume --from``); they stay in the file as history.
+Folding (:mod:`storage.ledger_records`): events of one (step, stage, attempt,
+variant) fold into a record whose status is 'running', 'done' or 'failed';
+``set_aside`` events hide earlier records from a point on (``resume --from``);
+they stay in the file as history.
 """
 
 from __future__ import annotations
@@ -48,36 +47,18 @@ from typing import Any
 import pyarrow as pa
 
 from storage.layout import RunLayout, read_run_info
-from storage.schemas import LEDGER, MAIN_VARIANT, STAGE_NAME, VARIANT_NAME, check_name
+from storage.ledger_records import (
+    DONE,
+    LedgerFold,
+    StageRecord,
+    fold_line,
+    parse_event,
+    set_aside_hides,
+)
+from storage.schemas import LEDGER
+from storage.table_spec import MAIN_VARIANT, STAGE_NAME, VARIANT_NAME, check_name
 
-RUNNING, DONE, FAILED = "running", "done", "failed"
 QUARANTINE_FILE = "ledger.quarantine.jsonl"
-
-
-@dataclass
-class StageRecord:
-    """The folded state of one (step, stage, attempt, variant)."""
-
-    run_id: str
-    step: int
-    stage: str
-    attempt: int
-    variant: str
-    status: str = RUNNING
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
-    outputs: list[str] = field(default_factory=list)
-    error: str | None = None
-    info: dict = field(default_factory=dict)
-    host: str | None = None
-    pid: int | None = None
-    seq: int = 0  # line number of the last event touching it
-
-    @property
-    def seconds(self) -> float | None:
-        if self.started_at is None or self.finished_at is None:
-            return None
-        return (self.finished_at - self.started_at).total_seconds()
 
 
 @dataclass
@@ -90,27 +71,6 @@ class StageRun:
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
-
-
-def _parse_time(value: str | None) -> datetime | None:
-    return datetime.fromisoformat(value) if value else None
-
-
-@dataclass
-class _Fold:
-    """What a :class:`Ledger` has folded so far: the file up to ``offset`` (whole lines only)."""
-
-    inode: int = -1
-    offset: int = 0
-    lines: int = 0
-    recs: dict = field(default_factory=dict)  # live (step, stage, attempt, variant) -> record, touch order
-    hidden: list = field(default_factory=list)  # records hidden by set_aside events
-    current: dict = field(default_factory=dict)  # (variant, step) -> {stage: record touched last}
-    attempts: dict = field(default_factory=dict)  # (step, stage, variant) -> highest attempt, set aside included
-    bad: list = field(default_factory=list)  # line numbers that did not parse
-    damaged: dict = field(default_factory=dict)  # line number -> bytes, of bad lines that are not torn records
-    config_changes: list = field(default_factory=list)  # config edits accepted at resume (events, in order)
-    mark: bytes = b""  # the last line folded (its newline included)
 
 
 def _last_line_start(fd: int, size: int) -> int:
@@ -133,7 +93,7 @@ class Ledger:
         self.run_id = read_run_info(self.layout.root).run_id
         self.path = self.layout.ledger
         self.quarantine = self.layout.root / QUARANTINE_FILE
-        self._fold = _Fold()
+        self._fold = LedgerFold()
         self.bytes_read = 0  # ledger bytes read by queries so far (reading is incremental)
 
     # -- writing -------------------------------------------------------------------------
@@ -261,7 +221,7 @@ class Ledger:
         on. ``variant=None`` affects every variant. Returns how many records were hidden.
         """
         stages = None if stages is None else sorted(set(stages))
-        hidden = [r for r in self.records(variant=variant) if _after(r, from_step, stages)]
+        hidden = [r for r in self.records(variant=variant) if set_aside_hides(r, from_step, stages)]
         self._append(
             {
                 "event": "set_aside",
@@ -322,7 +282,7 @@ class Ledger:
         for i, line in enumerate(raw.split(b"\n"), start=1):
             if not line.strip():
                 continue
-            ev = _parse(line)
+            ev = parse_event(line)
             if ev is None:
                 bad.append(i)
                 continue
@@ -330,12 +290,12 @@ class Ledger:
             events.append(ev)
         return events, bad
 
-    def _refresh(self) -> _Fold:
+    def _refresh(self) -> LedgerFold:
         """Fold the whole lines appended since the last call (all of them if the file shrank or changed)."""
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
-            self._fold = _Fold()
+            self._fold = LedgerFold()
             return self._fold
         try:
             st = os.fstat(fd)
@@ -343,9 +303,9 @@ class Ledger:
             if fold.mark:  # the line just before the offset: a file rewritten in place is folded afresh
                 self.bytes_read += len(fold.mark)
                 if os.pread(fd, len(fold.mark), fold.offset - len(fold.mark)) != fold.mark:
-                    fold = _Fold()
+                    fold = LedgerFold()
             if st.st_ino != fold.inode or st.st_size < fold.offset:
-                fold = _Fold(inode=st.st_ino)
+                fold = LedgerFold(inode=st.st_ino)
             self._fold = fold
             if st.st_size > fold.offset:
                 data = os.pread(fd, st.st_size - fold.offset, fold.offset)
@@ -354,46 +314,13 @@ class Ledger:
                 for line in data[:whole].split(b"\n")[:-1]:
                     fold.lines += 1
                     if line.strip():
-                        self._apply(fold, line, fold.lines)
+                        fold_line(fold, line, fold.lines, self.run_id)
                 fold.offset += whole
                 if whole:  # (data starts on a line: the offset is always just after a newline)
                     fold.mark = data[data.rfind(b"\n", 0, whole - 1) + 1 : whole]
         finally:
             os.close(fd)
         return fold
-
-    def _apply(self, fold: _Fold, line: bytes, seq: int) -> None:
-        ev = _parse(line)
-        if ev is None:
-            fold.bad.append(seq)
-            if not looks_torn(line):
-                fold.damaged[seq] = line[:80]
-            return
-        kind = ev["event"]
-        if kind == "config_change":
-            fold.config_changes.append(ev)
-            return
-        if kind == "set_aside":
-            for key, r in list(fold.recs.items()):
-                if (ev.get("variant") in (None, r.variant)) and _after(r, ev["from_step"], ev.get("stages")):
-                    fold.hidden.append(fold.recs.pop(key))
-                    stages = fold.current.get((r.variant, r.step), {})
-                    if stages.get(r.stage) is r:
-                        del stages[r.stage]
-            return
-        try:
-            key = (int(ev["step"]), ev["stage"], int(ev["attempt"]), ev.get("variant", MAIN_VARIANT))
-        except (KeyError, TypeError, ValueError):
-            return
-        r = fold.recs.pop(key, None)  # re-inserted last: the dict stays in touch order
-        if r is None:
-            r = StageRecord(ev.get("run_id", self.run_id), *key)
-        fold.recs[key] = r
-        fold.current.setdefault((key[3], key[0]), {})[key[1]] = r
-        akey = (key[0], key[1], key[3])
-        fold.attempts[akey] = max(fold.attempts.get(akey, -1), key[2])
-        r.seq = seq
-        _fold_event(r, kind, ev)
 
     def records(self, *, variant: str | None = MAIN_VARIANT, include_set_aside: bool = False) -> list[StageRecord]:
         """Folded records in the order they were last touched (``variant=None``: all)."""
@@ -481,37 +408,3 @@ class Ledger:
             for r in self.records(variant=variant)
         ]
         return pa.Table.from_pylist(rows, schema=LEDGER.schema())
-
-
-def _parse(line: bytes) -> dict | None:
-    """The event of one ledger line, or None if it does not parse as one."""
-    try:
-        ev = json.loads(line)
-    except ValueError:
-        return None
-    return ev if isinstance(ev, dict) and "event" in ev else None
-
-
-def _fold_event(r: StageRecord, kind: str, ev: dict) -> None:
-    at = _parse_time(ev.get("at"))
-    if kind == "start":
-        r.status, r.started_at, r.host, r.pid = RUNNING, at, ev.get("host"), ev.get("pid")
-        r.finished_at, r.error = None, None
-        r.info = dict(ev.get("info") or {})
-    elif kind in ("finish", "fail"):
-        r.status, r.finished_at = (DONE if kind == "finish" else FAILED), at
-        r.outputs = list(ev.get("outputs") or [])
-        r.error = ev.get("error")
-        r.info = dict(ev.get("info") or {})
-
-
-def looks_torn(line: bytes) -> bool:
-    """A line that is the start of a ledger record cut short (a crash while appending), not garbage."""
-    line = line.strip()
-    return line.startswith(b'{"event":') and not line.endswith(b"}") and _parse(line) is None
-
-
-def _after(r: StageRecord, from_step: int, stages: Iterable[str] | None) -> bool:
-    if r.step > from_step:
-        return True
-    return r.step == from_step and (stages is None or r.stage in set(stages))

@@ -29,143 +29,20 @@ response token of a calibration step, i.e. tens of millions of rows per run:
 
 Measured on realistic data this is ~19 bytes/row on disk (budget: 20).
 
-Schema versions: ``SCHEMA_VERSION`` is written into every Parquet file's
-key-value metadata (``fp8rl.schema_version``) and into ``run.json``. Versions
-from ``MIN_READABLE_SCHEMA_VERSION`` up to the current one read fine (changes
-between them are additive); anything else fails with :class:`SchemaVersionError`
-naming the file and the versions involved.
+The machinery (columns, table specs, schema versions, names that go into paths)
+is :mod:`storage.table_spec`; the derived ratios and clip flags of ``token_stats``
+are :mod:`storage.clip_flags`.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Callable
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from storage.errors import SchemaError, SchemaVersionError
-
-SCHEMA_VERSION = 1
-MIN_READABLE_SCHEMA_VERSION = 1
-META_VERSION = b"fp8rl.schema_version"
-META_TABLE = b"fp8rl.table"
-MAIN_VARIANT = "main"
-
-# Stage names go into file names as a '-'-separated field: no '-' allowed.
-STAGE_NAME = re.compile(r"^[A-Za-z0-9_.]+$")
-# Variants and run ids go into paths: a conservative, shell-friendly alphabet.
-VARIANT_NAME = re.compile(r"^[A-Za-z0-9_.+=-]+$")
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
-
-
-@dataclass(frozen=True)
-class Column:
-    """One column: name, arrow type, meaning and how Parquet should encode it.
-
-    ``encoding``: 'dict' (dictionary + RLE; low-cardinality values), 'bss'
-    (BYTE_STREAM_SPLIT; noisy floats), 'delta' (DELTA_BINARY_PACKED; ids and
-    positions that count up) or 'plain'.
-    ``required``: the writer refuses rows without it (instead of writing NULLs).
-    """
-
-    name: str
-    type: pa.DataType
-    doc: str
-    required: bool = False
-    encoding: str = "dict"
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    """A table: its stored columns, the columns the catalog derives, its rules.
-
-    Strict: a column a writer passes that the table does not declare is a
-    :class:`SchemaError` naming it (a typo must not become a new column).
-    Adding a column is one line here. ``extra_pattern`` declares a family of
-    columns by name (``steps``: per-stage timings ``<stage>_seconds``), stored
-    as ``extra_type``. ``merge_rows``: the view folds the rows written by
-    different stages for one (run, step, variant) into a single row.
-    ``stored``: False for the ledger (JSONL, not Parquet; the schema is its view's).
-    ``fill``: completes conformed rows before writing (token_stats: clip flags).
-    """
-
-    name: str
-    doc: str
-    columns: tuple[Column, ...]
-    derived: tuple[tuple[str, str, str], ...] = ()  # (name, SQL expression, doc)
-    extra_type: pa.DataType | None = None
-    extra_pattern: re.Pattern | None = None
-    merge_rows: bool = False
-    stored: bool = True
-    fill: Callable[[pa.Table], pa.Table] | None = None
-    _by_name: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._by_name.update({c.name: c for c in self.columns})
-
-    def column(self, name: str) -> Column | None:
-        return self._by_name.get(name)
-
-    @property
-    def column_names(self) -> list[str]:
-        return [c.name for c in self.columns]
-
-    def schema(self) -> pa.Schema:
-        """The stored schema, with each column's doc and the version in the metadata."""
-        fields = [pa.field(c.name, c.type, nullable=not c.required, metadata={"doc": c.doc}) for c in self.columns]
-        return pa.schema(fields, metadata={META_VERSION: str(SCHEMA_VERSION).encode(), META_TABLE: self.name.encode()})
-
-
-def _key_columns() -> tuple[Column, ...]:
-    return (
-        Column("run_id", pa.string(), "Run id (the run directory's name, from run.json).", required=True),
-        Column("step", pa.int64(), "RL step that produced the row (0 = before any update).", required=True),
-        Column("variant", pa.string(), "'main' for the campaign; another name for a re-run of a stage.", required=True),
-    )
-
-
-def _ratio_sql(logp: str, old_logp: str) -> str:
-    # CASE with FLOAT literals, not least/greatest: those are ~7x slower in DuckDB
-    # and skip NULLs (least(NULL, 20) = 20). A NULL difference falls to ELSE: NULL.
-    d = f"({logp} - {old_logp})"
-    return f"exp(CASE WHEN {d} > 20::FLOAT THEN 20::FLOAT WHEN {d} < -20::FLOAT THEN -20::FLOAT ELSE {d} END)::FLOAT"
-
-
-def _ratio(logp: pa.ChunkedArray, old_logp: pa.ChunkedArray) -> pa.ChunkedArray:
-    """float32 r = exp(clamp(logp − old_logp, −20, 20)); NULL where an input is NULL."""
-    d = pc.subtract(logp, old_logp)
-    lim = pa.scalar(20.0, pa.float32())
-    d = pc.max_element_wise(pc.min_element_wise(d, lim, skip_nulls=False), pc.negate(lim), skip_nulls=False)
-    return pc.exp(d)
-
-
-def fill_clip_flags(t: pa.Table) -> pa.Table:
-    """Compute token_stats' clip flags that the writer was not given (docs/method.md, "Clip metrics").
-
-    clipped_lower = A<0 ∧ r8<L, clipped_upper = A>0 ∧ r8>H; the bf16 ones use
-    r16 and the standard bounds. NULL propagates (no shadow pass → NULL), so
-    overclipped/underclipped in the view are NULL rather than false there.
-    """
-    if t.column("clipped_lower").null_count < t.num_rows and t.column("bf16_clipped_lower").null_count < t.num_rows:
-        return t  # given by the trainer
-    adv = t.column("advantage")
-    neg, pos = pc.less(adv, 0), pc.greater(adv, 0)
-    for prefix, logp, old, lo, hi in (
-        ("", "logp_fp8", "old_logp_fp8", "lower_bound", "upper_bound"),
-        ("bf16_", "logp_bf16", "old_logp_bf16", "standard_lower", "standard_upper"),
-    ):
-        if t.column(f"{prefix}clipped_lower").null_count < t.num_rows:
-            continue
-        r = _ratio(t.column(logp), t.column(old))
-        for name, flag in (
-            (f"{prefix}clipped_lower", pc.and_(neg, pc.less(r, t.column(lo)))),
-            (f"{prefix}clipped_upper", pc.and_(pos, pc.greater(r, t.column(hi)))),
-        ):
-            t = t.set_column(t.schema.get_field_index(name), t.schema.field(name), flag)
-    return t
-
+from storage.clip_flags import fill_clip_flags, ratio_sql
+from storage.errors import SchemaError
+from storage.table_spec import Column, TableSpec, key_columns
 
 _F32 = pa.float32()
 _F64 = pa.float64()
@@ -173,7 +50,7 @@ _F64 = pa.float64()
 ROLLOUTS = TableSpec(
     "rollouts",
     "One row per generated sample (response) of a step.",
-    _key_columns()
+    key_columns()
     + (
         Column("sample_id", pa.int32(), "Index of the sample in the step's batch; joins scores and token_stats.", True),
         Column("prompt_id", pa.string(), "Id of the problem in its dataset (stable across steps)."),
@@ -206,7 +83,7 @@ ROLLOUTS = TableSpec(
 SCORES = TableSpec(
     "scores",
     "One row per sample: verifier outcome, shaped reward, advantage, DAPO filtering.",
-    _key_columns()
+    key_columns()
     + (
         Column("sample_id", pa.int32(), "Sample in the step's batch (joins rollouts.sample_id).", True),
         Column("prompt_id", pa.string(), "Problem id (the GRPO group)."),
@@ -227,7 +104,7 @@ SCORES = TableSpec(
 TOKEN_STATS = TableSpec(
     "token_stats",
     "One row per valid response token of a step with shadow passes: FP8 and BF16 log-probs, entropy.",
-    _key_columns()
+    key_columns()
     + (
         Column("sample_id", pa.int32(), "Sample in the step's batch (joins rollouts/scores).", True, "delta"),
         Column("position", pa.int32(), "Token position within the response (0-based).", True, "delta"),
@@ -256,12 +133,12 @@ TOKEN_STATS = TableSpec(
     derived=(
         (
             "ratio_fp8",
-            _ratio_sql("logp_fp8", "old_logp_fp8"),
+            ratio_sql("logp_fp8", "old_logp_fp8"),
             "r8 = exp(clamp(logp_fp8 − old_logp_fp8, −20, 20)) (docs/method.md).",
         ),
         (
             "ratio_bf16",
-            _ratio_sql("logp_bf16", "old_logp_bf16"),
+            ratio_sql("logp_bf16", "old_logp_bf16"),
             "r16, the same from the BF16 shadow log-probs; NULL without shadow pass.",
         ),
         (
@@ -365,7 +242,7 @@ STEPS = TableSpec(
     "steps",
     "One row per (run, step, variant): every scalar metric of the step. Open-ended: any other "
     "numeric metric a stage passes becomes a float64 column (e.g. 'rollout_seconds').",
-    _key_columns() + tuple(Column(n, _F64, d) for n, d in _STEP_METRICS),
+    key_columns() + tuple(Column(n, _F64, d) for n, d in _STEP_METRICS),
     extra_type=_F64,
     # timings of stages and phases; clip shares per entropy bin (diagnostics)
     extra_pattern=re.compile(r"^([a-z][a-z0-9_]*_(seconds|s)|clipfrac_(lower|upper)_entropy_bin\d+)$"),
@@ -375,7 +252,7 @@ STEPS = TableSpec(
 BOUNDS = TableSpec(
     "bounds",
     "Calibration history: one row per calibration; the bounds apply from step + 1.",
-    _key_columns()
+    key_columns()
     + (
         Column("mode", pa.string(), "Clip-bound policy: 'calibrated', 'standard', 'relaxed_lower', 'bapo', ..."),
         Column("alpha", _F64, "Share of A<0 tokens that BF16 clips at 1 − ε_low."),
@@ -455,7 +332,7 @@ BOUNDS = TableSpec(
 EVALS = TableSpec(
     "evals",
     "One row per evaluated sample: benchmark problem, sample index, correctness.",
-    _key_columns()
+    key_columns()
     + (
         Column("benchmark", pa.string(), "Benchmark name, e.g. 'aime24', 'math500'.", True),
         Column("problem_id", pa.string(), "Problem id within the benchmark.", True),
@@ -478,7 +355,7 @@ EVALS = TableSpec(
 EVAL_SCORES = TableSpec(
     "eval_scores",
     "Aggregated evaluation: one row per (benchmark, metric, k).",
-    _key_columns()
+    key_columns()
     + (
         Column("benchmark", pa.string(), "Benchmark name.", True),
         Column("metric", pa.string(), "'avg@k' (mean accuracy over k samples), 'pass@k', 'maj@k'.", True),
@@ -491,7 +368,7 @@ EVAL_SCORES = TableSpec(
 LEDGER = TableSpec(
     "ledger",
     "Stage ledger (from ledger.jsonl): one row per (run, step, stage, attempt, variant).",
-    _key_columns()
+    key_columns()
     + (
         Column("stage", pa.string(), "Stage name: rollout, score, train, calibrate, evaluate, checkpoint, ...", True),
         Column("attempt", pa.int32(), "Attempt number (0 = first try; retries count up).", True),
@@ -520,31 +397,3 @@ def get_table(name: str) -> TableSpec:
         return TABLES[name]
     except KeyError:
         raise SchemaError(f"unknown table {name!r}; tables: {', '.join(TABLES)}") from None
-
-
-def check_schema_version(version: int | str | None, where: str) -> int:
-    """Return ``version`` as int if this code reads it, else raise a clear error about ``where``."""
-    if version is None:
-        raise SchemaVersionError(f"{where}: no fp8rl schema version recorded; not written by fp8rl storage")
-    try:
-        v = int(version)
-    except (TypeError, ValueError):
-        raise SchemaVersionError(f"{where}: schema version {version!r} is not an integer") from None
-    if v > SCHEMA_VERSION:
-        raise SchemaVersionError(
-            f"{where}: written with schema version {v}, newer than this fp8rl's {SCHEMA_VERSION}; upgrade fp8rl to "
-            f"read it"
-        )
-    if v < MIN_READABLE_SCHEMA_VERSION:
-        raise SchemaVersionError(
-            f"{where}: schema version {v} is older than the oldest readable ({MIN_READABLE_SCHEMA_VERSION}); "
-            "read it with the fp8rl release that wrote it"
-        )
-    return v
-
-
-def check_name(kind: str, value: str, pattern: re.Pattern) -> str:
-    """Validate a stage / variant / run id that ends up in a path."""
-    if not isinstance(value, str) or not pattern.match(value):
-        raise SchemaError(f"bad {kind} {value!r}: allowed characters are {pattern.pattern}")
-    return value

@@ -55,7 +55,8 @@ from storage.layout import (
     scan_parts,
     stage_of_part,
 )
-from storage.schemas import MAIN_VARIANT, STORED_TABLES, TableSpec, get_table
+from storage.schemas import STORED_TABLES, get_table
+from storage.table_spec import MAIN_VARIANT, TableSpec
 
 Rows = pa.Table | pa.RecordBatch | Mapping[str, Any] | Sequence[Mapping[str, Any]]
 ALL_STEPS = range(0, sys.maxsize)
@@ -388,7 +389,7 @@ def steps_from(step: int) -> range:
 
 def read_table(path: str | Path) -> pa.Table:
     """Read one part file, checking its schema version (clear error if unreadable)."""
-    from storage.schemas import META_VERSION, check_schema_version
+    from storage.table_spec import META_VERSION, check_schema_version
 
     path = Path(path)
     try:
@@ -432,7 +433,7 @@ def set_aside_from(
     stage is among ``stages_at_step``. The caller knows the stage order and
     passes the stages from STAGE on.
     """
-    from storage.checkpoints import list_checkpoints
+    from storage.checkpoint_verify import list_checkpoints
     from storage.ledger import Ledger
 
     stages = None if stages_at_step is None else sorted(set(stages_at_step))

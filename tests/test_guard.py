@@ -241,7 +241,9 @@ def test_sigkill_inside_the_rollback_then_resume_finishes_it(tmp_path):
 def test_retention_keeps_every_checkpoint_while_fewer_than_keep_last(tmp_path):
     """The guard needs the checkpoint before a surge; keep_last=5 with 3 checkpoints deleted the oldest
     (``complete[len - keep_last:]`` with a negative start)."""
-    from storage.checkpoints import apply_retention, list_checkpoints, save_checkpoint
+    from storage.checkpoint_retention import apply_retention
+    from storage.checkpoint_verify import list_checkpoints
+    from storage.checkpoints import save_checkpoint
     from storage.layout import create_run
 
     run = create_run(tmp_path, "r", config={"name": "r"}).root

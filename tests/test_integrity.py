@@ -185,7 +185,7 @@ def test_a_corrupt_data_page_found_while_querying_is_skipped_by_name(tmp_path: P
 
 
 def test_doctor_knows_checkpoints_that_retention_pruned(tmp_path: Path) -> None:
-    from storage.checkpoints import apply_retention
+    from storage.checkpoint_retention import apply_retention
 
     run = create_run(tmp_path, "A").root
     led = Ledger(run)
@@ -559,7 +559,7 @@ def test_a_damaged_dcp_shard_is_set_aside_and_resume_falls_back(two_checkpoints,
     import torch
 
     from stages.checkpoint import restore
-    from storage.checkpoints import latest_complete, set_aside_broken, verify_checkpoint
+    from storage.checkpoint_verify import latest_complete, set_aside_broken, verify_checkpoint
     from storage.doctor import check_run
 
     env, state, weights = two_checkpoints
@@ -585,7 +585,7 @@ def test_a_dcp_save_that_fails_midway_leaves_the_previous_checkpoint_whole(two_c
 
     from stages.checkpoint import restore, run_checkpoint
     from storage import faults
-    from storage.checkpoints import latest_complete, verify_checkpoint
+    from storage.checkpoint_verify import latest_complete, verify_checkpoint
 
     env, state, _ = two_checkpoints
     run = env.run_dir
@@ -696,14 +696,14 @@ def test_report_out_below_a_file_is_one_line(micro_run: Path, tmp_path: Path) ->
 def test_resume_hashes_the_newest_checkpoint_once_and_again_after_any_change(two_checkpoints, monkeypatch) -> None:
     """``resume`` sets broken checkpoints aside (hashing the newest complete one), then the flow restores it:
     the second look checks sizes only, unless a file changed since the first."""
-    import storage.checkpoints as ck
+    import storage.checkpoint_verify as ck
 
     monkeypatch.setenv(ck.VERIFIED_ENV, "")  # restored on teardown
     env, _, _ = two_checkpoints
     run = env.run_dir
     hashed = []
-    real = ck._sha256
-    monkeypatch.setattr(ck, "_sha256", lambda p: hashed.append(p) or real(p))
+    real = ck.sha256_file
+    monkeypatch.setattr(ck, "sha256_file", lambda p: hashed.append(p) or real(p))
     assert ck.set_aside_broken(run) == []
     first = len(hashed)
     assert first > 0 and len(set(hashed)) == first  # every file of step_2 once

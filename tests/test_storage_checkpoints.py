@@ -10,14 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from storage.checkpoints import (
-    apply_retention,
-    latest_complete,
-    list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-    verify_checkpoint,
-)
+from storage.checkpoint_retention import apply_retention
+from storage.checkpoint_verify import latest_complete, list_checkpoints, verify_checkpoint
+from storage.checkpoints import load_checkpoint, save_checkpoint
 from storage.errors import CheckpointError
 from storage.layout import create_run
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from storage.catalog import connect, query, quick_parquet_check
+from storage.catalog import connect, query
 from storage.doctor import ERROR, check_run
 from storage.layout import create_run
 from storage.ledger import Ledger
+from storage.part_checks import quick_parquet_check
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = 20_000

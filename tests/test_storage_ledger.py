@@ -9,7 +9,8 @@ import pytest
 
 from storage.catalog import connect
 from storage.layout import create_run
-from storage.ledger import DONE, FAILED, RUNNING, Ledger
+from storage.ledger import Ledger
+from storage.ledger_records import DONE, FAILED, RUNNING
 from storage.writer import TableWriter, set_aside_from
 
 

@@ -14,7 +14,8 @@ import pytest
 from storage.catalog import connect, problems, query
 from storage.errors import NotARunDirectory, SchemaError, SchemaVersionError, UnknownRun
 from storage.layout import create_run, parse_part_name
-from storage.schemas import MAIN_VARIANT, SCHEMA_VERSION, STORED_TABLES, TABLES
+from storage.schemas import STORED_TABLES, TABLES
+from storage.table_spec import MAIN_VARIANT, SCHEMA_VERSION
 from storage.writer import TableWriter, read_table, rows_to_table, steps_from
 
 # The column contract of docs/method.md: saved queries rely on these names.
