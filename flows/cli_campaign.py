@@ -107,7 +107,7 @@ _PATH_BELOW_RUN = 200
 def _check_run_dir_name(run_dir: Path) -> None:
     """A run directory the file system cannot hold (its name is also a partition folder, ``run=<name>``)
     is refused before anything is written."""
-    from storage.schemas import RUN_ID
+    from storage.table_spec import RUN_ID
 
     name = run_dir.name
     if not RUN_ID.match(name):
@@ -263,7 +263,7 @@ def run(
     """Run a campaign (default: the tiny CPU preset) end to end."""
     from storage.errors import StorageError
     from storage.layout import create_run
-    from storage.schemas import RUN_ID
+    from storage.table_spec import RUN_ID
 
     try:
         cfg = load_config(config, set_)
@@ -411,7 +411,7 @@ def resume(
         try:
             result = _run_flow(run_dir, resume=True, nproc_per_node=nproc_per_node)
         finally:
-            from storage.checkpoints import VERIFIED_ENV
+            from storage.checkpoint_verify import VERIFIED_ENV
 
             os.environ.pop(VERIFIED_ENV, None)
     typer.echo(f"wall time: {time.perf_counter() - t0:.0f} s")
@@ -421,7 +421,7 @@ def resume(
 def _report_broken_checkpoints(run_dir: Path) -> None:
     """Set aside the checkpoints newer than the newest that verifies (sizes and hashes, DCP shards
     included), one line each: resume restarts from that one."""
-    from storage.checkpoints import latest_complete, set_aside_broken
+    from storage.checkpoint_verify import latest_complete, set_aside_broken
 
     with io_errors(run_dir, resume_hint=run_dir):
         moved = set_aside_broken(run_dir)
@@ -444,7 +444,7 @@ def rerun(
     variant: str | None = typer.Option(None, "--variant", help="Name of the new version (default: <stage>-<time>)."),
 ) -> None:
     """Recompute one stage over a step range from persisted inputs, as a new version (variant)."""
-    from storage.schemas import MAIN_VARIANT, VARIANT_NAME
+    from storage.table_spec import MAIN_VARIANT, VARIANT_NAME
 
     run_dir = run_dir.resolve()
     base, _ = _check_run_config(run_dir, None, [])
