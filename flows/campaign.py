@@ -57,6 +57,7 @@ from flows.prefect_api import (
     get_run_logger,
     task,
 )
+from flows.shutdown import received as received_signal
 from flows.ui import publish_bounds, publish_failure, publish_step
 from fp8rl_core.config.campaign import CampaignConfig
 from stages.checkpoint import eval_scores, restore_latest
@@ -384,7 +385,7 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
                 try:
                     trained, state, last_eval = run_step(env, state, step, progress, last_eval, synced)
                 except Exception as err:
-                    if world == 1:
+                    if world == 1 or received_signal() is not None:  # a signal's end is flows.shutdown's
                         raise
                     end_rank(err, rank=rank, run_dir=run_dir, where=f"step {step}")  # never returns
                 metrics = trained.metrics or metrics

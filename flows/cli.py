@@ -79,8 +79,12 @@ def main(argv: list[str] | None = None) -> None:
 
     pin_cpu_numerics()  # before torch: the same numbers on every x86-64 CPU (fp8rl_core/host/cpu_env.py)
     keep_freed_memory()  # freed tensors' memory reused, not returned to the kernel (fp8rl_core/host/cpu_malloc.py)
+    from flows.shutdown import RunEnded, exit_now
+
     try:
         code = app(args=argv, prog_name="fp8rl", standalone_mode=False)
+    except RunEnded as end:  # SIGINT / SIGTERM: every process of the run ended (flows.shutdown)
+        exit_now(end)
     except UsageError as err:
         message = " ".join(err.format_message().replace("Value error, ", "").split())
         if message:  # (no_args_is_help has printed the help and has no message)

@@ -187,35 +187,25 @@ def _print_summary(run_dir: Path, result: dict) -> None:
 
 
 def _run_flow(run_dir: Path, *, resume: bool, nproc_per_node: int = 1) -> dict:
-    """The campaign flow under the run's single-writer lock; I/O failures are one line, exit 2.
+    """The campaign flow under the run's single-writer lock; I/O failures are one line, exit 2;
+    SIGINT and SIGTERM end every process of the run and are one line, exit 130 / 143
+    (``flows.run_process``, ``flows.shutdown``).
 
     With ``nproc_per_node > 1`` this process (the launcher) holds the lock while
     torchrun runs the ranks; the ranks are told so and do not take it.
     """
-    from flows import child_guard
+    from flows.run_process import run_flow
     from storage.errors import StorageError
 
     with io_errors(run_dir, resume_hint=run_dir), _locked(run_dir):
-        child_guard.start()  # Prefect's temporary server dies with this process, even on SIGKILL
         try:
-            if nproc_per_node > 1:  # SPMD under torchrun
-                from flows.spmd import launch
-
-                return launch(run_dir, resume=resume, nproc_per_node=nproc_per_node)
-            from flows.campaign import campaign_flow
-            from flows.prefect_env import quiet_console_failures
-
-            quiet_console_failures()  # a failure is the one line below, not Prefect's tracebacks
-            return campaign_flow(str(run_dir), resume=resume)
+            return run_flow(run_dir, resume=resume, nproc_per_node=nproc_per_node)
         except StorageError as err:  # a corrupt input file, a run directory that changed under us
             raise _fail(f"{err}; the run stays resumable: `fp8rl resume {run_dir}`") from None
         except RuntimeError as err:
             if type(err).__name__ == "GuardStop":  # (flows.guard imports torch: not imported to test the type)
                 raise _fail(f"the guard stopped the campaign: {err}") from None
             raise
-        except KeyboardInterrupt:  # Ctrl-C: the stage in flight is redone on resume
-            typer.echo(f"interrupted; the run stays resumable: `fp8rl resume {run_dir}`", err=True)
-            raise typer.Exit(130) from None
 
 
 def check_new_run_dir(run_dir: Path, runs_root: Path | None) -> Path:

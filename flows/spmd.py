@@ -12,6 +12,11 @@ Prefect flow and writes the result summary (``--result``) for the launcher.
 torchrun stops every rank when one fails, so a failure (or SIGKILL) acts on all
 ranks together, and ``fp8rl resume RUN_DIR --nproc-per-node N`` continues from
 the newest checkpoint on any number of ranks.
+
+``fp8rl`` starts torchrun as :mod:`flows.torchrun` in a session of its own and
+forwards SIGINT and SIGTERM to it; torchrun forwards them to each rank's
+process group, and each rank ends by :mod:`flows.shutdown`'s path, quietly
+(the launcher prints the one line).
 """
 
 from __future__ import annotations
@@ -23,6 +28,37 @@ import subprocess
 import sys
 from pathlib import Path
 
+# A signal's way through the ranks (flows.shutdown): a rank ends within RANK_DEADLINE_S; the launcher waits
+# FORWARD_WAIT_S for torchrun, then ends what is left itself; all of it inside the 10 s a run has to end.
+RANK_DEADLINE_S = 6.0
+FORWARD_WAIT_S = 7.0
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before exec
+    """torchrun gets SIGTERM (and forwards it to the ranks) if the launcher dies, even by SIGKILL."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _torchrun(cmd: list[str], env: dict) -> int:
+    """torchrun's exit status; a signal that interrupts the wait is forwarded to it (it forwards it to
+    every rank's process group) and re-raised once torchrun has ended (at most ``FORWARD_WAIT_S``)."""
+    from flows.shutdown import Interrupted
+
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    try:
+        return proc.wait()
+    except Interrupted as err:
+        proc.send_signal(err.signum)
+        try:
+            proc.wait(timeout=FORWARD_WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # the ranks left are ended by the launcher (flows.shutdown.end_descendants)
+            proc.wait()
+        raise
+
 
 def launch(run_dir: Path, *, resume: bool, nproc_per_node: int) -> dict:
     """Run the campaign in ``run_dir`` on ``nproc_per_node`` local ranks via torchrun; rank 0's summary."""
@@ -31,7 +67,7 @@ def launch(run_dir: Path, *, resume: bool, nproc_per_node: int) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "flows.torchrun",
         "--standalone",
         f"--nproc-per-node={nproc_per_node}",
         "-m",
@@ -45,10 +81,10 @@ def launch(run_dir: Path, *, resume: bool, nproc_per_node: int) -> dict:
     from storage.lock import LAUNCHER_ENV
 
     env[LAUNCHER_ENV] = str(Path(run_dir).resolve())  # this process holds the run's lock for the ranks
-    proc = subprocess.run(cmd, env=env)
-    if proc.returncode != 0:  # torchrun already printed which rank failed and why
+    code = _torchrun(cmd, env)
+    if code != 0:  # torchrun already printed which rank failed and why
         raise SystemExit(
-            f"error: torchrun exited with {proc.returncode} (a rank failed; all ranks were stopped); "
+            f"error: torchrun exited with {code} (a rank failed; all ranks were stopped); "
             f"`fp8rl resume {run_dir} --nproc-per-node N` continues from the last checkpoint"
         )
     return json.loads(result.read_text())
@@ -61,14 +97,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--result", default=None, help="where rank 0 writes the summary (JSON)")
     ap.add_argument("--stop-after-step", type=int, default=None)
     args = ap.parse_args(argv)
-    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 starts Prefect's temporary server: it dies with this rank
-        from flows import child_guard
+    rank0 = int(os.environ.get("RANK", "0")) == 0
 
-        child_guard.start()
-    from flows.campaign import run_campaign
+    def body(start_server) -> dict:
+        from flows.campaign import run_campaign
+        from flows.prefect_env import quiet_console_failures
 
-    out = run_campaign(args.run_dir, resume=args.resume, stop_after_step=args.stop_after_step)
-    if int(os.environ.get("RANK", "0")) == 0 and args.result:
+        if rank0:  # rank 0 runs the Prefect flow: its temporary server, in a session of its own
+            start_server()
+            quiet_console_failures()  # a failure is one line (the launcher's or the rank's), not tracebacks
+
+        return run_campaign(args.run_dir, resume=args.resume, stop_after_step=args.stop_after_step)
+
+    from flows.run_process import until_signal
+
+    # a signal (forwarded by torchrun) ends this rank quietly: the launcher says the one line
+    out = until_signal(body, resume=None, deadline_s=RANK_DEADLINE_S)
+    if rank0 and args.result:
         Path(args.result).write_text(json.dumps(out, default=str))
     import torch.distributed as dist
 
@@ -78,4 +123,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from flows.shutdown import RunEnded, exit_now
+
+    try:
+        raise SystemExit(main())
+    except RunEnded as end:
+        exit_now(end)

@@ -1,4 +1,9 @@
-"""Fault injection for crash and I/O tests: ``FP8RL_FAULT``, read where a fault can happen.
+"""Fault injection for crash and I/O tests: the one module through which tests reach into a run.
+
+Every hook is inert unless the test suite arms it: ``FP8RL_TEST_HOOKS=1``
+(``tests/conftest.py`` sets it for the session and the processes its tests
+start). Without it the hooks below read nothing else, so a stray
+``FP8RL_FAULT`` in a user's environment injects nothing.
 
     FP8RL_FAULT="<stage>@<step>[:<point>]=<kind>[,...]"    e.g. "train@2:mb1=kill"
 
@@ -10,10 +15,18 @@ named point inside a stage (``mb<i>``: before mini-batch *i* of train;
 - ``sigint``: SIGINT this process (a user's Ctrl-C; an error if SIGINT is ignored here,
   as in a shell's background job, where a Ctrl-C could not arrive either);
 - ``transient``: raise :class:`InjectedTransientFault` (retried by the flow);
-- ``enospc`` / ``erofs``: raise the ``OSError`` a full / read-only disk gives.
+- ``enospc`` / ``erofs``: raise the ``OSError`` a full / read-only disk gives;
+- ``wait``: write the marker (below, required) and wait until a line ``go`` is
+  appended to it, or a signal ends the wait, at most two minutes: the test
+  then acts from outside at a known point (sends SIGINT to the process group,
+  SIGTERM to the command, fills the disk).
 
 ``FP8RL_FAULT_MARKER=<file>`` makes a fault fire once: the first firing
 writes the marker, later ones see it and pass (so a retry succeeds).
+
+``FP8RL_INJECT_LR="A:B=LR"`` (:func:`injected_lr`): steps A..B train at
+learning rate LR on their first train attempt, a finite surge for the guard's
+tests (``stages.schedule.guard_hooks``).
 
 No state is kept in this module: the plan is parsed from the environment at
 each point (nothing to parse when it is unset, the normal case), and the
@@ -28,13 +41,14 @@ import contextvars
 import errno
 import os
 import signal
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
 
-ENV, MARKER_ENV = "FP8RL_FAULT", "FP8RL_FAULT_MARKER"
-KINDS = ("kill", "sigint", "transient", "enospc", "erofs")
+ENV, MARKER_ENV, ARMED_ENV, LR_ENV = "FP8RL_FAULT", "FP8RL_FAULT_MARKER", "FP8RL_TEST_HOOKS", "FP8RL_INJECT_LR"
+KINDS = ("kill", "sigint", "transient", "enospc", "erofs", "wait")
 
 _SCOPE: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("fp8rl_fault_scope", default=None)
 
@@ -64,12 +78,33 @@ def parse(spec: str) -> tuple[Fault, ...]:
     return tuple(out)
 
 
+def armed(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the test suite armed the hooks (``FP8RL_TEST_HOOKS=1``)."""
+    return (os.environ if env is None else env).get(ARMED_ENV) == "1"
+
+
+def _spec(env: Mapping[str, str], name: str) -> str | None:
+    """A hook's setting, read only when the hooks are armed."""
+    return env.get(name) if armed(env) else None
+
+
+def _wait_for_go(marker: Path, seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not marker.read_text().rstrip().endswith("go"):
+        time.sleep(0.05)  # a signal's handler raises here
+
+
 def _fire(fault: Fault, where: str, env: Mapping[str, str]) -> None:
     marker = env.get(MARKER_ENV)
+    if fault.kind == "wait" and not marker:
+        raise RuntimeError(f"{ENV}: {fault} needs {MARKER_ENV}, the file a test watches and appends 'go' to")
     if marker:
         if Path(marker).exists():
             return
         Path(marker).write_text(f"{fault}\n")
+    if fault.kind == "wait":
+        _wait_for_go(Path(marker))
+        return
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.kind == "sigint":
@@ -93,7 +128,7 @@ def at(
 ) -> None:
     """A fault point: fire the fault planned for (stage, step, point), if any."""
     env = os.environ if env is None else env
-    spec = env.get(ENV)
+    spec = _spec(env, ENV)
     if not spec:
         return
     for f in parse(spec):
@@ -103,7 +138,7 @@ def at(
 
 def point(name: str, *, path: str | os.PathLike | None = None) -> None:
     """A fault point inside the stage now running (see :func:`stage_scope`); a no-op outside one."""
-    if not os.environ.get(ENV):
+    if not _spec(os.environ, ENV):
         return
     scope = _SCOPE.get()
     if scope is not None:
@@ -119,3 +154,13 @@ def stage_scope(stage: str, step: int) -> Iterator[None]:
         yield
     finally:
         _SCOPE.reset(token)
+
+
+def injected_lr(step: int, env: Mapping[str, str] | None = None) -> float | None:
+    """The learning rate ``FP8RL_INJECT_LR="A:B=LR"`` sets for ``step`` (A <= step <= B), else None."""
+    spec = _spec(os.environ if env is None else env, LR_ENV)
+    if not spec:
+        return None
+    span, _, lr = spec.partition("=")
+    a, _, b = span.partition(":")
+    return float(lr) if int(a) <= step <= int(b or a) else None

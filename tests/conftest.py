@@ -27,6 +27,9 @@ os.environ.setdefault("FP8RL_BOOTSTRAP_CACHE", str(_SESSION_TMP / "bootstrap"))
 os.environ.setdefault("FP8RL_MAX_THREADS", "1")
 # Strict FP8 shape contracts: the emulation rejects what the GPU kernels reject.
 os.environ.setdefault("FP8RL_STRICT_FP8_SHAPES", "1")
+# The test hooks of storage.faults (FP8RL_FAULT, FP8RL_INJECT_LR) act only when armed, here,
+# for the session and every process its tests start; a user's environment alone arms nothing.
+os.environ["FP8RL_TEST_HOOKS"] = "1"
 
 MICRO_OVERRIDES = [
     "steps=3",

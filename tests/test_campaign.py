@@ -216,7 +216,8 @@ def test_fault_matrix_each_fault_is_one_line_then_a_clean_resume(reference, tmp_
         r = _cli("resume", str(d), env={"FP8RL_FAULT": "train@3:mb1=sigint"})
         assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
         assert (
-            r.stderr.strip().splitlines()[-1] == f"interrupted; the run stays resumable: `fp8rl resume {d.resolve()}`"
+            r.stderr.strip().splitlines()[-1]
+            == f"interrupted (SIGINT); the run stays resumable: `fp8rl resume {d.resolve()}`"
         )
         assert "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
         r = _cli("resume", str(d))

@@ -4,18 +4,19 @@
   ``recalibrate_every_step``, the steps right after the restored checkpoint run
   the shadow passes and calibrate. Read from the ledger's ``guard`` records, so
   a resumed run keeps the remedy.
-- ``GuardHooks.injected_lr``: the test hook of an injected, finite surge:
-  ``FP8RL_INJECT_LR="A:B=LR"`` trains steps A..B at learning rate LR on their
-  first train attempt only (a replay after the rollback runs clean). Unset in
-  normal runs. Both are read by :func:`train_hooks`, once per train attempt.
+- ``GuardHooks.injected_lr``: the test hook of an injected, finite surge
+  (``storage.faults.injected_lr``, inert unless the test suite arms the hooks):
+  steps A..B train at learning rate LR on their first train attempt only (a
+  replay after the rollback runs clean). Both are read by :func:`train_hooks`,
+  once per train attempt.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from stages.context import RunEnv
+from storage import faults
 
 
 def guard_records(env: RunEnv) -> list:
@@ -34,15 +35,6 @@ def guard_forces_shadow(env: RunEnv, step: int) -> bool:
     return False
 
 
-def _injection(step: int) -> float | None:
-    spec = os.environ.get("FP8RL_INJECT_LR")
-    if not spec:
-        return None
-    span, _, lr = spec.partition("=")
-    a, _, b = span.partition(":")
-    return float(lr) if int(a) <= step <= int(b or a) else None
-
-
 @dataclass(frozen=True)
 class GuardHooks:
     """What the guard asks of one train attempt, read in one call before the update."""
@@ -53,4 +45,4 @@ class GuardHooks:
 
 def train_hooks(env: RunEnv, step: int, attempt: int) -> GuardHooks:
     """The guard's hooks for ``step``'s train attempt ``attempt`` (the LR injection acts on attempt 0 only)."""
-    return GuardHooks(step >= 1 and guard_forces_shadow(env, step), _injection(step) if attempt == 0 else None)
+    return GuardHooks(step >= 1 and guard_forces_shadow(env, step), faults.injected_lr(step) if attempt == 0 else None)
