@@ -18,6 +18,7 @@ from fp8rl_core.objective.advantages import ADVANTAGE_ESTIMATORS
 from fp8rl_core.objective.losses import AGGREGATIONS, CALIBRATION_UNITS, LOSS_BOUNDS, LOSS_STATISTICS, POLICY_LOSSES
 from fp8rl_core.precision.conversion import TRAIN_PRECISIONS
 from fp8rl_core.precision.rollout import ROLLOUT_PRECISIONS
+from fp8rl_core.tasks.kinds import TASK_KINDS
 
 __all__ = ["CALIBRATION_UNITS", "LOSS_BOUNDS", "LOSS_STATISTICS", "POLICY_LOSSES", "unknown_names"]
 
@@ -30,6 +31,7 @@ NAMED_BY_REGISTRY = {
     "precision.rollout": (lambda c: c.precision.rollout, ROLLOUT_PRECISIONS),
     "calibration.mode": (lambda c: c.calibration.mode, CLIP_MODES),
     "calibration.estimator": (lambda c: c.calibration.estimator, LOWER_ESTIMATORS),
+    "task.kind": (lambda c: c.task.kind, TASK_KINDS),
 }
 
 

@@ -34,6 +34,7 @@ import torch
 
 from fp8rl_core.calibration.calibrated_clipping import CalibratorState
 from fp8rl_core.config.campaign import CampaignConfig
+from fp8rl_core.tasks.kinds import TASK_KINDS
 from stages.data.prompts import PromptSource, SamplerState, make_source
 from storage.layout import RunLayout, read_run_info
 from storage.ledger import Ledger
@@ -154,7 +155,7 @@ def base_model_dir(cfg: CampaignConfig, runs_root: Path) -> Path:
     b = cfg.bootstrap
     teacher = NoisyTeacher(carry_drop=b.carry_drop, noisy_steps=b.noisy_steps, switch_loss=b.switch_loss)
     cache = os.environ.get("FP8RL_BOOTSTRAP_CACHE")  # else the per-user cache (never beside the run)
-    if cfg.task.kind == "code_tiny":  # the tiny code task has its own demonstrations (stages.bootstrap.code)
+    if TASK_KINDS.get(cfg.task.kind).bootstrap == "code":  # code demonstrations (stages.bootstrap.code)
         from stages.bootstrap.code import bootstrap_code
 
         return Path(bootstrap_code(cfg.model, cfg.task, cfg.bootstrap, cache))

@@ -66,21 +66,10 @@ class DatasetRef(Section):
 class TaskConfig(Section):
     """The training prompts and their verifier."""
 
-    kind: Literal[
+    kind: str = Field(
         "synthetic",
-        "deepscaler",
-        "gsm8k",
-        "dapo_math",
-        "stress",
-        "code_tiny",
-        "leetcode",
-        "taco",
-        "apps",
-        "eurus_code",
-        "dataset",
-    ] = Field(
-        "synthetic",
-        description="Prompt source: the procedural arithmetic task, DeepScaleR-format JSON, GSM8K train, "
+        description="Prompt source, a name in fp8rl_core.tasks.kinds.TASK_KINDS: the procedural arithmetic "
+        "task (synthetic), DeepScaleR-format JSON, GSM8K train, "
         "DAPO-Math-17K (BytedTsinghua-SIA/DAPO-Math-17k, verl format), the long-chain stress task "
         "(fp8rl_core.tasks.stress), or a code task (code_tiny: the embedded expression task; leetcode: the shipped "
         "rLLM train set; taco/apps/eurus_code: by HF name), graded in the sandbox (see code), or task.dataset "

@@ -163,16 +163,3 @@ def expected_sampled_accuracy(difficulty: int, carry_drop: float, n: int = 2000,
         )
         / n
     )
-
-
-def procedural_task(kind: str):
-    """The module generating a procedural task kind: ``fp8rl_core.tasks.synthetic`` for
-    ``"synthetic"``, this module for ``"stress"``. Both offer ``make_problem``,
-    ``demonstration``, ``prompt_length``, ``response_cap`` and the same answer parser."""
-    if kind == "stress":
-        import fp8rl_core.tasks.stress as mod
-    elif kind == "synthetic":
-        import fp8rl_core.tasks.synthetic as mod
-    else:
-        raise ValueError(f"task kind {kind!r} is not procedural; valid: synthetic, stress")
-    return mod

@@ -59,7 +59,7 @@ import torch
 from fp8rl_core.config.model import BootstrapConfig, ModelConfig, TaskConfig
 from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
 from fp8rl_core.host.cpu_env import cpu_numerics_env
-from fp8rl_core.tasks.stress import procedural_task
+from fp8rl_core.tasks.kinds import procedural_task
 from fp8rl_core.tasks.synthetic import exact_verify
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 
@@ -111,7 +111,7 @@ def config_hash(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: Bootstra
         "version": BOOTSTRAP_VERSION,
         "model": model_cfg.model_dump(mode="json"),
         "task": {"difficulty": task_cfg.difficulty, "seed": task_cfg.seed}
-        | ({"kind": task_cfg.kind} if task_cfg.kind != "synthetic" else {}),
+        | ({"kind": task_cfg.kind} if task_cfg.kind != TaskConfig().kind else {}),  # the default: older caches
         "bootstrap": boot_cfg.model_dump(mode="json", exclude={"threads"}),
         "teacher": asdict(teacher),
     }

@@ -49,8 +49,7 @@ from typing import Any, Callable, Iterator
 
 from fp8rl_core.config.model import TaskConfig
 from fp8rl_core.registry import Registry
-from fp8rl_core.tasks.stress import procedural_task
-from fp8rl_core.tasks.synthetic import make_problem
+from fp8rl_core.tasks.kinds import TASK_KINDS, procedural_task
 from fp8rl_core.tasks.verifiers import last_boxed
 
 log = logging.getLogger(__name__)
@@ -351,13 +350,11 @@ def load_synthetic(limit: int | None = None, task: TaskConfig | None = None) -> 
     task = task if task is not None else TaskConfig()
     n = limit if limit is not None else SYNTHETIC_DEFAULT_SIZE
     problems = []
-    make = (
-        procedural_task(task.kind).make_problem if task.kind == "stress" else make_problem
-    )  # the stress task's own test split
+    kind = task.kind if TASK_KINDS.get(task.kind).procedural else "synthetic"  # a procedural kind: its own split
+    make = procedural_task(kind).make_problem
     for i in range(n):
         p = make(i, "test", task.difficulty, task.seed)
         problems.append(BenchmarkProblem(id=p.id, problem=p.prompt, answer=p.answer, source="synthetic"))
-    kind = "synthetic" if task.kind != "stress" else "stress"
     report = LoadReport(source="synthetic", path=f"{kind}:d{task.difficulty}:s{task.seed}:test", n_records=n)
     return BenchmarkSet(name="synthetic", problems=problems, report=report)
 

@@ -19,7 +19,7 @@ import torch
 from fp8rl_core.config.campaign import CampaignConfig
 from fp8rl_core.config.model import CodeConfig, TaskConfig
 from fp8rl_core.tasks import code as code_task
-from fp8rl_core.tasks import synthetic
+from fp8rl_core.tasks.kinds import TASK_KINDS, procedural_task
 
 
 @dataclass(frozen=True)
@@ -58,32 +58,22 @@ class PromptSource:
         raise NotImplementedError
 
 
-class SyntheticSource(PromptSource):
+class ProceduralSource(PromptSource):
+    """A procedural task kind's train split, drawn lazily from its generator (the synthetic arithmetic,
+    the long-chain stress task); every one is graded by the synthetic verifier."""
+
     verifier = "synthetic"
 
     def __init__(self, cfg: TaskConfig) -> None:
         self.cfg = cfg
-        self.dataset = f"synthetic-d{cfg.difficulty}"
+        self.generator = procedural_task(cfg.kind)
+        self.dataset = f"{cfg.kind}-d{cfg.difficulty}"
 
     def __len__(self) -> int:
         return self.cfg.train_size
 
     def __getitem__(self, index: int) -> PromptItem:
-        p = synthetic.make_problem(index, "train", self.cfg.difficulty, self.cfg.seed)
-        return PromptItem(p.id, p.prompt, p.answer, self.dataset)
-
-
-class StressSource(SyntheticSource):
-    """The long-chain stress task (``fp8rl_core.tasks.stress``); graded like the short task."""
-
-    def __init__(self, cfg: TaskConfig) -> None:
-        super().__init__(cfg)
-        self.dataset = f"stress-d{cfg.difficulty}"
-
-    def __getitem__(self, index: int) -> PromptItem:
-        from fp8rl_core.tasks import stress as stress_task
-
-        p = stress_task.make_problem(index, "train", self.cfg.difficulty, self.cfg.seed)
+        p = self.generator.make_problem(index, "train", self.cfg.difficulty, self.cfg.seed)
         return PromptItem(p.id, p.prompt, p.answer, self.dataset)
 
 
@@ -110,21 +100,24 @@ def data_dir(cfg: TaskConfig) -> Path | None:
 
 
 def make_source(cfg: TaskConfig) -> PromptSource:
-    """The training prompts of a task config (a missing file is a clear error)."""
-    if cfg.kind == "synthetic":
-        return SyntheticSource(cfg)
-    if cfg.kind == "stress":
-        return StressSource(cfg)
-    if cfg.kind in ("code_tiny", "leetcode", "taco", "apps", "eurus_code"):
-        return make_code_source(cfg)
+    """The training prompts of a task config, by its kind's source (``fp8rl_core.tasks.kinds``; a missing
+    file is a clear error)."""
+    return _SOURCES[TASK_KINDS.get(cfg.kind).source](cfg)
+
+
+def _dataset_source(cfg: TaskConfig) -> PromptSource:
+    """Any dataset by name or path (``stages.data.datasets_io``)."""
+    from stages.data.benchmarks import render_prompt
+    from stages.data.datasets_io import load_problems
+
+    problems = load_problems(cfg.dataset, "dataset", data_dir(cfg))
+    return ListSource([PromptItem(q.id, render_prompt(q), q.answer, "dataset") for q in problems], "dataset")
+
+
+def _math_file_source(cfg: TaskConfig) -> PromptSource:
     from stages.data.benchmarks import load_train_prompts, render_prompt
 
-    if cfg.kind == "dataset":  # any dataset by name or path (stages.data.datasets_io)
-        from stages.data.datasets_io import load_problems
-
-        problems = load_problems(cfg.dataset, "dataset", data_dir(cfg))
-        return ListSource([PromptItem(q.id, render_prompt(q), q.answer, "dataset") for q in problems], "dataset")
-    problems = load_train_prompts(cfg.kind, cfg.path, data_dir(cfg), hub=cfg.hub)
+    problems = load_train_prompts(TASK_KINDS.get(cfg.kind).train_set, cfg.path, data_dir(cfg), hub=cfg.hub)
     items = [PromptItem(q.id, render_prompt(q), q.answer, cfg.kind) for q in problems]
     return ListSource(items, cfg.kind)
 
@@ -159,7 +152,7 @@ def make_code_source(cfg: CampaignConfig | TaskConfig, code: CodeConfig | None =
 
     task = cfg.task if isinstance(cfg, CampaignConfig) else cfg
     code = code or (cfg.code if isinstance(cfg, CampaignConfig) else CodeConfig())
-    if task.kind == "code_tiny":
+    if TASK_KINDS.get(task.kind).source == "code_tiny":
 
         class TinyCodeSource(PromptSource):
             verifier = "code_expr"
@@ -174,10 +167,20 @@ def make_code_source(cfg: CampaignConfig | TaskConfig, code: CodeConfig | None =
                 return PromptItem(p.id, p.prompt, spec, "code_tiny")
 
         return TinyCodeSource()
-    name = "leetcode_train" if task.kind == "leetcode" else task.kind
+    name = TASK_KINDS.get(task.kind).train_set
     bs = load_code_benchmark(
         name, data_dir(task), None, task=task, code=code, path=task.path, hub=task.path is not None
     )
     src = ListSource([PromptItem(q.id, q.problem, q.answer, task.kind) for q in bs], task.kind)
     src.verifier = "code"
     return src
+
+
+# how each source of fp8rl_core.tasks.kinds builds its prompts
+_SOURCES = {
+    "procedural": ProceduralSource,
+    "code_tiny": make_code_source,
+    "code": make_code_source,
+    "math_file": _math_file_source,
+    "dataset": _dataset_source,
+}
