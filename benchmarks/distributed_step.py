@@ -25,7 +25,7 @@ def _setup(rows: int, mode: str):
     from fp8rl_core.config.model import ModelConfig
     from fp8rl_core.precision.conversion import convert_for_training
     from fp8rl_core.tasks.tiny_model import build_tiny_model
-    from stages.trainer.update import TrainBatch
+    from stages.trainer.batch import TrainBatch
 
     cfg = CampaignConfig.model_validate(
         {
@@ -55,7 +55,8 @@ def _setup(rows: int, mode: str):
 
 def _time_steps(model, cfg, batch, repeats, collective=None) -> float:
     from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE
-    from stages.trainer.update import make_optimizer, policy_update
+    from stages.trainer.optimizer import make_optimizer
+    from stages.trainer.update import policy_update
 
     opt, sched = make_optimizer(model, cfg)
     kw = dict(bounds=(0.8, 1.28), shadow=False, collective=collective or SINGLE_PROCESS_COLLECTIVE)

@@ -53,7 +53,7 @@ def spread_lengths(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
 def make_batch(prompts: list[int], responses: list[int], vocab: int, seed: int = 0):
     import torch
 
-    from stages.trainer.update import TrainBatch
+    from stages.trainer.batch import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     n, t = len(prompts), max(p + r for p, r in zip(prompts, responses))
@@ -90,7 +90,8 @@ def time_step(cfg, batch, seed: int) -> float:
 
     from fp8rl_core.precision.conversion import convert_for_training
     from fp8rl_core.tasks.tiny_model import build_tiny_model
-    from stages.trainer.update import make_optimizer, policy_update
+    from stages.trainer.optimizer import make_optimizer
+    from stages.trainer.update import policy_update
 
     torch.manual_seed(0)
     model = build_tiny_model(cfg.model)

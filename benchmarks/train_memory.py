@@ -21,7 +21,9 @@ from fp8rl_core.config.campaign import CampaignConfig
 from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.precision.conversion import convert_for_training
 from fp8rl_core.tasks.tiny_model import build_tiny_model
-from stages.trainer.update import TrainBatch, make_optimizer, policy_update
+from stages.trainer.batch import TrainBatch
+from stages.trainer.optimizer import make_optimizer
+from stages.trainer.update import policy_update
 mini, micro = int(sys.argv[1]), int(sys.argv[2])
 torch.manual_seed(0); torch.set_num_threads(1)
 cfg = CampaignConfig.model_validate({"rollout": {"prompts_per_step": 64, "samples_per_prompt": 8},

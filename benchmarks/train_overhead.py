@@ -33,8 +33,10 @@ def main() -> None:
     from fp8rl_core.precision.autocast import autocast_context
     from fp8rl_core.precision.conversion import convert_for_training
     from fp8rl_core.tasks.tiny_model import build_tiny_model
+    from stages.trainer.batch import TrainBatch
     from stages.trainer.forward import pad_to_contract, token_multiple
-    from stages.trainer.update import TrainBatch, make_optimizer, policy_update
+    from stages.trainer.optimizer import make_optimizer
+    from stages.trainer.update import policy_update
 
     cfg = CampaignConfig.model_validate(
         {

@@ -9,7 +9,7 @@ per GPU:
 * **rollout**: vLLM, colocated, claims ``rollout.gpu_memory_utilization`` of the
   GPU (weights + KV cache) while the trainer's resident state stays: the sharded
   fp32 parameters and the AdamW state (:func:`resident_bytes`; every optimizer step
-  frees the gradients, ``stages.trainer.update.optimizer_step``, so none outlive the
+  frees the gradients, ``stages.trainer.optimizer.optimizer_step``, so none outlive the
   train stage);
 * **train step**: the measured peak of forward, backward and the AdamW step, the forward
   and backward with the AdamW state resident (:func:`steady_state`: the measured step is a
@@ -55,7 +55,7 @@ def steady_state(step: Any) -> dict[str, dict[str, int]]:
 def resident_bytes(step: Any) -> int:
     """Bytes the trainer keeps on each GPU between its train stages (through rollout and the weight sync):
     the sharded fp32 parameters and the AdamW state after the step. Not the gradients: the trainer's
-    optimizer step sets them to None (``stages.trainer.update.optimizer_step``), the last update of a
+    optimizer step sets them to None (``stages.trainer.optimizer.optimizer_step``), the last update of a
     stage included; the measured step holds them until its own ``zero_grad``."""
     after = step.phases["after step"]
     return after.get("Sharded Param", 0) + after.get("OptState", 0)

@@ -58,7 +58,7 @@ def _model(device):
 def _batch(device, n=32, p=96, r=160, vocab=150000):
     import torch
 
-    from stages.trainer.update import TrainBatch
+    from stages.trainer.batch import TrainBatch
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(10, vocab, (n, p + r), generator=g)
@@ -135,7 +135,7 @@ def _one_mode(emit: Callable[[str], None], mode: str, device, batch) -> None:
     from fp8rl_core.precision.conversion import convert_for_training
     from gpu_check.step_config import load_step_config
     from stages.trainer.forward import policy_logprobs
-    from stages.trainer.update import make_optimizer
+    from stages.trainer.optimizer import make_optimizer
 
     cfg = load_step_config(mode)
     model = _model(device)

@@ -266,7 +266,7 @@ def open_run(
     from stages.bootstrap.math import capped_threads
     from stages.data.prompt_format import apply_stop_tokens
     from stages.trainer.block_compile import compile_choice, compile_decoder_blocks
-    from stages.trainer.update import make_optimizer
+    from stages.trainer.optimizer import make_optimizer
 
     torch.set_num_threads(capped_threads(cfg.threads))
     run_dir = Path(run_dir)

@@ -36,8 +36,11 @@ from stages.result import StageResult
 from stages.runtime.io import read_step
 from stages.schedule.guard_hooks import train_hooks
 from stages.schedule.shadow import drift_metrics, shadow_plan
+from stages.trainer.batch import TrainBatch
 from stages.trainer.forward import token_multiple
-from stages.trainer.update import TrainBatch, UpdateResult, lr_override, policy_update
+from stages.trainer.optimizer import lr_override
+from stages.trainer.step_stats import UpdateResult
+from stages.trainer.update import policy_update
 
 ENTROPY_BIN_EDGES = (0.0, 0.1, 0.5, 1.0, 2.0, float("inf"))
 

@@ -14,7 +14,7 @@ from fp8rl_core.config.campaign import CampaignConfig
 from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.precision.conversion import convert_for_training
 from fp8rl_core.tasks.tiny_model import build_tiny_model
-from stages.trainer.update import TrainBatch
+from stages.trainer.batch import TrainBatch
 
 SMALL = ModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=256)
 

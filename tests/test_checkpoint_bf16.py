@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from fp8rl_core.precision.bf16_pass import bf16_recompute_checkpointing, enable_activation_checkpointing
-from stages.trainer.update import make_optimizer, policy_update
+from stages.trainer.optimizer import make_optimizer
+from stages.trainer.update import policy_update
 from tests.scaleout_common import small_batch, small_cfg, small_model
 
 

@@ -224,16 +224,16 @@ def test_two_step_campaign_with_each_correction(tmp_path, monkeypatch, name):
     calibrate): the bounds row records them and step 2 trains with them."""
     from conftest import micro_config
 
-    import stages.trainer.update as update
+    import stages.trainer.old_logp as old_logp
 
     in_force = []
-    real = update.step_weights
+    real = old_logp.step_weights
 
     def spy(old, rollout, mask, algorithm, thresholds=None):
         in_force.append(thresholds)
         return real(old, rollout, mask, algorithm, thresholds)
 
-    monkeypatch.setattr(update, "step_weights", spy)
+    monkeypatch.setattr(old_logp, "step_weights", spy)
 
     from flows.configuration import dump_config
     from stages.calibrate import run_calibrate

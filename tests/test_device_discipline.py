@@ -24,7 +24,9 @@ from fp8rl_core.config.method import BapoConfig
 from fp8rl_core.host.device_discipline import HostDeviceMixError, HostDeviceMode, to_device
 from fp8rl_core.precision.conversion import convert_for_training
 from fp8rl_core.tasks.tiny_model import VOCAB_SIZE, build_tiny_model
-from stages.trainer.update import TrainBatch, make_optimizer, policy_update
+from stages.trainer.batch import TrainBatch
+from stages.trainer.optimizer import make_optimizer
+from stages.trainer.update import policy_update
 from tests.conftest import micro_config
 
 PRECISIONS = ["bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "nvfp4", "mxfp4"]

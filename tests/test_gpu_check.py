@@ -131,7 +131,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from fp8rl_core.precision.conversion import convert_for_training
 from gpu_check.step_config import load_step_config
 from gpu_check.train_step import _batch, compile_as_configured, run, step_and_calibrate
-from stages.trainer.update import make_optimizer
+from stages.trainer.optimizer import make_optimizer
 
 torch.set_num_threads(1)
 torch.manual_seed(0)

@@ -17,7 +17,8 @@ def _bytes(tensors) -> int:
 
 
 def _trained(mode: str = "bf16"):
-    from stages.trainer.update import make_optimizer, policy_update
+    from stages.trainer.optimizer import make_optimizer
+    from stages.trainer.update import policy_update
 
     cfg = small_cfg(mode)
     model = small_model(mode)

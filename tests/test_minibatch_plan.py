@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from stages.trainer.minibatch_plan import minibatch_plan, padded_tokens, token_budget_micros
-from stages.trainer.update import make_optimizer, policy_update
+from stages.trainer.optimizer import make_optimizer
+from stages.trainer.update import policy_update
 from tests.scaleout_common import small_batch, small_cfg, small_model
 
 

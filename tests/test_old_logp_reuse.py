@@ -21,8 +21,10 @@ from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
 from fp8rl_core.precision.conversion import convert_for_training
 from fp8rl_core.tasks.tiny_model import build_tiny_model
 from stages.trainer import old_logp as old_logp
+from stages.trainer.batch import TrainBatch
 from stages.trainer.forward import policy_logprobs
-from stages.trainer.update import TrainBatch, make_optimizer, policy_update
+from stages.trainer.optimizer import make_optimizer
+from stages.trainer.update import policy_update
 
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=128)
 

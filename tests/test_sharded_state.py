@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.trainer.update import make_optimizer, policy_update
+from stages.trainer.optimizer import make_optimizer
+from stages.trainer.update import policy_update
 from tests.scaleout_common import rendezvous, small_batch, small_cfg, small_model, spawn_ranks
 
 

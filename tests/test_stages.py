@@ -155,7 +155,7 @@ def test_engine_logprobs_match_trainer_recomputation(tmp_path):
 
 
 def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch):
-    import stages.trainer.update as tc
+    import stages.trainer.minibatch as tc
 
     ctx = _context(tmp_path, *MODES["bf16"])
     try:

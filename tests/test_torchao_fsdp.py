@@ -82,7 +82,8 @@ def _train_rank(rank: int, store: str, out: str) -> None:
 
     from stages.trainer.collective import DistCollective
     from stages.trainer.distributed import shard_policy
-    from stages.trainer.update import make_optimizer, policy_update
+    from stages.trainer.optimizer import make_optimizer
+    from stages.trainer.update import policy_update
     from tests.scaleout_common import small_cfg
 
     torch.set_num_threads(1)

@@ -21,7 +21,8 @@ import torch
 from fp8rl_core.objective.logprobs import position_ids_from_mask
 from fp8rl_core.precision.conversion import convert_for_training
 from fp8rl_core.precision.fp8_linear import KernelShapeError, set_strict_shapes
-from stages.trainer.update import make_optimizer, policy_update
+from stages.trainer.optimizer import make_optimizer
+from stages.trainer.update import policy_update
 from tests.scaleout_common import rendezvous, small_batch, small_cfg, small_model, spawn_ranks
 
 # --------------------------------------------------------------------------- one forward path
@@ -59,8 +60,7 @@ def test_every_train_forward_runs_under_its_devices_autocast_with_position_ids()
 
 
 def test_token_multiples_of_each_mode():
-    from stages.trainer.forward import token_multiple
-    from stages.trainer.minibatch_plan import padded_width
+    from stages.trainer.forward import padded_width, token_multiple
 
     assert token_multiple("bf16") == 1
     assert token_multiple("fp8_tensorwise") == token_multiple("fp8_rowwise") == 16

@@ -1,7 +1,7 @@
 """The train step's one forward path, and the kernels' shape contracts.
 
 Every forward of a step — π_old, π_θ and both shadow passes —
-goes through :func:`policy_logprobs`, which calls
+goes through :func:`policy_logprobs` (the no-grad ones through :func:`no_grad_logprobs`), which calls
 :func:`fp8rl_core.objective.logprobs.sequence_logprobs` (autocast of the inputs' device,
 position ids counted over real tokens, log-softmax chunked over the vocabulary).
 
@@ -16,13 +16,17 @@ Padding tokens do enter a tensorwise activation amax, as they would on the GPU.
 from __future__ import annotations
 
 import contextlib
+import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from fp8rl_core.objective.logprobs import sequence_logprobs
 from fp8rl_core.precision.bf16_pass import bf16_parameters, bf16_shadow
 from fp8rl_core.precision.fp8_linear import TOKEN_MULTIPLE
-from stages.trainer.minibatch_plan import padded_width
+
+if TYPE_CHECKING:  # annotations only
+    from stages.trainer.batch import TrainBatch
 
 
 def token_multiple(mode: str) -> int:
@@ -31,6 +35,12 @@ def token_multiple(mode: str) -> int:
         if mode.endswith(granularity):
             return m
     return 1
+
+
+def padded_width(rows: int, width: int, multiple: int) -> int:
+    """Smallest ``T >= width`` with ``rows * T`` a multiple of ``multiple``."""
+    step = multiple // math.gcd(rows, multiple) if rows else 1
+    return -(-width // step) * step
 
 
 def pad_to_contract(
@@ -93,3 +103,16 @@ def policy_logprobs(
     lp = torch.cat(lps) if len(lps) > 1 else lps[0]
     ent = None if not with_entropy else (torch.cat(ents) if len(ents) > 1 else ents[0])
     return lp, ent
+
+
+def no_grad_logprobs(
+    model: torch.nn.Module, x: TrainBatch, micros: list[torch.Tensor], mode: str, *, shadow: bool, trim: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`policy_logprobs` without grad of each non-empty micro-batch ``r`` (row indices of ``x``),
+    one at a time: ``[(r, [len(r), T] float32)]``."""
+    with torch.no_grad():
+        return [
+            (r, policy_logprobs(model, x.input_ids[r], x.attention_mask[r], mode=mode, shadow=shadow, trim=trim)[0])
+            for r in micros
+            if r.numel()
+        ]

@@ -7,7 +7,7 @@ into the 1-process micro-batches of ``algorithm.micro_batch_size`` rows. Under
 so the ranks together run exactly the 1-process micro-batches. A partial last
 mini-batch can leave a rank fewer micro-batches (or none); every rank computes
 the depth of each mini-batch locally and pads its share up to it
-(``stages.trainer.update.local_rows`` supplies the zero-loss padding row), so every
+(``stages.trainer.batch.local_rows`` supplies the zero-loss padding row), so every
 rank joins every FSDP collective.
 
 Token-budget micro-batches (``algorithm.max_tokens_per_micro_batch``): with
@@ -21,10 +21,11 @@ denominators and every calibration statistic, are the same as without.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
+
+from stages.trainer.forward import padded_width
 
 if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
     from fp8rl_core.config.campaign import CampaignConfig
@@ -32,12 +33,6 @@ if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pyd
 
 def _micro_slices(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
     return [idx[i : i + size] for i in range(0, idx.numel(), size)]
-
-
-def padded_width(rows: int, width: int, multiple: int) -> int:
-    """Smallest ``T >= width`` with ``rows * T`` a multiple of ``multiple``."""
-    step = multiple // math.gcd(rows, multiple) if rows else 1
-    return -(-width // step) * step
 
 
 def padded_tokens(rows: int, width: int, multiple: int) -> int:
@@ -57,7 +52,7 @@ def token_budget_micros(
         max_rows: at most this many rows a micro-batch (``micro_batch_size``).
         max_tokens: at most this many padded tokens a micro-batch (:func:`padded_tokens` at its
             own longest row); a row alone over the budget runs alone.
-        multiple: the kernel's token multiple (``train_core.token_multiple``).
+        multiple: the kernel's token multiple (:func:`stages.trainer.forward.token_multiple`).
     Rows are sorted by length, longest first (ties keep their shuffled order), and filled
     greedily: the longest row of each micro-batch is its first. A pure function of its inputs,
     so every rank computes the same split.
@@ -147,7 +142,7 @@ def plan_depth(
     """Per mini-batch (epoch-major), the most micro-batches any rank runs in :func:`minibatch_plan`.
 
     A deterministic function of the plan's inputs: every rank computes it locally
-    (no communication) and pads its share up to it (:func:`pad_micros`).
+    (no communication) and pads its share up to it (:func:`stages.trainer.batch.pad_micros`).
     """
     plans = [
         minibatch_plan(n, cfg, seed, rank=r, world_size=world_size, lengths=lengths, multiple=multiple)
@@ -156,6 +151,19 @@ def plan_depth(
     return [max(len(p[k]) for p in plans) for k in range(len(plans[0]))]
 
 
-def pad_micros(micros: list[torch.Tensor], depth: int, pad: torch.Tensor | None) -> list[torch.Tensor]:
-    """``micros`` topped up to ``depth`` micro-batches with the padding micro-batch ``pad`` (None: as is)."""
-    return micros if pad is None else micros + [pad] * (depth - len(micros))
+def rank_plan(
+    n: int,
+    cfg: CampaignConfig,
+    seed: int,
+    *,
+    rank: int,
+    world_size: int,
+    lengths: torch.Tensor | None = None,
+    multiple: int = 1,
+) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """This rank's :func:`minibatch_plan` and every mini-batch's :func:`plan_depth`, once the config
+    is known to fit ``world_size`` ranks (:func:`check_world_size`)."""
+    check_world_size(cfg, world_size)
+    split = dict(lengths=lengths, multiple=multiple)
+    plan = minibatch_plan(n, cfg, seed, rank=rank, world_size=world_size, **split)
+    return plan, plan_depth(n, cfg, seed, world_size, **split)

@@ -1,11 +1,18 @@
-"""When the train stage may take π_old from the first mini-batch's own forward.
+"""The step's π_old: the log-probs of the weights the step starts with, and the TIS weights after them.
 
-The update needs π_old, the log-probs of the weights the step starts with, for every token,
-before its first optimizer update. The first mini-batch's forward (with grad) runs on exactly
-those weights, so its log-probs *are* π_old for its rows: the separate no-grad forward of
-those rows is redundant. It costs one forward of the mini-batch (in TRL's shape, 16 prompts
-x 8 samples in one update, a third of the train stage's passes; in the tiny default, 2
-mini-batches of 256, half of the π_old pass).
+:func:`old_logprobs` recomputes π_old in the *training* precision, once, on this rank's rows,
+in the micro-batches of the first epoch's plan (the same ones on 1 or W ranks); on
+calibration steps the BF16 shadow forward runs on the same master weights (π_old in BF16).
+TIS weights ``min(exp(old_logp - rollout_logp), C)`` correct the rollout-vs-train mismatch
+(detached), or the weights of the mismatch correction ``algorithm.correction`` selects
+(:mod:`fp8rl_core.objective.corrections`).
+
+Taking π_old from the first mini-batch's own forward (:func:`first_forward_is_old`): the
+update needs π_old for every token before its first optimizer update. The first mini-batch's
+forward (with grad) runs on exactly those weights, so its log-probs *are* π_old for its rows:
+the separate no-grad forward of those rows is redundant. It costs one forward of the
+mini-batch (in TRL's shape, 16 prompts x 8 samples in one update, a third of the train
+stage's passes; in the tiny default, 2 mini-batches of 256, half of the π_old pass).
 
 Reused only where the values are bit-identical to the no-grad pass's:
 
@@ -23,7 +30,15 @@ TIS weights are computed from the complete π_old tensor, as before, right after
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, replace
+
 import torch
+
+from fp8rl_core.objective.corrections import step_weights
+from stages.trainer.batch import TrainBatch
+from stages.trainer.forward import no_grad_logprobs
+from stages.trainer.step import TrainStep
 
 
 def first_forward_is_old(
@@ -32,3 +47,59 @@ def first_forward_is_old(
     """True if the first mini-batch's grad forward may stand in for its no-grad π_old forward
     (``per_update_bounds``: the clip mode reads the current ratios before the loss, as BAPO does)."""
     return device.type == "cpu" and world_size == 1 and len(plan) > 0 and len(plan[0]) == 1 and not per_update_bounds
+
+
+@dataclass(frozen=True)
+class OldPolicy:
+    """π_old of one rank's rows (``[n_r (+1), T]``, float32) and what the update reads beside it."""
+
+    mask: torch.Tensor  # response mask
+    adv_tok: torch.Tensor  # advantage on every response token
+    old8: torch.Tensor  # π_old, training precision
+    old16: torch.Tensor | None  # π_old, BF16 shadow (shadow steps; NaN on rows without shadow passes)
+    is_w: torch.Tensor | None  # TIS weights (None until mini-batch 0 gives its π_old, when it does)
+    reuse_first: bool  # mini-batch 0's grad forward gives its π_old (:func:`first_forward_is_old`)
+    seconds: dict[str, float]  # old_logp_s, shadow_s
+
+
+def old_logprobs(step: TrainStep) -> OldPolicy:
+    """π_old in the training precision and, on shadow steps, in BF16; the TIS weights.
+
+    Rows without a shadow pass (subsampled shadow) hold NaN BF16 values. Where
+    :func:`first_forward_is_old`, the first micro-batch's π_old is left to its own update's
+    forward (:func:`adopt_first_forward`), and so are the TIS weights, which need all of π_old.
+    """
+    cfg, rows = step.cfg, step.rows
+    reuse = first_forward_is_old(
+        rows.plan, rows.local.input_ids.device, step.collective.world_size, per_update_bounds=step.rule is not None
+    )
+    mode, x = cfg.precision.train, rows.local
+    first = [r for k in range(rows.per_epoch) for r in rows.padded[k]]
+    mask = x.response_mask.float()  # [n_r (+1), T]
+    seconds = {}
+    t0 = time.perf_counter()
+    old8 = torch.zeros(x.input_ids.shape, dtype=torch.float32, device=mask.device)
+    for r, lp in no_grad_logprobs(step.model, x, first[1:] if reuse else first, mode, shadow=False,
+                                  trim=rows.trim):
+        old8[r] = lp
+    seconds["old_logp_s"] = time.perf_counter() - t0
+    old16 = None
+    if step.shadow:
+        t0 = time.perf_counter()
+        old16 = torch.full_like(old8, float("nan") if rows.sub is not None else 0.0)
+        shadowed = [s for k in range(rows.per_epoch) for s in rows.shadowed[k]]
+        for r, lp in no_grad_logprobs(step.model, x, shadowed, mode, shadow=True, trim=rows.trim):
+            old16[r] = lp
+        seconds["shadow_s"] = time.perf_counter() - t0
+    is_w = None if reuse else step_weights(old8, x.rollout_logp, mask, cfg.algorithm, step.thresholds)
+    return OldPolicy(mask, x.advantages.float()[:, None] * mask, old8, old16, is_w, reuse, seconds)
+
+
+def adopt_first_forward(step: TrainStep, old: OldPolicy, r: torch.Tensor, logp: torch.Tensor) -> OldPolicy:
+    """π_old with rows ``r`` taken from mini-batch 0's forward ``logp`` (``[len(r), T]``), and the TIS weights
+    of the whole of it: what :func:`old_logprobs` left to that forward (``old.reuse_first``)."""
+    x: TrainBatch = step.rows.local
+    old8 = old.old8.clone()
+    old8[r] = logp.detach()
+    return replace(old, old8=old8, is_w=step_weights(old8, x.rollout_logp, old.mask, step.cfg.algorithm,
+                                                      step.thresholds))

@@ -1,0 +1,174 @@
+"""The step's batch: its padded tensors, and this rank's share of it (rows, micro-batches, a padding row).
+
+Token order: row i of every ``[N, T]`` tensor is sample i of the batch (groups
+contiguous); column t is the log-prob of ``input_ids[:, t]`` given its prefix.
+
+Data parallelism (SPMD): the mini-batch partition does not depend on the number of ranks
+(:mod:`stages.trainer.minibatch_plan`). Mini-batch j is rows ``order[j*B:(j+1)*B]`` of a
+permutation seeded by the step, cut into micro-batches of ``micro_batch_size`` as in one
+process; rank r of W takes the r-th contiguous run of ``ceil(k/W)`` of its k micro-batches.
+So the W ranks together run exactly the micro-batches of the 1-process run.
+
+Padding micro-batches: every forward and backward under FSDP is a collective, so all ranks
+must run as many of them, in every phase. The last mini-batch of a step whose size is not a
+multiple of B is partial and leaves some ranks fewer micro-batches (or none); each rank tops
+its share up to the most any rank runs (:func:`stages.trainer.minibatch_plan.plan_depth`,
+computed locally from the plan's inputs) with a padding micro-batch: one real row of the batch
+with loss mask, advantage and rollout log-probs 0 (:func:`local_rows`), whose loss and gradient
+are exactly 0 and whose outputs land in a row that is dropped before anything is gathered.
+One process never pads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from stages.trainer.collective import Collective
+from stages.trainer.forward import token_multiple
+from stages.trainer.minibatch_plan import rank_plan
+
+if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
+    from fp8rl_core.config.campaign import CampaignConfig
+
+
+@dataclass
+class TrainBatch:
+    """A step's batch as padded tensors (right padding)."""
+
+    input_ids: torch.Tensor  # [N, T] long: prompt + response + pad
+    attention_mask: torch.Tensor  # [N, T] long: 1 on prompt and response tokens
+    response_mask: torch.Tensor  # [N, T] float: 1 on response tokens (incl. EOS)
+    rollout_logp: torch.Tensor  # [N, T] float32: engine log-probs at response positions
+    advantages: torch.Tensor  # [N] float32: per-sequence advantage
+    sample_ids: torch.Tensor  # [N] long: sample_id in the rollouts table
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.input_ids,
+            self.attention_mask,
+            self.response_mask,
+            self.rollout_logp,
+            self.advantages,
+            self.sample_ids,
+        )
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        return TrainBatch(*(t.to(device) for t in self._tensors()))
+
+    def cpu(self) -> "TrainBatch":
+        """The batch on the host (its tensors themselves when they are there already)."""
+        return TrainBatch(*(t.cpu() for t in self._tensors()))
+
+    def rows(self, idx: torch.Tensor) -> "TrainBatch":
+        return TrainBatch(*(t[idx] for t in self._tensors()))
+
+
+def local_rows(
+    batch: TrainBatch, mine: torch.Tensor, world_size: int
+) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None]:
+    """This rank's rows of the global ``batch`` (in global order) and, under several ranks, a padding row.
+
+    Returns ``(local, rows, pad)``: ``local`` the ``[n_r (+1), T]`` batch, ``rows``
+    the global row of each local row, ``pad`` the local index ``[1]`` of the padding
+    row (None in one process). The padding row is global row 0 (real tokens, so
+    its forward is an ordinary one; it exists whenever the step has rows) with
+    response mask, advantage and rollout log-probs 0: any loss over it, and its
+    gradient, is exactly 0, and it never enters a token count.
+    """
+    if world_size == 1:
+        return batch.rows(mine), mine, None
+    rows = torch.cat([mine, torch.zeros(1, dtype=torch.long)])
+    local = batch.rows(rows)
+    for t in (local.response_mask, local.rollout_logp, local.advantages):
+        t[-1] = 0
+    return local, rows, torch.tensor([mine.numel()])
+
+
+def pad_micros(micros: list[torch.Tensor], depth: int, pad: torch.Tensor | None) -> list[torch.Tensor]:
+    """``micros`` topped up to ``depth`` micro-batches with the padding micro-batch ``pad`` (None: as is)."""
+    return micros if pad is None else micros + [pad] * (depth - len(micros))
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """This rank's share of a step's global batch: its rows, its micro-batches, its padding row.
+
+    ``plan`` (every epoch's mini-batches, each a list of this rank's micro-batches
+    of *global* row indices) comes from :func:`stages.trainer.minibatch_plan.minibatch_plan`;
+    ``local`` holds this rank's rows (plus the padding row under several ranks) on the device.
+    The micro-batches of mini-batch ``k`` as *local* row indices (on the host) are read, not
+    computed: ``real[k]`` (this rank's), ``padded[k]`` (topped up with padding micro-batches
+    to every rank's count) and ``shadowed[k]`` (the rows of each of ``padded[k]`` with shadow
+    passes; under several ranks never empty: the padding row instead).
+    """
+
+    n: int  # rows of the global batch
+    batch: TrainBatch  # the global batch, on the host (where the step's statistics are computed)
+    plan: list[list[torch.Tensor]]
+    per_epoch: int  # mini-batches per epoch
+    mine: torch.Tensor  # [n_r] global rows this rank trains (sorted)
+    local: TrainBatch  # [n_r (+1 padding row), T] on the device
+    local_global: torch.Tensor  # [n_r (+1)] global row of each local row
+    pad: torch.Tensor | None  # [1] local index of the padding row (None in one process)
+    where: torch.Tensor  # [N] global row -> local row (-1: another rank's)
+    sub: torch.Tensor | None  # [n_r (+1)] bool rows with shadow passes (None: all), on the host like the row indices
+    real: list[list[torch.Tensor]]
+    padded: list[list[torch.Tensor]]
+    shadowed: list[list[torch.Tensor]]
+    trim: bool = False  # token-budget micro-batches: each forward cut to its micro-batch's longest row
+
+
+def _shadowed(r: torch.Tensor, sub: torch.Tensor | None, pad: torch.Tensor | None) -> torch.Tensor:
+    r = r if sub is None else r[sub[r]]
+    return r if r.numel() or pad is None else pad
+
+
+def split_rows(
+    batch: TrainBatch,
+    cfg: CampaignConfig,
+    seed: int,
+    collective: Collective,
+    device: torch.device,
+    shadow_rows: torch.Tensor | None,
+) -> StepRows:
+    """Plan the step's mini-batches and take this rank's rows of ``batch`` onto ``device``.
+
+    ``shadow_rows`` (``[N]`` bool over the global batch, optional): the rows with shadow passes."""
+    n = batch.size
+    budget = cfg.algorithm.max_tokens_per_micro_batch is not None  # token budget: split by length, trimmed
+    split = (
+        dict(lengths=batch.attention_mask.sum(1).cpu(), multiple=token_multiple(cfg.precision.train)) if budget else {}
+    )
+    plan, depth = rank_plan(n, cfg, seed, rank=collective.rank, world_size=collective.world_size, **split)
+    per_epoch = len(plan) // cfg.algorithm.ppo_epochs
+    mine = torch.unique(torch.cat([m for mbs in plan[:per_epoch] for m in mbs] or [torch.zeros(0, dtype=torch.long)]))
+    local, local_global, pad = local_rows(batch, mine, collective.world_size)
+    where = torch.full((n,), -1, dtype=torch.long)
+    where[mine] = torch.arange(mine.numel())
+    # host, like the micro-batches' row indices it selects from (a device mask cannot index a host tensor)
+    sub = None if shadow_rows is None or bool(shadow_rows.all()) else shadow_rows.cpu().bool()[local_global]
+    real = [[where[m] for m in mbs] for mbs in plan]
+    padded = [pad_micros(r, d, pad) for r, d in zip(real, depth)]
+    return StepRows(
+        n,
+        batch.cpu(),
+        plan,
+        per_epoch,
+        mine,
+        local.to(device),
+        local_global,
+        pad,
+        where,
+        sub,
+        real,
+        padded,
+        [[_shadowed(r, sub, pad) for r in micros] for micros in padded],
+        trim=budget,
+    )

@@ -1,0 +1,163 @@
+"""One optimizer update of a step: a mini-batch's micro-batches forward and backward, then the step.
+
+Per mini-batch ``k`` (docs/method.md, "Ratio and policy loss", "Precision modes"):
+
+1. on calibration steps, in epoch 0, the BF16 shadow forward of π_θ runs on the mini-batch
+   before its update; the FP8 log-probs of π_θ come from the training forward itself, so
+   r8 and r16 are both known for every token;
+2. a clip mode with bounds per update (its registry hook, BAPO) picks (L, H) from the
+   update's current ratios over every rank's tokens (:func:`update_bounds`);
+3. the micro-batches run forward and backward one at a time, gradients accumulated
+   (:func:`micro_batch_pass`, the one place that iterates micro-batches), so peak memory
+   grows with the micro-batch, not the mini-batch; the token-mean denominator is the
+   mini-batch's global token count (an integer count summed over ranks: exact);
+4. the optimizer step (:func:`stages.trainer.optimizer.optimizer_step`): a non-finite loss
+   or gradient skips it (recorded), leaving the policy as it was.
+
+Each returns what it computed (:class:`MicroBatchPass`, :class:`MinibatchUpdate`); the step's
+records are put together from those by :mod:`stages.trainer.step_stats`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fp8rl_core.objective.losses import importance_ratio, loss_bounds
+from fp8rl_core.registered import POLICY_LOSSES
+from stages.trainer.forward import no_grad_logprobs, policy_logprobs
+from stages.trainer.old_logp import OldPolicy, adopt_first_forward
+from stages.trainer.optimizer import OptimizerStep, optimizer_step
+from stages.trainer.step import TrainStep
+
+
+def maybe_fault(stage: str, point: int) -> None:
+    """Test hook for crash tests (``FP8RL_FAULT``, see storage.faults); a no-op otherwise."""
+    from storage import faults
+
+    faults.point(f"mb{point}")
+
+
+def update_bounds(step: TrainStep, old: OldPolicy, micros: list[torch.Tensor]) -> Any:
+    """(L, H) of a clip mode that picks bounds before every update (its registry hook), from the
+    update's current ratios over every rank's tokens; returns the hook's result (``.lower``, ``.upper``)."""
+    cfg, x = step.cfg, step.rows.local
+    with torch.no_grad():
+        cur = [
+            importance_ratio(
+                policy_logprobs(step.model, x.input_ids[r], x.attention_mask[r], mode=cfg.precision.train,
+                                trim=step.rows.trim)[0],
+                old.old8[r],
+            )
+            for r in micros
+        ]
+    return step.rule.bounds(
+        torch.cat([c.reshape(-1) for c in cur]),
+        torch.cat([old.adv_tok[r].reshape(-1) for r in micros]),
+        torch.cat([old.mask[r].reshape(-1) for r in micros]),
+        cfg.calibration,
+        step.collective.world_size > 1,
+    )
+
+
+@dataclass(frozen=True)
+class MicroBatchPass:
+    """A mini-batch's forward and backward, gradients accumulated on the weights."""
+
+    loss: float  # summed over the micro-batches and the ranks
+    records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # epoch 0: (local rows, π_θ, entropy)
+    old: OldPolicy  # π_old after the pass (mini-batch 0 may give its own)
+
+
+def micro_batch_pass(
+    step: TrainStep, old: OldPolicy, k: int, bounds: tuple[float, float], *, adopt_old: bool = False
+) -> MicroBatchPass:
+    """Forward and backward of mini-batch ``k``'s micro-batches at the loss's own ``bounds`` (L, H);
+    returns the loss summed over the micro-batches and the ranks.
+
+    The loss's denominators are the mini-batch's global token and sequence counts; padding
+    micro-batches have mask 0: they add 0 to every sum. In epoch 0 the pass keeps π_θ and the
+    entropy of its rows. ``adopt_old``: these forwards run on the step's starting weights, so
+    their log-probs are π_old (:mod:`stages.trainer.old_logp`): taken as such, with the TIS
+    weights after them.
+    """
+    cfg, rows, collective = step.cfg, step.rows, step.collective
+    a, x = cfg.algorithm, rows.local
+    real = rows.real[k]
+    tokens = collective.sum(float(sum(float(old.mask[r].sum()) for r in real)))
+    seqs = collective.sum(float(sum(r.numel() for r in real)))
+    step.optimizer.zero_grad(set_to_none=True)
+    loss_fn = POLICY_LOSSES.get(a.loss)
+    total, records = 0.0, []
+    for r in rows.padded[k]:
+        lp, ent = policy_logprobs(step.model, x.input_ids[r], x.attention_mask[r], mode=cfg.precision.train,
+                                  with_entropy=True, trim=rows.trim)
+        if adopt_old:
+            old = adopt_first_forward(step, old, r, lp)
+        loss, _ = loss_fn(
+            lp,
+            old.old8[r],
+            old.adv_tok[r],
+            old.mask[r],
+            lower=bounds[0],
+            upper=bounds[1],
+            dual_clip=a.dual_clip,
+            is_weights=None if old.is_w is None else old.is_w[r],
+            agg=a.loss_agg,
+            global_token_count=max(tokens, 1.0),
+            global_seq_count=seqs,
+            norm_len=float(cfg.rollout.max_new_tokens),
+        )
+        if a.entropy_coef > 0:
+            loss = loss - a.entropy_coef * (ent * old.mask[r]).sum() / max(tokens, 1.0)
+        (loss * float(collective.world_size)).backward()  # FSDP/DDP average gradients over ranks: undo it
+        total += float(loss.detach())
+        if k < rows.per_epoch:
+            records.append((r, lp.detach(), ent.detach()))
+    return MicroBatchPass(collective.sum(total), records, old)
+
+
+@dataclass(frozen=True)
+class MinibatchUpdate:
+    """What one optimizer update of a step returns besides the new weights."""
+
+    k: int  # the update's index (epoch-major)
+    epoch: int
+    index: int  # its mini-batch's index within the epoch
+    optimizer: OptimizerStep  # the summed loss, the grad norm, skipped or not
+    bounds: Any  # the per-update clip mode's result (``.lower``, ``.upper``); None without one
+    records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # epoch 0: (local rows, π_θ, entropy)
+    shadow: list[tuple[torch.Tensor, torch.Tensor]]  # epoch 0 of shadow steps: (local rows, BF16 π_θ)
+    old: OldPolicy  # π_old after the update
+    shadow_s: float  # seconds of the BF16 shadow forward
+
+
+def minibatch_update(step: TrainStep, old: OldPolicy, k: int) -> MinibatchUpdate:
+    """Update ``k``: the BF16 shadow of π_θ (epoch 0 of shadow steps), the clip mode's
+    per-update bounds if it has them, the micro-batches' forward/backward, the optimizer step."""
+    cfg, rows = step.cfg, step.rows
+    epoch, index = divmod(k, rows.per_epoch)
+    if epoch == 0:
+        maybe_fault("train", index)
+    shadow, shadow_s = [], 0.0
+    if step.shadow and epoch == 0:
+        t0 = time.perf_counter()
+        shadow = no_grad_logprobs(step.model, rows.local, rows.shadowed[k], cfg.precision.train, shadow=True,
+                                  trim=rows.trim)
+        shadow_s = time.perf_counter() - t0
+    lower, upper = step.bounds
+    picked = None
+    if step.rule is not None:  # a clip mode with bounds per update (its registry hooks)
+        picked = update_bounds(step, old, rows.padded[k])
+        lower, upper = picked.lower, picked.upper
+    done = micro_batch_pass(
+        step, old, k, loss_bounds(cfg.algorithm.loss, lower, upper, cfg.algorithm), adopt_old=old.reuse_first and k == 0
+    )
+    outcome = optimizer_step(
+        step.model, step.optimizer, step.scheduler, done.loss, cfg.algorithm.grad_clip,
+        step.collective.world_size,
+    )
+    return MinibatchUpdate(k, epoch, index, outcome, picked, done.records, shadow, done.old, shadow_s)
