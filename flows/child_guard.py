@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from flows.shutdown import children
+
 SERVER_MARK = "prefect.server.api.server:create_app"
 POLL_S = 0.5
 
@@ -41,20 +43,6 @@ def start(pid: int | None = None) -> subprocess.Popen | None:
         start_new_session=True,
         close_fds=True,
     )
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for t in tasks:
-        try:
-            out += [int(c) for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
-        except OSError:
-            continue
-    return out
 
 
 def _is_server(pid: int) -> bool:
@@ -88,7 +76,7 @@ def watch(pid: int) -> None:
         return
     servers: dict[int, int] = {}
     while True:
-        for child in _children(pid):
+        for child in children(pid):
             if child not in servers and _is_server(child):
                 try:
                     servers[child] = os.pidfd_open(child)

@@ -9,10 +9,15 @@ command only) and exit 128 + the signal's number.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
+FORWARD_WAIT_S = 7.0  # how long the launcher waits for torchrun to end the ranks after forwarding a signal
 
 
 def resume_command(run_dir: Path, nproc_per_node: int = 1) -> str:
@@ -69,8 +74,6 @@ def run_flow(run_dir: Path, *, resume: bool, nproc_per_node: int = 1) -> dict:
 
     def body(start_server: Callable[[], None]) -> dict:
         if nproc_per_node > 1:  # SPMD under torchrun: rank 0 runs the flow and its server
-            from flows.spmd import launch
-
             return launch(run_dir, resume=resume, nproc_per_node=nproc_per_node)
         from flows.campaign import campaign_flow
         from flows.prefect_env import quiet_console_failures
@@ -80,3 +83,59 @@ def run_flow(run_dir: Path, *, resume: bool, nproc_per_node: int = 1) -> dict:
         return campaign_flow(str(run_dir), resume=resume)
 
     return until_signal(body, resume=resume_command(run_dir, nproc_per_node))
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before exec
+    """torchrun gets SIGTERM (and forwards it to the ranks) if the launcher dies, even by SIGKILL."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _torchrun(cmd: list[str], env: dict) -> int:
+    """torchrun's exit status; a signal that interrupts the wait is forwarded to it (it forwards it to
+    every rank's process group) and re-raised once torchrun has ended (at most ``FORWARD_WAIT_S``)."""
+    from flows.shutdown import Interrupted
+
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    try:
+        return proc.wait()
+    except Interrupted as err:
+        proc.send_signal(err.signum)
+        try:
+            proc.wait(timeout=FORWARD_WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # the ranks left are ended by the launcher (flows.shutdown.end_descendants)
+            proc.wait()
+        raise
+
+
+def launch(run_dir: Path, *, resume: bool, nproc_per_node: int) -> dict:
+    """Run the campaign in ``run_dir`` on ``nproc_per_node`` local ranks via torchrun; rank 0's summary."""
+    result = run_dir / ".spmd-result.json"
+    result.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.torchrun",
+        "--standalone",
+        f"--nproc-per-node={nproc_per_node}",
+        "-m",
+        "flows.spmd",
+        str(run_dir),
+        "--result",
+        str(result),
+    ] + (["--resume"] if resume else [])
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    from storage.lock import LAUNCHER_ENV
+
+    env[LAUNCHER_ENV] = str(Path(run_dir).resolve())  # this process holds the run's lock for the ranks
+    code = _torchrun(cmd, env)
+    if code != 0:  # torchrun already printed which rank failed and why
+        raise SystemExit(
+            f"error: torchrun exited with {code} (a rank failed; all ranks were stopped); "
+            f"`fp8rl resume {run_dir} --nproc-per-node N` continues from the last checkpoint"
+        )
+    return json.loads(result.read_text())

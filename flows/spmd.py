@@ -1,7 +1,8 @@
 """The per-rank entry of an SPMD campaign under ``torchrun`` (one or many nodes).
 
 ``fp8rl run CONFIG --nproc-per-node N`` creates the run directory, then starts
-``torchrun --standalone --nproc-per-node N -m flows.spmd RUN_DIR``; for several
+``torchrun --standalone --nproc-per-node N -m flows.spmd RUN_DIR``
+(:func:`flows.run_process.launch`); for several
 nodes, start the same module on each node with a rendezvous endpoint::
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
@@ -24,70 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-# A signal's way through the ranks (flows.shutdown): a rank ends within RANK_DEADLINE_S; the launcher waits
-# FORWARD_WAIT_S for torchrun, then ends what is left itself; all of it inside the 10 s a run has to end.
+# A signal's way through the ranks (flows.shutdown): a rank ends within RANK_DEADLINE_S; the launcher
+# (flows.run_process.launch) waits a little longer for torchrun: all of it inside the 10 s a run has to end.
 RANK_DEADLINE_S = 6.0
-FORWARD_WAIT_S = 7.0
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before exec
-    """torchrun gets SIGTERM (and forwards it to the ranks) if the launcher dies, even by SIGKILL."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-def _torchrun(cmd: list[str], env: dict) -> int:
-    """torchrun's exit status; a signal that interrupts the wait is forwarded to it (it forwards it to
-    every rank's process group) and re-raised once torchrun has ended (at most ``FORWARD_WAIT_S``)."""
-    from flows.shutdown import Interrupted
-
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-    try:
-        return proc.wait()
-    except Interrupted as err:
-        proc.send_signal(err.signum)
-        try:
-            proc.wait(timeout=FORWARD_WAIT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # the ranks left are ended by the launcher (flows.shutdown.end_descendants)
-            proc.wait()
-        raise
-
-
-def launch(run_dir: Path, *, resume: bool, nproc_per_node: int) -> dict:
-    """Run the campaign in ``run_dir`` on ``nproc_per_node`` local ranks via torchrun; rank 0's summary."""
-    result = run_dir / ".spmd-result.json"
-    result.unlink(missing_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "flows.torchrun",
-        "--standalone",
-        f"--nproc-per-node={nproc_per_node}",
-        "-m",
-        "flows.spmd",
-        str(run_dir),
-        "--result",
-        str(result),
-    ] + (["--resume"] if resume else [])
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    from storage.lock import LAUNCHER_ENV
-
-    env[LAUNCHER_ENV] = str(Path(run_dir).resolve())  # this process holds the run's lock for the ranks
-    code = _torchrun(cmd, env)
-    if code != 0:  # torchrun already printed which rank failed and why
-        raise SystemExit(
-            f"error: torchrun exited with {code} (a rank failed; all ranks were stopped); "
-            f"`fp8rl resume {run_dir} --nproc-per-node N` continues from the last checkpoint"
-        )
-    return json.loads(result.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
