@@ -154,7 +154,7 @@ def vllm_report(args: argparse.Namespace) -> None:
     except Exception as err:  # noqa: BLE001 - any import failure means: no real engine here
         print(f"SKIP vLLM section: import vllm failed ({type(err).__name__}: {err}); run with .venv-vllm/bin/python")
         return
-    from stages.engines.vllm_engine import request_seed
+    from stages.engines.vllm_sampling import request_seed
 
     policy = build_tiny_model(ModelConfig())
     prompts = random_prompts(args.prompts, *args.prompt_len, vocab=policy.config.vocab_size, seed=args.seed)

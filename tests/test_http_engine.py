@@ -17,7 +17,7 @@ from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 from stages.engines import make_engine
 from stages.engines.http_engine import HTTPClient, ServerError
-from stages.engines.vllm_engine import prompt_seed
+from stages.engines.vllm_sampling import prompt_seed
 
 pytestmark = pytest.mark.timeout(60)
 EOS = 2

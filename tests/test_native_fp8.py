@@ -118,7 +118,7 @@ def test_vllm_engine_settings_and_checkpoint_for_native_fp8(trainer, tmp_path):
     from fp8rl_core.config.method import PrecisionConfig
     from fp8rl_core.config.pipeline import RolloutConfig
     from stages.engines.native_fp8 import write_native_fp8_checkpoint
-    from stages.engines.vllm_engine import build_llm_kwargs
+    from stages.engines.vllm_options import build_llm_kwargs
 
     def kwargs(rollout: str, weight_sync: str) -> dict:
         return build_llm_kwargs(

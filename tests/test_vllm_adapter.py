@@ -26,13 +26,9 @@ from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 from stages.engines import VLLMEngine, make_engine
-from stages.engines.vllm_engine import (
-    batch_from_request_outputs,
-    build_llm_kwargs,
-    import_vllm,
-    prompt_seed,
-    trainer_weights,
-)
+from stages.engines.vllm_options import build_llm_kwargs, import_vllm
+from stages.engines.vllm_sampling import batch_from_request_outputs, prompt_seed
+from stages.engines.weight_transfer import trainer_weights
 
 EOS = 2
 
@@ -390,7 +386,7 @@ def test_weight_sync_by_path_saves_then_reloads(policy, tokenizer, fake_vllm):
     engine = make(policy, tokenizer, fake_vllm, weight_sync="path")
     os.remove(os.path.join(engine.model_path, "model.safetensors"))
     engine.load_weights(policy)
-    folder = engine._sync_dir
+    folder = engine.transport.folder
     assert ("collective_rpc", "reload_weights", {"weights_path": folder}) in engine.llm.calls
     # our own temporary folder (not the model's, not named after it), bf16 tensors
     assert folder != engine.model_path and os.path.basename(folder).startswith("fp8rl-weights-")
@@ -427,7 +423,7 @@ def test_bad_options_are_rejected(policy, tokenizer, fake_vllm, options, match):
     ],
 )
 def test_engine_per_rank_under_torchrun(policy, tokenizer, fake_vllm, monkeypatch, layout, tp, expect):
-    from stages.engines.vllm_engine import spmd_llm_options
+    from stages.engines.vllm_options import spmd_llm_options
 
     assert spmd_llm_options(RolloutConfig(), rank=0, world_size=1) == {}
     monkeypatch.setenv("WORLD_SIZE", "4")

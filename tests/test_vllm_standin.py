@@ -152,7 +152,7 @@ def test_weight_sync_crosses_the_process_boundary_bit_exact(policy, tokenizer, t
         engine.weight_sync, engine.verify_sync = "path", "always"  # the fallback, back to the original weights
         engine.load_weights(policy)
         assert mismatched(engine, policy) == []
-        folder = engine._sync_dir
+        folder = engine.transport.folder
         assert os.path.basename(folder).startswith("fp8rl-weights-") and os.listdir(folder) == ["model.safetensors"]
         assert (
             engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=3).samples
@@ -189,9 +189,9 @@ def test_weight_sync_crosses_the_process_boundary_bit_exact(policy, tokenizer, t
     finally:
         engine.close()
     # a trainer that lost a tensor since the first sync is refused before anything is sent
-    engine._sent_names = ["model.embed_tokens.weight", "model.norm.weight"]
+    engine.sent_names.first = ["model.embed_tokens.weight", "model.norm.weight"]
     with pytest.raises(RuntimeError, match="lost"):
-        engine._check_names(["model.embed_tokens.weight"])
+        engine.sent_names(["model.embed_tokens.weight"])
 
 
 @pytest.mark.timeout(240)

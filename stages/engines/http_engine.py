@@ -6,7 +6,7 @@
 * **Generation** (vLLM 0.33's OpenAI-compatible ``POST /v1/completions``,
   ``entrypoints/openai/completion/protocol.py``): one request per prompt with
   ``prompt`` = the token ids, ``n``, ``temperature``, ``top_p``, ``max_tokens``,
-  ``seed`` = :func:`~stages.engines.vllm_engine.request_seed` (so the samples
+  ``seed`` = :func:`~stages.engines.vllm_sampling.request_seed` (so the samples
   equal the in-process engine's), ``logprobs=0`` (the sampled token's log-prob
   only), ``return_token_ids=true`` and ``skip_special_tokens=false``. Each
   choice carries ``index``, ``token_ids``, ``logprobs.token_logprobs`` and
@@ -57,7 +57,7 @@ from stages.engines.base import (
     truncate_at_eos,
     validate_generate_args,
 )
-from stages.engines.vllm_engine import request_seed
+from stages.engines.vllm_sampling import request_seed
 from stages.engines.weight_transfer import nccl_trainer_init_kwargs
 
 

