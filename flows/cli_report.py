@@ -81,7 +81,7 @@ def sweep_command(
 
     try:
         if dry_run:
-            from flows.sweep import cell_state, default_sweep_dir, load_sweep, select_cells
+            from flows.sweep_spec import cell_state, default_sweep_dir, load_sweep, select_cells
 
             spec, every = load_sweep(sweep_file)
             chosen = select_cells(every, cells, source=str(sweep_file))

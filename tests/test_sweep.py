@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 from flows.cli_report import register
 from flows.configuration import ConfigError, load_config
-from flows.sweep import CELLS_DIR, FINISHED, NEW, PARTIAL, cell_state, load_sweep, run_sweep_file
+from flows.sweep import run_sweep_file
+from flows.sweep_spec import CELLS_DIR, FINISHED, NEW, PARTIAL, cell_state, load_sweep
 from stages.context import is_calibration_step, is_checkpoint_step, is_eval_step
 from storage.ledger import Ledger
 from storage.writer import TableWriter
@@ -339,7 +340,8 @@ def test_paper_ablations_sweep_cells() -> None:
 
 
 def test_mean_over_seeds_shows_the_spread() -> None:
-    from flows.sweep import SweepSpec, _mean_over_seeds
+    from flows.sweep_spec import SweepSpec
+    from flows.sweep_table import _mean_over_seeds
 
     spec = SweepSpec(name="x", axes={"clip": {"a": {}}}, seeds=[0, 1, 2])
     rows = [

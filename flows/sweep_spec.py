@@ -1,0 +1,293 @@
+"""A sweep file and its cells: the matrix, every cell's config, and each cell's state in a sweep directory.
+
+A sweep file names a base preset and axes; each axis maps a *label* to config
+overrides, and the cells are the cartesian product of the axes times the
+seeds, minus the ``exclude`` patterns (as in a CI build matrix)::
+
+    name: paper-tiny
+    base: tiny-cpu                        # preset in configs/ or a YAML path
+    overrides: {steps: 40}                # applied to every cell
+    axes:
+      precision:
+        bf16: {precision.train: bf16, precision.rollout: bf16}
+        fp8-tensorwise: {precision.train: fp8_tensorwise}
+      clip:
+        standard: {calibration.mode: standard}
+        calibrated: {calibration.mode: calibrated}
+    seeds: [0, 1]
+    exclude:
+      - {precision: bf16, clip: calibrated}    # a value may also be a list of labels
+
+Override keys are dotted config paths (``calibration.mode``); a mapping value
+merges into the section. Overrides apply in order: base, ``overrides``, each
+axis in file order, then ``seed``. Every cell's config is validated when the
+file is loaded, so a typo fails before anything runs, naming the file, the
+cell and the key.
+
+A cell is NEW (no run directory), PARTIAL (started, unfinished) or FINISHED
+(its marker ``<sweep dir>/_cells/<cell>.json``, or a ledger whose final step
+has every stage done). A cell whose run directory was made by another config
+(the sweep file changed) is an error naming it, never silently mixed.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import itertools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from flows.configuration import ConfigError, config_from_dict, dump_config, resolve_preset
+from fp8rl_core.config.campaign import CampaignConfig
+from storage.layout import config_hash, is_run_dir, read_run_info
+
+LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")  # no '.': it joins labels into cell ids
+CELLS_DIR = "_cells"  # '_' cannot start a run id, so the catalog never takes it for a run
+
+
+class SweepSpec(BaseModel):
+    """A sweep file (``configs/sweeps/*.yaml``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Sweep name; the default sweep directory is <runs_root>/sweeps/<name>.")
+    description: str = Field("", description="Free text shown by --dry-run.")
+    base: str = Field(
+        "tiny-cpu",
+        description="Base campaign preset: a name in configs/ or a YAML path "
+        "(relative to the sweep file or the working directory).",
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Dotted config key -> value, applied to every cell."
+    )
+    axes: dict[str, dict[str, dict[str, Any]]] = Field(
+        description="Axis -> label -> overrides; cells are the product of the axes."
+    )
+    seeds: list[int] = Field(
+        [0], min_length=1, description="Campaign seeds; each cell runs once per seed (sets `seed`)."
+    )
+    exclude: list[dict[str, str | list[str]]] = Field(
+        default_factory=list,
+        description="Cells to leave out: axis -> label (or labels); a cell matching every entry of one item is "
+        "excluded.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not LABEL.match(v):
+            raise ValueError(f"{v!r} must match {LABEL.pattern}")
+        return v
+
+    @field_validator("axes")
+    @classmethod
+    def _axes(cls, axes: dict) -> dict:
+        if not axes:
+            raise ValueError("needs at least one axis")
+        for axis, values in axes.items():
+            if not LABEL.match(axis):
+                raise ValueError(f"axis name {axis!r} must match {LABEL.pattern}")
+            if not values:
+                raise ValueError(f"axis {axis!r} has no labels")
+            for label in values:
+                if not LABEL.match(label):
+                    raise ValueError(f"{axis}.{label}: label must match {LABEL.pattern}")
+        return axes
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, seeds: list[int]) -> list[int]:
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"seeds repeat: {seeds}")
+        return seeds
+
+    @model_validator(mode="after")
+    def _exclude(self) -> "SweepSpec":
+        for i, pattern in enumerate(self.exclude):
+            for axis, labels in pattern.items():
+                if axis not in self.axes:
+                    raise ValueError(f"exclude.{i}.{axis}: unknown axis; axes: {', '.join(self.axes)}")
+                for label in [labels] if isinstance(labels, str) else labels:
+                    if label not in self.axes[axis]:
+                        raise ValueError(
+                            f"exclude.{i}.{axis}: unknown label {label!r}; labels: {', '.join(self.axes[axis])}"
+                        )
+        return self
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One campaign of the matrix: its id (the run directory's name), labels, seed and config."""
+
+    id: str
+    labels: tuple[tuple[str, str], ...]  # (axis, label) in axis order
+    seed: int
+    config: CampaignConfig
+
+    @property
+    def config_text(self) -> str:
+        return dump_config(self.config)
+
+
+def _apply(tree: dict, key: str, value: Any, where: str) -> None:
+    """Set dotted ``key`` in ``tree``; a mapping value merges into an existing section."""
+    *path, last = key.split(".")
+    node = tree
+    for part in path:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{where}: {key}: {part} is not a config section")
+    if isinstance(value, dict) and isinstance(node.get(last), dict):
+        for k, v in value.items():
+            _apply(node[last], k, v, where)
+    else:
+        node[last] = copy.deepcopy(value)
+
+
+def _excluded(spec: SweepSpec, labels: dict[str, str]) -> bool:
+    def hit(axis: str, want: str | list[str]) -> bool:
+        return labels[axis] in ([want] if isinstance(want, str) else want)
+
+    return any(all(hit(a, w) for a, w in pattern.items()) for pattern in spec.exclude)
+
+
+def expand_cells(spec: SweepSpec, base: dict, *, source: str) -> list[Cell]:
+    """The cells of ``spec`` over the ``base`` config tree, each validated."""
+    cells = []
+    for combo in itertools.product(*(list(v) for v in spec.axes.values())):
+        labels = dict(zip(spec.axes, combo))
+        if _excluded(spec, labels):
+            continue
+        for seed in spec.seeds:
+            cell_id = ".".join(combo) + f".s{seed}"
+            where = f"{source}: cell {cell_id}"
+            tree = copy.deepcopy(base)
+            for key, value in spec.overrides.items():
+                _apply(tree, key, value, f"{source}: overrides")
+            for axis, label in labels.items():
+                for key, value in spec.axes[axis][label].items():
+                    _apply(tree, key, value, f"{source}: axes.{axis}.{label}")
+            tree["seed"] = seed
+            cfg = config_from_dict(tree, source=where)
+            cells.append(Cell(cell_id, tuple(labels.items()), seed, cfg))
+    if not cells:
+        raise ConfigError(f"{source}: every cell is excluded")
+    return cells
+
+
+def _format_validation(source: str, err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}")
+    return f"{source}: " + "; ".join(parts)
+
+
+def load_sweep(path: str | Path) -> tuple[SweepSpec, list[Cell]]:
+    """Parse and validate a sweep file and every cell's config; ConfigError names the key."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such sweep file") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping (name, base, axes, ...)")
+    try:
+        spec = SweepSpec.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation(str(path), err)) from None
+    local = path.parent / spec.base
+    base_path = local if local.is_file() else resolve_preset(spec.base)
+    try:
+        base = yaml.safe_load(base_path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{base_path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    return spec, expand_cells(spec, base, source=str(path))
+
+
+def select_cells(
+    cells: list[Cell], patterns: tuple[str, ...] | list[str] | None, *, source: str = "sweep"
+) -> list[Cell]:
+    """The cells whose id matches any glob in ``patterns`` (all cells when none), in file order.
+
+    For running a sweep in parts (one process or machine per part, the same
+    sweep directory): ``--cells 'nvfp4.*' --cells 'bf16.*.s0'``. A pattern
+    that matches no cell is a ConfigError naming it and the cells there are.
+    """
+    if not patterns:
+        return list(cells)
+    for pat in patterns:
+        if not any(fnmatch.fnmatchcase(c.id, pat) for c in cells):
+            raise ConfigError(
+                f"{source}: --cells {pat!r} matches no cell; the cells are " + ", ".join(c.id for c in cells)
+            )
+    return [c for c in cells if any(fnmatch.fnmatchcase(c.id, p) for p in patterns)]
+
+
+def default_sweep_dir(spec: SweepSpec, cells: list[Cell]) -> Path:
+    return Path(cells[0].config.storage.runs_root) / "sweeps" / spec.name
+
+
+# --------------------------------------------------------------------------- cell state
+
+
+NEW, PARTIAL, FINISHED = "new", "partial", "finished"
+
+
+def marker_path(sweep_dir: Path, cell: Cell) -> Path:
+    return Path(sweep_dir) / CELLS_DIR / f"{cell.id}.json"
+
+
+def ledger_finished(run_dir: Path, cfg: CampaignConfig) -> bool:
+    """True when the ledger has every stage of the campaign's final step done."""
+    from stages.context import is_checkpoint_step, is_eval_step
+    from stages.runtime.io import RunTables, shadow_steps
+    from storage.ledger import Ledger
+
+    last = cfg.steps
+    need = {"rollout", "score", "train"}
+    need |= {"calibrate"} if shadow_steps(RunTables.open(run_dir), [last]) else set()  # what its train stage decided
+    need |= {"evaluate"} if is_eval_step(cfg, last) else set()
+    need |= {"checkpoint"} if is_checkpoint_step(cfg, last) else set()
+    return need <= Ledger(run_dir).done_stages(last)
+
+
+def cell_state(sweep_dir: Path, cell: Cell) -> str:
+    """NEW (no run directory), PARTIAL (started, unfinished) or FINISHED.
+
+    Raises ConfigError if the cell's run directory holds another config's run.
+    """
+    run_dir = Path(sweep_dir) / cell.id
+    if not is_run_dir(run_dir):
+        return NEW
+    info = read_run_info(run_dir)
+    if info.config_hash not in (None, config_hash(cell.config_text)):
+        raise ConfigError(
+            f"cell {cell.id}: {run_dir} was run with another config (the sweep file changed); "
+            "move that directory away or use another --out"
+        )
+    if marker_path(sweep_dir, cell).is_file() or ledger_finished(run_dir, cell.config):
+        return FINISHED
+    return PARTIAL
+
+
+@dataclass
+class CellOutcome:
+    """What happened to a cell in this invocation: 'skipped' (finished earlier), 'done' or 'failed'."""
+
+    cell: Cell
+    run_dir: Path
+    status: str
+    resumed: bool = False
+    seconds: float = 0.0
+    error: str | None = None
+    result: dict = field(default_factory=dict)
