@@ -249,8 +249,7 @@ def _sync_engine(env: RunEnv, state: TrainState, synced: dict) -> None:
     time (vLLM: in bf16), a collective every rank calls together."""
     if env.world_size == 1 or synced.get("version") == state.policy_version:
         return
-    env.engine.load_weights(state.policy)
-    env.engine._fp8rl_version = state.policy_version
+    env.engine.sync_policy(state.policy, state.policy_version)
     synced["version"] = state.policy_version
 
 

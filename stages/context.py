@@ -28,7 +28,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,9 @@ from stages.data.prompts import PromptSource, SamplerState, make_source
 from storage.layout import RunLayout, read_run_info
 from storage.ledger import Ledger
 from storage.writer import TableWriter
+
+if TYPE_CHECKING:
+    from stages.engines.base import RolloutEngineProtocol
 
 log = logging.getLogger("fp8rl")
 
@@ -96,7 +99,7 @@ class RunEnv:
     writer: TableWriter
     ledger: Ledger
     tokenizer: Any
-    engine: Any  # stages.engines.base.RolloutEngine (None where no stage generates)
+    engine: RolloutEngineProtocol | None  # None where no stage generates (re-scoring, re-calibrating)
     source: PromptSource
     variant: str = MAIN
     input_variant: str | None = None  # variant stages read from (None: their own)
@@ -224,7 +227,9 @@ def _base_model_rank0_first(cfg: CampaignConfig, runs_root: Path, rank: int, wor
     return base_model_dir(cfg, runs_root)
 
 
-def _make_rollout_engine(cfg: CampaignConfig, policy: torch.nn.Module, tokenizer: Any, base: Path) -> Any:
+def _make_rollout_engine(
+    cfg: CampaignConfig, policy: torch.nn.Module, tokenizer: Any, base: Path
+) -> RolloutEngineProtocol:
     from stages.engines import make_engine
 
     engine_opts = {"model_path": str(base)} if cfg.rollout.engine == "vllm" else {}

@@ -43,10 +43,8 @@ def sync_engine(env: RunEnv, state: TrainState) -> None:
     at level 2, which discards the weights, so they are pushed again (a DAPO
     refill round after the step's first rollout).
     """
-    stale = getattr(env.engine, "_fp8rl_version", None) != state.policy_version
-    if stale or getattr(env.engine, "weights_discarded", False):
-        env.engine.load_weights(state.policy)
-        env.engine._fp8rl_version = state.policy_version
+    if env.engine.policy_version != state.policy_version or env.engine.weights_discarded:
+        env.engine.sync_policy(state.policy, state.policy_version)
     else:
         env.engine.wake_up()
 
@@ -59,7 +57,7 @@ def sleep_engine(env: RunEnv) -> dict[str, float]:
     use before and after (GiB) where it was measured, for the ``steps`` row.
     """
     env.engine.sleep()
-    memory = getattr(env.engine, "last_sleep_memory_gib", None)
+    memory = env.engine.last_sleep_memory_gib
     if memory is None:
         return {}
     before, after = memory

@@ -77,7 +77,7 @@ def _work(engine, rank: int, world: int) -> dict:
     cfg = SimpleNamespace(rollout=RolloutConfig(**ROLLOUT))
     env = SimpleNamespace(cfg=cfg, engine=engine, rank=rank, world_size=world)
     state = SimpleNamespace(policy_version=0)
-    engine._fp8rl_version = 0  # weights current: no sync
+    engine.policy_version = 0  # weights current: no sync
     blocks = generation_blocks(
         [len(p) for p in PROMPTS], group_size=2, generation_batch_size=4, seed=1, step=1, round_=0
     )

@@ -50,7 +50,8 @@ class RecordingEngine:
     """Records every ``generate`` call: (prompt token ids, n, max_new_tokens, per-prompt seeds)."""
 
     name = "recording"
-    _fp8rl_version = 0  # the weights are current: no sync
+    policy_version = 0  # the weights are current: no sync
+    weights_discarded = False
 
     def __init__(self) -> None:
         self.calls: list[tuple[tuple[tuple[int, ...], ...], int, int, tuple[int, ...]]] = []

@@ -96,13 +96,22 @@ def test_sharded_stream_gathers_one_parameter_at_a_time(tmp_path, monkeypatch):
 
 def test_campaign_sync_hands_the_engine_the_sharded_policy_not_a_full_state(monkeypatch):
     from flows import campaign
+    from stages.engines.base import RolloutEngine
 
     received = []
-    engine = SimpleNamespace(load_weights=received.append)
+
+    class Recording(RolloutEngine):
+        def generate(self, prompt_ids, **kw):
+            raise AssertionError("no generation in a sync")
+
+        def load_weights(self, train_model):
+            received.append(train_model)
+
+    engine = Recording()
     policy = build_tiny_model(ModelConfig())
     env = SimpleNamespace(world_size=2, engine=engine)
     campaign._sync_engine(env, SimpleNamespace(policy=policy, policy_version=3), synced := {})
-    assert received == [policy] and synced == {"version": 3} and engine._fp8rl_version == 3
+    assert received == [policy] and synced == {"version": 3} and engine.policy_version == 3
 
 
 def test_sync_peak_is_one_parameter_not_the_model():

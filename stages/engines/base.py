@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -164,6 +164,37 @@ def truncate_at_eos(token_ids: list[int], eos_ids: frozenset[int]) -> tuple[list
     return list(token_ids), "length"
 
 
+@runtime_checkable
+class RolloutEngineProtocol(Protocol):
+    """What the stages ask of a rollout engine (``RunEnv.engine``); :class:`RolloutEngine` implements it.
+
+    ``policy_version`` is the trainer's policy version the engine holds (``None``: none
+    pushed yet); ``weights_discarded`` is true while only a weight push can wake it
+    (vLLM asleep at level 2); ``last_sleep_memory_gib`` is the device memory in use
+    before and after the last ``sleep`` (``None``: not measured).
+    """
+
+    name: str
+    policy_version: int | None
+    last_sleep_memory_gib: tuple[float, float] | None
+
+    @property
+    def weights_discarded(self) -> bool: ...
+
+    def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, top_p: float,
+                 max_new_tokens: int, seed: int, seeds: list[int] | None = None) -> RolloutBatch: ...
+
+    def load_weights(self, train_model: torch.nn.Module) -> None: ...
+
+    def sync_policy(self, train_model: torch.nn.Module, version: int) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class RolloutEngine(abc.ABC):
     """Generates grouped samples from the current policy; see the module docstring.
 
@@ -175,6 +206,18 @@ class RolloutEngine(abc.ABC):
     """
 
     name: str = "abstract"
+    policy_version: int | None = None
+    last_sleep_memory_gib: tuple[float, float] | None = None
+
+    @property
+    def weights_discarded(self) -> bool:
+        """Only a weight push can wake the engine (vLLM asleep at level 2); never for most engines."""
+        return False
+
+    def sync_policy(self, train_model: torch.nn.Module, version: int) -> None:
+        """:meth:`load_weights` and remember which policy version the engine now holds."""
+        self.load_weights(train_model)
+        self.policy_version = version
 
     @abc.abstractmethod
     def generate(

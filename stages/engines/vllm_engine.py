@@ -156,7 +156,7 @@ class VLLMEngine(RolloutEngine):
         self.sent_names = SentNames()
         self._asleep = False
         self._syncs = 0
-        self.last_sleep_memory_gib: tuple[float, float] | None = None
+        self.last_sleep_memory_gib = None
         self.events: list[str] = []  # "sleep", "wake:weights", "sync", "wake:kv_cache", ... in order
         self._tmpdir: str | None = None
         self.model_path = str(model_path) if model_path is not None else self._write_model(model, tokenizer)
