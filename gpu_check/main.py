@@ -43,10 +43,15 @@ within its total budget plus those few seconds, and a CUDA error or a half-built
 engine ends with its section. A section that loops also stops between items at its
 deadline (the rest printed as skipped); a later section starts only with its
 budget's time left. Each section's wall time and the total are printed. The
-budget has not been checked on a GPU (as of 2026-12-03: nothing here has run on
-one).
+sections that run torchao's blockwise Triton kernels first bound their
+autotuning to 2 configurations a kernel, with the timings cached on disk
+(``gpu_check/autotune_bound.py``). The budget has not been checked on a GPU (as
+of 2026-12-03: nothing here has run on one).
 
 On a machine without CUDA it prints one line saying so and exits 0.
+``python gpu_check/main.py --cpu`` runs every section's code on the CPU instead,
+with emulated FP8 kernels and tiny shapes (``gpu_check/cpu_mode.py``): a
+rehearsal of the code paths, not GPU figures.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ SECTION_BUDGETS_S = {
 class BudgetExceeded(BaseException):
     """Raised in the main thread by the alarm at :data:`TOTAL_BUDGET_S` (a ``BaseException``: the
     sections' ``except Exception`` around one failing cell must not swallow it)."""
+
 
 # Decoder shapes from the models' published config.json files.
 MODELS: dict[str, dict] = {
@@ -180,11 +186,14 @@ def section_throughput(
     models=None,
     tokens_list=TOKENS,
     device: str = "cuda",
+    convert: Callable | None = None,
 ) -> None:
+    """``convert(model, mode)``: the FP8 conversion (default: real kernels only, no emulation)."""
     import torch
 
     from fp8rl_core.precision.conversion import convert_for_training
 
+    convert = convert or (lambda model, mode: convert_for_training(model, mode, emulate=False))
     emit(f"[1] train step, {layers} decoder layers, eager, time(bf16) / time(fp8): >1 = FP8 faster")
     for name in models or MODELS:
         for tokens in tokens_list:
@@ -197,7 +206,7 @@ def section_throughput(
                 config = models[name] if isinstance(models, dict) else model_config(name, layers=layers)
                 model = build(config, device)
                 try:
-                    report = convert_for_training(model, mode, emulate=False) if mode != "bf16" else None
+                    report = convert(model, mode) if mode != "bf16" else None
                     t = time_train_step(model, tokens, iters=iters, warmup=warmup)
                     if mode == "bf16":
                         base = t
@@ -214,17 +223,28 @@ def section_throughput(
             emit(f"    {name:12s} {tokens:6d} tokens: " + " | ".join(cells))
 
 
-def section_sqnr(deadline: float = float("inf"), tokens: int = 512) -> None:
+def section_sqnr(
+    deadline: float = float("inf"),
+    tokens: int = 512,
+    *,
+    config=None,
+    real_device: str = "cuda",
+    convert_real: Callable | None = None,
+    label: str = "Qwen3-8B",
+) -> None:
+    """``convert_real(model, mode)``: the "real" side's conversion (default: real kernels, no emulation),
+    on ``real_device``; the other side is always the project's emulation on the CPU."""
     import torch
 
     from fp8rl_core.precision.conversion import convert_for_training
 
+    convert_real = convert_real or (lambda model, mode: convert_for_training(model, mode, emulate=False))
     emit(
-        f"[2] one forward of a Qwen3-8B decoder layer ({tokens} tokens): real FP8 kernels (GPU) vs CPU emulation, "
+        f"[2] one forward of a {label} decoder layer ({tokens} tokens): real FP8 kernels (GPU) vs CPU emulation, "
         f"SQNR dB"
     )
     torch.manual_seed(0)
-    config = model_config("Qwen3-8B", layers=1)
+    config = config or model_config("Qwen3-8B", layers=1)
     x = torch.randn(1, tokens, config.hidden_size)
     ref_model = build(config, "cpu").eval()
     state = ref_model.state_dict()
@@ -234,16 +254,16 @@ def section_sqnr(deadline: float = float("inf"), tokens: int = 512) -> None:
         if time.monotonic() > deadline:
             emit(f"    {mode}: skipped (section budget reached)")
             continue
-        real = build(config, "cuda").eval()
+        real = build(config, real_device).eval()
         real.load_state_dict(state)
         emu = build(config, "cpu").eval()
         emu.load_state_dict(state)
         try:
-            convert_for_training(real, mode, emulate=False)
+            convert_real(real, mode)
             convert_for_training(emu, mode, emulate=True)
             with torch.no_grad():
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    y_real = real.model(inputs_embeds=x.cuda()).last_hidden_state.float().cpu()
+                with torch.autocast(real_device, dtype=torch.bfloat16):
+                    y_real = real.model(inputs_embeds=x.to(real_device)).last_hidden_state.float().cpu()
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     y_emu = emu.model(inputs_embeds=x).last_hidden_state.float()
             emit(
@@ -257,19 +277,21 @@ def section_sqnr(deadline: float = float("inf"), tokens: int = 512) -> None:
             torch.cuda.empty_cache()
 
 
-def section_rollout(seqs: int = 4, length: int = 256, *, config=None, device: str = "cuda") -> None:
+def section_rollout(
+    seqs: int = 4, length: int = 256, *, config=None, device: str = "cuda", label: str = "Qwen3-8B"
+) -> None:
     import copy
 
     import torch
 
     from fp8rl_core.precision.rollout import convert_for_rollout
 
+    config = config or model_config("Qwen3-8B", layers=2, vocab=32768)
     emit(
-        f"[3] rollout numerics, Qwen3-8B-shaped policy (2 layers, vocab 32768), teacher-forced log-probs of "
-        f"{seqs}x{length} tokens"
+        f"[3] rollout numerics, {label}-shaped policy ({config.num_hidden_layers} layers, vocab {config.vocab_size}), "
+        f"teacher-forced log-probs of {seqs}x{length} tokens"
     )
     torch.manual_seed(0)
-    config = config or model_config("Qwen3-8B", layers=2, vocab=32768)
     base = build(config, device).eval()
     ids = torch.randint(0, config.vocab_size, (seqs, length), device=device)
 
@@ -323,18 +345,24 @@ def section_vllm(deadline: float) -> None:
     run(emit)
 
 
-def run_sections(sections: list[tuple[str, Callable[[float], None]]], start: float, total_s: float) -> list[str]:
+def run_sections(
+    sections: list[tuple[str, Callable[[float], None]]],
+    start: float,
+    total_s: float,
+    budgets: dict[str, float] | None = None,
+) -> list[str]:
     """Run ``(name, fn(deadline))`` in order under the budgets; returns one ``name seconds`` cell per section.
 
-    A section's deadline is its share of :data:`SECTION_BUDGETS_S` from when it starts, capped at the
+    A section's deadline is its share of ``budgets`` (:data:`SECTION_BUDGETS_S`) from when it starts, capped at the
     total's; a section whose share no longer fits in what is left of the total is skipped. An
     exception (a :class:`BudgetExceeded` included) ends that section with one line.
     """
     total_deadline = start + total_s
+    budgets = SECTION_BUDGETS_S if budgets is None else budgets
     cells = []
     for name, fn in sections:
         began = time.monotonic()
-        share = SECTION_BUDGETS_S.get(name, 30.0)
+        share = budgets.get(name, 30.0)
         if total_deadline - began < min(share, 10.0):
             emit(f"{name}: skipped (total budget of {total_s:.0f} s reached)")
             cells.append(f"{name.split()[0]} skipped")
@@ -371,38 +399,59 @@ def alarm_at(seconds: float) -> Iterator[None]:
 
 
 SECTIONS: dict[str, Callable[[float], None]] = {}  # name -> fn(deadline), filled below
+AUTOTUNED = ("[1]", "[2]", "[4]")  # the sections that run torchao's blockwise Triton kernels
 
 
-def run_one_section(name: str, seconds: float) -> int:
-    """The child's side: section ``name`` under an alarm at ``seconds`` from now (exit status 3 when it rang)."""
+def run_one_section(name: str, seconds: float, cpu: bool = False) -> int:
+    """The child's side: section ``name`` (its CPU rehearsal when ``cpu``) under an alarm at ``seconds`` from
+    now (exit status 3 when it rang)."""
     add_paths()
     from gpu_check.section_process import STOPPED_EXIT
 
-    if name not in SECTIONS:
-        print(f"gpu-check: unknown section {name!r}; valid: {', '.join(SECTIONS)}", file=sys.stderr)
+    if cpu:
+        from gpu_check.cpu_mode import CPU_SECTIONS as sections
+    else:
+        sections = SECTIONS
+    if name not in sections:
+        print(f"gpu-check: unknown section {name!r}; valid: {', '.join(sections)}", file=sys.stderr)
         return 2
     with alarm_at(seconds):
         try:
-            SECTIONS[name](time.monotonic() + seconds)
+            if name.split()[0] in AUTOTUNED:
+                from gpu_check.autotune_bound import bound_blockwise_autotune
+
+                emit("    " + bound_blockwise_autotune())
+            sections[name](time.monotonic() + seconds)
         except BudgetExceeded:
             return STOPPED_EXIT
     return 0
 
 
-def in_own_process(name: str) -> Callable[[float], None]:
+def in_own_process(name: str, cpu: bool = False) -> Callable[[float], None]:
     """``fn(deadline)`` running section ``name`` in a process of its own (``gpu_check.section_process``)."""
-    from gpu_check.section_process import run_in_process
+    from gpu_check.section_process import run_in_process, section_argv
 
     def run(deadline: float) -> None:
-        run_in_process(name, deadline, emit)
+        seconds = max(deadline - time.monotonic(), 0.0)
+        run_in_process(name, deadline, emit, argv=section_argv(name, seconds, cpu=cpu))
 
     return run
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
+    cpu = "--cpu" in argv
+    argv = [a for a in argv if a != "--cpu"]
     if argv[:1] == ["--section"] and len(argv) == 4 and argv[2] == "--seconds":
-        return run_one_section(argv[1], float(argv[3]))
+        return run_one_section(argv[1], float(argv[3]), cpu=cpu)
+    if cpu:
+        add_paths()
+        from gpu_check.cpu_mode import run_on_cpu
+
+        return run_on_cpu()
+    if argv:
+        print(f"gpu-check: unknown arguments {argv}; usage: gpu_check/main.py [--cpu]", file=sys.stderr)
+        return 2
     start = time.monotonic()
     wheels = add_paths()
     try:

@@ -24,9 +24,10 @@ STOPPED_EXIT = 3  # the child's exit status when its own alarm stopped the secti
 MAIN = Path(__file__).resolve().parent / "main.py"
 
 
-def section_argv(name: str, seconds: float) -> list[str]:
-    """The command that runs section ``name`` with ``seconds`` to go, in this interpreter."""
-    return [sys.executable, str(MAIN), "--section", name, "--seconds", f"{seconds:.1f}"]
+def section_argv(name: str, seconds: float, cpu: bool = False) -> list[str]:
+    """The command that runs section ``name`` (its CPU rehearsal when ``cpu``) with ``seconds`` to go, in
+    this interpreter."""
+    return [sys.executable, str(MAIN), "--section", name, "--seconds", f"{seconds:.1f}", *(["--cpu"] if cpu else [])]
 
 
 def run_in_process(

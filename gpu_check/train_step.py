@@ -128,8 +128,27 @@ def compile_as_configured(model, cfg, device, report) -> Any:
     return choice
 
 
-def _one_mode(emit: Callable[[str], None], mode: str, device, batch) -> None:
-    """Step, calibration and kernel-vs-emulation agreement of one FP8 mode (real kernels, no emulation)."""
+def real_kernels(model, mode: str):
+    """Convert ``model`` for ``mode`` with real FP8 kernels only (an error where that would emulate)."""
+    from fp8rl_core.precision.conversion import convert_for_training
+
+    report = convert_for_training(model, mode, emulate=False)
+    if report.emulate or report.backend == "fp8rl-emulated":
+        raise RuntimeError(f"train_step {mode}: backend {report.backend} would emulate FP8 on the GPU")
+    return report
+
+
+def _peak(device) -> str:
+    import torch
+
+    if device.type != "cuda":
+        return "peak memory not measured on CPU"
+    return f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+
+
+def _one_mode(emit: Callable[[str], None], mode: str, device, batch, *, build=_model, convert=real_kernels) -> None:
+    """Step, calibration and kernel-vs-emulation agreement of one FP8 mode: ``build(device)`` makes the
+    policy, ``convert(model, mode)`` converts it (on the GPU: real kernels, no emulation)."""
     import torch
 
     from fp8rl_core.precision.conversion import convert_for_training
@@ -138,10 +157,8 @@ def _one_mode(emit: Callable[[str], None], mode: str, device, batch) -> None:
     from stages.trainer.optimizer import make_optimizer
 
     cfg = load_step_config(mode)
-    model = _model(device)
-    report = convert_for_training(model, mode, emulate=False)
-    if report.emulate or report.backend == "fp8rl-emulated":
-        raise RuntimeError(f"train_step {mode}: backend {report.backend} would emulate FP8 on the GPU")
+    model = build(device)
+    report = convert(model, mode)
     choice = compile_as_configured(model, cfg, device, report)
     opt, sched = make_optimizer(model, cfg)
     res, cal, sec = step_and_calibrate(model, opt, sched, batch, cfg)
@@ -155,9 +172,9 @@ def _one_mode(emit: Callable[[str], None], mode: str, device, batch) -> None:
     emit(
         f"train_step {mode}: step{first} {sec:.2f} s (pi_old {t['old_logp_s']:.2f}, shadow {t['shadow_s']:.2f}, "
         f"update {t['update_s']:.2f}; calibration {t['calibration_s']:.2f}), "
-        f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+        f"{_peak(device)}"
     )
-    emu = _model(device)  # emulation vs kernel on the same weights and tokens
+    emu = build(device)  # emulation vs kernel on the same weights and tokens
     emu.load_state_dict(model.state_dict())
     convert_for_training(emu, mode, emulate=True, backend="emulated")
     with torch.no_grad():
@@ -167,36 +184,57 @@ def _one_mode(emit: Callable[[str], None], mode: str, device, batch) -> None:
     emit(f"train_step {mode}: emulation vs kernel |dlogp| mean {float(d.mean()):.2e} max {float(d.max()):.2e}")
 
 
-def run(emit: Callable[[str], None], *, deadline: float = float("inf")) -> None:
-    """The section: every FP8 mode the GPU has kernels for, in order, while ``time.monotonic()`` is
-    before ``deadline`` (a mode that would start later is printed as skipped)."""
+def run_modes(
+    emit: Callable[[str], None],
+    device,
+    batch,
+    *,
+    deadline: float = float("inf"),
+    missing: Callable[[tuple[int, int]], str | None] = lambda need: None,
+    **one_mode,
+) -> None:
+    """Every FP8 mode in order under strict kernel shape checks, while ``time.monotonic()`` is before
+    ``deadline`` (a mode that would start later is printed as skipped); ``missing(capability)`` names why a
+    mode cannot run here (None: it can); ``one_mode``: :func:`_one_mode`'s ``build`` and ``convert``."""
     import torch
 
-    if not torch.cuda.is_available():
-        emit("train_step: SKIP - no CUDA device on this machine (nothing ran on a GPU)")
-        return
     from fp8rl_core.precision.fp8_linear import set_strict_shapes
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    cap = torch.cuda.get_device_capability(device)
-    emit(f"train_step: {torch.cuda.get_device_name(device)} SM{cap[0]}{cap[1]}, torch {torch.__version__}")
-    batch = _batch(device)
     prev = set_strict_shapes(True)
     try:
         for mode, need in MODES:
-            if cap < need:
-                emit(f"train_step {mode}: SKIP - needs SM{need[0]}{need[1]}+ for the real kernel")
+            why = missing(need)
+            if why:
+                emit(f"train_step {mode}: SKIP - {why}")
                 continue
             if time.monotonic() > deadline:
                 emit(f"train_step {mode}: skipped (section budget reached)")
                 continue
             t0 = time.monotonic()
             try:
-                _one_mode(emit, mode, device, batch)
+                _one_mode(emit, mode, device, batch, **one_mode)
             except Exception as err:  # one failing mode (a compile error, say) must not hide the others
                 emit(f"train_step {mode}: FAILED ({type(err).__name__}: {str(err)[:200]})")
             emit(f"train_step {mode}: {time.monotonic() - t0:.1f} s in all")
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
     finally:
         set_strict_shapes(prev)
+
+
+def run(emit: Callable[[str], None], *, deadline: float = float("inf")) -> None:
+    """The section: every FP8 mode the GPU has kernels for (:func:`run_modes`)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        emit("train_step: SKIP - no CUDA device on this machine (nothing ran on a GPU)")
+        return
+    device = torch.device("cuda", torch.cuda.current_device())
+    cap = torch.cuda.get_device_capability(device)
+    emit(f"train_step: {torch.cuda.get_device_name(device)} SM{cap[0]}{cap[1]}, torch {torch.__version__}")
+
+    def missing(need: tuple[int, int]) -> str | None:
+        return f"needs SM{need[0]}{need[1]}+ for the real kernel" if cap < need else None
+
+    run_modes(emit, device, _batch(device), deadline=deadline, missing=missing)
