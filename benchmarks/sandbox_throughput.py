@@ -7,7 +7,7 @@ The unit is one *graded program with all its cases*, of two kinds:
   a fresh process per case: namespaces, minimal filesystem view, throw-away
   uid, seccomp, rlimits, init and reaping, token comparison by the problem's rules). Bare = for each
   case ``subprocess.run([python, "-I", "-S", "-c", program], input=case)`` and the
-  same :func:`~stages.grade.code.outputs_match`.
+  same :func:`~stages.grade.stdio_match.outputs_match`.
 - functional: a LeetCode-style ``Solution`` against a ``check()`` of 3 asserts.
   Sandboxed = ``grade_program`` (one sandbox run: harness, result channel,
   the grader's decoding and comparison). Bare = one ``python -I -S -c`` of the
