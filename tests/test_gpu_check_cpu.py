@@ -156,3 +156,28 @@ def test_without_triton_the_bound_says_why_in_one_line(monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", "/nonexistent")
     line = autotune_bound.bound_blockwise_autotune()
     assert line.startswith(f"autotune: not bounded ({autotune_bound.KERNELS_MODULE} does not import: ")
+
+
+_GPU_MACHINE = r"""
+import sys
+
+class Block:  # the GPU machine has torch, transformers and pyarrow: no pydantic, Prefect, DuckDB or vLLM
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("pydantic", "pydantic_core", "prefect", "duckdb", "vllm"):
+            raise ImportError("the GPU machine has no " + name)
+
+sys.meta_path.insert(0, Block())
+from gpu_check import autotune_bound, cpu_mode, main, section_process
+sys.exit(main.main(["--section", "[5] vLLM cycle", "--seconds", "30"]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_gpu_path_imports_nothing_the_gpu_machine_lacks():
+    """``make gpu-check``'s modules, the new ones included, import without pydantic, Prefect, DuckDB or
+    vLLM, and a section's own process runs (section 5 says it skipped and why)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _GPU_MACHINE], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=110
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("[5] vLLM cycle: SKIP (import vllm failed: ImportError: the GPU machine has no vllm")
