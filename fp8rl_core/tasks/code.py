@@ -43,7 +43,7 @@ class CodeProblem:
     id: str
     prompt: str
     solution: str  # the reference expression
-    tests: str  # JSON stdin/stdout tests of stages.grade.code.parse_tests
+    tests: str  # JSON stdin/stdout tests of stages.grade.code_tests.parse_tests
 
 
 def reference(op: str, k: int) -> str:
