@@ -68,6 +68,10 @@ from stages.runtime.rank_outcome import RankedStage, after_go, on_all, on_main, 
 from stages.runtime.stage_comm import TRANSIENT, TransientStageError, broadcast, is_transient  # noqa: F401 (re-exported)
 from storage import faults, lock
 
+# how long a rank whose step failed waits for the signal that may have ended a peer first (torchrun
+# signals the ranks one after another) before it reports the failure as its own
+PEER_SIGNAL_S = 1.0
+
 
 def _is_transient(task_obj, task_run, state) -> bool:
     try:
@@ -384,7 +388,8 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
                 try:
                     trained, state, last_eval = run_step(env, state, step, progress, last_eval, synced)
                 except Exception as err:
-                    if world == 1 or received_signal() is not None:  # a signal's end is flows.shutdown's
+                    # a rank ended by a signal makes its peers' collectives fail: their end is flows.shutdown's
+                    if world == 1 or received_signal(within_s=PEER_SIGNAL_S) is not None:
                         raise
                     end_rank(err, rank=rank, run_dir=run_dir, where=f"step {step}")  # never returns
                 metrics = trained.metrics or metrics

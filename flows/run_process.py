@@ -61,7 +61,7 @@ def until_signal(
         try:
             return body(start_server)
         except BaseException:
-            if signals.signum is None:
+            if signals.settle() is None:  # not a signal's doing (a peer's end by one included)
                 raise
     shutdown.end_descendants(skip=keep())  # pool workers, sandbox launchers, what a rank left behind
     prefect_server.drain_clients()  # the interrupted flow's last logs and events, while the server lives

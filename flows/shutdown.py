@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import sys
 import threading
@@ -99,20 +100,56 @@ def interrupted_line(signum: int, resume: str) -> str:
 
 
 class RunSignals:
-    """The signals one process of a run received; see the module docstring."""
+    """The signals one process of a run received; see the module docstring.
+
+    The kernel's delivery is also written to a pipe (``signal.set_wakeup_fd``) by
+    the C-level handler, at once, before Python runs any handler and whichever
+    handler is installed (Prefect's own SIGTERM bridge inside a flow): a rank
+    whose collective fails because a peer just ended by the same signal can tell
+    (:meth:`arrived`) that it is being ended, not failing."""
 
     def __init__(self, on_deadline: Callable[[int], None], deadline_s: float) -> None:
         self.signum: int | None = None
         self._on_deadline, self._deadline_s = on_deadline, deadline_s
+        self._seen: int | None = None
+        self.wakeup_r, self.wakeup_w = os.pipe()
+        for fd in (self.wakeup_r, self.wakeup_w):
+            os.set_blocking(fd, False)
+
+    def arrived(self, within_s: float = 0.0) -> int | None:
+        """SIGINT or SIGTERM delivered to this process (handled yet or not), waiting up to ``within_s``."""
+        deadline = time.monotonic() + within_s
+        while self.signum is None and self._seen is None:
+            try:
+                data = os.read(self.wakeup_r, 64)
+            except BlockingIOError:
+                data = b""
+            self._seen = next((b for b in data if b in SIGNALS), None)
+            left = deadline - time.monotonic()
+            if self._seen is not None or left <= 0:
+                break
+            select.select([self.wakeup_r], [], [], left)
+        return self.signum if self.signum is not None else self._seen
 
     def handle(self, signum: int, _frame) -> None:
         if self.signum is not None:
             return  # the first signal is unwinding the run; a second Ctrl-C must not break its clean-up
+        self._take(signum)
+        raise Interrupted(signum)
+
+    def settle(self) -> int | None:
+        """The signal ending this process (:meth:`arrived`), from now on taken as handled: its Python
+        handler, if it has not run yet, will not raise into the clean-up; None when no signal came."""
+        signum = self.arrived()
+        if signum is not None and self.signum is None:
+            self._take(signum)
+        return self.signum
+
+    def _take(self, signum: int) -> None:
         self.signum = signum
         timer = threading.Timer(self._deadline_s, self._on_deadline, args=(signum,))
         timer.daemon = True
         timer.start()
-        raise Interrupted(signum)
 
 
 @contextmanager
@@ -122,21 +159,28 @@ def signals_end_the_run(on_deadline: Callable[[int], None], deadline_s: float = 
     ``on_deadline(signum)`` runs on a timer thread ``deadline_s`` after the first
     signal if the process is still alive: it must end the process (see :func:`force_end`)."""
     state = RunSignals(on_deadline, deadline_s)
-    if threading.current_thread() is not threading.main_thread():
-        yield state
-        return
-    old = {s: signal.signal(s, state.handle) for s in SIGNALS}
     try:
-        yield state
+        if threading.current_thread() is not threading.main_thread():
+            yield state
+            return
+        old = {s: signal.signal(s, state.handle) for s in SIGNALS}
+        old_fd = signal.set_wakeup_fd(state.wakeup_w, warn_on_full_buffer=False)
+        try:
+            yield state
+        finally:
+            signal.set_wakeup_fd(old_fd)
+            for s, handler in old.items():
+                signal.signal(s, handler if state.signum is None else signal.SIG_IGN)
     finally:
-        for s, handler in old.items():
-            signal.signal(s, handler if state.signum is None else signal.SIG_IGN)
+        os.close(state.wakeup_r)
+        os.close(state.wakeup_w)
 
 
-def received() -> int | None:
-    """The signal that is ending this process (inside :func:`signals_end_the_run`), else None."""
+def received(within_s: float = 0.0) -> int | None:
+    """The signal that is ending this process (inside :func:`signals_end_the_run`), else None; waits up
+    to ``within_s`` for one (see :meth:`RunSignals.arrived`)."""
     state = getattr(signal.getsignal(signal.SIGINT), "__self__", None)
-    return state.signum if isinstance(state, RunSignals) else None
+    return state.arrived(within_s) if isinstance(state, RunSignals) else None
 
 
 def force_end(signum: int, line: str | None, keep: Iterable[int] = ()) -> None:
