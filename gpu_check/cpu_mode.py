@@ -18,8 +18,9 @@ own deadline (``gpu_check/section_process.py``), with three substitutions:
   and why, as it does on a GPU machine without vLLM.
 
 The GPU's rules stay on where they matter: the kernels' shape contracts
-(conversion refuses what torchao's kernels refuse; the train step runs with
-strict shape checks), BF16 autocast around every FP8 forward, the fp32 master
+(conversion refuses what torchao's kernels refuse, and every section runs the
+emulation's strict shape checks, ``FP8RL_STRICT_FP8_SHAPES=1``: a token count a
+kernel would refuse is an error here too), BF16 autocast around every FP8 forward, the fp32 master
 weights, and one process per section with its deadline enforced inside it.
 ``precision.compile: auto`` keeps the CPU eager, so section 4's compiled
 blocks are not rehearsed here.
@@ -30,6 +31,7 @@ emulated kernels, not GPU measurements, and its report says so.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
@@ -67,6 +69,14 @@ def emit(line: str) -> None:
     print(line, flush=True)
 
 
+def strict_shapes() -> None:
+    """The emulation's strict kernel shape checks on in this process (the shapes torchao's kernels refuse)."""
+    from fp8rl_core.precision.fp8_linear import set_strict_shapes
+
+    os.environ["FP8RL_STRICT_FP8_SHAPES"] = "1"
+    set_strict_shapes(True)
+
+
 def tiny_config(**overrides):
     from transformers import Qwen3Config
 
@@ -101,7 +111,7 @@ def cpu_throughput(deadline: float) -> None:
         iters=1,
         warmup=0,
         models={"tiny": tiny_config()},
-        tokens_list=(64,),
+        tokens_list=(128,),  # blockwise's weight gradient contracts over the tokens: a multiple of 128
         device="cpu",
         convert=emulated_convert,
     )

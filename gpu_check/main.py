@@ -43,15 +43,12 @@ within its total budget plus those few seconds, and a CUDA error or a half-built
 engine ends with its section. A section that loops also stops between items at its
 deadline (the rest printed as skipped); a later section starts only with its
 budget's time left. Each section's wall time and the total are printed. The
-sections that run torchao's blockwise Triton kernels first bound their
-autotuning to 2 configurations a kernel, with the timings cached on disk
+sections that run torchao's blockwise Triton kernels first bound their autotuning
 (``gpu_check/autotune_bound.py``). The budget has not been checked on a GPU (as
 of 2026-12-03: nothing here has run on one).
 
-On a machine without CUDA it prints one line saying so and exits 0.
-``python gpu_check/main.py --cpu`` runs every section's code on the CPU instead,
-with emulated FP8 kernels and tiny shapes (``gpu_check/cpu_mode.py``): a
-rehearsal of the code paths, not GPU figures.
+On a machine without CUDA it prints one line saying so and exits 0. ``--cpu``
+runs every section's code on the CPU, a rehearsal (``gpu_check/cpu_mode.py``).
 """
 
 from __future__ import annotations
@@ -417,6 +414,10 @@ def run_one_section(name: str, seconds: float, cpu: bool = False) -> int:
         return 2
     with alarm_at(seconds):
         try:
+            if cpu:
+                from gpu_check.cpu_mode import strict_shapes
+
+                strict_shapes()  # the shapes the GPU's kernels refuse are refused here too
             if name.split()[0] in AUTOTUNED:
                 from gpu_check.autotune_bound import bound_blockwise_autotune
 
