@@ -165,29 +165,10 @@ def run_on_cpu(total_s: float = CPU_TOTAL_BUDGET_S, budgets: dict[str, float] | 
     """Every section's CPU rehearsal, each in a process of its own; 0 when every section's process ran to its
     end (exit status 0), 1 otherwise (stopped, killed, crashed or skipped)."""
     from gpu_check import main
-    from gpu_check.section_process import run_in_process, section_argv
 
     start = time.monotonic()
     main.add_paths()
     budgets = budgets or CPU_SECTION_BUDGETS_S
     emit(HEADER)
-    status: dict[str, int | None] = {}
-
-    def own_process(name: str) -> Callable[[float], None]:
-        def run(deadline: float) -> None:
-            argv = section_argv(name, max(deadline - time.monotonic(), 0.0), cpu=True)
-            status[name] = run_in_process(name, deadline, emit, argv=argv)
-
-        return run
-
-    with main.alarm_at(start + total_s - time.monotonic()):
-        try:
-            cells = main.run_sections([(name, own_process(name)) for name in budgets], start, total_s, budgets)
-        except main.BudgetExceeded:
-            cells = ["stopped at the total budget"]
-    emit(
-        f"gpu-check --cpu: total {time.monotonic() - start:.0f} s (budget {total_s:.0f} s): "
-        + ", ".join(cells)
-        + "; a CPU rehearsal of the code paths, not GPU figures"
-    )
-    return 0 if len(status) == len(budgets) and not any(status.values()) else 1
+    status = main.run_all(start, total_s, budgets, cpu=True)
+    return 0 if len(status) == len(budgets) and all(rc == 0 for rc in status.values()) else 1

@@ -412,6 +412,7 @@ def run_one_section(name: str, seconds: float, cpu: bool = False) -> int:
     if name not in sections:
         print(f"gpu-check: unknown section {name!r}; valid: {', '.join(sections)}", file=sys.stderr)
         return 2
+    deadline = time.monotonic() + seconds
     with alarm_at(seconds):
         try:
             if cpu:
@@ -422,21 +423,46 @@ def run_one_section(name: str, seconds: float, cpu: bool = False) -> int:
                 from gpu_check.autotune_bound import bound_blockwise_autotune
 
                 emit("    " + bound_blockwise_autotune())
-            sections[name](time.monotonic() + seconds)
+            sections[name](deadline)
         except BudgetExceeded:
+            return STOPPED_EXIT
+        except Exception as err:
+            if time.monotonic() < deadline:
+                raise
+            # the alarm rang inside code that turned it into another error (an import half done, say)
+            emit(f"    {name}: interrupted at its deadline ({type(err).__name__}: {str(err)[:100]})")
             return STOPPED_EXIT
     return 0
 
 
-def in_own_process(name: str, cpu: bool = False) -> Callable[[float], None]:
-    """``fn(deadline)`` running section ``name`` in a process of its own (``gpu_check.section_process``)."""
+def in_own_process(name: str, cpu: bool = False, status: dict | None = None) -> Callable[[float], None]:
+    """``fn(deadline)`` running section ``name`` in a process of its own (``gpu_check.section_process``);
+    its exit status (None: killed) goes in ``status[name]``."""
     from gpu_check.section_process import run_in_process, section_argv
 
     def run(deadline: float) -> None:
         seconds = max(deadline - time.monotonic(), 0.0)
-        run_in_process(name, deadline, emit, argv=section_argv(name, seconds, cpu=cpu))
+        rc = run_in_process(name, deadline, emit, argv=section_argv(name, seconds, cpu=cpu))
+        if status is not None:
+            status[name] = rc
 
     return run
+
+
+def run_all(start: float, total_s: float, budgets: dict[str, float], *, cpu: bool = False) -> dict:
+    """Every section of ``budgets`` in its own process under the total's alarm, then the total's line;
+    returns each section's exit status (None: killed; absent: skipped or not reached)."""
+    status: dict = {}
+    sections = [(name, in_own_process(name, cpu=cpu, status=status)) for name in budgets]
+    with alarm_at(start + total_s - time.monotonic()):
+        try:
+            cells = run_sections(sections, start, total_s, budgets)
+        except BudgetExceeded:  # between two sections' bookkeeping
+            cells = ["stopped at the total budget"]
+    tail = "; a CPU rehearsal of the code paths, not GPU figures" if cpu else ""
+    label = "gpu-check --cpu" if cpu else "gpu-check"
+    emit(f"{label}: total {time.monotonic() - start:.0f} s (budget {total_s:.0f} s): " + ", ".join(cells) + tail)
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,13 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         f"gpu-check: {name}, CUDA capability {torch.cuda.get_device_capability()}, torch {torch.__version__}, {ao}, "
         f"wheels: {[Path(w).name for w in wheels] or 'none'}"
     )
-    sections = [(name, in_own_process(name)) for name in SECTION_BUDGETS_S]
-    with alarm_at(start + TOTAL_BUDGET_S - time.monotonic()):
-        try:
-            cells = run_sections(sections, start, TOTAL_BUDGET_S)
-        except BudgetExceeded:  # between two sections' bookkeeping
-            cells = ["stopped at the total budget"]
-    emit(f"gpu-check: total {time.monotonic() - start:.0f} s (budget {TOTAL_BUDGET_S:.0f} s): " + ", ".join(cells))
+    run_all(start, TOTAL_BUDGET_S, SECTION_BUDGETS_S)
     return 0
 
 
