@@ -222,7 +222,8 @@ time.sleep(300)
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pidfds and /proc are Linux")
 def test_prefect_temporary_server_dies_with_a_sigkilled_parent(tmp_path: Path) -> None:
-    from flows.child_guard import SERVER_MARK, _children, _is_server
+    from flows.child_guard import SERVER_MARK, _is_server
+    from flows.shutdown import children
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PYTHONPATH=str(ROOT), PREFECT_HOME=str(tmp_path / "prefect"))
@@ -237,7 +238,7 @@ def test_prefect_temporary_server_dies_with_a_sigkilled_parent(tmp_path: Path) -
     )
     try:
         assert p.stdout.readline().strip() == "ready"
-        servers = [c for c in _children(p.pid) if _is_server(c)]
+        servers = [c for c in children(p.pid) if _is_server(c)]
         assert servers, f"no child running {SERVER_MARK}"
         os.kill(p.pid, signal.SIGKILL)  # as the OOM killer does: the parent alone
         p.wait()
