@@ -23,6 +23,7 @@ from typing import Any
 from flows import prefect_api  # noqa: F401 (Prefect's environment is set before Prefect is imported)
 
 
+@functools.cache
 def _server_class():
     from prefect.server.api import server as server_module
 
@@ -47,9 +48,14 @@ def start():
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
-    if settings.api.url or not settings.server.ephemeral.enabled:
+    try:
+        if settings.api.url or not settings.server.ephemeral.enabled:
+            return None
+    except AttributeError:  # another Prefect's settings: leave the server to Prefect
         return None
     base, own = _server_class()
+    if not (isinstance(getattr(base, "_instances", None), dict) and hasattr(base, "_run_uvicorn_command")):
+        return None  # a Prefect without them starts its own server, in this process group, as before
     existing = base._instances.get(None)
     if existing is not None and existing.running:
         return existing if isinstance(existing, own) else None
