@@ -130,6 +130,7 @@ def data_dir() -> Path:
 # Longest files first, so the two workers finish together instead of one waiting on a
 # long file drawn last (measured with --durations on an idle 2-core machine).
 _LONG_FIRST = (
+    "test_vllm_campaign",  # two whole campaigns through real vLLM (skipped without .venv-vllm)
     "test_campaign",
     "test_spmd_campaign",
     "test_rollout_ranks",

