@@ -1,12 +1,14 @@
 """The code that runs only with CUDA, and how much of it no test executes: a coverage run, by piece.
 
-    .venv/bin/python benchmarks/gpu_only_lines.py [--tests tests/test_a.py ...] [--json OUT]
+    .venv/bin/python benchmarks/gpu_only_lines.py [--tests FILE ...] [--json OUT]
 
 1. Runs a subset of the suite (:data:`DEFAULT_TESTS`: the tests that drive the GPU
    paths on CPU, listed below) under coverage.py, subprocesses included
-   (``patch = subprocess``: the GPU check's section processes, torchrun and
-   spawned ranks), single-process, pytest-timeout off (the tracer slows
-   everything), with no exclusion: ``# pragma: no cover`` hides nothing.
+   (``patch = subprocess``: the GPU check's section processes and torchrun),
+   single-process, pytest-timeout off (the tracer slows everything), with no
+   exclusion: ``# pragma: no cover`` hides nothing.
+   Forked ranks are measured too (``patch = _exit, fork``); a process killed
+   by a signal (a section past its deadline) leaves no data.
 2. Finds the GPU-only statements of ``fp8rl_core``, ``stages``, ``flows``,
    ``storage`` and ``gpu_check`` from their syntax: the branch of an ``if`` whose
    test names CUDA, NCCL, CUDA IPC or a device capability (``if
@@ -152,7 +154,10 @@ def run_suite(tests: list[str], work: Path) -> tuple[Path, int]:
     """The tests under coverage (subprocesses included); returns the rc file and pytest's exit status."""
     rc = work / "coveragerc"
     sources = ", ".join(str(ROOT / s) for s in SOURCES)
-    rc.write_text(f"[run]\nparallel = True\npatch = subprocess\nsource = {sources}\ndata_file = {work / '.coverage'}\n")
+    rc.write_text(
+        f"[run]\nparallel = True\npatch = _exit, fork, subprocess\nsource = {sources}\n"
+        f"data_file = {work / '.coverage'}\n"
+    )
     env = dict(os.environ, FP8RL_MAX_THREADS="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [
         sys.executable,

@@ -32,7 +32,6 @@ emulated kernels, not GPU measurements, and its report says so.
 from __future__ import annotations
 
 import os
-import time
 from typing import Callable
 
 # Wall-time ceilings on a shared 2-core machine, where starting a section (torch, transformers, torchao)
@@ -102,41 +101,37 @@ def emulated_convert(model, mode: str):
     return report
 
 
-def cpu_throughput(deadline: float) -> None:
-    from gpu_check import main
+def cpu_sections(throughput, sqnr, rollout) -> dict[str, Callable[[float], None]]:
+    """The rehearsal's ``name -> fn(deadline)``: sections 1-3 are the GPU check's own functions (passed in by
+    ``gpu_check.main``, which imports this module) called at tiny shapes with emulated kernels."""
 
-    main.section_throughput(
-        deadline,
-        layers=2,
-        iters=1,
-        warmup=0,
-        models={"tiny": tiny_config()},
-        tokens_list=(128,),  # blockwise's weight gradient contracts over the tokens: a multiple of 128
-        device="cpu",
-        convert=emulated_convert,
-    )
+    def cpu_throughput(deadline: float) -> None:
+        throughput(
+            deadline,
+            layers=2,
+            iters=1,
+            warmup=0,
+            models={"tiny": tiny_config()},
+            tokens_list=(128,),  # blockwise's weight gradient contracts over the tokens: a multiple of 128
+            device="cpu",
+            convert=emulated_convert,
+        )
 
+    def cpu_sqnr(deadline: float) -> None:
+        sqnr(
+            deadline,
+            tokens=32,
+            config=tiny_config(num_hidden_layers=1),
+            real_device="cpu",
+            convert_real=emulated_convert,
+            label=LABEL,
+        )
+        emit("    on CPU 'real' is torchao's float8 modules in emulation (blockwise: the project's emulation on both)")
 
-def cpu_sqnr(deadline: float) -> None:
-    from gpu_check import main
+    def cpu_rollout(deadline: float) -> None:
+        rollout(seqs=2, length=16, config=tiny_config(), device="cpu", label=LABEL)
 
-    main.section_sqnr(
-        deadline,
-        tokens=32,
-        config=tiny_config(num_hidden_layers=1),
-        real_device="cpu",
-        convert_real=emulated_convert,
-        label=LABEL,
-    )
-    emit(
-        "    on CPU 'real' is torchao's float8 modules in emulation (blockwise: the project's emulation on both sides)"
-    )
-
-
-def cpu_rollout(deadline: float) -> None:
-    from gpu_check import main
-
-    main.section_rollout(seqs=2, length=16, config=tiny_config(), device="cpu", label=LABEL)
+    return dict(zip(CPU_SECTION_BUDGETS_S, (cpu_throughput, cpu_sqnr, cpu_rollout, cpu_train_step, cpu_vllm)))
 
 
 def cpu_train_step(deadline: float) -> None:
@@ -156,19 +151,7 @@ def cpu_vllm(deadline: float) -> None:
     run(emit, device="cpu", shapes=TINY_VLLM)
 
 
-CPU_SECTIONS: dict[str, Callable[[float], None]] = dict(
-    zip(CPU_SECTION_BUDGETS_S, (cpu_throughput, cpu_sqnr, cpu_rollout, cpu_train_step, cpu_vllm))
-)
-
-
-def run_on_cpu(total_s: float = CPU_TOTAL_BUDGET_S, budgets: dict[str, float] | None = None) -> int:
-    """Every section's CPU rehearsal, each in a process of its own; 0 when every section's process ran to its
-    end (exit status 0), 1 otherwise (stopped, killed, crashed or skipped)."""
-    from gpu_check import main
-
-    start = time.monotonic()
-    main.add_paths()
-    budgets = budgets or CPU_SECTION_BUDGETS_S
-    emit(HEADER)
-    status = main.run_all(start, total_s, budgets, cpu=True)
+def rehearsal_status(status: dict[str, int | None], budgets: dict[str, float]) -> int:
+    """0 when every section's process ran to its end (exit status 0), 1 otherwise (stopped, killed, crashed
+    or skipped)."""
     return 0 if len(status) == len(budgets) and all(rc == 0 for rc in status.values()) else 1

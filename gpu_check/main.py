@@ -406,7 +406,9 @@ def run_one_section(name: str, seconds: float, cpu: bool = False) -> int:
     from gpu_check.section_process import STOPPED_EXIT
 
     if cpu:
-        from gpu_check.cpu_mode import CPU_SECTIONS as sections
+        from gpu_check.cpu_mode import cpu_sections
+
+        sections = cpu_sections(section_throughput, section_sqnr, section_rollout)
     else:
         sections = SECTIONS
     if name not in sections:
@@ -465,6 +467,19 @@ def run_all(start: float, total_s: float, budgets: dict[str, float], *, cpu: boo
     return status
 
 
+def rehearse(total_s: float | None = None, budgets: dict[str, float] | None = None) -> int:
+    """``--cpu``: every section's CPU rehearsal in its own process (``gpu_check/cpu_mode.py``); exit status 0
+    when every section ran to its end."""
+    start = time.monotonic()
+    add_paths()
+    from gpu_check.cpu_mode import CPU_SECTION_BUDGETS_S, CPU_TOTAL_BUDGET_S, HEADER, rehearsal_status
+
+    budgets = budgets or CPU_SECTION_BUDGETS_S
+    emit(HEADER)
+    status = run_all(start, total_s or CPU_TOTAL_BUDGET_S, budgets, cpu=True)
+    return rehearsal_status(status, budgets)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     cpu = "--cpu" in argv
@@ -472,10 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--section"] and len(argv) == 4 and argv[2] == "--seconds":
         return run_one_section(argv[1], float(argv[3]), cpu=cpu)
     if cpu:
-        add_paths()
-        from gpu_check.cpu_mode import run_on_cpu
-
-        return run_on_cpu()
+        return rehearse()
     if argv:
         print(f"gpu-check: unknown arguments {argv}; usage: gpu_check/main.py [--cpu]", file=sys.stderr)
         return 2

@@ -59,13 +59,13 @@ def test_the_cpu_rehearsal_runs_every_section_end_to_end():
 def test_a_real_section_that_overruns_is_stopped_and_the_rehearsal_returns_within_its_budget(capsys):
     """Sections given less time than their imports take: each is stopped inside its work (or killed a
     few seconds after its deadline), the run says so, exits 1, and returns within its total + 10 s."""
-    from gpu_check.cpu_mode import run_on_cpu
+    from gpu_check.main import rehearse
     from gpu_check.section_process import GRACE_S
 
     budgets = {"[1] train-step throughput": 1.5, "[4] trainer step": 1.5}
     total = 12.0
     t0 = time.monotonic()
-    rc = run_on_cpu(total_s=total, budgets=budgets)
+    rc = rehearse(total_s=total, budgets=budgets)
     took = time.monotonic() - t0
     out = capsys.readouterr().out
     assert rc == 1 and took <= total + 10.0, (rc, took)
