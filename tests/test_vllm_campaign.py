@@ -56,7 +56,10 @@ def run_campaign(run_dir: Path, nproc: int) -> subprocess.CompletedProcess:
     sets = [x for o in MICRO_OVERRIDES + VLLM_OVERRIDES for x in ("--set", o)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), FP8RL_MAX_THREADS="1", OMP_NUM_THREADS="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
-               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300")
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300",
+               # a Prefect home of its own: the vLLM venv's older Prefect cannot open a database the main
+               # venv's newer Prefect has migrated (its temporary server then never answers)
+               PREFECT_HOME=str(run_dir.parent / "prefect-home"))
     cmd = [str(vllm_python()), "-m", "flows.cli", "run", "tiny-cpu", "--run-dir", str(run_dir),
            "--nproc-per-node", str(nproc), *sets]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1100)
