@@ -28,6 +28,16 @@ class Registry(Generic[T]):
 
         return deco
 
+    def register_class(self, name: str) -> Callable[[T], T]:
+        """Class decorator that also sets the class's ``name`` attribute to its registered name."""
+        register = self.register(name)
+
+        def deco(cls: T) -> T:
+            cls.name = name
+            return register(cls)
+
+        return deco
+
     def get(self, name: str) -> T:
         try:
             return self._items[name]

@@ -1,20 +1,10 @@
 """Checkpoints: everything needed to continue a campaign bit-for-bit from a step.
 
-``checkpoints/step_<n>/`` holds::
-
-    model/            model.save_pretrained (safetensors + config.json) and the
-                      tokenizer if given: ``AutoModelForCausalLM.from_pretrained(model/)`` loads it
-    optimizer.pt      optimizer.state_dict() (torch.save; loaded with weights_only=True)
-    rng.json          python, numpy (legacy global) and torch (CPU, CUDA) RNG states
-    state.json        step, sampler position, calibrator state, config, metrics, extra
-    manifest.json     every other file's size and sha256, and those of the sharded
-                      (DCP) model + optimizer state it names; written last
-
-The sharded state of a checkpoint (``torch.distributed.checkpoint``) lives in
-``checkpoints/.dcp/step_<n>/``, written by every rank into a temporary folder
-through :class:`storage.checkpoint_format.HashingStream` and renamed into place
-together with the checkpoint folder, so a half-written DCP folder is never part
-of a complete checkpoint. The manifest lists its files under ``"dcp"``.
+The files of ``checkpoints/step_<n>/`` and of the sharded state in
+``checkpoints/.dcp/step_<n>/`` are listed in :mod:`storage.checkpoint_format`; every
+rank writes the sharded state into a temporary folder through
+:class:`storage.checkpoint_format.HashingStream`, renamed into place together with the
+checkpoint folder, so a half-written DCP folder is never part of a complete checkpoint.
 
 Atomicity: everything is written into ``checkpoints/.tmp-step_<n>-<hex>/``,
 fsynced, and the folder renamed to ``step_<n>``. A checkpoint is *complete* iff

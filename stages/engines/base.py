@@ -265,13 +265,7 @@ ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine")
 
 def register_engine(name: str):
     """Class decorator: ``@register_engine("transformers")``; sets ``cls.name``."""
-    register = ENGINES.register(name)
-
-    def deco(cls: type[RolloutEngine]) -> type[RolloutEngine]:
-        cls.name = name
-        return register(cls)
-
-    return deco
+    return ENGINES.register_class(name)
 
 
 def make_engine(

@@ -112,13 +112,8 @@ TRANSPORTS: Registry[type[Transport]] = Registry("weight-sync transport")
 
 
 def register_transport(name: str):
-    register = TRANSPORTS.register(name)
-
-    def deco(cls: type[Transport]) -> type[Transport]:
-        cls.name = name
-        return register(cls)
-
-    return deco
+    """Class decorator: ``@register_transport("ipc")``; sets ``cls.name``."""
+    return TRANSPORTS.register_class(name)
 
 
 def make_transport(weight_sync: str, options: TransportOptions) -> Transport:
