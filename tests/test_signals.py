@@ -15,6 +15,7 @@ ranks signal  sent to                point                      path
 1     SIGTERM the process group      rollout of step 3 (start)    ``timeout -s TERM``
 2     SIGINT  the process group      train, mini-batch 0, step 1  forwarded to torchrun, by torchrun to each
                                                                   rank's group; rank 0's server last
+2     SIGTERM the process group      rollout of step 2 (start)    every rank and the launcher get it at once
 2     SIGTERM the command            the DCP save of step 2       the launcher forwards a signal only it got
 ===== ======= ====================== ========================== ============================================
 
@@ -239,7 +240,7 @@ def test_one_rank_sigint_sigterm_and_a_full_disk_then_resume_equals_the_uninterr
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-def test_two_ranks_sigint_to_the_group_and_sigterm_to_the_command_then_resume_equals_the_uninterrupted_run(
+def test_two_ranks_sigint_and_sigterm_at_three_points_then_resume_equals_the_uninterrupted_run(
     tmp_path,
 ):
     from test_spmd_campaign import EXTRA
@@ -249,6 +250,8 @@ def test_two_ranks_sigint_to_the_group_and_sigterm_to_the_command_then_resume_eq
     hint = f"fp8rl resume {d} --nproc-per-node 2"
     run = ["run", "tiny-cpu", "--run-dir", str(d), *_sets(EXTRA), "--nproc-per-node", "2"]
     _interrupt(Case(run, "train@1:mb0=wait", tmp_path), signal.SIGINT, group=True, resume=hint)
+    case = Case(["resume", str(d), "--nproc-per-node", "2"], "rollout@2=wait", tmp_path)
+    _interrupt(case, signal.SIGTERM, group=True, resume=hint)
     case = Case(["resume", str(d), "--nproc-per-node", "2"], "checkpoint@2:write:dcp=wait", tmp_path)
     _interrupt(case, signal.SIGTERM, group=False, resume=hint)
     _resume(d, tmp_path, "--nproc-per-node", "2")
