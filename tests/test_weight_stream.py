@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,6 +28,7 @@ from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.tasks.tiny_model import build_tiny_model
 from stages.engines import weight_transfer as wt
+from tests.scaleout_common import rendezvous
 
 
 def test_stream_is_lazy_bf16_per_parameter_without_the_tied_head():
@@ -42,22 +42,16 @@ def test_stream_is_lazy_bf16_per_parameter_without_the_tied_head():
         assert t.dtype == torch.bfloat16 and torch.equal(t, state[name].to(torch.bfloat16))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, port: int, out_dir: str) -> None:
+def _rank_main(rank: int, store: str, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from stages.engines.hf_engine import full_view
     from stages.trainer.distributed import shard_policy
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
     try:
         full = build_tiny_model(ModelConfig()).state_dict()
         policy = shard_policy(build_tiny_model(ModelConfig()))
@@ -79,6 +73,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
             "hf_view_equal": all(torch.equal(hf_state[n], full[n]) for n in full if n != "lm_head.weight"),
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.barrier()  # no rank tears down while its peer is still inside a collective
     finally:
         dist.destroy_process_group()
 
@@ -86,7 +81,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.timeout(240)
 def test_sharded_stream_gathers_one_parameter_at_a_time(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    tmp.spawn(_rank_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    tmp.spawn(_rank_main, args=(rendezvous(), str(tmp_path)), nprocs=2, join=True)
     for r in range(2):
         out = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert out["after_first"] == 1, "more than one parameter gathered before the engine took the first"
