@@ -243,12 +243,11 @@ def _make_rollout_engine(
     )
 
 
-def _checkpoint_activations(policy: torch.nn.Module, *, sharded: bool) -> None:
-    from fp8rl_core.precision.bf16_pass import bf16_recompute_checkpointing, enable_activation_checkpointing
+def _checkpoint_activations(policy: torch.nn.Module) -> None:
+    from fp8rl_core.precision.bf16_pass import enable_activation_checkpointing, recompute_like_forward
 
     enable_activation_checkpointing(policy)
-    if not sharded:  # unsharded: recompute on the bf16 casts (FSDP2 re-gathers them itself)
-        bf16_recompute_checkpointing(policy)
+    recompute_like_forward(policy)  # the forward's bf16 casts (one process) and CPU GEMM mode
 
 
 def open_run(
@@ -298,7 +297,7 @@ def open_run(
     compiled = compile_choice(cfg.precision.compile, device, report.backend)
     state_layer_precision(run_dir, policy, report, main=rank == 0, compiled=compiled)
     if cfg.algorithm.activation_checkpointing:
-        _checkpoint_activations(policy, sharded=world_size > 1)
+        _checkpoint_activations(policy)
     if engine is None:
         engine = _make_rollout_engine(cfg, policy, tokenizer, base)
     if compiled.enabled:  # after activation checkpointing and the engine's copy, before fully_shard (torchtitan)

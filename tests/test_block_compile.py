@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from fp8rl_core.precision.bf16_pass import bf16_recompute_checkpointing, enable_activation_checkpointing
+from fp8rl_core.precision.bf16_pass import enable_activation_checkpointing, recompute_like_forward
 from stages.trainer.block_compile import compile_choice, compile_decoder_blocks, is_compiled
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
@@ -67,7 +67,7 @@ def _tiny_qwen3(layers: int):
     )
     model = Qwen3ForCausalLM(cfg).float().train()
     enable_activation_checkpointing(model)
-    bf16_recompute_checkpointing(model)  # one process: recompute on the bf16 casts, as open_run sets it
+    recompute_like_forward(model)  # one process: recompute on the bf16 casts, as open_run sets it
     return model
 
 

@@ -1,5 +1,6 @@
-"""Activation checkpointing in one process: the backward recomputes each block on the bf16 casts its forward
-read (``fp8rl_core.precision.bf16_pass.bf16_recompute_checkpointing``).
+"""Activation checkpointing: the backward recomputes each block as its forward computed
+(``fp8rl_core.precision.bf16_pass.recompute_like_forward``): on the bf16 casts the forward read, and
+under the CPU GEMM mode (``cpu_bf16_gemm: fp32`` / ``portable``) the forward ran in.
 
 One process computes every forward on the bf16 casts of the fp32 masters, as FSDP2's all-gather
 hands them to N ranks (``bf16_parameters``). transformers checkpoints a block's ``forward``; by the
@@ -13,21 +14,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8rl_core.precision.bf16_pass import bf16_recompute_checkpointing, enable_activation_checkpointing
+from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
+from fp8rl_core.precision.bf16_pass import enable_activation_checkpointing, recompute_like_forward
 from stages.trainer.optimizer import make_optimizer
 from stages.trainer.update import policy_update
 from tests.scaleout_common import small_batch, small_cfg, small_model
 
 
-def _update(mode: str, checkpointing: str):
+def _update(mode: str, checkpointing: str, gemm: str = "native"):
     cfg = small_cfg(mode)
     model = small_model(mode)
     if checkpointing != "off":
         enable_activation_checkpointing(model)
     if checkpointing == "bf16 recompute":
-        assert bf16_recompute_checkpointing(model) == 2
+        assert recompute_like_forward(model) == 2
     opt, sched = make_optimizer(model, cfg)
-    res = policy_update(model, opt, sched, small_batch(), cfg, bounds=(0.8, 1.28), shadow=False, seed=0)
+    with cpu_bf16_gemm(gemm):
+        res = policy_update(model, opt, sched, small_batch(), cfg, bounds=(0.8, 1.28), shadow=False, seed=0)
     return res, [p.detach().clone() for p in model.parameters()]
 
 
@@ -46,3 +49,17 @@ def test_plain_checkpointing_fails_in_one_process():
 
     with pytest.raises(CheckpointError, match="different metadata"):
         _update("bf16", "plain")
+
+
+@pytest.mark.parametrize("gemm", ["fp32", "portable"])
+@pytest.mark.parametrize("mode", ["bf16", "fp8_blockwise"])
+def test_the_recomputation_runs_under_the_forwards_cpu_gemm_mode(mode, gemm):
+    """A backward started inside the CPU GEMM mode runs in the mode's own handler, where the mode is
+    off: without the recompute context restoring it, the recomputed block took PyTorch's native BF16
+    kernels and ``torch.utils.checkpoint`` refused it (the run of a preset with
+    ``activation_checkpointing: true`` stopped at its first backward on a CPU)."""
+    torch.set_num_threads(1)
+    ref, ref_params = _update(mode, "off", gemm)
+    res, params = _update(mode, "bf16 recompute", gemm)
+    assert torch.equal(res.logp_fp8, ref.logp_fp8) and res.metrics["loss"] == ref.metrics["loss"]
+    assert all(torch.equal(p, q) for p, q in zip(params, ref_params))

@@ -134,10 +134,16 @@ def resolve_cpu_bf16_gemm(setting: str, hidden_size: int | None, device: str | t
     return GemmChoice(setting, "native", f"{isa} and a model at least {NATIVE_MIN_HIDDEN} wide")
 
 
+def active_cpu_gemm_mode() -> Bf16GemmsInFp32 | None:
+    """The innermost ``cpu_bf16_gemm`` mode (fp32 or portable) active on this thread, or None."""
+    modes = [m for m in torch.overrides._get_current_function_mode_stack() if isinstance(m, Bf16GemmsInFp32)]
+    return modes[-1] if modes else None
+
+
 def fp32_gemms_active() -> bool:
     """Whether a :class:`Bf16GemmsInFp32` mode handles this thread's GEMMs (a ``cpu_bf16_gemm("fp32")``
     context is open here)."""
-    return any(isinstance(m, Bf16GemmsInFp32) for m in torch.overrides._get_current_function_mode_stack())
+    return active_cpu_gemm_mode() is not None
 
 
 @contextlib.contextmanager

@@ -10,8 +10,8 @@ the ``bf16`` mode's forward on the same fp32 master weights: the BF16 shadow pas
   (with torchao's float8 all-gather, the linear would otherwise hold FP8 values).
 - :func:`bf16_parameters`: in one process, every parameter read as its bf16 cast,
   as FSDP2's mixed-precision all-gather hands them over on N ranks, so one process
-  computes exactly as N ranks do; :func:`bf16_recompute_checkpointing` makes
-  activation checkpointing recompute on the same casts.
+  computes exactly as N ranks do; :func:`recompute_like_forward` makes
+  activation checkpointing recompute on the same casts (and under the same CPU GEMM mode).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fp8rl_core.cpu_numerics.cpu_gemm import active_cpu_gemm_mode
 
 CONVERTED = "_fp8rl_converted"  # marker attribute on every linear converted for low-precision training
 
@@ -91,7 +93,7 @@ def _transformed_gathers(model: nn.Module) -> dict[int, Any]:
 
 
 # Set while bf16_parameters reparametrizes a model: a block's checkpoint (entered during that forward) then
-# recomputes on the same casts in backward (bf16_recompute_checkpointing).
+# recomputes on the same casts in backward (recompute_like_forward).
 _BF16_CASTS_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8rl_bf16_parameters", default=False)
 
 
@@ -104,7 +106,7 @@ def bf16_parameters(model: nn.Module) -> Iterator[nn.Module]:
     every all-gathered parameter (``stages.trainer.distributed.mixed_precision_policy``), done in one
     process without sharding, so one process computes exactly as N ranks do. A no-op on an
     FSDP2-sharded model (FSDP casts already) and when the parameters are not fp32. With activation
-    checkpointing, see :func:`bf16_recompute_checkpointing`.
+    checkpointing, see :func:`recompute_like_forward`.
     """
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call runs
@@ -134,17 +136,24 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def bf16_recompute_checkpointing(model: nn.Module) -> int:
-    """Make every checkpointed block of an unsharded ``model`` recompute, in backward, on the bf16 casts
-    its forward read under :func:`bf16_parameters`; returns the number of blocks.
+def recompute_like_forward(model: nn.Module) -> int:
+    """Make every checkpointed block of ``model`` recompute, in backward, as its forward computed;
+    returns the number of blocks. Call after :func:`enable_activation_checkpointing`.
 
-    transformers checkpoints a block's ``forward`` (its hooks stay outside), and by the time
-    backward recomputes the block, ``bf16_parameters`` has handed the fp32 masters back: the
-    recomputation would compute in fp32 and ``torch.utils.checkpoint`` refuses it (the tensors
-    it saved were bf16). Each block's checkpoint gets a ``context_fn`` whose recompute context
-    casts that block's parameters again (the same bf16 values). An FSDP2-sharded model needs none
-    of this: FSDP2 all-gathers the bf16 parameters again before a block's backward. Call after
-    :func:`enable_activation_checkpointing`.
+    transformers checkpoints a block's ``forward`` (its hooks stay outside); the backward recomputes
+    it later, when two things the forward ran under are gone:
+
+    - **the bf16 casts** of an unsharded model (:func:`bf16_parameters` has handed the fp32 masters
+      back): the recomputation would compute in fp32, and ``torch.utils.checkpoint`` refuses it (the
+      tensors it saved were bf16). An FSDP2-sharded model all-gathers the bf16 parameters again itself.
+    - **the CPU GEMM mode** (``cpu_bf16_gemm: fp32`` or ``portable``, a torch-function mode): a
+      backward started inside the mode runs inside the mode's own handler, where the mode is off, so
+      the recomputation would take PyTorch's native BF16 kernels and the plain transcendental
+      functions, saving other tensors than the forward did (refused, or, where the counts happen to
+      agree, gradients from other numerics). One process or sharded alike.
+
+    Each block's checkpoint gets a ``context_fn`` whose recompute context restores both, as the
+    forward had them (the same bf16 values, the same mode object).
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -156,19 +165,31 @@ def bf16_recompute_checkpointing(model: nn.Module) -> int:
         if not isinstance(fn, functools.partial):
             raise ValueError(f"{type(mod).__name__}: unexpected checkpointing function {fn!r}")
         if fn.keywords.get("use_reentrant", True):
-            raise ValueError("bf16_recompute_checkpointing needs non-reentrant checkpointing (use_reentrant=False)")
-        kw = {**fn.keywords, "context_fn": functools.partial(_bf16_recompute_contexts, mod)}
+            raise ValueError("recompute_like_forward needs non-reentrant checkpointing (use_reentrant=False)")
+        kw = {**fn.keywords, "context_fn": functools.partial(_recompute_contexts, mod)}
         mod._plain_checkpointing_func = fn  # what a compiled block goes back to (stages.trainer.block_compile)
         mod._gradient_checkpointing_func = functools.partial(fn.func, *fn.args, **kw)
         blocks += 1
     return blocks
 
 
-def _bf16_recompute_contexts(block: nn.Module):
+def _recompute_contexts(block: nn.Module):
     """``torch.utils.checkpoint``'s (forward, recompute) contexts of ``block``, chosen when its forward runs."""
-    if not _BF16_CASTS_ON.get():
+    mode = active_cpu_gemm_mode()
+    casts = _BF16_CASTS_ON.get()
+    if mode is None and not casts:
         return contextlib.nullcontext(), contextlib.nullcontext()
-    return contextlib.nullcontext(), _bf16_block(block)
+    return contextlib.nullcontext(), _as_in_forward(block, mode, casts)
+
+
+@contextlib.contextmanager
+def _as_in_forward(block: nn.Module, mode: Any, casts: bool) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        if mode is not None and active_cpu_gemm_mode() is not mode:
+            stack.enter_context(mode)
+        if casts:
+            stack.enter_context(_bf16_block(block))
+        yield
 
 
 @contextlib.contextmanager

@@ -99,7 +99,7 @@ def compile_decoder_blocks(model: nn.Module, *, backend: str = "inductor") -> in
     A checkpointed block compiles its checkpoint as a higher-order op over the block's graph,
     whose inputs include the parameters as the forward read them (in one process, the bf16
     casts of ``bf16_parameters``), and the recomputation reads those: the eager recompute
-    context of ``fp8rl_core.precision.bf16_pass.bf16_recompute_checkpointing`` is not needed there, and
+    context of ``fp8rl_core.precision.bf16_pass.recompute_like_forward`` is not needed there, and
     being bound to each block, it would make every block recompile; the blocks go back to the
     one plain checkpoint function transformers gave them all.
     """
