@@ -161,3 +161,27 @@ def test_a_run_killed_mid_step_resumes_to_the_uninterrupted_tables(runs):
     bad = [c for t in TABLES for c in table_differences(runs[1], killed, t, FLOAT_TOL)]
     assert not bad, f"killed and resumed vs uninterrupted, through vLLM: {bad}"
 
+
+
+def test_two_ranks_as_one_tensor_parallel_engine(runs):
+    """``rollout.tensor_parallel_size: 2`` on two ranks: one engine whose two ranks each hold half of
+    every layer and submit the same requests (vLLM's external launcher: DP 1, TP 2). Two steps and the
+    step-0 and step-2 evaluations complete, every sample once. TP splits each GEMM's reduction over the
+    ranks and adds the halves in an all-reduce, so logits change in their last bits and a sampled token
+    can flip where two are nearly tied: the samples are held to the 1-rank run's for most prompts, not
+    all (on this machine 64 of 64 in steps 1-2 and 29 of 32 in a third step agreed, 2026-12-03). Requests
+    split between the group's ranks instead would miss or duplicate samples, or hang vLLM's collectives."""
+    tp = runs[1].parent / "tp2"
+    r = run_campaign(tp, 2, "steps=2", "rollout.tensor_parallel_size=2")
+    assert r.returncode == 0, f"TP=2 campaign through vLLM failed:\n{r.stderr[-4000:]}"
+    assert "tensor_parallel_size=2" in r.stdout + r.stderr and "data_parallel_size=1" in r.stdout + r.stderr
+    q = "SELECT step, sample_id, prompt_token_ids, response_token_ids FROM rollouts WHERE step <= 2 ORDER BY ALL"
+    one, two = rows(runs[1], q), rows(tp, q)
+    assert len(two) == 2 * 8 * 4 and len({(x["step"], x["sample_id"]) for x in two}) == len(two)
+    assert [(x["step"], x["sample_id"], x["prompt_token_ids"]) for x in one] == [
+        (x["step"], x["sample_id"], x["prompt_token_ids"]) for x in two
+    ]
+    same = sum(x["response_token_ids"] == y["response_token_ids"] for x, y in zip(one, two))
+    assert same >= 0.75 * len(two), f"only {same} of {len(two)} TP=2 samples equal the 1-rank run's"
+    evaluated = rows(tp, "SELECT step, count(*) AS n FROM evals GROUP BY step ORDER BY step")
+    assert evaluated == [{"step": 0, "n": 13 * 2}, {"step": 2, "n": 13 * 2}]
