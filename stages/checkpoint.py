@@ -86,13 +86,18 @@ def dcp_errors():
 
 
 class _FullStateExport:
-    """``save_pretrained`` of a sharded policy from its gathered full state (rank 0)."""
+    """``save_pretrained`` of a sharded policy from its gathered full state (rank 0): the files one process
+    writes. A tied parameter (the output embedding of a tied-embedding model) is written once, under its
+    first name: the gathered state holds a separate copy for each name, which ``save_pretrained`` would
+    otherwise write twice."""
 
     def __init__(self, model, state: dict) -> None:
         self.model, self.state = model, state
 
     def save_pretrained(self, path) -> None:
-        self.model.save_pretrained(path, state_dict=self.state)
+        first: dict[int, str] = {}
+        tied = {n for n, p in self.model.named_parameters(remove_duplicate=False) if first.setdefault(id(p), n) != n}
+        self.model.save_pretrained(path, state_dict={k: v for k, v in self.state.items() if k not in tied})
 
 
 def _barrier(env: RunEnv) -> None:

@@ -213,6 +213,15 @@ def state_layer_precision(
     return summary
 
 
+def _state_sharding(run_dir: Path, policy: torch.nn.Module, world_size: int) -> None:
+    """How this launch trains, in ``run.json``'s ``sharding`` (a resume on another rank count rewrites it):
+    the rank count and whether FSDP2 all-gathers torchao's float8 weights as float8."""
+    from stages.trainer.distributed import uses_fsdp_float8
+    from storage.layout import update_run_info
+
+    update_run_info(run_dir, sharding={"ranks": world_size, "float8_all_gather": uses_fsdp_float8(policy)})
+
+
 def _base_model_rank0_first(cfg: CampaignConfig, runs_root: Path, rank: int, world_size: int, group: Any) -> Path:
     """Rank 0 builds (or finds) the bootstrap cache while the other ranks wait, then they read it."""
     if world_size == 1:
@@ -288,6 +297,7 @@ def open_run(
         policy,
         cfg.precision.train,
         emulate=cfg.precision.emulate,
+        backend=cfg.precision.backend,
         keep_high_precision=cfg.precision.keep_high_precision,
         seed=cfg.seed,
         round_scales_to_power_of_2=cfg.precision.round_scales_to_power_of_2,
@@ -308,6 +318,8 @@ def open_run(
         policy = shard_policy(policy, cfg, device=device)  # FSDP2 moves one block at a time, then shards it
     else:
         policy.to(device)
+    if rank == 0:
+        _state_sharding(run_dir, policy, world_size)
     optimizer, scheduler = make_optimizer(policy, cfg)
     env = RunEnv(
         cfg=cfg,

@@ -122,6 +122,13 @@ class PrecisionConfig(Section):
         "mxfp4_w4a4).",
     )
     emulate: bool | None = Field(None, description="Emulate FP8 matmuls; None = auto (emulate unless CUDA SM89+).")
+    backend: Literal["auto", "emulated", "torchao"] = Field(
+        "auto",
+        description="Whose FP8 training linears: auto = torchao's float8 modules where real FP8 kernels run, "
+        "the project's emulated linears elsewhere; emulated = always the project's; torchao = torchao's "
+        "modules even when emulating (tensorwise, rowwise: on a CPU, the GPU run's module stack with FSDP2's "
+        "float8 all-gather, slower; torchao's blockwise prototype has no emulation). FP8 modes only.",
+    )
     round_scales_to_power_of_2: bool = Field(False, description="Round FP8 scales down to powers of two.")
     cpu_bf16_gemm: Literal["auto", "native", "fp32", "portable"] = Field(
         "auto",
@@ -153,6 +160,17 @@ class PrecisionConfig(Section):
     def _yaml_switch(cls, v: object) -> object:
         """YAML reads a bare ``on``/``off`` as a bool: take it as the switch it was written as."""
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def _backend_fits_mode(self) -> "PrecisionConfig":
+        fp8 = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")
+        if self.backend != "auto" and self.train not in fp8:
+            raise ValueError(f"precision.backend: {self.backend!r} applies to FP8 training ({', '.join(fp8)}), "
+                             f"not to {self.train!r}; leave it at 'auto'")
+        if self.backend == "torchao" and self.train == "fp8_blockwise" and self.emulate:
+            raise ValueError("precision.backend: torchao's blockwise FP8 prototype has no emulation; "
+                             "with emulate: true use backend 'auto' or 'emulated'")
+        return self
 
 
 class BapoConfig(Section):
