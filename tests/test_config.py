@@ -141,3 +141,33 @@ def test_a_name_no_registry_holds_is_an_error_naming_the_key_and_the_valid_names
     assert f"{key}: unknown {kind} {value!r}; valid: " in msg
     valid = NAMED_BY_REGISTRY[key][1].names()
     assert all(name in msg for name in valid) and len(valid) >= 2
+
+
+@pytest.mark.parametrize(
+    ("sets", "says"),
+    [
+        (["precision.backend=torchao", "precision.train=bf16"], "applies to FP8 training"),
+        (["precision.backend=emulated", "precision.train=nvfp4"], "applies to FP8 training"),
+        (["precision.backend=torchao", "precision.train=fp8_blockwise", "precision.emulate=true"], "no emulation"),
+        (["precision.backend=triton"], "'auto', 'emulated' or 'torchao'"),
+    ],
+)
+def test_the_fp8_backend_setting_is_checked_when_the_config_loads(sets, says):
+    with pytest.raises(ConfigError, match=says):
+        load_config("tiny-cpu", sets)
+    assert load_config("tiny-cpu", ["precision.backend=torchao"]).precision.backend == "torchao"
+
+
+def test_the_rehearsal_preset_keeps_the_8b_presets_sections_and_switches():
+    """The CPU rehearsal sets every section the 8B GPU preset sets, and the same switches."""
+    import yaml
+
+    gpu = yaml.safe_load((CONFIG_DIR / "qwen3-8b-grpo-deepscaler.yaml").read_text())
+    cpu = yaml.safe_load((CONFIG_DIR / "rehearsal-cpu.yaml").read_text())
+    assert set(gpu) - {"storage"} <= set(cpu)
+    for section in ("rollout", "algorithm", "calibration", "checkpoint", "timeouts"):
+        assert set(gpu[section]) - {"gpu_memory_utilization"} <= set(cpu[section]) | {"top_p"}, section
+    rehearsal = load_config("rehearsal-cpu")
+    assert rehearsal.rollout.engine == "vllm" and rehearsal.precision.train == load_config(
+        "qwen3-8b-grpo-deepscaler").precision.train
+    assert rehearsal.algorithm.activation_checkpointing and rehearsal.checkpoint.keep_best_metric == "average/avg@k"
