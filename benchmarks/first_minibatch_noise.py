@@ -2,11 +2,13 @@
 
 Before the first update π_θ = π_old, so every ratio of the first mini-batch is 1
 in exact arithmetic. In BF16 it is (the forward does not depend on batch
-composition). In FP8 the dynamic scales do: π_old is recomputed over the whole
-batch in micro-batches, π_θ over a shuffled mini-batch, so activation amax —
-and the rounding — differs. That deviation is part of the ratio noise the paper
-measures; this script reports it per mode from one real step of the tiny
-default (bootstrapped policy, its rollout, its scores).
+composition). In FP8 the dynamic scales do depend on it: where π_old and π_θ of
+a token are computed over differently composed micro-batches, activation amax —
+and the rounding — differs, and the deviation adds to the ratio noise the paper
+measures. The trainer computes π_old on the very micro-batches π_θ trains on
+(``stages.trainer.minibatch_plan``), which removes most of it for tensorwise
+scaling (docs/calibration.md); this script reports what is left, per mode, from
+one real step of the tiny default (bootstrapped policy, its rollout, its scores).
 
     python benchmarks/first_minibatch_noise.py [--set key=value ...]
 """
