@@ -87,8 +87,31 @@ class StageRun:
         self.env.close()
 
 
+_PREFECT_SERVER: list = []  # this worker's shared Prefect server (tests/shared_prefect.py), once started
+
+
+def _share_a_prefect_server(items) -> None:
+    """Campaigns started as processes report to one Prefect server per worker (``tests/shared_prefect.py``),
+    started when this worker collected a campaign test and no server is configured already."""
+    if _PREFECT_SERVER or os.environ.get("PREFECT_API_URL"):
+        return
+    if not any(item.get_closest_marker("slow") or item.get_closest_marker("vllm") for item in items):
+        return
+    import shared_prefect
+
+    started = shared_prefect.start(sys.executable, _SESSION_TMP / "prefect-server", _SESSION_TMP / "prefect-server.log")
+    if started is not None:
+        os.environ["PREFECT_API_URL"] = started[0]
+        _PREFECT_SERVER.append(started[1])
+
+
 def pytest_unconfigure(config) -> None:
-    """Remove the session's temporary folder (Prefect home, bootstrap cache)."""
+    """Stop the shared Prefect server; remove the session's temporary folder (Prefect home, bootstrap cache)."""
+    if _PREFECT_SERVER:
+        import shared_prefect
+
+        shared_prefect.stop(_PREFECT_SERVER.pop())
+        os.environ.pop("PREFECT_API_URL", None)
     shutil.rmtree(_SESSION_TMP, ignore_errors=True)
 
 
@@ -129,8 +152,26 @@ def data_dir() -> Path:
 # share of it (the sandbox tests count processes in a uid band of their own).
 # Longest files first, so the two workers finish together instead of one waiting on a
 # long file drawn last (measured with --durations on an idle 2-core machine).
-_LONG_FIRST = (
-    "test_vllm_campaign",  # two whole campaigns through real vLLM (skipped without .venv-vllm)
+_LONG_FIRST = (  # measured 2026-12-03 (seconds of test time per file, both workers busy)
+    "test_vllm_campaign",  # ~550: campaigns through real vLLM (skipped without .venv-vllm)
+    "test_campaign",  # ~390
+    "test_signals",  # ~330: Prefect's temporary server on purpose
+    "test_spmd_campaign",  # ~165
+    "test_vllm_http_real",  # ~150
+    "test_rank_failure",  # ~100
+    "test_torchao_campaign",
+    "test_golden_tables",
+    "test_guard",
+    "test_train_scaleout",
+    "test_deploy",
+    "test_gpu_check_vllm",
+    "test_trackers",
+    "test_gpu_check_cpu",
+    "test_stages",
+    "test_dp_lockstep",
+    "test_rollout_ranks",
+    "test_integrity",
+)
     "test_campaign",
     "test_spmd_campaign",
     "test_rollout_ranks",
@@ -146,5 +187,6 @@ _LONG_FIRST = (
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    _share_a_prefect_server(items)
     rank = {name: i for i, name in enumerate(_LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))  # stable

@@ -45,13 +45,14 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def _cli(*args: str, env: dict[str, str | None] | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run the CLI in its own process group, output to files (not pipes): after a
     SIGKILL, children such as Prefect's temporary server would hold pipes open."""
     import tempfile
 
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_FAULT")}
     full_env.update(env or {})
+    full_env = {k: v for k, v in full_env.items() if v is not None}  # None: drop the variable
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", *args],
@@ -105,7 +106,8 @@ def reference(tmp_path_factory) -> Path:
         "--run-dir",
         str(d),
         *_sets(),
-        env={"FP8RL_FAULT": "rollout@1=transient", "FP8RL_FAULT_MARKER": str(marker)},
+        # the user's first run: Prefect's temporary server (no PREFECT_API_URL), its console checked below
+        env={"FP8RL_FAULT": "rollout@1=transient", "FP8RL_FAULT_MARKER": str(marker), "PREFECT_API_URL": None},
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert marker.exists(), "the transient fault was never injected"

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MICRO_OVERRIDES
+from shared_prefect import without_server
 
 from flows.shutdown import descendants
 
@@ -86,7 +87,8 @@ class Case:
 
     def __init__(self, args: list[str], fault: str | None, tmp: Path) -> None:
         self.tag, self.marker = uuid.uuid4().hex, tmp / f"marker-{uuid.uuid4().hex[:8]}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_FAULT")}
+        # Prefect's temporary server, as by default: its place in the shutdown is part of what is tested
+        env = {k: v for k, v in without_server(os.environ).items() if not k.startswith("FP8RL_FAULT")}
         env.update({TAG: self.tag, "OMP_NUM_THREADS": "1"})
         if fault:
             env.update(FP8RL_FAULT=fault, FP8RL_FAULT_MARKER=str(self.marker))

@@ -35,8 +35,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import shared_prefect
 
-from tests.real_vllm import ROOT, require_vllm, vllm_python
+from tests.real_vllm import ROOT, require_vllm, skip_reason, vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(2400)]
 
@@ -52,12 +53,15 @@ def run_campaign(
     """``fp8rl run`` of the rehearsal preset in the vLLM venv (``extra``: ``--set`` overrides; ``resume``:
     ``fp8rl resume`` of that run; ``fault``: an ``FP8RL_FAULT`` test hook, armed by the suite)."""
     sets = [x for o in extra for x in ("--set", o)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), FP8RL_MAX_THREADS="1", OMP_NUM_THREADS="1",
+    env = dict(shared_prefect.without_server(os.environ), PYTHONPATH=str(ROOT), FP8RL_MAX_THREADS="1",
+               OMP_NUM_THREADS="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300",
                # a Prefect home of its own: the vLLM venv's older Prefect cannot open a database the main
                # venv's newer Prefect has migrated (its temporary server then never answers)
                PREFECT_HOME=str(run_dir.parent / "prefect-home"))
+    if "url" in _PREFECT:
+        env["PREFECT_API_URL"] = _PREFECT["url"]
     if fault:
         env["FP8RL_FAULT"] = fault
     cmd = [str(vllm_python()), "-m", "flows.cli", "run", PRESET, "--run-dir", str(run_dir), *sets]
@@ -65,6 +69,26 @@ def run_campaign(
         cmd = [str(vllm_python()), "-m", "flows.cli", "resume", str(run_dir)]
     cmd += ["--nproc-per-node", str(nproc)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1100)
+
+
+_PREFECT: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_prefect_server(tmp_path_factory):
+    """A Prefect server of the vLLM venv's own Prefect for this module's campaigns: older than the
+    main venv's, it cannot report to the suite's shared server (``tests/shared_prefect.py``)."""
+    if skip_reason() is not None:
+        yield
+        return
+    root = tmp_path_factory.mktemp("vllm-prefect")
+    started = shared_prefect.start(str(vllm_python()), root / "home", root / "server.log")
+    if started is not None:
+        _PREFECT["url"] = started[0]
+    yield
+    _PREFECT.clear()
+    if started is not None:
+        shared_prefect.stop(started[1])
 
 
 @pytest.fixture(scope="module")
