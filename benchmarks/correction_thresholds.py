@@ -30,7 +30,7 @@ from fp8rl_core.objective.corrections import CORRECTIONS, calibrate_correction  
 def make_run(run_dir: Path, steps: int, overrides: list[str]) -> None:
     from flows.configuration import dump_config, load_config
     from stages.calibrate import run_calibrate
-    from stages.context import open_context
+    from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.score import run_score
     from stages.train import run_train
@@ -38,7 +38,7 @@ def make_run(run_dir: Path, steps: int, overrides: list[str]) -> None:
 
     cfg = load_config("tiny-cpu", [f"steps={steps}", "calibration.interval=1", *overrides])
     create_run(run_dir.parent, run_dir.name, config=dump_config(cfg))
-    env, state = open_context(cfg, run_dir)
+    env, state = open_run(cfg, run_dir)
     try:
         for step in range(1, steps + 1):
             for stage in (run_rollout, run_score, run_train, run_calibrate):

@@ -46,7 +46,7 @@ def main() -> None:
 
     quiet_third_party()
     from stages.calibrate import run_calibrate
-    from stages.context import open_context
+    from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.score import run_score
     from stages.train import run_train
@@ -74,7 +74,7 @@ def main() -> None:
             ],
         )
         create_run(root, name.replace("+", "-"), config=dump_config(cfg))
-        ctx = open_context(cfg, root / name.replace("+", "-"))
+        ctx = open_run(cfg, root / name.replace("+", "-"))
         rows = []
         t0 = time.perf_counter()
         try:

@@ -42,6 +42,7 @@ is done. :func:`run_campaign` is the one entry used by ``fp8rl run``,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -266,7 +267,7 @@ def _rollout_and_score(
     timings: dict[str, float] = {}
     for name, stage_task in (("rollout", rollout_task), ("score", score_task)):
         if name in done:
-            state = state.replace(sampler=SamplerState.from_dict(info[name].get("sampler")))
+            state = dataclasses.replace(state, sampler=SamplerState.from_dict(info[name].get("sampler")))
             continue
         _sync_engine(env, state, synced)  # DAPO refills generate too
         out, state = _limited(_on_ranks, stage_task, env, state, step)

@@ -16,7 +16,7 @@ It runs the detectors of :mod:`fp8rl_core.signals.guard` over the live step rows
 3. checkpoint c is restored (weights, optimizer, RNG, sampler, calibrator) and
    the campaign continues at c + 1 with the remedy: ``recalibrate_now`` /
    ``recalibrate_every_step`` force the shadow passes on the next 1 /
-   ``remedy_steps`` steps (``stages.schedule.guard_hooks``), ``tighten`` narrows the bounds in
+   ``remedy_steps`` steps (``stages.schedule.shadow``), ``tighten`` narrows the bounds in
    force by ``tighten_factor``; ``stop`` (or a trip beyond ``max_trips``, or no
    checkpoint to go back to) records the trip and stops the campaign with
    :class:`GuardStop`.
@@ -177,7 +177,7 @@ class CampaignGuard:
         nxt, state, last_eval = restore_latest(self.env, state, before_step=c + 1)
         if self.cfg.remedy == "tighten":
             f, cal = self.cfg.tighten_factor, state.calibrator
-            state = state.replace(
+            state = dataclasses.replace(state,
                 calibrator=dataclasses.replace(cal, lower=1 - f * (1 - cal.lower), upper=1 + f * (cal.upper - 1))
             )
         return nxt, state, last_eval

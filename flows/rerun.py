@@ -19,6 +19,7 @@ empty variant.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from fp8rl_core.calibration.calibrated_clipping import CalibratorState
@@ -73,7 +74,7 @@ def rerun_stage(run_dir: Path, cfg: CampaignConfig, stage: str, steps: range, *,
             )
         prev = _bounds_in_force(env, steps.start)
         if prev is not None:
-            state = state.replace(calibrator=prev)
+            state = dataclasses.replace(state, calibrator=prev)
         for s in todo:
             if "train" in env.ledger.done_stages(s):
                 with env.ledger.stage(s, "calibrate", variant=variant) as rec:

@@ -163,4 +163,5 @@ def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0
         calibrator = dataclasses.replace(calibrator, correction=thresholds)
     seconds = time.perf_counter() - t0
     info = {"lower": res.lower, "upper": res.upper, "alpha": res.alpha, "calibrator": calibrator.to_dict()}
-    return StageResult(outputs=[str(path)], seconds=seconds, info=info), state.replace(calibrator=calibrator)
+    result = StageResult(outputs=[str(path)], seconds=seconds, info=info)
+    return result, dataclasses.replace(state, calibrator=calibrator)

@@ -17,6 +17,7 @@ folder's name, and the latest eval metrics (for keep-best retention).
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from contextlib import contextmanager
@@ -191,7 +192,7 @@ def restore(env: RunEnv, state: TrainState, path: str | Path) -> tuple[int, Trai
         state.scheduler.load_state_dict(sched)
     calibrator = CalibratorState.from_dict(ck.calibrator_state) if ck.calibrator_state else state.calibrator
     load_fp4_rng_state(state.policy, ck.extra.get("fp4_rng"))  # FP4 stochastic rounding resumes its stream
-    return ck.step, state.replace(
+    return ck.step, dataclasses.replace(state,
         sampler=SamplerState.from_dict(ck.sampler_state),
         calibrator=calibrator,
         policy_version=int(ck.extra.get("policy_version", ck.step)),

@@ -8,7 +8,7 @@ A stage is a plain function over explicit inputs::
   stage: policy, optimizer, LR schedule, calibrator state, sampler position and
   the policy version (the RNG is the process's, captured at save). It is a
   value: a stage that changes the calibrator or the sampler returns a new one
-  (``state.replace(...)``); nothing reassigns another stage's fields. The
+  (``dataclasses.replace(state, ...)``); nothing reassigns another stage's fields. The
   policy's and optimizer's tensors are updated in place by the train stage
   (copying a model per step would be absurd), which then returns the state with
   its new ``policy_version``.
@@ -16,8 +16,7 @@ A stage is a plain function over explicit inputs::
   table writer, ledger, tokenizer, rollout engine, prompt source, variant, and
   where the process sits (rank, world size, device, process group). Frozen.
 
-:func:`open_run` builds both, once per process (:func:`open_context` is its old
-name). ``flows.rerun`` builds the same types (a policy-free state for score and
+:func:`open_run` builds both, once per process. ``flows.rerun`` builds the same types (a policy-free state for score and
 calibrate re-runs).
 """
 
@@ -86,9 +85,6 @@ class TrainState:
     sampler: SamplerState = dataclasses.field(default_factory=SamplerState)
     policy_version: int = 0  # last step whose update the policy holds
 
-    def replace(self, **changes: Any) -> "TrainState":
-        return dataclasses.replace(self, **changes)
-
 
 @dataclass(frozen=True)
 class RunEnv:
@@ -109,31 +105,29 @@ class RunEnv:
     device: torch.device = torch.device("cpu")
     group: Any = None  # torch.distributed process group (None: the default one, or no distribution)
 
-    @property
-    def layout(self) -> RunLayout:
-        return RunLayout(self.run_dir)
+    # Derived once, when the environment is built (read as data by every stage):
+    layout: RunLayout = dataclasses.field(init=False, repr=False, compare=False)
+    run_id: str = dataclasses.field(init=False, repr=False, compare=False)
+    is_main: bool = dataclasses.field(init=False, repr=False, compare=False)  # rank 0: talks to Prefect, writes
+    # the ledger and the per-step tables
+    stage_comm: Any = dataclasses.field(init=False, repr=False, compare=False)  # object collectives of the stages
+    # every rank runs together (rollout, score)
+    collective: Any = dataclasses.field(init=False, repr=False, compare=False)  # the trainer's reductions over ranks
 
-    @property
-    def run_id(self) -> str:
-        return self.writer.run_id
-
-    @property
-    def is_main(self) -> bool:
-        """Rank 0: the one that talks to Prefect, writes the ledger and the per-step tables."""
-        return self.rank == 0
-
-    @property
-    def stage_comm(self):
-        """The object collectives of stages every rank runs together (rollout, score)."""
+    def __post_init__(self) -> None:
         from stages.runtime.stage_comm import SINGLE_PROCESS_COMM, DistStageComm
-
-        return SINGLE_PROCESS_COMM if self.world_size == 1 else DistStageComm(self.group)
-
-    @property
-    def collective(self):
         from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE, DistCollective
 
-        return SINGLE_PROCESS_COLLECTIVE if self.world_size == 1 else DistCollective(self.group, self.device)
+        one = self.world_size == 1
+        derived = {
+            "layout": RunLayout(self.run_dir),
+            "run_id": self.writer.run_id,
+            "is_main": self.rank == 0,
+            "stage_comm": SINGLE_PROCESS_COMM if one else DistStageComm(self.group),
+            "collective": SINGLE_PROCESS_COLLECTIVE if one else DistCollective(self.group, self.device),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)  # frozen: set once, here
 
     def close(self) -> None:
         try:
@@ -358,6 +352,3 @@ def open_storage_only(
     )
     return env, TrainState(policy=None, optimizer=None, scheduler=None, calibrator=initial_calibrator(cfg))
 
-
-# Old name, kept for callers outside this issue (benchmarks, other branches).
-open_context = open_run

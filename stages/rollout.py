@@ -13,6 +13,7 @@ step t come from the policy after step t-1's update (``policy_version = t - 1``)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -232,4 +233,4 @@ def run_rollout(
             info={"samples": rows.num_rows, "tokens_per_second": per_second, "generated_tokens": tokens},
         )
 
-    return from_main(comm, write), state.replace(sampler=after)
+    return from_main(comm, write), dataclasses.replace(state, sampler=after)

@@ -14,6 +14,7 @@ steps, then writes
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -30,23 +31,22 @@ from fp8rl_core.signals.diagnostics import (
     under_clipped_mask,
 )
 from fp8rl_core.signals.failure_signals import garbled_share
+from fp8rl_core.tasks.verifiers import answer_parser
 from stages.context import RunEnv, TrainState, step_seed
-from stages.grade.pool import answer_parser
 from stages.result import StageResult
 from stages.runtime.io import read_step
-from stages.schedule.guard_hooks import train_hooks
 from stages.schedule.shadow import drift_metrics, shadow_plan
 from stages.trainer.batch import TrainBatch
 from stages.trainer.forward import token_multiple
-from stages.trainer.optimizer import lr_override
 from stages.trainer.step_stats import UpdateResult
 from stages.trainer.update import policy_update
+from storage import faults
 
 ENTROPY_BIN_EDGES = (0.0, 0.1, 0.5, 1.0, 2.0, float("inf"))
 
 
-def build_batch(rows: pa.Table, scores: pa.Table, pad_id: int) -> TrainBatch:
-    """Padded ``[N, T]`` tensors of the kept samples, in sample order."""
+def build_batch(rows: pa.Table, scores: pa.Table, pad_id: int, step: int = 0) -> TrainBatch:
+    """Padded ``[N, T]`` tensors of the kept samples, in sample order; an error naming ``step`` if none is kept."""
     kept = np.asarray(scores.column("kept").to_numpy(zero_copy_only=False), dtype=bool)
     by_id = {int(s): i for i, s in enumerate(rows.column("sample_id").to_pylist())}
     score_ids = scores.column("sample_id").to_pylist()
@@ -56,6 +56,8 @@ def build_batch(rows: pa.Table, scores: pa.Table, pad_id: int) -> TrainBatch:
     responses = rows.column("response_token_ids").to_pylist()
     rlogp = rows.column("rollout_logp").to_pylist()
     n = len(sel)
+    if n == 0:
+        raise RuntimeError(f"step {step}: no kept samples to train on (all groups dropped by dynamic sampling)")
     width = max((len(prompts[i]) + len(responses[i]) for i, _, _ in sel), default=1)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     am = torch.zeros((n, width), dtype=torch.long)
@@ -172,21 +174,18 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     cfg = env.cfg
     rows = read_step(env, "rollouts", step)
     scores = read_step(env, "scores", step)
-    batch = build_batch(rows, scores, env.tokenizer.pad_token_id)
-    hooks = train_hooks(env, step, attempt)  # a guard remedy forcing the shadow passes; its LR test hook
-    shadow, shadow_rows = shadow_plan(env, state, step, batch.advantages, batch.response_mask,
-                                      forced=hooks.forces_shadow)  # fixed K, drift, or the guard's remedy
+    batch = build_batch(rows, scores, env.tokenizer.pad_token_id, step)
+    # fixed K, drift, or a guard's remedy; on shadow steps the rows to shadow (None: all)
+    shadow, shadow_rows = shadow_plan(env, state, step, batch.advantages, batch.response_mask)
     bounds = state.calibrator.bounds
     standard = (1.0 - cfg.algorithm.eps_low, 1.0 + cfg.algorithm.eps_high)
-    if batch.size == 0:
-        raise RuntimeError(f"step {step}: no kept samples to train on (all groups dropped by dynamic sampling)")
-    with lr_override(state.optimizer, state.scheduler, hooks.injected_lr):  # None unless FP8RL_INJECT_LR is set
+    with faults.lr_surge(state.optimizer, state.scheduler, step, attempt):  # inert unless a test injects a surge
         res = policy_update(
             state.policy, state.optimizer, state.scheduler, batch, cfg, bounds=bounds, shadow=shadow,
             seed=step_seed(cfg.seed, step, 7), collective=env.collective,
             shadow_rows=shadow_rows, correction_thresholds=state.calibrator.correction,
         )
-    state = state.replace(policy_version=step)
+    state = dataclasses.replace(state, policy_version=step)
     # per-token rows: each rank writes the rows it trained, as its own part file
     tok = token_rows(batch, res, bounds=bounds, standard=standard,
                      sample=1.0 if shadow else cfg.algorithm.token_stats_sample, seed=step_seed(cfg.seed, step, 8),

@@ -24,9 +24,9 @@ named point inside a stage (``mb<i>``: before mini-batch *i* of train;
 ``FP8RL_FAULT_MARKER=<file>`` makes a fault fire once: the first firing
 writes the marker, later ones see it and pass (so a retry succeeds).
 
-``FP8RL_INJECT_LR="A:B=LR"`` (:func:`injected_lr`): steps A..B train at
-learning rate LR on their first train attempt, a finite surge for the guard's
-tests (``stages.schedule.guard_hooks``).
+``FP8RL_INJECT_LR="A:B=LR"`` (:func:`injected_lr`, :func:`lr_surge`): steps A..B
+train at learning rate LR on their first train attempt, a finite surge for the
+guard's tests (the train stage runs its update inside :func:`lr_surge`).
 
 No state is kept in this module: the plan is parsed from the environment at
 each point (nothing to parse when it is unset, the normal case), and the
@@ -164,3 +164,25 @@ def injected_lr(step: int, env: Mapping[str, str] | None = None) -> float | None
     span, _, lr = spec.partition("=")
     a, _, b = span.partition(":")
     return float(lr) if int(a) <= step <= int(b or a) else None
+
+
+@contextmanager
+def lr_surge(optimizer, scheduler, step: int, attempt: int, env: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Inside the block, train at the learning rate :func:`injected_lr` sets for ``step``, on the
+    step's first train attempt only (a replay after the guard's rollback runs clean); the
+    schedule's own learning rates come back after it. Inert (a plain block) otherwise."""
+    lr = injected_lr(step, env) if attempt == 0 else None
+    if lr is None:
+        yield
+        return
+    groups = optimizer.param_groups
+    saved_base, saved_lr = list(scheduler.base_lrs), [g["lr"] for g in groups]
+    scheduler.base_lrs = [lr for _ in saved_base]
+    for g in groups:
+        g["lr"] = lr
+    try:
+        yield
+    finally:
+        scheduler.base_lrs = saved_base
+        for g, v in zip(groups, saved_lr):
+            g["lr"] = v

@@ -15,7 +15,7 @@ from conftest import micro_config
 
 from flows.configuration import dump_config
 from fp8rl_core.objective.losses import loss_bounds
-from stages.context import open_context
+from stages.context import open_run
 from stages.rollout import run_rollout
 from stages.runtime.io import read_step
 from stages.score import run_score
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(1200)  # the first test of a session bootstraps
 def _train_one_step(tmp_path, *overrides):
     cfg = micro_config("precision.train=fp8_tensorwise", *overrides)
     create_run(tmp_path, "r", config=dump_config(cfg))
-    env, state = open_context(cfg, tmp_path / "r")
+    env, state = open_run(cfg, tmp_path / "r")
     try:
         _, state = run_rollout(env, state, 1)
         _, state = run_score(env, state, 1)

@@ -203,7 +203,7 @@ def test_code_campaign_tables_have_the_math_shape(tmp_path, monkeypatch):
 
     from flows.configuration import dump_config
     from stages.calibrate import run_calibrate
-    from stages.context import is_calibration_step, open_context
+    from stages.context import is_calibration_step, open_run
     from stages.evaluate import run_evaluate
     from stages.rollout import run_rollout
     from stages.runtime.io import read_step
@@ -215,7 +215,7 @@ def test_code_campaign_tables_have_the_math_shape(tmp_path, monkeypatch):
     monkeypatch.setattr("stages.bootstrap.code.EVAL_SIZE", 16)  # the base-accuracy measurement is not the point here
     cfg = micro_config(*CODE_MICRO)
     create_run(tmp_path, "code", config=dump_config(cfg))
-    env, state = open_context(cfg, tmp_path / "code")
+    env, state = open_run(cfg, tmp_path / "code")
     try:
         _, state = run_evaluate(env, state, 0)
         for step in (1, 2):

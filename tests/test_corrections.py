@@ -237,7 +237,7 @@ def test_two_step_campaign_with_each_correction(tmp_path, monkeypatch, name):
 
     from flows.configuration import dump_config
     from stages.calibrate import run_calibrate
-    from stages.context import open_context
+    from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.runtime.io import read_step
     from stages.score import run_score
@@ -252,7 +252,7 @@ def test_two_step_campaign_with_each_correction(tmp_path, monkeypatch, name):
         f"algorithm.correction.calibrate={str(calibrate).lower()}",
     )
     create_run(tmp_path, "r", config=dump_config(cfg))
-    env, state = open_context(cfg, tmp_path / "r")
+    env, state = open_run(cfg, tmp_path / "r")
     metrics = []
     try:
         for step in (1, 2):

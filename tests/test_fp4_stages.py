@@ -21,7 +21,7 @@ from flows.configuration import dump_config
 from fp8rl_core.tasks.synthetic import extract_answer
 from stages.calibrate import run_calibrate
 from stages.checkpoint import restore, run_checkpoint
-from stages.context import is_calibration_step, open_context
+from stages.context import is_calibration_step, open_run
 from stages.evaluate import run_evaluate
 from stages.rollout import run_rollout
 from stages.score import run_score
@@ -41,7 +41,7 @@ TABLES = ("rollouts", "scores", "token_stats", "steps", "bounds", "evals", "eval
 
 def _context(tmp_path, cfg, name="r"):
     create_run(tmp_path, name, config=dump_config(cfg))
-    return _Run(*open_context(cfg, tmp_path / name))
+    return _Run(*open_run(cfg, tmp_path / name))
 
 
 def _step(ctx, step):
@@ -105,7 +105,7 @@ def test_fp4_resume_from_checkpoint_equals_the_uninterrupted_run(tmp_path):
         torch.rand(1000)  # the interrupted process drew more random numbers before dying
     finally:
         ctx.close()
-    fresh = _Run(*open_context(cfg, tmp_path / "b"))
+    fresh = _Run(*open_run(cfg, tmp_path / "b"))
     try:
         step, fresh.state = restore(fresh.env, fresh.state, path)
         assert step == 1

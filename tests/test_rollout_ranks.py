@@ -256,7 +256,7 @@ def _stage(fail: dict, bodies: list):
         share = together(env.stage_comm, local)
         everyone = env.stage_comm.gather(share)
         summary = from_main(env.stage_comm, lambda: {"shares": everyone, "attempt": attempt})
-        return summary, state.replace(sampler=SamplerState(0, 8 + attempt))
+        return summary, dataclasses.replace(state, sampler=SamplerState(0, 8 + attempt))
 
     return run
 

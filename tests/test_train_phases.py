@@ -22,8 +22,8 @@ from fp8rl_core.registered import CALIBRATION_UNITS, LOSS_STATISTICS, POLICY_LOS
 from stages.trainer.batch import split_rows
 from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE
 from stages.trainer.forward import policy_logprobs
-from stages.trainer.minibatch import MinibatchUpdate, micro_batch_pass, minibatch_update
-from stages.trainer.old_logp import adopt_first_forward, old_logprobs
+from stages.trainer.minibatch import MinibatchUpdate, adopt_first_forward, micro_batch_pass, minibatch_update
+from stages.trainer.old_logp import old_logprobs
 from stages.trainer.optimizer import OptimizerStep, make_optimizer, optimizer_step
 from stages.trainer.step import TrainStep
 from stages.trainer.step_stats import epoch0_records, gather_step_stats, minibatch_of_rows

@@ -201,7 +201,7 @@ def test_campaign_steps_sleep_after_rollout_and_wake_before_sync(tmp_path, monke
     from conftest import micro_config
 
     from flows.configuration import dump_config
-    from stages.context import open_context
+    from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.score import run_score
     from stages.train import run_train
@@ -224,7 +224,7 @@ def test_campaign_steps_sleep_after_rollout_and_wake_before_sync(tmp_path, monke
         "algorithm.micro_batch_size=4",
     )
     create_run(tmp_path, "r", config=dump_config(cfg))
-    env, state = open_context(cfg, tmp_path / "r")
+    env, state = open_run(cfg, tmp_path / "r")
     try:
         engine = env.engine
         assert isinstance(engine, ve.VLLMEngine) and engine.llm.kwargs["enable_sleep_mode"] is True

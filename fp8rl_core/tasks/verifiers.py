@@ -37,7 +37,7 @@ import threading
 from typing import Callable
 
 from fp8rl_core.registry import Registry
-from fp8rl_core.tasks.synthetic import ANSWER_MARKER, exact_verify
+from fp8rl_core.tasks.synthetic import ANSWER_MARKER, exact_verify, extract_answer
 
 Verifier = Callable[[str, str], bool]
 VERIFIERS: Registry[Verifier] = Registry("verifier")
@@ -115,6 +115,17 @@ def extract_final_answer(response: str) -> str | None:
         return numbers[-1].replace(",", "").replace(" ", "")
     return None
 
+
+
+def extract_for(verifier: str, response: str) -> str | None:
+    """The answer ``response`` states, as the verifier ``verifier`` reads it (None: none)."""
+    return extract_answer(response) if verifier == "synthetic" else extract_final_answer(response)
+
+
+def answer_parser(verifier: str) -> Callable[[str], str | None]:
+    """The answer parser of a verifier: a response it returns None for is *garbled*
+    (docs/method.md, "Failure signals"; ``fp8rl_core.signals.failure_signals``)."""
+    return lambda response: extract_for(verifier, response)
 
 def _normalise(s: str) -> str:
     return re.sub(r"\s+", "", s.strip().strip("$")).rstrip(".")

@@ -37,8 +37,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Callable, Sequence
 
-from fp8rl_core.tasks.synthetic import extract_answer
-from fp8rl_core.tasks.verifiers import extract_final_answer, get_verifier, math_equal
+from fp8rl_core.tasks.verifiers import extract_for, get_verifier, math_equal
 from stages.grade.result import GradeResult, Status  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -59,20 +58,10 @@ def resolve_verifier(name: str) -> Callable[[str, str], bool]:
     return get_verifier(name)
 
 
-def _extract(verifier: str, response: str) -> str | None:
-    return extract_answer(response) if verifier == "synthetic" else extract_final_answer(response)
-
-
-def answer_parser(verifier: str) -> Callable[[str], str | None]:
-    """The answer parser of a verifier: a response it returns None for is *garbled*
-    (docs/method.md, "Failure signals"; ``fp8rl_core.signals.failure_signals``)."""
-    return lambda response: _extract(verifier, response)
-
-
 def _grade_one(
     verifier: str, response: str, gold: str, inner_timeout: int | None
 ) -> tuple[bool, str | None, Status, str]:
-    extracted = _extract(verifier, response)
+    extracted = extract_for(verifier, response)
     if extracted is None:
         return False, None, "no_answer", ""
     try:
@@ -189,7 +178,7 @@ class GradingPool:
                     results[i] = GradeResult(
                         ids[i],
                         False,
-                        _extract(verifier, responses[i]),
+                        extract_for(verifier, responses[i]),
                         "timeout",
                         now - w.started,
                         f"over {timeout_s}s",

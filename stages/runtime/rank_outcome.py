@@ -22,6 +22,7 @@ The protocol knows nothing of Prefect: the flow hands it a :class:`RankedStage`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -73,7 +74,7 @@ def after_go(fn: StageFn) -> StageFn:
 
 def _adopt(state: TrainState, body: tuple) -> tuple[Any, TrainState]:
     result, sampler, calibrator = body
-    return result, state.replace(sampler=sampler, calibrator=calibrator)
+    return result, dataclasses.replace(state, sampler=sampler, calibrator=calibrator)
 
 
 def main_attempt(

@@ -2,7 +2,10 @@
 
 The decision is taken here, once, by the train stage, and recorded in its
 ``steps`` row (``steps.shadow``); everything after reads that record
-(``stages.runtime.io.shadow_steps``). ``calibration.schedule: fixed`` keeps the
+(``stages.runtime.io.shadow_steps``). A guard's remedy comes first: after a
+rollback with ``recalibrate_now`` / ``recalibrate_every_step`` the steps right
+after the restored checkpoint shadow (:func:`guard_forces_shadow`, from the
+ledger's ``guard`` records). ``calibration.schedule: fixed`` keeps the
 paper's rule (steps 1, 1+K, ...). ``drift`` decides from the previous
 step's drift signal (``fp8rl_core.calibration.drift``), read back from its ``steps`` row,
 and the step of the last calibration (``state.calibrator.last_step``, which
@@ -41,14 +44,28 @@ def _previous_signal(env: RunEnv, step: int) -> float | None:
     return float(vals[-1]) if vals else None
 
 
-def shadow_this_step(env: RunEnv, state: TrainState, step: int, *, forced: bool | None = None) -> bool:
-    """Does ``step`` run the BF16 shadow passes (and hence calibrate)? ``forced``: a guard remedy's
-    answer when the caller has it (``stages.schedule.guard_hooks.train_hooks``); None asks the guard here."""
-    if forced is None:
-        from stages.schedule.guard_hooks import guard_forces_shadow
+def guard_records(env: RunEnv) -> list:
+    """Live ``guard`` ledger records that finished (each one rollback, ``flows.guard``)."""
+    return [r for r in env.ledger.records(variant=env.variant) if r.stage == "guard" and r.status == "done"]
 
-        forced = step >= 1 and guard_forces_shadow(env, step)
-    if forced:
+
+def guard_forces_shadow(env: RunEnv, step: int) -> bool:
+    """After a rollback with remedy ``recalibrate_now`` / ``recalibrate_every_step``, the steps right
+    after the restored checkpoint run the shadow passes and calibrate. Read from the ledger's
+    ``guard`` records, so a resumed run keeps the remedy."""
+    for r in guard_records(env):
+        c, remedy = r.info.get("rollback_to"), r.info.get("remedy")
+        if c is None:
+            continue
+        n = {"recalibrate_now": 1, "recalibrate_every_step": int(r.info.get("remedy_steps", 1))}.get(remedy, 0)
+        if int(c) < step <= int(c) + n:
+            return True
+    return False
+
+
+def shadow_this_step(env: RunEnv, state: TrainState, step: int) -> bool:
+    """Does ``step`` run the BF16 shadow passes (and hence calibrate)? A guard remedy, then the schedule."""
+    if step >= 1 and guard_forces_shadow(env, step):
         return True
     sched, last = Schedule.from_config(env.cfg.calibration), state.calibrator.last_step
     if sched.kind == "fixed":
@@ -63,12 +80,10 @@ def shadow_plan(
     step: int,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    *,
-    forced: bool | None = None,
 ) -> tuple[bool, torch.Tensor | None]:
     """The train stage's one question to the schedule: (shadow passes on ``step``?, ``[N]`` bool rows to
-    shadow or None for all). ``forced``: see :func:`shadow_this_step`. Recorded as ``steps.shadow``."""
-    shadow = shadow_this_step(env, state, step, forced=forced)
+    shadow or None for all). Recorded as ``steps.shadow``."""
+    shadow = shadow_this_step(env, state, step)
     return shadow, (shadow_subset(env, step, advantages, response_mask) if shadow else None)
 
 

@@ -21,15 +21,16 @@ records are put together from those by :mod:`stages.trainer.step_stats`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from fp8rl_core.objective.corrections import step_weights
 from fp8rl_core.objective.losses import importance_ratio, loss_bounds
 from fp8rl_core.registered import POLICY_LOSSES
 from stages.trainer.forward import no_grad_logprobs, policy_logprobs
-from stages.trainer.old_logp import OldPolicy, adopt_first_forward
+from stages.trainer.old_logp import OldPolicy
 from stages.trainer.optimizer import OptimizerStep, optimizer_step
 from stages.trainer.step import TrainStep
 
@@ -61,6 +62,16 @@ def update_bounds(step: TrainStep, old: OldPolicy, micros: list[torch.Tensor]) -
         cfg.calibration,
         step.collective.world_size > 1,
     )
+
+
+def adopt_first_forward(step: TrainStep, old: OldPolicy, r: torch.Tensor, logp: torch.Tensor) -> OldPolicy:
+    """π_old with rows ``r`` taken from mini-batch 0's forward ``logp`` (``[len(r), T]``), and the TIS weights
+    of the whole of it: what :func:`stages.trainer.old_logp.old_logprobs` left to that forward (``old.reuse_first``)."""
+    x = step.rows.local
+    old8 = old.old8.clone()
+    old8[r] = logp.detach()
+    return replace(old, old8=old8, is_w=step_weights(old8, x.rollout_logp, old.mask, step.cfg.algorithm,
+                                                      step.thresholds))
 
 
 @dataclass(frozen=True)

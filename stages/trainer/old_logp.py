@@ -31,12 +31,11 @@ TIS weights are computed from the complete π_old tensor, as before, right after
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from fp8rl_core.objective.corrections import step_weights
-from stages.trainer.batch import TrainBatch
 from stages.trainer.forward import no_grad_logprobs
 from stages.trainer.step import TrainStep
 
@@ -67,7 +66,8 @@ def old_logprobs(step: TrainStep) -> OldPolicy:
 
     Rows without a shadow pass (subsampled shadow) hold NaN BF16 values. Where
     :func:`first_forward_is_old`, the first micro-batch's π_old is left to its own update's
-    forward (:func:`adopt_first_forward`), and so are the TIS weights, which need all of π_old.
+    forward (:func:`stages.trainer.minibatch.adopt_first_forward`), and so are the TIS weights, which need
+    all of π_old.
     """
     cfg, rows = step.cfg, step.rows
     reuse = first_forward_is_old(
@@ -94,12 +94,3 @@ def old_logprobs(step: TrainStep) -> OldPolicy:
     is_w = None if reuse else step_weights(old8, x.rollout_logp, mask, cfg.algorithm, step.thresholds)
     return OldPolicy(mask, x.advantages.float()[:, None] * mask, old8, old16, is_w, reuse, seconds)
 
-
-def adopt_first_forward(step: TrainStep, old: OldPolicy, r: torch.Tensor, logp: torch.Tensor) -> OldPolicy:
-    """π_old with rows ``r`` taken from mini-batch 0's forward ``logp`` (``[len(r), T]``), and the TIS weights
-    of the whole of it: what :func:`old_logprobs` left to that forward (``old.reuse_first``)."""
-    x: TrainBatch = step.rows.local
-    old8 = old.old8.clone()
-    old8[r] = logp.detach()
-    return replace(old, old8=old8, is_w=step_weights(old8, x.rollout_logp, old.mask, step.cfg.algorithm,
-                                                      step.thresholds))

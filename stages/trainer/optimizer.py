@@ -1,4 +1,4 @@
-"""The optimizer: AdamW over the fp32 master weights, its warmup schedule, the learning-rate hook, one step.
+"""The optimizer: AdamW over the fp32 master weights, its warmup schedule, one step.
 
 One optimizer step per mini-batch (docs/method.md, "Ratio and policy loss"): the gradient
 is clipped to ``algorithm.grad_clip`` and the step taken, unless the loss or the gradient
@@ -8,9 +8,8 @@ norm is not finite; then the update is skipped (and recorded), leaving the weigh
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,25 +30,6 @@ def make_optimizer(
     opt = torch.optim.AdamW(params, lr=a.lr, betas=a.betas, weight_decay=a.weight_decay, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(a.warmup_steps))
     return opt, sched
-
-
-@contextmanager
-def lr_override(optimizer: torch.optim.Optimizer, scheduler, lr: float | None) -> Iterator[None]:
-    """Train at learning rate ``lr`` inside the block (None: unchanged); the schedule's own LRs come back after."""
-    if lr is None:
-        yield
-        return
-    groups = optimizer.param_groups
-    saved_base, saved_lr = list(scheduler.base_lrs), [g["lr"] for g in groups]
-    scheduler.base_lrs = [lr for _ in saved_base]
-    for g in groups:
-        g["lr"] = lr
-    try:
-        yield
-    finally:
-        scheduler.base_lrs = saved_base
-        for g, v in zip(groups, saved_lr):
-            g["lr"] = v
 
 
 @dataclass(frozen=True)
