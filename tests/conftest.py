@@ -171,16 +171,7 @@ _LONG_FIRST = (  # measured 2026-12-03 (seconds of test time per file, both work
     "test_dp_lockstep",
     "test_rollout_ranks",
     "test_integrity",
-)
-    "test_campaign",
-    "test_spmd_campaign",
-    "test_rollout_ranks",
     "test_bootstrap",
-    "test_stages",
-    "test_trackers",
-    "test_guard",
-    "test_deploy",
-    "test_integrity",
     "test_sandbox",
     "test_code_rl",
 )
