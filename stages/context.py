@@ -110,24 +110,26 @@ class RunEnv:
     run_id: str = dataclasses.field(init=False, repr=False, compare=False)
     is_main: bool = dataclasses.field(init=False, repr=False, compare=False)  # rank 0: talks to Prefect, writes
     # the ledger and the per-step tables
-    stage_comm: Any = dataclasses.field(init=False, repr=False, compare=False)  # object collectives of the stages
-    # every rank runs together (rollout, score)
-    collective: Any = dataclasses.field(init=False, repr=False, compare=False)  # the trainer's reductions over ranks
 
     def __post_init__(self) -> None:
-        from stages.runtime.stage_comm import SINGLE_PROCESS_COMM, DistStageComm
-        from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE, DistCollective
-
-        one = self.world_size == 1
-        derived = {
-            "layout": RunLayout(self.run_dir),
-            "run_id": self.writer.run_id,
-            "is_main": self.rank == 0,
-            "stage_comm": SINGLE_PROCESS_COMM if one else DistStageComm(self.group),
-            "collective": SINGLE_PROCESS_COLLECTIVE if one else DistCollective(self.group, self.device),
-        }
+        derived = {"layout": RunLayout(self.run_dir), "run_id": self.writer.run_id, "is_main": self.rank == 0}
         for name, value in derived.items():
             object.__setattr__(self, name, value)  # frozen: set once, here
+
+    @property
+    def stage_comm(self):
+        """The object collectives of stages every rank runs together (rollout, score); built when first
+        asked for, as the process group may come after the environment."""
+        from stages.runtime.stage_comm import SINGLE_PROCESS_COMM, DistStageComm
+
+        return SINGLE_PROCESS_COMM if self.world_size == 1 else DistStageComm(self.group)
+
+    @property
+    def collective(self):
+        """The trainer's reductions over ranks (built when first asked for, like :attr:`stage_comm`)."""
+        from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE, DistCollective
+
+        return SINGLE_PROCESS_COLLECTIVE if self.world_size == 1 else DistCollective(self.group, self.device)
 
     def close(self) -> None:
         try:

@@ -170,7 +170,7 @@ def test_two_ranks_roll_out_and_score_with_dapo_refills_exactly_like_one_process
     hub, ranks = ThreadHub(2, timeout=600), []
     for r in range(2):
         env, env_states[r] = open_run(cfg, tmp_path / "two")
-        fields = {f.name: getattr(env, f.name) for f in dataclasses.fields(RunEnv)}
+        fields = {f.name: getattr(env, f.name) for f in dataclasses.fields(RunEnv) if f.init}
         ranks.append(ThreadRankEnv(**{**fields, "rank": r, "world_size": 2}, comm=ThreadComm(hub, r)))
     try:
         expected = step_one(one)
