@@ -70,6 +70,16 @@ class AlgorithmConfig(Section):
         "micro_batch_size rows, padded to the "
         "batch's longest row).",
     )
+    old_logp_micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="How pi_old is batched. None (the default): on the training micro-batches of the "
+        "step's first epoch, so each token meets the same rows in pi_old as in pi_theta. A number: in a "
+        "pass of its own over this rank's rows in sample order, in micro-batches of that many rows "
+        "(verl's log_prob_micro_batch_size, OpenRLHF's micro_batch_size of the old-policy pass). With "
+        "per-tensor FP8 scaling a token's scale then depends on other rows in pi_old than in pi_theta: "
+        "ratio noise at unchanged weights (docs/calibration.md, 'Where FP8 over-clips').",
+    )
     ppo_epochs: int = Field(1, ge=1, description="Passes over the batch per step.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = off).")
     dynamic_sampling: bool = Field(

@@ -1,7 +1,8 @@
 """The step's π_old: the log-probs of the weights the step starts with, and the TIS weights after them.
 
 :func:`old_logprobs` recomputes π_old in the *training* precision, once, on this rank's rows,
-in the micro-batches of the first epoch's plan (the same ones on 1 or W ranks); on
+in the micro-batches of the first epoch's plan (the same ones on 1 or W ranks), or, with
+``algorithm.old_logp_micro_batch_size``, in micro-batches of its own (:func:`apart_micro_batches`); on
 calibration steps the BF16 shadow forward runs on the same master weights (π_old in BF16).
 TIS weights ``min(exp(old_logp - rollout_logp), C)`` correct the rollout-vs-train mismatch
 (detached), or the weights of the mismatch correction ``algorithm.correction`` selects
@@ -41,11 +42,20 @@ from stages.trainer.step import TrainStep
 
 
 def first_forward_is_old(
-    plan: list[list[torch.Tensor]], device: torch.device, world_size: int, *, per_update_bounds: bool
+    plan: list[list[torch.Tensor]], device: torch.device, world_size: int, *, per_update_bounds: bool,
+    apart: bool = False,
 ) -> bool:
     """True if the first mini-batch's grad forward may stand in for its no-grad π_old forward
-    (``per_update_bounds``: the clip mode reads the current ratios before the loss, as BAPO does)."""
-    return device.type == "cpu" and world_size == 1 and len(plan) > 0 and len(plan[0]) == 1 and not per_update_bounds
+    (``per_update_bounds``: the clip mode reads the current ratios before the loss, as BAPO does;
+    ``apart``: π_old has micro-batches of its own, :func:`apart_micro_batches`)."""
+    return (device.type == "cpu" and world_size == 1 and len(plan) > 0 and len(plan[0]) == 1
+            and not per_update_bounds and not apart)
+
+
+def apart_micro_batches(n_rows: int, size: int) -> list[torch.Tensor]:
+    """π_old batched apart from π_θ (``algorithm.old_logp_micro_batch_size``): this rank's ``n_rows``
+    rows in sample order, ``size`` at a time, as verl's log-prob pass batches them."""
+    return [torch.arange(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
 
 
 @dataclass(frozen=True)
@@ -70,11 +80,16 @@ def old_logprobs(step: TrainStep) -> OldPolicy:
     all of π_old.
     """
     cfg, rows = step.cfg, step.rows
+    apart = cfg.algorithm.old_logp_micro_batch_size
     reuse = first_forward_is_old(
-        rows.plan, rows.local.input_ids.device, step.collective.world_size, per_update_bounds=step.rule is not None
+        rows.plan, rows.local.input_ids.device, step.collective.world_size, per_update_bounds=step.rule is not None,
+        apart=apart is not None,
     )
     mode, x = cfg.precision.train, rows.local
-    first = [r for k in range(rows.per_epoch) for r in rows.padded[k]]
+    if apart is None:  # the training micro-batches of the first epoch: a token meets the same rows as in π_θ
+        first = [r for k in range(rows.per_epoch) for r in rows.padded[k]]
+    else:
+        first = apart_micro_batches(int(x.input_ids.shape[0]), apart)
     mask = x.response_mask.float()  # [n_r (+1), T]
     seconds = {}
     t0 = time.perf_counter()
