@@ -13,16 +13,23 @@ score and train stages, no Prefect), and reports, over the S steps' tokens:
 The levers are in :data:`SETTINGS` (how π_old is batched, sampling, the FP8 recipe). Noise,
 not accuracy: a few steps are enough. Figures, not a test:
 
-    python benchmarks/regime_map.py [--steps 3] [--only NAME ...] [--set KEY=VALUE ...]
+    python benchmarks/regime_map.py [--steps 3] [--only NAME ...] [--set KEY=VALUE ...] [--json PATH]
+
+The CPU numerics are pinned as ``fp8rl run`` pins them (before torch is imported), so the
+figures are what a campaign of the same settings computes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 TENSORWISE = ["precision.train=fp8_tensorwise", "precision.rollout=fp8_per_tensor"]
 APART = "algorithm.old_logp_micro_batch_size=256"
@@ -99,21 +106,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--only", action="append", default=[], help="a setting's name (repeatable); default all")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra override for every setting")
+    ap.add_argument("--json", type=Path, help="also write {setting: figures} to this file")
     args = ap.parse_args()
+    from fp8rl_core.host.cpu_env import pin_cpu_numerics
+
+    pin_cpu_numerics()  # before torch, as `fp8rl run` does
     from flows.prefect_env import quiet_third_party
 
     quiet_third_party()
-    root = Path(tempfile.mkdtemp(prefix="fp8rl-regime-"))
+    root, out = Path(tempfile.mkdtemp(prefix="fp8rl-regime-")), {}
     print(f"steps 1-{args.steps}, standard clipping, shadow passes every step")
     print("| setting | prob NMAE | ratio NMAE | ratio / prob | A<0 lower-clip vs BF16 | over-clipped | tokens |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for i, (name, (preset, overrides)) in enumerate(SETTINGS.items()):
         if args.only and name not in args.only:
             continue
-        m = measure(preset, [*overrides, *args.overrides], args.steps, root, f"s{i}")
+        m = out[name] = measure(preset, [*overrides, *args.overrides], args.steps, root, f"s{i}")
         print(f"| {name} | {m['prob_nmae']:.4f} | {m['ratio_nmae']:.4f} | {m['amplification']:.2f}x | "
               f"{m['lower_clip_vs_bf16']:.2f}x | {100 * m['overclipped_share']:.2f} % | {int(m['tokens'])} |",
               flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

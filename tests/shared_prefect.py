@@ -21,13 +21,15 @@ import urllib.request
 from pathlib import Path
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port on 127.0.0.1 free right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """Does the Prefect API at ``url`` answer its health check?"""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
             return r.status == 200
@@ -40,7 +42,7 @@ def start(python: str, home: Path, log: Path, *, timeout_s: float = 180.0) -> tu
     (its API URL, the process) once it answers, None if it does not within ``timeout_s`` (then the
     campaigns start their temporary servers, as without this)."""
     home.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
                PREFECT_SERVER_LOGGING_LEVEL="CRITICAL", PREFECT_UI_ENABLED="false")
@@ -52,7 +54,7 @@ def start(python: str, home: Path, log: Path, *, timeout_s: float = 180.0) -> tu
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
-        if _healthy(url):
+        if healthy(url):
             return url, proc
         time.sleep(0.5)
     stop(proc)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MICRO_OVERRIDES, micro_config
+from shared_prefect import free_port, healthy
 from typer.testing import CliRunner
 
 # end to end on a shared 2-core machine: a module fixture's campaign counts in its first test
@@ -59,12 +59,6 @@ WORKER_S = 480  # the campaign: ~40 s with its bootstrap
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float = 20) -> None:
@@ -137,18 +131,10 @@ class Server:
             return json.loads(r.read())
 
 
-def _healthy(api_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{api_url}/health", timeout=5) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Server:
     logs = tmp_path_factory.mktemp("prefect-server")
-    port = _free_port()
+    port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     env = _clean_env(
         PREFECT_HOME=str(logs / "server-home"),
@@ -159,7 +145,7 @@ def server(tmp_path_factory) -> Server:
     proc = _start([*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, logs / "server.log")
     try:
         deadline = time.monotonic() + SERVER_START_S
-        while not _healthy(api_url):
+        while not healthy(api_url):
             if proc.poll() is not None or time.monotonic() > deadline:
                 tail = (logs / "server.log").read_text(errors="replace")[-1500:]
                 pytest.skip(
