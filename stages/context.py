@@ -111,10 +111,10 @@ class RunEnv:
     is_main: bool = dataclasses.field(init=False, repr=False, compare=False)  # rank 0: talks to Prefect, writes
     # the ledger and the per-step tables
 
-    def __post_init__(self) -> None:
-        derived = {"layout": RunLayout(self.run_dir), "run_id": self.writer.run_id, "is_main": self.rank == 0}
-        for name, value in derived.items():
-            object.__setattr__(self, name, value)  # frozen: set once, here
+    def __post_init__(self) -> None:  # frozen: the derived fields are set once, here
+        object.__setattr__(self, "layout", RunLayout(self.run_dir))
+        object.__setattr__(self, "run_id", self.writer.run_id)
+        object.__setattr__(self, "is_main", self.rank == 0)
 
     @property
     def stage_comm(self):
