@@ -1,6 +1,6 @@
 # The two commands of the README. Each creates .venv if missing and installs the
 # project into it (torch pinned to the CPU build 2.13.0 first, so pip does not pull
-# a multi-GB CUDA build).
+# a multi-GB CUDA build), the rest at the versions of constraints.txt, the set the suite passes with.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -22,10 +22,10 @@ VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 PIP_Q      := -q --disable-pip-version-check
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install $(PIP_Q) torch==2.13.0
-	$(BIN)/pip install $(PIP_Q) -e '.[test]'
+	$(BIN)/pip install $(PIP_Q) -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -104,12 +104,32 @@ def compile_decoder_blocks(model: nn.Module, *, backend: str = "inductor") -> in
     one plain checkpoint function transformers gave them all.
     """
     blocks = decoder_blocks(model)
+    if any(getattr(b, "gradient_checkpointing", False) for b in blocks):
+        _trace_checkpoints_whole()
     for block in blocks:
         plain = getattr(block, "_plain_checkpointing_func", None)
         if plain is not None:  # see the docstring: the checkpoint is recomputed inside the compiled graph
             block._gradient_checkpointing_func = plain
         block.compile(backend=backend)
     return len(blocks)
+
+
+def _trace_checkpoints_whole() -> None:
+    """Let dynamo capture a checkpointed block whose forward sets and resets Python state.
+
+    transformers' attention (with the ``kernels`` package its releases from 5.25 install)
+    records its kernel functions in a global for the length of each call, set on entry and
+    reset on exit. Dynamo refuses a side effect inside the checkpoint's higher-order op
+    unless told not to replay it in the recomputation; refused, it runs the checkpoint
+    eagerly, where an unsharded model's recomputation reads the fp32 masters instead of the
+    bf16 casts its forward read (``torch.utils.checkpoint`` then stops the backward). A
+    balanced set-and-reset leaves nothing to replay, so the capture is exact; the setting
+    is process-wide and touches only checkpoints under ``torch.compile``.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    if hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def is_compiled(block: nn.Module) -> bool:
