@@ -36,11 +36,12 @@ CELL = re.compile(r"^(?P<setting>.+)\.s(?P<seed>\d+)$")
 
 
 def finished_cells(sweep_dir: Path) -> dict[str, dict[int, str]]:
-    """setting -> {seed: run id} of the cells with a finished marker."""
+    """setting -> {seed: run id} of the cells with a finished marker (a pilot's cells left out: their
+    seeds are the pilot's own, paired with nothing)."""
     out: dict[str, dict[int, str]] = defaultdict(dict)
     for marker in sorted((sweep_dir / "_cells").glob("*.json")):
         m = CELL.match(marker.stem)
-        if m and (sweep_dir / marker.stem).is_dir():
+        if m and not m["setting"].startswith("pilot-") and (sweep_dir / marker.stem).is_dir():
             out[m["setting"]][int(m["seed"])] = marker.stem
     return dict(out)
 
@@ -158,7 +159,7 @@ def main() -> None:
             f"| {x} - {y} | {c['seeds']} | {c['mean']:+.2f} | [{c['lo']:+.2f}, {c['hi']:+.2f}] | {c['p']:.3f} | "
             f"{c['pairs']} | {c['only_a']} / {c['only_b']} | {c['p_problem']:.3g} |"
         )
-    key = next(((x, y) for x, y in results if x.endswith(".calibrated") and y == args.baseline), None)
+    key = next(((x, y) for x, y in results if x.endswith("calibrated") and y == args.baseline), None)
     if key:
         c = results[key]
         print(f"{key[0]} - {key[1]}: {c['mean']:+.2f} points over {c['seeds']} seeds, sign-flip p {c['p']:.3f}")

@@ -81,15 +81,27 @@ def sweep_command(
 
     try:
         if dry_run:
-            from flows.sweep_spec import cell_state, default_sweep_dir, load_sweep, select_cells
+            import fnmatch
+
+            from flows.sweep_choice import read_choices
+            from flows.sweep_spec import cell_state, default_sweep_dir, load_sweep, select_cells, waiting_cell_ids
 
             spec, every = load_sweep(sweep_file)
-            chosen = select_cells(every, cells, source=str(sweep_file))
             sweep_dir = out or default_sweep_dir(spec, every)
-            part = f" ({len(chosen)} selected)" if len(chosen) != len(every) else ""
-            typer.echo(f"sweep {spec.name}: {len(every)} cell(s){part} in {sweep_dir}")
+            if spec.choose:
+                spec, every = load_sweep(sweep_file, sweep_dir)
+            made = read_choices(sweep_dir, list(spec.choose))
+            waiting = waiting_cell_ids(spec, made)
+            chosen = select_cells(every, cells, source=str(sweep_file), waiting=waiting)
+            if cells:
+                waiting = [i for i in waiting if any(fnmatch.fnmatchcase(i, p) for p in cells)]
+            total = len(every) + len(waiting_cell_ids(spec, made))
+            part = f" ({len(chosen) + len(waiting)} selected)" if len(chosen) + len(waiting) != total else ""
+            typer.echo(f"sweep {spec.name}: {total} cell(s){part} in {sweep_dir}")
             if spec.description:
                 typer.echo(f"  {spec.description}")
+            for name, record in made.items():
+                typer.echo(f"  choice {name}: {record['winner']} (made {record['made_at']})")
             for c in chosen:
                 cfg = c.config
                 typer.echo(
@@ -97,6 +109,8 @@ def sweep_command(
                     f"rollout={cfg.precision.rollout} clip={cfg.calibration.mode} seed={cfg.seed} "
                     f"steps={cfg.steps}"
                 )
+            for i in waiting:
+                typer.echo(f"  {i:<36} waiting   for its pilot's choice")
             return
         from flows import child_guard
         from flows.prefect_env import quiet_console_failures

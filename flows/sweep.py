@@ -16,6 +16,15 @@ whose final step has every stage done), resumes interrupted ones
 starts the others. A cell whose run directory was made by another config
 (the sweep file changed) is an error naming it, never silently mixed.
 
+Every cell records the code it ran on: each start or resume appends the commit (and
+whether the checkout had uncommitted changes) to ``_cells/<cell>.starts.jsonl``, and the
+marker holds those commits and the run's numerics fingerprint (a hash of ``run.json``'s CPU
+numerics and layer precision with the torch, transformers and torchao versions), so cells
+that ran on different numerics are told apart.
+
+A sweep with a ``choose:`` block (:mod:`flows.sweep_choice`) runs the pilot's cells first,
+makes each choice once its pilot has finished, then runs the cells that waited for it.
+
 The campaign is injected (:data:`CampaignFn`): the CLI passes
 :func:`prefect_campaign` — each cell a Prefect subflow of :data:`sweep_flow`
 calling ``flows.campaign.campaign_flow`` — and tests pass a cheap fake.
@@ -29,6 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from flows.sweep_choice import choice_markdown, make_choice, read_choices
 from flows.sweep_spec import (
     FINISHED,
     NEW,
@@ -41,6 +51,7 @@ from flows.sweep_spec import (
     load_sweep,
     marker_path,
     select_cells,
+    waiting_cell_ids,
 )
 from flows.sweep_table import comparison_table, write_tables
 from storage.layout import config_hash, write_text_atomic
@@ -70,6 +81,7 @@ def run_cell(sweep_dir: Path, cell: Cell, campaign: CampaignFn) -> CellOutcome:
         return CellOutcome(cell, run_dir, "skipped")
     if state == NEW:
         create_run(sweep_dir, cell.id, config=cell.config_text)
+    _record_start(sweep_dir, cell)
     t0 = time.perf_counter()
     try:
         result = campaign(str(run_dir), state == PARTIAL)
@@ -87,15 +99,82 @@ def run_cell(sweep_dir: Path, cell: Cell, campaign: CampaignFn) -> CellOutcome:
     return CellOutcome(cell, run_dir, "done", state == PARTIAL, seconds, result=dict(result or {}))
 
 
+def code_identity() -> dict:
+    """The commit of this checkout and whether it has uncommitted changes (None outside git)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        git = {"cwd": root, "capture_output": True, "text": True, "timeout": 10}
+        head = subprocess.run(["git", "rev-parse", "HEAD"], **git)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **git)
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    if head.returncode != 0:
+        return {"commit": None, "dirty": None}
+    return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def numerics_fingerprint(run_dir: Path) -> dict:
+    """A short hash of what decides a run's arithmetic: ``run.json``'s CPU numerics and layer precision,
+    and the versions of torch, transformers and torchao; with the parts it hashed."""
+    import hashlib
+    from importlib import metadata
+
+    from storage.layout import RUN_FILE
+
+    try:
+        info = json.loads((Path(run_dir) / RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        info = {}
+    parts = {
+        "cpu_numerics": info.get("cpu_numerics"),
+        "layer_precision": info.get("layer_precision"),
+        "versions": {p: _version(metadata, p) for p in ("torch", "transformers", "torchao")},
+    }
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return {"fingerprint": digest, **parts}
+
+
+def _version(metadata, package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _starts_path(sweep_dir: Path, cell: Cell) -> Path:
+    return marker_path(sweep_dir, cell).with_name(f"{cell.id}.starts.jsonl")
+
+
+def _record_start(sweep_dir: Path, cell: Cell) -> None:
+    path = _starts_path(sweep_dir, cell)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **code_identity()}
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def _starts(sweep_dir: Path, cell: Cell) -> list[dict]:
+    path = _starts_path(sweep_dir, cell)
+    if not path.is_file():
+        return []
+    return [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+
+
 def _write_marker(sweep_dir: Path, cell: Cell, result: dict, seconds: float) -> None:
     path = marker_path(sweep_dir, cell)
     path.parent.mkdir(parents=True, exist_ok=True)
+    starts = _starts(sweep_dir, cell)
     body = {
         "cell": cell.id,
         "labels": dict(cell.labels),
         "seed": cell.seed,
         "seconds": seconds,
         "config_hash": config_hash(cell.config_text),
+        "commits": list(dict.fromkeys(s["commit"] for s in starts)),
+        "uncommitted_changes": any(s.get("dirty") for s in starts),
+        "numerics": numerics_fingerprint(Path(sweep_dir) / cell.id),
         "result": result,
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
@@ -159,13 +238,25 @@ def run_sweep_file(
     """
     campaign = campaign or prefect_campaign
     spec, cells = load_sweep(sweep_file)
-    chosen = select_cells(cells, only, source=str(sweep_file))
     sweep_dir = Path(out) if out is not None else default_sweep_dir(spec, cells)
-    part = f" ({len(chosen)} selected)" if len(chosen) != len(cells) else ""
-    echo(f"sweep {spec.name}: {len(cells)} cell(s){part} in {sweep_dir}")
+    if spec.choose:
+        spec, cells = load_sweep(sweep_file, sweep_dir)
+    waiting = waiting_cell_ids(spec, read_choices(sweep_dir, list(spec.choose)))
+    chosen = select_cells(cells, only, source=str(sweep_file), waiting=waiting)
+    total = len(cells) + len(waiting)
+    part = f" ({len(chosen)} selected)" if len(chosen) != total else ""
+    wait = f", {len(waiting)} waiting for a pilot's choice" if waiting else ""
+    echo(f"sweep {spec.name}: {total} cell(s){part}{wait} in {sweep_dir}")
     outcomes = run_sweep(spec, chosen, sweep_dir, campaign=campaign, fail_fast=fail_fast, echo=echo)
-    rows = comparison_table(sweep_dir, spec, cells, outcomes)
-    echo("\n" + write_tables(sweep_dir, spec, rows))
+    if waiting and not (fail_fast and any(o.status == "failed" for o in outcomes)):
+        spec, cells, more = _make_choices(sweep_file, spec, cells, sweep_dir, echo)
+        later = select_cells(more, only, source=str(sweep_file), waiting=[c.id for c in cells]) if more else []
+        outcomes += run_sweep(spec, later, sweep_dir, campaign=campaign, fail_fast=fail_fast, echo=echo)
+        chosen += later
+    matrix = [c for c in cells if c.pilot is None]
+    rows = comparison_table(sweep_dir, spec, matrix, [o for o in outcomes if o.cell.pilot is None])
+    pilots = "".join("\n" + choice_markdown(r) for r in read_choices(sweep_dir, list(spec.choose)).values())
+    echo("\n" + write_tables(sweep_dir, spec, rows, extra=pilots))
     echo(f"table: {sweep_dir / 'table.csv'}, {sweep_dir / 'table.md'}")
     if report and any(o.status != "failed" for o in outcomes):
         from flows.report import build_report
@@ -178,6 +269,24 @@ def run_sweep_file(
         "failed": [o.cell.id for o in outcomes if o.status == "failed"],
         "unfinished": [c.id for c in chosen[len(outcomes) :]],
     }
+
+
+def _make_choices(sweep_file, spec, cells: list[Cell], sweep_dir: Path, echo) -> tuple:
+    """Make every choice whose pilot has finished and is not made yet; returns the sweep reloaded
+    and the cells that were waiting and can run now."""
+    made = read_choices(sweep_dir, list(spec.choose))
+    for name, choice in spec.choose.items():
+        pilot = [c for c in cells if c.pilot == name]
+        if name in made or any(cell_state(sweep_dir, c) != FINISHED for c in pilot):
+            continue
+        runs: dict[str, list[str]] = {}
+        for c in pilot:
+            runs.setdefault(dict(c.labels)["candidate"], []).append(c.id)
+        record = make_choice(sweep_dir, name, choice, runs, code_identity())
+        echo(f"choice {name}: {record['winner']} (rule {choice.rule}; _choices/{name}.json)")
+    before = {c.id for c in cells}
+    spec, cells = load_sweep(sweep_file, sweep_dir)
+    return spec, cells, [c for c in cells if c.id not in before]
 
 
 def _sweep_flow(

@@ -24,6 +24,10 @@ axis in file order, then ``seed``. Every cell's config is validated when the
 file is loaded, so a typo fails before anything runs, naming the file, the
 cell and the key.
 
+A ``choose:`` block names a setting a pilot picks by a rule fixed in the file, and an axis
+label uses it as ``{choose: NAME}`` (:mod:`flows.sweep_choice`); its pilot cells come first,
+and the cells using it wait until the choice is made.
+
 A cell is NEW (no run directory), PARTIAL (started, unfinished) or FINISHED
 (its marker ``<sweep dir>/_cells/<cell>.json``, or a ledger whose final step
 has every stage done). A cell whose run directory was made by another config
@@ -44,6 +48,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flows.configuration import ConfigError, config_from_dict, dump_config, resolve_preset
+from flows.sweep_choice import CHOOSE_KEY, ChoiceSpec, pilot_prefix, read_choices
 from fp8rl_core.config.campaign import CampaignConfig
 from storage.layout import config_hash, is_run_dir, read_run_info
 
@@ -71,6 +76,11 @@ class SweepSpec(BaseModel):
     )
     seeds: list[int] = Field(
         [0], min_length=1, description="Campaign seeds; each cell runs once per seed (sets `seed`)."
+    )
+    choose: dict[str, ChoiceSpec] = Field(
+        default_factory=dict,
+        description="Name -> a setting chosen by a pilot (flows.sweep_choice); an axis label uses it as "
+        "{choose: NAME}.",
     )
     exclude: list[dict[str, str | list[str]]] = Field(
         default_factory=list,
@@ -108,6 +118,22 @@ class SweepSpec(BaseModel):
         return seeds
 
     @model_validator(mode="after")
+    def _choices(self) -> "SweepSpec":
+        for name in self.choose:
+            if not LABEL.match(name):
+                raise ValueError(f"choose.{name}: name must match {LABEL.pattern}")
+            for cand in self.choose[name].candidates:
+                if not LABEL.match(cand):
+                    raise ValueError(f"choose.{name}.candidates.{cand}: label must match {LABEL.pattern}")
+        for axis, values in self.axes.items():
+            for label, overrides in values.items():
+                used = overrides.get(CHOOSE_KEY)
+                if used is not None and used not in self.choose:
+                    known = ", ".join(self.choose) or "none"
+                    raise ValueError(f"axes.{axis}.{label}.{CHOOSE_KEY}: unknown choice {used!r}; choices: {known}")
+        return self
+
+    @model_validator(mode="after")
     def _exclude(self) -> "SweepSpec":
         for i, pattern in enumerate(self.exclude):
             for axis, labels in pattern.items():
@@ -129,6 +155,7 @@ class Cell:
     labels: tuple[tuple[str, str], ...]  # (axis, label) in axis order
     seed: int
     config: CampaignConfig
+    pilot: str | None = None  # the choice this cell is a pilot run of (flows.sweep_choice)
 
     @property
     def config_text(self) -> str:
@@ -157,12 +184,38 @@ def _excluded(spec: SweepSpec, labels: dict[str, str]) -> bool:
     return any(all(hit(a, w) for a, w in pattern.items()) for pattern in spec.exclude)
 
 
-def expand_cells(spec: SweepSpec, base: dict, *, source: str) -> list[Cell]:
-    """The cells of ``spec`` over the ``base`` config tree, each validated."""
-    cells = []
+def _combos(spec: SweepSpec):
     for combo in itertools.product(*(list(v) for v in spec.axes.values())):
         labels = dict(zip(spec.axes, combo))
-        if _excluded(spec, labels):
+        if not _excluded(spec, labels):
+            yield combo, labels
+
+
+def _uses(spec: SweepSpec, labels: dict[str, str]) -> set[str]:
+    """The choices the cell of ``labels`` uses."""
+    return {spec.axes[a][lab][CHOOSE_KEY] for a, lab in labels.items() if CHOOSE_KEY in spec.axes[a][lab]}
+
+
+def expand_cells(spec: SweepSpec, base: dict, *, source: str, choices: dict[str, dict] | None = None) -> list[Cell]:
+    """The cells of ``spec`` over the ``base`` config tree, each validated: the pilot cells of every
+    choice first, then the matrix; a cell using a choice not in ``choices`` (name -> its record) waits
+    and is left out (:func:`waiting_cell_ids`)."""
+    choices = choices or {}
+    cells = []
+    for name, choice in spec.choose.items():
+        for cand, overrides in choice.candidates.items():
+            for seed in choice.seeds:
+                cell_id = f"{pilot_prefix(name)}.{cand}.s{seed}"
+                tree = copy.deepcopy(base)
+                for key, value in [*spec.overrides.items(), *choice.overrides.items(), *overrides.items()]:
+                    _apply(tree, key, value, f"{source}: choose.{name}")
+                tree["seed"] = seed
+                cfg = config_from_dict(tree, source=f"{source}: cell {cell_id}")
+                cells.append(Cell(cell_id, (("pilot", name), ("candidate", cand)), seed, cfg, pilot=name))
+    matrix = 0
+    for combo, labels in _combos(spec):
+        matrix += 1
+        if _uses(spec, labels) - set(choices):
             continue
         for seed in spec.seeds:
             cell_id = ".".join(combo) + f".s{seed}"
@@ -172,13 +225,27 @@ def expand_cells(spec: SweepSpec, base: dict, *, source: str) -> list[Cell]:
                 _apply(tree, key, value, f"{source}: overrides")
             for axis, label in labels.items():
                 for key, value in spec.axes[axis][label].items():
-                    _apply(tree, key, value, f"{source}: axes.{axis}.{label}")
+                    if key == CHOOSE_KEY:
+                        for k, v in choices[value]["overrides"].items():
+                            _apply(tree, k, v, f"{source}: {CHOOSE_KEY} {value} (chosen {choices[value]['winner']})")
+                    else:
+                        _apply(tree, key, value, f"{source}: axes.{axis}.{label}")
             tree["seed"] = seed
             cfg = config_from_dict(tree, source=where)
             cells.append(Cell(cell_id, tuple(labels.items()), seed, cfg))
-    if not cells:
+    if not matrix:
         raise ConfigError(f"{source}: every cell is excluded")
     return cells
+
+
+def waiting_cell_ids(spec: SweepSpec, choices: dict[str, dict]) -> list[str]:
+    """The ids of the cells that wait for a choice not yet made."""
+    return [
+        ".".join(combo) + f".s{seed}"
+        for combo, labels in _combos(spec)
+        if _uses(spec, labels) - set(choices)
+        for seed in spec.seeds
+    ]
 
 
 def _format_validation(source: str, err: ValidationError) -> str:
@@ -190,8 +257,12 @@ def _format_validation(source: str, err: ValidationError) -> str:
     return f"{source}: " + "; ".join(parts)
 
 
-def load_sweep(path: str | Path) -> tuple[SweepSpec, list[Cell]]:
-    """Parse and validate a sweep file and every cell's config; ConfigError names the key."""
+def load_sweep(path: str | Path, sweep_dir: str | Path | None = None) -> tuple[SweepSpec, list[Cell]]:
+    """Parse and validate a sweep file and every cell's config; ConfigError names the key.
+
+    ``sweep_dir``: where the choices already made are read from (cells using one that is not
+    made yet are left out; without it, every such cell is).
+    """
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -211,11 +282,16 @@ def load_sweep(path: str | Path) -> tuple[SweepSpec, list[Cell]]:
         base = yaml.safe_load(base_path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{base_path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    return spec, expand_cells(spec, base, source=str(path))
+    choices = read_choices(Path(sweep_dir) if sweep_dir is not None else None, list(spec.choose))
+    return spec, expand_cells(spec, base, source=str(path), choices=choices)
 
 
 def select_cells(
-    cells: list[Cell], patterns: tuple[str, ...] | list[str] | None, *, source: str = "sweep"
+    cells: list[Cell],
+    patterns: tuple[str, ...] | list[str] | None,
+    *,
+    source: str = "sweep",
+    waiting: list[str] = (),
 ) -> list[Cell]:
     """The cells whose id matches any glob in ``patterns`` (all cells when none), in file order.
 
@@ -226,7 +302,7 @@ def select_cells(
     if not patterns:
         return list(cells)
     for pat in patterns:
-        if not any(fnmatch.fnmatchcase(c.id, pat) for c in cells):
+        if not any(fnmatch.fnmatchcase(i, pat) for i in [*(c.id for c in cells), *waiting]):
             raise ConfigError(
                 f"{source}: --cells {pat!r} matches no cell; the cells are " + ", ".join(c.id for c in cells)
             )

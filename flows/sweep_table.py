@@ -87,8 +87,9 @@ def _spread(vals: list[float], scale: float) -> str:
     return f"{scale * min(vals):.{digits}f}–{scale * max(vals):.{digits}f} ({scale * sd:.{digits}f})"
 
 
-def write_tables(sweep_dir: Path, spec: SweepSpec, rows: list[dict]) -> str:
-    """Save ``table.csv`` (every column, raw values) and ``table.md``; return the markdown."""
+def write_tables(sweep_dir: Path, spec: SweepSpec, rows: list[dict], extra: str = "") -> str:
+    """Save ``table.csv`` (every column, raw values) and ``table.md`` (``extra`` markdown appended:
+    the pilots' tables); return the markdown."""
     import csv
     import io
 
@@ -124,5 +125,6 @@ def write_tables(sweep_dir: Path, spec: SweepSpec, rows: list[dict]) -> str:
         "garbled response is one the task's answer parser cannot read; A<0 / A>0 clipped: the mean share "
         "of tokens clipped below L with negative advantage / above H with positive advantage.\n"
     )
+    md += extra
     write_text_atomic(Path(sweep_dir) / "table.md", md)
     return md
