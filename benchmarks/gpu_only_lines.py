@@ -3,7 +3,10 @@
     .venv/bin/python benchmarks/gpu_only_lines.py [--tests FILE ...] [--json OUT]
 
 1. Runs a subset of the suite (:data:`DEFAULT_TESTS`: the tests that drive the GPU
-   paths on CPU, listed below) under coverage.py, subprocesses included
+   paths on CPU, listed below), then the GPU check's vLLM section on vLLM's CPU build in
+   ``.venv-vllm`` as ``tests/test_gpu_check_vllm.py`` runs it (that venv needs coverage.py
+   too; without it the script says so and counts the section as not executed), under
+   coverage.py, subprocesses included
    (``patch = subprocess``: the GPU check's section processes and torchrun),
    single-process, pytest-timeout off (the tracer slows everything), with no
    exclusion: ``# pragma: no cover`` hides nothing.
@@ -51,7 +54,9 @@ DEFAULT_TESTS = (
     "tests/test_weight_stream.py",
     "tests/test_vllm_standin.py",
     "tests/test_http_engine.py",
+    "tests/test_cuda_queries.py",
 )
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"  # where gpu_check/vllm_cycle.py runs on vLLM's CPU build
 GUARD = re.compile(r"cuda|nccl|\bipc\b|get_device_capability|is_sm_at_least")
 # Pieces that run only with CUDA although no `if` names it: "path" (the whole module) or "path::Qual.name"
 CUDA_ONLY = {
@@ -179,8 +184,22 @@ def run_suite(tests: list[str], work: Path) -> tuple[Path, int]:
         "addopts=",
     ]
     status = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    print(f"gpu_only_lines: {run_vllm_section(rc, work, env)}")
     subprocess.run([sys.executable, "-m", "coverage", "combine", f"--rcfile={rc}", "-q"], cwd=ROOT, env=env)
     return rc, status
+
+
+def run_vllm_section(rc: Path, work: Path, env: dict) -> str:
+    """The GPU check's vLLM section as ``tests/test_gpu_check_vllm.py`` runs it (vLLM's CPU build, the
+    28-layer narrow Qwen3), under coverage in the vLLM venv, into the same data; returns what happened."""
+    if not VLLM_PY.exists():
+        return "no .venv-vllm (`make venv-vllm`): gpu_check/vllm_cycle.py is counted as not executed"
+    if subprocess.run([str(VLLM_PY), "-c", "import coverage"], capture_output=True).returncode:
+        return f"the vLLM venv has no coverage.py (`{VLLM_PY} -m pip install coverage`): vllm_cycle.py not measured"
+    env = dict(env, PYTHONPATH=str(ROOT), VLLM_CPU_OMP_THREADS_BIND="nobind")
+    cmd = [str(VLLM_PY), "-m", "coverage", "run", f"--rcfile={rc}", "gpu_check/vllm_cycle.py", "--cpu"]
+    proc = subprocess.run([*cmd, "--json", str(work / "vllm_cycle.json")], cwd=ROOT, env=env)
+    return f"gpu_check/vllm_cycle.py --cpu in the vLLM venv, exit status {proc.returncode}"
 
 
 def count(rc: Path) -> list[dict]:

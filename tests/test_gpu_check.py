@@ -103,6 +103,19 @@ def test_sections_run_end_to_end_on_a_tiny_config_on_cpu(monkeypatch):
     gpu_check.section_rollout(seqs=2, length=8, config=tiny, device="cpu")
     text = "\n".join(lines)
     assert "emulated fp8_per_tensor" in text and "real _scaled_mm" in text and "real kernel vs emulation" in text
+    lines.clear()  # past its deadline a section says so and stops; a failing recipe is one line
+    gpu_check.section_throughput(time.monotonic() - 1, models={"tiny": tiny}, tokens_list=(32,), device="cpu")
+    assert lines[1:] == ["    (time budget reached; remaining shapes skipped)"]
+    lines.clear()
+    gpu_check.section_sqnr(time.monotonic() - 1, tokens=8, config=tiny, real_device="cpu", label="tiny")
+    assert lines[1:] == [f"    {m}: skipped (section budget reached)" for m in gpu_check.RECIPES]
+
+    def no_kernel(model, mode):
+        raise RuntimeError(f"no {mode} kernel")
+
+    lines.clear()
+    gpu_check.section_sqnr(tokens=8, config=tiny, real_device="cpu", convert_real=no_kernel, label="tiny")
+    assert lines[1:] == [f"    {m}: FAILED (RuntimeError: no {m} kernel)" for m in gpu_check.RECIPES]
 
 
 def test_vllm_section_skips_with_the_reason_where_vllm_does_not_import(monkeypatch):
@@ -321,3 +334,43 @@ def test_an_unknown_section_is_refused_in_one_line(capsys):
     assert gpu_check.main(["--section", "[9] nothing", "--seconds", "1"]) == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.count("\n") == 1 and "unknown section '[9] nothing'" in out.err
+
+
+def test_the_train_step_section_names_each_mode_it_skips_or_fails_and_goes_on(monkeypatch):
+    import time
+
+    from gpu_check import train_step
+
+    ran, lines = [], []
+
+    def one_mode(emit, mode, device, batch, **kw):
+        ran.append(mode)
+        if mode == "fp8_rowwise":
+            raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(train_step, "_one_mode", one_mode)
+    need = dict(train_step.MODES)
+    cpu = torch.device("cpu")
+    sm90 = need["fp8_blockwise"]
+    train_step.run_modes(lines.append, cpu, None, missing=lambda cap: "needs SM90+" if cap == sm90 else None)
+    assert ran == ["fp8_tensorwise", "fp8_rowwise"]
+    assert "train_step fp8_rowwise: FAILED (RuntimeError: no kernel for this shape)" in lines
+    assert "train_step fp8_blockwise: SKIP - needs SM90+" in lines
+    assert sum(ln.endswith(" s in all") for ln in lines) == 2  # the failed mode's time is printed too
+    lines.clear()
+    train_step.run_modes(lines.append, cpu, None, deadline=time.monotonic() - 1)
+    assert lines == [f"train_step {m}: skipped (section budget reached)" for m, _ in train_step.MODES]
+
+
+def test_the_gpu_entry_refuses_unknown_arguments_and_a_missing_torch_in_one_line(capsys, monkeypatch):
+    import sys
+
+    assert gpu_check.main(["--fast"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["gpu-check: unknown arguments ['--fast']; usage: gpu_check/main.py [--cpu]"]
+    lines = []
+    monkeypatch.setattr(gpu_check, "emit", lines.append)
+    monkeypatch.setattr(gpu_check, "add_paths", lambda: [])
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    assert gpu_check.main([]) == 2
+    assert lines == ["gpu-check: torch is not installed; it needs torch >= 2.11, transformers and pyarrow"]
