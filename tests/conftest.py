@@ -8,6 +8,7 @@ here), 8 prompts x 4 samples, two mini-batches of two micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -103,6 +104,19 @@ def _share_a_prefect_server(items) -> None:
     if started is not None:
         os.environ["PREFECT_API_URL"] = started[0]
         _PREFECT_SERVER.append(started[1])
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The CPU the suite ran on, last: the golden tables and the primitive hashes are checked on it."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from flows.cpu_numerics import cpu_model
+
+    flags = set()
+    with contextlib.suppress(OSError):
+        flags = set(next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "").split())
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    terminalreporter.write_line(f"CPU: {cpu_model()} ({', '.join(isa) or 'no AVX2'}), {os.cpu_count()} cores")
 
 
 def pytest_unconfigure(config) -> None:
