@@ -244,7 +244,7 @@ def run_sweep_file(
     waiting = waiting_cell_ids(spec, read_choices(sweep_dir, list(spec.choose)))
     chosen = select_cells(cells, only, source=str(sweep_file), waiting=waiting)
     total = len(cells) + len(waiting)
-    part = f" ({len(chosen)} selected)" if len(chosen) != total else ""
+    part = f" ({len(chosen)} selected)" if only else ""
     wait = f", {len(waiting)} waiting for a pilot's choice" if waiting else ""
     echo(f"sweep {spec.name}: {total} cell(s){part}{wait} in {sweep_dir}")
     outcomes = run_sweep(spec, chosen, sweep_dir, campaign=campaign, fail_fast=fail_fast, echo=echo)

@@ -21,8 +21,10 @@ GIB = 2**30
 class FakeCuda:
     """``torch.cuda``'s queries for ``count`` devices of ``total`` bytes with ``used`` in use each."""
 
-    def __init__(self, count: int = 2, total: int = 80 * GIB, used: int = 3 * GIB) -> None:
-        self.count, self.total, self.used = count, total, used
+    def __init__(
+        self, count: int = 2, total: int = 80 * GIB, used: int = 3 * GIB, capability: tuple[int, int] = (9, 0)
+    ) -> None:
+        self.count, self.total, self.used, self.capability = count, total, used, capability
         self.current = 0
         self.emptied = 0
         self.rng = [torch.tensor(list(range(i, i + 16)), dtype=torch.uint8) for i in range(count)]
@@ -36,6 +38,8 @@ class FakeCuda:
             "empty_cache",
             "get_rng_state_all",
             "set_rng_state_all",
+            "get_device_name",
+            "get_device_capability",
         ):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
         return self
@@ -62,6 +66,14 @@ class FakeCuda:
     def mem_get_info(self, device=None) -> tuple[int, int]:
         self._index(device)
         return self.total - self.used, self.total
+
+    def get_device_name(self, device=None) -> str:
+        self._index(device)
+        return "NVIDIA H200 (stand-in)"
+
+    def get_device_capability(self, device=None) -> tuple[int, int]:
+        self._index(device)
+        return self.capability
 
     def empty_cache(self) -> None:
         self.emptied += 1
@@ -131,3 +143,53 @@ def test_every_devices_rng_state_goes_through_a_checkpoint(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(cuda.rng, saved))
     FakeCuda(count=0).install(monkeypatch)  # resumed on a machine without CUDA: the CPU states only
     restore_rng_state(state)
+
+
+def test_the_gpu_check_entry_names_the_device_then_runs_every_section_under_the_budget(monkeypatch):
+    from gpu_check import main as gpu_check
+
+    FakeCuda(count=1).install(monkeypatch)
+    lines, ran = [], []
+    monkeypatch.setattr(gpu_check, "emit", lines.append)
+    monkeypatch.setattr(gpu_check, "add_paths", lambda: ["/wheels/torchao-0.18.0-cp39-abi3.whl"])
+    monkeypatch.setattr(gpu_check, "run_all", lambda start, total, budgets: ran.append((total, dict(budgets))))
+    assert gpu_check.main([]) == 0
+    assert ran == [(gpu_check.TOTAL_BUDGET_S, gpu_check.SECTION_BUDGETS_S)]
+    assert lines[0].startswith("gpu-check: NVIDIA H200 (stand-in), CUDA capability (9, 0), torch ")
+    assert "torchao 0.18" in lines[0] and "wheels: ['torchao-0.18.0-cp39-abi3.whl']" in lines[0]
+
+
+@pytest.mark.parametrize("capability, skipped", [((9, 0), []), ((8, 9), ["fp8_blockwise"]), ((8, 0), None)])
+def test_the_train_step_section_runs_the_modes_this_gpus_kernels_allow(monkeypatch, capability, skipped):
+    from gpu_check import main as gpu_check
+    from gpu_check import train_step
+
+    FakeCuda(count=1, capability=capability).install(monkeypatch)
+    seen = {}
+
+    def run_modes(emit, device, batch, *, deadline, missing):
+        seen.update(device=device, deadline=deadline, why={m: missing(need) for m, need in train_step.MODES})
+
+    monkeypatch.setattr(train_step, "run_modes", run_modes)
+    monkeypatch.setattr(train_step, "_batch", lambda device: ("batch on", device))
+    lines = []
+    monkeypatch.setattr(gpu_check, "emit", lines.append)
+    gpu_check.section_train_step(deadline=123.0)
+    assert lines[:2] == [
+        "[4] sharded trainer step (gpu_check/train_step.py)",
+        f"train_step: NVIDIA H200 (stand-in) SM{capability[0]}{capability[1]}, torch {torch.__version__}",
+    ]
+    assert seen["device"] == torch.device("cuda", 0) and seen["deadline"] == 123.0
+    cannot = [m for m, why in seen["why"].items() if why]
+    assert cannot == (skipped if skipped is not None else [m for m, _ in train_step.MODES])
+    assert all("for the real kernel" in seen["why"][m] for m in cannot)
+
+
+def test_the_nccl_sync_without_a_rendezvous_is_refused_when_the_engine_is_made():
+    from stages.engines.vllm_options import check_engine_options
+
+    with pytest.raises(ValueError, match=r"nccl_master=\(address, port\)"):
+        check_engine_options(
+            logprobs_mode="processed", sleep_level=0, weight_sync="nccl", verify_sync="first", in_process=True,
+            nccl_master=None,
+        )  # fmt: skip
