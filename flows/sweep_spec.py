@@ -346,7 +346,7 @@ def cell_state(sweep_dir: Path, cell: Cell) -> str:
     if not is_run_dir(run_dir):
         return NEW
     info = read_run_info(run_dir)
-    if info.config_hash not in (None, config_hash(cell.config_text)):
+    if info.config_hash not in (None, config_hash(cell.config_text)) and not _same_settings(run_dir, cell):
         raise ConfigError(
             f"cell {cell.id}: {run_dir} was run with another config (the sweep file changed); "
             "move that directory away or use another --out"
@@ -354,6 +354,18 @@ def cell_state(sweep_dir: Path, cell: Cell) -> str:
     if marker_path(sweep_dir, cell).is_file() or ledger_finished(run_dir, cell.config):
         return FINISHED
     return PARTIAL
+
+
+def _same_settings(run_dir: Path, cell: Cell) -> bool:
+    """Whether the run's ``config.yaml``, read by this code, is the cell's config: a file written before
+    a release added a setting (at its default) still names the same campaign, so a sweep resumes
+    across that upgrade; any value that differs is another config."""
+    from flows.configuration import load_config
+
+    try:
+        return load_config(Path(run_dir) / "config.yaml") == cell.config
+    except ConfigError:
+        return False
 
 
 @dataclass

@@ -10,6 +10,7 @@ sweep stops at once, as after Ctrl-C or a kill) or fail there.
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -212,6 +213,34 @@ def test_a_changed_sweep_file_does_not_mix_configs(sweep_file: Path, tmp_path: P
     with pytest.raises(ConfigError, match=r"cell bf16\.standard\.s0: .* another config"):
         _run(sweep_file, out, fake)
     assert fake.calls == []  # checked before any cell runs
+
+
+def test_a_cell_made_before_a_new_setting_existed_still_resumes(sweep_file: Path, tmp_path: Path) -> None:
+    """A release that adds a setting at its default changes every cell's config text, not its campaign."""
+    import yaml
+
+    from storage.layout import config_hash
+
+    def rewrite(run: Path, text: str) -> None:  # the config and its hash, as a run made with it records them
+        (run / "config.yaml").write_text(text)
+        info = json.loads((run / "run.json").read_text())
+        (run / "run.json").write_text(json.dumps({**info, "config_hash": config_hash(text)}))
+
+    out = tmp_path / "sweep"
+    fake = FakeCampaign(interrupt_in="fp8.standard.s0", after_steps=1)
+    with pytest.raises(KeyboardInterrupt):
+        _run(sweep_file, out, fake)
+    run = out / "fp8.standard.s0"
+    older = yaml.safe_load((run / "config.yaml").read_text())
+    del older["algorithm"]["old_logp_micro_batch_size"]  # as written before that setting existed (default None)
+    rewrite(run, yaml.safe_dump(older, sort_keys=False))
+    again = FakeCampaign()
+    _run(sweep_file, out, again)
+    assert ("fp8.standard.s0", True) in again.calls  # resumed, not refused
+    older["algorithm"]["eps_low"] = 0.3  # a value that differs is another campaign
+    rewrite(run, yaml.safe_dump(older, sort_keys=False))
+    with pytest.raises(ConfigError, match=r"cell fp8\.standard\.s0: .* another config"):
+        _run(sweep_file, out, FakeCampaign())
 
 
 def test_seeds_multiply_cells_and_average(tmp_path: Path) -> None:
