@@ -70,12 +70,14 @@ class ChoiceSpec(BaseModel):
             raise ValueError(f"unknown rule {v!r}; rules: {', '.join(RULES)}")
         return v
 
-    @field_validator("seeds")
-    @classmethod
-    def _seeds(cls, seeds: list[int]) -> list[int]:
-        if len(set(seeds)) != len(seeds):
-            raise ValueError(f"seeds repeat: {seeds}")
-        return seeds
+    _seeds = field_validator("seeds")(classmethod(lambda cls, seeds: distinct_seeds(seeds)))
+
+
+def distinct_seeds(seeds: list[int]) -> list[int]:
+    """``seeds`` if none repeats (a sweep's and a pilot's seed lists)."""
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds repeat: {seeds}")
+    return seeds
 
 
 def pilot_prefix(name: str) -> str:

@@ -48,7 +48,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flows.configuration import ConfigError, config_from_dict, dump_config, resolve_preset
-from flows.sweep_choice import CHOOSE_KEY, ChoiceSpec, pilot_prefix, read_choices
+from flows.sweep_choice import CHOOSE_KEY, ChoiceSpec, distinct_seeds, pilot_prefix, read_choices
 from fp8rl_core.config.campaign import CampaignConfig
 from storage.layout import config_hash, is_run_dir, read_run_info
 
@@ -110,12 +110,7 @@ class SweepSpec(BaseModel):
                     raise ValueError(f"{axis}.{label}: label must match {LABEL.pattern}")
         return axes
 
-    @field_validator("seeds")
-    @classmethod
-    def _seeds(cls, seeds: list[int]) -> list[int]:
-        if len(set(seeds)) != len(seeds):
-            raise ValueError(f"seeds repeat: {seeds}")
-        return seeds
+    _seeds = field_validator("seeds")(classmethod(lambda cls, seeds: distinct_seeds(seeds)))
 
     @model_validator(mode="after")
     def _choices(self) -> "SweepSpec":
