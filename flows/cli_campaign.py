@@ -68,6 +68,7 @@ def preflight(cfg: CampaignConfig, nproc_per_node: int = 1) -> None:
     from stages.evaluate import check_benchmarks
 
     _check_device(cfg.device)
+    _check_compile_numerics(cfg)
     if nproc_per_node > 1:
         from stages.trainer.minibatch_plan import check_world_size
 
@@ -84,6 +85,28 @@ def preflight(cfg: CampaignConfig, nproc_per_node: int = 1) -> None:
         check_benchmarks(cfg)
     except (FileNotFoundError, ValueError, OSError, KeyError) as err:
         raise _fail(f"evaluation data: {str(err).strip(chr(39))}")
+
+
+def _check_compile_numerics(cfg: CampaignConfig) -> None:
+    """``precision.compile: on`` on a CPU whose BF16 GEMMs go through a torch-function mode (``portable``,
+    ``fp32``) is one line here: dynamo cannot build guards for the mode and every rank fails at its
+    first compiled forward. A GPU never has the mode; ``auto`` never compiles on a CPU."""
+    if cfg.precision.compile != "on":
+        return
+    from flows.cpu_numerics import gemm_choice
+    from stages.context import resolve_device
+
+    try:
+        device = resolve_device(cfg.device)
+    except ValueError:
+        return  # _check_device says why
+    kind = gemm_choice(cfg, device).kind
+    if device.type == "cpu" and kind in ("portable", "fp32"):
+        raise _fail(
+            f"precision.compile: on with precision.cpu_bf16_gemm {kind} on the CPU: torch.compile cannot trace "
+            "that GEMM mode; set precision.cpu_bf16_gemm=native (tables then depend on the CPU) "
+            "or precision.compile=auto"
+        )
 
 
 def _check_device(device: str) -> None:

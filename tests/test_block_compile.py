@@ -141,3 +141,21 @@ def test_fp8rl_plan_states_the_gpu_compile_choice_of_the_preset():
     )
     line = plan_precision_line(load_config("qwen3-8b-grpo-deepscaler", ["precision.train=fp8_rowwise"]))
     assert "decoder blocks torch.compile per block (precision.compile auto: backend torchao on CUDA" in line
+
+
+def test_compile_on_with_a_cpu_gemm_mode_is_one_line_before_anything_runs(capsys):
+    """The portable and fp32 CPU GEMMs are torch-function modes dynamo cannot build guards for: a
+    2-rank campaign with ``precision.compile: on`` failed at its first compiled forward on every rank."""
+    import typer
+
+    from flows.cli_campaign import _check_compile_numerics
+    from tests.conftest import micro_config
+
+    for gemm in ("portable", "fp32"):
+        with pytest.raises(typer.Exit) as err:
+            _check_compile_numerics(micro_config("precision.compile=on", f"precision.cpu_bf16_gemm={gemm}"))
+        assert err.value.exit_code == 2
+        line = capsys.readouterr().err.strip()
+        assert f"precision.cpu_bf16_gemm {gemm} on the CPU" in line and "\n" not in line
+    _check_compile_numerics(micro_config("precision.compile=on", "precision.cpu_bf16_gemm=native"))
+    _check_compile_numerics(micro_config())  # auto: never compiled on the CPU
