@@ -50,6 +50,16 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
                                                         "precision.rollout=fp8_per_block", APART]),
     "the regime preset (configs/regime-tiny-cpu.yaml)": ("regime-tiny-cpu", []),
     "the regime preset, default batching": ("regime-tiny-cpu", ["algorithm.old_logp_micro_batch_size=null"]),
+    "tensorwise, default batching, 4 outlier channels x 2^14": ("tiny-cpu", [*TENSORWISE, "model.outliers.channels=4"]),
+    "tensorwise, default batching, 4 outlier channels x 2^16": (
+        "tiny-cpu",
+        [*TENSORWISE, "model.outliers.channels=4", "model.outliers.log2_scale=16"],
+    ),
+    "the regime preset, 4 outlier channels x 2^14": ("regime-tiny-cpu", ["model.outliers.channels=4"]),
+    "the regime preset, 4 outlier channels x 2^16": (
+        "regime-tiny-cpu",
+        ["model.outliers.channels=4", "model.outliers.log2_scale=16"],
+    ),
 }
 COMMON = ["calibration.mode=standard", "calibration.interval=1"]
 

@@ -55,6 +55,40 @@ def report_command(
     typer.echo(f"wrote {rep.index} in {rep.seconds:.1f} s")
 
 
+def _dry_run(sweep_file: Path, out: Path | None, cells: list[str] | None) -> None:
+    """``fp8rl sweep --dry-run``: the cells, their state, the choices made and the cells waiting for one."""
+    import fnmatch
+
+    from flows.sweep_choice import read_choices
+    from flows.sweep_spec import cell_state, default_sweep_dir, load_sweep, select_cells, waiting_cell_ids
+
+    spec, every = load_sweep(sweep_file)
+    sweep_dir = out or default_sweep_dir(spec, every)
+    if spec.choose:
+        spec, every = load_sweep(sweep_file, sweep_dir)
+    made = read_choices(sweep_dir, list(spec.choose))
+    waiting = waiting_cell_ids(spec, made)
+    chosen = select_cells(every, cells, source=str(sweep_file), waiting=waiting)
+    if cells:
+        waiting = [i for i in waiting if any(fnmatch.fnmatchcase(i, p) for p in cells)]
+    total = len(every) + len(waiting_cell_ids(spec, made))
+    part = f" ({len(chosen) + len(waiting)} selected)" if len(chosen) + len(waiting) != total else ""
+    typer.echo(f"sweep {spec.name}: {total} cell(s){part} in {sweep_dir}")
+    if spec.description:
+        typer.echo(f"  {spec.description}")
+    for name, record in made.items():
+        typer.echo(f"  choice {name}: {record['winner']} (made {record['made_at']})")
+    for c in chosen:
+        cfg = c.config
+        typer.echo(
+            f"  {c.id:<36} {cell_state(sweep_dir, c):<9} train={cfg.precision.train} "
+            f"rollout={cfg.precision.rollout} clip={cfg.calibration.mode} seed={cfg.seed} "
+            f"steps={cfg.steps}"
+        )
+    for i in waiting:
+        typer.echo(f"  {i:<36} waiting   for its pilot's choice")
+
+
 def sweep_command(
     sweep_file: Path = typer.Argument(..., help="Sweep YAML (see configs/sweeps/paper-tiny.yaml)."),
     out: Optional[Path] = typer.Option(
@@ -81,36 +115,7 @@ def sweep_command(
 
     try:
         if dry_run:
-            import fnmatch
-
-            from flows.sweep_choice import read_choices
-            from flows.sweep_spec import cell_state, default_sweep_dir, load_sweep, select_cells, waiting_cell_ids
-
-            spec, every = load_sweep(sweep_file)
-            sweep_dir = out or default_sweep_dir(spec, every)
-            if spec.choose:
-                spec, every = load_sweep(sweep_file, sweep_dir)
-            made = read_choices(sweep_dir, list(spec.choose))
-            waiting = waiting_cell_ids(spec, made)
-            chosen = select_cells(every, cells, source=str(sweep_file), waiting=waiting)
-            if cells:
-                waiting = [i for i in waiting if any(fnmatch.fnmatchcase(i, p) for p in cells)]
-            total = len(every) + len(waiting_cell_ids(spec, made))
-            part = f" ({len(chosen) + len(waiting)} selected)" if len(chosen) + len(waiting) != total else ""
-            typer.echo(f"sweep {spec.name}: {total} cell(s){part} in {sweep_dir}")
-            if spec.description:
-                typer.echo(f"  {spec.description}")
-            for name, record in made.items():
-                typer.echo(f"  choice {name}: {record['winner']} (made {record['made_at']})")
-            for c in chosen:
-                cfg = c.config
-                typer.echo(
-                    f"  {c.id:<36} {cell_state(sweep_dir, c):<9} train={cfg.precision.train} "
-                    f"rollout={cfg.precision.rollout} clip={cfg.calibration.mode} seed={cfg.seed} "
-                    f"steps={cfg.steps}"
-                )
-            for i in waiting:
-                typer.echo(f"  {i:<36} waiting   for its pilot's choice")
+            _dry_run(sweep_file, out, cells)
             return
         from flows import child_guard
         from flows.prefect_env import quiet_console_failures

@@ -232,6 +232,20 @@ def _base_model_rank0_first(cfg: CampaignConfig, runs_root: Path, rank: int, wor
     return base_model_dir(cfg, runs_root)
 
 
+def _load_policy(cfg: CampaignConfig, base: Path) -> tuple[torch.nn.Module, Any]:
+    """The base policy (fp32 masters, on the host) with ``model.outliers`` put in (exact in BF16: a lever
+    for FP8 noise) and the prompt format's stop tokens, and its tokenizer."""
+    from fp8rl_core.precision.outliers import inject_outliers
+    from fp8rl_core.tasks.tiny_model import load_policy
+    from stages.data.prompt_format import apply_stop_tokens
+
+    policy, tokenizer = load_policy(base)
+    out = cfg.model.outliers
+    inject_outliers(policy, out.channels, out.log2_scale, cfg.model.seed)
+    apply_stop_tokens(policy, tokenizer, cfg.prompt)  # chat format: stop at the template's end-of-turn
+    return policy, tokenizer
+
+
 def _make_rollout_engine(
     cfg: CampaignConfig, policy: torch.nn.Module, tokenizer: Any, base: Path
 ) -> RolloutEngineProtocol:
@@ -271,9 +285,7 @@ def open_run(
     under torchrun the policy goes from the host straight into its shards: no
     device ever holds the whole fp32 model."""
     from fp8rl_core.precision.conversion import convert_for_training
-    from fp8rl_core.tasks.tiny_model import load_policy
     from stages.bootstrap.math import capped_threads
-    from stages.data.prompt_format import apply_stop_tokens
     from stages.trainer.block_compile import compile_choice, compile_decoder_blocks
     from stages.trainer.optimizer import make_optimizer
 
@@ -282,8 +294,7 @@ def open_run(
     read_run_info(run_dir)  # fails clearly on a non-run directory
     device = resolve_device(cfg.device)
     base = _base_model_rank0_first(cfg, run_dir.parent, rank, world_size, group)
-    policy, tokenizer = load_policy(base)  # fp32 masters, on the host
-    apply_stop_tokens(policy, tokenizer, cfg.prompt)  # chat format: stop at the template's end-of-turn
+    policy, tokenizer = _load_policy(cfg, base)  # fp32 masters, on the host
     # vLLM loads its own copy from disk: it is built before any trainer weight reaches the device (its start-up
     # check wants utilization x total free), and under torchrun the policy is sharded straight from the host
     engine = _make_rollout_engine(cfg, policy, tokenizer, base) if cfg.rollout.engine != "transformers" else None

@@ -109,4 +109,9 @@ class CampaignConfig(Section):
             )
         if c.tis_weighted_balance and a.correction != CorrectionConfig():
             raise ValueError("calibration.tis_weighted_balance weighs by token TIS: leave algorithm.correction unset")
+        if self.model.outliers.channels and self.rollout.engine != "transformers":
+            raise ValueError(
+                f"model.outliers is put into the loaded policy, which rollout.engine {self.rollout.engine} does "
+                "not use (it loads the checkpoint from disk): use rollout.engine transformers"
+            )
         return self

@@ -9,6 +9,26 @@ from pydantic import Field, model_validator
 from fp8rl_core.config.section import Section
 
 
+class OutlierConfig(Section):
+    """Activation outliers like a pretrained LLM's, put into the policy without changing what it computes.
+
+    In ``channels`` hidden channels (the same ones in every decoder block, chosen by ``model.seed``)
+    each RMSNorm before a projection multiplies its weight by ``2**log2_scale`` and the projections
+    it feeds divide those input columns by the same power of two: exact in fp32 and in bf16, so a
+    BF16 run computes the same bits, while FP8 scaling sees the outlier channels (per-tensor scales
+    most of all). Applied to the loaded policy (``stages.context.open_run``); not part of the
+    bootstrap."""
+
+    channels: int = Field(0, ge=0, le=4096, description="Hidden channels made outliers (0: none).")
+    log2_scale: int = Field(
+        14,
+        ge=1,
+        le=24,
+        description="The outlier channels' scale, as a power of two. FP8 E4M3's exponent absorbs outliers up to "
+        "about 2**12 above the typical activation (docs/calibration.md); the error grows past 2**14.",
+    )
+
+
 class ModelConfig(Section):
     """The policy. ``path`` set: a Hugging Face checkpoint; unset: the tiny model
     built and bootstrapped by the project (sizes below)."""
@@ -24,6 +44,10 @@ class ModelConfig(Section):
     max_position_embeddings: int = Field(256, ge=32, le=1 << 20, description="Tiny model context length (tokens).")
     tie_word_embeddings: bool = Field(True, description="Tie lm_head to the input embeddings (tiny model).")
     seed: int = Field(0, description="Seed of the tiny model's initial weights.")
+    outliers: OutlierConfig = Field(
+        default_factory=OutlierConfig,
+        description="Synthetic activation outliers put into the loaded policy (exact in BF16; a lever for FP8 noise).",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -31,6 +55,8 @@ class ModelConfig(Section):
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}"
             )
+        if self.outliers.channels > self.hidden_size:
+            raise ValueError(f"model.outliers.channels={self.outliers.channels} exceeds model.hidden_size")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads={self.num_kv_heads}"

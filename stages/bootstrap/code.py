@@ -38,7 +38,7 @@ EVAL_SIZE = 300
 def _hash(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: BootstrapConfig) -> str:
     payload = {
         "version": CODE_BOOTSTRAP_VERSION,
-        "model": model_cfg.model_dump(mode="json"),
+        "model": model_cfg.model_dump(mode="json", exclude={"outliers"}),  # applied after the bootstrap
         "task_seed": task_cfg.seed,
         "bootstrap": boot_cfg.model_dump(mode="json", exclude={"threads"}),
     }
@@ -158,7 +158,7 @@ def bootstrap_code(
         "version": CODE_BOOTSTRAP_VERSION,
         "task": task_cfg.model_dump(mode="json"),
         "bootstrap": boot_cfg.model_dump(mode="json"),
-        "model": model_cfg.model_dump(mode="json"),
+        "model": model_cfg.model_dump(mode="json", exclude={"outliers"}),  # applied after the bootstrap
         **stats,
     }
     publish_checkpoint(final, model, tokenizer, meta)

@@ -109,7 +109,7 @@ def config_hash(model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: Bootstra
     """Hex digest of the inputs that determine the bootstrapped weights."""
     payload = {
         "version": BOOTSTRAP_VERSION,
-        "model": model_cfg.model_dump(mode="json"),
+        "model": model_cfg.model_dump(mode="json", exclude={"outliers"}),  # applied after the bootstrap
         "task": {"difficulty": task_cfg.difficulty, "seed": task_cfg.seed}
         | ({"kind": task_cfg.kind} if task_cfg.kind != TaskConfig().kind else {}),  # the default: older caches
         "bootstrap": boot_cfg.model_dump(mode="json", exclude={"threads"}),
@@ -322,7 +322,7 @@ def bootstrap(
         "config_hash": digest,
         "version": BOOTSTRAP_VERSION,
         "teacher": asdict(teacher),
-        "model": model_cfg.model_dump(mode="json"),
+        "model": model_cfg.model_dump(mode="json", exclude={"outliers"}),  # applied after the bootstrap
         "task": task_cfg.model_dump(mode="json"),
         "bootstrap": boot_cfg.model_dump(mode="json"),
         **stats,
