@@ -247,12 +247,15 @@ def run_sweep_file(
     part = f" ({len(chosen)} selected)" if only else ""
     wait = f", {len(waiting)} waiting for a pilot's choice" if waiting else ""
     echo(f"sweep {spec.name}: {total} cell(s){part}{wait} in {sweep_dir}")
-    outcomes = run_sweep(spec, chosen, sweep_dir, campaign=campaign, fail_fast=fail_fast, echo=echo)
-    if waiting and not (fail_fast and any(o.status == "failed" for o in outcomes)):
-        spec, cells, more = _make_choices(sweep_file, spec, cells, sweep_dir, echo)
-        later = select_cells(more, only, source=str(sweep_file), waiting=[c.id for c in cells]) if more else []
-        outcomes += run_sweep(spec, later, sweep_dir, campaign=campaign, fail_fast=fail_fast, echo=echo)
-        chosen += later
+    # the pilots first, then the choices they decide, then the matrix in file order
+    outcomes = run_sweep(spec, [c for c in chosen if c.pilot], sweep_dir, campaign=campaign, fail_fast=fail_fast,
+                         echo=echo)  # fmt: skip
+    if not (fail_fast and any(o.status == "failed" for o in outcomes)):
+        if waiting:  # a choice whose pilot has finished is made now, once
+            spec, cells = _make_choices(sweep_file, spec, cells, sweep_dir, echo)
+            waiting = waiting_cell_ids(spec, read_choices(sweep_dir, list(spec.choose)))
+        rest = [c for c in select_cells(cells, only, source=str(sweep_file), waiting=waiting) if not c.pilot]
+        outcomes += run_sweep(spec, rest, sweep_dir, campaign=campaign, fail_fast=fail_fast, echo=echo)
     matrix = [c for c in cells if c.pilot is None]
     rows = comparison_table(sweep_dir, spec, matrix, [o for o in outcomes if o.cell.pilot is None])
     pilots = "".join("\n" + choice_markdown(r) for r in read_choices(sweep_dir, list(spec.choose)).values())
@@ -263,17 +266,18 @@ def run_sweep_file(
 
         rep = build_report([sweep_dir], sweep_dir / "report")
         echo(f"report: {rep.index}")
+    ran = {o.cell.id for o in outcomes}
     return {
         "sweep_dir": str(sweep_dir),
         "cells": {o.cell.id: o.status for o in outcomes},
         "failed": [o.cell.id for o in outcomes if o.status == "failed"],
-        "unfinished": [c.id for c in chosen[len(outcomes) :]],
+        "unfinished": [c.id for c in select_cells(cells, only, waiting=waiting) if c.id not in ran],
     }
 
 
 def _make_choices(sweep_file, spec, cells: list[Cell], sweep_dir: Path, echo) -> tuple:
     """Make every choice whose pilot has finished and is not made yet; returns the sweep reloaded
-    and the cells that were waiting and can run now."""
+    (its cells now include those whose choice is made)."""
     made = read_choices(sweep_dir, list(spec.choose))
     for name, choice in spec.choose.items():
         pilot = [c for c in cells if c.pilot == name]
@@ -284,9 +288,7 @@ def _make_choices(sweep_file, spec, cells: list[Cell], sweep_dir: Path, echo) ->
             runs.setdefault(dict(c.labels)["candidate"], []).append(c.id)
         record = make_choice(sweep_dir, name, choice, runs, code_identity())
         echo(f"choice {name}: {record['winner']} (rule {choice.rule}; _choices/{name}.json)")
-    before = {c.id for c in cells}
-    spec, cells = load_sweep(sweep_file, sweep_dir)
-    return spec, cells, [c for c in cells if c.id not in before]
+    return load_sweep(sweep_file, sweep_dir)
 
 
 def _sweep_flow(

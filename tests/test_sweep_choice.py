@@ -110,7 +110,9 @@ def test_the_pilot_runs_first_the_choice_is_made_once_and_the_waiting_cells_take
     fake, lines = ScoringFake(), []
     summary = run_sweep_file(path, out, campaign=fake, report=False, echo=lines.append)
     ran = [c for c, _ in fake.calls]
-    assert ran[:7] == [*PILOT, "standard.s0"] and sorted(ran[7:]) == ["calibrated-strongest.s0", "strongest.s0"]
+    assert ran == [*PILOT, "standard.s0", "strongest.s0", "calibrated-strongest.s0"]  # the matrix in file order
+    made = next(i for i, ln in enumerate(lines) if ln.startswith("choice strongest: "))
+    assert made < next(i for i, ln in enumerate(lines) if "standard.s0: starting" in ln)  # chosen right after the pilot
     assert not summary["failed"] and "choice strongest: icepop (rule best-second-half-eval" in "\n".join(lines)
 
     record = json.loads(choice_path(out, "strongest").read_text())
