@@ -17,7 +17,8 @@ starts the others. A cell whose run directory was made by another config
 (the sweep file changed) is an error naming it, never silently mixed.
 
 Every cell records the code it ran on: each start or resume appends the commit (and
-whether the checkout had uncommitted changes) to ``_cells/<cell>.starts.jsonl``, and the
+whether the checkout had uncommitted changes) to ``_cells/<cell>.starts.jsonl`` -- the
+commit when the sweep's process ran its first cell, the code it has loaded -- and the
 marker holds those commits and the run's numerics fingerprint (a hash of ``run.json``'s CPU
 numerics and layer precision with the torch, transformers and torchao versions), so cells
 that ran on different numerics are told apart.
@@ -147,10 +148,15 @@ def _starts_path(sweep_dir: Path, cell: Cell) -> Path:
     return marker_path(sweep_dir, cell).with_name(f"{cell.id}.starts.jsonl")
 
 
+_LOADED_CODE: dict = {}  # the checkout's commit when this process first ran a cell: the code it has loaded
+
+
 def _record_start(sweep_dir: Path, cell: Cell) -> None:
     path = _starts_path(sweep_dir, cell)
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **code_identity()}
+    if not _LOADED_CODE:  # a later commit in the checkout is not what this process runs
+        _LOADED_CODE.update(code_identity())
+    line = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **_LOADED_CODE}
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(line) + "\n")
 
