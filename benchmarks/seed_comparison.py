@@ -66,6 +66,7 @@ def load(sweep_dir: Path, runs: list[str]):
 
 def per_run(evals: list[dict], steps: list[dict]) -> dict[str, dict]:
     """run id -> second-half eval, outcomes by (step, problem, sample), clip shares, surges."""
+    from flows.sweep_choice import second_half
     from fp8rl_core.signals.failure_signals import surge_onsets
 
     out: dict[str, dict] = defaultdict(lambda: {"outcomes": {}, "acc": defaultdict(list), "steps": []})
@@ -76,10 +77,9 @@ def per_run(evals: list[dict], steps: list[dict]) -> dict[str, dict]:
     for s in steps:
         out[s["run_id"]]["steps"].append(s)
     for r in out.values():
-        last = max(r["acc"]) if r["acc"] else 0
-        half = [statistics.fmean(v) for k, v in r["acc"].items() if k >= last / 2]
-        r["half_step"] = last / 2
-        r["second_half"] = 100 * statistics.fmean(half) if half else float("nan")
+        r["half_step"] = (max(r["acc"]) if r["acc"] else 0) / 2
+        half = second_half({k: statistics.fmean(v) for k, v in r["acc"].items()})  # the pilot rule's measure
+        r["second_half"] = float("nan") if half is None else half
         shadow = [s for s in r["steps"] if s["shadow"] and s["lower_clip_share_neg_fp8"] is not None]
         mean = lambda k: statistics.fmean(s[k] for s in shadow) if shadow else float("nan")  # noqa: E731
         r["clip_fp8"], r["clip_bf16"], r["over"] = (

@@ -60,19 +60,15 @@ def _dry_run(sweep_file: Path, out: Path | None, cells: list[str] | None) -> Non
     import fnmatch
 
     from flows.sweep_choice import read_choices
-    from flows.sweep_spec import cell_state, default_sweep_dir, load_sweep, select_cells, waiting_cell_ids
+    from flows.sweep_spec import cell_state, open_sweep, select_cells
 
-    spec, every = load_sweep(sweep_file)
-    sweep_dir = out or default_sweep_dir(spec, every)
-    if spec.choose:
-        spec, every = load_sweep(sweep_file, sweep_dir)
+    spec, every, sweep_dir, waiting = open_sweep(sweep_file, out)
     made = read_choices(sweep_dir, list(spec.choose))
-    waiting = waiting_cell_ids(spec, made)
     chosen = select_cells(every, cells, source=str(sweep_file), waiting=waiting)
+    total = len(every) + len(waiting)
     if cells:
         waiting = [i for i in waiting if any(fnmatch.fnmatchcase(i, p) for p in cells)]
-    total = len(every) + len(waiting_cell_ids(spec, made))
-    part = f" ({len(chosen) + len(waiting)} selected)" if len(chosen) + len(waiting) != total else ""
+    part = f" ({len(chosen) + len(waiting)} selected)" if cells else ""
     typer.echo(f"sweep {spec.name}: {total} cell(s){part} in {sweep_dir}")
     if spec.description:
         typer.echo(f"  {spec.description}")

@@ -48,9 +48,9 @@ from flows.sweep_spec import (
     CellOutcome,
     SweepSpec,
     cell_state,
-    default_sweep_dir,
     load_sweep,
     marker_path,
+    open_sweep,
     select_cells,
     waiting_cell_ids,
 )
@@ -243,11 +243,7 @@ def run_sweep_file(
     table still lists every cell with its state.
     """
     campaign = campaign or prefect_campaign
-    spec, cells = load_sweep(sweep_file)
-    sweep_dir = Path(out) if out is not None else default_sweep_dir(spec, cells)
-    if spec.choose:
-        spec, cells = load_sweep(sweep_file, sweep_dir)
-    waiting = waiting_cell_ids(spec, read_choices(sweep_dir, list(spec.choose)))
+    spec, cells, sweep_dir, waiting = open_sweep(sweep_file, out)
     chosen = select_cells(cells, only, source=str(sweep_file), waiting=waiting)
     total = len(cells) + len(waiting)
     part = f" ({len(chosen)} selected)" if only else ""

@@ -308,6 +308,16 @@ def default_sweep_dir(spec: SweepSpec, cells: list[Cell]) -> Path:
     return Path(cells[0].config.storage.runs_root) / "sweeps" / spec.name
 
 
+def open_sweep(sweep_file: str | Path, out: str | Path | None = None) -> tuple[SweepSpec, list[Cell], Path, list[str]]:
+    """A sweep file as its directory holds it: the spec, the cells that can run (with the choices made
+    there), the directory (``out`` or the default) and the ids of the cells still waiting for a choice."""
+    spec, cells = load_sweep(sweep_file)
+    sweep_dir = Path(out) if out is not None else default_sweep_dir(spec, cells)
+    if spec.choose:
+        spec, cells = load_sweep(sweep_file, sweep_dir)
+    return spec, cells, sweep_dir, waiting_cell_ids(spec, read_choices(sweep_dir, list(spec.choose)))
+
+
 # --------------------------------------------------------------------------- cell state
 
 
