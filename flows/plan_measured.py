@@ -7,8 +7,9 @@ and the plan prints the gap. A model of at most 5 layers is measured whole. Arou
 per GPU:
 
 * **rollout**: vLLM, colocated, claims ``rollout.gpu_memory_utilization`` of the
-  GPU (weights + KV cache) while the trainer's resident state stays: the sharded
-  fp32 parameters and the AdamW state (:func:`resident_bytes`; every optimizer step
+  GPU (weights + KV cache; with ``rollout.kv_cache_gib`` set, its weights and that
+  cache instead: :func:`engine_reservation`) while the trainer's resident state
+  stays: the sharded fp32 parameters and the AdamW state (:func:`resident_bytes`; every optimizer step
   frees the gradients, ``stages.trainer.optimizer.optimizer_step``, so none outlive the
   train stage);
 * **train step**: the measured peak of forward, backward and the AdamW step, the forward
@@ -94,6 +95,17 @@ def hf_config(a: Arch) -> Any:
     return Qwen3Config(head_dim=a.head_dim, **common)
 
 
+def engine_reservation(cfg, gpu_memory_gib: float, engine_weights: float) -> float:
+    """Bytes a colocated vLLM engine holds while awake: ``rollout.gpu_memory_utilization`` of the GPU,
+    or, with ``rollout.kv_cache_gib`` set, its weights and that KV cache (0 without vLLM)."""
+    r = cfg.rollout
+    if r.engine != "vllm":
+        return 0.0
+    if r.kv_cache_gib is not None:
+        return engine_weights + r.kv_cache_gib * GiB
+    return r.gpu_memory_utilization * gpu_memory_gib * GiB
+
+
 def plan_precision_line(cfg: Any) -> str:
     """Which linears of the preset's model train in FP8 and which stay BF16, and why, and whether its decoder
     blocks run compiled on the GPU (the run's console line)."""
@@ -147,18 +159,12 @@ def measured_plan(
     resident = resident_bytes(step)
     engine_weights = p * (1 if cfg.precision.rollout.startswith("fp8") else 2) if cfg.rollout.engine == "vllm" else 0
     r = cfg.rollout
-    sleeping = (
-        0.0
-        if cfg.rollout.engine != "vllm" or (r.sleep_between_steps and r.sleep_level >= 1)
-        else r.gpu_memory_utilization * gpu_memory_gib * GiB
-    )
+    reservation = engine_reservation(cfg, gpu_memory_gib, engine_weights)
+    sleeping = 0.0 if r.sleep_between_steps and r.sleep_level >= 1 else reservation
     steady = steady_state(step)
     train_peak = max(sum(steady[ph].values()) for ph in TRAIN_PHASES)
     phases = {
-        "rollout (engine reservation + resident state)": (
-            r.gpu_memory_utilization * gpu_memory_gib * GiB if cfg.rollout.engine == "vllm" else 0
-        )
-        + resident,
+        "rollout (engine reservation + resident state)": reservation + resident,
         "train step (measured peak + sleeping engine)": train_peak + sleeping,
         "weight sync (resident + largest streamed parameter + engine weights)": resident
         + step.sync_bytes

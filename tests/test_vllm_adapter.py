@@ -200,6 +200,32 @@ def test_llm_kwargs_map_our_config(rollout, quantization):
     assert raw["logprobs_mode"] == "raw_logprobs" and "max_model_len" not in raw
 
 
+def test_the_kv_cache_size_and_eager_mode_reach_vllm_from_the_config():
+    """``rollout.kv_cache_gib`` becomes vLLM's ``kv_cache_memory_bytes`` (bytes, not GiB) and
+    ``rollout.enforce_eager`` its ``enforce_eager``; unset, neither is passed (vLLM's own defaults)."""
+    cfg = RolloutConfig(kv_cache_gib=0.0625, enforce_eager=True)
+    kw = build_llm_kwargs(cfg, PrecisionConfig(), model_path="/c", seed=0, logprobs_mode="processed")
+    assert kw["kv_cache_memory_bytes"] == 64 * 2**20 and kw["enforce_eager"] is True
+    plain = build_llm_kwargs(RolloutConfig(), PrecisionConfig(), model_path="/c", seed=0, logprobs_mode="processed")
+    assert "kv_cache_memory_bytes" not in plain and "enforce_eager" not in plain
+    with pytest.raises(ValueError):
+        RolloutConfig(kv_cache_gib=0)
+
+
+def test_the_plan_reserves_the_engines_weights_and_its_set_cache_instead_of_the_memory_share():
+    from flows.plan import GiB
+    from flows.plan_measured import engine_reservation
+    from fp8rl_core.config.campaign import CampaignConfig
+
+    share = CampaignConfig.model_validate({"rollout": {"engine": "vllm", "gpu_memory_utilization": 0.5}})
+    sized = CampaignConfig.model_validate({"rollout": {"engine": "vllm", "kv_cache_gib": 8.0}})
+    hf = CampaignConfig.model_validate({"rollout": {"engine": "transformers", "kv_cache_gib": 8.0}})
+    weights = 16.0 * GiB
+    assert engine_reservation(share, 140.0, weights) == 70.0 * GiB
+    assert engine_reservation(sized, 140.0, weights) == 24.0 * GiB
+    assert engine_reservation(hf, 140.0, weights) == 0.0
+
+
 def test_engine_writes_the_policy_for_vllm_and_cleans_up(policy, tokenizer, fake_vllm):
     engine = make(policy, tokenizer, fake_vllm)
     assert isinstance(engine.llm, FakeLLM) and engine.llm.model == engine.model_path

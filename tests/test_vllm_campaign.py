@@ -55,11 +55,12 @@ def run_campaign(
     sets = [x for o in extra for x in ("--set", o)]
     env = dict(shared_prefect.without_server(os.environ), PYTHONPATH=str(ROOT), FP8RL_MAX_THREADS="1",
                OMP_NUM_THREADS="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false",
                PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300",
                # a Prefect home of its own: the vLLM venv's older Prefect cannot open a database the main
                # venv's newer Prefect has migrated (its temporary server then never answers)
                PREFECT_HOME=str(run_dir.parent / "prefect-home"))
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's legacy variable would override the preset's cache size
     if "url" in _PREFECT:
         env["PREFECT_API_URL"] = _PREFECT["url"]
     if fault:

@@ -25,6 +25,17 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vLLM: share of GPU memory (colocated with training)."
     )
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0,
+        description="vLLM: KV cache size in GiB, in place of the share gpu_memory_utilization leaves for it "
+        "(None: that share). On vLLM's CPU build the legacy VLLM_CPU_KVCACHE_SPACE variable overrides it.",
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="vLLM: run the model eagerly (no torch.compile, no CUDA graphs): a start-up of seconds "
+        "instead of a compilation, at a slower generation; for short runs and rehearsals.",
+    )
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel degree.")
     sleep_between_steps: bool = Field(True, description="vLLM: sleep the engine during training (colocated).")
     # vLLM engine details

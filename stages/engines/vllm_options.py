@@ -2,10 +2,12 @@
 
 * **Engine.** ``LLM(model=dir, dtype="bfloat16", quantization=Q,
   gpu_memory_utilization, tensor_parallel_size, enable_sleep_mode, seed,
-  logprobs_mode)`` where ``Q`` is vLLM's *online* quantization scheme for our
-  ``precision.rollout``: ``None`` (bf16), ``"fp8_per_tensor"`` (FP8 e4m3 weights
-  with a per-tensor scale, dynamic activation scales — per-token on Ada/Hopper)
-  or ``"fp8_per_block"`` (128x128 weight blocks, 1x128 activation blocks);
+  logprobs_mode)``, plus ``kv_cache_memory_bytes`` and ``enforce_eager`` when
+  ``rollout.kv_cache_gib`` and ``rollout.enforce_eager`` ask for them, where
+  ``Q`` is vLLM's *online* quantization scheme for our ``precision.rollout``:
+  ``None`` (bf16), ``"fp8_per_tensor"`` (FP8 e4m3 weights with a per-tensor
+  scale, dynamic activation scales — per-token on Ada/Hopper) or
+  ``"fp8_per_block"`` (128x128 weight blocks, 1x128 activation blocks);
   ``rollout.weight_format: native_fp8`` loads an FP8-serialized checkpoint instead
   (:mod:`stages.engines.native_fp8`).
 * **Log-probs.** vLLM's default ``logprobs_mode="raw_logprobs"`` reports
@@ -96,6 +98,10 @@ def build_llm_kwargs(
     }
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
+    if config.kv_cache_gib is not None:  # vLLM then sizes the KV cache by this, not by the memory share
+        kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_gib * 2**30)
+    if config.enforce_eager:
+        kwargs["enforce_eager"] = True
     if weight_sync in ("ipc", "nccl"):  # only for an engine in its own process
         kwargs["weight_transfer_config"] = {"backend": weight_sync}
     if config.weight_format == "native_fp8":  # an FP8-serialized checkpoint instead of online quantization
