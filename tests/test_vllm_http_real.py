@@ -66,6 +66,8 @@ class Server:
             "--dtype",
             "bfloat16",
             "--enforce-eager",
+            "--kv-cache-memory-bytes",  # a set size: the CPU build then skips the warm-up that sizes it
+            str(64 * 2**20),
             "--gpu-memory-utilization",
             "0.1",
             "--max-model-len",
