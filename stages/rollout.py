@@ -103,6 +103,8 @@ def generate_share(
     sync_engine(env, state)
     out = {}
     mine = blocks_of_rank(plan.blocks, rank, lanes)
+    k = env.cfg.algorithm.score_centering_k
+    top = {"top_k": k} if k else {}  # score centering: the engine's top-k log-probs of every token
     for block in mine:
         out[block.index] = env.engine.generate(
             [plan.prompt_ids[p] for p in block.prompts],
@@ -112,6 +114,7 @@ def generate_share(
             max_new_tokens=r.max_new_tokens,
             seed=block.seed,
             seeds=list(block.prompt_seeds),
+            **top,
         )
     if plan.blocks:
         first = plan.prompt_ids[plan.blocks[0].prompts[0]]
@@ -143,6 +146,7 @@ def rows_from_batches(
     samples = [s for group in groups for s in group]
     items = [plan.items[p] for p in prompt_of]
     n = len(samples)
+    nested = pa.list_(pa.list_(pa.int32())), pa.list_(pa.list_(pa.float32()))
     return pa.table(
         {
             "sample_id": pa.array(range(first_sample_id, first_sample_id + n), pa.int32()),
@@ -160,6 +164,8 @@ def rows_from_batches(
             "finish_reason": [s.finish_reason for s in samples],
             "policy_version": pa.array([state.policy_version] * n, pa.int64()),
             "precision": [env.cfg.precision.rollout] * n,
+            "top_token_ids": pa.array([s.top_ids for s in samples], nested[0]),
+            "top_logprobs": pa.array([s.top_logprobs for s in samples], nested[1]),
         }
     )
 

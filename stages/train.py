@@ -45,8 +45,9 @@ from storage import faults
 ENTROPY_BIN_EDGES = (0.0, 0.1, 0.5, 1.0, 2.0, float("inf"))
 
 
-def build_batch(rows: pa.Table, scores: pa.Table, pad_id: int, step: int = 0) -> TrainBatch:
-    """Padded ``[N, T]`` tensors of the kept samples, in sample order; an error naming ``step`` if none is kept."""
+def build_batch(rows: pa.Table, scores: pa.Table, pad_id: int, step: int = 0, *, top_k: int = 0) -> TrainBatch:
+    """Padded ``[N, T]`` tensors of the kept samples, in sample order; an error naming ``step`` if none is kept.
+    ``top_k``: score centering's ``[N, T, K]`` top-k ids and renormalized probabilities from the rows."""
     kept = np.asarray(scores.column("kept").to_numpy(zero_copy_only=False), dtype=bool)
     by_id = {int(s): i for i, s in enumerate(rows.column("sample_id").to_pylist())}
     score_ids = scores.column("sample_id").to_pylist()
@@ -72,7 +73,33 @@ def build_batch(rows: pa.Table, scores: pa.Table, pad_id: int, step: int = 0) ->
         rlp[r, lp : lp + ly] = torch.tensor(rlogp[i], dtype=torch.float32)
     adv = torch.tensor([a for _, a, _ in sel], dtype=torch.float32)
     sids = torch.tensor([s for _, _, s in sel], dtype=torch.long)
-    return TrainBatch(ids, am, rmask, rlp, adv, sids)
+    center = centering_tensors(rows, [(i, len(prompts[i])) for i, _, _ in sel], width, top_k, step) if top_k else ()
+    return TrainBatch(ids, am, rmask, rlp, adv, sids, *center)
+
+
+def centering_tensors(
+    rows: pa.Table, placed: list[tuple[int, int]], width: int, k: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score centering's ``(ids, mu)`` ``[N, width, K]``: for batch row ``r`` = rollouts row ``placed[r][0]``
+    (its response from column ``placed[r][1]``), each response token's top-``k`` ids and their probabilities
+    under the rollout engine, renormalized over the ``k``; zeros elsewhere."""
+    names = set(rows.column_names)
+    top_ids = rows.column("top_token_ids").to_pylist() if "top_token_ids" in names else [None] * rows.num_rows
+    top_lps = rows.column("top_logprobs").to_pylist() if "top_logprobs" in names else [None] * rows.num_rows
+    ids = torch.zeros((len(placed), width, k), dtype=torch.long)
+    lps = torch.full((len(placed), width, k), float("-inf"), dtype=torch.float32)
+    for r, (i, start) in enumerate(placed):
+        if top_ids[i] is None or any(len(t) != k for t in top_ids[i]):
+            raise RuntimeError(
+                f"step {step}: its rollouts carry no top-{k} log-probs (rolled out without "
+                f"algorithm.score_centering_k={k}); score centering trains only on steps rolled out with it: "
+                "start the run with the setting, or set algorithm.score_centering_k=0"
+            )
+        n = len(top_ids[i])
+        ids[r, start : start + n] = torch.tensor(top_ids[i], dtype=torch.long).reshape(n, k)
+        lps[r, start : start + n] = torch.tensor(top_lps[i], dtype=torch.float32).reshape(n, k)
+    mu = torch.softmax(lps, dim=-1).nan_to_num_(0.0)  # rows of -inf (no response token) -> 0
+    return ids, mu
 
 
 def token_uniform(seed: int, sample_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -174,7 +201,7 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     cfg = env.cfg
     rows = read_step(env, "rollouts", step)
     scores = read_step(env, "scores", step)
-    batch = build_batch(rows, scores, env.tokenizer.pad_token_id, step)
+    batch = build_batch(rows, scores, env.tokenizer.pad_token_id, step, top_k=env.cfg.algorithm.score_centering_k)
     # fixed K, drift, or a guard's remedy; on shadow steps the rows to shadow (None: all)
     shadow, shadow_rows = shadow_plan(env, state, step, batch.advantages, batch.response_mask)
     bounds = state.calibrator.bounds

@@ -77,6 +77,19 @@ ROLLOUTS = TableSpec(
         Column("finish_reason", pa.string(), "'stop' (EOS / stop string) or 'length' (hit the max length)."),
         Column("policy_version", pa.int64(), "Step of the weights that generated it (off-policy lag = step − this)."),
         Column("precision", pa.string(), "Rollout precision: 'bf16', 'fp8_per_tensor', 'fp8_per_block'."),
+        Column(
+            "top_token_ids",
+            pa.list_(pa.list_(pa.int32())),
+            "Per response token: the K most likely tokens of the distribution it was sampled from, most likely "
+            "first (algorithm.score_centering_k = K; NULL when off, and in runs written before).",
+            encoding="plain",
+        ),
+        Column(
+            "top_logprobs",
+            pa.list_(pa.list_(_F32)),
+            "Per response token: the log-probs of top_token_ids under the rollout engine (nats).",
+            encoding="plain",
+        ),
     ),
 )
 

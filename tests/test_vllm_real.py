@@ -49,6 +49,15 @@ def test_stop_tokens_reach_vllm_and_end_of_turn_stops_generation(checks):
     assert stops["eos_finish_stop"]
 
 
+def test_top_k_logprobs_for_score_centering_leave_the_samples_alone(checks):
+    top = checks["top_k"]
+    assert top["samples_unchanged"], "asking vLLM for top-k log-probs changed the samples or their log-probs"
+    assert top["four_each"] and top["sorted"] and top["sampled_consistent"], top
+    # the check's random tiny policy is nearly uniform (8 of 108 sampled tokens ranked in the top 4 here,
+    # 2026-12-03): enough that the equality of the sampled token's two log-probs was checked at all
+    assert top["sampled_in_top"] >= 1, f"no sampled token ranked in the top 4: the check proves nothing: {top}"
+
+
 def test_weight_sync_after_a_training_step_gives_the_trainers_new_logprobs(checks):
     ws = checks["weight_sync"]
     tol = ws["tolerance"]

@@ -117,6 +117,25 @@ def check_logprobs(engine, model) -> dict:
     return {"sampled_gap": gap(engine_lp, tail), "tolerance": tol, "max_abs_logit": zmax}
 
 
+def check_top_k(engine) -> dict:
+    """``generate(top_k=4)``: the same samples and log-probs as without; per token, four ids most likely
+    first, the sampled token's log-prob among them when it ranks in the four, never above the first."""
+    plain = engine.generate(PROMPTS, seed=0, seeds=[31, 32, 33], **GEN)
+    top = engine.generate(PROMPTS, seed=0, seeds=[31, 32, 33], top_k=4, **GEN)
+    tokens = [(t, lp, ids, lps) for s in top.samples
+              for t, lp, ids, lps in zip(s.response_ids, s.response_logprobs, s.top_ids, s.top_logprobs)]
+    return {
+        "samples_unchanged": [s.response_ids for s in plain.samples] == [s.response_ids for s in top.samples]
+        and [s.response_logprobs for s in plain.samples] == [s.response_logprobs for s in top.samples],
+        "four_each": all(len(ids) == len(lps) == 4 for _, _, ids, lps in tokens),
+        "sorted": all(lps == sorted(lps, reverse=True) for *_, lps in tokens),
+        "sampled_consistent": all(lp <= lps[0] + 1e-6 and (t not in ids or abs(lps[ids.index(t)] - lp) < 1e-6)
+                                  for t, lp, ids, lps in tokens),
+        "sampled_in_top": sum(t in ids for t, _, ids, _ in tokens),
+        "tokens": len(tokens),
+    }
+
+
 def check_stops(engine) -> dict:
     """EOS and an end-of-turn stop token: vLLM itself stops there (its raw output ends at the token)."""
     free = engine.generate(PROMPTS, seed=0, seeds=[31, 32, 33], **GEN)
@@ -199,6 +218,7 @@ def run_engine_checks(out_dir: Path) -> dict:
         result["seeds"] = check_seeds(engine)
         result["logprobs"] = check_logprobs(engine, model)
         result["stops"] = check_stops(engine)
+        result["top_k"] = check_top_k(engine)
         result["weight_sync"] = check_weight_sync(engine, model)
     finally:
         engine.close()

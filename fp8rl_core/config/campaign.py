@@ -109,6 +109,11 @@ class CampaignConfig(Section):
             )
         if c.tis_weighted_balance and a.correction != CorrectionConfig():
             raise ValueError("calibration.tis_weighted_balance weighs by token TIS: leave algorithm.correction unset")
+        if a.score_centering_k and self.rollout.engine == "vllm_http":
+            raise ValueError(
+                "algorithm.score_centering_k needs the rollout engine's top-k log-probs, which rollout.engine "
+                "vllm_http does not request: use rollout.engine transformers or vllm"
+            )
         if self.model.outliers.channels and self.rollout.engine != "transformers":
             raise ValueError(
                 f"model.outliers is put into the loaded policy, which rollout.engine {self.rollout.engine} does "

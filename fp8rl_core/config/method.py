@@ -46,6 +46,14 @@ class AlgorithmConfig(Section):
         default_factory=CorrectionConfig,
         description="The mismatch correction applied while tis is on (objective.corrections); default token TIS.",
     )
+    score_centering_k: int = Field(
+        0,
+        ge=0,
+        le=20,
+        description="Score centering (0 = off): each token's score grad log pi(y) is centered by its expectation "
+        "under the rollout engine's distribution, renormalized over that distribution's K most likely tokens "
+        "(the engine returns them; stored in rollouts.top_token_ids / top_logprobs). Values and ratios unchanged.",
+    )
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (each in [0, 1)).")

@@ -120,6 +120,30 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min_(0)
 
 
+def center_scores(
+    logits: torch.Tensor, labels: torch.Tensor, logp: torch.Tensor, ids: torch.Tensor, mu: torch.Tensor
+) -> torch.Tensor:
+    """``logp`` with the same values and a centered gradient: d/dz = onehot(y) - mu instead of onehot(y) - p.
+
+    The score of a sampled token, grad log p(y) = onehot(y) - p for logits z, has the mean
+    mu - p under the distribution ``mu`` it was drawn from, which is not zero when ``mu`` (the
+    rollout engine's) differs from ``p`` (the trainer's). Subtracting it centers the score:
+    grad log p(y) - sum_v mu_v grad log p(v). With the cross-entropy
+    ce = -sum_v mu_v log p(v) = logsumexp(z) - sum_v mu_v z_v (``mu`` sums to 1), whose gradient
+    is p - mu, the centered score is grad(log p(y) + ce); so ``logp + ce - ce.detach()`` keeps every
+    value (ratios, clipping, metrics) and carries the centered gradient into whatever loss uses it.
+    ``logsumexp(z) = z_y - log p(y)``, so no second pass over the vocabulary is needed.
+
+    logits ``[B, T, V]``, labels ``[B, T]``, logp ``[B, T]`` (from ``logits``), ids ``[B, T, K]``
+    and mu ``[B, T, K]`` (rows summing to 1, or 0 where a position has none: no term there).
+    """
+    z_y = logits.gather(-1, labels[..., None]).squeeze(-1).float()
+    z_k = logits.gather(-1, ids.long()).float()  # [B, T, K]
+    has = (mu.sum(-1) > 0).to(logp.dtype)
+    ce = (z_y - logp) * has - (mu * z_k).sum(-1)
+    return logp + (ce - ce.detach())
+
+
 def sequence_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -129,8 +153,12 @@ def sequence_logprobs(
     micro_batch_size: int | None = None,
     with_entropy: bool = True,
     chunk_size: int | None = None,
+    centering: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log pi(x_t | x_<t) and entropy of pi(. | x_<t) of ``model``, float32 [B, T].
+
+    ``centering = (ids [B, T, K], mu [B, T, K])``: score centering (:func:`center_scores`) with the
+    sampling distribution ``mu`` of token ``t`` over ``ids`` (rows summing to 1; 0 where none).
 
     input_ids, attention_mask: [B, T] (1 = real token; right-padded responses,
     left or right padded prompts). Positions without a real token and a real
@@ -158,6 +186,8 @@ def sequence_logprobs(
             logits = out.logits  # [b, T, V] (BF16 under autocast)
         # logits[:, t] predicts x_{t+1}: a strided view, sliced block by block, not copied
         lp, ent = token_logprobs_and_entropy(logits[:, :-1], input_ids[sl, 1:], chunk_size=chunk_size)  # [b, T-1]
+        if centering is not None:
+            lp = center_scores(logits[:, :-1], input_ids[sl, 1:], lp, centering[0][sl, 1:], centering[1][sl, 1:])
         logps.append(lp)
         ents.append(ent)
     valid = (mask[:, 1:] * mask[:, :-1]).bool()  # [B, T-1]: token t and its predecessor are real

@@ -56,6 +56,9 @@ class RolloutSample:
     ``response_ids`` holds the generated tokens only (no prompt, no padding),
     ending with the EOS token when ``finish_reason == "stop"``;
     ``response_logprobs[t]`` is the log-prob of ``response_ids[t]`` (same length).
+    ``top_ids[t]`` / ``top_logprobs[t]`` (``generate(top_k=K)``; else None): the ``K``
+    most likely tokens of the distribution ``response_ids[t]`` was drawn from and
+    their log-probs (the same kind as ``response_logprobs``), most likely first.
     """
 
     prompt_index: int
@@ -63,12 +66,24 @@ class RolloutSample:
     response_ids: list[int]
     response_logprobs: list[float]
     finish_reason: FinishReason
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         if len(self.response_ids) != len(self.response_logprobs):
             raise ValueError(
                 f"sample ({self.prompt_index}, {self.sample_index}): {len(self.response_ids)} response ids "
                 f"but {len(self.response_logprobs)} log-probs"
+            )
+        if (self.top_ids is None) != (self.top_logprobs is None):
+            raise ValueError(f"sample ({self.prompt_index}, {self.sample_index}): top ids and log-probs go together")
+        if self.top_ids is not None and not (
+            len(self.top_ids) == len(self.top_logprobs) == len(self.response_ids)
+            and all(len(i) == len(lp) for i, lp in zip(self.top_ids, self.top_logprobs))
+        ):
+            raise ValueError(
+                f"sample ({self.prompt_index}, {self.sample_index}): one top-k list of ids and of log-probs per "
+                f"response token ({len(self.response_ids)})"
             )
         if self.finish_reason not in ("stop", "length"):
             raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
@@ -182,7 +197,7 @@ class RolloutEngineProtocol(Protocol):
     def weights_discarded(self) -> bool: ...
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, top_p: float,
-                 max_new_tokens: int, seed: int, seeds: list[int] | None = None) -> RolloutBatch: ...
+                 max_new_tokens: int, seed: int, seeds: list[int] | None = None, top_k: int = 0) -> RolloutBatch: ...
 
     def load_weights(self, train_model: torch.nn.Module) -> None: ...
 
@@ -230,8 +245,13 @@ class RolloutEngine(abc.ABC):
         max_new_tokens: int,
         seed: int,
         seeds: list[int] | None = None,
+        top_k: int = 0,
     ) -> RolloutBatch:
         """``n`` samples per prompt in group layout (``[P * n]``); deterministic given ``seed``.
+
+        ``top_k > 0`` also returns, per response token, the ``top_k`` most likely tokens of the
+        distribution it was sampled from and their log-probs (``RolloutSample.top_ids`` /
+        ``top_logprobs``: what score centering needs); an engine that cannot says so in one line.
 
         ``seeds`` (``[P]``, optional) seeds each prompt's group on its own, so a
         prompt's samples do not depend on which other prompts share the call; an

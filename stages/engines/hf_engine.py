@@ -117,9 +117,24 @@ def sample_next(
     logprobs_mode: LogprobsMode,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row. ``logits [B, V]`` fp32 -> ``(tokens [B] int64, logprobs [B] fp32)``."""
+    tokens, source = sample_next_with_source(
+        logits, temperature=temperature, top_p=top_p, generator=generator, logprobs_mode=logprobs_mode
+    )
+    return tokens, source.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def sample_next_with_source(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator,
+    logprobs_mode: LogprobsMode,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_next`'s tokens ``[B]`` and the log-probs ``[B, V]`` it reports them under (the
+    distribution sampled from, or the raw one): the source of a token's log-prob and of its top-k."""
     if temperature == 0.0:
-        tokens = logits.argmax(dim=-1)
-        return tokens, logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        return logits.argmax(dim=-1), logits.log_softmax(dim=-1)
     scaled = logits / temperature
     if top_p < 1.0:
         scaled = top_p_mask(scaled, top_p)
@@ -130,8 +145,7 @@ def sample_next(
         torch.empty_like(processed).exponential_(1.0, generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
     )
     tokens = (processed.exp() / race).argmax(dim=-1)
-    source = processed if logprobs_mode == "processed" else logits.log_softmax(dim=-1)
-    return tokens, source.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, processed if logprobs_mode == "processed" else logits.log_softmax(dim=-1)
 
 
 class _FullStateView:
@@ -220,6 +234,7 @@ class TransformersEngine(RolloutEngine):
         max_new_tokens: int,
         seed: int,
         seeds: list[int] | None = None,
+        top_k: int = 0,
     ) -> RolloutBatch:
         """Samples of the whole call come from one generator seeded by ``seed``; per-prompt
         ``seeds`` are checked and otherwise not used (one stream per call is what makes a
@@ -253,9 +268,10 @@ class TransformersEngine(RolloutEngine):
                     max_new_tokens=max_new_tokens,
                     generator=generator,
                     device=device,
+                    top_k=top_k,
                 )
-                for (p, i), (ids, logps, reason) in zip(part, outs):
-                    results[(p, i)] = RolloutSample(p, i, ids, logps, reason)
+                for (p, i), (ids, logps, reason, top) in zip(part, outs):
+                    results[(p, i)] = RolloutSample(p, i, ids, logps, reason, *top)
         samples = [results[(p, i)] for p in range(len(prompt_ids)) for i in range(n)]
         return RolloutBatch(
             samples=samples,
@@ -307,8 +323,10 @@ class TransformersEngine(RolloutEngine):
         max_new_tokens: int,
         generator: torch.Generator,
         device: torch.device,
-    ) -> list[tuple[list[int], list[float], str]]:
-        """Sample one response per prompt row; returns ``(ids, logprobs, finish_reason)`` per row."""
+        top_k: int = 0,
+    ) -> list[tuple[list[int], list[float], str, tuple]]:
+        """Sample one response per prompt row; returns ``(ids, logprobs, finish_reason, top)`` per row, ``top``
+        the row's ``(top ids, top log-probs)`` per token with ``top_k``, else ``(None, None)``."""
         model = self._require_model()
         batch, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)  # [B, T], left-padded
@@ -327,12 +345,17 @@ class TransformersEngine(RolloutEngine):
         next_position = position_ids[:, -1:] + 1  # [A, 1]
         tokens = torch.full((batch, max_new_tokens), self.pad_id, dtype=torch.long, device=device)  # [B, S]
         logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)  # [B, S]
+        top_ids = torch.zeros((batch, max_new_tokens, top_k), dtype=torch.long, device=device)  # [B, S, K]
+        top_lps = torch.zeros((batch, max_new_tokens, top_k), dtype=torch.float32, device=device)  # [B, S, K]
         rows = torch.arange(batch, device=device)  # [A]: output row of each sequence still in the batch
         finished = torch.zeros(batch, dtype=torch.bool, device=device)  # [A]
         for step in range(max_new_tokens):
-            tok, logp = sample_next(
+            tok, source = sample_next_with_source(
                 logits, temperature=temperature, top_p=top_p, generator=generator, logprobs_mode=self.logprobs_mode
             )
+            logp = source.gather(-1, tok[:, None]).squeeze(-1)
+            if top_k:
+                top_lps[rows, step], top_ids[rows, step] = source.topk(top_k, dim=-1)
             tok = tok.masked_fill(finished, self.pad_id)
             tokens[rows, step], logprobs[rows, step] = tok, logp
             finished |= torch.isin(tok, eos)
@@ -355,7 +378,9 @@ class TransformersEngine(RolloutEngine):
         has_eos = is_eos.any(dim=1)
         lengths = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, max_new_tokens)
         token_rows, logprob_rows = tokens.tolist(), logprobs.tolist()
+        id_rows, lp_rows = (top_ids.tolist(), top_lps.tolist()) if top_k else ([None] * batch, [None] * batch)
         out = []
         for r, k in enumerate(lengths.tolist()):
-            out.append((token_rows[r][:k], logprob_rows[r][:k], "stop" if bool(has_eos[r]) else "length"))
+            top = (id_rows[r][:k], lp_rows[r][:k]) if top_k else (None, None)
+            out.append((token_rows[r][:k], logprob_rows[r][:k], "stop" if bool(has_eos[r]) else "length", top))
         return out

@@ -232,9 +232,12 @@ class VLLMHTTPEngine(RolloutEngine):
         self._sender: Any | None = None
         self._closed = False
 
-    def generate(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed, seeds=None) -> RolloutBatch:
+    def generate(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed, seeds=None, top_k=0) -> RolloutBatch:
         if self._closed:
             raise RuntimeError("this VLLMHTTPEngine was closed")
+        if top_k:
+            raise ValueError("the vllm_http engine does not request top-k log-probs (score centering needs them): "
+                             "use rollout.engine transformers or vllm")
         validate_generate_args(
             prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seeds=seeds
         )

@@ -204,6 +204,7 @@ class VLLMEngine(RolloutEngine):
         max_new_tokens: int,
         seed: int,
         seeds: list[int] | None = None,
+        top_k: int = 0,
     ) -> RolloutBatch:
         llm = self._require_llm()
         if self._asleep:
@@ -212,7 +213,8 @@ class VLLMEngine(RolloutEngine):
                                seeds=seeds)
         # the model's EOS and the chat template's end-of-turn: vLLM stops there
         params = sampling_params(self._vllm, len(prompt_ids), n=n, temperature=temperature, top_p=top_p,
-                                 max_new_tokens=max_new_tokens, seed=seed, seeds=seeds, stop_ids=sorted(self.eos_ids))
+                                 max_new_tokens=max_new_tokens, seed=seed, seeds=seeds, stop_ids=sorted(self.eos_ids),
+                                 top_k=top_k)
         prompts = [{"prompt_token_ids": [int(t) for t in ids]} for ids in prompt_ids]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -221,7 +223,8 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(f"vLLM returned {len(outputs)} request outputs for {len(prompt_ids)} prompts")
         self.events.append("generate")
         return batch_from_request_outputs(
-            outputs, n=n, eos_ids=self.eos_ids, wall_seconds=wall, engine=self.name, precision=self.precision_mode
+            outputs, n=n, eos_ids=self.eos_ids, wall_seconds=wall, engine=self.name, precision=self.precision_mode,
+            top_k=top_k,
         )
 
     # ----------------------------------------------------------- weights

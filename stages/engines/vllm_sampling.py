@@ -2,7 +2,8 @@
 
 * **Sampling.** One ``SamplingParams(n, temperature, top_p, max_tokens, seed,
   logprobs=0, detokenize=False, stop_token_ids)`` per prompt; ``logprobs=0``
-  returns exactly the sampled token's log-prob, and the stop ids (the model's
+  returns exactly the sampled token's log-prob (``logprobs=K`` the top ``K`` as
+  well, for score centering), and the stop ids (the model's
   EOS and a chat template's end-of-turn) make vLLM stop there itself. vLLM gives
   the ``n`` children of a seeded request the seeds ``seed + 0 .. seed + n - 1``,
   so each prompt gets a distinct base seed ``seed * 1_000_003 + p * n`` and no
@@ -37,8 +38,9 @@ def request_seed(seed: int, seeds: list[int] | None, prompt_index: int, n: int) 
 
 
 def sampling_params(vllm: Any, num_prompts: int, *, n: int, temperature: float, top_p: float, max_new_tokens: int,
-                    seed: int, seeds: list[int] | None, stop_ids: list[int]) -> list[Any]:
-    """One ``vllm.SamplingParams`` per prompt (``[P]``), each seeded by :func:`request_seed`."""
+                    seed: int, seeds: list[int] | None, stop_ids: list[int], top_k: int = 0) -> list[Any]:
+    """One ``vllm.SamplingParams`` per prompt (``[P]``), each seeded by :func:`request_seed`; ``top_k``
+    log-probs per position besides the sampled token's (``logprobs=top_k``)."""
     return [
         vllm.SamplingParams(
             n=n,
@@ -46,7 +48,7 @@ def sampling_params(vllm: Any, num_prompts: int, *, n: int, temperature: float, 
             top_p=top_p,
             max_tokens=max_new_tokens,
             seed=request_seed(seed, seeds, p, n),
-            logprobs=0,
+            logprobs=top_k,
             detokenize=False,
             stop_token_ids=stop_ids,
         )
@@ -71,6 +73,21 @@ def sampled_token_logprobs(completion: Any) -> list[float]:
     return out
 
 
+def top_logprobs(completion: Any, top_k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The ``top_k`` most likely tokens at each generated position of a ``CompletionOutput``
+    (``logprobs=top_k``) and their log-probs, most likely first. vLLM's entry for a position holds
+    its top ``top_k`` and the sampled token besides when that one ranks lower."""
+    ids, lps = [], []
+    for t, step in enumerate(completion.logprobs or []):
+        ranked = sorted(((int(tok), float(getattr(e, "logprob", e))) for tok, e in step.items()), key=lambda x: -x[1])
+        top = ranked[:top_k]
+        if len(top) != top_k:
+            raise RuntimeError(f"vLLM returned {len(top)} top log-probs at position {t}, expected {top_k}")
+        ids.append([tok for tok, _ in top])
+        lps.append([lp for _, lp in top])
+    return ids, lps
+
+
 def batch_from_request_outputs(
     outputs: list[Any],
     *,
@@ -79,6 +96,7 @@ def batch_from_request_outputs(
     wall_seconds: float,
     engine: str,
     precision: str,
+    top_k: int = 0,
 ) -> RolloutBatch:
     """Convert ``LLM.generate``'s ``RequestOutput`` list (one per prompt, in prompt order) to a batch."""
     samples: list[RolloutSample] = []
@@ -92,7 +110,11 @@ def batch_from_request_outputs(
             kept, reason = truncate_at_eos(ids, eos_ids)
             if reason == "length":
                 reason = _finish_reason(completion.finish_reason, p, i)
-            samples.append(RolloutSample(p, i, kept, logps[: len(kept)], reason))
+            top = (None, None)
+            if top_k:
+                top_ids, top_lps = top_logprobs(completion, top_k)
+                top = (top_ids[: len(kept)], top_lps[: len(kept)])
+            samples.append(RolloutSample(p, i, kept, logps[: len(kept)], reason, *top))
     return RolloutBatch(
         samples=samples,
         num_prompts=len(outputs),

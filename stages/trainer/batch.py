@@ -44,30 +44,34 @@ class TrainBatch:
     rollout_logp: torch.Tensor  # [N, T] float32: engine log-probs at response positions
     advantages: torch.Tensor  # [N] float32: per-sequence advantage
     sample_ids: torch.Tensor  # [N] long: sample_id in the rollouts table
+    # score centering (algorithm.score_centering_k = K), else None: at response positions, the rollout
+    # engine's K most likely tokens and their probabilities renormalized over the K (0 elsewhere)
+    center_ids: torch.Tensor | None = None  # [N, T, K] long
+    center_mu: torch.Tensor | None = None  # [N, T, K] float32
 
     @property
     def size(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
-        return (
-            self.input_ids,
-            self.attention_mask,
-            self.response_mask,
-            self.rollout_logp,
-            self.advantages,
-            self.sample_ids,
-        )
+    @property
+    def centering(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.center_ids is None else (self.center_ids, self.center_mu)
+
+    def _map(self, fn) -> "TrainBatch":
+        return TrainBatch(*(None if t is None else fn(t) for t in (
+            self.input_ids, self.attention_mask, self.response_mask, self.rollout_logp, self.advantages,
+            self.sample_ids, self.center_ids, self.center_mu,
+        )))
 
     def to(self, device: torch.device | str) -> "TrainBatch":
-        return TrainBatch(*(t.to(device) for t in self._tensors()))
+        return self._map(lambda t: t.to(device))
 
     def cpu(self) -> "TrainBatch":
         """The batch on the host (its tensors themselves when they are there already)."""
-        return TrainBatch(*(t.cpu() for t in self._tensors()))
+        return self._map(lambda t: t.cpu())
 
     def rows(self, idx: torch.Tensor) -> "TrainBatch":
-        return TrainBatch(*(t[idx] for t in self._tensors()))
+        return self._map(lambda t: t[idx])
 
 
 def local_rows(
@@ -86,8 +90,9 @@ def local_rows(
         return batch.rows(mine), mine, None
     rows = torch.cat([mine, torch.zeros(1, dtype=torch.long)])
     local = batch.rows(rows)
-    for t in (local.response_mask, local.rollout_logp, local.advantages):
-        t[-1] = 0
+    for t in (local.response_mask, local.rollout_logp, local.advantages, local.center_mu):
+        if t is not None:
+            t[-1] = 0
     return local, rows, torch.tensor([mine.numel()])
 
 

@@ -63,6 +63,11 @@ def _widen(x: torch.Tensor, t: int) -> torch.Tensor:
     return x if x.shape[1] == t else torch.nn.functional.pad(x, (0, t - x.shape[1]))
 
 
+def _widen3(x: torch.Tensor, t: int) -> torch.Tensor:
+    """``[m, w, K]`` -> ``[m, t, K]``, zeros in the added columns."""
+    return x if x.shape[1] == t else torch.nn.functional.pad(x, (0, 0, 0, t - x.shape[1]))
+
+
 def policy_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -73,6 +78,7 @@ def policy_logprobs(
     with_entropy: bool = False,
     micro_batch_size: int | None = None,
     trim: bool = False,
+    centering: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of ``model`` over ``[N, T]``: the step's one forward path.
 
@@ -83,7 +89,8 @@ def policy_logprobs(
     one process and N ranks compute alike. ``trim``: each micro-batch is cut to its own
     longest row before the kernel padding (token-budget micro-batches), its outputs padded
     back with zeros. Differentiable when grad is enabled. Returns float32 ``[N, T]``
-    (padding columns removed).
+    (padding columns removed). ``centering``: ``(ids, mu)`` ``[N, T, K]`` of score centering
+    (:func:`fp8rl_core.objective.logprobs.center_scores`; the values stay, the gradient is centered).
     """
     n, t = input_ids.shape
     step = n if micro_batch_size is None else micro_batch_size
@@ -93,8 +100,9 @@ def policy_logprobs(
     for s in range(0, n, max(step, 1)):
         w = int(attention_mask[s : s + step].sum(1).max()) if trim else t  # rows are right-padded
         ids, am = pad_to_contract(input_ids[s : s + step, :w], attention_mask[s : s + step, :w], multiple)
+        center = None if centering is None else tuple(_widen3(c[s : s + step, :w], ids.shape[1]) for c in centering)
         with bf16_parameters(model), bf16_shadow(model) if shadow else contextlib.nullcontext():
-            lp, ent = sequence_logprobs(model, ids, am, mode=run_mode, with_entropy=with_entropy)
+            lp, ent = sequence_logprobs(model, ids, am, mode=run_mode, with_entropy=with_entropy, centering=center)
         lps.append(_widen(lp[:, :w], t))
         ents.append(None if ent is None else _widen(ent[:, :w], t))
     if not lps:
