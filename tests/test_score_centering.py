@@ -140,3 +140,86 @@ def test_the_setting_is_checked_when_the_config_loads():
     with pytest.raises(ConfigError, match="which rollout.engine vllm_http does not request"):
         load_config("tiny-cpu", ["algorithm.score_centering_k=4", "rollout.engine=vllm_http",
                                  "rollout.server_url=http://127.0.0.1:9"])
+
+
+def _grads_after_one_micro_batch_pass(batch):
+    from stages.trainer.batch import split_rows
+    from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE
+    from stages.trainer.minibatch import micro_batch_pass
+    from stages.trainer.old_logp import old_logprobs
+    from stages.trainer.optimizer import make_optimizer
+    from stages.trainer.step import TrainStep
+    from tests.scaleout_common import small_cfg, small_model
+
+    cfg, model = small_cfg("bf16"), small_model("bf16")
+    rows = split_rows(batch, cfg, seed=3, collective=SINGLE_PROCESS_COLLECTIVE, device=torch.device("cpu"),
+                      shadow_rows=None)
+    opt, sched = make_optimizer(model, cfg)
+    step = TrainStep(model, opt, sched, cfg, SINGLE_PROCESS_COLLECTIVE, rows, (0.8, 1.28), False, None, None)
+    done = micro_batch_pass(step, old_logprobs(step), 0, (0.8, 1.28))
+    return done.loss, torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]), model
+
+
+def _own_distribution(model, batch):
+    """mu = the trainer's own distribution over the whole vocabulary at each response token."""
+    from fp8rl_core.objective.logprobs import position_ids_from_mask
+    from fp8rl_core.precision.autocast import autocast_context
+
+    with torch.no_grad(), autocast_context("bf16", torch.device("cpu")):
+        mask = batch.attention_mask
+        logits = model(input_ids=batch.input_ids, attention_mask=mask,
+                       position_ids=position_ids_from_mask(mask)).logits.float()
+    n, t, v = logits.shape
+    mu = torch.zeros(n, t, v)
+    mu[:, 1:] = torch.softmax(logits[:, :-1], -1) * batch.response_mask[:, 1:, None]
+    return torch.arange(v).expand(n, t, v).clone(), mu
+
+
+def test_a_micro_batch_pass_with_centering_keeps_its_loss_and_centers_its_gradient():
+    """The trainer's pass: the same loss bits; another gradient under another distribution; and under
+    the trainer's own distribution (mu = p, nothing to center) the plain gradient back."""
+    import dataclasses
+
+    from tests.scaleout_common import small_batch
+
+    batch = small_batch()
+    loss, plain, model = _grads_after_one_micro_batch_pass(batch)
+    g = torch.Generator().manual_seed(1)
+    v = model.config.vocab_size
+    n, t = batch.input_ids.shape
+    ids = torch.randint(0, v, (n, t, 4), generator=g)
+    mu = torch.softmax(torch.randn(n, t, 4, generator=g), -1) * batch.response_mask[..., None]
+    loss_c, centered, _ = _grads_after_one_micro_batch_pass(dataclasses.replace(batch, center_ids=ids, center_mu=mu))
+    assert loss_c == loss
+    own = _own_distribution(model, batch)
+    _, same, _ = _grads_after_one_micro_batch_pass(dataclasses.replace(batch, center_ids=own[0], center_mu=own[1]))
+    # the logits' gradient is summed in bf16 (the logits' dtype under autocast): a few bf16 roundings
+    # (2^-8 each) of the gradient's norm separate "the same" from the plain one
+    off = float((same - plain).norm() / plain.norm())
+    moved = float((centered - plain).norm() / plain.norm())
+    assert off < 4 * 2.0**-8, off
+    assert moved > 10 * off, (moved, off)
+
+
+@pytest.mark.timeout(600)
+def test_the_rollout_stage_stores_k_ids_and_log_probs_per_response_token(tmp_path):
+    from conftest import micro_config
+
+    from flows.configuration import dump_config
+    from stages.context import open_run
+    from stages.rollout import run_rollout
+    from stages.runtime.io import read_step
+    from storage.layout import create_run
+
+    cfg = micro_config("algorithm.score_centering_k=3")
+    create_run(tmp_path, "r", config=dump_config(cfg))
+    env, state = open_run(cfg, tmp_path / "r")
+    try:
+        run_rollout(env, state, 1)
+        rows = read_step(env, "rollouts", 1).to_pylist()
+    finally:
+        env.close()
+    assert rows and all(len(r["top_token_ids"]) == len(r["top_logprobs"]) == r["response_length"] for r in rows)
+    for r in rows:
+        for y, lp, ids, lps in zip(r["response_token_ids"], r["rollout_logp"], r["top_token_ids"], r["top_logprobs"]):
+            assert len(ids) == 3 and lp <= lps[0] + 1e-6 and (y not in ids or abs(lps[ids.index(y)] - lp) < 1e-6)
