@@ -60,6 +60,12 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
         "regime-tiny-cpu",
         ["model.outliers.channels=4", "model.outliers.log2_scale=16"],
     ),
+    "the regime preset, responses up to 24 tokens": ("regime-tiny-cpu", ["rollout.max_new_tokens=24"]),
+    "the regime preset, 4 layers (deeper)": ("regime-tiny-cpu", ["model.num_layers=4"]),
+    "the regime preset, hidden 256 (wider)": (
+        "regime-tiny-cpu",
+        ["model.hidden_size=256", "model.intermediate_size=768"],
+    ),
 }
 COMMON = ["calibration.mode=standard", "calibration.interval=1"]
 
