@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
-from fp8rl_core.config.method import PrecisionConfig
+from fp8rl_core.config.method import AlgorithmConfig, PrecisionConfig
 from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.config.pipeline import BenchmarkEval, RolloutConfig
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
@@ -74,7 +74,7 @@ def _work(engine, rank: int, world: int) -> dict:
     from stages.rollout import RolloutPlan, generate_share
     from stages.runtime.rollout_plan import generation_blocks
 
-    cfg = SimpleNamespace(rollout=RolloutConfig(**ROLLOUT))
+    cfg = SimpleNamespace(rollout=RolloutConfig(**ROLLOUT), algorithm=AlgorithmConfig())
     env = SimpleNamespace(cfg=cfg, engine=engine, rank=rank, world_size=world)
     state = SimpleNamespace(policy_version=0)
     engine.policy_version = 0  # weights current: no sync
