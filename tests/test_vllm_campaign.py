@@ -12,7 +12,8 @@ two data-parallel vLLM replicas under vLLM's external launcher. The evaluation's
 7 for one replica and 6 for the other, in calls of 6 (``rollout.generation_batch_size: 12``,
 ``k: 2``): one rank has fewer calls than the other, and the round must still complete (vLLM's
 per-step DP all-reduce; the short rank makes a padding call). The same 1-rank campaign one seed
-over must fail the comparison; killed inside step 2 and resumed, it must pass it.
+over (with score centering on, vLLM's top-k log-probs stored) must fail the comparison; killed
+inside step 2 and resumed, it must pass it.
 
 **What must agree, and how closely.** Requests are seeded per prompt
 (``stages.engines.vllm_sampling.request_seed``), so a prompt's samples do not depend on
@@ -165,14 +166,21 @@ def test_one_and_two_ranks_give_the_same_tables_within_bf16_rounding(runs):
 
 
 def test_the_comparison_fails_when_the_seed_is_shifted_by_one(runs):
-    """The tolerance is no blanket: the same campaign one seed over differs in samples and tables."""
+    """The tolerance is no blanket: the same campaign one seed over differs in samples and tables. The
+    shifted run also trains with score centering, so vLLM's top-k log-probs go through a whole campaign
+    (centering changes updates, never a step-1 sample: those differ by the seed alone)."""
     shifted = runs[1].parent / "seed1"
-    r = run_campaign(shifted, 1, "seed=1")
+    r = run_campaign(shifted, 1, "seed=1", "algorithm.score_centering_k=4")
     assert r.returncode == 0, f"seed-shifted campaign through vLLM failed:\n{r.stderr[-4000:]}"
-    q = "SELECT step, sample_id, response_token_ids FROM rollouts ORDER BY step, sample_id"
+    q = "SELECT step, sample_id, response_token_ids FROM rollouts WHERE step = 1 ORDER BY sample_id"
     assert rows(runs[1], q) != rows(shifted, q)
     bad = [c for t in TABLES for c in table_differences(runs[1], shifted, t, FLOAT_TOL)]
     assert any(c.startswith("rollouts.") for c in bad) and any(c.startswith("token_stats.") for c in bad), bad
+    top = rows(shifted, "SELECT response_length, top_token_ids, top_logprobs FROM rollouts")
+    assert len(top) == 3 * 8 * 4 and all(
+        len(x["top_token_ids"]) == len(x["top_logprobs"]) == x["response_length"]
+        and all(len(t) == 4 for t in x["top_token_ids"]) for x in top
+    )
 
 
 def test_a_run_killed_mid_step_resumes_to_the_uninterrupted_tables(runs):
