@@ -167,7 +167,7 @@ def data_dir() -> Path:
 # Longest files first, so the two workers finish together instead of one waiting on a
 # long file drawn last (measured with --durations on an idle 2-core machine).
 _LONG_FIRST = (  # measured 2026-12-03 (seconds of test time per file, both workers busy)
-    "test_vllm_campaign",  # ~550: campaigns through real vLLM (skipped without .venv-vllm)
+    "test_vllm_campaign",  # ~400: campaigns through real vLLM (skipped without .venv-vllm)
     "test_campaign",  # ~390
     "test_signals",  # ~330: Prefect's temporary server on purpose
     "test_spmd_campaign",  # ~165

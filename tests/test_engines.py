@@ -329,7 +329,7 @@ def test_top_p_mask_keeps_the_smallest_nucleus():
 def test_sampling_follows_tempered_nucleus_and_reports_its_logprob():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]]).repeat(40_000, 1)
     gen = torch.Generator().manual_seed(0)
-    tok, logp = sample_next(logits, temperature=0.7, top_p=0.9, generator=gen, logprobs_mode="processed")
+    tok, logp, _ = sample_next(logits, temperature=0.7, top_p=0.9, generator=gen, logprobs_mode="processed")
     probs = (logits[0] / 0.7).softmax(-1)
     keep = probs.sort(descending=True).values.cumsum(0) - probs.sort(descending=True).values < 0.9
     nucleus = probs.sort(descending=True).indices[keep]
@@ -343,9 +343,9 @@ def test_sampling_follows_tempered_nucleus_and_reports_its_logprob():
 def test_raw_mode_reports_untempered_logprobs_and_greedy_takes_argmax():
     logits = torch.tensor([[2.0, 1.0, 0.5], [0.0, 3.0, 1.0]])
     gen = torch.Generator().manual_seed(0)
-    tok, logp = sample_next(logits, temperature=1.7, top_p=0.8, generator=gen, logprobs_mode="raw")
+    tok, logp, _ = sample_next(logits, temperature=1.7, top_p=0.8, generator=gen, logprobs_mode="raw")
     torch.testing.assert_close(logp, logits.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1))
-    tok, logp = sample_next(logits, temperature=0.0, top_p=1.0, generator=gen, logprobs_mode="processed")
+    tok, logp, _ = sample_next(logits, temperature=0.0, top_p=1.0, generator=gen, logprobs_mode="processed")
     assert tok.tolist() == [0, 1]
     torch.testing.assert_close(logp, logits.log_softmax(-1).max(-1).values)
 

@@ -115,26 +115,13 @@ def sample_next(
     top_p: float,
     generator: torch.Generator,
     logprobs_mode: LogprobsMode,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row. ``logits [B, V]`` fp32 -> ``(tokens [B] int64, logprobs [B] fp32)``."""
-    tokens, source = sample_next_with_source(
-        logits, temperature=temperature, top_p=top_p, generator=generator, logprobs_mode=logprobs_mode
-    )
-    return tokens, source.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def sample_next_with_source(
-    logits: torch.Tensor,
-    *,
-    temperature: float,
-    top_p: float,
-    generator: torch.Generator,
-    logprobs_mode: LogprobsMode,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sample_next`'s tokens ``[B]`` and the log-probs ``[B, V]`` it reports them under (the
-    distribution sampled from, or the raw one): the source of a token's log-prob and of its top-k."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw one token per row. ``logits [B, V]`` fp32 -> ``(tokens [B] int64, logprobs [B] fp32, source
+    [B, V])``: ``source`` holds the log-probs the tokens are reported under (the distribution sampled
+    from, or the raw one), where a token's log-prob and its row's top-k come from."""
     if temperature == 0.0:
-        return logits.argmax(dim=-1), logits.log_softmax(dim=-1)
+        tokens, source = logits.argmax(dim=-1), logits.log_softmax(dim=-1)
+        return tokens, source.gather(-1, tokens[:, None]).squeeze(-1), source
     scaled = logits / temperature
     if top_p < 1.0:
         scaled = top_p_mask(scaled, top_p)
@@ -145,7 +132,8 @@ def sample_next_with_source(
         torch.empty_like(processed).exponential_(1.0, generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
     )
     tokens = (processed.exp() / race).argmax(dim=-1)
-    return tokens, processed if logprobs_mode == "processed" else logits.log_softmax(dim=-1)
+    source = processed if logprobs_mode == "processed" else logits.log_softmax(dim=-1)
+    return tokens, source.gather(-1, tokens[:, None]).squeeze(-1), source
 
 
 class _FullStateView:
@@ -350,10 +338,9 @@ class TransformersEngine(RolloutEngine):
         rows = torch.arange(batch, device=device)  # [A]: output row of each sequence still in the batch
         finished = torch.zeros(batch, dtype=torch.bool, device=device)  # [A]
         for step in range(max_new_tokens):
-            tok, source = sample_next_with_source(
+            tok, logp, source = sample_next(
                 logits, temperature=temperature, top_p=top_p, generator=generator, logprobs_mode=self.logprobs_mode
             )
-            logp = source.gather(-1, tok[:, None]).squeeze(-1)
             if top_k:
                 top_lps[rows, step], top_ids[rows, step] = source.topk(top_k, dim=-1)
             tok = tok.masked_fill(finished, self.pad_id)
