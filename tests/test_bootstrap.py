@@ -72,3 +72,31 @@ def test_teacher_validation():
 def test_real_checkpoint_is_not_bootstrapped(tmp_path):
     with pytest.raises(ValueError, match="model.path"):
         bootstrap(ModelConfig(path="Qwen/Qwen3-0.6B"), TASK, SHORT, tmp_path)
+
+
+def test_two_processes_asking_at_once_train_once(tmp_path, monkeypatch):
+    """Two callers of one uncached config at the same moment (two sweep cells, two test workers): one
+    trains, the other waits for its checkpoint instead of training the same weights beside it."""
+    import threading
+
+    import stages.bootstrap.math as boot
+
+    calls, real = [], boot.train_policy
+
+    def slow_train(*args, **kwargs):
+        calls.append(threading.get_ident())
+        time.sleep(1.0)  # both callers are past the cache check before either publishes
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(boot, "train_policy", slow_train)
+    out: list = []
+    callers = [
+        threading.Thread(target=lambda: out.append(bootstrap(TINY, TASK, SHORT, tmp_path, eval_size=50)))
+        for _ in range(2)
+    ]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(timeout=300)
+    assert len(calls) == 1, f"{len(calls)} trainings of one cache entry"
+    assert len(out) == 2 and out[0] == out[1] and (out[0] / "bootstrap.json").is_file()

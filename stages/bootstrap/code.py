@@ -28,7 +28,7 @@ import torch
 from fp8rl_core.config.model import BootstrapConfig, ModelConfig, TaskConfig
 from fp8rl_core.tasks import code as code_task
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
-from stages.bootstrap.math import META_FILE, _sft_step, _threads, default_cache_root, publish_checkpoint
+from stages.bootstrap.math import META_FILE, _sft_step, _threads, default_cache_root, publish_checkpoint, sole_builder
 
 log = logging.getLogger(__name__)
 CODE_BOOTSTRAP_VERSION = "code-1"
@@ -150,7 +150,13 @@ def bootstrap_code(
     final = root / f"tiny-code-{digest[:16]}"
     if (final / META_FILE).is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
+    with sole_builder(final) as needed:
+        if needed:
+            _train_and_publish(final, digest, model_cfg, task_cfg, boot_cfg, eval_size)
+    return final
+
+
+def _train_and_publish(final, digest, model_cfg, task_cfg, boot_cfg, eval_size) -> None:
     log.info("bootstrapping the tiny code policy (%d steps) into %s", boot_cfg.steps, final)
     model, tokenizer, stats = train_code_policy(model_cfg, task_cfg, boot_cfg, eval_size or EVAL_SIZE)
     meta = {
@@ -162,4 +168,3 @@ def bootstrap_code(
         **stats,
     }
     publish_checkpoint(final, model, tokenizer, meta)
-    return final

@@ -37,10 +37,13 @@ except its thread count, the teacher, :data:`BOOTSTRAP_VERSION`, the CPU-numeric
 variables of ``fp8rl_core.host.cpu_env`` where set). A second
 call with the same inputs returns the cached directory without training. The
 directory appears atomically: it is written under a temporary name and renamed.
+Callers that ask for one uncached directory at once train it once: the first
+holds a lock beside it, the others wait and then read it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -306,7 +309,13 @@ def bootstrap(
     if (final / META_FILE).is_file():
         log.info("bootstrap cache hit: %s", final)
         return final
-    root.mkdir(parents=True, exist_ok=True)
+    with sole_builder(final) as needed:
+        if needed:
+            _train_and_publish(final, digest, model_cfg, task_cfg, boot_cfg, teacher, eval_size)
+    return final
+
+
+def _train_and_publish(final, digest, model_cfg, task_cfg, boot_cfg, teacher, eval_size) -> None:
     log.info("bootstrapping the tiny policy (%d steps) into %s", boot_cfg.steps, final)
     model, tokenizer, stats = train_policy(model_cfg, task_cfg, boot_cfg, teacher, eval_size)
     lo, hi = BASE_BAND
@@ -330,7 +339,26 @@ def bootstrap(
     publish_checkpoint(final, model, tokenizer, meta)
     if not (final / META_FILE).is_file():
         raise RuntimeError(f"bootstrap: {final} is incomplete (no {META_FILE}); delete it and rerun")
-    return final
+
+
+@contextmanager
+def sole_builder(final: Path) -> Iterator[bool]:
+    """One process at a time builds a cache entry: an exclusive ``flock`` on ``.<name>.lock`` beside
+    ``final``, held for the block. Yields whether ``final`` still needs building once the lock is held,
+    so a process that waited for another's build (two sweep cells, two test workers starting at once)
+    finds it published and trains nothing. The kernel drops the lock when its holder dies; a build
+    that crashed left no ``final`` (it is published by a rename), so the next holder builds it."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.with_name(f".{final.name}.lock"), "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building %s; waiting for it", final)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield not (final / META_FILE).is_file()
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def publish_checkpoint(final: Path, model, tokenizer, meta: dict) -> None:
