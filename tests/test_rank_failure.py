@@ -130,7 +130,11 @@ HANG = textwrap.dedent(
         _rollout.run_rollout = run_rollout
     """
 )
-EXTRA = ["steps=2", "threads=1", "rollout.generation_batch_size=16", "timeouts.rollout_s=15"]
+LIMIT_S = 10  # a rollout here takes about 1 s
+EXTRA = [
+    "steps=2", "threads=1", "rollout.generation_batch_size=16", f"timeouts.rollout_s={LIMIT_S}",
+    "evaluation.benchmarks=[{name: synthetic, k: 1, limit: 4, max_new_tokens: 12}]",  # evaluation is not the point
+]
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -150,11 +154,11 @@ def test_a_rank_past_its_stage_limit_ends_every_rank_then_resume_completes(tmp_p
     r = _cli("run", "tiny-cpu", "--run-dir", str(run_dir), "--nproc-per-node", "2", *sets, env=hang)
     assert r.returncode != 0, r.stderr[-3000:]
     seconds = time.time() - float(started.read_text())
-    # the limit (15 s; a rollout here takes about 1 s), then torchrun's stop; without limits: gloo's
-    # 30 minutes, or for ever
-    assert seconds < 15 + 120, f"the ranks took {seconds:.0f} s to end after rank 1 hung"
+    # the limit, then torchrun's stop; without limits: gloo's 30 minutes, or for ever
+    assert seconds < LIMIT_S + 120, f"the ranks took {seconds:.0f} s to end after rank 1 hung"
     said = [line for line in r.stderr.splitlines() if line.startswith("error: rank ")]
-    assert any(line.startswith("error: rank 1: rollout of step 1 ran past its limit of 15 s") for line in said), said
+    expected = f"error: rank 1: rollout of step 1 ran past its limit of {LIMIT_S} s"
+    assert any(line.startswith(expected) for line in said), said
     assert len({line.split(":")[0] + line.split(":")[1] for line in said}) == len(said), said  # one line per rank
     assert "stages/" not in r.stderr and "flows/campaign.py" not in r.stderr, r.stderr[-3000:]  # no rank's traceback
     r = _cli("resume", str(run_dir), "--nproc-per-node", "2")
