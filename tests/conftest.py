@@ -185,6 +185,7 @@ _LONG_FIRST = (  # measured 2026-12-03 (seconds of test time per file, both work
     "test_dp_lockstep",
     "test_rollout_ranks",
     "test_integrity",
+    "test_one_line_errors",
     "test_bootstrap",
     "test_sandbox",
     "test_code_rl",
@@ -195,3 +196,13 @@ def pytest_collection_modifyitems(config, items) -> None:
     _share_a_prefect_server(items)
     rank = {name: i for i, name in enumerate(_LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))  # stable
+
+
+@pytest.fixture
+def micro_run(tmp_path: Path) -> Path:
+    """A run directory made by the micro config (config.yaml + run.json), with a few table rows."""
+    from integrity_helpers import run_with_rows
+
+    from flows.configuration import dump_config
+
+    return run_with_rows(tmp_path / "runs", "micro", config=dump_config(micro_config()))

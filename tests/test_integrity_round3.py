@@ -26,15 +26,9 @@ from pathlib import Path
 
 import pytest
 from conftest import micro_config
-from test_integrity import _mount_tmpfs, _run_with_rows, cli, one_line_exit_2
+from integrity_helpers import cli, mount_tmpfs, one_line_exit_2, run_with_rows
 
-from flows.configuration import dump_config
 from storage.ledger import Ledger
-
-
-@pytest.fixture
-def micro_run(tmp_path: Path) -> Path:
-    return _run_with_rows(tmp_path / "runs", "micro", config=dump_config(micro_config()))
 
 
 @pytest.fixture
@@ -54,7 +48,7 @@ def read_only_mount(tmp_path: Path):
     import subprocess
 
     where = tmp_path / "ro"
-    if os.geteuid() != 0 or not _mount_tmpfs(where, "1m", "ro"):
+    if os.geteuid() != 0 or not mount_tmpfs(where, "1m", "ro"):
         pytest.skip("cannot mount a tmpfs here (needs root and mount rights)")
     yield where
     subprocess.run(["umount", "-l", str(where)], capture_output=True)
@@ -215,7 +209,7 @@ def _live_part(run: Path, table: str, step: int) -> Path:
 
 
 def test_query_out_refuses_every_path_inside_a_run(tmp_path: Path) -> None:
-    run = _run_with_rows(tmp_path / "runs", "A")
+    run = run_with_rows(tmp_path / "runs", "A")
     part = _live_part(run, "steps", 2)
     link = tmp_path / "elsewhere"
     link.symlink_to(run / "tables")
@@ -230,13 +224,13 @@ def test_query_out_refuses_every_path_inside_a_run(tmp_path: Path) -> None:
 def test_report_out_refuses_a_run_folder_but_keeps_its_own(tmp_path: Path) -> None:
     from flows.cli_common import refuse_run_paths
 
-    run = _run_with_rows(tmp_path / "runs", "A")
+    run = run_with_rows(tmp_path / "runs", "A")
     one_line_exit_2(cli("report", run, "--out", run / "tables"), "inside the run directory")
     refuse_run_paths(run / "report", own="report")  # the default place of a one-run report: no refusal
 
 
 def test_query_out_on_a_read_only_file_system_is_one_line(tmp_path: Path, read_only_mount: Path) -> None:
-    run = _run_with_rows(tmp_path / "runs", "A")
+    run = run_with_rows(tmp_path / "runs", "A")
     ro = read_only_mount
     one_line_exit_2(cli("query", run, "SELECT 1 AS x", "--out", ro / "x.parquet"), "read-only", str(ro))
 
@@ -246,8 +240,8 @@ def test_links_and_foreign_parts_are_skipped_by_query_with_a_warning(tmp_path: P
 
     from storage.layout import part_name
 
-    run = _run_with_rows(tmp_path / "runs", "A")
-    other = _run_with_rows(tmp_path / "other", "B")
+    run = run_with_rows(tmp_path / "runs", "A")
+    other = run_with_rows(tmp_path / "other", "B")
     step2 = _live_part(run, "steps", 2).parent
     link1 = step2 / part_name("train", 1, "main").filename
     link1.symlink_to("/etc/passwd")  # a link out of the run: the sandbox would refuse every query of the run
@@ -269,8 +263,8 @@ def test_links_and_foreign_parts_are_skipped_by_query_with_a_warning(tmp_path: P
 def test_a_part_of_another_run_with_the_same_folder_name_is_skipped_by_uid(tmp_path: Path) -> None:
     from storage.layout import part_name
 
-    a = _run_with_rows(tmp_path / "A", "base")
-    b = _run_with_rows(tmp_path / "B", "base")
+    a = run_with_rows(tmp_path / "A", "base")
+    b = run_with_rows(tmp_path / "B", "base")
     theirs = _live_part(b, "steps", 2)
     dest = a / "tables" / "steps" / "run=base" / "step=2" / part_name("train", 1, "main").filename
     dest.write_bytes(theirs.read_bytes())  # a name the writer would use, and newer than A's own
@@ -284,14 +278,14 @@ def test_a_part_of_another_run_with_the_same_folder_name_is_skipped_by_uid(tmp_p
 def test_the_uid_survives_a_copy_and_a_run_without_one_opens_with_one_warning(tmp_path: Path) -> None:
     import shutil
 
-    a = _run_with_rows(tmp_path / "A", "base")
+    a = run_with_rows(tmp_path / "A", "base")
     uid = json.loads((a / "run.json").read_text())["uid"]
     copy = tmp_path / "C" / "renamed"
     shutil.copytree(a, copy)
     assert json.loads((copy / "run.json").read_text())["uid"] == uid
     r = cli("query", copy, "SELECT count(*) AS n FROM steps", "--format", "csv")
     assert r.exit_code == 0 and r.stdout.splitlines()[1:] == ["2"] and r.stderr == "", r.stdout + r.stderr
-    old = _run_with_rows(tmp_path / "old", "before")  # as written before uids: neither run.json nor parts carry one
+    old = run_with_rows(tmp_path / "old", "before")  # as written before uids: neither run.json nor parts carry one
     info = json.loads((old / "run.json").read_text())
     (old / "run.json").write_text(json.dumps({k: v for k, v in info.items() if k not in ("uid", "config")}))
     r = cli("query", old, "SELECT count(*) AS n FROM steps", "--format", "csv")
@@ -343,7 +337,7 @@ def test_a_short_write_reported_by_torch_save_is_one_line_even_once_space_is_fre
 
     from flows.cli_common import io_errors
 
-    run = _run_with_rows(tmp_path / "runs", "A")
+    run = run_with_rows(tmp_path / "runs", "A")
     with pytest.raises(typer.Exit) as exc, io_errors(run, resume_hint=run):
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4480 vs 4374")
     assert exc.value.exit_code == 2
