@@ -15,7 +15,8 @@ import pickle
 
 import pytest
 import torch
-from vllm_standin import STANDIN_GPU_UUID, make_standin_module, param_digest
+from vllm_standin import make_standin_module
+from vllm_standin_core import STANDIN_GPU_UUID, param_digest
 
 from fp8rl_core.config.method import PrecisionConfig
 from fp8rl_core.config.model import ModelConfig
