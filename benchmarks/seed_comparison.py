@@ -24,6 +24,7 @@ Its last line is the calibrated cell's mean gap to the baseline and its sign-fli
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import sys
@@ -37,12 +38,16 @@ CELL = re.compile(r"^(?P<setting>.+)\.s(?P<seed>\d+)$")
 
 def finished_cells(sweep_dir: Path) -> dict[str, dict[int, str]]:
     """setting -> {seed: run id} of the cells with a finished marker (a pilot's cells left out: their
-    seeds are the pilot's own, paired with nothing)."""
+    seeds are the pilot's own, paired with nothing). A twin (a cell whose config another cell ran,
+    marker ``same_as``) reads that cell's run."""
     out: dict[str, dict[int, str]] = defaultdict(dict)
     for marker in sorted((sweep_dir / "_cells").glob("*.json")):
         m = CELL.match(marker.stem)
-        if m and not m["setting"].startswith("pilot-") and (sweep_dir / marker.stem).is_dir():
-            out[m["setting"]][int(m["seed"])] = marker.stem
+        if not m or m["setting"].startswith("pilot-"):
+            continue
+        run = marker.stem if (sweep_dir / marker.stem).is_dir() else json.loads(marker.read_text()).get("same_as")
+        if run and (sweep_dir / run).is_dir():
+            out[m["setting"]][int(m["seed"])] = run
     return dict(out)
 
 
@@ -129,7 +134,9 @@ def main() -> None:
     cells = finished_cells(args.sweep_dir)
     if not cells:
         ap.error(f"{args.sweep_dir}: no finished cells (no _cells/<cell>.json markers)")
-    all_runs = sorted(r for by_seed in cells.values() for r in by_seed.values())
+    all_runs = sorted({r for by_seed in cells.values() for r in by_seed.values()})
+    # a setting whose every seed reads another setting's runs (twins: the same configs) is that setting
+    same = {x: y for x in sorted(cells) for y in sorted(cells) if y < x and cells[x] == cells[y]}
     runs = per_run(*load(args.sweep_dir, all_runs))
     print("| setting | seeds | 2nd-half eval % (mean, min-max) | A<0 lower-clip FP8 ÷ BF16 | over-clipped % | surges |")
     print("|---|---:|---:|---:|---:|---|")
@@ -138,8 +145,9 @@ def main() -> None:
         acc = [r["second_half"] for r in rs]
         quot = [r["clip_fp8"] / r["clip_bf16"] for r in rs if r["clip_bf16"]]
         surges = ", ".join(f"s{s}@{x}" for s, r in sorted(by_seed.items()) for x in runs[r]["surges"]) or "none"
+        label = f"{setting} (the runs of {same[setting]})" if setting in same else setting
         print(
-            f"| {setting} | {len(rs)} | {statistics.fmean(acc):.1f} ({min(acc):.1f}-{max(acc):.1f}) | "
+            f"| {label} | {len(rs)} | {statistics.fmean(acc):.1f} ({min(acc):.1f}-{max(acc):.1f}) | "
             f"{statistics.fmean(quot) if quot else float('nan'):.2f} | "
             f"{100 * statistics.fmean(r['over'] for r in rs):.3f} | {surges} |"
         )
@@ -149,7 +157,7 @@ def main() -> None:
         "| McNemar p |"
     )
     print("|---|---:|---:|---|---:|---:|---:|---:|")
-    names = sorted(cells)
+    names = sorted(x for x in cells if x not in same)
     pairs = [(x, args.baseline) for x in names if x != args.baseline and args.baseline in cells]
     pairs += [(x, y) for i, x in enumerate(names) for y in names[i + 1 :] if args.baseline not in (x, y)]
     results = {}

@@ -60,7 +60,7 @@ def _dry_run(sweep_file: Path, out: Path | None, cells: list[str] | None) -> Non
     import fnmatch
 
     from flows.sweep_choice import read_choices
-    from flows.sweep_spec import cell_state, open_sweep, select_cells
+    from flows.sweep_spec import cell_state, open_sweep, select_cells, twins
 
     spec, every, sweep_dir, waiting = open_sweep(sweep_file, out)
     made = read_choices(sweep_dir, list(spec.choose))
@@ -74,12 +74,14 @@ def _dry_run(sweep_file: Path, out: Path | None, cells: list[str] | None) -> Non
         typer.echo(f"  {spec.description}")
     for name, record in made.items():
         typer.echo(f"  choice {name}: {record['winner']} (made {record['made_at']})")
+    twin_of = twins([c for c in every if not c.pilot])
     for c in chosen:
         cfg = c.config
+        twin = f" (the config of {twin_of[c.id]}: read, not run again)" if c.id in twin_of else ""
         typer.echo(
             f"  {c.id:<36} {cell_state(sweep_dir, c):<9} train={cfg.precision.train} "
             f"rollout={cfg.precision.rollout} clip={cfg.calibration.mode} seed={cfg.seed} "
-            f"steps={cfg.steps}"
+            f"steps={cfg.steps}{twin}"
         )
     for i in waiting:
         typer.echo(f"  {i:<36} waiting   for its pilot's choice")

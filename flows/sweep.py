@@ -51,7 +51,9 @@ from flows.sweep_spec import (
     load_sweep,
     marker_path,
     open_sweep,
+    run_name,
     select_cells,
+    twins,
     waiting_cell_ids,
 )
 from flows.sweep_table import comparison_table, write_tables
@@ -70,8 +72,9 @@ def prefect_campaign(run_dir: str, resume: bool) -> dict:
     return campaign_flow.with_options(flow_run_name=Path(run_dir).name)(run_dir, resume=resume)
 
 
-def run_cell(sweep_dir: Path, cell: Cell, campaign: CampaignFn) -> CellOutcome:
-    """Run, resume or skip one cell; write its marker after success."""
+def run_cell(sweep_dir: Path, cell: Cell, campaign: CampaignFn, twin: Cell | None = None) -> CellOutcome:
+    """Run, resume or skip one cell; write its marker after success. ``twin``: the earlier cell with the
+    same config (:func:`flows.sweep_spec.twins`); once it has finished, this cell reads its run."""
     from storage.layout import create_run
 
     run_dir = Path(sweep_dir) / cell.id
@@ -79,7 +82,10 @@ def run_cell(sweep_dir: Path, cell: Cell, campaign: CampaignFn) -> CellOutcome:
     if state == FINISHED:
         if not marker_path(sweep_dir, cell).is_file():  # finished, killed before its marker: write it now
             _write_marker(sweep_dir, cell, {"from": "ledger"}, 0.0)
-        return CellOutcome(cell, run_dir, "skipped")
+        return CellOutcome(cell, Path(sweep_dir) / run_name(sweep_dir, cell), "skipped")
+    if state == NEW and twin is not None and cell_state(sweep_dir, twin) == FINISHED:
+        _write_twin_marker(sweep_dir, cell, twin)
+        return CellOutcome(cell, Path(sweep_dir) / twin.id, "same")
     if state == NEW:
         create_run(sweep_dir, cell.id, config=cell.config_text)
     _record_start(sweep_dir, cell)
@@ -187,6 +193,25 @@ def _write_marker(sweep_dir: Path, cell: Cell, result: dict, seconds: float) -> 
     write_text_atomic(path, json.dumps(body, indent=1, default=str) + "\n")
 
 
+def _write_twin_marker(sweep_dir: Path, cell: Cell, twin: Cell) -> None:
+    """The marker of a cell not run because ``twin`` ran its very config: the twin's result and code."""
+    try:
+        theirs = json.loads(marker_path(sweep_dir, twin).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        theirs = {}
+    body = {
+        "cell": cell.id,
+        "same_as": twin.id,
+        "labels": dict(cell.labels),
+        "seed": cell.seed,
+        "seconds": 0.0,
+        "config_hash": config_hash(cell.config_text),
+        **{k: theirs.get(k) for k in ("commits", "uncommitted_changes", "numerics", "result")},
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    write_text_atomic(marker_path(sweep_dir, cell), json.dumps(body, indent=1, default=str) + "\n")
+
+
 def run_sweep(
     spec: SweepSpec,
     cells: list[Cell],
@@ -195,11 +220,13 @@ def run_sweep(
     campaign: CampaignFn,
     fail_fast: bool = False,
     echo: Callable[[str], None] = print,
+    twin_of: dict[str, Cell] | None = None,
 ) -> list[CellOutcome]:
     """Every cell in order: skip finished ones, resume partial ones, start the rest.
 
     A failing cell is reported and the sweep goes on (``fail_fast`` stops it);
-    an interrupt stops it at once — re-running resumes where it stopped.
+    an interrupt stops it at once — re-running resumes where it stopped. ``twin_of``: cell id -> the
+    earlier cell with its very config; a twin whose counterpart finished is not run again.
     """
     sweep_dir = Path(sweep_dir)
     states = {c.id: cell_state(sweep_dir, c) for c in cells}  # every config check before any work
@@ -208,12 +235,14 @@ def run_sweep(
     outcomes = []
     for i, cell in enumerate(cells, start=1):
         head = f"[{i}/{len(cells)}] {cell.id}"
-        if states[cell.id] != FINISHED:
+        if states[cell.id] != FINISHED and cell.id not in (twin_of or {}):
             echo(f"{head}: {'resuming' if states[cell.id] == PARTIAL else 'starting'}")
-        out = run_cell(sweep_dir, cell, campaign)
+        out = run_cell(sweep_dir, cell, campaign, (twin_of or {}).get(cell.id))
         outcomes.append(out)
         if out.status == "skipped":
             echo(f"{head}: finished earlier, skipped")
+        elif out.status == "same":
+            echo(f"{head}: the same config as {out.run_dir.name}, which has run it: not run again")
         elif out.status == "done":
             echo(f"{head}: done in {out.seconds:.0f} s")
         else:
@@ -257,7 +286,10 @@ def run_sweep_file(
             spec, cells = _make_choices(sweep_file, spec, cells, sweep_dir, echo)
             waiting = waiting_cell_ids(spec, read_choices(sweep_dir, list(spec.choose)))
         rest = [c for c in select_cells(cells, only, source=str(sweep_file), waiting=waiting) if not c.pilot]
-        outcomes += run_sweep(spec, rest, sweep_dir, campaign=campaign, fail_fast=fail_fast, echo=echo)
+        by_id = {c.id: c for c in cells}
+        twin_of = {i: by_id[t] for i, t in twins([c for c in cells if not c.pilot]).items()}
+        outcomes += run_sweep(spec, rest, sweep_dir, campaign=campaign, fail_fast=fail_fast, echo=echo,
+                              twin_of=twin_of)  # fmt: skip
     matrix = [c for c in cells if c.pilot is None]
     rows = comparison_table(sweep_dir, spec, matrix, [o for o in outcomes if o.cell.pilot is None])
     pilots = "".join("\n" + choice_markdown(r) for r in read_choices(sweep_dir, list(spec.choose)).values())

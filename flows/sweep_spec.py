@@ -32,6 +32,12 @@ A cell is NEW (no run directory), PARTIAL (started, unfinished) or FINISHED
 (its marker ``<sweep dir>/_cells/<cell>.json``, or a ledger whose final step
 has every stage done). A cell whose run directory was made by another config
 (the sweep file changed) is an error naming it, never silently mixed.
+
+Two cells can name one campaign: when a pilot's choice falls on what a setting already does, the
+cells using the choice have the very config of their counterparts. Such a cell is a *twin* of the
+first cell with its config (:func:`twins`): a campaign is a deterministic function of its config on
+one machine, so the twin is not run again; its marker says ``same_as`` and it reads that run
+(:func:`run_name`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import itertools
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -342,6 +349,31 @@ def ledger_finished(run_dir: Path, cfg: CampaignConfig) -> bool:
     return need <= Ledger(run_dir).done_stages(last)
 
 
+def twins(cells: list[Cell]) -> dict[str, str]:
+    """cell id -> the id of the first earlier cell with the very same config (the module docstring)."""
+    first: dict[str, str] = {}
+    out = {}
+    for c in cells:
+        out.update({c.id: first[c.config_text]} if c.config_text in first else {})
+        first.setdefault(c.config_text, c.id)
+    return out
+
+
+def run_name(sweep_dir: Path, cell: Cell) -> str:
+    """The run directory (under the sweep directory) holding the cell's campaign: its own, or, for a twin
+    that was not run, the one its marker names."""
+    if is_run_dir(Path(sweep_dir) / cell.id):
+        return cell.id
+    return _same_as(sweep_dir, cell) or cell.id
+
+
+def _same_as(sweep_dir: Path, cell: Cell) -> str | None:
+    try:
+        return json.loads(marker_path(sweep_dir, cell).read_text(encoding="utf-8")).get("same_as")
+    except (OSError, ValueError):
+        return None
+
+
 def cell_state(sweep_dir: Path, cell: Cell) -> str:
     """NEW (no run directory), PARTIAL (started, unfinished) or FINISHED.
 
@@ -349,7 +381,8 @@ def cell_state(sweep_dir: Path, cell: Cell) -> str:
     """
     run_dir = Path(sweep_dir) / cell.id
     if not is_run_dir(run_dir):
-        return NEW
+        twin = _same_as(sweep_dir, cell)
+        return FINISHED if twin and is_run_dir(Path(sweep_dir) / twin) else NEW
     info = read_run_info(run_dir)
     if info.config_hash not in (None, config_hash(cell.config_text)) and not _same_settings(run_dir, cell):
         raise ConfigError(
@@ -375,7 +408,8 @@ def _same_settings(run_dir: Path, cell: Cell) -> bool:
 
 @dataclass
 class CellOutcome:
-    """What happened to a cell in this invocation: 'skipped' (finished earlier), 'done' or 'failed'."""
+    """What happened to a cell in this invocation: 'skipped' (finished earlier), 'done', 'same' (a twin:
+    the same campaign as a finished cell, not run again) or 'failed'."""
 
     cell: Cell
     run_dir: Path

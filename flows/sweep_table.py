@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.report_figures import FAILURE_COLUMNS, TABLE_COLUMNS, paper_table_markdown
-from flows.sweep_spec import Cell, CellOutcome, SweepSpec, cell_state
+from flows.sweep_spec import Cell, CellOutcome, SweepSpec, cell_state, run_name
 from storage.layout import is_run_dir, write_text_atomic
 
 
@@ -18,11 +18,13 @@ def comparison_table(
     from storage.catalog import connect, query, set_params
     from storage.queries import get_query
 
+    finished = ("done", "skipped", "same")
     status = {
-        o.cell.id: ("failed" if o.status == "failed" else "finished" if o.status in ("done", "skipped") else o.status)
+        o.cell.id: ("failed" if o.status == "failed" else "finished" if o.status in finished else o.status)
         for o in outcomes or []
     }
-    have = [c.id for c in cells if is_run_dir(Path(sweep_dir) / c.id)]
+    runs = {c.id: run_name(sweep_dir, c) for c in cells}  # a twin reads its counterpart's run
+    have = sorted({r for r in runs.values() if is_run_dir(Path(sweep_dir) / r)})
     by_run: dict[str, dict] = {}
     if have:
         con = connect(sweep_dir, runs=have)
@@ -35,7 +37,7 @@ def comparison_table(
     rows = []
     for c in cells:
         state = status.get(c.id) or cell_state(sweep_dir, c)
-        metrics = {k: v for k, v in by_run.get(c.id, {}).items() if k != "run_id"}
+        metrics = {k: v for k, v in by_run.get(runs[c.id], {}).items() if k != "run_id"}
         rows.append({"cell": c.id, **dict(c.labels), "seed": c.seed, "status": state, **metrics})
     return rows
 

@@ -66,3 +66,19 @@ def test_cells_without_a_finished_marker_are_left_out(sc, tmp_path):
         "bf16.standard": {0: "bf16.standard.s0"},
         "fp8-blockwise.calibrated": {0: "fp8-blockwise.calibrated.s0"},
     }
+
+
+def test_a_twin_cell_reads_the_run_it_names(sc, tmp_path):
+    """A cell a sweep did not run again because another cell had its very config (marker ``same_as``)
+    pairs with that cell's run; a twin whose run is gone is left out."""
+    import json
+
+    (tmp_path / "_cells").mkdir()
+    (tmp_path / "fp8-standard.s0").mkdir()
+    (tmp_path / "_cells" / "fp8-standard.s0.json").write_text("{}")
+    (tmp_path / "_cells" / "fp8-strongest.s0.json").write_text(json.dumps({"same_as": "fp8-standard.s0"}))
+    (tmp_path / "_cells" / "fp8-strongest.s1.json").write_text(json.dumps({"same_as": "fp8-standard.s1"}))
+    assert sc.finished_cells(tmp_path) == {
+        "fp8-standard": {0: "fp8-standard.s0"},
+        "fp8-strongest": {0: "fp8-standard.s0"},
+    }

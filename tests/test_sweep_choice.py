@@ -182,3 +182,36 @@ def test_the_regime_sweep_fixes_its_rule_before_the_seeds_and_varies_only_what_i
         )  # fmt: skip
         assert same == preset, c.id  # model, task, bootstrap, steps, rollout, evaluation: the preset's
         assert c.config.algorithm.model_copy(update={"correction": preset.algorithm.correction}) == preset.algorithm
+
+
+def test_a_choice_that_falls_on_what_a_setting_does_already_is_not_run_twice(tmp_path: Path):
+    """The pilot picks token TIS, which the standard cells use already: ``strongest.s0`` is then the very
+    config of ``standard.s0``. It is a twin: not run again, its marker names the run it reads, and the
+    table gives it that run's figures."""
+    from flows.sweep_spec import cell_state, twins
+    from flows.sweep_table import comparison_table
+
+    out, path = tmp_path / "s", _write(tmp_path)
+    SCORE["token-tis"] = 0.5
+    try:
+        fake, lines = ScoringFake(), []
+        run_sweep_file(path, out, campaign=fake, report=False, echo=lines.append)
+    finally:
+        SCORE["token-tis"] = 0.0
+    assert json.loads(choice_path(out, "strongest").read_text())["winner"] == "token-tis"
+    spec, cells = load_sweep(path, out)
+    by_id = {c.id: c for c in cells}
+    assert twins(cells) == {"strongest.s0": "standard.s0"}
+    assert [c for c, _ in fake.calls][len(PILOT):] == ["standard.s0", "calibrated-strongest.s0"]
+    assert "strongest.s0: the same config as standard.s0, which has run it: not run again" in "\n".join(lines)
+    assert not (out / "strongest.s0").exists() and cell_state(out, by_id["strongest.s0"]) == "finished"
+    marker = json.loads((out / "_cells" / "strongest.s0.json").read_text())
+    assert marker["same_as"] == "standard.s0" and marker["commits"]
+    rows = {r["cell"]: r for r in comparison_table(out, spec, [c for c in cells if not c.pilot])}
+    same = {k: v for k, v in rows["strongest.s0"].items() if k not in ("cell", "setting")}
+    assert same == {k: v for k, v in rows["standard.s0"].items() if k not in ("cell", "setting")}
+    assert rows["strongest.s0"]["status"] == "finished" and rows["strongest.s0"].get("best_eval_average") is not None
+
+    again = ScoringFake()  # a re-run finds every cell finished
+    run_sweep_file(path, out, campaign=again, report=False, echo=lambda _l: None)
+    assert again.calls == []
