@@ -354,26 +354,35 @@ def test_the_manifest_lists_every_file_resume_reads(two_checkpoints) -> None:
     assert "scheduler" in state["extra"]
 
 
-# --------------------------------------------------------------------------- fp8rl query sees only runs
+# ---------------------------------------------------------------- fp8rl query writes nothing, sees only runs
+
+
+WRITES = "read-only"
+OUTSIDE = "queries read the run directories"
 
 
 @pytest.mark.parametrize(
-    "sql",
+    "sql, needle",
     [
-        "SELECT * FROM read_csv('/etc/passwd')",
-        "SELECT * FROM read_text('/etc/hostname')",
-        "SELECT * FROM glob('/root/**')",
-        "SELECT * FROM read_parquet('{outside}')",
-        "SELECT * FROM read_json('https://example.com/x.json')",
+        ("COPY (SELECT 1) TO '{out}'", WRITES),
+        ("CREATE TABLE t AS SELECT 1", WRITES),
+        ("ATTACH '{out}' AS x", WRITES),
+        ("SELECT 1; COPY steps TO '{out}'", WRITES),
+        ("SELECT * FROM read_csv('/etc/passwd')", OUTSIDE),
+        ("SELECT * FROM read_text('/etc/hostname')", OUTSIDE),
+        ("SELECT * FROM glob('/root/**')", OUTSIDE),
+        ("SELECT * FROM read_parquet('{outside}')", OUTSIDE),
+        ("SELECT * FROM read_json('https://example.com/x.json')", OUTSIDE),
     ],
 )
-def test_query_reads_nothing_but_the_runs(tmp_path: Path, sql: str) -> None:
+def test_query_writes_nothing_and_reads_nothing_but_the_runs(tmp_path: Path, sql: str, needle: str) -> None:
     import duckdb
 
     run = run_with_rows(tmp_path / "runs", "A")
-    outside = tmp_path / "outside.parquet"
+    out, outside = tmp_path / "leak.csv", tmp_path / "outside.parquet"
     duckdb.sql(f"COPY (SELECT 1 AS x) TO '{outside}'")
-    one_line_exit_2(cli("query", run, sql.format(outside=outside)), "queries read the run directories")
+    one_line_exit_2(cli("query", run, sql.format(out=out, outside=outside)), needle)
+    assert not out.exists()
 
 
 def test_query_still_reads_symlinked_runs_and_its_own_views(tmp_path: Path) -> None:

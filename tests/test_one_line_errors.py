@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import micro_config
-from integrity_helpers import cli, mount_tmpfs, one_line_exit_2, run_with_rows
+from integrity_helpers import cli, mount_tmpfs, one_line_exit_2
 from typer.testing import CliRunner
 
 from flows.cli import app
@@ -233,22 +233,6 @@ def test_resume_says_when_it_passes_over_a_broken_checkpoint(micro_run: Path, mo
     r = cli("resume", micro_run)
     assert r.exit_code == 0, r.stderr
     assert "step_4" in r.stderr and "restarts from step_2" in r.stderr
-
-
-@pytest.mark.parametrize(
-    "sql",
-    [
-        "COPY (SELECT 1) TO '{out}'",
-        "CREATE TABLE t AS SELECT 1",
-        "ATTACH '{out}' AS x",
-        "SELECT 1; COPY steps TO '{out}'",
-    ],
-)
-def test_query_is_read_only(tmp_path: Path, sql: str) -> None:
-    run = run_with_rows(tmp_path / "runs", "A")
-    out = tmp_path / "leak.csv"
-    one_line_exit_2(cli("query", run, sql.format(out=out)), "read-only")
-    assert not out.exists()
 
 
 # --------------------------------------------------------------------------- one error path
