@@ -53,9 +53,10 @@ test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
-# For iteration: everything but the real-vLLM tests (no second venv needed).
+# For iteration: everything but the real-vLLM tests (no second venv needed) and the
+# end-to-end campaigns (marked slow); `make test` runs them all.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not vllm"
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not vllm and not slow"
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
