@@ -235,9 +235,11 @@ def run_sweep(
     outcomes = []
     for i, cell in enumerate(cells, start=1):
         head = f"[{i}/{len(cells)}] {cell.id}"
-        if states[cell.id] != FINISHED and cell.id not in (twin_of or {}):
+        twin = (twin_of or {}).get(cell.id)
+        reads_twin = twin is not None and states[cell.id] == NEW and cell_state(sweep_dir, twin) == FINISHED
+        if states[cell.id] != FINISHED and not reads_twin:
             echo(f"{head}: {'resuming' if states[cell.id] == PARTIAL else 'starting'}")
-        out = run_cell(sweep_dir, cell, campaign, (twin_of or {}).get(cell.id))
+        out = run_cell(sweep_dir, cell, campaign, twin)
         outcomes.append(out)
         if out.status == "skipped":
             echo(f"{head}: finished earlier, skipped")

@@ -215,3 +215,16 @@ def test_a_choice_that_falls_on_what_a_setting_does_already_is_not_run_twice(tmp
     again = ScoringFake()  # a re-run finds every cell finished
     run_sweep_file(path, out, campaign=again, report=False, echo=lambda _l: None)
     assert again.calls == []
+
+
+def test_a_twin_whose_counterpart_failed_runs_itself(tmp_path: Path):
+    out, path = tmp_path / "s", _write(tmp_path)
+    SCORE["token-tis"] = 0.5
+    try:
+        fake, lines = ScoringFake(fail_in="standard.s0"), []
+        run_sweep_file(path, out, campaign=fake, report=False, echo=lines.append)
+    finally:
+        SCORE["token-tis"] = 0.0
+    assert [c for c, _ in fake.calls][len(PILOT):] == ["standard.s0", "strongest.s0", "calibrated-strongest.s0"]
+    assert "[2/3] strongest.s0: starting" in lines and (out / "strongest.s0").is_dir()
+    assert "same_as" not in json.loads((out / "_cells" / "strongest.s0.json").read_text())
