@@ -136,7 +136,8 @@ def main() -> None:
         ap.error(f"{args.sweep_dir}: no finished cells (no _cells/<cell>.json markers)")
     all_runs = sorted({r for by_seed in cells.values() for r in by_seed.values()})
     # a setting whose every seed reads another setting's runs (twins: the same configs) is that setting
-    same = {x: y for x in sorted(cells) for y in sorted(cells) if y < x and cells[x] == cells[y]}
+    first = {x: next(y for y in sorted(cells) if cells[y] == cells[x]) for x in cells}
+    same = {x: y for x, y in first.items() if y != x}
     runs = per_run(*load(args.sweep_dir, all_runs))
     print("| setting | seeds | 2nd-half eval % (mean, min-max) | A<0 lower-clip FP8 ÷ BF16 | over-clipped % | surges |")
     print("|---|---:|---:|---:|---:|---|")

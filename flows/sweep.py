@@ -73,8 +73,8 @@ def prefect_campaign(run_dir: str, resume: bool) -> dict:
 
 
 def run_cell(sweep_dir: Path, cell: Cell, campaign: CampaignFn, twin: Cell | None = None) -> CellOutcome:
-    """Run, resume or skip one cell; write its marker after success. ``twin``: the earlier cell with the
-    same config (:func:`flows.sweep_spec.twins`); once it has finished, this cell reads its run."""
+    """Run, resume or skip one cell; write its marker after success. ``twin``: a finished cell with the
+    same config (:func:`flows.sweep_spec.twins`): a new cell then reads its run instead of running."""
     from storage.layout import create_run
 
     run_dir = Path(sweep_dir) / cell.id
@@ -83,7 +83,7 @@ def run_cell(sweep_dir: Path, cell: Cell, campaign: CampaignFn, twin: Cell | Non
         if not marker_path(sweep_dir, cell).is_file():  # finished, killed before its marker: write it now
             _write_marker(sweep_dir, cell, {"from": "ledger"}, 0.0)
         return CellOutcome(cell, Path(sweep_dir) / run_name(sweep_dir, cell), "skipped")
-    if state == NEW and twin is not None and cell_state(sweep_dir, twin) == FINISHED:
+    if state == NEW and twin is not None:
         _write_twin_marker(sweep_dir, cell, twin)
         return CellOutcome(cell, Path(sweep_dir) / twin.id, "same")
     if state == NEW:
@@ -175,22 +175,13 @@ def _starts(sweep_dir: Path, cell: Cell) -> list[dict]:
 
 
 def _write_marker(sweep_dir: Path, cell: Cell, result: dict, seconds: float) -> None:
-    path = marker_path(sweep_dir, cell)
-    path.parent.mkdir(parents=True, exist_ok=True)
     starts = _starts(sweep_dir, cell)
-    body = {
-        "cell": cell.id,
-        "labels": dict(cell.labels),
-        "seed": cell.seed,
-        "seconds": seconds,
-        "config_hash": config_hash(cell.config_text),
+    _save_marker(sweep_dir, cell, seconds, {
         "commits": list(dict.fromkeys(s["commit"] for s in starts)),
         "uncommitted_changes": any(s.get("dirty") for s in starts),
         "numerics": numerics_fingerprint(Path(sweep_dir) / cell.id),
         "result": result,
-        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    write_text_atomic(path, json.dumps(body, indent=1, default=str) + "\n")
+    })  # fmt: skip
 
 
 def _write_twin_marker(sweep_dir: Path, cell: Cell, twin: Cell) -> None:
@@ -199,17 +190,24 @@ def _write_twin_marker(sweep_dir: Path, cell: Cell, twin: Cell) -> None:
         theirs = json.loads(marker_path(sweep_dir, twin).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         theirs = {}
+    ran = {k: theirs.get(k) for k in ("commits", "uncommitted_changes", "numerics", "result")}
+    _save_marker(sweep_dir, cell, 0.0, {"same_as": twin.id, **ran})
+
+
+def _save_marker(sweep_dir: Path, cell: Cell, seconds: float, fields: dict) -> None:
+    """``_cells/<cell>.json``: the cell, its labels, seed, seconds and config hash, then ``fields``."""
+    path = marker_path(sweep_dir, cell)
+    path.parent.mkdir(parents=True, exist_ok=True)
     body = {
         "cell": cell.id,
-        "same_as": twin.id,
         "labels": dict(cell.labels),
         "seed": cell.seed,
-        "seconds": 0.0,
+        "seconds": seconds,
         "config_hash": config_hash(cell.config_text),
-        **{k: theirs.get(k) for k in ("commits", "uncommitted_changes", "numerics", "result")},
+        **fields,
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    write_text_atomic(marker_path(sweep_dir, cell), json.dumps(body, indent=1, default=str) + "\n")
+    write_text_atomic(path, json.dumps(body, indent=1, default=str) + "\n")
 
 
 def run_sweep(
@@ -236,8 +234,8 @@ def run_sweep(
     for i, cell in enumerate(cells, start=1):
         head = f"[{i}/{len(cells)}] {cell.id}"
         twin = (twin_of or {}).get(cell.id)
-        reads_twin = twin is not None and states[cell.id] == NEW and cell_state(sweep_dir, twin) == FINISHED
-        if states[cell.id] != FINISHED and not reads_twin:
+        twin = twin if twin is not None and cell_state(sweep_dir, twin) == FINISHED else None  # it may have failed
+        if states[cell.id] != FINISHED and not (twin and states[cell.id] == NEW):
             echo(f"{head}: {'resuming' if states[cell.id] == PARTIAL else 'starting'}")
         out = run_cell(sweep_dir, cell, campaign, twin)
         outcomes.append(out)
