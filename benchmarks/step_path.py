@@ -16,9 +16,17 @@ loop's later rounds, and later calls from elsewhere, add nothing).
 
 Prints the path (one line per stop, ``↩`` marking a return) and the three counts. Run it
 from another checkout's root with that checkout first on the path to walk its code alike.
-Figures, not a test:
+
+``--from run_step`` counts instead the **hops** from the step's runner
+(``flows/campaign.py:run_step``) to each stage function (``stages/<stage>.py:run_<stage>``):
+a two-step micro campaign runs as ``fp8rl run`` runs it (its Prefect flow, a temporary
+Prefect server), and the first time each stage function is entered the frames between
+``run_step`` and it that live in this repository are listed; each is a hop, the stage
+function included (library frames, Prefect's task engine among them, are not counted but
+shown as ``…``). Figures, not a test:
 
     python benchmarks/step_path.py [--stage train|rollout|score] [--leaves] [--set KEY=VALUE ...]
+    python benchmarks/step_path.py --from run_step
 """
 
 from __future__ import annotations
@@ -153,12 +161,84 @@ def walk(stage_name: str, overrides: list[str], *, leaves: bool) -> PathWalk:
     return tracer
 
 
+STAGE_FILES = ("rollout", "score", "train", "calibrate", "evaluate", "checkpoint")
+
+
+def hops_from_run_step(overrides: list[str]) -> dict[str, list[str]]:
+    """``stage -> [the repository's frames from run_step (excluded) to run_<stage> (included)]``,
+    "…" marking a run of library frames, for the first call of each stage function."""
+    import threading
+
+    import stages
+    from flows.campaign import campaign_flow
+    from flows.configuration import dump_config, load_config
+    from storage.layout import create_run
+
+    root = Path(stages.__file__).resolve().parent.parent
+    targets = {f"stages/{s}.py:run_{s}": s for s in STAGE_FILES}
+    found: dict[str, list[str]] = {}
+
+    def where(frame) -> str | None:
+        try:
+            rel = Path(frame.f_code.co_filename).resolve().relative_to(root)
+        except ValueError:
+            return None
+        return f"{rel}:{frame.f_code.co_name}"
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        here = where(frame)
+        stage = targets.get(here or "")
+        if stage is None or stage in found:
+            return
+        chain, f = [], frame
+        while f is not None and f.f_code.co_name != "run_step":
+            w = where(f)
+            if w is None:
+                if chain and chain[-1] != "…":
+                    chain.append("…")
+            else:
+                chain.append(w)
+            f = f.f_back
+        found[stage] = list(reversed(chain)) if f is not None else ["(not reached from run_step in this thread)"]
+
+    cfg = load_config("tiny-cpu", MICRO + ["steps=2", "evaluation.interval=2", "checkpoint.interval=2",
+                                           "evaluation.benchmarks=[{name: synthetic, k: 1, limit: 8}]", *overrides])
+    with tempfile.TemporaryDirectory(prefix="step-hops-") as tmp:
+        run = create_run(tmp, "h", config=dump_config(cfg)).root
+        threading.setprofile(profile)
+        sys.setprofile(profile)
+        try:
+            campaign_flow(str(run))
+        finally:
+            sys.setprofile(None)
+            threading.setprofile(None)
+    return found
+
+
+def hops_report(found: dict[str, list[str]]) -> str:
+    lines = []
+    for stage in STAGE_FILES:
+        chain = found.get(stage)
+        if chain is None:
+            lines.append(f"{stage}: not run")
+            continue
+        n = sum(1 for c in chain if c != "…")
+        lines.append(f"{stage}: {n} hops: run_step → " + " → ".join(chain))
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--from", dest="start", choices=("run_step",), help="count the hops from run_step to each stage")
     ap.add_argument("--stage", choices=("rollout", "score", "train"), default="train")
     ap.add_argument("--leaves", action="store_true", help="show the calls into fp8rl_core/ and storage/ as stops")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override")
     args = ap.parse_args()
+    if args.start:
+        print(hops_report(hops_from_run_step(args.set)))
+        return
     print(walk(args.stage, args.set, leaves=args.leaves).report())
 
 

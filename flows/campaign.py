@@ -1,48 +1,37 @@
-"""The campaign flow: rollout → score → train → calibrate (shadow steps) → evaluate (every E) → checkpoint (every C).
+"""The campaign flow: one step runs the stage table in order, each stage through one runner.
 
-This module holds the DAG and its Prefect tasks; the stages are plain functions
-in ``stages/`` returning a :class:`stages.result.StageResult`, and how ranks agree
-on an attempt's outcome is :mod:`stages.runtime.rank_outcome`.
+The stages are rows of :data:`fp8rl_core.config.stage_kinds.STAGES` (rank policy,
+retries, when, replay, engine sync, tables, time limit), bound to their functions in
+``stages/dag.py``; this module turns each row into a Prefect task (:func:`stage_task`)
+and runs a step as a loop over the table (:func:`run_step`). How ranks agree on an
+attempt's outcome is :mod:`stages.runtime.rank_outcome`.
 
-Prefect gives retries, states, logs and artifacts; the ledger in the
-run directory is the truth for resume. Each stage is one Prefect task:
+Prefect gives retries, states, logs and artifacts; the ledger in the run directory is
+the truth for resume. Each stage is one Prefect task with the table's retries, retried
+on transient errors only: :class:`TransientStageError`, ``OSError``, ``TimeoutError``,
+``ConnectionError`` (or another rank's transient failure); anything else (a bug, a bad
+config) fails at once.
 
-=========== ======================= ==========================================
-stage       retries                 why
-=========== ======================= ==========================================
-rollout     2, on transient errors  generation is pure given (weights, seed)
-score       2, on transient errors  grading reads persisted rollouts
-train       none: resume instead    an update is not idempotent in-process
-calibrate   1                       reads persisted token_stats
-evaluate    2, on transient errors
-checkpoint  2, on OSError
-=========== ======================= ==========================================
+Every stage has a time limit (``timeouts.<stage>_s``, else the table's), armed alike on
+every rank by :mod:`stages.runtime.deadline` (never by Prefect on rank 0 alone): a
+stage past it ends every rank with one line, and ``fp8rl resume`` redoes it. Under
+several ranks a stage that fails ends each rank with one line, its traceback in the run
+directory.
 
-Every stage has a time limit (``timeouts.<stage>_s``), armed alike on every rank
-by :mod:`stages.runtime.deadline` (never by Prefect on rank 0 alone): a stage
-past it ends every rank with one line, and ``fp8rl resume`` redoes it. Under
-several ranks a stage that fails ends each rank with one line, its traceback in
-the run directory.
+Under several ranks a stage the table runs ``together`` (rollout, score, evaluate) runs
+on every rank (:func:`stages.runtime.rank_outcome.on_ranks`): Prefect's own retries
+would re-run rank 0 alone and deadlock, so each attempt ends with rank 0 broadcasting
+its outcome (ok, retry, fatal) and all ranks follow it; rank 0 runs each attempt as its
+own Prefect task run, so the ledger and the UI record every attempt.
 
-Transient = :class:`TransientStageError`, ``OSError``, ``TimeoutError``,
-``ConnectionError`` (or another rank's transient failure); anything else (a
-bug, a bad config) fails at once.
-
-Under several ranks rollout, score and evaluate run on every rank together
-(:func:`stages.runtime.rank_outcome.on_ranks`): Prefect's own retries would re-run rank 0
-alone and deadlock, so each attempt ends with rank 0 broadcasting its outcome
-(ok, retry, fatal) and all ranks follow it; rank 0 runs each attempt as its own
-Prefect task run, so the ledger and the UI record every attempt.
-
-Prefect caching is deliberately off (``NO_CACHE``): stage inputs are an
-in-process policy and optimizer, and the ledger, not a cache key, decides what
-is done. :func:`run_campaign` is the one entry used by ``fp8rl run``,
-``fp8rl resume`` and deployments.
+Prefect caching is deliberately off (``NO_CACHE``): stage inputs are an in-process
+policy and optimizer, and the ledger, not a cache key, decides what is done.
+:func:`run_campaign` is the one entry used by ``fp8rl run``, ``fp8rl resume`` and
+deployments.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -61,11 +50,14 @@ from flows.prefect_api import (
 from flows.shutdown import received as received_signal
 from flows.ui import publish_bounds, publish_failure, publish_step
 from fp8rl_core.config.campaign import CampaignConfig
-from stages.checkpoint import eval_scores, restore_latest
-from stages.context import RunEnv, TrainState, is_checkpoint_step, is_eval_step
+from fp8rl_core.config.stage_kinds import STAGES, Ranks, StageSpec
+from stages.checkpoint import restore_latest
+from stages.context import RunEnv, TrainState
+from stages.dag import StepContext, binding, runs_at
 from stages.result import StageResult
+from stages.rollout import sync_engine
 from stages.runtime.deadline import end_rank, stage_deadline
-from stages.runtime.rank_outcome import RankedStage, after_go, on_all, on_main, on_ranks
+from stages.runtime.rank_outcome import GO, EarlyOutcome, RankedStage, after_go, on_all, on_main, on_ranks
 from stages.runtime.stage_comm import TRANSIENT, TransientStageError, broadcast, is_transient  # noqa: F401 (re-exported)
 from storage import faults, lock
 
@@ -98,84 +90,52 @@ def _jsonable(d: dict) -> dict:
     return out
 
 
-def _run_stage(
-    name: str, fn: Callable[..., tuple[StageResult, Any]], env: RunEnv, state: TrainState, step: int, **kw: Any
-) -> tuple[StageResult, TrainState]:
-    attempt = env.ledger.next_attempt(step, name, variant=env.variant)
-    with env.ledger.stage(step, name, attempt=attempt, variant=env.variant) as rec:
-        with faults.stage_scope(name, step):  # FP8RL_FAULT test hook
-            result, state = fn(env, state, step, attempt=attempt, **kw)
-        rec.outputs.extend(result.outputs)
-        rec.info.update(_jsonable(result.ledger_info()))
-    return result, state
+def stage_task(spec: StageSpec):
+    """The Prefect task of one stage: one recorded attempt (ledger record, fault scope, rank 0's go),
+    with the table's retries on transient errors. Its function calls the stage function itself."""
+    if spec not in _TASKS:
+        _TASKS[spec] = _make_task(spec, binding(spec).fn())
+    return _TASKS[spec]
 
 
-def _stage_task(name: str, retries: int):
-    def deco(fn: Callable[..., tuple[StageResult, Any]]):
-        @task(
-            name=name,
-            retries=retries,
-            retry_delay_seconds=1,
-            retry_condition_fn=_is_transient if retries else None,
-            cache_policy=NO_CACHE,
-            persist_result=False,
-            task_run_name=f"{name}-step-{{step}}",
-        )
-        def run(env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
-            try:
-                return _run_stage(name, fn, env, state, step, **kw)
-            except BaseException as err:
-                publish_failure(env, name, step, err)  # the attempt's reason, in the task run's logs and artifacts
-                raise
-
-        run.stage_fn = fn
-        return run
-
-    return deco
+_TASKS: dict[StageSpec, Any] = {}
 
 
-def _rollout(env, state, step, **kw):
-    from stages.rollout import run_rollout
+def _make_task(spec: StageSpec, fn: Callable[..., tuple[StageResult, Any]]):
+    def attempt_stage(env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
+        try:
+            attempt = env.ledger.next_attempt(step, spec.name, variant=env.variant)
+            with env.ledger.stage(step, spec.name, attempt=attempt, variant=env.variant) as rec:
+                with faults.stage_scope(spec.name, step):  # FP8RL_FAULT test hook
+                    if spec.waits_for_go:
+                        _go(env)
+                    result, state = fn(env, state, step, attempt=attempt, **kw)
+                rec.outputs.extend(result.outputs)
+                rec.info.update(_jsonable(result.ledger_info()))
+            return result, state
+        except BaseException as err:
+            publish_failure(env, spec.name, step, err)  # the attempt's reason, in the task run's logs and artifacts
+            raise
 
-    return run_rollout(env, state, step, **kw)
-
-
-def _score(env, state, step, **kw):
-    from stages.score import run_score
-
-    return run_score(env, state, step, **kw)
-
-
-def _train(env, state, step, **kw):
-    from stages.train import run_train
-
-    return run_train(env, state, step, **kw)
-
-
-def _calibrate(env, state, step, **kw):
-    from stages.calibrate import run_calibrate
-
-    return run_calibrate(env, state, step, **kw)
-
-
-def _evaluate(env, state, step, **kw):
-    from stages.evaluate import run_evaluate
-
-    return run_evaluate(env, state, step, **kw)
-
-
-def _checkpoint(env, state, step, **kw):
-    from stages.checkpoint import run_checkpoint
-
-    return run_checkpoint(env, state, step, **kw)
+    run = task(
+        name=spec.name,
+        retries=spec.retries,
+        retry_delay_seconds=1,
+        retry_condition_fn=_is_transient if spec.retries else None,
+        cache_policy=NO_CACHE,
+        persist_result=False,
+        task_run_name=f"{spec.name}-step-{{step}}",
+    )(attempt_stage)
+    run.peer_body = after_go(fn) if spec.waits_for_go else fn  # what the other ranks run of an attempt
+    return run
 
 
-rollout_task = _stage_task("rollout", retries=2)(after_go(_rollout))
-score_task = _stage_task("score", retries=2)(after_go(_score))
-train_task = _stage_task("train", retries=0)(_train)
-calibrate_task = _stage_task("calibrate", retries=1)(_calibrate)
-evaluate_task = _stage_task("evaluate", retries=2)(_evaluate)
-checkpoint_task = _stage_task("checkpoint", retries=2)(_checkpoint)
+def _go(env: RunEnv) -> None:
+    """Rank 0, inside its attempt, tells the other ranks to enter the body (as ``rank_outcome.after_go``
+    does for them); a failure before this point reaches them as the attempt's outcome instead."""
+    msg = broadcast(env, GO)
+    if msg != GO:
+        raise EarlyOutcome(msg)
 
 
 # --------------------------------------------------------------------------- the step loop
@@ -221,107 +181,71 @@ def _logger():
         return logging.getLogger("fp8rl")
 
 
-def _ranked(task_obj) -> RankedStage:
-    """The stage task as the ranks run it (``stages.runtime.rank_outcome``)."""
-    return RankedStage(task_obj.name, task_obj.retries, task_obj, task_obj.with_options(retries=0), task_obj.stage_fn)
+def _ranked(spec: StageSpec) -> RankedStage:
+    """The stage's task as the ranks run it (``stages.runtime.rank_outcome``)."""
+    run = stage_task(spec)
+    return RankedStage(spec.name, spec.retries, run, run.with_options(retries=0), run.peer_body)
 
 
-def _on_ranks(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
-    return on_ranks(_ranked(task_obj), env, state, step, log=_logger(), **kw)
+_RANK_POLICY = {Ranks.TOGETHER: on_ranks, Ranks.MAIN: on_main, Ranks.ALL: on_all}
 
 
-def _on_main(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
-    return on_main(_ranked(task_obj), env, state, step, **kw)
-
-
-def _on_all(task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
-    return on_all(_ranked(task_obj), env, state, step, **kw)
-
-
-def _limited(runner, task_obj, env: RunEnv, state: TrainState, step: int, **kw: Any) -> tuple[StageResult, TrainState]:
-    """``runner`` (:func:`_on_ranks`, :func:`_on_main`, :func:`_on_all`) under the stage's limit
-    (``timeouts.<stage>_s``), armed alike on every rank: a rank waiting for rank 0's part of the
-    stage waits under the same limit (:mod:`stages.runtime.deadline`)."""
-    with stage_deadline(task_obj.name, step, env.cfg.timeouts.stage_s(task_obj.name), rank=env.rank):
-        return runner(task_obj, env, state, step, **kw)
-
-
-_after_go = after_go  # the name the rank tests use
-
-
-def _sync_engine(env: RunEnv, state: TrainState, synced: dict) -> None:
-    """Under FSDP2 every rank's engine takes the sharded policy and gathers it one parameter at a
-    time (vLLM: in bf16), a collective every rank calls together."""
-    if env.world_size == 1 or synced.get("version") == state.policy_version:
-        return
-    env.engine.sync_policy(state.policy, state.policy_version)
-    synced["version"] = state.policy_version
-
-
-def _rollout_and_score(
-    env: RunEnv, state: TrainState, step: int, done: set, info: dict, synced: dict
-) -> tuple[dict[str, float], TrainState]:
-    """Rollout and score of ``step`` on every rank (a done one gives back its sampler); their times."""
-    from stages.data.prompts import SamplerState
-
-    timings: dict[str, float] = {}
-    for name, stage_task in (("rollout", rollout_task), ("score", score_task)):
-        if name in done:
-            state = dataclasses.replace(state, sampler=SamplerState.from_dict(info[name].get("sampler")))
-            continue
-        _sync_engine(env, state, synced)  # DAPO refills generate too
-        out, state = _limited(_on_ranks, stage_task, env, state, step)
-        timings[f"{name}_seconds"] = out.seconds
-        for k, v in out.timings.items():  # engine memory; refill rounds' generation time adds to rollout's
-            timings[k] = timings.get(k, 0.0) + v if k.endswith("_seconds") else v
-    return timings, state
-
-
-def run_step(
-    env: RunEnv,
-    state: TrainState,
-    step: int,
-    progress: Progress,
-    last_eval: dict | None = None,
-    synced: dict | None = None,
-) -> tuple[StageResult, TrainState, dict]:
-    """All stages of one step; returns ``(train result, new state, latest eval scores)``.
-
-    Stages the ledger marks done are not redone, except train/calibrate/checkpoint,
-    which replay after a restore (weights must be rebuilt); a done rollout or score
-    gives back the sampler position it recorded. Every rank runs this loop; rank 0
-    reads the ledger and tells the others."""
-    synced = {} if synced is None else synced
+def _done_stages(env: RunEnv, step: int) -> tuple[set, dict]:
+    """The stages the ledger marks done at ``step``, and the records of those that do not replay
+    (rank 0 reads, every rank receives)."""
     done, info = None, {}
     if env.is_main:
         done = env.ledger.done_stages(step, variant=env.variant)
-        info = {k: _ledger_info(env, step, k) for k in ("rollout", "score", "evaluate") if k in done}
-    done, info = broadcast(env, (done, info))
-    trained, last_eval = StageResult(), dict(last_eval or {})
-    if step > 0:
-        timings, state = _rollout_and_score(env, state, step, done, info, synced)
-        trained, state = _limited(_on_all, train_task, env, state, step, timings=timings)
-        if trained.shadow:  # the schedule's decision (fixed K, drift, a guard remedy), as steps.shadow records it
-            cal, state = _limited(_on_main, calibrate_task, env, state, step)
-            if env.is_main:
-                _bounds_artifact(env, step, cal.info)
-                publish_bounds(env, step)
-        if env.is_main:
-            progress.step(step, trained.metrics)
-            publish_step(env, step)
-    if is_eval_step(env.cfg, step):
-        if "evaluate" in done:
-            last_eval = eval_scores(info["evaluate"])
-        else:
-            _sync_engine(env, state, synced)
-            out, state = _limited(_on_ranks, evaluate_task, env, state, step)  # every rank generates its share
-            last_eval = dict(out.scores)
-            if env.is_main:
-                progress.eval(step, last_eval)
-                _eval_artifact(env, step, last_eval)
-    if is_checkpoint_step(env.cfg, step):
-        _, state = _limited(_on_all, checkpoint_task, env, state, step, metrics=dict(last_eval))
-    return trained, state, last_eval
+        info = {s.name: _ledger_info(env, step, s.name) for s in STAGES if s.name in done and not s.replays}
+    return broadcast(env, (done, info))
+
+
+def run_step(
+    env: RunEnv, state: TrainState, step: int, progress: Progress, last_eval: dict | None = None
+) -> tuple[StageResult, TrainState, dict]:
+    """All stages of one step, the stage table in order; returns ``(train result, new state, latest eval)``.
+
+    A stage the ledger marks done is not redone unless it replays after a restore (train,
+    calibrate, checkpoint: the weights must be rebuilt); one that does not gives back what
+    its record holds (rollout, score: the sampler position; evaluate: the scores). Every rank
+    runs this loop; rank 0 reads the ledger and tells the others."""
+    done, info = _done_stages(env, step)
+    ctx = StepContext(last_eval=dict(last_eval or {}))
+    for spec in STAGES:
+        if not runs_at(spec, env.cfg, step, ctx):
+            continue
+        bound = binding(spec)
+        if spec.name in done and not spec.replays:
+            state = bound.recorded(ctx, state, info[spec.name]) if bound.recorded else state
+            continue
+        if spec.syncs_engine:
+            sync_engine(env, state, before_stage=True)
+        kw = {"log": _logger()} if spec.ranks is Ranks.TOGETHER else {}
+        with stage_deadline(spec.name, step, env.cfg.timeouts.stage_s(spec.name), rank=env.rank):
+            out, state = _RANK_POLICY[spec.ranks](_ranked(spec), env, state, step, **kw, **bound.inputs(ctx))
+        bound.took(ctx, out)
+        if env.is_main and spec.name in _REPORTS:
+            _REPORTS[spec.name](env, step, out, progress)
+    return ctx.trained, state, ctx.last_eval
+
+
+def _report_train(env: RunEnv, step: int, out: StageResult, progress: Progress) -> None:
+    progress.step(step, out.metrics)
+    publish_step(env, step)
+
+
+def _report_calibrate(env: RunEnv, step: int, out: StageResult, progress: Progress) -> None:
+    _bounds_artifact(env, step, out.info)
+    publish_bounds(env, step)
+
+
+def _report_evaluate(env: RunEnv, step: int, out: StageResult, progress: Progress) -> None:
+    progress.eval(step, dict(out.scores))
+    _eval_artifact(env, step, dict(out.scores))
+
+
+# what rank 0 shows of a stage's result: the console line and the Prefect artifacts
+_REPORTS = {"train": _report_train, "calibrate": _report_calibrate, "evaluate": _report_evaluate}
 
 
 def _bounds_artifact(env: RunEnv, step: int, cal: dict) -> None:
@@ -382,12 +306,11 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
             progress = Progress(cfg, start)
             last = cfg.steps if stop_after_step is None else min(cfg.steps, stop_after_step)
             metrics: dict = {}
-            synced: dict = {}
             guard = CampaignGuard(env)
             step = start
             while step <= last:
                 try:
-                    trained, state, last_eval = run_step(env, state, step, progress, last_eval, synced)
+                    trained, state, last_eval = run_step(env, state, step, progress, last_eval)
                 except Exception as err:
                     # a rank ended by a signal makes its peers' collectives fail: their end is flows.shutdown's
                     if world == 1 or received_signal(within_s=PEER_SIGNAL_S) is not None:

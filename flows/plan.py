@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fp8rl_core.config.campaign import CampaignConfig
+from fp8rl_core.config.engine_kinds import ENGINE_KINDS
+from fp8rl_core.config.precision_kinds import PRECISION_MODES
 
 GiB = 1024**3
 
@@ -105,7 +107,7 @@ class Plan:
 
 def _sync_peak(cfg: CampaignConfig, a: Arch, params: int, gpus: int) -> float:
     """Extra device bytes of one weight sync to a vLLM engine (0 for the transformers engine)."""
-    if cfg.rollout.engine != "vllm":
+    if not ENGINE_KINDS.get(cfg.rollout.engine).weights_on_device:
         return 0.0
     from stages.engines.weight_transfer import sync_peak_bytes
 
@@ -118,9 +120,16 @@ def _sync_peak(cfg: CampaignConfig, a: Arch, params: int, gpus: int) -> float:
             total=params,
             world_size=gpus,
             weight_sync=cfg.rollout.weight_sync,
-            quantized=cfg.precision.rollout.startswith("fp8"),
+            quantized=PRECISION_MODES.get(cfg.precision.rollout).quantized,
         )
     )
+
+
+def engine_weight_bytes(cfg: CampaignConfig, params: int) -> float:
+    """Bytes of the rollout engine's own copy of the weights on the device (0 for an engine without one)."""
+    if not ENGINE_KINDS.get(cfg.rollout.engine).weights_on_device:
+        return 0.0
+    return params * PRECISION_MODES.get(cfg.precision.rollout).bytes_per_weight
 
 
 def memory_plan(
@@ -136,7 +145,6 @@ def memory_plan(
     else:
         act = tokens * a.layers * 34 * a.hidden * 2
     logits = tokens * a.vocab * 2 + 64 * 2**20
-    rollout_bytes = 1 if cfg.precision.rollout.startswith("fp8") else 2
     rows = [
         ("parameters (fp32 master shard)", 4 * p / gpus),
         ("gradients (fp32 shard)", 4 * p / gpus),
@@ -148,7 +156,7 @@ def memory_plan(
             act,
         ),
         ("logits (bf16) + one fp32 vocab chunk", logits),
-        ("rollout engine weights (vLLM, sleeping)", p * rollout_bytes if cfg.rollout.engine == "vllm" else 0.0),
+        ("rollout engine weights (vLLM, sleeping)", engine_weight_bytes(cfg, p)),
         (f"weight sync peak (vLLM, {cfg.rollout.weight_sync})", _sync_peak(cfg, a, p, gpus)),
     ]
     rows = [(k, v / GiB) for k, v in rows]

@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flows.plan import Arch, GiB, arch_of, memory_plan, total_params
+from flows.plan import Arch, GiB, arch_of, engine_weight_bytes, memory_plan, total_params
+from fp8rl_core.config.engine_kinds import ENGINE_KINDS
 
 # Decoder layers measured and extrapolated linearly to the depth: each holds a block that is neither the
 # first nor the last (see stages.trainer.memory_measure); CHECK_DEPTH tests the fit.
@@ -99,7 +100,7 @@ def engine_reservation(cfg, gpu_memory_gib: float, engine_weights: float) -> flo
     """Bytes a colocated vLLM engine holds while awake: ``rollout.gpu_memory_utilization`` of the GPU,
     or, with ``rollout.kv_cache_gib`` set, its weights and that KV cache (0 without vLLM)."""
     r = cfg.rollout
-    if r.engine != "vllm":
+    if not ENGINE_KINDS.get(r.engine).weights_on_device:
         return 0.0
     if r.kv_cache_gib is not None:
         return engine_weights + r.kv_cache_gib * GiB
@@ -157,7 +158,7 @@ def measured_plan(
         linearity = linearity_error(r1, r2, r3)
     p = total_params(a)
     resident = resident_bytes(step)
-    engine_weights = p * (1 if cfg.precision.rollout.startswith("fp8") else 2) if cfg.rollout.engine == "vllm" else 0
+    engine_weights = engine_weight_bytes(cfg, p)
     r = cfg.rollout
     reservation = engine_reservation(cfg, gpu_memory_gib, engine_weights)
     sleeping = 0.0 if r.sleep_between_steps and r.sleep_level >= 1 else reservation

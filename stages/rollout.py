@@ -36,15 +36,27 @@ from stages.runtime.rollout_plan import (
 from stages.runtime.stage_comm import from_main, together
 
 
-def sync_engine(env: RunEnv, state: TrainState) -> None:
-    """Push the trainer's weights to the engine if it holds an older version.
+def sync_engine(env: RunEnv, state: TrainState, *, before_stage: bool = False) -> None:
+    """The one place the engine takes the trainer's weights: pushed if it holds an older version.
 
-    A sleeping engine (vLLM, colocated) is woken by ``load_weights`` (weights,
-    then KV cache); when no update is due it is simply woken up — unless it slept
-    at level 2, which discards the weights, so they are pushed again (a DAPO
-    refill round after the step's first rollout).
+    Inside a stage (``before_stage=False``), just before generating: a sleeping engine
+    (vLLM, colocated) is woken by ``load_weights`` (weights, then KV cache); when no
+    update is due it is simply woken up, unless it slept at level 2, which discards
+    the weights, so they are pushed again (a DAPO refill round after the step's first
+    rollout).
+
+    Before a stage that generates (``before_stage=True``, the step's runner, from the
+    stage table's ``syncs_engine``): under FSDP2 every rank's engine takes the sharded
+    policy and gathers it one parameter at a time (vLLM: in bf16), a collective every
+    rank calls together, so it happens here, at the same point on every rank, and
+    never wakes an engine the stage may not need. In one process the push waits for
+    the first generation.
     """
-    if env.engine.policy_version != state.policy_version or env.engine.weights_discarded:
+    stale = env.engine.policy_version != state.policy_version
+    if before_stage:
+        if env.world_size > 1 and stale:
+            env.engine.sync_policy(state.policy, state.policy_version)
+    elif stale or env.engine.weights_discarded:
         env.engine.sync_policy(state.policy, state.policy_version)
     else:
         env.engine.wake_up()

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -25,7 +26,6 @@ from typing import Any
 import pytest
 from conftest import micro_config
 
-from flows.campaign import _after_go, _on_ranks
 from flows.configuration import dump_config
 from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
@@ -34,6 +34,8 @@ from stages.data.prompts import SamplerState, draw_prompts, make_source
 from stages.engines import make_engine
 from stages.rollout import generate_rows, generate_share, plan_rollout, rows_from_batches, run_rollout
 from stages.runtime.io import read_step
+from stages.runtime.rank_outcome import RankedStage, on_ranks
+from stages.runtime.rank_outcome import after_go as _after_go
 from stages.runtime.rollout_plan import blocks_of_rank, generation_blocks
 from stages.runtime.stage_comm import PeerStageError, StageComm, from_main, together
 from stages.score import rank_groups, run_score
@@ -240,6 +242,12 @@ class FakeTask:
             return self.stage_fn(env, state, step, attempt=attempt, **kw)
 
         return run
+
+
+def _on_ranks(task, env, state, step: int):
+    """The runner's call for a stage the ranks run together (``flows/campaign.py:run_step``)."""
+    ranked = RankedStage(task.name, task.retries, task, task.with_options(retries=0), task.stage_fn)
+    return on_ranks(ranked, env, state, step, log=logging.getLogger("fp8rl.test"))
 
 
 def _stage(fail: dict, bodies: list):

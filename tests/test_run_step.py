@@ -7,6 +7,7 @@ stages run again after a crash is decided by the ledger alone, as docs/method.md
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,13 +15,14 @@ import pytest
 from conftest import micro_config
 
 import flows.campaign as campaign
+from fp8rl_core.config.stage_kinds import STAGES as STAGE_TABLE
 from stages.context import TrainState, is_calibration_step
 from stages.data.prompts import SamplerState
 from stages.result import StageResult
 from storage.layout import create_run
 from storage.ledger import Ledger
 
-STAGES = ("rollout", "score", "train", "calibrate", "evaluate", "checkpoint")
+STAGES = STAGE_TABLE.names()
 
 
 @pytest.fixture
@@ -44,14 +46,14 @@ def setup(tmp_path: Path, monkeypatch):
             return StageResult(metrics={"reward_mean": 0.5}), state_
 
         # what the rank protocol reads of a stage task (one process: only the call itself)
-        task.name, task.retries, task.stage_fn, task.with_options = name, 0, task, lambda retries: task
+        task.with_options, task.peer_body = lambda retries: task, task
         return task
 
-    for name in STAGES:
-        monkeypatch.setattr(campaign, f"{name}_task", recorder(name))
+    recorders = {name: recorder(name) for name in STAGES}
+    monkeypatch.setattr(campaign, "stage_task", lambda spec: recorders[spec.name])
     monkeypatch.setattr(campaign, "_bounds_artifact", lambda *a: None)
     monkeypatch.setattr(campaign, "_eval_artifact", lambda *a: None)
-    monkeypatch.setattr(campaign, "_sync_engine", lambda *a: None)
+    monkeypatch.setattr(campaign, "sync_engine", lambda *a, **k: None)
     progress = campaign.Progress(env.cfg, 0, echo=lambda line: None)
     return Ctx(env, state), calls, progress
 
@@ -121,7 +123,7 @@ def test_a_done_base_evaluation_is_not_redone(setup) -> None:
 
 
 def test_the_stage_runner_records_a_failure_and_the_next_attempt(tmp_path: Path) -> None:
-    """``_run_stage`` (the body of every task, called as ``task.fn`` would be): ledger attempts, fault hook."""
+    """The body of every stage task (``task.fn``, as Prefect calls it): ledger attempts, fault hook."""
     run = create_run(tmp_path, "r").root
     env = SimpleNamespace(ledger=Ledger(run), variant="main")
     seen = []
@@ -133,9 +135,10 @@ def test_the_stage_runner_records_a_failure_and_the_next_attempt(tmp_path: Path)
         seen.append(attempt)
         return StageResult(info={"n": 3}), state_
 
+    score = dataclasses.replace(STAGE_TABLE.get("score"), waits_for_go=False)  # one process: no go to wait for
     with pytest.raises(OSError):
-        campaign._run_stage("score", boom, env, None, 1)
-    out, _ = campaign._run_stage("score", ok, env, None, 1)
+        campaign._make_task(score, boom).fn(env, None, 1)
+    out, _ = campaign._make_task(score, ok).fn(env, None, 1)
     assert out.info["n"] == 3 and seen == [1]
     recs = [(r.attempt, r.status) for r in env.ledger.records() if r.stage == "score"]
     assert recs == [(0, "failed"), (1, "done")]

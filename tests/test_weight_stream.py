@@ -90,8 +90,8 @@ def test_sharded_stream_gathers_one_parameter_at_a_time(tmp_path, monkeypatch):
 
 
 def test_campaign_sync_hands_the_engine_the_sharded_policy_not_a_full_state(monkeypatch):
-    from flows import campaign
     from stages.engines.base import RolloutEngine
+    from stages.rollout import sync_engine
 
     received = []
 
@@ -105,8 +105,10 @@ def test_campaign_sync_hands_the_engine_the_sharded_policy_not_a_full_state(monk
     engine = Recording()
     policy = build_tiny_model(ModelConfig())
     env = SimpleNamespace(world_size=2, engine=engine)
-    campaign._sync_engine(env, SimpleNamespace(policy=policy, policy_version=3), synced := {})
-    assert received == [policy] and synced == {"version": 3} and engine.policy_version == 3
+    state = SimpleNamespace(policy=policy, policy_version=3)
+    sync_engine(env, state, before_stage=True)
+    sync_engine(env, state, before_stage=True)  # the same version again: no second push
+    assert received == [policy] and engine.policy_version == 3
 
 
 def test_sync_peak_is_one_parameter_not_the_model():

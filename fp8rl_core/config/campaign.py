@@ -17,6 +17,7 @@ import re
 from pydantic import Field, field_validator, model_validator
 
 from fp8rl_core.config.corrections import CorrectionConfig
+from fp8rl_core.config.engine_kinds import ENGINE_KINDS
 from fp8rl_core.config.method import AlgorithmConfig, CalibrationConfig, PrecisionConfig
 from fp8rl_core.config.model import BootstrapConfig, CodeConfig, ModelConfig, PromptConfig, TaskConfig
 from fp8rl_core.config.pipeline import (
@@ -29,6 +30,7 @@ from fp8rl_core.config.pipeline import (
     TrackerName,
     TrackingConfig,
 )
+from fp8rl_core.config.precision_kinds import PRECISION_MODES
 from fp8rl_core.config.section import Section
 from fp8rl_core.config.timeouts import TimeoutConfig
 
@@ -102,21 +104,33 @@ class CampaignConfig(Section):
                 f"the initial clip bounds must satisfy 0 < lower <= upper, got calibration.initial_lower "
                 f"{lo} and calibration.initial_upper {hi} (None resolves from algorithm.eps_low/eps_high)"
             )
-        if self.rollout.weight_format == "native_fp8" and not self.precision.rollout.startswith("fp8_"):
+        engine = ENGINE_KINDS.get(self.rollout.engine)  # the rollout section checked the name
+        if self.precision.rollout in PRECISION_MODES and not engine.serves(self.precision.rollout):
+            raise ValueError(
+                f"rollout.engine {self.rollout.engine} does not serve precision.rollout {self.precision.rollout!r}; "
+                f"it serves {', '.join(engine.rollout_precisions or ())}"
+            )
+        if self.rollout.weight_format == "native_fp8" and _family(self.precision.rollout) != "fp8":
             raise ValueError(
                 f"rollout.weight_format native_fp8 sends FP8 weights: it needs an FP8 precision.rollout "
                 f"(fp8_per_tensor, fp8_per_block), got {self.precision.rollout!r}"
             )
         if c.tis_weighted_balance and a.correction != CorrectionConfig():
             raise ValueError("calibration.tis_weighted_balance weighs by token TIS: leave algorithm.correction unset")
-        if a.score_centering_k and self.rollout.engine == "vllm_http":
+        if a.score_centering_k and not engine.serves_top_k:
             raise ValueError(
                 "algorithm.score_centering_k needs the rollout engine's top-k log-probs, which rollout.engine "
-                "vllm_http does not request: use rollout.engine transformers or vllm"
+                f"{self.rollout.engine} does not request: use rollout.engine "
+                f"{' or '.join(n for n in ENGINE_KINDS.names() if ENGINE_KINDS.get(n).serves_top_k)}"
             )
-        if self.model.outliers.channels and self.rollout.engine != "transformers":
+        if self.model.outliers.channels and engine.builds_before_policy:
             raise ValueError(
                 f"model.outliers is put into the loaded policy, which rollout.engine {self.rollout.engine} does "
-                "not use (it loads the checkpoint from disk): use rollout.engine transformers"
+                "not use (it holds its own copy of the weights): use rollout.engine transformers"
             )
         return self
+
+
+def _family(mode: str) -> str | None:
+    """The precision family of ``mode`` (None for a name no registry holds: the load reports it)."""
+    return PRECISION_MODES.get(mode).family if mode in PRECISION_MODES else None

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from fp8rl_core.config.corrections import CorrectionConfig
+from fp8rl_core.config.precision_kinds import PRECISION_MODES
 from fp8rl_core.config.section import Section
 
 
@@ -181,11 +182,11 @@ class PrecisionConfig(Section):
 
     @model_validator(mode="after")
     def _backend_fits_mode(self) -> "PrecisionConfig":
-        fp8 = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")
+        fp8 = tuple(n for n in PRECISION_MODES.names() if PRECISION_MODES.get(n).trains and _family(n) == "fp8")
         if self.backend != "auto" and self.train not in fp8:
             raise ValueError(f"precision.backend: {self.backend!r} applies to FP8 training ({', '.join(fp8)}), "
                              f"not to {self.train!r}; leave it at 'auto'")
-        if self.backend == "torchao" and self.train == "fp8_blockwise" and self.emulate:
+        if self.backend == "torchao" and _gpu_backend(self.train) == "torchao-blockwise" and self.emulate:
             raise ValueError("precision.backend: torchao's blockwise FP8 prototype has no emulation; "
                              "with emulate: true use backend 'auto' or 'emulated'")
         return self
@@ -369,3 +370,15 @@ class CalibrationConfig(Section):
         if self.drift_min_interval > self.drift_max_interval:
             raise ValueError("calibration.drift_min_interval must be <= calibration.drift_max_interval")
         return self
+
+
+def _mode(name: str):
+    return PRECISION_MODES.get(name) if name in PRECISION_MODES else None
+
+
+def _family(name: str) -> str | None:
+    return getattr(_mode(name), "family", None)
+
+
+def _gpu_backend(name: str) -> str | None:
+    return getattr(_mode(name), "gpu_backend", None)

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from fp8rl_core.config.engine_kinds import ENGINE_KINDS
 from fp8rl_core.config.model import DatasetRef
 from fp8rl_core.config.section import Section
 
 
 class RolloutConfig(Section):
-    engine: Literal["transformers", "vllm", "vllm_http"] = Field(
+    engine: str = Field(
         "transformers",
-        description="Rollout engine: transformers (CPU, small GPU), vLLM (GPU, in process) or vllm_http "
-        "(a running `vllm serve`).",
+        description="Rollout engine: a name in fp8rl_core.config.engine_kinds.ENGINE_KINDS: transformers (CPU, "
+        "small GPU), vllm (GPU, in process or its own) or vllm_http (a running `vllm serve`).",
     )
     prompts_per_step: int = Field(64, ge=1, description="Prompts sampled per step (train batch size, in prompts).")
     samples_per_prompt: int = Field(8, ge=1, description="Group size G.")
@@ -83,19 +84,27 @@ class RolloutConfig(Section):
     server_timeout_s: float = Field(300.0, gt=0, description="vllm_http: timeout of one HTTP request (s).")
     server_retries: int = Field(3, ge=0, description="vllm_http: retries of a failed request before the step fails.")
 
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, v: str) -> str:
+        if v not in ENGINE_KINDS:
+            raise ValueError(f"unknown rollout engine {v!r}; valid: {', '.join(ENGINE_KINDS.names())}")
+        return v
+
     @model_validator(mode="after")
     def _sync_fits_process(self) -> "RolloutConfig":
-        if self.engine == "vllm" and self.vllm_process == "trainer" and self.weight_sync == "ipc":
+        reach = ENGINE_KINDS.get(self.engine).weight_syncs.get(self.vllm_process)
+        if reach is None or self.weight_sync in reach:
+            return self
+        if self.weight_sync == "ipc":
             raise ValueError(
-                "rollout.weight_sync: ipc hands CUDA IPC handles to another process, but the vllm engine "
+                f"rollout.weight_sync: ipc hands CUDA IPC handles to another process, but the {self.engine} engine "
                 "runs in the trainer's process (rollout.vllm_process: trainer): use weight_sync: tensors"
             )
-        if self.engine == "vllm" and self.vllm_process == "separate" and self.weight_sync == "tensors":
-            raise ValueError(
-                "rollout.weight_sync: tensors needs rollout.vllm_process: trainer; "
-                "for vLLM's own process use ipc, nccl or path"
-            )
-        return self
+        raise ValueError(
+            f"rollout.weight_sync: {self.weight_sync} needs rollout.vllm_process: trainer; "
+            f"for vLLM's own process use {', '.join(reach[:-1])} or {reach[-1]}"
+        )
 
 
 class BenchmarkEval(Section):

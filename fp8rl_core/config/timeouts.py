@@ -18,7 +18,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-STAGES = ("rollout", "score", "train", "calibrate", "evaluate", "checkpoint")
+from fp8rl_core.config.stage_kinds import STAGES
+
+
+def _limit(stage: str) -> float:
+    return STAGES.get(stage).limit_s
 
 
 class TimeoutConfig(BaseModel):
@@ -26,12 +30,14 @@ class TimeoutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    rollout_s: float = Field(3600.0, gt=0, description="Rollout of one step (its first round).")
-    score_s: float = Field(3600.0, gt=0, description="Score of one step: grading and DAPO's refill rounds.")
-    train_s: float = Field(3600.0, gt=0, description="Train of one step: every mini-batch on every rank.")
-    calibrate_s: float = Field(1800.0, gt=0, description="Calibration of one shadow step (rank 0 alone).")
-    evaluate_s: float = Field(3600.0, gt=0, description="Evaluation of one step: generation and grading.")
-    checkpoint_s: float = Field(1800.0, gt=0, description="Checkpoint: sharded state on every rank, export on rank 0.")
+    rollout_s: float = Field(_limit("rollout"), gt=0, description="Rollout of one step (its first round).")
+    score_s: float = Field(_limit("score"), gt=0, description="Score of one step: grading and DAPO's refill rounds.")
+    train_s: float = Field(_limit("train"), gt=0, description="Train of one step: every mini-batch on every rank.")
+    calibrate_s: float = Field(_limit("calibrate"), gt=0, description="Calibration of one shadow step (rank 0 alone).")
+    evaluate_s: float = Field(_limit("evaluate"), gt=0, description="Evaluation of one step: generation and grading.")
+    checkpoint_s: float = Field(
+        _limit("checkpoint"), gt=0, description="Checkpoint: sharded state on every rank, export on rank 0."
+    )
     process_group_s: float = Field(
         4200.0,
         gt=0,
@@ -40,7 +46,7 @@ class TimeoutConfig(BaseModel):
 
     @model_validator(mode="after")
     def _group_outlasts_stages(self) -> "TimeoutConfig":
-        name, longest = max(((s, self.stage_s(s)) for s in STAGES), key=lambda kv: kv[1])
+        name, longest = max(((s, self.stage_s(s)) for s in STAGES.names()), key=lambda kv: kv[1])
         if self.process_group_s <= longest:
             raise ValueError(
                 f"timeouts.process_group_s={self.process_group_s:g} must exceed the longest stage limit, "
@@ -49,5 +55,6 @@ class TimeoutConfig(BaseModel):
         return self
 
     def stage_s(self, stage: str) -> float:
-        """The limit of ``stage`` (one of :data:`STAGES`), seconds."""
-        return float(getattr(self, f"{stage}_s"))
+        """The limit of ``stage`` (a name of the stage table), seconds: its ``<stage>_s`` field, or,
+        for a stage without one, the table's default limit."""
+        return float(getattr(self, f"{stage}_s", None) or STAGES.get(stage).limit_s)

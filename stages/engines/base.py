@@ -33,11 +33,14 @@ Engines are built by name through :data:`ENGINES` (``make_engine("transformers",
 from __future__ import annotations
 
 import abc
+import importlib
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from fp8rl_core.config.engine_kinds import ENGINE_KINDS
 from fp8rl_core.registry import Registry
 
 if TYPE_CHECKING:
@@ -284,8 +287,24 @@ ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine")
 
 
 def register_engine(name: str):
-    """Class decorator: ``@register_engine("transformers")``; sets ``cls.name``."""
-    return ENGINES.register_class(name)
+    """Class decorator: ``@register_engine("transformers")``; sets ``cls.name``.
+
+    The name must have a row in :data:`fp8rl_core.config.engine_kinds.ENGINE_KINDS` whose
+    ``module`` is the class's, and an engine that loads from a path must take ``model_path``."""
+    kind = ENGINE_KINDS.get(name)
+    register = ENGINES.register_class(name)
+
+    def deco(cls):
+        if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
+            raise TypeError(f"rollout engine {name!r}: {cls!r} is not a RolloutEngine")
+        if cls.__module__ != kind.module:
+            raise TypeError(f"rollout engine {name!r}: its kind names module {kind.module}, the class is in "
+                            f"{cls.__module__}")
+        if kind.loads_from_path and "model_path" not in inspect.signature(cls.__init__).parameters:
+            raise TypeError(f"rollout engine {name!r} loads from a path: its __init__ must take model_path")
+        return register(cls)
+
+    return deco
 
 
 def make_engine(
@@ -300,6 +319,8 @@ def make_engine(
     """Build the engine registered under ``name`` (``config.engine`` in a campaign).
 
     ``options`` go to the engine class (e.g. ``logprobs_mode``, or vLLM's
-    ``model_path``); an unknown name raises ``KeyError`` listing the valid ones.
+    ``model_path``); an unknown name raises ``KeyError`` listing the valid ones. The kind's
+    module is imported first, so an engine registers itself wherever it is first built.
     """
+    importlib.import_module(ENGINE_KINDS.get(name).module)
     return ENGINES.get(name)(model=model, tokenizer=tokenizer, precision=precision, config=config, **options)

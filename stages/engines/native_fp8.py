@@ -41,6 +41,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from fp8rl_core.config.precision_kinds import PRECISION_MODES
 from fp8rl_core.precision.conversion import _output_embedding_names
 from fp8rl_core.precision.fp8 import E4M3
 from fp8rl_core.precision.fp8_linear import Fp8RolloutLinear
@@ -49,7 +50,15 @@ from fp8rl_core.precision.rollout import FP8_ROLLOUT_MODES, FUSED_PROJECTIONS
 from stages.engines.weight_transfer import _is_tied, full_parameter
 
 BLOCK = 128
-SCALE_NAME = {"fp8_per_tensor": "weight_scale", "fp8_per_block": "weight_scale_inv"}
+
+
+def _granularity(mode: str) -> str | None:
+    """The scale's reach of an FP8 rollout mode (tensor, block); None for any other mode."""
+    m = PRECISION_MODES.get(mode) if mode in PRECISION_MODES else None
+    return m.granularity if m is not None and m.family == "fp8" and m.rolls_out else None
+
+
+SCALE_NAME = {"tensor": "weight_scale", "block": "weight_scale_inv"}  # by the FP8 rollout mode's granularity
 """The dequantization scale's parameter name in vLLM's FP8 checkpoint layout, per rollout mode."""
 
 
@@ -81,10 +90,11 @@ def quantize_fused(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(float8 values, dequantization scale)`` per member of one fused layer, from fp32 master weights."""
     fused = torch.cat([w.detach().float() for w in weights], dim=0)  # [sum N_i, K]
-    if mode == "fp8_per_tensor":
+    granularity = _granularity(mode)
+    if granularity == "tensor":
         values, post = quantize_operand(fused, E4M3, "tensor", pow2=False, compute_dtype=torch.float32, rule="vllm")
         fp8, scales = values.to(torch.float8_e4m3fn), [post.clone() for _ in weights]
-    elif mode == "fp8_per_block":
+    elif granularity == "block":
         for w in weights:
             if w.shape[0] % block:
                 raise ValueError(
@@ -107,7 +117,7 @@ def quantize_fused(
         raise ValueError(f"native_fp8 needs an FP8 rollout mode {FP8_ROLLOUT_MODES}, got {mode!r}")
     rows = torch.tensor([0] + [w.shape[0] for w in weights]).cumsum(0).tolist()
     spans = list(zip(rows, rows[1:]))
-    if mode == "fp8_per_block":
+    if granularity == "block":
         scales = [inv[lo // block : hi // block].clone() for lo, hi in spans]
     return [(fp8[lo:hi].contiguous(), s) for (lo, hi), s in zip(spans, scales)]
 
@@ -121,7 +131,7 @@ def stream_native_fp8_weights(
     groups = quantized_groups(train_model)
     group_of = {f"{name}.weight": g for g in groups for name in g}
     tied, sent = _is_tied(train_model), set()
-    scale = SCALE_NAME.get(mode)
+    scale = SCALE_NAME.get(_granularity(mode))
     for key, tensor in state.items():
         name = key.replace("_orig_mod.", "")
         if (tied and name == "lm_head.weight") or name in sent:
@@ -183,10 +193,10 @@ def _load_linear(mod: Fp8RolloutLinear, parts: dict[str, torch.Tensor], name: st
 
 def vllm_native_fp8_options(mode: str, block: int = BLOCK) -> dict[str, Any]:
     """``vllm.LLM`` settings for an FP8-serialized checkpoint of ``mode`` (not run on a GPU)."""
-    if mode not in SCALE_NAME:
+    if _granularity(mode) not in SCALE_NAME:
         raise ValueError(f"native_fp8 needs an FP8 rollout mode {FP8_ROLLOUT_MODES}, got {mode!r}")
     qcfg: dict[str, Any] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    if mode == "fp8_per_block":
+    if _granularity(mode) == "block":
         qcfg["weight_block_size"] = [block, block]
     return {"quantization": "fp8", "hf_overrides": {"quantization_config": qcfg}}
 

@@ -51,6 +51,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from fp8rl_core.config.engine_kinds import ENGINE_KINDS
 from stages.context import rollout_seed
 
 
@@ -83,7 +84,7 @@ class EngineLayout:
 
 def engine_layout(rollout: Any, world_size: int) -> EngineLayout:
     """The engines of a ``W``-rank job under this rollout config (module docstring)."""
-    if rollout.engine != "vllm":
+    if not ENGINE_KINDS.get(rollout.engine).tensor_parallel:
         return EngineLayout(world_size)
     if world_size == 1:
         return EngineLayout(1, 1, balanced=True)

@@ -84,13 +84,9 @@ def compile_choice(setting: str, device: torch.device | str, backend: str) -> Co
 def gpu_backend(mode: str) -> str:
     """The ``ConversionReport.backend`` a policy training in ``mode`` gets on a GPU with real kernels
     (``precision.emulate: false``): what ``fp8rl plan`` resolves ``precision.compile`` against."""
-    if mode == "bf16":
-        return "none"
-    if mode in ("fp8_tensorwise", "fp8_rowwise"):
-        return "torchao"
-    if mode == "fp8_blockwise":
-        return "torchao-blockwise"
-    return "fp8rl-emulated-fp4"  # FP4: emulated everywhere
+    from fp8rl_core.config.precision_kinds import PRECISION_MODES
+
+    return PRECISION_MODES.get(mode).gpu_backend  # FP4: emulated everywhere
 
 
 def compile_decoder_blocks(model: nn.Module, *, backend: str = "inductor") -> int:

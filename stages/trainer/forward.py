@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fp8rl_core.config.precision_kinds import PRECISION_MODES
 from fp8rl_core.objective.logprobs import sequence_logprobs
 from fp8rl_core.precision.bf16_pass import bf16_parameters, bf16_shadow
-from fp8rl_core.precision.fp8_linear import TOKEN_MULTIPLE
 
 if TYPE_CHECKING:  # annotations only
     from stages.trainer.batch import TrainBatch
@@ -31,10 +31,7 @@ if TYPE_CHECKING:  # annotations only
 
 def token_multiple(mode: str) -> int:
     """Token-count multiple a micro-batch must meet for ``mode``'s FP8 kernels (1 for bf16)."""
-    for granularity, m in TOKEN_MULTIPLE.items():
-        if mode.endswith(granularity):
-            return m
-    return 1
+    return PRECISION_MODES.get(mode).token_multiple
 
 
 def padded_width(rows: int, width: int, multiple: int) -> int:
