@@ -20,25 +20,15 @@ from flows.cli_common import fail as _fail
 from flows.cli_common import io_errors
 from flows.configuration import ConfigError, dump_config, load_config
 from fp8rl_core.config.campaign import CampaignConfig
+from fp8rl_core.config.stage_kinds import STAGES
 
 
-class FromStage(str, Enum):
-    """Stages ``resume --from`` can restart at, in step order."""
-
-    rollout = "rollout"
-    score = "score"
-    train = "train"
-    calibrate = "calibrate"
-    evaluate = "evaluate"
-    checkpoint = "checkpoint"
+def _stage_choices(name: str, stages: tuple[str, ...]) -> type[Enum]:
+    return Enum(name, {s: s for s in stages}, type=str)
 
 
-class RerunStage(str, Enum):
-    """Stages ``rerun`` recomputes from persisted inputs."""
-
-    score = "score"
-    calibrate = "calibrate"
-    evaluate = "evaluate"
+FromStage = _stage_choices("FromStage", STAGES.names())  # ``resume --from``: every stage, in step order
+RerunStage = _stage_choices("RerunStage", STAGES.rerunnable())  # ``rerun --stage``: the table's rerun rows
 
 
 STAGES_FOR_FROM = tuple(s.value for s in FromStage)
@@ -409,7 +399,7 @@ def resume(
             _take_config_change(run_dir, cfg, drift)
         if from_stage is not None:
             later = list(STAGES_FOR_FROM[STAGES_FOR_FROM.index(from_stage.value) :])
-            if "score" in later:  # DAPO refill rounds belong to the score stage
+            if any(STAGES.get(s).refill_rounds for s in later):  # DAPO's refill rounds are recorded apart
                 later += [f"rollout{r}" for r in range(1, cfg.algorithm.max_refill_rounds + 1)]
             with io_errors(run_dir):
                 moved = set_aside_from(run_dir, step=step, stages_at_step=later)

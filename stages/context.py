@@ -33,6 +33,8 @@ import torch
 
 from fp8rl_core.calibration.calibrated_clipping import CalibratorState
 from fp8rl_core.config.campaign import CampaignConfig
+from fp8rl_core.config.engine_kinds import ENGINE_KINDS
+from fp8rl_core.config.precision_kinds import PRECISION_MODES
 from fp8rl_core.tasks.kinds import TASK_KINDS
 from stages.data.prompts import PromptSource, SamplerState, make_source
 from storage.layout import RunLayout, read_run_info
@@ -175,7 +177,8 @@ def resolve_device(setting: str) -> torch.device:
 
 def check_no_silent_emulation(cfg: CampaignConfig, device: torch.device, report: Any) -> None:
     """On a GPU, emulated FP8 is an error unless asked for (``precision.emulate: true``)."""
-    if device.type != "cuda" or cfg.precision.train == "bf16" or cfg.precision.emulate is True:
+    mode = PRECISION_MODES.get(cfg.precision.train)
+    if device.type != "cuda" or not mode.quantized or cfg.precision.emulate is True:
         return
     if getattr(report, "emulate", False) or getattr(report, "backend", "") == "fp8rl-emulated":
         converted = tuple(getattr(report, "converted", ()) or ("?",))
@@ -183,7 +186,7 @@ def check_no_silent_emulation(cfg: CampaignConfig, device: torch.device, report:
             cap = f"SM{''.join(map(str, torch.cuda.get_device_capability(device)))}"
         except Exception:  # no CUDA runtime to ask (tests)
             cap = "unknown capability"
-        need = "SM90" if cfg.precision.train == "fp8_blockwise" else "SM89"
+        need = mode.sm
         raise RuntimeError(
             f"precision {cfg.precision.train!r} on {device}: layer {converted[0]} (and {len(converted) - 1} more) "
             f"would silently run emulated FP8 (backend {report.backend}): the real kernels need {need}+, this GPU is "
@@ -251,7 +254,7 @@ def _make_rollout_engine(
 ) -> RolloutEngineProtocol:
     from stages.engines import make_engine
 
-    engine_opts = {"model_path": str(base)} if cfg.rollout.engine == "vllm" else {}
+    engine_opts = {"model_path": str(base)} if ENGINE_KINDS.get(cfg.rollout.engine).loads_from_path else {}
     return make_engine(
         cfg.rollout.engine,
         model=policy,
@@ -297,7 +300,8 @@ def open_run(
     policy, tokenizer = _load_policy(cfg, base)  # fp32 masters, on the host
     # vLLM loads its own copy from disk: it is built before any trainer weight reaches the device (its start-up
     # check wants utilization x total free), and under torchrun the policy is sharded straight from the host
-    engine = _make_rollout_engine(cfg, policy, tokenizer, base) if cfg.rollout.engine != "transformers" else None
+    own_copy = ENGINE_KINDS.get(cfg.rollout.engine).builds_before_policy
+    engine = _make_rollout_engine(cfg, policy, tokenizer, base) if own_copy else None
     if engine is None:  # the transformers engine copies the converted, unsharded policy where it trains
         policy.to(device)
     report = convert_for_training(
