@@ -6,9 +6,11 @@
     fp8rl sweep configs/sweeps/paper-tiny.yaml --dry-run  # the cells and their state; runs nothing
 
 User errors (no run there, a bad sweep file, a sweep directory holding runs of
-another config) print one line ``error: ...`` and exit 2; a sweep with a
-failed cell exits 1 after running the others. Heavy imports (matplotlib,
-Prefect) happen only when a command runs.
+another config, a cell another sweep is running, a model too large for the
+machine) print one line ``error: ...`` and exit 2; a sweep with a failed cell
+exits 1 after running the others. SIGINT and SIGTERM end a sweep the way they
+end a run (:mod:`flows.shutdown`): one line, exit 130 / 143, no later cell.
+Heavy imports (matplotlib, Prefect) happen only when a command runs.
 """
 
 from __future__ import annotations
@@ -56,15 +58,18 @@ def report_command(
 
 
 def _dry_run(sweep_file: Path, out: Path | None, cells: list[str] | None) -> None:
-    """``fp8rl sweep --dry-run``: the cells, their state, the choices made and the cells waiting for one."""
+    """``fp8rl sweep --dry-run``: the cells, their state, the choices made and the cells waiting for one,
+    after the same checks as a run (twins, choices, finished cells against the file and their runs)."""
     import fnmatch
 
     from flows.sweep_choice import read_choices
-    from flows.sweep_spec import cell_state, open_sweep, select_cells, twins
+    from flows.sweep_spec import open_sweep, select_cells
+    from flows.sweep_state import check_cells, twins
 
     spec, every, sweep_dir, waiting = open_sweep(sweep_file, out)
-    made = read_choices(sweep_dir, list(spec.choose))
+    made = read_choices(sweep_dir, spec.choose)
     chosen = select_cells(every, cells, source=str(sweep_file), waiting=waiting)
+    states = check_cells(sweep_dir, every)
     total = len(every) + len(waiting)
     if cells:
         waiting = [i for i in waiting if any(fnmatch.fnmatchcase(i, p) for p in cells)]
@@ -79,12 +84,36 @@ def _dry_run(sweep_file: Path, out: Path | None, cells: list[str] | None) -> Non
         cfg = c.config
         twin = f" (the config of {twin_of[c.id]}: read, not run again)" if c.id in twin_of else ""
         typer.echo(
-            f"  {c.id:<36} {cell_state(sweep_dir, c):<9} train={cfg.precision.train} "
+            f"  {c.id:<36} {states[c.id]:<9} train={cfg.precision.train} "
             f"rollout={cfg.precision.rollout} clip={cfg.calibration.mode} seed={cfg.seed} "
             f"steps={cfg.steps}{twin}"
         )
     for i in waiting:
         typer.echo(f"  {i:<36} waiting   for its pilot's choice")
+
+
+def _continue_command(sweep_file: Path, out: Path | None, cells: list[str] | None) -> str:
+    """The command that continues an interrupted sweep."""
+    where = ["--out", str(out)] if out else []
+    return " ".join(["fp8rl sweep", str(sweep_file), *where, *[f"--cells '{c}'" for c in cells or []]])
+
+
+def _run_sweep(sweep_file: Path, out: Path | None, cells: list[str] | None, **options) -> dict:
+    """The sweep's flow through the run's one shutdown path (:func:`flows.run_process.until_signal`):
+    Prefect's temporary server in a session of its own, stopped last; SIGINT or SIGTERM end the cell in
+    flight and every process below this one, start no later cell, and end the command in one line,
+    exit 130 / 143 (:class:`flows.shutdown.RunEnded`, which ``fp8rl``'s entry point exits with)."""
+    from flows.run_process import until_signal
+
+    def body(start_server) -> dict:
+        from flows.prefect_env import quiet_console_failures
+        from flows.sweep import sweep_flow
+
+        start_server()
+        quiet_console_failures()  # a failed cell is the sweep's one line, not Prefect's tracebacks
+        return sweep_flow(str(sweep_file), None if out is None else str(out), only=list(cells or []), **options)
+
+    return until_signal(body, resume=_continue_command(sweep_file, out, cells))
 
 
 def sweep_command(
@@ -106,6 +135,9 @@ def sweep_command(
         "(repeatable), e.g. 'nvfp4.*' or '*.s1': a sweep in parts, "
         "one process or machine per part, into the same directory.",
     ),
+    skip_memory_check: bool = typer.Option(
+        False, "--skip-memory-check", help="Start cells whose model's training state exceeds the device's memory."
+    ),
 ) -> None:
     """Run a matrix of campaigns (precision x clip mode x seed); re-running skips finished cells."""
     from flows.configuration import ConfigError
@@ -115,30 +147,17 @@ def sweep_command(
         if dry_run:
             _dry_run(sweep_file, out, cells)
             return
-        from flows import child_guard
-        from flows.prefect_env import quiet_console_failures
-        from flows.sweep import sweep_flow
+        from flows.sweep import opened_sweep
 
-        child_guard.start()  # Prefect's temporary server dies with this process, even on SIGKILL
-        quiet_console_failures()  # a failed cell is the sweep's one line, not Prefect's tracebacks
-        summary = sweep_flow(
-            str(sweep_file),
-            None if out is None else str(out),
-            fail_fast=fail_fast,
-            report=report,
-            only=list(cells or []),
-        )
+        # every check, the cells' locks and the memory refusal before Prefect starts; the flow keeps the locks
+        with opened_sweep(sweep_file, out, cells, check_memory=not skip_memory_check):
+            summary = _run_sweep(
+                sweep_file, out, cells, fail_fast=fail_fast, report=report, check_memory=not skip_memory_check
+            )
     except (ConfigError, StorageError) as err:
         raise _fail(str(err))
-    except KeyboardInterrupt:  # Ctrl-C: finished cells stay finished, the one in flight resumes
-        again = " ".join(
-            [
-                "fp8rl sweep",
-                str(sweep_file),
-                *(["--out", str(out)] if out else []),
-                *[f"--cells '{c}'" for c in cells or []],
-            ]
-        )
+    except KeyboardInterrupt:  # an interrupt that is not a signal's: finished cells stay finished
+        again = _continue_command(sweep_file, out, cells)
         typer.echo(f"interrupted; `{again}` continues the sweep (finished cells are skipped)", err=True)
         raise typer.Exit(130) from None
     if summary["failed"]:

@@ -1,6 +1,7 @@
 """``fp8rl sweep``: a matrix of campaigns, resumable, ending in one comparison table.
 
-The sweep file, its cells and their states are :mod:`flows.sweep_spec`; the
+The sweep file and its cells are :mod:`flows.sweep_spec`, their states and what is
+re-checked about them each time the sweep opens :mod:`flows.sweep_state`; the
 comparison table is :mod:`flows.sweep_table`; this module runs the cells.
 
 Layout: cell ``fp8-tensorwise.calibrated.s0`` runs in
@@ -14,7 +15,14 @@ Resume: re-running the same file skips finished cells (marker, or a ledger
 whose final step has every stage done), resumes interrupted ones
 (``resume=True``: restore the newest checkpoint, replay from the ledger) and
 starts the others. A cell whose run directory was made by another config
-(the sweep file changed) is an error naming it, never silently mixed.
+(the sweep file changed), a twin or a choice the file no longer gives, is an
+error naming it, never silently mixed (:mod:`flows.sweep_state`).
+
+A sweep keeps the run's protections: the cells it selected are locked against a
+second sweep on the directory (:mod:`flows.sweep_lock`); each cell passes ``fp8rl
+run``'s memory refusal before anything is written (:func:`refuse_too_large`); and
+once SIGINT or SIGTERM has come no later cell starts (the command ends through
+the run's shutdown path, :func:`flows.run_process.until_signal`).
 
 Every cell records the code it ran on: each start or resume appends the commit (and
 whether the checkout had uncommitted changes) to ``_cells/<cell>.starts.jsonl`` -- the
@@ -33,30 +41,32 @@ calling ``flows.campaign.campaign_flow`` — and tests pass a cheap fake.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
+from flows.configuration import ConfigError
 from flows.sweep_choice import choice_markdown, make_choice, read_choices
-from flows.sweep_spec import (
+from flows.sweep_lock import cells_held, choice_held
+from flows.sweep_spec import Cell, SweepSpec, load_sweep, open_sweep, select_cells, waiting_cell_ids
+from flows.sweep_state import (
     FINISHED,
     NEW,
     PARTIAL,
-    Cell,
     CellOutcome,
-    SweepSpec,
     cell_state,
-    load_sweep,
+    check_cells,
     marker_path,
-    open_sweep,
     run_name,
-    select_cells,
     twins,
-    waiting_cell_ids,
 )
 from flows.sweep_table import comparison_table, write_tables
+from fp8rl_core.config.campaign import CampaignConfig
 from storage.layout import config_hash, write_text_atomic
 
 CampaignFn = Callable[[str, bool], dict]  # (run_dir, resume) -> campaign_flow's summary
@@ -74,7 +84,7 @@ def prefect_campaign(run_dir: str, resume: bool) -> dict:
 
 def run_cell(sweep_dir: Path, cell: Cell, campaign: CampaignFn, twin: Cell | None = None) -> CellOutcome:
     """Run, resume or skip one cell; write its marker after success. ``twin``: a finished cell with the
-    same config (:func:`flows.sweep_spec.twins`): a new cell then reads its run instead of running."""
+    same config (:func:`flows.sweep_state.twins`): a new cell then reads its run instead of running."""
     from storage.layout import create_run
 
     run_dir = Path(sweep_dir) / cell.id
@@ -93,6 +103,8 @@ def run_cell(sweep_dir: Path, cell: Cell, campaign: CampaignFn, twin: Cell | Non
     try:
         result = campaign(str(run_dir), state == PARTIAL)
     except Exception as err:  # KeyboardInterrupt / SystemExit propagate: the sweep stops, resumable
+        if _signalled() is not None:  # Prefect's SIGTERM bridge ended the cell: the sweep ends, not the cell
+            raise
         return CellOutcome(
             cell,
             run_dir,
@@ -219,19 +231,24 @@ def run_sweep(
     fail_fast: bool = False,
     echo: Callable[[str], None] = print,
     twin_of: dict[str, Cell] | None = None,
+    check_memory: bool = True,
 ) -> list[CellOutcome]:
     """Every cell in order: skip finished ones, resume partial ones, start the rest.
 
     A failing cell is reported and the sweep goes on (``fail_fast`` stops it);
-    an interrupt stops it at once — re-running resumes where it stopped. ``twin_of``: cell id -> the
-    earlier cell with its very config; a twin whose counterpart finished is not run again.
+    an interrupt stops it at once, and no later cell starts — re-running resumes where it stopped.
+    ``twin_of``: cell id -> the earlier cell with its very config; a twin whose counterpart finished
+    is not run again. ``check_memory``: each cell to run passes ``fp8rl run``'s memory refusal first.
     """
     sweep_dir = Path(sweep_dir)
-    states = {c.id: cell_state(sweep_dir, c) for c in cells}  # every config check before any work
+    states = check_cells(sweep_dir, cells)  # every check before any work
+    if check_memory:
+        refuse_too_large([c for c in cells if states[c.id] != FINISHED])
     sweep_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(sweep_dir / "sweep.json", json.dumps(spec.model_dump(mode="json"), indent=1) + "\n")
     outcomes = []
     for i, cell in enumerate(cells, start=1):
+        _stop_if_signalled()
         head = f"[{i}/{len(cells)}] {cell.id}"
         twin = (twin_of or {}).get(cell.id)
         twin = twin if twin is not None and cell_state(sweep_dir, twin) == FINISHED else None  # it may have failed
@@ -252,7 +269,85 @@ def run_sweep(
     return outcomes
 
 
+def _signalled() -> int | None:
+    """SIGINT or SIGTERM delivered to this process inside the command's shutdown path (:mod:`flows.shutdown`)."""
+    from flows.shutdown import received
+
+    return received()
+
+
+def _stop_if_signalled() -> None:
+    """No cell starts once a signal has come, whichever handler took it (Prefect's own SIGTERM bridge inside
+    a flow turns it into an exception a cell's campaign may have ended with)."""
+    signum = _signalled()
+    if signum is not None:
+        from flows.shutdown import Interrupted
+
+        raise Interrupted(signum)
+
+
+def memory_refusal(cfg: CampaignConfig) -> str | None:
+    """The line ``fp8rl run`` refuses ``cfg`` with when the model's training state cannot fit the device
+    (:func:`flows.cli_campaign.check_memory_fit`, which prints it), or None."""
+    import contextlib
+    import io
+
+    import typer
+
+    from flows.cli_campaign import check_memory_fit
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            check_memory_fit(cfg, 1)
+    except typer.Exit:
+        return said.getvalue().strip().removeprefix("error: ") or "the model cannot fit this machine's memory"
+    return None
+
+
+def refuse_too_large(cells: list[Cell]) -> None:
+    """ConfigError naming the first of ``cells`` whose model ``fp8rl run`` would refuse (one check per model)."""
+    seen: dict[str, str | None] = {}
+    for c in cells:
+        key = json.dumps([c.config.model.model_dump(mode="json"), c.config.device], sort_keys=True, default=str)
+        if key not in seen:
+            seen[key] = memory_refusal(c.config)
+        if seen[key]:
+            raise ConfigError(f"cell {c.id}: {seen[key]}")
+
+
 # --------------------------------------------------------------------------- entry points
+
+
+@dataclass(frozen=True)
+class OpenSweep:
+    """A sweep file as its directory holds it (:func:`opened_sweep`)."""
+
+    spec: SweepSpec
+    cells: list[Cell]  # those that can run: the pilots, and the matrix cells whose choices are made
+    sweep_dir: Path
+    waiting: list[str]  # ids of the cells still waiting for a pilot's choice
+    chosen: list[Cell]  # the cells selected by ``only``
+    states: dict[str, str]  # cell id -> state, every cell checked
+
+
+@contextmanager
+def opened_sweep(
+    sweep_file: str | Path, out: str | Path | None = None, only: list[str] | tuple[str, ...] | None = None,
+    *, check_memory: bool = True,
+) -> Iterator[OpenSweep]:  # fmt: skip
+    """Open a sweep to run it: every cell, twin and choice checked against the file and the runs they name
+    (:mod:`flows.sweep_state`), the selected cells locked against a second sweep (:mod:`flows.sweep_lock`)
+    for the block, and, with ``check_memory``, each selected cell to run passed through ``fp8rl run``'s
+    memory refusal. Any refusal is one line (ConfigError, RunLocked); the locks are the first thing written."""
+    spec, cells, sweep_dir, waiting = open_sweep(sweep_file, out)
+    chosen = select_cells(cells, only, source=str(sweep_file), waiting=waiting)
+    chosen_waiting = [i for i in waiting if not only or any(fnmatch.fnmatchcase(i, p) for p in only)]
+    states = check_cells(sweep_dir, cells)
+    if check_memory:
+        refuse_too_large([c for c in chosen if states[c.id] != FINISHED])
+    with cells_held(sweep_dir, [*(c.id for c in chosen), *chosen_waiting]):  # (each run re-checks under them)
+        yield OpenSweep(spec, cells, sweep_dir, waiting, chosen, states)
 
 
 def run_sweep_file(
@@ -264,35 +359,41 @@ def run_sweep_file(
     report: bool = True,
     echo: Callable[[str], None] = print,
     only: tuple[str, ...] | list[str] | None = None,
+    check_memory: bool = True,
 ) -> dict:
-    """Load, run (or resume) a sweep, then write its table and report; returns a summary.
+    """Load, check, run (or resume) a sweep, then write its table and report; returns a summary.
 
     ``campaign``: how a cell runs (default :func:`prefect_campaign`, looked up at call time).
     ``only``: globs over cell ids (:func:`select_cells`); the other cells are not run, and the
-    table still lists every cell with its state.
+    table still lists every cell with its state. ``check_memory``: :func:`opened_sweep`.
     """
     campaign = campaign or prefect_campaign
-    spec, cells, sweep_dir, waiting = open_sweep(sweep_file, out)
-    chosen = select_cells(cells, only, source=str(sweep_file), waiting=waiting)
+    with opened_sweep(sweep_file, out, only, check_memory=check_memory) as opened:
+        return _run_opened(opened, sweep_file, campaign, fail_fast, report, echo, only, check_memory)
+
+
+def _run_opened(opened: OpenSweep, sweep_file, campaign, fail_fast, report, echo, only, check_memory) -> dict:
+    spec, cells, sweep_dir, waiting, chosen = opened.spec, opened.cells, opened.sweep_dir, opened.waiting, opened.chosen
     total = len(cells) + len(waiting)
     part = f" ({len(chosen)} selected)" if only else ""
     wait = f", {len(waiting)} waiting for a pilot's choice" if waiting else ""
     echo(f"sweep {spec.name}: {total} cell(s){part}{wait} in {sweep_dir}")
     # the pilots first, then the choices they decide, then the matrix in file order
-    outcomes = run_sweep(spec, [c for c in chosen if c.pilot], sweep_dir, campaign=campaign, fail_fast=fail_fast,
-                         echo=echo)  # fmt: skip
+    run = {"campaign": campaign, "fail_fast": fail_fast, "echo": echo, "check_memory": check_memory}
+    outcomes = run_sweep(spec, [c for c in chosen if c.pilot], sweep_dir, **run)
     if not (fail_fast and any(o.status == "failed" for o in outcomes)):
         if waiting:  # a choice whose pilot has finished is made now, once
+            _stop_if_signalled()
             spec, cells = _make_choices(sweep_file, spec, cells, sweep_dir, echo)
-            waiting = waiting_cell_ids(spec, read_choices(sweep_dir, list(spec.choose)))
+            waiting = waiting_cell_ids(spec, read_choices(sweep_dir, spec.choose))
         rest = [c for c in select_cells(cells, only, source=str(sweep_file), waiting=waiting) if not c.pilot]
         by_id = {c.id: c for c in cells}
         twin_of = {i: by_id[t] for i, t in twins([c for c in cells if not c.pilot]).items()}
-        outcomes += run_sweep(spec, rest, sweep_dir, campaign=campaign, fail_fast=fail_fast, echo=echo,
-                              twin_of=twin_of)  # fmt: skip
+        outcomes += run_sweep(spec, rest, sweep_dir, twin_of=twin_of, **run)
+    _stop_if_signalled()
     matrix = [c for c in cells if c.pilot is None]
     rows = comparison_table(sweep_dir, spec, matrix, [o for o in outcomes if o.cell.pilot is None])
-    pilots = "".join("\n" + choice_markdown(r) for r in read_choices(sweep_dir, list(spec.choose)).values())
+    pilots = "".join("\n" + choice_markdown(r) for r in read_choices(sweep_dir, spec.choose).values())
     echo("\n" + write_tables(sweep_dir, spec, rows, extra=pilots))
     echo(f"table: {sweep_dir / 'table.csv'}, {sweep_dir / 'table.md'}")
     if report and any(o.status != "failed" for o in outcomes):
@@ -311,25 +412,33 @@ def run_sweep_file(
 
 def _make_choices(sweep_file, spec, cells: list[Cell], sweep_dir: Path, echo) -> tuple:
     """Make every choice whose pilot has finished and is not made yet; returns the sweep reloaded
-    (its cells now include those whose choice is made)."""
-    made = read_choices(sweep_dir, list(spec.choose))
+    (its cells now include those whose choice is made). Another part of the sweep that finishes the
+    pilot at the same time waits for the choice's lock and then finds the choice made."""
     for name, choice in spec.choose.items():
         pilot = [c for c in cells if c.pilot == name]
-        if name in made or any(cell_state(sweep_dir, c) != FINISHED for c in pilot):
+        if any(cell_state(sweep_dir, c) != FINISHED for c in pilot):
             continue
-        runs: dict[str, list[str]] = {}
-        for c in pilot:
-            runs.setdefault(dict(c.labels)["candidate"], []).append(c.id)
-        record = make_choice(sweep_dir, name, choice, runs, code_identity())
+        with choice_held(sweep_dir, name):
+            if name in read_choices(sweep_dir, {name: choice}):
+                continue
+            runs: dict[str, list[str]] = {}
+            for c in pilot:
+                runs.setdefault(dict(c.labels)["candidate"], []).append(c.id)
+            record = make_choice(sweep_dir, name, choice, runs, code_identity())
         echo(f"choice {name}: {record['winner']} (rule {choice.rule}; _choices/{name}.json)")
     return load_sweep(sweep_file, sweep_dir)
 
 
 def _sweep_flow(
-    sweep_file: str, out: str | None = None, fail_fast: bool = False, report: bool = True, only: list[str] | None = None
+    sweep_file: str,
+    out: str | None = None,
+    fail_fast: bool = False,
+    report: bool = True,
+    only: list[str] | None = None,
+    check_memory: bool = True,
 ) -> dict:
     """Prefect flow: run a sweep; each cell's ``campaign_flow`` is a subflow of this one."""
-    return run_sweep_file(sweep_file, out, fail_fast=fail_fast, report=report, only=only)
+    return run_sweep_file(sweep_file, out, fail_fast=fail_fast, report=report, only=only, check_memory=check_memory)
 
 
 _FLOW = None

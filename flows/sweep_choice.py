@@ -88,14 +88,74 @@ def choice_path(sweep_dir: Path, name: str) -> Path:
     return Path(sweep_dir) / CHOICES_DIR / f"{name}.json"
 
 
-def read_choices(sweep_dir: Path | None, names: list[str]) -> dict[str, dict]:
-    """name -> the recorded choice (``_choices/<name>.json``) for the choices already made."""
+def read_choices(sweep_dir: Path | None, choose: dict[str, ChoiceSpec]) -> dict[str, dict]:
+    """name -> the recorded choice (``_choices/<name>.json``) for the choices already made, each checked
+    against the sweep file's ``choose`` entry (:func:`check_record`): a damaged record, or one made among
+    other candidates or by another rule, is a ConfigError in one line, never read."""
     out = {}
-    for name in names:
+    for name, spec in choose.items():
         path = choice_path(sweep_dir, name) if sweep_dir is not None else None
         if path is not None and path.is_file():
-            out[name] = json.loads(path.read_text(encoding="utf-8"))
+            out[name] = check_record(path, name, spec)
     return out
+
+
+def check_record(path: Path, name: str, spec: ChoiceSpec) -> dict:
+    """The choice record at ``path``, if it is whole and was made by what the sweep file says now.
+
+    A choice is made once, before the seeds it is compared on: a record whose candidates, winner
+    overrides, rule, tie or pilot seeds differ from the file's is refused, not re-made silently."""
+    from flows.configuration import ConfigError
+
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        made = {
+            "winner": str(record["winner"]),
+            "overrides": dict(record["overrides"]),
+            "rule": str(record["rule"]),
+            "tie": float(record["tie"]),
+            "seeds": [int(s) for s in record["seeds"]],
+            "candidates": {str(c): [str(r) for r in f["runs"]] for c, f in dict(record["candidates"]).items()},
+        }
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        why = err.strerror if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+        raise ConfigError(
+            f"{path}: damaged choice record ({why}); restore it, or move it away to have choice {name} made "
+            "again from its pilot"
+        ) from None
+    changed = [
+        f"{what} {_listed(made[key])} (the file has {_listed(now)})"
+        for what, key, now in (
+            ("candidates", "candidates", list(spec.candidates)),
+            ("rule", "rule", spec.rule),
+            ("tie", "tie", spec.tie),
+            ("pilot seeds", "seeds", list(spec.seeds)),
+        )
+        if _plain(list(made[key]) if key == "candidates" else made[key]) != _plain(now)
+    ]
+    if made["winner"] not in spec.candidates:
+        changed.insert(0, f"its winner {made['winner']} is no longer a candidate")
+    elif _plain(made["overrides"]) != _plain(spec.candidates[made["winner"]]):
+        changed.insert(0, f"the overrides of its winner {made['winner']} differ from the file's")
+    pilot = {c: [f"{pilot_prefix(name)}.{c}.s{s}" for s in spec.seeds] for c in spec.candidates}
+    if not changed and made["candidates"] != pilot:
+        changed.append("it names other pilot runs than the file's candidates and seeds give")
+    if changed:
+        raise ConfigError(
+            f"{path}: choice {name} was made by another choose.{name} than the sweep file's now "
+            f"({'; '.join(changed)}); a choice is made once: restore choose.{name}, or move the record away "
+            "(or use another --out) to have it made again from its pilot"
+        )
+    return record
+
+
+def _listed(value: Any) -> str:
+    return ", ".join(str(v) for v in value) if isinstance(value, (list, dict)) else str(value)
+
+
+def _plain(value: Any) -> str:
+    """``value`` as canonical JSON: a record read back and the sweep file's values compare equal."""
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def candidate_figures(sweep_dir: Path, runs: dict[str, list[str]]) -> dict[str, dict]:

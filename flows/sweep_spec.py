@@ -1,4 +1,4 @@
-"""A sweep file and its cells: the matrix, every cell's config, and each cell's state in a sweep directory.
+"""A sweep file and its cells: the matrix and every cell's config.
 
 A sweep file names a base preset and axes; each axis maps a *label* to config
 overrides, and the cells are the cartesian product of the axes times the
@@ -22,22 +22,17 @@ Override keys are dotted config paths (``calibration.mode``); a mapping value
 merges into the section. Overrides apply in order: base, ``overrides``, each
 axis in file order, then ``seed``. Every cell's config is validated when the
 file is loaded, so a typo fails before anything runs, naming the file, the
-cell and the key.
+cell and the key. The file and its base preset are read by the configs' strict
+loader (:func:`flows.configuration.read_yaml`): a label given twice in one axis,
+like any key given twice, is refused with its line, and so are anchors and
+aliases (a few lines that expand without bound), merge keys and tags.
 
 A ``choose:`` block names a setting a pilot picks by a rule fixed in the file, and an axis
 label uses it as ``{choose: NAME}`` (:mod:`flows.sweep_choice`); its pilot cells come first,
 and the cells using it wait until the choice is made.
 
-A cell is NEW (no run directory), PARTIAL (started, unfinished) or FINISHED
-(its marker ``<sweep dir>/_cells/<cell>.json``, or a ledger whose final step
-has every stage done). A cell whose run directory was made by another config
-(the sweep file changed) is an error naming it, never silently mixed.
-
-Two cells can name one campaign: when a pilot's choice falls on what a setting already does, the
-cells using the choice have the very config of their counterparts. Such a cell is a *twin* of the
-first cell with its config (:func:`twins`): a campaign is a deterministic function of its config on
-one machine, so the twin is not run again; its marker says ``same_as`` and it reads that run
-(:func:`run_name`).
+Each cell's state in a sweep directory (new, partial, finished, a twin reading another cell's
+run) and what is re-checked about it every time the sweep opens are :mod:`flows.sweep_state`.
 """
 
 from __future__ import annotations
@@ -45,19 +40,17 @@ from __future__ import annotations
 import copy
 import fnmatch
 import itertools
-import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from flows.configuration import ConfigError, config_from_dict, dump_config, resolve_preset
+from flows.configuration import ConfigError, config_from_dict, dump_config, read_yaml, resolve_preset
 from flows.sweep_choice import CHOOSE_KEY, ChoiceSpec, distinct_seeds, pilot_prefix, read_choices
 from fp8rl_core.config.campaign import CampaignConfig
-from storage.layout import config_hash, is_run_dir, read_run_info
 
 LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")  # no '.': it joins labels into cell ids
 CELLS_DIR = "_cells"  # '_' cannot start a run id, so the catalog never takes it for a run
@@ -159,8 +152,8 @@ class Cell:
     config: CampaignConfig
     pilot: str | None = None  # the choice this cell is a pilot run of (flows.sweep_choice)
 
-    @property
-    def config_text(self) -> str:
+    @cached_property
+    def config_text(self) -> str:  # (a frozen dataclass: the cache goes into the instance's __dict__)
         return dump_config(self.config)
 
 
@@ -237,6 +230,12 @@ def expand_cells(spec: SweepSpec, base: dict, *, source: str, choices: dict[str,
             cells.append(Cell(cell_id, tuple(labels.items()), seed, cfg))
     if not matrix:
         raise ConfigError(f"{source}: every cell is excluded")
+    ids = [c.id for c in cells]
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    if twice:  # a matrix label such as 'pilot-NAME' can spell a pilot cell's id
+        raise ConfigError(
+            f"{source}: two cells have the id {twice[0]} (a cell id is its labels and seed); rename a label"
+        )
     return cells
 
 
@@ -259,6 +258,20 @@ def _format_validation(source: str, err: ValidationError) -> str:
     return f"{source}: " + "; ".join(parts)
 
 
+def _read_yaml(path: Path, what: str) -> Any:
+    """A sweep file or its base preset, read by the configs' strict loader (``read_yaml``): a key given
+    twice (a label twice in one axis), anchors and aliases (the way a few lines expand without bound),
+    merge keys, tags and files over 1 MiB are refused in one line naming the file and the line."""
+    try:
+        return read_yaml(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such {what}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read the {what} ({getattr(err, 'strerror', None) or err})") from None
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
 def load_sweep(path: str | Path, sweep_dir: str | Path | None = None) -> tuple[SweepSpec, list[Cell]]:
     """Parse and validate a sweep file and every cell's config; ConfigError names the key.
 
@@ -266,12 +279,7 @@ def load_sweep(path: str | Path, sweep_dir: str | Path | None = None) -> tuple[S
     made yet are left out; without it, every such cell is).
     """
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such sweep file") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    data = _read_yaml(path, "sweep file")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping (name, base, axes, ...)")
     try:
@@ -280,11 +288,10 @@ def load_sweep(path: str | Path, sweep_dir: str | Path | None = None) -> tuple[S
         raise ConfigError(_format_validation(str(path), err)) from None
     local = path.parent / spec.base
     base_path = local if local.is_file() else resolve_preset(spec.base)
-    try:
-        base = yaml.safe_load(base_path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{base_path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    choices = read_choices(Path(sweep_dir) if sweep_dir is not None else None, list(spec.choose))
+    base = _read_yaml(base_path, "base preset") or {}
+    if not isinstance(base, dict):
+        raise ConfigError(f"{base_path}: top level must be a mapping of config sections")
+    choices = read_choices(Path(sweep_dir) if sweep_dir is not None else None, spec.choose)
     return spec, expand_cells(spec, base, source=str(path), choices=choices)
 
 
@@ -322,99 +329,4 @@ def open_sweep(sweep_file: str | Path, out: str | Path | None = None) -> tuple[S
     sweep_dir = Path(out) if out is not None else default_sweep_dir(spec, cells)
     if spec.choose:
         spec, cells = load_sweep(sweep_file, sweep_dir)
-    return spec, cells, sweep_dir, waiting_cell_ids(spec, read_choices(sweep_dir, list(spec.choose)))
-
-
-# --------------------------------------------------------------------------- cell state
-
-
-NEW, PARTIAL, FINISHED = "new", "partial", "finished"
-
-
-def marker_path(sweep_dir: Path, cell: Cell) -> Path:
-    return Path(sweep_dir) / CELLS_DIR / f"{cell.id}.json"
-
-
-def ledger_finished(run_dir: Path, cfg: CampaignConfig) -> bool:
-    """True when the ledger has every stage of the campaign's final step done."""
-    from stages.context import is_checkpoint_step, is_eval_step
-    from stages.runtime.io import RunTables, shadow_steps
-    from storage.ledger import Ledger
-
-    last = cfg.steps
-    need = {"rollout", "score", "train"}
-    need |= {"calibrate"} if shadow_steps(RunTables.open(run_dir), [last]) else set()  # what its train stage decided
-    need |= {"evaluate"} if is_eval_step(cfg, last) else set()
-    need |= {"checkpoint"} if is_checkpoint_step(cfg, last) else set()
-    return need <= Ledger(run_dir).done_stages(last)
-
-
-def twins(cells: list[Cell]) -> dict[str, str]:
-    """cell id -> the id of the first earlier cell with the very same config (the module docstring)."""
-    first: dict[str, str] = {}
-    out = {}
-    for c in cells:
-        out.update({c.id: first[c.config_text]} if c.config_text in first else {})
-        first.setdefault(c.config_text, c.id)
-    return out
-
-
-def run_name(sweep_dir: Path, cell: Cell) -> str:
-    """The run directory (under the sweep directory) holding the cell's campaign: its own, or, for a twin
-    that was not run, the one its marker names."""
-    if is_run_dir(Path(sweep_dir) / cell.id):
-        return cell.id
-    return _same_as(sweep_dir, cell) or cell.id
-
-
-def _same_as(sweep_dir: Path, cell: Cell) -> str | None:
-    try:
-        return json.loads(marker_path(sweep_dir, cell).read_text(encoding="utf-8")).get("same_as")
-    except (OSError, ValueError):
-        return None
-
-
-def cell_state(sweep_dir: Path, cell: Cell) -> str:
-    """NEW (no run directory), PARTIAL (started, unfinished) or FINISHED.
-
-    Raises ConfigError if the cell's run directory holds another config's run.
-    """
-    run_dir = Path(sweep_dir) / cell.id
-    if not is_run_dir(run_dir):
-        twin = _same_as(sweep_dir, cell)
-        return FINISHED if twin and is_run_dir(Path(sweep_dir) / twin) else NEW
-    info = read_run_info(run_dir)
-    if info.config_hash not in (None, config_hash(cell.config_text)) and not _same_settings(run_dir, cell):
-        raise ConfigError(
-            f"cell {cell.id}: {run_dir} was run with another config (the sweep file changed); "
-            "move that directory away or use another --out"
-        )
-    if marker_path(sweep_dir, cell).is_file() or ledger_finished(run_dir, cell.config):
-        return FINISHED
-    return PARTIAL
-
-
-def _same_settings(run_dir: Path, cell: Cell) -> bool:
-    """Whether the run's ``config.yaml``, read by this code, is the cell's config: a file written before
-    a release added a setting (at its default) still names the same campaign, so a sweep resumes
-    across that upgrade; any value that differs is another config."""
-    from flows.configuration import load_config
-
-    try:
-        return load_config(Path(run_dir) / "config.yaml") == cell.config
-    except ConfigError:
-        return False
-
-
-@dataclass
-class CellOutcome:
-    """What happened to a cell in this invocation: 'skipped' (finished earlier), 'done', 'same' (a twin:
-    the same campaign as a finished cell, not run again) or 'failed'."""
-
-    cell: Cell
-    run_dir: Path
-    status: str
-    resumed: bool = False
-    seconds: float = 0.0
-    error: str | None = None
-    result: dict = field(default_factory=dict)
+    return spec, cells, sweep_dir, waiting_cell_ids(spec, read_choices(sweep_dir, spec.choose))

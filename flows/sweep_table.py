@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from flows.report_figures import FAILURE_COLUMNS, TABLE_COLUMNS, paper_table_markdown
-from flows.sweep_spec import Cell, CellOutcome, SweepSpec, cell_state, run_name
+from flows.sweep_spec import Cell, SweepSpec
+from flows.sweep_state import CellOutcome, cell_state, run_name
 from storage.layout import is_run_dir, write_text_atomic
 
 

@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 from flows.cli_report import register
 from flows.configuration import ConfigError, load_config
 from flows.sweep import run_sweep_file
-from flows.sweep_spec import CELLS_DIR, FINISHED, NEW, PARTIAL, cell_state, load_sweep
+from flows.sweep_spec import CELLS_DIR, load_sweep
+from flows.sweep_state import FINISHED, NEW, PARTIAL, cell_state
 from stages.context import is_calibration_step, is_checkpoint_step, is_eval_step
 from storage.ledger import Ledger
 from storage.writer import TableWriter
@@ -386,6 +387,7 @@ def test_mean_over_seeds_shows_the_spread() -> None:
 def test_cli_ctrl_c_names_the_command_that_continues(sweep_file: Path, tmp_path: Path, monkeypatch) -> None:
     """A KeyboardInterrupt in a cell (Ctrl-C) is one line naming the command that continues, exit 130."""
     import flows.child_guard
+    import flows.prefect_server
     import flows.sweep
 
     app = typer.Typer(pretty_exceptions_enable=False)
@@ -398,10 +400,11 @@ def test_cli_ctrl_c_names_the_command_that_continues(sweep_file: Path, tmp_path:
     out = tmp_path / "sweep"
     fake = FakeCampaign(interrupt_in="fp8.standard.s0", after_steps=1)
     monkeypatch.setattr(flows.child_guard, "start", lambda: None)
+    monkeypatch.setattr(flows.prefect_server, "start", lambda *_a: None)
     monkeypatch.setattr(
         flows.sweep,
         "_FLOW",
-        lambda f, o, fail_fast, report, only: run_sweep_file(
+        lambda f, o, fail_fast, report, only, check_memory: run_sweep_file(
             f, o, campaign=fake, report=False, echo=lambda _line: None, only=only
         ),
     )

@@ -94,7 +94,7 @@ def test_cells_that_use_a_choice_wait_for_it_and_the_pilot_comes_first(tmp_path:
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (("choose: strongest}", "choose: strongest}\n    other: {choose: nope}"), "unknown choice 'nope'"),
+        (("strongest}\nseeds", "strongest}\n    other: {choose: nope}\nseeds"), "unknown choice 'nope'"),
         (("rule: best-second-half-eval", "rule: best-looking"), "unknown rule 'best-looking'"),
         (("seeds: [100, 101]", "seeds: [100, 100]"), "seeds repeat"),
         (("icepop: {algorithm.correction.mode: icepop}", "icepop: {algorithm.correction.mode: nope}"), "nope"),
@@ -188,7 +188,7 @@ def test_a_choice_that_falls_on_what_a_setting_does_already_is_not_run_twice(tmp
     """The pilot picks token TIS, which the standard cells use already: ``strongest.s0`` is then the very
     config of ``standard.s0``. It is a twin: not run again, its marker names the run it reads, and the
     table gives it that run's figures."""
-    from flows.sweep_spec import cell_state, twins
+    from flows.sweep_state import cell_state, twins
     from flows.sweep_table import comparison_table
 
     out, path = tmp_path / "s", _write(tmp_path)
