@@ -153,11 +153,11 @@ def _check_twin(sweep_dir: Path, cell: Cell, marker: dict) -> None:
         raise ConfigError(f"{refuse} {sweep_dir} has no such run; {fix}")
     why = _not_the_cells_run(sweep_dir / twin, cell)
     if why:
-        raise ConfigError(f"{refuse} that run {why}; {fix}")
+        raise ConfigError(f"{refuse} run {twin} {why}; {fix}")
     _check_marker_hash(path, cell, marker, sweep_dir / twin)
     theirs = read_marker(sweep_dir, twin)
     if theirs is None and not ledger_finished(sweep_dir / twin, cell.config):
-        raise ConfigError(f"{refuse} that run has not finished; {fix}")
+        raise ConfigError(f"{refuse} run {twin} has not finished; {fix}")
 
 
 def _check_marker_hash(path: Path, cell: Cell, marker: dict, run_dir: Path) -> None:

@@ -131,7 +131,7 @@ def test_a_cell_resumed_with_an_accepted_config_change_is_refused_and_so_is_its_
     record_config_change(run, read_run_info(run), changed, ["calibration.max_delta (0.05 -> 0.1)"])
     one_line_exit_2(_dry_run(path, out), "cell standard.s0:", "config change", "calibration.max_delta")
     with pytest.raises(
-        ConfigError, match=r"cell again\.s0: .* reads run standard\.s0, but that run took a config change"
+        ConfigError, match=r"cell again\.s0: .* reads run standard\.s0, but run standard\.s0 took a config change"
     ):
         cell_state(out, cells["again.s0"])
 
