@@ -215,15 +215,20 @@ def query_command(
 def doctor_command(
     run_dir: Path = typer.Argument(..., help="A run directory, or a folder of run directories."),
     deep: bool = typer.Option(
-        False, "--deep", help="Also decode every Parquet page and hash every checkpoint file (slower)."
+        False,
+        "--deep",
+        help="Also decode every Parquet page and hash every checkpoint file and the base policy (slower).",
     ),
 ) -> None:
     """Check tables, ledger and checkpoints of a run; exit 1 if anything is broken."""
-    from storage.doctor import ERROR, check
+    from stages.bootstrap.integrity import base_policy_problems
+    from storage.doctor import ERROR, Problem, check
     from storage.errors import StorageError
 
     try:
         found = check(run_dir, deep=deep)
+        if deep:  # the base policy each run records, hashed again
+            found += [Problem(*p) for p in base_policy_problems(run_dir)]
     except StorageError as err:
         raise _fail(str(err))
     for p in found:

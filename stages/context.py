@@ -288,6 +288,7 @@ def open_run(
     under torchrun the policy goes from the host straight into its shards: no
     device ever holds the whole fp32 model."""
     from fp8rl_core.precision.conversion import convert_for_training
+    from stages.bootstrap.integrity import check_base_policy
     from stages.bootstrap.math import capped_threads
     from stages.trainer.block_compile import compile_choice, compile_decoder_blocks
     from stages.trainer.optimizer import make_optimizer
@@ -297,6 +298,8 @@ def open_run(
     read_run_info(run_dir)  # fails clearly on a non-run directory
     device = resolve_device(cfg.device)
     base = _base_model_rank0_first(cfg, run_dir.parent, rank, world_size, group)
+    if cfg.model.path is None:  # the bootstrapped policy: its files as built, and the one this run started from
+        check_base_policy(run_dir, base, record=rank == 0)
     policy, tokenizer = _load_policy(cfg, base)  # fp32 masters, on the host
     # vLLM loads its own copy from disk: it is built before any trainer weight reaches the device (its start-up
     # check wants utilization x total free), and under torchrun the policy is sharded straight from the host

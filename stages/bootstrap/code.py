@@ -28,6 +28,7 @@ import torch
 from fp8rl_core.config.model import BootstrapConfig, ModelConfig, TaskConfig
 from fp8rl_core.tasks import code as code_task
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
+from stages.bootstrap.integrity import verified_entry
 from stages.bootstrap.math import META_FILE, _sft_step, _threads, default_cache_root, publish_checkpoint, sole_builder
 
 log = logging.getLogger(__name__)
@@ -149,10 +150,12 @@ def bootstrap_code(
     digest = _hash(model_cfg, task_cfg, boot_cfg)
     final = root / f"tiny-code-{digest[:16]}"
     if (final / META_FILE).is_file():
+        verified_entry(final)  # its files as published, or one line
         return final
     with sole_builder(final) as needed:
         if needed:
             _train_and_publish(final, digest, model_cfg, task_cfg, boot_cfg, eval_size)
+    verified_entry(final)
     return final
 
 

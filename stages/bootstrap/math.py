@@ -65,13 +65,13 @@ from fp8rl_core.host.cpu_env import cpu_numerics_env
 from fp8rl_core.tasks.kinds import procedural_task
 from fp8rl_core.tasks.synthetic import exact_verify
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
+from stages.bootstrap.integrity import DIGEST_KEY, META_FILE, entry_digest, verified_entry
 
 log = logging.getLogger(__name__)
 
 BOOTSTRAP_VERSION = "3"  # bump when the training recipe, its numerics or the task format changes
 EVAL_SIZE = 1000  # test problems of the base-accuracy measurement (~1.4 points of noise)
 BASE_BAND = (0.2, 0.6)  # sampled base accuracy that leaves RL headroom
-META_FILE = "bootstrap.json"
 
 
 @dataclass(frozen=True)
@@ -308,10 +308,12 @@ def bootstrap(
     final = root / f"tiny-{digest[:16]}"
     if (final / META_FILE).is_file():
         log.info("bootstrap cache hit: %s", final)
+        verified_entry(final)  # its files as published, or one line
         return final
     with sole_builder(final) as needed:
         if needed:
             _train_and_publish(final, digest, model_cfg, task_cfg, boot_cfg, teacher, eval_size)
+    verified_entry(final)
     return final
 
 
@@ -362,13 +364,15 @@ def sole_builder(final: Path) -> Iterator[bool]:
 
 
 def publish_checkpoint(final: Path, model, tokenizer, meta: dict) -> None:
-    """Write a bootstrapped policy to ``final`` atomically: saved with its ``bootstrap.json`` into a
-    temporary folder beside it, then renamed. Where another process published first, theirs is kept."""
+    """Write a bootstrapped policy to ``final`` atomically: saved with its ``bootstrap.json`` (which records
+    the hash of the files beside it) into a temporary folder beside it, then renamed. Where another process
+    published first, theirs is kept."""
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        meta = {**meta, DIGEST_KEY: entry_digest(tmp)}  # checked on every read (stages.bootstrap.integrity)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if not final.exists():
             try:
