@@ -1,11 +1,23 @@
 """Prefect's environment for fp8rl, set before Prefect is imported.
 
 Without ``PREFECT_API_URL`` a flow runs on Prefect's temporary local server; we
-keep its state under the user's cache (``~/.cache/fp8rl/prefect``) rather than
+keep its state under the user's cache, one home per installed Prefect version
+(``~/.cache/fp8rl/prefect/<version>``, :func:`default_home`) rather than
 ``~/.prefect``, turn analytics off, and quiet the temporary server's own logger
 (at shutdown it otherwise prints tracebacks of cancelled background flushes,
-which are harmless). With ``PREFECT_API_URL`` set, everything reports to that
-server and only the analytics default is touched. Explicit user settings win.
+which are harmless; the server itself writes its errors to its log file,
+:mod:`flows.prefect_server`). With ``PREFECT_API_URL`` set, everything reports
+to that server and only the analytics default is touched. Explicit user
+settings win.
+
+Why a home per version: the server migrates its database to its own Prefect's
+newest schema when it starts, and an older Prefect cannot open a database a
+newer one migrated (its server fails at start-up, and Prefect's client waits
+out the whole start-up limit). The main venv and the GPU package set
+(``.venv-vllm``) hold different Prefect releases, so one shared home broke the
+older one after the newer had run once. A home the user chooses
+(``PREFECT_HOME``) is checked before the server starts instead
+(:mod:`flows.prefect_preflight`).
 
 The temporary server is a subprocess that inherits this environment. Its
 database pool (SQLAlchemy) logs a traceback at ERROR when a connection reset is
@@ -18,6 +30,7 @@ one addition: the ``sqlalchemy`` logger at CRITICAL.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 from pathlib import Path
@@ -27,15 +40,37 @@ from pathlib import Path
 QUIET_LOGGERS = {"sqlalchemy": "CRITICAL", "aiosqlite": "CRITICAL"}
 
 
+# the temporary server's start-up limit (Prefect's setting; its own default, 20 s, is too short on a busy machine)
+STARTUP_LIMIT_ENV, STARTUP_LIMIT_S = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 120
+
+
+def fp8rl_cache() -> Path:
+    """``$XDG_CACHE_HOME/fp8rl`` (default ``~/.cache/fp8rl``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fp8rl"
+
+
+def prefect_version() -> str | None:
+    """The installed Prefect's version, read from its package metadata (Prefect is not imported)."""
+    try:
+        return importlib.metadata.version("prefect")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def default_home() -> Path:
+    """fp8rl's Prefect home: ``~/.cache/fp8rl/prefect/<Prefect version>``, one per version (module doc)."""
+    home = fp8rl_cache() / "prefect"
+    version = prefect_version()
+    return home / version if version else home
+
+
 def configure_prefect_env(*, quiet: bool = True) -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if not os.environ.get("PREFECT_API_URL"):
         os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
-        # the temporary server's 20 s start-up limit is too short on a busy machine
-        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fp8rl" / "prefect"
-        os.environ.setdefault("PREFECT_HOME", str(cache))
+        os.environ.setdefault(STARTUP_LIMIT_ENV, str(STARTUP_LIMIT_S))
+        os.environ.setdefault("PREFECT_HOME", str(default_home()))
     if os.environ.get("PREFECT_HOME"):
         # Prefect creates its home without parents=True, then times out on its server
         Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
@@ -72,8 +107,8 @@ def _quiet_server_loggers() -> None:
     for name, level in QUIET_LOGGERS.items():
         loggers.setdefault(name, {})["level"] = level
     text = yaml.safe_dump(config, sort_keys=False)
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fp8rl"
-    target = cache / "prefect-logging.yml"
+    cache = fp8rl_cache()
+    target = cache / f"prefect-logging-{prefect_version()}.yml"  # each Prefect its own file, as its own home
     try:
         cache.mkdir(parents=True, exist_ok=True)
         if not target.exists() or target.read_text() != text:

@@ -48,7 +48,9 @@ def test_the_database_pool_traceback_is_quiet_and_other_warnings_are_not(tmp_pat
     assert "Traceback" not in r.stderr and "Exception during reset" not in r.stderr, r.stderr
     assert "a library warning users should still see" in r.stderr  # the root console handler still works
     assert "level 30" in r.stdout  # Prefect's own WARNING default (quiet=True) still applies
-    written = tmp_path / "cache" / "fp8rl" / "prefect-logging.yml"
+    from flows.prefect_env import prefect_version
+
+    written = tmp_path / "cache" / "fp8rl" / f"prefect-logging-{prefect_version()}.yml"  # each Prefect its own
     assert written.exists() and "${PREFECT_LOGGING_LEVEL}" in written.read_text()  # templates kept for Prefect
 
 
@@ -69,4 +71,4 @@ def test_a_users_own_logging_file_wins(tmp_path, where):
     r = _run(tmp_path, **env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Exception during reset" in r.stderr  # their config has no quiet sqlalchemy logger
-    assert not (tmp_path / "cache" / "fp8rl" / "prefect-logging.yml").exists()
+    assert not list((tmp_path / "cache" / "fp8rl").glob("prefect-logging*.yml"))
