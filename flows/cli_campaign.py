@@ -54,9 +54,14 @@ def _locked(run_dir: Path):
 def preflight(cfg: CampaignConfig, nproc_per_node: int = 1) -> None:
     """Check every input the campaign will read (data files, benchmarks) and that the trainer
     can run on ``nproc_per_node`` ranks, up front."""
+    from flows.prefect_preflight import ServerUnavailable, check_temporary_server
     from stages.data.prompts import make_source
     from stages.evaluate import check_benchmarks
 
+    try:
+        check_temporary_server()  # its database and ports, before the run directory exists
+    except ServerUnavailable as err:
+        raise _fail(str(err))
     _check_device(cfg.device)
     _check_compile_numerics(cfg)
     if nproc_per_node > 1:
