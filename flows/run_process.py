@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
 FORWARD_WAIT_S = 7.0  # how long the launcher waits for torchrun to end the ranks after forwarding a signal
+# from the temporary server's death to the run's forced end: the flow's own end would retry the dead server
+# (minutes); the stage in flight stays unfinished either way, and resume redoes it
+SERVER_LOST_DEADLINE_S = 2.0
 
 
 def resume_command(run_dir: Path, nproc_per_node: int = 1) -> str:
@@ -31,14 +36,22 @@ def until_signal(
     resume: str | None,
     deadline_s: float | None = None,
 ) -> T:
-    """``body(start_server)``, ended in order by SIGINT or SIGTERM (see :mod:`flows.shutdown`).
+    """``body(start_server)``, ended in order by SIGINT or SIGTERM (see :mod:`flows.shutdown`), or by
+    Prefect's temporary server failing.
 
     ``body`` calls ``start_server()`` where Prefect would start its temporary
-    server (in its own session, stopped here last). ``resume``: the command
-    named in the one line (None: say nothing, as a rank does). Raises
+    server (in its own session, watched, stopped here last). ``resume``: the
+    command named in the one line (None: say nothing, as a rank does). Raises
     :class:`flows.shutdown.RunEnded` when a signal ended the run, for the
-    process's entry point to end it with (:func:`flows.shutdown.exit_now`)."""
+    process's entry point to end it with (:func:`flows.shutdown.exit_now`).
+
+    A server that cannot start, or whose process ends during the run, ends the
+    run by the same path with exit 2 and its own line (the cause, the server's
+    log, ``resume``): its death is delivered as a SIGTERM to the main thread, so
+    the stage in flight unwinds as at a signal and ``fp8rl resume`` redoes it,
+    where the flow would otherwise retry the dead server for minutes a step."""
     from flows import child_guard, prefect_server, shutdown
+    from flows.prefect_preflight import ServerUnavailable
 
     holder: dict = {}
 
@@ -46,27 +59,52 @@ def until_signal(
         guard = holder.get("guard")
         return [p for p in (guard.pid if guard else None, prefect_server.pid(holder.get("server"))) if p]
 
-    def line(signum: int) -> str | None:
-        return None if resume is None else shutdown.interrupted_line(signum, resume)
+    def server_failure() -> str | None:
+        """Why the server failed the run (it could not start, or its process ended), else None."""
+        if holder.get("failure") is None and prefect_server.lost(holder.get("server")) is not None:
+            holder["failure"] = prefect_server.lost_line(holder["server"])
+        return holder.get("failure")
+
+    def ending(signum: int | None) -> shutdown.RunEnded:
+        """The run's end: its server's failure and exit 2, else a signal's line and 128 + its number."""
+        failure = server_failure()
+        if failure is None:
+            return shutdown.RunEnded(signum, None if resume is None else shutdown.interrupted_line(signum, resume))
+        tail = "" if resume is None else f"; the run stays resumable: `{resume}`"
+        return shutdown.RunEnded(signum, f"error: {failure}{tail}", code=2)
+
+    def on_server_death(_code: int) -> None:  # (the watch's thread) the run ends by the signal path
+        prefect_server.quiet_clients()  # no error line per log batch the dead server cannot take
+        holder["signals"].end_within(SERVER_LOST_DEADLINE_S, signal.SIGTERM)  # Prefect's clients would retry
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
 
     def start_server() -> None:
         holder["guard"] = child_guard.start()  # the server dies with this process, even on SIGKILL
-        holder["server"] = prefect_server.start()
+        holder["server"] = prefect_server.start(on_server_death)
 
     def on_deadline(signum: int) -> None:
-        shutdown.force_end(signum, line(signum), keep=keep())
+        end = ending(signum)
+        shutdown.force_end(signum, end.line, keep=keep(), code=end.code)
 
     shutdown.become_subreaper()
     with shutdown.signals_end_the_run(on_deadline, deadline_s or shutdown.DEADLINE_S) as signals:
+        holder["signals"] = signals
         try:
             return body(start_server)
+        except ServerUnavailable as err:  # the server could not start: nothing of it is left
+            holder["failure"] = str(err)
+            signals.settle()
         except BaseException:
-            if signals.settle() is None:  # not a signal's doing (a peer's end by one included)
+            died, fired = prefect_server.stop_watch(holder.get("server"))
+            if fired:
+                signals.arrived(within_s=1.0)  # the watch's SIGTERM, taken as handled below
+            if signals.settle() is None and died is None:  # not a signal's doing, nor the server's
                 raise
     shutdown.end_descendants(skip=keep())  # pool workers, sandbox launchers, what a rank left behind
-    prefect_server.drain_clients()  # the interrupted flow's last logs and events, while the server lives
+    if server_failure() is None:
+        prefect_server.drain_clients()  # the interrupted flow's last logs and events, while the server lives
     prefect_server.stop(holder.get("server"))  # last
-    raise shutdown.RunEnded(signals.signum, line(signals.signum))
+    raise ending(signals.signum)
 
 
 def run_flow(run_dir: Path, *, resume: bool, nproc_per_node: int = 1) -> dict:

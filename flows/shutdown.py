@@ -69,10 +69,12 @@ class Interrupted(KeyboardInterrupt):
 
 class RunEnded(SystemExit):
     """A signal ended the run and everything below this process has been ended: the entry point
-    says ``line`` (if any) and exits 128 + ``signum`` at once (:func:`exit_now`)."""
+    says ``line`` (if any) and exits 128 + ``signum`` at once (:func:`exit_now`). ``code`` replaces that
+    exit code where the run ended for a reason of its own (its Prefect server failed: 2, with or
+    without a signal, ``signum`` None)."""
 
-    def __init__(self, signum: int, line: str | None) -> None:
-        super().__init__(128 + signum)
+    def __init__(self, signum: int | None, line: str | None, code: int | None = None) -> None:
+        super().__init__(code if code is not None else 128 + (signum or 0))
         self.signum, self.line = signum, line
 
 
@@ -147,7 +149,13 @@ class RunSignals:
 
     def _take(self, signum: int) -> None:
         self.signum = signum
-        timer = threading.Timer(self._deadline_s, self._on_deadline, args=(signum,))
+        self.end_within(self._deadline_s, signum)
+
+    def end_within(self, seconds: float, signum: int) -> None:
+        """Call ``on_deadline(signum)`` in ``seconds`` from a timer thread (ended with the process), whatever
+        handles the signal meanwhile: a run that must end (its Prefect server died) arms it before it
+        sends itself the signal, which Prefect's own SIGTERM bridge may take instead of :meth:`handle`."""
+        timer = threading.Timer(seconds, self._on_deadline, args=(signum,))
         timer.daemon = True
         timer.start()
 
@@ -183,12 +191,13 @@ def received(within_s: float = 0.0) -> int | None:
     return state.arrived(within_s) if isinstance(state, RunSignals) else None
 
 
-def force_end(signum: int, line: str | None, keep: Iterable[int] = ()) -> None:
-    """End this process now: what is below it first (``keep`` last), then one line, exit 128 + ``signum``."""
+def force_end(signum: int, line: str | None, keep: Iterable[int] = (), code: int | None = None) -> None:
+    """End this process now: what is below it first (``keep`` last), then one line, exit 128 + ``signum``
+    (or ``code``)."""
     keep = set(keep)
     end_descendants(os.getpid(), skip=keep)
     end_pids(keep)
-    exit_now(RunEnded(signum, line))
+    exit_now(RunEnded(signum, line, code))
 
 
 def become_subreaper() -> bool:
