@@ -168,7 +168,12 @@ def _server_class():
             deadline = time.monotonic() + limit_s
             atexit.register(self.stop)
             for _ in range(PORT_TRIES):
-                self.port = self.find_available_port()
+                try:
+                    self.port = self.find_available_port()
+                except ServerUnavailable:
+                    if self.server_process is None:  # nothing started: nothing to read in a log
+                        self.log.unlink(missing_ok=True)
+                    raise
                 self.running = True
                 self.server_process = self._run_uvicorn_command()
                 code = _wait_healthy(self, deadline, limit_s)
