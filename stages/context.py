@@ -236,15 +236,11 @@ def _base_model_rank0_first(cfg: CampaignConfig, runs_root: Path, rank: int, wor
 
 
 def _load_policy(cfg: CampaignConfig, base: Path) -> tuple[torch.nn.Module, Any]:
-    """The base policy (fp32 masters, on the host) with ``model.outliers`` put in (exact in BF16: a lever
-    for FP8 noise) and the prompt format's stop tokens, and its tokenizer."""
-    from fp8rl_core.precision.outliers import inject_outliers
+    """The base policy (fp32 masters, on the host) with the prompt format's stop tokens, and its tokenizer."""
     from fp8rl_core.tasks.tiny_model import load_policy
     from stages.data.prompt_format import apply_stop_tokens
 
     policy, tokenizer = load_policy(base)
-    out = cfg.model.outliers
-    inject_outliers(policy, out.channels, out.log2_scale, cfg.model.seed)
     apply_stop_tokens(policy, tokenizer, cfg.prompt)  # chat format: stop at the template's end-of-turn
     return policy, tokenizer
 
@@ -288,6 +284,7 @@ def open_run(
     under torchrun the policy goes from the host straight into its shards: no
     device ever holds the whole fp32 model."""
     from fp8rl_core.precision.conversion import convert_for_training
+    from fp8rl_core.precision.outliers import inject_outliers
     from stages.bootstrap.integrity import check_base_policy
     from stages.bootstrap.math import capped_threads
     from stages.trainer.block_compile import compile_choice, compile_decoder_blocks
@@ -318,6 +315,7 @@ def open_run(
         device=device,
     )
     check_no_silent_emulation(cfg, device, report)
+    inject_outliers(policy, cfg.model.outliers.channels, cfg.model.outliers.log2_scale, cfg.model.seed)  # a lever
     compiled = compile_choice(cfg.precision.compile, device, report.backend)
     state_layer_precision(run_dir, policy, report, main=rank == 0, compiled=compiled)
     if cfg.algorithm.activation_checkpointing:

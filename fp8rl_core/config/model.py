@@ -10,14 +10,16 @@ from fp8rl_core.config.section import Section
 
 
 class OutlierConfig(Section):
-    """Activation outliers like a pretrained LLM's, put into the policy without changing what it computes.
+    """Activation outliers like a pretrained LLM's, seen by the policy's low-precision passes only.
 
     In ``channels`` hidden channels (the same ones in every decoder block, chosen by ``model.seed``)
-    each RMSNorm before a projection multiplies its weight by ``2**log2_scale`` and the projections
-    it feeds divide those input columns by the same power of two: exact in fp32 and in bf16, so a
-    BF16 run computes the same bits, while FP8 scaling sees the outlier channels (per-tensor scales
-    most of all). Applied to the loaded policy (``stages.context.open_run``); not part of the
-    bootstrap."""
+    every linear that quantizes (FP8/FP4 training and rollout) the input of a projection an RMSNorm
+    feeds quantizes that input times ``2**log2_scale`` and the weight's matching columns divided by it:
+    the same product in real arithmetic, while the outlier channels set the quantization scales
+    (per-tensor ones most of all). BF16 passes (training, the shadow, a BF16 rollout) do not apply it
+    and keep the plain policy's bits; the trained parameters stay the plain ones (the scale is a
+    fixed buffer, not in checkpoints). Applied to the converted policy (``stages.context.open_run``,
+    ``fp8rl_core.precision.outliers``); not part of the bootstrap."""
 
     channels: int = Field(0, ge=0, le=4096, description="Hidden channels made outliers (0: none).")
     log2_scale: int = Field(
@@ -46,7 +48,8 @@ class ModelConfig(Section):
     seed: int = Field(0, description="Seed of the tiny model's initial weights.")
     outliers: OutlierConfig = Field(
         default_factory=OutlierConfig,
-        description="Synthetic activation outliers put into the loaded policy (exact in BF16; a lever for FP8 noise).",
+        description="Synthetic activation outliers seen by the low-precision passes (BF16 keeps its bits; a lever "
+        "for FP8 noise).",
     )
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ from fp8rl_core.precision.conversion import _output_embedding_names
 from fp8rl_core.precision.fp4 import MXFP4, NVFP4
 from fp8rl_core.precision.fp4_linear import Fp4RolloutLinear
 from fp8rl_core.precision.fp8_linear import Fp8RolloutLinear, SharedInputCache
+from fp8rl_core.precision.outliers import carry_outliers, outlier_weight
 from fp8rl_core.registry import Registry
 
 ROLLOUT_PRECISIONS: Registry[Callable[[nn.Linear], nn.Module]] = Registry("rollout precision mode")
@@ -80,7 +81,7 @@ def convert_for_rollout(
         for attr, child in list(parent.named_children()):
             name = f"{parent_name}.{attr}" if parent_name else attr
             if isinstance(child, nn.Linear) and name not in keep:
-                setattr(parent, attr, make(child))
+                setattr(parent, attr, carry_outliers(child, make(child)))  # model.outliers stays with the copy
     cache = SharedInputCache()  # sibling projections quantize their shared input once
     for mod in rollout.modules():
         if isinstance(mod, Fp8RolloutLinear):
@@ -113,7 +114,7 @@ def sync_rollout_weights(rollout_model: nn.Module, train_model: nn.Module) -> No
             continue
         Fp8RolloutLinear.refresh_fused(
             [mod for _, mod in group],
-            [as_sent(w) for w in weights],
+            [as_sent(outlier_weight(mod, w)) for (_, mod), w in zip(group, weights)],
             [source.get(f"{name}.bias") for name in names],
             dtype=dtype,
         )
@@ -123,7 +124,7 @@ def sync_rollout_weights(rollout_model: nn.Module, train_model: nn.Module) -> No
             if w is None:
                 missing.append(f"{name}.weight")
                 continue
-            mod.refresh_weight(as_sent(w), source.get(f"{name}.bias"), dtype=dtype)
+            mod.refresh_weight(as_sent(outlier_weight(mod, w)), source.get(f"{name}.bias"), dtype=dtype)
     for name, p in rollout_model.named_parameters():
         src = source.get(name)
         if src is None:
