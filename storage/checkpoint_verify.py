@@ -18,7 +18,7 @@ import os
 import secrets
 from pathlib import Path
 
-from storage.checkpoint_format import DCP_METADATA, MANIFEST, STEP_DIR, dcp_dir, sha256_file
+from storage.checkpoint_format import DCP_DIR, DCP_METADATA, MANIFEST, STEP_DIR, dcp_dir, sha256_file
 from storage.layout import RunLayout
 
 
@@ -33,6 +33,28 @@ def _check_files(base: Path, files: dict, hashes: bool) -> list[str]:
         elif hashes and sha256_file(p) != meta["sha256"]:
             problems.append(f"{p}: sha256 does not match the manifest")
     return problems
+
+
+def _own_step_problems(path: Path, manifest: dict) -> list[str]:
+    """A ``step_<n>`` folder must hold step n's checkpoint and name step n's sharded state.
+
+    A folder copied or renamed to another step keeps its manifest, which names
+    the sharded state of the step it was made at; that state verifies, but it
+    is not this folder's, and this folder's own is missing.
+    """
+    m = STEP_DIR.match(path.name)
+    if m is None:
+        return []
+    own, out = int(m.group(1)), []
+    said = manifest.get("step")
+    if said is not None and int(said) != own:
+        out.append(f"{path}: its manifest is step {int(said)}'s, not step {own}'s (a copied or renamed folder)")
+    dcp = manifest.get("dcp")
+    if dcp is not None and dcp.get("dir") != f"{DCP_DIR}/step_{own}":
+        mine = dcp_dir(path.parent, own)
+        where = "missing" if not mine.is_dir() else "not the one its manifest lists"
+        out.append(f"{mine}: {where}; the manifest of {path.name} names {dcp.get('dir')} (a copied or renamed folder)")
+    return out
 
 
 def verify_checkpoint(path: str | Path, *, hashes: bool = True) -> list[str]:
@@ -51,9 +73,11 @@ def verify_checkpoint(path: str | Path, *, hashes: bool = True) -> list[str]:
         files = manifest["files"]
         dcp = manifest.get("dcp")
         dcp_files = None if dcp is None else (path.parent / dcp["dir"], dcp["files"])
-    except (ValueError, KeyError, TypeError) as err:
+        int(manifest.get("step", 0))
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         return [f"{mpath}: unreadable manifest ({err})"]
-    problems = _check_files(path, files, hashes)
+    problems = _own_step_problems(path, manifest)
+    problems += _check_files(path, files, hashes)
     if dcp_files is not None:
         problems += _check_files(*dcp_files, hashes)
     elif not problems:
