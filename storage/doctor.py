@@ -11,9 +11,12 @@ Checks, per run:
   statistics match its partition path, it carries the run's uid (a part of
   another run of the same name, or one without the uid, is an error), its name
   is one the writer produces; a link is a warning (queries skip it);
-  with ``deep=True`` every page is also decompressed and decoded;
+  DuckDB, the reader of queries, reads its footer (a part it cannot read is
+  an error: queries skip it); with ``deep=True`` every page is also
+  decompressed and decoded, by pyarrow (the reader of stages) and by DuckDB;
 - two live candidates for one (table, step, stage, variant) (a writer died
-  between rename and set-aside: harmless, reported as a warning);
+  between rename and set-aside: harmless, reported as a warning), chosen as
+  queries choose them (a link is never the live one);
 - leftover ``tmp/*.tmp`` files and ``checkpoints/.tmp-*`` folders (interrupted
   writes: harmless, safe to delete);
 - ``ledger.jsonl``: lines that do not parse (a torn last line is a warning, and
@@ -23,9 +26,11 @@ Checks, per run:
   live nor set aside;
 - every ``checkpoints/step_<n>/`` against its manifest, its sharded (DCP)
   state in ``checkpoints/.dcp/step_<n>/`` included: sizes, and with
-  ``deep=True`` sha256; checkpoints deleted by retention are known from
-  ``checkpoints/pruned.jsonl``; leftover ``checkpoints/.dcp/.tmp-*`` folders
-  (an interrupted sharded save) are a warning.
+  ``deep=True`` sha256; the manifest must be step n's and name step n's own
+  sharded state (a folder copied to another step is not); checkpoints
+  deleted by retention are known from ``checkpoints/pruned.jsonl``; leftover
+  ``checkpoints/.dcp/.tmp-*`` folders (an interrupted sharded save) are a
+  warning.
 
 Errors make ``fp8rl doctor`` exit 1; warnings alone do not.
 """
@@ -47,7 +52,6 @@ from storage.layout import (
     META_RUN_UID,
     META_STEP,
     META_VARIANT,
-    Part,
     RunInfo,
     RunLayout,
     find_runs,
@@ -55,10 +59,11 @@ from storage.layout import (
     live_parts,
     parse_part_name,
     read_run_info,
+    scan_parts,
 )
 from storage.ledger import Ledger
 from storage.ledger_records import DONE
-from storage.part_checks import footer_problem
+from storage.part_checks import data_problem, footer_problem
 from storage.schemas import STORED_TABLES
 from storage.table_spec import META_TABLE, META_VERSION, check_schema_version
 
@@ -117,7 +122,7 @@ def _check_parquet(path: Path, table: str, run_id: str, step: int, deep: bool, u
                     Problem(ERROR, str(path), f"{col} {st.min!r}..{st.max!r} does not match its path ({want!r})")
                 )
                 break
-    if deep:
+    if deep:  # both readers: stages read parts with pyarrow, queries with DuckDB
         try:
             for rg in range(meta.num_row_groups):
                 pf.read_row_group(rg)
@@ -125,6 +130,9 @@ def _check_parquet(path: Path, table: str, run_id: str, step: int, deep: bool, u
             out.append(
                 Problem(ERROR, str(path), f"corrupt data pages ({type(err).__name__}: {str(err).splitlines()[0]})")
             )
+            return out
+        if (why := data_problem(path)) is not None:
+            out.append(Problem(ERROR, str(path), f"{why}; queries skip it"))
     return out
 
 
@@ -165,12 +173,7 @@ def _check_tables(layout: RunLayout, run_id: str, deep: bool, uid: str | None) -
                 out.append(Problem(WARNING, str(f), f"bad step partition {rel[1]!r}; ignored by queries"))
                 continue
             out += _check_parquet(f, table, run_id, step, deep, uid)
-        parts = [
-            Part(f, table, run_id, int(f.parent.name[5:]), parse_part_name(f.name))
-            for f in table_dir.glob(f"run={run_id}/step=*/*.parquet")
-            if f.parent.name[5:].isdigit()
-        ]
-        for p in live_parts(parts)[1]:
+        for p in live_parts(scan_parts(layout, table, run_id))[1]:  # the listing queries use: links never live
             out.append(
                 Problem(
                     WARNING,
