@@ -30,6 +30,14 @@ How the views are built:
   ``step`` column statistics): a part whose footer disagrees with its location
   (a ``steps`` part in ``scores/``, another run's part copied into this run's
   partition) is skipped and listed the same way. Only the footer is read;
+- DuckDB, the reader of every query, checks every part: building a table's
+  view reads each listed footer, and a part it cannot read (damage that the
+  checks above miss) fails the view; each part of that table is then read
+  alone, the unreadable ones are skipped and listed, and the view is built
+  again. A query that fails on a page finds its part the same way. Either way
+  one damaged part costs its own rows only: the rest of its table and every
+  other table stay queryable, and a table that still cannot be read fails only
+  the queries that name it;
 - ``run_id`` and ``step`` (BIGINT) are read from the files, which carry them
   (self-describing even when copied alone); the ``run=/step=`` hive path is
   what listing and ``runs=`` use, so DuckDB's own hive parsing is off (it
@@ -61,7 +69,7 @@ import pyarrow as pa
 from storage.identity import no_uid_warning
 from storage.layout import RunLayout, find_runs, live_parts, scan_parts
 from storage.ledger import Ledger
-from storage.part_checks import footer_problem, identity_problem, pages_problem, quick_parquet_check
+from storage.part_checks import identity_problem, kept_problem, quick_parquet_check, unreadable_parts
 from storage.schemas import STORED_TABLES, TABLES
 from storage.table_spec import MAIN_VARIANT, TableSpec
 
@@ -70,6 +78,17 @@ _PROBLEMS = "catalog_problems"
 _EXCLUDED = "_catalog_excluded"  # files found corrupt on reading: (path, why), skipped from then on
 _FILES = "_catalog_files"  # the files the views read now
 _KEYS = ("run_id", "step", "variant")
+_UNREADABLE_TABLE = "cannot be read as a whole"  # a table whose view fails on every read (see refresh)
+_NOT_A_PART = (  # errors of the SQL itself, never of a part: no part is read to look for a damaged one
+    duckdb.ParserException,
+    duckdb.CatalogException,
+    duckdb.BinderException,
+    duckdb.PermissionException,
+    duckdb.ConversionException,
+    duckdb.OutOfRangeException,
+    duckdb.TypeMismatchException,
+    duckdb.InterruptException,
+)
 
 
 def _sql_str(s: str) -> str:
@@ -159,6 +178,20 @@ def _view_sql(spec: TableSpec, files: list[str]) -> str:
     return base
 
 
+def _failing_sql(spec: TableSpec, why: str) -> str:
+    """A view with the table's columns whose every read fails with ``why``."""
+    return f"SELECT * FROM _schema_{spec.name}, (SELECT 1 FROM range(1) WHERE error({_sql_str(why)}) IS NULL)"
+
+
+def _create_views(con: duckdb.DuckDBPyConnection, name: str, sql: str) -> None:
+    con.execute(f"CREATE OR REPLACE VIEW {name}_variants AS {sql}")
+    con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {name}_variants WHERE variant = '{MAIN_VARIANT}'")
+
+
+def _first_line(err: BaseException) -> str:
+    return next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
+
+
 def _live_files(
     spec: TableSpec, infos: list, problems: list[tuple[str, str]], excluded: Mapping[str, str] = {}
 ) -> list[str]:
@@ -181,7 +214,7 @@ def _live_files(
                 placed.append(p)  # (a misplaced part never hides the part it claims to replace)
         live, _ = live_parts(placed)
         for p in live:
-            why = excluded.get(str(p.path)) or quick_parquet_check(p.path)
+            why = excluded.get(str(p.path)) or quick_parquet_check(p.path) or kept_problem(p.path)
             if why is None:
                 files.append(str(p.path))
             elif os.path.exists(p.path):
@@ -253,24 +286,28 @@ def refresh(con: duckdb.DuckDBPyConnection, *, retries: int = 5) -> list[tuple[s
     for name in STORED_TABLES:
         spec = TABLES[name]
         _create_from_arrow(con, f"_schema_{name}", spec.schema().empty_table())
-        for attempt in range(retries + 1):
+        relisted = 0
+        while True:
             found: list[tuple[str, str]] = []
             files = _live_files(spec, infos, found, _excluded(con))
             try:
-                con.execute(f"CREATE OR REPLACE VIEW {name}_variants AS {_view_sql(spec, files)}")
-                con.execute(
-                    f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {name}_variants WHERE variant = '{MAIN_VARIANT}'"
-                )
+                _create_views(con, name, _view_sql(spec, files))
                 break
-            except duckdb.IOException:
-                if attempt == retries or all(os.path.exists(f) for f in files):
-                    raise
-            except duckdb.Error:
-                # a file whose footer DuckDB cannot parse fails the whole view: find it, skip it
-                bad = [(f, why) for f in files if (why := footer_problem(f)) is not None]
-                if not bad or attempt == retries:
-                    raise
-                _exclude(con, bad)
+            except duckdb.Error as err:
+                # building a view reads every listed footer (DuckDB is the check): a part it cannot read
+                # fails the view, so find it, skip it and build again (each pass skips one at least); a
+                # part that a writer set aside meanwhile (the file gone) means: list again
+                if relisted < retries and not all(map(os.path.exists, files)):
+                    relisted += 1
+                    continue
+                bad = unreadable_parts(files, err, data=False)
+                if bad:
+                    _exclude(con, bad)
+                    continue
+                why = f"table {name!r} {_UNREADABLE_TABLE} ({_first_line(err)}); queries of it fail"
+                _create_views(con, name, _failing_sql(spec, why))  # the other tables stay queryable
+                found.append((root, f"{why} (run `fp8rl doctor`)"))
+                break
         problems += found
         all_files += files
     con.execute(f"DELETE FROM {_FILES}")
@@ -325,28 +362,38 @@ def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
 def query(con: duckdb.DuckDBPyConnection, sql: str, *, retries: int = 10) -> pa.Table:
     """Run ``sql`` and return the result as an arrow table.
 
-    A file set aside by a concurrent writer between listing and reading gives
-    DuckDB an I/O error; the views are then rebuilt and the query retried (with
-    a short growing pause, so a writer superseding files in a burst cannot win
-    every race).
+    A part DuckDB cannot read (a page that does not decode, a length that
+    points past the file's end) is found by reading the listed parts one by one
+    (:func:`storage.part_checks.unreadable_parts`), skipped, listed in
+    ``catalog_problems``, and the query retried. A file set aside by a
+    concurrent writer between listing and reading gives DuckDB an I/O error;
+    the views are then rebuilt and the query retried (with a short growing
+    pause, so a writer superseding files in a burst cannot win every race).
     """
-    for attempt in range(retries + 1):
+    attempt = 0
+    while True:
         try:
             rel = con.sql(sql)
             return rel.to_arrow_table() if rel is not None else pa.table({})
-        except duckdb.IOException:
+        except _NOT_A_PART:
+            raise
+        except duckdb.Error as err:
+            if _UNREADABLE_TABLE in str(err):
+                raise
+            files = [f for (f,) in con.sql(f"SELECT path FROM {_FILES}").fetchall()]
+            if all(map(os.path.exists, files)):
+                # a part DuckDB cannot read (a page that does not decode, a length past the file's end):
+                # find it, skip it, say so, retry (each pass skips one at least)
+                bad = unreadable_parts(files, err, data=True)
+                if bad:
+                    _exclude(con, bad)
+                    refresh(con)
+                    continue
+                if not isinstance(err, duckdb.IOException):
+                    raise
+            # a file set aside by a concurrent writer (or an I/O error that may pass): list again, retry
             if attempt == retries:
                 raise
-            time.sleep(min(0.02 * (attempt + 1), 0.2))
+            attempt += 1
+            time.sleep(min(0.02 * attempt, 0.2))
             refresh(con)
-        except (duckdb.ParserException, duckdb.CatalogException, duckdb.BinderException, duckdb.PermissionException):
-            raise
-        except duckdb.Error:
-            # a data page DuckDB cannot decode: find the file(s), skip them, say so, retry
-            files = [f for (f,) in con.sql(f"SELECT path FROM {_FILES}").fetchall()]
-            bad = [(f, why) for f in files if (why := pages_problem(f)) is not None]
-            if not bad or attempt == retries:
-                raise
-            _exclude(con, bad)
-            refresh(con)
-    raise AssertionError("unreachable")

@@ -7,10 +7,17 @@
   footer bytes where possible, else from the parsed metadata and the column
   statistics of files written before those keys);
 - :func:`footer_problem`: DuckDB reads the footer's schema;
-- :func:`pages_problem`: every page decodes (reads the whole file).
+- :func:`data_problem`: DuckDB decodes every page (reads the whole file);
+- :func:`pages_problem`: pyarrow decodes every page (the reader of the stages).
 
-The catalog (:mod:`storage.catalog`) skips a part that fails one and lists it
-in ``catalog_problems``; ``fp8rl doctor`` names it.
+The first two are cheap enough to run on every part each time a run is
+listed. DuckDB, the reader of every query, is the judge of the last word: the
+catalog's views read every listed part's footer when they are built, and when
+that (or a query) fails, :func:`unreadable_parts` asks DuckDB about each part
+alone to name the ones it cannot read. Its verdicts are kept per (path, size,
+mtime), so a part is judged once while it is unchanged. The catalog
+(:mod:`storage.catalog`) skips a part that fails a check and lists it in
+``catalog_problems``; ``fp8rl doctor`` names it.
 """
 
 from __future__ import annotations
@@ -169,12 +176,80 @@ def identity_problem(part: Part, run_uid: str | None = None) -> str | None:
 
 def footer_problem(path: str | Path, con: duckdb.DuckDBPyConnection | None = None) -> str | None:
     """None if DuckDB can read ``path``'s Parquet footer (its schema), else why not (one line)."""
+    return _judged("footer", path, con)
+
+
+def data_problem(path: str | Path, con: duckdb.DuckDBPyConnection | None = None) -> str | None:
+    """None if DuckDB decodes every page of ``path`` (reads the whole file), else why not (one line)."""
+    return _judged("data", path, con)
+
+
+_SQL = {
+    "footer": "DESCRIBE SELECT * FROM read_parquet({})",
+    "data": "SELECT bit_xor(hash(t)) FROM read_parquet({}) t",  # hashes each whole row: every column decodes
+}
+_WHAT = {"footer": "corrupt Parquet footer", "data": "corrupt Parquet data"}
+_VERDICTS: dict[tuple[str, str, int, int], str | None] = {}
+_MAX_VERDICTS = 20_000  # a few MB at most; cleared when full
+
+
+def _judged(kind: str, path: str | Path, con: duckdb.DuckDBPyConnection | None) -> str | None:
+    """DuckDB's verdict on ``path`` (``kind``: footer or data), kept per (path, size, mtime): parts never
+    change in place, and a file that does is judged again."""
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        return f"unreadable ({err.strerror or err})"
+    key = (kind, str(path), st.st_size, st.st_mtime_ns)
+    if key in _VERDICTS:
+        return _VERDICTS[key]
     con = con or duckdb.connect(":memory:")
     try:
-        con.execute(f"DESCRIBE SELECT * FROM read_parquet({_sql_str(str(path))})").fetchall()
+        con.execute(_SQL[kind].format(_sql_str(str(path)))).fetchall()
+        why = None
     except duckdb.Error as err:
-        return f"corrupt Parquet footer ({_first_line(err)})"
-    return None
+        quoted = f'"{path}"'  # (the path is the subject of the line already)
+        why = f"{_WHAT[kind]} ({_first_line(err).replace(f' from file {quoted}', '')})"
+    if len(_VERDICTS) >= _MAX_VERDICTS:
+        _VERDICTS.clear()
+    _VERDICTS[key] = why
+    return why
+
+
+def kept_problem(path: str | Path) -> str | None:
+    """Why DuckDB could not read ``path`` when it was last asked, if the file has not changed since (else None).
+
+    A catalog lists a part found unreadable once without giving it to DuckDB again.
+    """
+    if not _VERDICTS:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return next((why for kind in _SQL if (why := _VERDICTS.get((kind, str(path), st.st_size, st.st_mtime_ns)))), None)
+
+
+def forget_verdicts() -> None:
+    """Drop the kept verdicts (a benchmark measures the first look at a damaged part with it)."""
+    _VERDICTS.clear()
+
+
+def unreadable_parts(files: list[str], error: BaseException, *, data: bool) -> list[tuple[str, str]]:
+    """The parts among ``files`` that DuckDB cannot read, each alone: ``(path, why)``.
+
+    ``error`` is the failure that raised the question; a part it names is asked
+    about first, and if that one is unreadable the others are not read. ``data``:
+    decode every page (a query failed), not only the footer (a view failed).
+    """
+    said = str(error)
+    named = [f for f in files if f in said]
+    con = duckdb.connect(":memory:")
+    for group in (named, [f for f in files if f not in named]):
+        bad = [(f, why) for f in group if (why := footer_problem(f, con) or (data_problem(f, con) if data else None))]
+        if bad:
+            return bad
+    return []
 
 
 def pages_problem(path: str | Path) -> str | None:
