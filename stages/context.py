@@ -235,6 +235,17 @@ def _base_model_rank0_first(cfg: CampaignConfig, runs_root: Path, rank: int, wor
     return base_model_dir(cfg, runs_root)
 
 
+def _base_policy(cfg: CampaignConfig, run_dir: Path, rank: int, world_size: int, group: Any) -> Path:
+    """The run's base policy, a bootstrapped one checked: its files as built, and the one the run started
+    from (``stages.bootstrap.integrity``; rank 0 records it on the first start). ``model.path`` is read as it is."""
+    from stages.bootstrap.integrity import check_base_policy
+
+    base = _base_model_rank0_first(cfg, run_dir.parent, rank, world_size, group)
+    if cfg.model.path is None:
+        check_base_policy(run_dir, base, record=rank == 0)
+    return base
+
+
 def _load_policy(cfg: CampaignConfig, base: Path) -> tuple[torch.nn.Module, Any]:
     """The base policy (fp32 masters, on the host) with the prompt format's stop tokens, and its tokenizer."""
     from fp8rl_core.tasks.tiny_model import load_policy
@@ -285,7 +296,6 @@ def open_run(
     device ever holds the whole fp32 model."""
     from fp8rl_core.precision.conversion import convert_for_training
     from fp8rl_core.precision.outliers import inject_outliers
-    from stages.bootstrap.integrity import check_base_policy
     from stages.bootstrap.math import capped_threads
     from stages.trainer.block_compile import compile_choice, compile_decoder_blocks
     from stages.trainer.optimizer import make_optimizer
@@ -294,9 +304,7 @@ def open_run(
     run_dir = Path(run_dir)
     read_run_info(run_dir)  # fails clearly on a non-run directory
     device = resolve_device(cfg.device)
-    base = _base_model_rank0_first(cfg, run_dir.parent, rank, world_size, group)
-    if cfg.model.path is None:  # the bootstrapped policy: its files as built, and the one this run started from
-        check_base_policy(run_dir, base, record=rank == 0)
+    base = _base_policy(cfg, run_dir, rank, world_size, group)
     policy, tokenizer = _load_policy(cfg, base)  # fp32 masters, on the host
     # vLLM loads its own copy from disk: it is built before any trainer weight reaches the device (its start-up
     # check wants utilization x total free), and under torchrun the policy is sharded straight from the host
