@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -359,6 +360,11 @@ def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
             raise StorageError(f"queries are read-only: {kind} statements are refused (only SELECT){hint}")
 
 
+def _tables_named(sql: str) -> set[str]:
+    """The stored tables whose names (or ``<table>_variants``) appear in ``sql`` as words."""
+    return {t for t in STORED_TABLES if re.search(rf"\b{t}(_variants)?\b", sql)}
+
+
 def query(con: duckdb.DuckDBPyConnection, sql: str, *, retries: int = 10) -> pa.Table:
     """Run ``sql`` and return the result as an arrow table.
 
@@ -384,7 +390,11 @@ def query(con: duckdb.DuckDBPyConnection, sql: str, *, retries: int = 10) -> pa.
             if all(map(os.path.exists, files)):
                 # a part DuckDB cannot read (a page that does not decode, a length past the file's end):
                 # find it, skip it, say so, retry (each pass skips one at least)
-                bad = unreadable_parts(files, err, data=True)
+                # the parts of the tables the query names first (a part's path: tables/<t>/run=…/step=…/…)
+                tables = _tables_named(sql)
+                named = [f for f in files if Path(f).parts[-4] in tables]
+                rest = [f for f in files if Path(f).parts[-4] not in tables]
+                bad = unreadable_parts(named, err, data=True) or unreadable_parts(rest, err, data=True)
                 if bad:
                     _exclude(con, bad)
                     refresh(con)
