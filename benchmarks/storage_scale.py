@@ -8,6 +8,14 @@ queries over all rows (the shipped named queries calibration-history,
 clip-shares-by-sign, entropy-bins) plus the catalog's connect time. Goals on a
 2-core machine: >= 2M rows/s, each query <= 1 s, <= 20 bytes/row.
 
+Then the cost of DuckDB's check of every part (``storage.catalog``): what it
+takes DuckDB to read every listed footer (the views are built on those reads,
+so a healthy run pays nothing more), what checking each part alone would cost,
+and connect plus the three queries with one ``token_stats`` part damaged so
+that only DuckDB finds it (its footer's first field claims 1 MiB): the first
+look, which reads that table's footers one by one, and a later one in the
+same process, which finds the verdicts kept per (path, size, mtime).
+
 Data is generated to resemble a real calibration step, so the floats compress
 as real ones do (random mantissas; nothing constant except per-step bounds):
 responses of 50-2000 tokens in GRPO groups of 8 with 0/1 rewards, one
@@ -116,6 +124,77 @@ def write_run(root: Path, data: list[dict]) -> tuple[float, float, int]:
     return wall, cpu, size
 
 
+def _connect_and_query(root: Path) -> tuple[float, float]:
+    """Seconds for connect, and for connect plus the three queries."""
+    t = time.perf_counter()
+    con = connect(root)
+    c = time.perf_counter() - t
+    for name in QUERIES:
+        q = get_query(name)
+        set_params(con, {k: d for k, (d, _) in q.params.items()})
+        query(con, q.sql)
+    return c, time.perf_counter() - t
+
+
+def part_check_cost(root: Path, repeats: int) -> None:
+    """DuckDB's check of every part: healthy, per part, and with one part only DuckDB finds damaged."""
+    import duckdb
+
+    from storage.catalog import problems
+    from storage.layout import RunLayout, scan_parts
+    from storage.part_checks import footer_problem, forget_verdicts
+    from storage.schemas import STORED_TABLES
+
+    parts = [str(p.path) for t in STORED_TABLES for p in scan_parts(RunLayout(root / "bench"), t, "bench")]
+    listing = "[" + ", ".join(f"'{p}'" for p in parts) + "]"
+    probe = duckdb.connect(":memory:")
+
+    def footers() -> float:
+        t = time.perf_counter()
+        probe.execute(f"SELECT count(*) FROM parquet_schema({listing})").fetchall()
+        return time.perf_counter() - t
+
+    def one_by_one() -> float:
+        forget_verdicts()
+        t = time.perf_counter()
+        for p in parts:
+            footer_problem(p, probe)
+        return time.perf_counter() - t
+
+    read = statistics.median(footers() for _ in range(repeats))
+    alone = statistics.median(one_by_one() for _ in range(repeats))
+    healthy = [_connect_and_query(root) for _ in range(repeats)]
+    c_ok, t_ok = statistics.median(c for c, _ in healthy), statistics.median(t for _, t in healthy)
+    print(
+        f"part check: DuckDB reads all {len(parts)} footers in {read * 1000:.0f} ms (the views are built on "
+        f"these reads: a healthy run pays nothing more; connect {c_ok * 1000:.0f} ms, "
+        f"connect + {len(QUERIES)} queries {t_ok * 1000:.0f} ms); each part alone would cost {alone * 1000:.0f} ms "
+        f"= {100 * alone / t_ok:.1f}% of connect + queries"
+    )
+    victim = next(p for p in scan_parts(RunLayout(root / "bench"), "token_stats", "bench") if p.step == 50).path
+    orig = victim.read_bytes()
+    footer = int.from_bytes(orig[-8:-4], "little")
+    start = len(orig) - 8 - footer
+    victim.write_bytes(orig[:start] + b"\x18\x80\x80\x40" + orig[start + 4 :])  # a first field of 1 MiB
+    try:
+        first, later = [], []
+        for _ in range(repeats):
+            forget_verdicts()
+            first.append(_connect_and_query(root))
+            later.append(_connect_and_query(root))
+        con = connect(root)
+        assert [p for p, _ in problems(con)] == [str(victim)], problems(con)
+    finally:
+        victim.write_bytes(orig)
+    c1, t1 = statistics.median(c for c, _ in first), statistics.median(t for _, t in first)
+    c2, t2 = statistics.median(c for c, _ in later), statistics.median(t for _, t in later)
+    print(
+        f"one damaged token_stats part: connect {c1 * 1000:.0f} ms at the first look (+{(c1 - c_ok) * 1000:.0f} ms), "
+        f"{c2 * 1000:.0f} ms later in the same process (+{(c2 - c_ok) * 1000:.0f} ms); connect + queries "
+        f"{t1 * 1000:.0f} / {t2 * 1000:.0f} ms against {t_ok * 1000:.0f} ms healthy"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=10_000_000)
@@ -178,6 +257,7 @@ def main() -> None:
                 f"on {threads} threads ({result.num_rows} rows; all: {', '.join(f'{x * 1000:.0f}' for x in times)} ms)"
                 "  goal <= 1000 ms"
             )
+        part_check_cost(root, args.repeats)
         print(
             f"load average (1/5 min) at the end: {os.getloadavg()[0]:.1f} / {os.getloadavg()[1]:.1f} "
             f"on {os.cpu_count()} cores — other jobs inflate wall times"
