@@ -49,9 +49,11 @@ How the views are built:
 - ``token_stats`` adds the derived columns (ratios, over/under-clipped) as expressions;
   ``steps`` folds the rows written by different stages of one step into one.
 
-Nothing is locked or cached: a campaign may write while queries run. A file
-that is set aside between listing and reading (a retried stage) makes DuckDB
-raise an I/O error; :func:`query` then re-lists the files and retries.
+Nothing is locked, and nothing is cached but DuckDB's verdicts on parts it
+was asked about (per path, size and mtime: a part changed since is asked
+about again): a campaign may write while queries run. A file that is set
+aside between listing and reading (a retried stage) makes DuckDB raise an I/O
+error; :func:`query` then re-lists the files and retries.
 """
 
 from __future__ import annotations
