@@ -7,11 +7,10 @@
   footer bytes where possible, else from the parsed metadata and the column
   statistics of files written before those keys);
 - :func:`footer_problem`: DuckDB reads the footer's schema;
-- :func:`data_problem`: DuckDB decodes every page (reads the whole file);
-- :func:`pages_problem`: pyarrow decodes every page (the reader of the stages).
+- :func:`data_problem`: DuckDB decodes every page (reads the whole file).
 
 The first two are cheap enough to run on every part each time a run is
-listed. DuckDB, the reader of every query, is the judge of the last word: the
+listed. DuckDB, the reader of every query, has the last word: the
 catalog's views read every listed part's footer when they are built, and when
 that (or a query) fails, :func:`unreadable_parts` asks DuckDB about each part
 alone to name the ones it cannot read. Its verdicts are kept per (path, size,
@@ -250,17 +249,6 @@ def unreadable_parts(files: list[str], error: BaseException, *, data: bool) -> l
         if bad:
             return bad
     return []
-
-
-def pages_problem(path: str | Path) -> str | None:
-    """None if every page of ``path`` decodes (reads the whole file), else why not (one line)."""
-    import pyarrow.parquet as pq
-
-    try:
-        pq.read_table(path)
-    except Exception as err:  # pyarrow raises several types for damaged files
-        return f"corrupt Parquet data ({type(err).__name__}: {_first_line(err)})"
-    return None
 
 
 def _first_line(err: BaseException) -> str:
