@@ -45,11 +45,9 @@ def until_signal(
     :class:`flows.shutdown.RunEnded` when a signal ended the run, for the
     process's entry point to end it with (:func:`flows.shutdown.exit_now`).
 
-    A server that cannot start, or whose process ends during the run, ends the
-    run by the same path with exit 2 and its own line (the cause, the server's
-    log, ``resume``): its death is delivered as a SIGTERM to the main thread, so
-    the stage in flight unwinds as at a signal and ``fp8rl resume`` redoes it,
-    where the flow would otherwise retry the dead server for minutes a step."""
+    A server that cannot start, or dies, ends the run this way with exit 2 and its
+    own line (cause, log, ``resume``): a death is sent as SIGTERM to the main thread,
+    so the stage in flight unwinds as at a signal (the flow would retry the dead server)."""
     from flows import child_guard, prefect_server, shutdown
     from flows.prefect_preflight import ServerUnavailable
 
@@ -90,7 +88,11 @@ def until_signal(
     with shutdown.signals_end_the_run(on_deadline, deadline_s or shutdown.DEADLINE_S) as signals:
         holder["signals"] = signals
         try:
-            return body(start_server)
+            out = body(start_server)
+            if prefect_server.stop_watch(holder.get("server"))[1]:  # died as the run ended: its deadline ends it
+                signals.arrived(within_s=1.0)
+                signals.settle()
+            return out  # a server that ends from here on ends after the run
         except ServerUnavailable as err:  # the server could not start: nothing of it is left
             holder["failure"] = str(err)
             signals.settle()
@@ -98,6 +100,8 @@ def until_signal(
             died, fired = prefect_server.stop_watch(holder.get("server"))
             if fired:
                 signals.arrived(within_s=1.0)  # the watch's SIGTERM, taken as handled below
+            elif died is not None:  # the flow failed on the dead server before the watch saw it die
+                prefect_server.quiet_clients()
             if signals.settle() is None and died is None:  # not a signal's doing, nor the server's
                 raise
     shutdown.end_descendants(skip=keep())  # pool workers, sandbox launchers, what a rank left behind
