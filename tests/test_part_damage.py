@@ -4,8 +4,9 @@ The fault matrix: for each stored table, one part is damaged so that the cheap
 checks of the listing (the magic bytes, the footer's length, the identity keys
 found in the footer's last bytes) still pass, and DuckDB, the reader of every
 query, fails on it with an I/O error: where it starts reading, the bytes read
-as a Thrift field longer than the file. Each kind of damage is chosen so
-(seeded random bytes, the first seed whose bytes do that):
+as a Thrift field longer than the file. Each kind of damage is chosen so:
+random bytes from the first seed whose bytes do that, or for the length, the
+first such place among the data pages:
 
 | damage                                             | DuckDB fails           |
 |----------------------------------------------------|------------------------|
