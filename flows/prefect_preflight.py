@@ -159,6 +159,18 @@ def check_database() -> None:
     )
 
 
+def check_startup_limit() -> None:
+    """The start-up limit must be whole seconds: Prefect would refuse any other value with a traceback."""
+    from flows.prefect_env import STARTUP_LIMIT_ENV, STARTUP_LIMIT_S
+
+    text = os.environ.get(STARTUP_LIMIT_ENV, "").strip()
+    if not text.isdigit() or int(text) < 1:
+        raise ServerUnavailable(
+            f"{STARTUP_LIMIT_ENV}={text!r}: give the temporary server's start-up limit in whole seconds, "
+            f"at least 1 (fp8rl's default is {STARTUP_LIMIT_S})"
+        )
+
+
 def check_temporary_server() -> None:
     """Before a run's directory exists: can the temporary server start? :class:`ServerUnavailable` if not.
     Nothing to check when the campaign reports to a configured server (``PREFECT_API_URL``)."""
@@ -167,5 +179,6 @@ def check_temporary_server() -> None:
     configure_prefect_env()  # the home and settings the server will have (Prefect reads them at import)
     if not uses_temporary_server():
         return
+    check_startup_limit()
     check_database()
     free_port()

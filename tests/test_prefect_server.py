@@ -136,7 +136,7 @@ def _taken_ports(n: int = 2):
     pytest.fail("found no consecutive free ports")
 
 
-def test_every_port_taken_is_refused_before_the_run_directory_and_a_start_starts_nothing(tmp_path, own_env, no_flow):
+def test_ports_all_taken_or_a_bad_server_setting_are_refused_before_the_run_directory(tmp_path, own_env, no_flow):
     from flows import prefect_server
     from flows.prefect_preflight import ServerUnavailable
 
@@ -158,6 +158,10 @@ def test_every_port_taken_is_refused_before_the_run_directory_and_a_start_starts
             base._instances.pop(None, None)
     os.environ["FP8RL_PREFECT_PORTS"] = "9000-80"
     one_line_exit_2(cli("run", "tiny-cpu", "--run-dir", run), "FP8RL_PREFECT_PORTS='9000-80'", "FIRST-LAST")
+    os.environ.pop("FP8RL_PREFECT_PORTS")
+    os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "soon"  # Prefect: a traceback at import
+    one_line_exit_2(cli("run", "tiny-cpu", "--run-dir", run), "TIMEOUT_SECONDS='soon'", "whole seconds")
+    assert not run.exists()
 
 
 @pytest.mark.vllm
