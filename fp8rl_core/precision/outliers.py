@@ -34,7 +34,9 @@ plain model's. Where the bits go:
 
 Apply it after ``convert_for_training`` (which replaces the linears); ``convert_for_rollout``
 carries it to the rollout copy, whose quantized weights are refreshed as ``W / s``
-(:func:`outlier_weight`).
+(:func:`outlier_weight`). A training linear reads ``W / s`` by the swap ``torch.func.functional_call``
+makes (its ``_parameters`` entry, for the forward only). Checked on one process with the emulated
+linears; FSDP2 shards and compiled blocks have not run with it (vLLM engines are refused).
 """
 
 from __future__ import annotations
