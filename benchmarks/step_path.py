@@ -183,6 +183,8 @@ def hops_from_run_step(overrides: list[str]) -> dict[str, list[str]]:
             rel = Path(frame.f_code.co_filename).resolve().relative_to(root)
         except ValueError:
             return None
+        if rel.parts[0] not in FOLLOWED + LEAVES:  # a virtualenv inside the checkout is library code
+            return None
         return f"{rel}:{frame.f_code.co_name}"
 
     def profile(frame, event, arg):

@@ -21,16 +21,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from fp8rl_core.calibration.noise_sources import noise_sources
+from fp8rl_core.calibration.shadow_metrics import shadow_metrics as shadow_noise
 from fp8rl_core.objective.losses import importance_ratio
-from fp8rl_core.signals.diagnostics import (
-    entropy_binned_clip_shares,
-    is_garbled,
-    noise_amplification,
-    over_clipped_mask,
-    under_clipped_mask,
-)
-from fp8rl_core.signals.failure_signals import garbled_share
+from fp8rl_core.signals.failure_signals import garbled_shares
 from fp8rl_core.tasks.verifiers import answer_parser
 from stages.context import RunEnv, TrainState, step_seed
 from stages.result import StageResult
@@ -41,8 +34,6 @@ from stages.trainer.forward import token_multiple
 from stages.trainer.step_stats import UpdateResult
 from stages.trainer.update import policy_update
 from storage import faults
-
-ENTROPY_BIN_EDGES = (0.0, 0.1, 0.5, 1.0, 2.0, float("inf"))
 
 
 def build_batch(rows: pa.Table, scores: pa.Table, pad_id: int, step: int = 0, *, top_k: int = 0) -> TrainBatch:
@@ -158,35 +149,9 @@ def token_rows(batch: TrainBatch, res: UpdateResult, *, bounds, standard, sample
 
 
 def shadow_metrics(batch: TrainBatch, res: UpdateResult, bounds, standard, tis_cap: float = 2.0) -> dict[str, float]:
-    """Probability/ratio NMAE, noise amplification, over/under-clipped shares, entropy bins, noise sources."""
-    if res.logp_bf16 is None:
-        return {}
-    # subsampled shadow: its rows
-    mask = (batch.response_mask > 0) & torch.isfinite(res.logp_bf16) & torch.isfinite(res.old_logp_bf16)
-    amp = noise_amplification(res.logp_fp8, res.logp_bf16, res.old_logp_fp8, res.old_logp_bf16, mask)
-    out = {k: float(v) for k, v in amp.items()}
-    out.update(noise_sources(res.logp_fp8, res.old_logp_fp8, res.logp_bf16, res.old_logp_bf16, batch.rollout_logp, mask,
-                             tis_cap=tis_cap))  # ratio noise vs TIS-weight noise
-    r8 = importance_ratio(res.logp_fp8, res.old_logp_fp8)
-    r16 = importance_ratio(res.logp_bf16, res.old_logp_bf16)
-    adv = batch.advantages[:, None].expand_as(r8)
-    neg = mask & (adv < 0)
-    n_valid = max(int(mask.sum()), 1)
-    eps_low = 1.0 - standard[0]
-    low = bounds[0] if res.row_bounds is None else res.row_bounds[:, :1]  # [N, 1]: each row's L (BAPO)
-    over = over_clipped_mask(r8, r16, adv, mask, eps_low=eps_low, lower=low)
-    under = under_clipped_mask(r8, r16, adv, mask, eps_low=eps_low, lower=low)
-    out["overclipped_share"] = float(over.sum()) / n_valid
-    out["underclipped_share"] = float(under.sum()) / n_valid
-    n_neg = max(int(neg.sum()), 1)
-    out["lower_clip_share_neg_fp8"] = float((neg & (r8 < low)).sum()) / n_neg
-    out["lower_clip_share_neg_bf16"] = float((neg & (r16 < standard[0])).sum()) / n_neg
-    bins = entropy_binned_clip_shares(res.entropy, r8, adv, mask, edges=ENTROPY_BIN_EDGES, lower=bounds[0],
-                                      upper=bounds[1])
-    for i, b in enumerate(bins):
-        out[f"clipfrac_lower_entropy_bin{i}"] = b["clipfrac_lower"]
-        out[f"clipfrac_upper_entropy_bin{i}"] = b["clipfrac_upper"]
-    return out
+    """The shadow step's noise metrics (:func:`fp8rl_core.calibration.shadow_metrics.shadow_metrics`)."""
+    return shadow_noise(res, advantages=batch.advantages, response_mask=batch.response_mask,
+                        rollout_logp=batch.rollout_logp, bounds=bounds, standard=standard, tis_cap=tis_cap)
 
 
 def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
@@ -204,7 +169,7 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     batch = build_batch(rows, scores, env.tokenizer.pad_token_id, step, top_k=env.cfg.algorithm.score_centering_k)
     # fixed K, drift, or a guard's remedy; on shadow steps the rows to shadow (None: all)
     shadow, shadow_rows = shadow_plan(env, state, step, batch.advantages, batch.response_mask)
-    bounds = state.calibrator.bounds
+    bounds = (state.calibrator.lower, state.calibrator.upper)  # in force this step
     standard = (1.0 - cfg.algorithm.eps_low, 1.0 + cfg.algorithm.eps_high)
     with faults.lr_surge(state.optimizer, state.scheduler, step, attempt):  # inert unless a test injects a surge
         res = policy_update(
@@ -239,8 +204,7 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
         "reward_mean": float(np.mean(scores_all["reward"])), "accuracy": float(np.mean(scores_all["correct"])),
         "response_length_mean": float(np.mean(rows.column("response_length").to_numpy())),
         # docs/method.md, "Failure signals": the share of responses the answer parser cannot read
-        "garbled_share": garbled_share(responses, answer_parser(env.source.verifier)),
-        "garbled_heuristic_share": float(np.mean([is_garbled(r) for r in responses])) if responses else 0.0,
+        **garbled_shares(responses, answer_parser(env.source.verifier)),
         "kept_share": float(np.mean(scores_all["kept"])), "shadow": float(shadow),
         "pg_loss": m.get("loss", 0.0), "learning_rate": m.get("lr", 0.0),
         "train_tokens_per_second": n_valid / max(res.timings.get("update_s", train_seconds), 1e-9),

@@ -447,3 +447,17 @@ def set_aside_from(
                 ckpts.append(writer._set_aside(path))
     n = Ledger(run_dir).set_aside(from_step=step, stages=stages, variant=variant)
     return SetAside(files, ckpts, n)
+
+
+def read_step_rows(
+    layout: RunLayout, run_id: str, table: str, step: int, *, variant: str, stages: tuple[str, ...] | None = None
+) -> pa.Table:
+    """The live rows of ``table`` for ``step`` of run ``run_id`` written under ``variant`` (by ``stages``,
+    None: any), concatenated in file order; ``FileNotFoundError`` if there are none."""
+    parts = [p for p in scan_parts(layout, table, run_id) if p.step == step]
+    live, _ = live_parts(parts)
+    ours = [p for p in live if p.name.variant == variant and (stages is None or p.name.stage in stages)]
+    tables = [read_table(p.path) for p in ours]
+    if not tables:
+        raise FileNotFoundError(f"no live {table} rows for step {step} of run {run_id} (variant {variant})")
+    return pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]

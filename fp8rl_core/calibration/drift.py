@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Sequence
+from typing import Callable, Iterable, Literal, Sequence
 
 import torch
 
@@ -185,6 +185,18 @@ class Schedule:
             min_interval=self.min_interval,
             max_interval=self.max_interval,
         )
+
+    @classmethod
+    def decide(
+        cls, config: CalibrationConfig, step: int, last: int | None, previous_signal: Callable[[], float | None]
+    ) -> bool:
+        """The schedule's one answer for ``step``: :meth:`calibrates` under ``config``, reading the previous
+        step's drift signal (``previous_signal()``) only where the drift rule needs it."""
+        sched = cls.from_config(config)
+        if sched.kind == "fixed":
+            return sched.calibrates(step, None, None)
+        prev = previous_signal() if last is not None and step - 1 >= 1 else None
+        return sched.calibrates(step, last, prev)
 
 
 @dataclass(frozen=True)

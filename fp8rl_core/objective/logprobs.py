@@ -24,11 +24,14 @@ with position ids counted over real tokens.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from fp8rl_core.cpu_numerics import cpu_gemm
 from fp8rl_core.precision.autocast import autocast_context
+from fp8rl_core.precision.bf16_pass import bf16_parameters, bf16_shadow
 
 # Elements of one float32 chunk (64 MiB) when chunk_size is not given.
 _DEFAULT_CHUNK_ELEMS = 1 << 24
@@ -197,3 +200,21 @@ def sequence_logprobs(
         return torch.cat([zero, torch.where(valid, torch.cat(parts), 0.0)], dim=1)
 
     return place(logps), (place(ents) if with_entropy else None)
+
+
+def master_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    mode: str,
+    shadow: bool = False,
+    with_entropy: bool = False,
+    centering: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`sequence_logprobs` computed on the bf16 casts of ``model``'s fp32 masters, as FSDP2's all-gather
+    hands them over (:func:`fp8rl_core.precision.bf16_pass.bf16_parameters`), so one process and N ranks
+    compute alike; ``shadow``: the BF16 shadow pass (the same weights, FP8 linears bypassed; ``mode`` bf16)."""
+    with bf16_parameters(model), bf16_shadow(model) if shadow else contextlib.nullcontext():
+        return sequence_logprobs(model, input_ids, attention_mask, mode=mode, with_entropy=with_entropy,
+                                 centering=centering)

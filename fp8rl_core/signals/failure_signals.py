@@ -36,6 +36,18 @@ def garbled_share(responses: Sequence[str], parse: Callable[[str], object | None
     return sum(mask) / len(mask) if mask else 0.0
 
 
+def garbled_shares(responses: Sequence[str], parse: Callable[[str], object | None]) -> dict[str, float]:
+    """The step's two garbled shares: ``garbled_share`` (the answer parser cannot read the response) and
+    ``garbled_heuristic_share`` (:func:`fp8rl_core.signals.diagnostics.is_garbled`); 0.0 without responses."""
+    from fp8rl_core.signals.diagnostics import is_garbled
+
+    heuristic = [is_garbled(r) for r in responses]
+    return {
+        "garbled_share": garbled_share(responses, parse),
+        "garbled_heuristic_share": sum(heuristic) / len(heuristic) if heuristic else 0.0,
+    }
+
+
 def _check(factor: float, window: int, min_steps: int) -> None:
     if not factor > 1 or window < 1 or min_steps < 1:
         raise ValueError(f"surge needs factor > 1, window >= 1, min_steps >= 1; got {factor}, {window}, {min_steps}")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from storage.layout import RunLayout, live_parts, read_run_info, scan_parts
-from storage.writer import read_table
+from storage.layout import RunLayout, read_run_info
+from storage.writer import read_step_rows
 
 
 @dataclass(frozen=True)
@@ -30,17 +30,8 @@ class RunTables:
 
 
 def read_step(ctx, table: str, step: int, *, stages: tuple[str, ...] | None = None) -> pa.Table:
-    """Rows of ``table`` for ``step`` (this run, this variant), concatenated in file order."""
-    parts = [p for p in scan_parts(ctx.layout, table, ctx.run_id) if p.step == step]
-    live, _ = live_parts(parts)
-    tables = [
-        read_table(p.path)
-        for p in live
-        if p.name.variant == (ctx.input_variant or ctx.variant) and (stages is None or p.name.stage in stages)
-    ]
-    if not tables:
-        raise FileNotFoundError(f"no live {table} rows for step {step} of run {ctx.run_id} (variant {ctx.variant})")
-    return pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
+    """Rows of ``table`` for ``step`` (this run; the variant it reads), concatenated in file order."""
+    return read_step_rows(ctx.layout, ctx.run_id, table, step, variant=ctx.input_variant or ctx.variant, stages=stages)
 
 
 def shadow_steps(ctx, steps) -> list[int]:

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from fp8rl_core.calibration.drift import Schedule, negative_ratios, thin
+from fp8rl_core.calibration.subsample import choose_size, sample_sequences
 from fp8rl_core.objective.losses import importance_ratio
-from stages.context import RunEnv, TrainState
+from stages.context import RunEnv, TrainState, step_seed
 from stages.runtime.io import read_step
 
 _REFERENCE: dict[tuple[str, str, int], torch.Tensor] = {}
@@ -67,11 +68,8 @@ def shadow_this_step(env: RunEnv, state: TrainState, step: int) -> bool:
     """Does ``step`` run the BF16 shadow passes (and hence calibrate)? A guard remedy, then the schedule."""
     if step >= 1 and guard_forces_shadow(env, step):
         return True
-    sched, last = Schedule.from_config(env.cfg.calibration), state.calibrator.last_step
-    if sched.kind == "fixed":
-        return sched.calibrates(step, None, None)
-    prev = _previous_signal(env, step - 1) if last is not None and step - 1 >= 1 else None
-    return sched.calibrates(step, last, prev)
+    previous = lambda: _previous_signal(env, step - 1)  # noqa: E731 (read only where the drift rule needs it)
+    return Schedule.decide(env.cfg.calibration, step, state.calibrator.last_step, previous)
 
 
 def shadow_plan(
@@ -125,9 +123,6 @@ def drift_metrics(
 
 def shadow_subset(env: RunEnv, step: int, advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor | None:
     """``[N]`` bool rows to shadow on ``step`` (``calibration.shadow_target_error`` set), None = all."""
-    from fp8rl_core.calibration.subsample import choose_size, sample_sequences
-    from stages.context import step_seed
-
     c = env.cfg.calibration
     if c.shadow_target_error is None:
         return None

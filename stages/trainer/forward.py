@@ -15,15 +15,13 @@ Padding tokens do enter a tensorwise activation amax, as they would on the GPU.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import TYPE_CHECKING
 
 import torch
 
 from fp8rl_core.config.precision_kinds import PRECISION_MODES
-from fp8rl_core.objective.logprobs import sequence_logprobs
-from fp8rl_core.precision.bf16_pass import bf16_parameters, bf16_shadow
+from fp8rl_core.objective.logprobs import master_logprobs
 
 if TYPE_CHECKING:  # annotations only
     from stages.trainer.batch import TrainBatch
@@ -98,8 +96,8 @@ def policy_logprobs(
         w = int(attention_mask[s : s + step].sum(1).max()) if trim else t  # rows are right-padded
         ids, am = pad_to_contract(input_ids[s : s + step, :w], attention_mask[s : s + step, :w], multiple)
         center = None if centering is None else tuple(_widen3(c[s : s + step, :w], ids.shape[1]) for c in centering)
-        with bf16_parameters(model), bf16_shadow(model) if shadow else contextlib.nullcontext():
-            lp, ent = sequence_logprobs(model, ids, am, mode=run_mode, with_entropy=with_entropy, centering=center)
+        lp, ent = master_logprobs(model, ids, am, mode=run_mode, shadow=shadow, with_entropy=with_entropy,
+                                  centering=center)
         lps.append(_widen(lp[:, :w], t))
         ents.append(None if ent is None else _widen(ent[:, :w], t))
     if not lps:

@@ -104,7 +104,7 @@ def micro_batch_pass(
     loss_fn = POLICY_LOSSES.get(a.loss)
     total, records = 0.0, []
     for r in rows.padded[k]:
-        center = None if x.centering is None else (x.center_ids[r], x.center_mu[r])
+        center = None if x.center_ids is None else (x.center_ids[r], x.center_mu[r])
         lp, ent = policy_logprobs(step.model, x.input_ids[r], x.attention_mask[r], mode=cfg.precision.train,
                                   with_entropy=True, trim=rows.trim, centering=center)
         if adopt_old:
