@@ -554,7 +554,11 @@ def _kind_names() -> dict[str, set[str]]:
     from fp8rl_core.config.precision_kinds import PRECISION_MODES
     from fp8rl_core.config.stage_kinds import STAGES
 
-    return {"engine": set(ENGINE_KINDS.names()), "stage": set(STAGES.names()), "precision mode": set(PRECISION_MODES.names())}
+    return {
+        "engine": set(ENGINE_KINDS.names()),
+        "stage": set(STAGES.names()),
+        "precision mode": set(PRECISION_MODES.names()),
+    }
 
 
 def _string_constants(node: ast.AST) -> list[str]:
@@ -610,7 +614,7 @@ def test_the_name_rule_catches_a_planted_comparison(planted: str) -> None:
     assert _name_decisions(planted, "<planted>", _kind_names())
 
 
-def test_the_tables_and_their_registries_hold_the_same_names() -> None:
+def _table_mismatches() -> list[str]:
     """Every registered precision mode has a record and every record a mode; every engine kind a class
     (imported from the kind's module) and every class a kind; every stage a binding and every binding a
     stage; every rerun row a rerun hook; the config's stage limits are fields named after the table."""
@@ -626,14 +630,32 @@ def test_the_tables_and_their_registries_hold_the_same_names() -> None:
     from stages.dag import BINDINGS
     from stages.engines.base import ENGINES
 
-    trains = {n for n in PRECISION_MODES.names() if PRECISION_MODES.get(n).trains}
-    rolls = {n for n in PRECISION_MODES.names() if PRECISION_MODES.get(n).rolls_out}
-    assert trains == set(TRAIN_PRECISIONS.names()) and rolls == set(ROLLOUT_PRECISIONS.names())
     for name in ENGINE_KINDS.names():
         importlib.import_module(ENGINE_KINDS.get(name).module)
-    assert set(ENGINES.names()) == set(ENGINE_KINDS.names())
-    assert set(BINDINGS.names()) == set(STAGES.names())
-    assert set(RERUN_HOOKS.names()) == set(STAGES.rerunnable())
-    limits = {f[: -len("_s")] for f in TimeoutConfig.model_fields if f != "process_group_s"}
-    assert limits == set(STAGES.names())
+    pairs = {
+        "training precision records / TRAIN_PRECISIONS": (
+            {n for n in PRECISION_MODES.names() if PRECISION_MODES.get(n).trains}, set(TRAIN_PRECISIONS.names())),
+        "rollout precision records / ROLLOUT_PRECISIONS": (
+            {n for n in PRECISION_MODES.names() if PRECISION_MODES.get(n).rolls_out}, set(ROLLOUT_PRECISIONS.names())),
+        "ENGINE_KINDS / ENGINES": (set(ENGINE_KINDS.names()), set(ENGINES.names())),
+        "STAGES / BINDINGS": (set(STAGES.names()), set(BINDINGS.names())),
+        "rerun rows / RERUN_HOOKS": (set(STAGES.rerunnable()), set(RERUN_HOOKS.names())),
+        "STAGES / timeouts fields": (
+            set(STAGES.names()), {f[: -len("_s")] for f in TimeoutConfig.model_fields if f != "process_group_s"}),
+    }  # fmt: skip
+    return [f"{what}: {sorted(a ^ b)}" for what, (a, b) in pairs.items() if a != b]
+
+
+def test_the_tables_and_their_registries_hold_the_same_names() -> None:
+    from fp8rl_core.config.stage_kinds import STAGES
+    from fp8rl_core.config.timeouts import TimeoutConfig
+
+    assert not _table_mismatches(), "\n".join(_table_mismatches())
     assert all(TimeoutConfig().stage_s(s.name) == s.limit_s for s in STAGES)
+
+
+def test_the_table_rule_catches_a_record_without_its_mode(monkeypatch) -> None:
+    from fp8rl_core.config.precision_kinds import PRECISION_MODES, PrecisionMode
+
+    monkeypatch.setitem(PRECISION_MODES._items, "fp5_planted", PrecisionMode("fp5", 0.625, 1, (10, 0), True, False))
+    assert any("fp5_planted" in m for m in _table_mismatches())
