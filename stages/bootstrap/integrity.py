@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
 from storage.errors import StorageError
+
+log = logging.getLogger(__name__)
 
 META_FILE = "bootstrap.json"
 DIGEST_KEY = "weights_sha256"  # in bootstrap.json and in run.json's base_policy
@@ -66,7 +69,10 @@ def verified_entry(entry: Path) -> str:
     found = entry_digest(entry)
     recorded = meta.get(DIGEST_KEY) if isinstance(meta, dict) else None
     if recorded is None:
-        _write_atomic(meta_path, json.dumps({**meta, DIGEST_KEY: found}, indent=2) + "\n")
+        try:
+            _write_atomic(meta_path, json.dumps({**meta, DIGEST_KEY: found}, indent=2) + "\n")
+        except OSError:  # a read-only cache: the run's own record still holds the hash
+            log.warning("bootstrap cache entry %s: could not record its hash (read-only?)", entry)
     elif recorded != found:
         raise BasePolicyChanged(
             f"bootstrap cache entry {entry} changed after it was built (its files hash to {found[:12]}…, "
