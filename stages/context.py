@@ -36,6 +36,7 @@ from fp8rl_core.config.campaign import CampaignConfig
 from fp8rl_core.config.engine_kinds import ENGINE_KINDS
 from fp8rl_core.config.precision_kinds import PRECISION_MODES
 from fp8rl_core.tasks.kinds import TASK_KINDS
+from fp8rl_core.tasks.verifiers import answer_parser
 from stages.data.prompts import PromptSource, SamplerState, make_source
 from storage.layout import RunLayout, read_run_info
 from storage.ledger import Ledger
@@ -112,11 +113,14 @@ class RunEnv:
     run_id: str = dataclasses.field(init=False, repr=False, compare=False)
     is_main: bool = dataclasses.field(init=False, repr=False, compare=False)  # rank 0: talks to Prefect, writes
     # the ledger and the per-step tables
+    answer_parser: Any = dataclasses.field(init=False, repr=False, compare=False)  # the source's verifier's parser:
+    # a response it reads None from is garbled (docs/method.md, "Failure signals")
 
     def __post_init__(self) -> None:  # frozen: the derived fields are set once, here
         object.__setattr__(self, "layout", RunLayout(self.run_dir))
         object.__setattr__(self, "run_id", self.writer.run_id)
         object.__setattr__(self, "is_main", self.rank == 0)
+        object.__setattr__(self, "answer_parser", answer_parser(self.source.verifier))
 
     @property
     def stage_comm(self):

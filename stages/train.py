@@ -24,7 +24,6 @@ import torch
 from fp8rl_core.calibration.shadow_metrics import shadow_metrics as shadow_noise
 from fp8rl_core.objective.losses import importance_ratio
 from fp8rl_core.signals.failure_signals import garbled_shares
-from fp8rl_core.tasks.verifiers import answer_parser
 from stages.context import RunEnv, TrainState, step_seed
 from stages.result import StageResult
 from stages.runtime.io import read_step
@@ -204,7 +203,7 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
         "reward_mean": float(np.mean(scores_all["reward"])), "accuracy": float(np.mean(scores_all["correct"])),
         "response_length_mean": float(np.mean(rows.column("response_length").to_numpy())),
         # docs/method.md, "Failure signals": the share of responses the answer parser cannot read
-        **garbled_shares(responses, answer_parser(env.source.verifier)),
+        **garbled_shares(responses, env.answer_parser),
         "kept_share": float(np.mean(scores_all["kept"])), "shadow": float(shadow),
         "pg_loss": m.get("loss", 0.0), "learning_rate": m.get("lr", 0.0),
         "train_tokens_per_second": n_valid / max(res.timings.get("update_s", train_seconds), 1e-9),
