@@ -133,11 +133,14 @@ def _check_run_dir_name(run_dir: Path) -> None:
             f"run directory name {name!r}: letters, digits and . _ + = - only, starting with a letter or digit "
             "(it is the run id)"
         )
-    existing = next(p for p in [run_dir, *run_dir.parents] if p.exists())
+    existing = next(p for p in [run_dir, *run_dir.parents] if _exists(p))
     try:
         name_max, path_max = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
     except (OSError, ValueError):
         name_max, path_max = 255, 4096
+    too_long = [p for p in run_dir.relative_to(existing).parts[:-1] if len(p.encode()) > name_max]
+    if too_long:
+        raise _fail(f"--run-dir folder {too_long[0][:24]!r}… is over this file system's {name_max}-byte name limit")
     if len(f"run={name}".encode()) > name_max:
         raise _fail(
             f"run directory name {name[:24]!r}… is {len(name.encode())} bytes; this file system holds names of at "
@@ -145,6 +148,14 @@ def _check_run_dir_name(run_dir: Path) -> None:
         )
     if len(str(run_dir).encode()) + _PATH_BELOW_RUN > path_max:
         raise _fail(f"run directory {str(run_dir)[:40]}…: too long a path for this file system ({path_max} bytes)")
+
+
+def _exists(path: Path) -> bool:
+    """``path.exists()``, False for a name the file system refuses to look up (over its name limit)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def _available_bytes(device: str) -> tuple[int, str] | None:
@@ -220,10 +231,27 @@ def _run_flow(run_dir: Path, *, resume: bool, nproc_per_node: int = 1) -> dict:
             return run_flow(run_dir, resume=resume, nproc_per_node=nproc_per_node)
         except StorageError as err:  # a corrupt input file, a run directory that changed under us
             raise _fail(f"{err}; the run stays resumable: `fp8rl resume {run_dir}`") from None
-        except RuntimeError as err:
+        except (RuntimeError, MemoryError) as err:
             if type(err).__name__ == "GuardStop":  # (flows.guard imports torch: not imported to test the type)
                 raise _fail(f"the guard stopped the campaign: {err}") from None
+            if _out_of_memory(err):  # a model that cannot fit (``--skip-memory-check``, or activations)
+                raise _fail(
+                    f"out of memory: {' '.join(str(err).split())[:240]}; the model does not fit "
+                    f"(`fp8rl plan` itemizes its memory); the run stays resumable: `fp8rl resume {run_dir}`"
+                ) from None
             raise
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """An allocator's refusal: Python's MemoryError, torch's OutOfMemoryError (CUDA), or the CPU
+    allocator's RuntimeError (``DefaultCPUAllocator: can't allocate memory``)."""
+    text = str(err)
+    return (
+        isinstance(err, MemoryError)
+        or type(err).__name__ == "OutOfMemoryError"
+        or "can't allocate memory" in text
+        or "out of memory" in text.lower()
+    )
 
 
 def check_new_run_dir(run_dir: Path, runs_root: Path | None) -> Path:
@@ -344,6 +372,13 @@ def _check_run_config(
     drift = config_drift(info, text, stored)
     if drift is not None and not accept_change:
         raise _fail(drift_message(run_dir, drift))
+    if drift is not None:
+        from flows.run_checks import RunMismatch, check_acceptable_change
+
+        try:
+            check_acceptable_change(run_dir, info, stored)
+        except RunMismatch as err:
+            raise _fail(str(err)) from None
     if config is not None or set_:
         try:
             wanted = load_config(config or (run_dir / "config.yaml"), set_)

@@ -49,6 +49,28 @@ def drift_message(run_dir: Path, drift: list[str]) -> str:
     )
 
 
+def check_acceptable_change(run_dir: Path, info: RunInfo, cfg: CampaignConfig) -> None:
+    """Refuse (RunMismatch) a config edit the run's recorded rows cannot follow, before it is recorded.
+
+    Score centering trains on the rollout engine's top-K log-probs stored with each step's rollouts
+    (``stages.train.centering_tensors``). A resume trains its replayed steps again from those rows,
+    so a new K (other than 0, off) fails there, and at every later resume, once any step was rolled out."""
+    from storage.ledger import Ledger
+
+    recorded = info.current_config
+    before = ((recorded or {}).get("algorithm") or {}).get("score_centering_k", 0)
+    after = cfg.algorithm.score_centering_k
+    done = Ledger(run_dir).last_finished()
+    if recorded is None or after in (0, before) or done is None or done[0] < 1:
+        return
+    raise RunMismatch(
+        f"algorithm.score_centering_k ({before} -> {after}) cannot be taken into {run_dir}: its steps 1 to "
+        f"{done[0]} were rolled out with {'no' if not before else f'the top-{before}'} log-probs, and score "
+        f"centering with K={after} trains on the top-{after}; restore config.yaml, set it to 0 (off), "
+        "or start a new run"
+    )
+
+
 def record_config_change(run_dir: Path, info: RunInfo, cfg: CampaignConfig, drift: list[str]) -> dict:
     """Record an accepted config change in ``run.json`` (``config_changes``) and in the ledger."""
     from storage.layout import update_run_info
