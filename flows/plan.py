@@ -20,6 +20,12 @@ N ways, fp32 masters) plus what cannot be sharded:
 * rollout engine (vLLM, colocated, sleeping during training at level 1: its
   weights stay, KV cache freed): P x 1 B for FP8 weights (2 B for BF16).
 
+A plan fits when that training total fits and so does the rollout phase: the
+awake engine's reservation (``rollout.gpu_memory_utilization`` of the GPU, or
+its weights plus ``rollout.kv_cache_gib``; :func:`engine_reservation`) beside
+the resident fp32 shards and AdamW state (12 B x P / N), as the measured plan
+(:mod:`flows.plan_measured`) counts it.
+
 P is computed from the architecture (embeddings, attention with GQA, SwiGLU
 MLP, norms; lm_head counted unless tied). Known Hugging Face ids are listed in
 ``ARCHITECTURES``; the tiny model comes from ``model.*``. Tokens per
@@ -103,6 +109,7 @@ class Plan:
     budget_gib: float
     fits: bool
     params: int
+    rollout_gib: float = 0.0  # the rollout phase: the engine's reservation + the resident state
 
 
 def _sync_peak(cfg: CampaignConfig, a: Arch, params: int, gpus: int) -> float:
@@ -132,6 +139,17 @@ def engine_weight_bytes(cfg: CampaignConfig, params: int) -> float:
     return params * PRECISION_MODES.get(cfg.precision.rollout).bytes_per_weight
 
 
+def engine_reservation(cfg: CampaignConfig, gpu_memory_gib: float, engine_weights: float) -> float:
+    """Bytes a colocated vLLM engine holds while awake: ``rollout.gpu_memory_utilization`` of the GPU,
+    or, with ``rollout.kv_cache_gib`` set, its weights and that KV cache (0 without vLLM)."""
+    r = cfg.rollout
+    if not ENGINE_KINDS.get(r.engine).weights_on_device:
+        return 0.0
+    if r.kv_cache_gib is not None:
+        return engine_weights + r.kv_cache_gib * GiB
+    return r.gpu_memory_utilization * gpu_memory_gib * GiB
+
+
 def memory_plan(
     cfg: CampaignConfig, *, gpus: int, gpu_memory_gib: float, prompt_tokens: int = 1024, headroom: float = 0.10
 ) -> Plan:
@@ -145,6 +163,12 @@ def memory_plan(
     else:
         act = tokens * a.layers * 34 * a.hidden * 2
     logits = tokens * a.vocab * 2 + 64 * 2**20
+    weights = engine_weight_bytes(cfg, p)
+    reservation = engine_reservation(cfg, gpu_memory_gib, weights)
+    if cfg.rollout.sleep_between_steps and cfg.rollout.sleep_level >= 1:
+        engine_row = ("rollout engine weights (vLLM, sleeping)", weights)
+    else:  # an engine that does not sleep keeps its whole reservation through training
+        engine_row = ("rollout engine reservation (vLLM, awake)", reservation)
     rows = [
         ("parameters (fp32 master shard)", 4 * p / gpus),
         ("gradients (fp32 shard)", 4 * p / gpus),
@@ -156,13 +180,15 @@ def memory_plan(
             act,
         ),
         ("logits (bf16) + one fp32 vocab chunk", logits),
-        ("rollout engine weights (vLLM, sleeping)", engine_weight_bytes(cfg, p)),
+        engine_row,
         (f"weight sync peak (vLLM, {cfg.rollout.weight_sync})", _sync_peak(cfg, a, p, gpus)),
     ]
     rows = [(k, v / GiB) for k, v in rows]
     total = sum(v for _, v in rows)
     budget = gpu_memory_gib * (1 - headroom)
-    return Plan(rows, total, budget, total <= budget, p)
+    # while the engine rolls out it holds its reservation beside the resident fp32 shards and AdamW state
+    rollout = (reservation + 12 * p / gpus) / GiB if reservation else 0.0
+    return Plan(rows, total, budget, total <= budget and rollout <= budget, p, rollout)
 
 
 def format_plan(cfg: CampaignConfig, plan: Plan, *, gpus: int, gpu_memory_gib: float) -> str:
@@ -172,5 +198,12 @@ def format_plan(cfg: CampaignConfig, plan: Plan, *, gpus: int, gpu_memory_gib: f
     lines.append(
         f"  {'total per GPU':<48} {plan.total_gib:8.2f} GiB  (budget {plan.budget_gib:.1f} GiB after headroom)"
     )
-    lines.append("fits" if plan.fits else "does NOT fit: more GPUs, a smaller micro_batch_size or shorter responses")
+    if plan.rollout_gib:
+        lines.append(f"  {'rollout (engine reservation + resident state)':<48} {plan.rollout_gib:8.2f} GiB")
+    if plan.fits:
+        lines.append("fits")
+    elif plan.rollout_gib > plan.budget_gib:
+        lines.append("does NOT fit: a smaller rollout.kv_cache_gib or rollout.gpu_memory_utilization, or more GPUs")
+    else:
+        lines.append("does NOT fit: more GPUs, a smaller micro_batch_size or shorter responses")
     return "\n".join(lines)

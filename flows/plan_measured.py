@@ -31,8 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flows.plan import Arch, GiB, arch_of, engine_weight_bytes, memory_plan, total_params
-from fp8rl_core.config.engine_kinds import ENGINE_KINDS
+from flows.plan import Arch, GiB, arch_of, engine_reservation, engine_weight_bytes, memory_plan, total_params
 
 # Decoder layers measured and extrapolated linearly to the depth: each holds a block that is neither the
 # first nor the last (see stages.trainer.memory_measure); CHECK_DEPTH tests the fit.
@@ -94,17 +93,6 @@ def hf_config(a: Arch) -> Any:
     if a.qkv_bias:
         return Qwen2Config(**common)
     return Qwen3Config(head_dim=a.head_dim, **common)
-
-
-def engine_reservation(cfg, gpu_memory_gib: float, engine_weights: float) -> float:
-    """Bytes a colocated vLLM engine holds while awake: ``rollout.gpu_memory_utilization`` of the GPU,
-    or, with ``rollout.kv_cache_gib`` set, its weights and that KV cache (0 without vLLM)."""
-    r = cfg.rollout
-    if not ENGINE_KINDS.get(r.engine).weights_on_device:
-        return 0.0
-    if r.kv_cache_gib is not None:
-        return engine_weights + r.kv_cache_gib * GiB
-    return r.gpu_memory_utilization * gpu_memory_gib * GiB
 
 
 def plan_precision_line(cfg: Any) -> str:
@@ -235,6 +223,7 @@ __all__ = [
     "CHECK_DEPTH",
     "DEPTHS",
     "MeasuredPlan",
+    "engine_reservation",
     "TRAIN_PHASES",
     "format_measured",
     "hf_config",
