@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -22,15 +23,25 @@ from stages.data.prompts import PromptItem, data_dir
 from stages.engines.base import RolloutBatch, RolloutSample
 from stages.result import StageResult
 
+if TYPE_CHECKING:
+    from stages.data.benchmarks import LoadReport
+
 
 def eval_problems(cfg: CampaignConfig, bench: BenchmarkEval) -> tuple[list[PromptItem], str]:
     """(problems, verifier name) of a benchmark entry of the config."""
+    items, verifier, _ = _eval_source(cfg, bench)
+    return items, verifier
+
+
+def _eval_source(cfg: CampaignConfig, bench: BenchmarkEval) -> tuple[list[PromptItem], str, LoadReport]:
+    """(problems, verifier name, the loader's report: the file read and the records it skipped)."""
     from stages.data.benchmarks import load_benchmark, render_prompt, verifier_for
     from stages.data.code_benchmarks import CODE_BENCHMARKS, load_code_benchmark, verifier_of
 
     if bench.name in CODE_BENCHMARKS:  # code: the answer is a grading spec, graded in the sandbox
         code_set = load_code_benchmark(bench.name, data_dir(cfg.task), bench.limit, task=cfg.task, code=cfg.code)
-        return [PromptItem(q.id, q.problem, q.answer, bench.name) for q in code_set], verifier_of(bench.name)
+        items = [PromptItem(q.id, q.problem, q.answer, bench.name) for q in code_set]
+        return items, verifier_of(bench.name), code_set.report
     if bench.dataset is not None:  # a benchmark by dataset name or path (stages.data.datasets_io)
         from stages.data.datasets_io import load_problems
 
@@ -39,13 +50,42 @@ def eval_problems(cfg: CampaignConfig, bench: BenchmarkEval) -> tuple[list[Promp
         problems = load_benchmark(bench.name, data_dir(cfg.task), bench.limit, task=cfg.task)
     items = [PromptItem(q.id, render_prompt(q), q.answer, bench.name) for q in problems]
     verifier = verifier_for(problems[0]) if len(problems) else "math"
-    return items, verifier
+    return items, verifier, problems.report
 
 
 def check_benchmarks(cfg: CampaignConfig) -> None:
-    """Load every configured benchmark once, so a missing file fails before a run starts."""
+    """Load every configured benchmark once, so what the step-0 evaluation cannot run fails before a run
+    starts (ValueError naming the file): a missing file, one with no usable problem (empty, or every record
+    malformed), or, for the embedded tiny model, a prompt that with the benchmark's ``max_new_tokens`` does
+    not fit the model's context (``model.max_position_embeddings``; a checkpoint's engine checks at generate)."""
+    encode = _tiny_model_encoder(cfg)
     for bench in cfg.evaluation.benchmarks:
-        eval_problems(cfg, bench)
+        items, _, report = _eval_source(cfg, bench)
+        where = report.path
+        if not items:
+            skipped = report.skipped
+            why = f"all {len(skipped)} record(s) malformed, the first {skipped[0]}" if skipped else "it is empty"
+            raise ValueError(f"benchmark {bench.name}: {where} holds no usable problem ({why})")
+        if encode is None:
+            continue
+        longest = max(len(encode(it.prompt)) for it in items)
+        context = cfg.model.max_position_embeddings
+        if longest + bench.max_new_tokens > context:
+            raise ValueError(
+                f"benchmark {bench.name}: {where}: its longest prompt ({longest} tokens) + max_new_tokens "
+                f"({bench.max_new_tokens}) exceeds the model's context (model.max_position_embeddings={context}); "
+                "set the benchmark's limit, a smaller max_new_tokens or a longer context"
+            )
+
+
+def _tiny_model_encoder(cfg: CampaignConfig):
+    """The run's prompt encoding for the embedded tiny model (its tokenizer is built, not loaded), else None."""
+    if cfg.model.path is not None:
+        return None
+    from fp8rl_core.tasks.tiny_model import build_tokenizer
+    from stages.data.prompt_format import formatter
+
+    return formatter(cfg.prompt, build_tokenizer()).encode
 
 
 def eval_blocks(
