@@ -149,6 +149,7 @@ def test_ports_all_taken_or_a_bad_server_setting_are_refused_before_the_run_dire
         assert not run.exists()
         # taken between that check and the start: the start says so, and starts nothing
         base, own = prefect_server._server_class()
+        earlier = base._instances.pop(None, None)  # a server an earlier test of this process started
         try:
             server = own()
             with pytest.raises(ServerUnavailable, match=f"no free port .* in {first}-{last}"):
@@ -156,6 +157,8 @@ def test_ports_all_taken_or_a_bad_server_setting_are_refused_before_the_run_dire
             assert server.server_process is None and not server.running
         finally:
             base._instances.pop(None, None)
+            if earlier is not None:
+                base._instances[None] = earlier
     os.environ["FP8RL_PREFECT_PORTS"] = "9000-80"
     one_line_exit_2(cli("run", "tiny-cpu", "--run-dir", run), "FP8RL_PREFECT_PORTS='9000-80'", "FIRST-LAST")
     os.environ.pop("FP8RL_PREFECT_PORTS")
