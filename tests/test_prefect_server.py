@@ -324,12 +324,15 @@ def test_a_server_that_exits_at_start_up_says_why_at_once_and_leaves_nothing(tmp
     url = f"sqlite+aiosqlite:///{tmp_path}/missing/prefect.db"  # a folder that does not exist
     os.environ.update(PREFECT_SERVER_DATABASE_CONNECTION_URL=url, PREFECT_HOME=str(tmp_path / "home"))
     base, own = prefect_server._server_class()
+    earlier = base._instances.pop(None, None)  # a server an earlier test of this process started
     try:
         server = own()
         with pytest.raises(ServerUnavailable) as failed:
             server.start(timeout=60)
     finally:
         base._instances.pop(None, None)
+        if earlier is not None:
+            base._instances[None] = earlier
     said = str(failed.value)
     assert said.startswith("Prefect's temporary server exited at start-up (exit code 3): "), said
     assert "unable to open database file" in said and len(said.splitlines()) == 1, said
