@@ -6,7 +6,7 @@ composition). In FP8 the dynamic scales do depend on it: where π_old and π_θ 
 a token are computed over differently composed micro-batches, activation amax —
 and the rounding — differs, and the deviation adds to the ratio noise the paper
 measures. The trainer computes π_old on the very micro-batches π_θ trains on
-(``stages.trainer.minibatch_plan``), which removes most of it for tensorwise
+(``stages.trainer.batch``), which removes most of it for tensorwise
 scaling (docs/calibration.md); this script reports what is left, per mode, from
 one real step of the tiny default (bootstrapped policy, its rollout, its scores).
 

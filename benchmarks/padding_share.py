@@ -3,7 +3,7 @@
 Today's split cuts each mini-batch into micro-batches of ``micro_batch_size`` rows,
 every one padded to the batch's longest row; ``algorithm.max_tokens_per_micro_batch``
 sorts each mini-batch's rows by length and pads each micro-batch only to its own
-longest row (``stages.trainer.minibatch_plan.token_budget_micros``). Two length
+longest row (``stages.trainer.batch.token_budget_micros``). Two length
 distributions, one batch each, the stress preset's model and mini-batches:
 
 * ``stress``: the stress world (``configs/stress-cpu.yaml``, difficulty 0): the
@@ -69,8 +69,8 @@ def make_batch(prompts: list[int], responses: list[int], vocab: int, seed: int =
 
 def padded_share(batch, cfg, seed: int) -> float:
     """Padded tokens / computed tokens of the step's micro-batches (the kernel multiple included)."""
+    from stages.trainer.batch import minibatch_plan, padded_tokens
     from stages.trainer.forward import token_multiple
-    from stages.trainer.minibatch_plan import minibatch_plan, padded_tokens
 
     lengths = batch.attention_mask.sum(1)
     multiple = token_multiple(cfg.precision.train)

@@ -65,7 +65,7 @@ def preflight(cfg: CampaignConfig, nproc_per_node: int = 1) -> None:
     _check_device(cfg.device)
     _check_compile_numerics(cfg)
     if nproc_per_node > 1:
-        from stages.trainer.minibatch_plan import check_world_size
+        from stages.trainer.batch import check_world_size
 
         try:
             check_world_size(cfg, nproc_per_node)

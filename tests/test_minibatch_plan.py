@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.trainer.minibatch_plan import minibatch_plan, padded_tokens, token_budget_micros
+from stages.trainer.batch import minibatch_plan, padded_tokens, token_budget_micros
 from stages.trainer.optimizer import make_optimizer
 from stages.trainer.update import policy_update
 from tests.scaleout_common import small_batch, small_cfg, small_model

@@ -1,22 +1,30 @@
-"""The step's batch: its padded tensors, and this rank's share of it (rows, micro-batches, a padding row).
+"""The step's batch, its mini-batch plan, and this rank's share of it (rows, micro-batches, a padding row).
 
 Token order: row i of every ``[N, T]`` tensor is sample i of the batch (groups
 contiguous); column t is the log-prob of ``input_ids[:, t]`` given its prefix.
 
-Data parallelism (SPMD): the mini-batch partition does not depend on the number of ranks
-(:mod:`stages.trainer.minibatch_plan`). Mini-batch j is rows ``order[j*B:(j+1)*B]`` of a
-permutation seeded by the step, cut into micro-batches of ``micro_batch_size`` as in one
-process; rank r of W takes the r-th contiguous run of ``ceil(k/W)`` of its k micro-batches.
-So the W ranks together run exactly the micro-batches of the 1-process run.
+The mini-batch plan (:func:`minibatch_plan`), the same for any number of ranks. A step's
+global batch of ``n`` rows is shuffled per epoch (seeded by the step), cut into mini-batches
+of ``algorithm.ppo_mini_batch_size`` rows and each of those into the 1-process micro-batches
+of ``algorithm.micro_batch_size`` rows. Under ``W`` ranks the micro-batches of a mini-batch
+are dealt out in contiguous runs (rank r of W takes the r-th run of ``ceil(k/W)`` of its k
+micro-batches), so the W ranks together run exactly the micro-batches of the 1-process run.
 
 Padding micro-batches: every forward and backward under FSDP is a collective, so all ranks
 must run as many of them, in every phase. The last mini-batch of a step whose size is not a
 multiple of B is partial and leaves some ranks fewer micro-batches (or none); each rank tops
-its share up to the most any rank runs (:func:`stages.trainer.minibatch_plan.plan_depth`,
-computed locally from the plan's inputs) with a padding micro-batch: one real row of the batch
-with loss mask, advantage and rollout log-probs 0 (:func:`local_rows`), whose loss and gradient
-are exactly 0 and whose outputs land in a row that is dropped before anything is gathered.
-One process never pads.
+its share up to the most any rank runs (:func:`plan_depth`, computed locally from the plan's
+inputs) with a padding micro-batch: one real row of the batch with loss mask, advantage and
+rollout log-probs 0 (:func:`local_rows`), whose loss and gradient are exactly 0 and whose
+outputs land in a row that is dropped before anything is gathered. One process never pads.
+
+Token-budget micro-batches (``algorithm.max_tokens_per_micro_batch``): with
+long-tailed response lengths, micro-batches of a fixed row count padded to the
+batch's longest row spend most of their GEMM work on padding. With a budget,
+each mini-batch's rows are sorted by length and cut greedily
+(:func:`token_budget_micros`) so that each micro-batch, padded only to its own
+longest row, stays within the budget; the mini-batches, and so the token-mean
+denominators and every calibration statistic, are the same as without.
 """
 
 from __future__ import annotations
@@ -27,8 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from stages.trainer.collective import Collective
-from stages.trainer.forward import token_multiple
-from stages.trainer.minibatch_plan import rank_plan
+from stages.trainer.forward import padded_width, token_multiple
 
 if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
     from fp8rl_core.config.campaign import CampaignConfig
@@ -74,6 +81,144 @@ class TrainBatch:
         return self._map(lambda t: t[idx])
 
 
+def _micro_slices(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return [idx[i : i + size] for i in range(0, idx.numel(), size)]
+
+
+def padded_tokens(rows: int, width: int, multiple: int) -> int:
+    """Tokens a micro-batch of ``rows`` rows occupies once padded to ``width`` and the kernel's ``multiple``
+    (``rows x T'``, ``T' = padded_width(rows, width, multiple)``)."""
+    return rows * padded_width(rows, width, multiple)
+
+
+def token_budget_micros(
+    rows: torch.Tensor, lengths: torch.Tensor, *, max_rows: int, max_tokens: int, multiple: int = 1
+) -> list[torch.Tensor]:
+    """Split one mini-batch into micro-batches under a token budget (verl's dynamic batch size).
+
+    Args:
+        rows: ``[B]`` long, the mini-batch's row indices (in the step's shuffled order).
+        lengths: ``[N]`` long, tokens of every row of the batch (prompt + response).
+        max_rows: at most this many rows a micro-batch (``micro_batch_size``).
+        max_tokens: at most this many padded tokens a micro-batch (:func:`padded_tokens` at its
+            own longest row); a row alone over the budget runs alone.
+        multiple: the kernel's token multiple (:func:`stages.trainer.forward.token_multiple`).
+    Rows are sorted by length, longest first (ties keep their shuffled order), and filled
+    greedily: the longest row of each micro-batch is its first. A pure function of its inputs,
+    so every rank computes the same split.
+    """
+    lens = lengths[rows]
+    order = torch.sort(lens, descending=True, stable=True).indices
+    micros, cur, width = [], [], 0
+    for i in order.tolist():
+        n = int(lens[i])
+        if cur and (len(cur) >= max_rows or padded_tokens(len(cur) + 1, width, multiple) > max_tokens):
+            micros.append(rows[torch.tensor(cur, dtype=torch.long)])
+            cur = []
+        if not cur:
+            width = n
+        cur.append(i)
+    if cur:
+        micros.append(rows[torch.tensor(cur, dtype=torch.long)])
+    return micros
+
+
+def check_world_size(cfg: CampaignConfig, world_size: int) -> None:
+    """Reject a config the trainer cannot run on ``world_size`` ranks (``ValueError``, one line).
+
+    Full mini-batches must split into the same number of micro-batches per rank (FSDP
+    collectives), the ranks together running the 1-process micro-batches. Several PPO
+    epochs under several ranks are refused: π_old is computed on each rank's epoch-0
+    rows only, and a later epoch's shuffle would hand a rank rows it holds no π_old for.
+    """
+    a = cfg.algorithm
+    if a.ppo_mini_batch_size % (world_size * a.micro_batch_size):
+        raise ValueError(
+            f"algorithm.ppo_mini_batch_size={a.ppo_mini_batch_size} must be a multiple of world size "
+            f"{world_size} x algorithm.micro_batch_size={a.micro_batch_size}: every rank must run the "
+            "same number of micro-batches (FSDP collectives), and the ranks together the 1-process micro-batches"
+        )
+    if world_size > 1 and a.ppo_epochs > 1:
+        raise ValueError(
+            f"algorithm.ppo_epochs={a.ppo_epochs} is not supported on {world_size} ranks yet (each rank holds "
+            "π_old for its epoch-0 rows only); use ppo_epochs: 1 (the presets' value) or one process"
+        )
+
+
+def minibatch_plan(
+    n: int,
+    cfg: CampaignConfig,
+    seed: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    lengths: torch.Tensor | None = None,
+    multiple: int = 1,
+) -> list[list[torch.Tensor]]:
+    """Per mini-batch (epoch-major), this rank's micro-batches as row-index tensors of the global batch.
+
+    Independent of ``world_size`` as a set: the k 1-process micro-batches of
+    mini-batch j are dealt out in contiguous runs of ``ceil(k/W)``, so the ranks'
+    micro-batches together are the 1-process ones (and rank 0 runs the most). A
+    partial last mini-batch can leave a rank fewer micro-batches, or none.
+    With ``algorithm.max_tokens_per_micro_batch`` set, ``lengths`` (``[n]`` tokens per
+    row) and ``multiple`` (the kernel's token multiple) cut each mini-batch by
+    :func:`token_budget_micros` instead of in runs of ``micro_batch_size`` rows; the
+    mini-batches themselves (and so every token-mean) do not change.
+    """
+    a = cfg.algorithm
+    budget = a.max_tokens_per_micro_batch
+    if budget is not None and lengths is None:
+        raise ValueError("algorithm.max_tokens_per_micro_batch is set: minibatch_plan needs the rows' lengths")
+    gen = torch.Generator().manual_seed(seed)
+    plan = []
+    for _ in range(a.ppo_epochs):
+        order = torch.randperm(n, generator=gen)
+        for mb in _micro_slices(order, a.ppo_mini_batch_size):
+            if budget is None:
+                micros = _micro_slices(mb, a.micro_batch_size)
+            else:
+                micros = token_budget_micros(
+                    mb, lengths, max_rows=a.micro_batch_size, max_tokens=budget, multiple=multiple
+                )
+            share = -(-len(micros) // world_size)
+            plan.append(micros[rank * share : (rank + 1) * share])
+    return plan
+
+
+def plan_depth(
+    n: int, cfg: CampaignConfig, seed: int, world_size: int, *, lengths: torch.Tensor | None = None, multiple: int = 1
+) -> list[int]:
+    """Per mini-batch (epoch-major), the most micro-batches any rank runs in :func:`minibatch_plan`.
+
+    A deterministic function of the plan's inputs: every rank computes it locally
+    (no communication) and pads its share up to it (:func:`stages.trainer.batch.pad_micros`).
+    """
+    plans = [
+        minibatch_plan(n, cfg, seed, rank=r, world_size=world_size, lengths=lengths, multiple=multiple)
+        for r in range(world_size)
+    ]
+    return [max(len(p[k]) for p in plans) for k in range(len(plans[0]))]
+
+
+def rank_plan(
+    n: int,
+    cfg: CampaignConfig,
+    seed: int,
+    *,
+    rank: int,
+    world_size: int,
+    lengths: torch.Tensor | None = None,
+    multiple: int = 1,
+) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """This rank's :func:`minibatch_plan` and every mini-batch's :func:`plan_depth`, once the config
+    is known to fit ``world_size`` ranks (:func:`check_world_size`)."""
+    check_world_size(cfg, world_size)
+    split = dict(lengths=lengths, multiple=multiple)
+    plan = minibatch_plan(n, cfg, seed, rank=rank, world_size=world_size, **split)
+    return plan, plan_depth(n, cfg, seed, world_size, **split)
+
+
 def local_rows(
     batch: TrainBatch, mine: torch.Tensor, world_size: int
 ) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None]:
@@ -106,7 +251,7 @@ class StepRows:
     """This rank's share of a step's global batch: its rows, its micro-batches, its padding row.
 
     ``plan`` (every epoch's mini-batches, each a list of this rank's micro-batches
-    of *global* row indices) comes from :func:`stages.trainer.minibatch_plan.minibatch_plan`;
+    of *global* row indices) comes from :func:`stages.trainer.batch.minibatch_plan`;
     ``local`` holds this rank's rows (plus the padding row under several ranks) on the device.
     The micro-batches of mini-batch ``k`` as *local* row indices (on the host) are read, not
     computed: ``real[k]`` (this rank's), ``padded[k]`` (topped up with padding micro-batches

@@ -72,7 +72,7 @@ def policy_update(
     ``bounds`` = (L, H) ratio clip bounds in force; ``shadow`` turns on the BF16
     shadow forwards; ``seed`` fixes the mini-batch shuffle (deterministic per step).
     Under several ranks each rank passes the same global batch and trains on its
-    share of every mini-batch (:func:`stages.trainer.minibatch_plan.minibatch_plan`), topped
+    share of every mini-batch (:func:`stages.trainer.batch.minibatch_plan`), topped
     up with padding micro-batches so that every rank runs as many forwards and backwards
     (a partial last mini-batch; see :mod:`stages.trainer.batch`); the returned per-token
     arrays and metrics are global and identical on every rank.
