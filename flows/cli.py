@@ -35,6 +35,7 @@ _COMMAND_MODULES = (
     "flows.cli_storage",  # query, doctor
     "flows.cli_report",  # report, sweep
     "flows.cli_plan",  # plan
+    "flows.cluster.cli",  # submit
 )
 
 

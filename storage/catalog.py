@@ -15,8 +15,9 @@ Views, per table ``t``:
 - ``t``: the campaign itself, ``WHERE variant = 'main'`` — queries written
   before any re-run keep their meaning after one.
 
-Plus ``ledger`` / ``ledger_variants`` (from ``ledger.jsonl``), ``runs`` (one
-row per run directory) and ``catalog_problems`` (files skipped, with why).
+Plus ``ledger`` / ``ledger_variants`` (from ``ledger.jsonl``), ``job_attempts``
+(the cluster jobs of each run, from the ledger's ``job_attempt`` records), ``runs``
+(one row per run directory) and ``catalog_problems`` (files skipped, with why).
 
 How the views are built:
 
@@ -243,6 +244,34 @@ def _ledger_views(con: duckdb.DuckDBPyConnection, infos: list, problems: list[tu
     con.execute(f"CREATE OR REPLACE VIEW ledger AS SELECT * FROM ledger_variants WHERE variant = '{MAIN_VARIANT}'")
 
 
+JOB_ATTEMPTS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("attempt", pa.int64()),
+        ("backend", pa.string()),
+        ("job_id", pa.string()),
+        ("nodes", pa.string()),
+        ("state", pa.string()),
+        ("exit_reason", pa.string()),
+        ("resumed_from_step", pa.int64()),
+        ("submitted_at", pa.string()),
+        ("ended_at", pa.string()),
+    ]
+)
+
+
+def _job_attempts_table(infos: list) -> pa.Table:
+    """One row per cluster job of each run, in the order the jobs ended (``fp8rl submit``'s supervisor)."""
+    rows = []
+    for info in infos:
+        for ev in Ledger(info.path).job_attempts():
+            row = {k: ev.get(k) for k in JOB_ATTEMPTS.names}
+            row["run_id"] = ev.get("run_id") or info.run_id
+            rows.append({k: (str(v) if JOB_ATTEMPTS.field(k).type == pa.string() and v is not None else v)
+                         for k, v in row.items()})  # fmt: skip
+    return pa.Table.from_pylist(rows, schema=JOB_ATTEMPTS)
+
+
 def _runs_table(infos: list) -> pa.Table:
     """One row per run directory: id, uid, where, config hash and the config changes taken at resume."""
     return pa.Table.from_pylist(
@@ -319,6 +348,7 @@ def refresh(con: duckdb.DuckDBPyConnection, *, retries: int = 5) -> list[tuple[s
 
     _ledger_views(con, infos, problems)
     _create_from_arrow(con, "runs", _runs_table(infos))
+    _create_from_arrow(con, "job_attempts", _job_attempts_table(infos))
     _create_from_arrow(
         con,
         _PROBLEMS,

@@ -10,6 +10,8 @@ file, ``RUN_DIR/ledger.jsonl``, one event per line::
     {"event": "set_aside", "from_step": 3, "stages": ["train", "calibrate"], "variant": "main", "at": "..."}
     {"event": "config_change", "keys": ["calibration.max_delta (0.05 -> 0.1)"], "from_hash": ..., "to_hash": ...,
      "after_step": 2, "at": "..."}
+    {"event": "job_attempt", "attempt": 1, "job_id": "4711", "backend": "slurm", "nodes": "n[1-2]",
+     "state": "FAILED", "exit_reason": "...", "resumed_from_step": 2, "submitted_at": ..., "ended_at": ..., "at": ...}
 
 Durability: each event is one ``write()`` on an ``O_APPEND`` descriptor
 followed by ``fsync``, so it is on disk before the stage goes on. A crash can at
@@ -238,6 +240,11 @@ class Ledger:
         """Record a config edit accepted at resume (``run.json`` holds it too); stage records are unchanged."""
         self._append({"event": "config_change", "run_id": self.run_id, **change, "at": _now().isoformat()})
 
+    def job_attempt(self, attempt: dict) -> None:
+        """Record one cluster job of the run once it has ended (``fp8rl submit``'s supervisor; ``run.json``
+        holds it too); stage records are unchanged."""
+        self._append({"event": "job_attempt", "run_id": self.run_id, **attempt, "at": _now().isoformat()})
+
     # -- reading -------------------------------------------------------------------------
 
     def damage(self) -> list[tuple[int, str, str]]:
@@ -269,6 +276,10 @@ class Ledger:
     def config_changes(self) -> list[dict]:
         """The config edits accepted at resume, oldest first (``config_change`` events)."""
         return list(self._refresh().config_changes)
+
+    def job_attempts(self) -> list[dict]:
+        """The run's cluster jobs, in the order they ended (``job_attempt`` events)."""
+        return list(self._refresh().job_attempts)
 
     def events(self) -> tuple[list[dict], list[int]]:
         """All parseable events in order, and the line numbers (1-based) that did not parse.

@@ -62,6 +62,7 @@ class LedgerFold:
     bad: list = field(default_factory=list)  # line numbers that did not parse
     damaged: dict = field(default_factory=dict)  # line number -> bytes, of bad lines that are not torn records
     config_changes: list = field(default_factory=list)  # config edits accepted at resume (events, in order)
+    job_attempts: list = field(default_factory=list)  # cluster jobs of the run, recorded as each ended (events)
     mark: bytes = b""  # the last line folded (its newline included)
 
 
@@ -80,6 +81,9 @@ def fold_line(fold: LedgerFold, line: bytes, seq: int, run_id: str) -> None:
     kind = ev["event"]
     if kind == "config_change":
         fold.config_changes.append(ev)
+        return
+    if kind == "job_attempt":
+        fold.job_attempts.append(ev)
         return
     if kind == "set_aside":
         for key, r in list(fold.recs.items()):

@@ -16,6 +16,8 @@ import re
 
 from pydantic import Field, field_validator, model_validator
 
+from fp8rl_core.config.clip_mode_kinds import refusals as clip_mode_refusals
+from fp8rl_core.config.cluster import ClusterConfig, RetryConfig
 from fp8rl_core.config.corrections import CorrectionConfig
 from fp8rl_core.config.engine_kinds import ENGINE_KINDS
 from fp8rl_core.config.method import AlgorithmConfig, CalibrationConfig, PrecisionConfig
@@ -78,6 +80,10 @@ class CampaignConfig(Section):
     timeouts: TimeoutConfig = Field(
         default_factory=TimeoutConfig, description="Stage and process-group time limits, enforced alike on every rank."
     )
+    cluster: ClusterConfig = Field(
+        default_factory=ClusterConfig, description="The job `fp8rl submit` renders: nodes, GPUs, partition, paths."
+    )
+    retries: RetryConfig = Field(default_factory=RetryConfig, description="Resubmissions of a failed cluster job.")
 
     @field_validator("device")
     @classmethod
@@ -128,6 +134,9 @@ class CampaignConfig(Section):
                 f"model.outliers is put into the loaded policy, which rollout.engine {self.rollout.engine} does "
                 "not use (it holds its own copy of the weights): use rollout.engine transformers"
             )
+        refused = clip_mode_refusals(self)  # what the clip mode's record cannot run with
+        if refused:
+            raise ValueError("; ".join(refused))
         return self
 
 

@@ -12,6 +12,13 @@ stage. It must exceed every stage's limit: a rank that waits in a collective for
 a phase another rank runs alone must be ended by that phase's own limit, never by
 a collective timing out first (NCCL's watchdog would kill the job without a word
 of which phase ran long).
+
+The heartbeat is the cluster supervisor's limit (``fp8rl submit``, ``flows.cluster``):
+a running job whose ledger has not changed for ``heartbeat_s`` is cancelled and
+resubmitted to resume. A stage writes the ledger when it starts and ends, so the
+heartbeat must also exceed every stage's limit: a long stage is the stage limit's
+to end, and the heartbeat catches what no rank can report (a node that vanished,
+ranks stopped or stuck outside any stage).
 """
 
 from __future__ import annotations
@@ -43,6 +50,12 @@ class TimeoutConfig(BaseModel):
         gt=0,
         description="torch.distributed process group timeout (s); must exceed every stage limit above.",
     )
+    heartbeat_s: float = Field(
+        4500.0,
+        gt=0,
+        description="Cluster jobs (fp8rl submit): a running job whose ledger is silent this long is cancelled and "
+        "resubmitted to resume; must exceed every stage limit above.",
+    )
 
     @model_validator(mode="after")
     def _group_outlasts_stages(self) -> "TimeoutConfig":
@@ -51,6 +64,11 @@ class TimeoutConfig(BaseModel):
             raise ValueError(
                 f"timeouts.process_group_s={self.process_group_s:g} must exceed the longest stage limit, "
                 f"timeouts.{name}_s={longest:g}: a rank waiting for another's phase would time out first"
+            )
+        if self.heartbeat_s <= longest:
+            raise ValueError(
+                f"timeouts.heartbeat_s={self.heartbeat_s:g} must exceed the longest stage limit, "
+                f"timeouts.{name}_s={longest:g}: a job in a long stage would be taken for a hung one"
             )
         return self
 
