@@ -52,6 +52,7 @@ from fp8rl_core.objective.losses import (
     POLICY_LOSSES,
     _add_common_metrics,
     _check_inputs,
+    _no_decision,
     _sanitize,
     aggregate,
     clip_metrics,
@@ -106,8 +107,11 @@ def gspo_loss(
     global_token_count: float | None = None,
     global_seq_count: float | None = None,
     norm_len: float | None = None,
+    clip_decision: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GSPO(-token) loss; arguments and return as ``fp8rl_core.objective.losses.policy_loss``."""
+    """GSPO(-token) loss; arguments and return as ``fp8rl_core.objective.losses.policy_loss`` (no clip
+    decision from outside: its clipping is the sequence's)."""
+    _no_decision("gspo", clip_decision)
     AGGREGATIONS.get(agg)
     _check_inputs(logp, old_logp, advantages, mask, is_weights, lower, upper)
     m = mask.bool()

@@ -16,6 +16,15 @@ and 0 where a clip wins: for A < 0 below L (``clipfrac_lower``) and above c
 below L is what FP8 ratio noise inflates (Chen et al. 2026, section 3) and what
 Calibrated Clipping (``fp8rl_core.calibration.calibrated_clipping``) corrects by moving L and H.
 
+Clip decisions taken outside the loss (``clip_decision``, the oracle clip mode of
+``fp8rl_core.config.clip_mode_kinds``): a ``[B, T]`` code per token from
+``clip_decisions`` (0 unclipped, 1 below L with A < 0, 2 above H with A > 0, 3 above c
+with A < 0), computed on another ratio (the BF16 one). A token with code 0 contributes the
+unclipped term ``-A * r`` (gradient ``-A * r``), whatever ``r`` is; a clipped one its clipped
+term ``-A * L``, ``-A * H`` or ``-A * c``, a constant (gradient 0): what standard clipping
+gives a token it clips. Where the codes are those of ``r`` itself, the loss is the standard
+one token for token.
+
 Truncated importance sampling (Yao et al. 2025) multiplies each token's loss by
 ``w = min(exp(old_logp - rollout_logp), C)``, detached, to correct the
 rollout-engine vs trainer mismatch (``tis_weights``).
@@ -76,11 +85,13 @@ __all__ = [
     "PolicyLoss",
     "aggregate",
     "cispo_loss",
+    "clip_decisions",
     "clip_metrics",
     "importance_ratio",
     "LOSS_BOUNDS",
     "loss_bounds",
     "policy_loss",
+    "ppo_token_losses",
     "tis_weights",
 ]
 
@@ -103,6 +114,7 @@ class PolicyLoss(Protocol):
         global_token_count: float | None = None,
         global_seq_count: float | None = None,
         norm_len: float | None = None,
+        clip_decision: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
@@ -228,6 +240,51 @@ def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float =
         return torch.clamp(w, max=cap)
 
 
+CLIP_NONE, CLIP_LOWER, CLIP_UPPER, CLIP_DUAL = 0, 1, 2, 3  # the codes of ``clip_decisions``
+
+
+@torch.no_grad()
+def clip_decisions(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, lower: float, upper: float, dual_clip: float
+) -> torch.Tensor:
+    """``[B, T]`` int8 clip decision of each token at ratio ``ratio`` (all ``[B, T]``): ``CLIP_LOWER`` for
+    A < 0 and r < L, ``CLIP_UPPER`` for A > 0 and r > H, ``CLIP_DUAL`` for A < 0 and r > c, else (and at
+    padding) ``CLIP_NONE``: the tokens whose clipped term wins in ``policy_loss``, as ``clip_metrics`` counts
+    them."""
+    m = mask.bool()
+    neg, pos = m & (advantages < 0), m & (advantages > 0)
+    codes = torch.zeros(ratio.shape, dtype=torch.int8, device=ratio.device)
+    codes[neg & (ratio < lower)] = CLIP_LOWER
+    codes[pos & (ratio > upper)] = CLIP_UPPER
+    codes[neg & (ratio > dual_clip)] = CLIP_DUAL
+    return codes
+
+
+def ppo_token_losses(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    lower: float,
+    upper: float,
+    dual_clip: float,
+    clip_decision: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token PPO loss ``[B, T]`` before weights and aggregation (module docstring), differentiable in
+    ``ratio``: the pessimistic surrogate with dual clip, or, given ``clip_decision`` (``[B, T]`` codes of
+    :func:`clip_decisions` taken on another ratio), ``-A * r`` where a code is 0 and the clipped term
+    ``-A * L``, ``-A * H`` or ``-A * c`` (a constant) where it is not."""
+    a = advantages
+    if clip_decision is None:
+        pg1 = -a * ratio
+        pg2 = -a * torch.clamp(ratio, lower, upper)
+        c1 = torch.maximum(pg1, pg2)
+        pg3 = -a * dual_clip
+        return torch.where(a < 0, torch.minimum(pg3, c1), c1)
+    d = clip_decision
+    bound = torch.where(d == CLIP_LOWER, lower, torch.where(d == CLIP_UPPER, upper, dual_clip)).to(ratio.dtype)
+    return torch.where(d == CLIP_NONE, -a * ratio, -a * bound)
+
+
 def _check_inputs(logp, old_logp, advantages, mask, is_weights, lower, upper) -> None:
     shapes = {"logp": logp.shape, "old_logp": old_logp.shape, "advantages": advantages.shape, "mask": mask.shape}
     if is_weights is not None:
@@ -318,6 +375,7 @@ def policy_loss(
     global_token_count: float | None = None,
     global_seq_count: float | None = None,
     norm_len: float | None = None,
+    clip_decision: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clip loss with dual clip (docs/method.md, "Ratio and policy loss").
 
@@ -330,9 +388,11 @@ def policy_loss(
         dual_clip: c > 1, the dual-clip constant for A < 0.
         is_weights: optional ``[B, T]`` TIS weights (detached here).
         agg, global_token_count, global_seq_count, norm_len: see ``aggregate``.
+        clip_decision: optional ``[B, T]`` codes of ``clip_decisions`` taken on another ratio
+            (the oracle clip mode); None: decided on this ratio (standard).
     Returns:
         ``(loss, metrics)``: 0-dim differentiable tensor (dtype of ``logp``) and
-        the ``clip_metrics`` dict plus ``loss`` (and ``is_weight_mean``).
+        the ``clip_metrics`` dict (of this ratio) plus ``loss`` (and ``is_weight_mean``).
     """
     AGGREGATIONS.get(agg)  # fail fast on a typo, before any compute
     _check_inputs(logp, old_logp, advantages, mask, is_weights, lower, upper)
@@ -342,11 +402,7 @@ def policy_loss(
     lp, old, a, w = _sanitize(logp, old_logp, advantages, m, is_weights)
     log_ratio = lp - old  # [B, T]
     ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
-    pg1 = -a * ratio
-    pg2 = -a * torch.clamp(ratio, lower, upper)
-    c1 = torch.maximum(pg1, pg2)
-    pg3 = -a * dual_clip
-    loss_mat = torch.where(a < 0, torch.minimum(pg3, c1), c1)  # [B, T]
+    loss_mat = ppo_token_losses(ratio, a, lower=lower, upper=upper, dual_clip=dual_clip, clip_decision=clip_decision)
     if w is not None:
         loss_mat = loss_mat * w
     loss = aggregate(
@@ -372,6 +428,7 @@ def cispo_loss(
     global_token_count: float | None = None,
     global_seq_count: float | None = None,
     norm_len: float | None = None,
+    clip_decision: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO (MiniMax-M1): ``loss = -sg(clamp(r, lower, upper)) * A * logp``.
 
@@ -379,8 +436,10 @@ def cispo_loss(
     ``upper`` truncate the detached IS weight (every token keeps a gradient),
     and ``dual_clip`` is only used by the ``dualclip_frac`` metric. The clip
     shares report how many tokens had their weight truncated, by sign, with the
-    same definitions as for PPO so the two are comparable in the tables.
+    same definitions as for PPO so the two are comparable in the tables. It takes no clip decision
+    from outside (``clip_decision`` must be None): it never drops a token.
     """
+    _no_decision("cispo", clip_decision)
     AGGREGATIONS.get(agg)
     _check_inputs(logp, old_logp, advantages, mask, is_weights, lower, upper)
     m = mask.bool()
@@ -398,6 +457,11 @@ def cispo_loss(
     metrics = clip_metrics(ratio, log_ratio, a, m, lower=lower, upper=upper, dual_clip=dual_clip)
     _add_common_metrics(metrics, loss, w)
     return loss, metrics
+
+
+def _no_decision(loss: str, clip_decision: torch.Tensor | None) -> None:
+    if clip_decision is not None:
+        raise ValueError(f"the {loss} loss takes no clip decision from outside; only the ppo loss does")
 
 
 def _sanitize(logp, old_logp, advantages, m, is_weights):
