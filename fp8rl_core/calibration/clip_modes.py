@@ -127,6 +127,13 @@ def _mode_bapo(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, 
     return _mode_standard(tok, ctx)
 
 
+@CLIP_MODES.register("oracle")
+def _mode_oracle(tok: CalibrationTokens, ctx: ModeContext) -> tuple[float, float, float, float, str]:
+    """The oracle keeps the standard bounds and takes every token's clip decision on its BF16 ratio in the
+    trainer (``fp8rl_core.config.clip_mode_kinds``); a calibration step records statistics only."""
+    return _mode_standard(tok, ctx)
+
+
 UPDATE_BOUNDS: Registry[UpdateBoundsRule] = Registry("per-update clip-bound rule")
 """Clip modes whose bounds the trainer picks before every update: their hooks (``fp8rl_core.calibration.bapo``)."""
 UPDATE_BOUNDS.register("bapo")(PUBLISHED)
