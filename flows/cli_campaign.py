@@ -63,6 +63,7 @@ def preflight(cfg: CampaignConfig, nproc_per_node: int = 1) -> None:
     except ServerUnavailable as err:
         raise _fail(str(err))
     _check_device(cfg.device)
+    _warn_clip_mode_cost(cfg)
     _check_compile_numerics(cfg)
     if nproc_per_node > 1:
         from stages.trainer.batch import check_world_size
@@ -80,6 +81,21 @@ def preflight(cfg: CampaignConfig, nproc_per_node: int = 1) -> None:
         check_benchmarks(cfg)
     except (FileNotFoundError, ValueError, OSError, KeyError) as err:
         raise _fail(f"evaluation data: {str(err).strip(chr(39))}")
+
+
+def _warn_clip_mode_cost(cfg: CampaignConfig) -> None:
+    """A clip mode meant for CPU experiments (its record states a cost: the oracle) says what it costs, in one
+    line, where the run is on a GPU: ``device: cuda``, or ``auto`` on a machine with one."""
+    from fp8rl_core.config.clip_mode_kinds import cost_warning
+
+    on_gpu = cfg.device.startswith("cuda")
+    if cfg.device == "auto":
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    line = cost_warning(cfg, on_gpu=on_gpu)
+    if line:
+        typer.echo(f"warning: {line}", err=True)
 
 
 def _check_compile_numerics(cfg: CampaignConfig) -> None:

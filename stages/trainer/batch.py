@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fp8rl_core.config.clip_mode_kinds import CLIP_MODE_KINDS
 from stages.trainer.collective import Collective
 from stages.trainer.forward import padded_width, token_multiple
 
@@ -129,9 +130,15 @@ def check_world_size(cfg: CampaignConfig, world_size: int) -> None:
     Full mini-batches must split into the same number of micro-batches per rank (FSDP
     collectives), the ranks together running the 1-process micro-batches. Several PPO
     epochs under several ranks are refused: π_old is computed on each rank's epoch-0
-    rows only, and a later epoch's shuffle would hand a rank rows it holds no π_old for.
+    rows only, and a later epoch's shuffle would hand a rank rows it holds no π_old for; so is
+    a clip mode whose record runs in one process only.
     """
     a = cfg.algorithm
+    if world_size > 1 and CLIP_MODE_KINDS.get(cfg.calibration.mode).one_process:
+        raise ValueError(
+            f"calibration.mode {cfg.calibration.mode} runs in one process only (its BF16 forwards are not built "
+            f"for {world_size} ranks); use one process or another calibration.mode"
+        )
     if a.ppo_mini_batch_size % (world_size * a.micro_batch_size):
         raise ValueError(
             f"algorithm.ppo_mini_batch_size={a.ppo_mini_batch_size} must be a multiple of world size "

@@ -65,7 +65,7 @@ class OldPolicy:
     mask: torch.Tensor  # response mask
     adv_tok: torch.Tensor  # advantage on every response token
     old8: torch.Tensor  # π_old, training precision
-    old16: torch.Tensor | None  # π_old, BF16 shadow (shadow steps; NaN on rows without shadow passes)
+    old16: torch.Tensor | None  # π_old, BF16 shadow (shadow steps and BF16 clip decisions; NaN on rows without)
     is_w: torch.Tensor | None  # TIS weights (None until mini-batch 0 gives its π_old, when it does)
     reuse_first: bool  # mini-batch 0's grad forward gives its π_old (:func:`first_forward_is_old`)
     seconds: dict[str, float]  # old_logp_s, shadow_s
@@ -99,13 +99,13 @@ def old_logprobs(step: TrainStep) -> OldPolicy:
         old8[r] = lp
     seconds["old_logp_s"] = time.perf_counter() - t0
     old16 = None
-    if step.shadow:
+    if step.shadow or step.decides_on_bf16:  # the oracle's clip decisions need BF16 π_old on every step
         t0 = time.perf_counter()
         old16 = torch.full_like(old8, float("nan") if rows.sub is not None else 0.0)
         shadowed = [s for k in range(rows.per_epoch) for s in rows.shadowed[k]]
         for r, lp in no_grad_logprobs(step.model, x, shadowed, mode, shadow=True, trim=rows.trim):
             old16[r] = lp
-        seconds["shadow_s"] = time.perf_counter() - t0
+        seconds["shadow_s" if step.shadow else "bf16_decision_s"] = time.perf_counter() - t0
     is_w = None if reuse else step_weights(old8, x.rollout_logp, mask, cfg.algorithm, step.thresholds)
     return OldPolicy(mask, x.advantages.float()[:, None] * mask, old8, old16, is_w, reuse, seconds)
 

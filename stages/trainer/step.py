@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pyd
 
 @dataclass(frozen=True)
 class TrainStep:
-    """A step's model, optimizer, config, ranks, clip rule, bounds and rows."""
+    """A step's model, optimizer, config, ranks, clip rule, bounds and rows, and what its clip mode asks for."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -36,3 +36,4 @@ class TrainStep:
     shadow: bool  # BF16 shadow passes this step
     rule: UpdateBoundsRule | None  # the clip mode's per-update bounds (None: ``bounds`` throughout)
     thresholds: tuple[float, float] | None  # the mismatch correction's calibrated thresholds (None: configured)
+    decides_on_bf16: bool = False  # the clip mode decides each token's clip on its BF16 ratio (its record)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fp8rl_core.objective.losses import CLIP_DUAL, CLIP_LOWER, CLIP_UPPER
 from fp8rl_core.registered import LOSS_STATISTICS
 from stages.trainer.batch import TrainBatch
 from stages.trainer.minibatch import MinibatchUpdate
@@ -44,17 +45,23 @@ class UpdateResult:
 def epoch0_records(step: TrainStep, old: OldPolicy, updates: list[MinibatchUpdate]) -> dict[str, torch.Tensor | None]:
     """This rank's ``[n_r (+1), T]`` records of the step, put together from its epoch-0 updates: π_θ and
     the entropy of each row's update, the BF16 shadow of π_θ (shadow steps; NaN on rows without shadow
-    passes), and π_old, its BF16 shadow and the TIS weights as the updates left them."""
+    passes), and π_old, its BF16 shadow and the TIS weights as the updates left them; ``decision``: the clip
+    codes of each row's epoch-0 update where the clip mode decides on the BF16 ratio (else None)."""
     logp8, entropy = torch.zeros_like(old.old8), torch.zeros_like(old.old8)
     logp16 = None
     if step.shadow:
         logp16 = torch.zeros_like(old.old8) if step.rows.sub is None else torch.full_like(old.old8, float("nan"))
+    decision = torch.zeros_like(old.old8) if any(u.decisions for u in updates) else None
     for u in updates:
         for r, lp, ent in u.records:
             logp8[r], entropy[r] = lp, ent
         for r, lp in u.shadow:
             logp16[r] = lp
-    return dict(logp8=logp8, old8=old.old8, logp16=logp16, old16=old.old16, entropy=entropy, is_w=old.is_w)
+        for r, codes in u.decisions if u.epoch == 0 else ():
+            decision[r] = codes.float()
+    old16 = old.old16 if step.shadow else None  # BF16 columns only on shadow steps (the oracle has it on every step)
+    return dict(logp8=logp8, old8=old.old8, logp16=logp16, old16=old16, entropy=entropy, is_w=old.is_w,
+                decision=decision)
 
 
 def minibatch_of_rows(step: TrainStep) -> torch.Tensor:
@@ -91,6 +98,8 @@ def gather_step_stats(
     minibatch = minibatch_of_rows(step)
     host = rows.batch  # the gathered per-token tensors are on the host: so is the batch they are read with
     metrics = step_metrics(host, g["logp8"], g["old8"], g["entropy"], g["is_w"], cfg, bounds=step.bounds)
+    if g["decision"] is not None:  # what the clip mode deciding on the BF16 ratio clipped in epoch 0
+        metrics.update(decided_clip_shares(g["decision"], host.response_mask))
     picked = [u for u in updates if u.bounds is not None]  # a per-update clip mode's bounds
     epoch0_bounds = {u.index: (u.bounds.lower, u.bounds.upper) for u in picked if u.epoch == 0}
     if step.rule is not None:  # clip statistics at each row's own update bounds
@@ -172,6 +181,21 @@ def step_metrics(batch: TrainBatch, logp8, old8, entropy, is_w, cfg: CampaignCon
             tis_capped_share=float((w >= a.tis_cap).float().mean()),
         )
     return m
+
+
+def decided_clip_shares(decision: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+    """Shares of the valid tokens (``[N, T]`` codes of ``fp8rl_core.objective.losses.clip_decisions``) clipped by
+    decisions taken on the BF16 ratio: ``decided_clipfrac_lower``, ``_upper``, ``decided_dualclip_frac`` and
+    ``decided_clipfrac`` (lower + upper, as ``clipfrac``)."""
+    valid = response_mask > 0
+    n = max(float(valid.sum()), 1.0)
+    lower, upper, dual = (float((valid & (decision == code)).sum()) / n for code in (CLIP_LOWER, CLIP_UPPER, CLIP_DUAL))
+    return {
+        "decided_clipfrac": lower + upper,
+        "decided_clipfrac_lower": lower,
+        "decided_clipfrac_upper": upper,
+        "decided_dualclip_frac": dual,
+    }
 
 
 def _mean(xs: list[float]) -> float:

@@ -18,6 +18,11 @@ tested on tensors. Per step (docs/method.md, "Ratio and policy loss", "Precision
 5. a non-finite loss or gradient skips the update (recorded), leaving the policy
    as it was.
 
+A clip mode whose record decides on the BF16 ratio (the oracle,
+:mod:`fp8rl_core.config.clip_mode_kinds`) runs the shadow machinery on every step: π_old in
+BF16 in step 1, and the BF16 forward of π_θ before every update of every epoch in step 4; each
+token's clip decision is taken on that BF16 ratio and handed to the loss.
+
 :func:`policy_update` reads top to bottom. It splits the rows
 (:func:`stages.trainer.batch.split_rows`: the plan and this rank's rows) and builds the
 step's frozen context once (:class:`stages.trainer.step.TrainStep`); each phase then takes
@@ -42,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fp8rl_core.calibration.clip_modes import per_update_rule
+from fp8rl_core.config.clip_mode_kinds import CLIP_MODE_KINDS
 from stages.trainer.batch import TrainBatch, split_rows
 from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE, Collective
 from stages.trainer.minibatch import MinibatchUpdate, minibatch_update
@@ -85,7 +91,8 @@ def policy_update(
     model.train()
     rule = per_update_rule(cfg.calibration.mode)  # None unless the clip mode picks bounds per update
     step = TrainStep(
-        model, optimizer, scheduler, cfg, collective, rows, bounds, shadow, rule, correction_thresholds
+        model, optimizer, scheduler, cfg, collective, rows, bounds, shadow, rule, correction_thresholds,
+        decides_on_bf16=CLIP_MODE_KINDS.get(cfg.calibration.mode).decides_on_bf16,
     )
     old = old_logprobs(step)  # 1. π_old (+ BF16 shadow)
     t_train = time.perf_counter()
@@ -97,6 +104,8 @@ def policy_update(
     if shadow:
         for u in updates:
             timings["shadow_s"] += u.shadow_s
+    if step.decides_on_bf16:  # the BF16 forwards the clip decisions took beyond the shadow passes
+        timings["bf16_decision_s"] = timings.get("bf16_decision_s", 0.0) + sum(u.decision_s for u in updates)
     timings["update_s"] = time.perf_counter() - t_train
     # 3. statistics
     return gather_step_stats(step, old, updates, lr=float(scheduler.get_last_lr()[0]), timings=timings)
