@@ -17,7 +17,10 @@ the newest checkpoint on any number of ranks.
 ``fp8rl`` starts torchrun as :mod:`flows.torchrun` in a session of its own and
 forwards SIGINT and SIGTERM to it; torchrun forwards them to each rank's
 process group, and each rank ends by :mod:`flows.shutdown`'s path, quietly
-(the launcher prints the one line).
+(the launcher prints the one line). A rank whose torchrun agent dies, however it
+dies (a cluster job's task SIGKILLed, its node's agent lost), gets SIGTERM from the
+kernel and ends by the same path (:func:`end_with_agent`): no rank outlives its
+agent, whether or not the scheduler tracks the ranks' sessions.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 # A signal's way through the ranks (flows.shutdown): a rank ends within RANK_DEADLINE_S; the launcher
@@ -32,7 +36,18 @@ from pathlib import Path
 RANK_DEADLINE_S = 6.0
 
 
+def end_with_agent() -> None:
+    """SIGTERM to this rank when its parent, the torchrun agent, ends (``PR_SET_PDEATHSIG``; Linux)."""
+    import ctypes
+    import signal
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 def main(argv: list[str] | None = None) -> int:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun: its parent is the agent
+        end_with_agent()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir")
     ap.add_argument("--resume", action="store_true")
