@@ -17,6 +17,11 @@ seeds, minus the ``exclude`` patterns (as in a CI build matrix)::
     seeds: [0, 1]
     exclude:
       - {precision: bf16, clip: calibrated}    # a value may also be a list of labels
+      - {clip: calibrated, seed: [1]}          # ``seed``: only these seeds of the matching cells
+
+An exclude pattern's ``seed`` (a seed or a list of them) leaves out only those seeds of the cells
+it matches, so a setting can run on fewer seeds than the rest (a two-seed screen beside a
+seven-seed comparison); ``seed`` is therefore not an axis name.
 
 Override keys are dotted config paths (``calibration.mode``); a mapping value
 merges into the section. Overrides apply in order: base, ``overrides``, each
@@ -53,6 +58,7 @@ from flows.sweep_choice import CHOOSE_KEY, ChoiceSpec, distinct_seeds, pilot_pre
 from fp8rl_core.config.campaign import CampaignConfig
 
 LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")  # no '.': it joins labels into cell ids
+SEED_KEY = "seed"  # in an exclude pattern: the seeds it leaves out
 CELLS_DIR = "_cells"  # '_' cannot start a run id, so the catalog never takes it for a run
 
 
@@ -82,10 +88,10 @@ class SweepSpec(BaseModel):
         description="Name -> a setting chosen by a pilot (flows.sweep_choice); an axis label uses it as "
         "{choose: NAME}.",
     )
-    exclude: list[dict[str, str | list[str]]] = Field(
+    exclude: list[dict[str, str | int | list[str] | list[int]]] = Field(
         default_factory=list,
-        description="Cells to leave out: axis -> label (or labels); a cell matching every entry of one item is "
-        "excluded.",
+        description="Cells to leave out: axis -> label (or labels), and optionally seed -> a seed (or seeds); a "
+        "cell matching every entry of one item is excluded.",
     )
 
     @field_validator("name")
@@ -103,6 +109,8 @@ class SweepSpec(BaseModel):
         for axis, values in axes.items():
             if not LABEL.match(axis):
                 raise ValueError(f"axis name {axis!r} must match {LABEL.pattern}")
+            if axis == SEED_KEY:
+                raise ValueError(f"{SEED_KEY!r} cannot name an axis: it is the campaign seed (list them in seeds)")
             if not values:
                 raise ValueError(f"axis {axis!r} has no labels")
             for label in values:
@@ -132,9 +140,20 @@ class SweepSpec(BaseModel):
     def _exclude(self) -> "SweepSpec":
         for i, pattern in enumerate(self.exclude):
             for axis, labels in pattern.items():
+                if axis == SEED_KEY:
+                    seeds = [labels] if isinstance(labels, int) else labels
+                    if not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+                        raise ValueError(f"exclude.{i}.seed: seeds are integers, got {labels!r}")
+                    unknown = [s for s in seeds if s not in self.seeds]
+                    if unknown:
+                        raise ValueError(
+                            f"exclude.{i}.seed: {unknown[0]} is not a seed of the sweep; seeds: "
+                            + ", ".join(map(str, self.seeds))
+                        )
+                    continue
                 if axis not in self.axes:
                     raise ValueError(f"exclude.{i}.{axis}: unknown axis; axes: {', '.join(self.axes)}")
-                for label in [labels] if isinstance(labels, str) else labels:
+                for label in [labels] if isinstance(labels, (str, int)) else labels:
                     if label not in self.axes[axis]:
                         raise ValueError(
                             f"exclude.{i}.{axis}: unknown label {label!r}; labels: {', '.join(self.axes[axis])}"
@@ -172,18 +191,31 @@ def _apply(tree: dict, key: str, value: Any, where: str) -> None:
         node[last] = copy.deepcopy(value)
 
 
-def _excluded(spec: SweepSpec, labels: dict[str, str]) -> bool:
-    def hit(axis: str, want: str | list[str]) -> bool:
-        return labels[axis] in ([want] if isinstance(want, str) else want)
+def _excluded(spec: SweepSpec, labels: dict[str, str], seed: int | None = None) -> bool:
+    """Whether an exclude pattern matches the cell of ``labels``: all its seeds (``seed`` None: the patterns
+    without a ``seed`` entry), or its ``seed``."""
 
-    return any(all(hit(a, w) for a, w in pattern.items()) for pattern in spec.exclude)
+    def hit(axis: str, want) -> bool:
+        got = seed if axis == SEED_KEY else labels[axis]
+        return got in ([want] if isinstance(want, (str, int)) else want)
+
+    return any(
+        all(hit(a, w) for a, w in pattern.items())
+        for pattern in spec.exclude
+        if seed is not None or SEED_KEY not in pattern
+    )
 
 
 def _combos(spec: SweepSpec):
+    """Each label combination with the seeds it runs on (the combinations every seed of which is excluded
+    are left out)."""
     for combo in itertools.product(*(list(v) for v in spec.axes.values())):
         labels = dict(zip(spec.axes, combo))
-        if not _excluded(spec, labels):
-            yield combo, labels
+        if _excluded(spec, labels):
+            continue
+        seeds = [s for s in spec.seeds if not _excluded(spec, labels, s)]
+        if seeds:
+            yield combo, labels, seeds
 
 
 def _uses(spec: SweepSpec, labels: dict[str, str]) -> set[str]:
@@ -208,11 +240,11 @@ def expand_cells(spec: SweepSpec, base: dict, *, source: str, choices: dict[str,
                 cfg = config_from_dict(tree, source=f"{source}: cell {cell_id}")
                 cells.append(Cell(cell_id, (("pilot", name), ("candidate", cand)), seed, cfg, pilot=name))
     matrix = 0
-    for combo, labels in _combos(spec):
+    for combo, labels, seeds in _combos(spec):
         matrix += 1
         if _uses(spec, labels) - set(choices):
             continue
-        for seed in spec.seeds:
+        for seed in seeds:
             cell_id = ".".join(combo) + f".s{seed}"
             where = f"{source}: cell {cell_id}"
             tree = copy.deepcopy(base)
@@ -243,9 +275,9 @@ def waiting_cell_ids(spec: SweepSpec, choices: dict[str, dict]) -> list[str]:
     """The ids of the cells that wait for a choice not yet made."""
     return [
         ".".join(combo) + f".s{seed}"
-        for combo, labels in _combos(spec)
+        for combo, labels, seeds in _combos(spec)
         if _uses(spec, labels) - set(choices)
-        for seed in spec.seeds
+        for seed in seeds
     ]
 
 

@@ -226,3 +226,52 @@ def test_on_a_gpu_the_oracle_states_its_cost_in_one_line() -> None:
     assert line is not None and len(line.splitlines()) == 1 and "BF16 forward of every micro-batch" in line
     assert cost_warning(cfg, on_gpu=False) is None
     assert cost_warning(load_config("regime-tiny-cpu", ["calibration.mode=standard"]), on_gpu=True) is None
+
+
+SCREEN = ("fp8-rollout-only", "fp8-train-only", "fp8-old-together", "fp8-old-together-calibrated", "fp8-oracle",
+          "fp8-rowwise", "fp8-blockwise", "fp8-geo-mask-calibrated")  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+def test_the_screen_runs_its_settings_on_two_seeds_beside_the_seven_seed_cells() -> None:
+    from flows.sweep_spec import load_sweep
+
+    _, cells = load_sweep("configs/sweeps/regime-seeds.yaml")  # every cell's config validated
+    ids = {c.id: c for c in cells}
+    for label in ("bf16", "fp8-standard", "fp8-calibrated"):  # the comparison's cells, under their own ids
+        assert {f"{label}.s{s}" for s in range(7)} <= set(ids)
+    for label in SCREEN:
+        assert sorted(c.seed for c in cells if c.id.startswith(f"{label}.")) == [0, 1], label
+    oracle, standard = ids["fp8-oracle.s0"].config, ids["fp8-standard.s0"].config
+    assert oracle.calibration.mode == "oracle" and oracle.algorithm == standard.algorithm
+    assert ids["fp8-old-together.s1"].config.algorithm.old_logp_micro_batch_size is None
+    assert standard.algorithm.old_logp_micro_batch_size == 256
+    geo = ids["fp8-geo-mask-calibrated.s0"].config.algorithm.correction
+    assert (geo.mode, geo.calibrate) == ("geo-mask", True)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ("exclude:\n  - {clip: calibrated, seed: [7]}\n", "exclude.0.seed: 7 is not a seed of the sweep; seeds: 0, 1"),
+        ("exclude:\n  - {clip: calibrated, seed: [x]}\n", "exclude.0.seed: seeds are integers"),
+        ("  seed:\n    a: {}\n", "'seed' cannot name an axis"),
+    ],
+)
+def test_an_exclude_seed_is_checked_when_the_sweep_file_loads(tmp_path, extra: str, needle: str) -> None:
+    from flows.sweep_spec import load_sweep
+
+    text = "name: t\naxes:\n  clip:\n    standard: {calibration.mode: standard}\n    calibrated: {}\nseeds: [0, 1]\n"
+    if extra.startswith("  "):  # an axis
+        text = text.replace("seeds:", extra + "seeds:")
+    else:
+        text += extra
+    (tmp_path / "s.yaml").write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_sweep(tmp_path / "s.yaml")
+    assert needle in str(err.value) and len(str(err.value).splitlines()) == 1, str(err.value)
+    ok = text.replace("seed: [7]", "seed: [1]").replace("seed: [x]", "seed: 1")
+    if ok != text:
+        (tmp_path / "s.yaml").write_text(ok)
+        assert [c.id for c in load_sweep(tmp_path / "s.yaml")[1]] == ["standard.s0", "standard.s1", "calibrated.s0"]

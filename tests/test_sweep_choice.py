@@ -174,14 +174,16 @@ def test_the_regime_sweep_fixes_its_rule_before_the_seeds_and_varies_only_what_i
     assert {c.config.algorithm.correction.mode for c in pilot} == {
         "token-tis", "seq-tis", "token-mis", "seq-mis", "icepop", "geo-mask"
     }  # fmt: skip
-    assert len(waiting_cell_ids(spec, {})) == 14 and len(cells) == 12 + 21
+    assert len(waiting_cell_ids(spec, {})) == 14 and len(cells) == 12 + 21 + 8 * 2  # + the 2-seed screen
     for c in cells:
         same = c.config.model_copy(
             update={"seed": preset.seed, "precision": preset.precision, "calibration": preset.calibration,
                     "algorithm": preset.algorithm}
         )  # fmt: skip
         assert same == preset, c.id  # model, task, bootstrap, steps, rollout, evaluation: the preset's
-        assert c.config.algorithm.model_copy(update={"correction": preset.algorithm.correction}) == preset.algorithm
+        batching = preset.algorithm.old_logp_micro_batch_size  # the screen also varies how pi_old is batched
+        same = {"correction": preset.algorithm.correction, "old_logp_micro_batch_size": batching}
+        assert c.config.algorithm.model_copy(update=same) == preset.algorithm
 
 
 def test_a_choice_that_falls_on_what_a_setting_does_already_is_not_run_twice(tmp_path: Path):
