@@ -33,7 +33,9 @@ those to torch.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -81,19 +83,81 @@ def _int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def exact_matmul_values(a: torch.Tensor, b: torch.Tensor, levels: int = 2) -> torch.Tensor:
+def exact_matmul_values(
+    a: torch.Tensor, b: torch.Tensor, levels: int = 2, b_grid: tuple[list[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
     """``a @ b`` (CPU, float operands, ``a``: [..., m, k], ``b``: [..., k, n]) as float32, the
     same bits on every CPU (module docstring). ``levels=1`` for operands that hold BF16 values
     (one grid level: every bit of a BF16 value down to 2**-11 of its row's largest), 2 for
-    float32 ones. No autograd: see :func:`exact_matmul`."""
+    float32 ones. ``b_grid``: ``b``'s grid levels (:func:`weight_grid`), when already made.
+    No autograd: see :func:`exact_matmul`."""
     la, ua = _levels(a.float(), -1, levels)
-    lb, ub = _levels(b.float(), -2, levels)
+    lb, ub = b_grid if b_grid is not None else _levels(b.float(), -2, levels)
     out = _int_matmul(la[0], lb[0])
     if levels > 1:  # the second level, added in a fixed order
         low = _int_matmul(la[0], lb[1]) + _int_matmul(la[1], lb[0])
         out = out + low / float(1 << GRID_BITS)
     # one rounding to float32, then the powers of two (rounding commutes with them barring underflow)
     return out.float().div_(ua).div_(ub)
+
+
+# --------------------------------------------------------------------------- a weight's grid, made once
+
+
+class _WeightGrids:
+    """The grid levels of weights while they cannot change (:func:`reuse_weight_grids`).
+
+    An entry is keyed by the weight tensor itself and checked against its storage, shape,
+    strides and version counter (every in-place write through autograd's view of the tensor
+    -- an optimizer step, ``load_state_dict``, a ``copy_`` -- moves the counter); the store is
+    emptied when the outermost scope ends, so no grid outlives the call that made it."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.store: dict[tuple, tuple[torch.Tensor, tuple, tuple[list[torch.Tensor], torch.Tensor]]] = {}
+        self.hits = 0
+        self.made = 0
+
+    def get(self, weight: torch.Tensor, levels: int, operand) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+        if self.depth == 0 or weight.requires_grad and torch.is_grad_enabled():
+            return None
+        try:
+            stamp = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, weight._version)
+        except RuntimeError:  # an inference tensor keeps no version counter: nothing proves it unchanged
+            return None
+        key = (id(weight), levels)
+        entry = self.store.get(key)
+        if entry is not None and entry[0] is weight and entry[1] == stamp:
+            self.hits += 1
+            return entry[2]
+        grid = _levels(operand(weight).transpose(-1, -2).float(), -2, levels)
+        self.store[key] = (weight, stamp, grid)
+        self.made += 1
+        return grid
+
+
+_WEIGHT_GRIDS = _WeightGrids()
+
+
+@contextlib.contextmanager
+def reuse_weight_grids() -> Iterator[_WeightGrids]:
+    """Within this scope a linear layer's weight is put on its grid once and reused by every
+    no-grad GEMM on it (a generation's prefill and decoding steps, a no-grad log-prob pass): the
+    same integers as making it again, so the same bits. Nested scopes share the outermost's store."""
+    _WEIGHT_GRIDS.depth += 1
+    try:
+        yield _WEIGHT_GRIDS
+    finally:
+        _WEIGHT_GRIDS.depth -= 1
+        if _WEIGHT_GRIDS.depth == 0:
+            _WEIGHT_GRIDS.store.clear()
+
+
+def weight_grid(weight: torch.Tensor, levels: int, operand) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """``weight``ᵀ's grid levels for ``x @ weight.T`` (``operand``: the rule's operand of ``weight``, e.g.
+    its BF16 value), reused within :func:`reuse_weight_grids`; None outside it or where the GEMM needs
+    the weight's gradient."""
+    return _WEIGHT_GRIDS.get(weight, levels, operand)
 
 
 class _ExactMatmul(torch.autograd.Function):

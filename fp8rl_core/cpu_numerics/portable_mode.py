@@ -37,6 +37,27 @@ def _linear(levels, input, weight, bias=None):
     return out if bias is None else out + bias
 
 
+def _same(t):
+    return t
+
+
+def _linear_reusing_grid(impl, levels, operand, args, kwargs):
+    """``F.linear`` on a weight whose grid :func:`portable_math.reuse_weight_grids` holds (no gradient
+    taken): the same exact GEMM on the same integers, the weight's grid made once. None otherwise."""
+    if impl is not _linear or kwargs or len(args) < 2 or args[0].dim() < 2:
+        return None
+    if args[0].requires_grad and torch.is_grad_enabled():
+        return None
+    grid = pm.weight_grid(args[1], levels, operand)
+    if grid is None:
+        return None
+    x, bias = operand(args[0]), (operand(args[2]) if len(args) > 2 and args[2] is not None else None)
+    flat = x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x
+    out = pm.exact_matmul_values(flat, None, levels, b_grid=grid)
+    out = out.reshape(*x.shape[:-1], out.shape[-1]) if x.dim() != 2 else out
+    return out if bias is None else out + bias
+
+
 def _addmm(levels, input, mat1, mat2, *, beta=1, alpha=1):
     out = pm.exact_matmul(mat1, mat2, levels)
     if alpha != 1:
@@ -240,12 +261,15 @@ class PortableNumerics(Bf16GemmsInFp32):
             return None
         if self._takes(args, kwargs):  # the BF16 rule: BF16 operands, the output rounded to BF16
             self.calls += 1
+            operand = bf16_rule._bf16_operand
             with torch.autocast("cpu", enabled=False):
-                operand = bf16_rule._bf16_operand
-                out = impl(1, *map(operand, args), **{k: operand(v) for k, v in kwargs.items()})
+                out = _linear_reusing_grid(impl, 1, operand, args, kwargs)
+                if out is None:
+                    out = impl(1, *map(operand, args), **{k: operand(v) for k, v in kwargs.items()})
             return out.to(torch.bfloat16)
         floats = [t.dtype for t in tensors if t.is_floating_point()]
         if floats and all(d == torch.float32 for d in floats) and not torch.is_autocast_enabled("cpu"):
             self.calls += 1
-            return impl(2, *args, **kwargs)
+            out = _linear_reusing_grid(impl, 2, _same, args, kwargs)
+            return impl(2, *args, **kwargs) if out is None else out
         return None

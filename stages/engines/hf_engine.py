@@ -70,6 +70,7 @@ from transformers import DynamicCache
 from fp8rl_core.config.method import PrecisionConfig
 from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.cpu_numerics.cpu_gemm import fp32_gemms_active
+from fp8rl_core.cpu_numerics.portable_math import reuse_weight_grids
 from fp8rl_core.precision.autocast import autocast_context
 from fp8rl_core.precision.rollout import convert_for_rollout, sync_rollout_weights
 from stages.engines.base import (
@@ -246,7 +247,9 @@ class TransformersEngine(RolloutEngine):
         results: dict[tuple[int, int], RolloutSample] = {}
         chunk = self.config.generation_batch_size
         compute = autocast_context(self.precision_mode, device) if self.bf16_autocast else contextlib.nullcontext()
-        with torch.inference_mode(), compute:
+        # one weight version for the whole call: under the portable CPU numerics each weight is put on its
+        # grid once, not at the prefill and every decoding step
+        with torch.inference_mode(), compute, reuse_weight_grids():
             for lo in range(0, len(rows), chunk):
                 part = rows[lo : lo + chunk]
                 outs = self._generate_chunk(
