@@ -9,9 +9,16 @@ the file's content (pid, host, start time) is only there to say who holds it.
 The lock is re-entrant within a process: the CLI takes it before it writes
 ``run.json`` and the campaign flow takes it again; both refer to one open file
 description (a second ``open`` + ``flock`` in the same process would conflict
-with the first). It lives on the run directory's filesystem, which must be a
-local one (``flock`` over NFS is not reliable); object-store roots are read-only
-for queries.
+with the first). Object-store roots are read-only for queries.
+
+On a network file system (a cluster's shared path) the lock is one guard of two. Linux
+NFS clients take ``flock`` as a whole-file POSIX lock held by the server, which other
+nodes see; but a lock can outlive a holder's node until the server's lease expires,
+and some file systems take ``flock`` per node only (Lustre's ``localflock``). The
+guard that holds there is the supervisor's (``fp8rl submit``): it submits a run's next
+job only after the scheduler reports the previous one ended, so no two jobs of one run
+ever run at once. The file names the scheduler's job beside pid and host, so a
+refusal says which job holds the run.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ _HELD = _Held()
 def _holder(path: Path) -> str:
     try:
         info = json.loads(path.read_text() or "{}")
-        return f"pid {info.get('pid')} on {info.get('host')} since {info.get('since')}"
+        job = f" (Slurm job {info['job']})" if info.get("job") else ""
+        return f"pid {info.get('pid')} on {info.get('host')}{job} since {info.get('since')}"
     except (OSError, ValueError):
         return "another process"
 
@@ -92,6 +100,7 @@ def acquire(run_dir: str | Path) -> None:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "job": os.environ.get("SLURM_JOB_ID"),  # None outside a cluster job
         }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)

@@ -104,3 +104,47 @@ def test_bad_input_is_one_line_and_writes_nothing(submit, tmp_path, monkeypatch)
     r = submit("tiny-cpu", "--run-dir", str(shared / "r"), "--set", f"cluster.shared_path={shared}")
     _refused(r, "sbatch", "not found")
     assert not outside.exists() and not shared.exists()
+
+
+def test_job_attempts_are_recorded_in_the_ledger_and_run_json_and_read_with_sql(tmp_path):
+    import json
+
+    from flows.cluster.attempts import JobAttempt, record
+    from storage.catalog import connect, query
+    from storage.layout import create_run
+
+    create_run(tmp_path, "r1", config={"name": "r1"})
+    run_dir = tmp_path / "r1"
+    record(run_dir, JobAttempt(1, "slurm", "41", "n[1-2]", "CANCELLED", "heartbeat missed: ...", None, "t0", "t1"))
+    record(run_dir, JobAttempt(2, "slurm", "42", "n[1-2]", "COMPLETED", "completed", 2, "t2", "t3"))
+    rows = query(connect(tmp_path), "SELECT run_id, attempt, job_id, state, resumed_from_step FROM job_attempts")
+    assert rows.to_pylist() == [
+        {"run_id": "r1", "attempt": 1, "job_id": "41", "state": "CANCELLED", "resumed_from_step": None},
+        {"run_id": "r1", "attempt": 2, "job_id": "42", "state": "COMPLETED", "resumed_from_step": 2},
+    ]
+    assert [a["job_id"] for a in json.loads((run_dir / "run.json").read_text())["job_attempts"]] == ["41", "42"]
+    assert query(connect(tmp_path), "SELECT count(*) AS n FROM ledger").to_pylist() == [{"n": 0}]  # no stage rows
+
+
+def test_a_run_locked_by_a_cluster_job_names_the_job(tmp_path):
+    import subprocess
+
+    from storage import lock
+    from storage.errors import RunLocked
+
+    hold = "import sys; from storage import lock; lock.acquire(sys.argv[1]); print('held', flush=True); input()"
+    env = dict(os.environ, SLURM_JOB_ID="4711", RANK="0")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", hold, str(tmp_path)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with pytest.raises(RunLocked, match=r"\(Slurm job 4711\)"):
+            lock.acquire(tmp_path)
+    finally:
+        proc.communicate("\n", timeout=30)

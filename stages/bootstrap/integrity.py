@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 from pathlib import Path
 
 from storage.errors import StorageError
@@ -86,7 +87,7 @@ def _fix(entry: Path) -> str:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # one pid on two nodes
     tmp.write_text(text)
     os.replace(tmp, path)
 

@@ -51,6 +51,7 @@ import math
 import os
 import random
 import shutil
+import socket
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -367,7 +368,8 @@ def publish_checkpoint(final: Path, model, tokenizer, meta: dict) -> None:
     """Write a bootstrapped policy to ``final`` atomically: saved with its ``bootstrap.json`` (which records
     the hash of the files beside it) into a temporary folder beside it, then renamed. Where another process
     published first, theirs is kept."""
-    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    # host and pid: on a cache shared by several nodes two builders can have one pid
+    tmp = final.with_name(f".tmp-{final.name}-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
