@@ -97,6 +97,8 @@ def test_bad_input_is_one_line_and_writes_nothing(submit, tmp_path, monkeypatch)
     _refused(submit("tiny-cpu", "--backend", "k8s", "--run-dir", str(shared / "r")), "--dry-run only")
     _refused(submit("tiny-cpu", "--backend", "nomad", "--dry-run"), "local, slurm, k8s")
     _refused(submit("tiny-cpu", "--set", "cluster.time=two days", "--dry-run"), "cluster.time")
+    _refused(submit("qwen2.5-32b-grpo", "--gpus-per-node", "6", "--dry-run"), "tensor_parallel_size=4", "span two")
+    _refused(submit("tiny-cpu", "--nodes", "2", "--set", "rollout.data_parallel=shared_tp", "--dry-run"), "shared_tp")
     # a real submission where Slurm is not installed: PATH without sbatch
     bare = tmp_path / "bin"
     bare.mkdir()

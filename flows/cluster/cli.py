@@ -43,6 +43,23 @@ def _run_dir(cfg, run_dir: Path | None) -> Path:
     return run_dir
 
 
+def _check_layout(cfg) -> None:
+    """A rollout engine's tensor-parallel group stays inside one node: torchrun numbers a node's ranks
+    consecutively, so ``gpus_per_node`` must be a multiple of the group; one engine over all ranks
+    (``shared_tp``) would span nodes."""
+    c, r = cfg.cluster, cfg.rollout
+    if r.data_parallel == "shared_tp" and c.nodes > 1:
+        raise fail(
+            f"rollout.data_parallel shared_tp spreads one engine over all {c.nodes * c.gpus_per_node} ranks, across "
+            f"{c.nodes} nodes: use per_rank with rollout.tensor_parallel_size <= cluster.gpus_per_node"
+        )
+    if c.gpus_per_node % r.tensor_parallel_size:
+        raise fail(
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size} does not divide cluster.gpus_per_node="
+            f"{c.gpus_per_node}: a tensor-parallel group would span two nodes"
+        )
+
+
 def _dry_run(cfg, backend_name: str, run_dir: Path) -> None:
     from flows.cluster.supervise import project_root
 
@@ -160,6 +177,7 @@ def submit(
     else:
         cfg = _load(config, set_, nodes, gpus_per_node)
         run_dir = _run_dir(cfg, run_dir)
+    _check_layout(cfg)
     if dry_run:
         if kind.renders is None:
             raise fail("--backend local runs here: there is no job to show (`fp8rl plan` shows its memory)")
