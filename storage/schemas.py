@@ -201,6 +201,11 @@ _STEP_METRICS = (
     ("bapo_rho_min", "BAPO: smallest rho of the step's updates."),
     ("bapo_rho_max", "BAPO: largest rho of the step's updates."),
     ("bapo_iterations_mean", "BAPO: mean number of bound moves per update."),
+    # the oracle (calibration.mode = oracle): each token's clip decision taken on its BF16 ratio, epoch 0
+    ("decided_clipfrac", "Oracle: share of valid tokens it clipped: decided_clipfrac_lower + _upper (NULL otherwise)."),
+    ("decided_clipfrac_lower", "Oracle: share of valid tokens with A<0 and r16 < 1 − ε_low."),
+    ("decided_clipfrac_upper", "Oracle: share of valid tokens with A>0 and r16 > 1 + ε_high."),
+    ("decided_dualclip_frac", "Oracle: share of valid tokens with A<0 and r16 > dual-clip c."),
     ("amplification", "ratio_nmae / prob_nmae (shadow steps)."),
     ("old_prob_nmae", "NMAE of FP8 vs BF16 old-policy token probabilities (shadow steps)."),
     ("lower_clip_share_neg_fp8", "Share of A<0 tokens FP8 clips below L (denominator: A<0 tokens)."),

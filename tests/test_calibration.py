@@ -383,6 +383,7 @@ def test_standard_and_relaxed_lower():
         "bapo_joint_every_k",
         "calibrated",
         "calibrated_lower_only",
+        "oracle",
         "relaxed_lower",
         "standard",
     ]
