@@ -275,3 +275,15 @@ def test_an_exclude_seed_is_checked_when_the_sweep_file_loads(tmp_path, extra: s
     if ok != text:
         (tmp_path / "s.yaml").write_text(ok)
         assert [c.id for c in load_sweep(tmp_path / "s.yaml")[1]] == ["standard.s0", "standard.s1", "calibrated.s0"]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("device, cuda, warned", [("auto", True, True), ("auto", False, False), ("cpu", True, False)])
+def test_fp8rl_run_warns_in_one_line_where_the_oracle_runs_on_a_gpu(monkeypatch, capsys, device, cuda, warned):
+    from flows.cli_campaign import _warn_clip_mode_cost
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    cfg = load_config("regime-tiny-cpu", ["calibration.mode=oracle", f"device={device}"])
+    _warn_clip_mode_cost(cfg)
+    err = capsys.readouterr().err
+    assert err.splitlines() == ([f"warning: {cost_warning(cfg, on_gpu=True)}"] if warned else []), err
