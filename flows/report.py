@@ -77,6 +77,13 @@ class Report:
     table: pa.Table
     seconds: float
     problems: list[tuple[str, str]]
+    jobs: pa.Table | None = None  # the runs' cluster jobs (fp8rl submit), None when no run had one
+
+
+JOBS_SQL = (
+    "SELECT run_id, attempt, job_id, nodes, state, exit_reason, resumed_from_step, submitted_at, ended_at "
+    "FROM job_attempts ORDER BY run_id, attempt"
+)
 
 
 # --------------------------------------------------------------------------- querying
@@ -293,6 +300,10 @@ def render_html(report: Report, roots: list[Path], colors: dict[str, str], table
         _html_table(report.table, colors),
         f"<details><summary>SQL</summary><pre>{html.escape(table_sql)}</pre></details>",
     ]
+    if report.jobs is not None and report.jobs.num_rows:
+        parts.append('<h2>Cluster jobs</h2><p class="note">Each job of <code>fp8rl submit</code>, recorded when it '
+                     "ended (the <code>job_attempts</code> view).</p>")
+        parts.append(_html_table(report.jobs, colors))
     if report.problems:
         items = "".join(f"<li>{html.escape(p)}: {html.escape(w)}</li>" for p, w in report.problems)
         parts.append(f'<h2>Skipped files</h2><ul class="note">{items}</ul>')
@@ -353,7 +364,8 @@ def build_report(roots: list[str | Path], out_dir: str | Path, *, figures: tuple
         results.append(res)
 
     all_problems = [p for s in sources for p in problems(s.con)]
-    report = Report(out, out / "index.html", runs, results, table, 0.0, all_problems)
+    jobs, _ = run_sql(sources, JOBS_SQL)
+    report = Report(out, out / "index.html", runs, results, table, 0.0, all_problems, jobs)
     report.index.write_text(render_html(report, roots, colors, named.sql), encoding="utf-8")
     report.seconds = time.perf_counter() - t0
     return report

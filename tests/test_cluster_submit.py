@@ -126,6 +126,10 @@ def test_job_attempts_are_recorded_in_the_ledger_and_run_json_and_read_with_sql(
     ]
     assert [a["job_id"] for a in json.loads((run_dir / "run.json").read_text())["job_attempts"]] == ["41", "42"]
     assert query(connect(tmp_path), "SELECT count(*) AS n FROM ledger").to_pylist() == [{"n": 0}]  # no stage rows
+    from flows.report import build_report
+
+    page = build_report([tmp_path], tmp_path / "report").index.read_text()
+    assert "<h2>Cluster jobs</h2>" in page and "heartbeat missed" in page
 
 
 def test_a_run_locked_by_a_cluster_job_names_the_job(tmp_path):
