@@ -252,32 +252,6 @@ def _published_bounds(
     return bapo_bounds(ratio, advantages, mask, calibration.bapo, reduce=dist_sum if distributed else None)
 
 
-def minibatch_bounds(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    cfg: BapoConfig,
-    *,
-    mode: str,
-    micro_batch_size: int | None = None,
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = dist_sum,
-) -> BapoResult:
-    """BAPO's bounds for the update about to run on one mini-batch: a no-grad forward
-    of pi_theta (training precision ``mode``) gives the current ratios against
-    ``old_logp``; ``[m, T]`` tensors, rows = the mini-batch's sequences."""
-    from fp8rl_core.objective.logprobs import sequence_logprobs
-    from fp8rl_core.objective.losses import importance_ratio
-
-    with torch.no_grad():
-        logp, _ = sequence_logprobs(
-            model, input_ids, attention_mask, mode=mode, micro_batch_size=micro_batch_size, with_entropy=False
-        )
-    return bapo_bounds(importance_ratio(logp.float(), old_logp.float()), advantages, mask, cfg, reduce=reduce)
-
-
 def step_clip_stats(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

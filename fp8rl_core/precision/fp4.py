@@ -91,13 +91,6 @@ MXFP4 = FP4Format("mxfp4", 32, "e8m0", False)
 FORMATS: dict[str, FP4Format] = {NVFP4.name: NVFP4, MXFP4.name: MXFP4}
 
 
-def fp4_format(name: str) -> FP4Format:
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise ValueError(f"unknown FP4 format {name!r}; valid: {', '.join(FORMATS)}") from None
-
-
 # ---------------------------------------------------------------------------
 # Element rounding
 # ---------------------------------------------------------------------------

@@ -40,10 +40,6 @@ class TaskKind:
     def procedural(self) -> bool:
         return self.source == "procedural"
 
-    @property
-    def is_code(self) -> bool:
-        return self.source in ("code", "code_tiny")
-
 
 TASK_KINDS: Registry[TaskKind] = Registry("task kind")
 

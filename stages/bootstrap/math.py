@@ -388,13 +388,3 @@ def publish_checkpoint(final: Path, model, tokenizer, meta: dict) -> None:
 def read_meta(checkpoint: str | Path) -> dict:
     """The ``bootstrap.json`` of a bootstrapped checkpoint."""
     return json.loads((Path(checkpoint) / META_FILE).read_text())
-
-
-def policy_source(
-    model_cfg: ModelConfig, task_cfg: TaskConfig, boot_cfg: BootstrapConfig, cache_root: str | Path | None = None
-) -> str:
-    """What ``load_policy`` should load: ``model.path`` when set (a real
-    checkpoint, no bootstrap), else the bootstrapped tiny checkpoint."""
-    if model_cfg.path is not None:
-        return model_cfg.path
-    return str(bootstrap(model_cfg, task_cfg, boot_cfg, cache_root))
