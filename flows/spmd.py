@@ -2,8 +2,10 @@
 
 ``fp8rl run CONFIG --nproc-per-node N`` creates the run directory, then starts
 ``torchrun --standalone --nproc-per-node N -m flows.spmd RUN_DIR``
-(:func:`flows.run_process.launch`); for several
-nodes, start the same module on each node with a rendezvous endpoint::
+(:func:`flows.run_process.launch`); for several nodes, ``fp8rl submit`` renders a
+Slurm job that starts the same module under one agent per node
+(:mod:`flows.cluster.slurm_script`), or start it on each node by hand with a
+rendezvous endpoint::
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 -m flows.spmd RUN_DIR [--resume]
