@@ -176,13 +176,14 @@ def _exists(path: Path) -> bool:
 
 def _available_bytes(device: str) -> tuple[int, str] | None:
     """Memory the run's device has (a CUDA device's total, or the host's available memory) and its name."""
-    if device.startswith("cuda"):
+    if device.startswith("cuda"):  # asked in a child process: this one must not hold a CUDA context
         import torch
 
-        if not torch.cuda.is_available():
+        from flows.device_probe import cuda_memory
+
+        if not torch.cuda.is_available():  # the device count, not a context
             return None
-        index = int(device.partition(":")[2] or 0)
-        return torch.cuda.mem_get_info(index)[1], f"cuda:{index}"
+        return cuda_memory(int(device.partition(":")[2] or 0))
     try:
         with open("/proc/meminfo") as f:
             kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))

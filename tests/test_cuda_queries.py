@@ -10,10 +10,13 @@ carrying every device's RNG state through a checkpoint.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 pytestmark = pytest.mark.timeout(60)
+ROOT = Path(__file__).resolve().parent.parent
 
 GIB = 2**30
 
@@ -88,17 +91,29 @@ class FakeCuda:
         self.rng = [s.clone() for s in states]
 
 
+def _child_standin(monkeypatch, count: int, total_gib: int) -> None:
+    """The probe's child process answers from ``tests/cuda_site`` as a machine with these devices."""
+    import os
+
+    site = str(Path(__file__).resolve().parent / "cuda_site")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([site, str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FP8RL_TEST_CUDA_STANDIN", f"{count},{total_gib}")
+
+
 def test_a_cuda_device_the_machine_lacks_is_one_line_and_the_memory_read_is_the_device_asked_for(monkeypatch):
     import typer
 
     from flows.cli_campaign import _available_bytes, _check_device
 
     FakeCuda(count=2, total=80 * GIB).install(monkeypatch)
+    _child_standin(monkeypatch, 2, 80)
     _check_device("cuda:1")
     with pytest.raises(typer.Exit) as err:
         _check_device("cuda:2")
     assert err.value.exit_code == 2
-    assert _available_bytes("cuda:1") == (80 * GIB, "cuda:1") and _available_bytes("cuda") == (80 * GIB, "cuda:0")
+    assert _available_bytes("cuda:1") == (80 * GIB, "cuda:1 (NVIDIA H200 (stand-in))")
+    assert _available_bytes("cuda") == (80 * GIB, "cuda:0 (NVIDIA H200 (stand-in))")
+    assert _available_bytes("cuda:2") is None  # the child cannot tell: no check rather than a wrong one
     FakeCuda(count=0).install(monkeypatch)
     with pytest.raises(typer.Exit):
         _check_device("cuda")
@@ -193,3 +208,49 @@ def test_the_nccl_sync_without_a_rendezvous_is_refused_when_the_engine_is_made()
             logprobs_mode="processed", sleep_level=0, weight_sync="nccl", verify_sync="first", in_process=True,
             nccl_master=None,
         )  # fmt: skip
+
+
+class RecordingCuda(FakeCuda):
+    """:class:`FakeCuda` that records every call that would create a CUDA context in this process (a memory
+    query, a device's name or properties, the lazy initialization, choosing a device); the device count and
+    ``is_available`` do not create one."""
+
+    CONTEXT_CALLS = ("mem_get_info", "get_device_name", "get_device_capability", "empty_cache", "get_rng_state_all")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.contexts: list[str] = []
+
+    def install(self, monkeypatch) -> RecordingCuda:
+        super().install(monkeypatch)
+        for name in self.CONTEXT_CALLS:
+            monkeypatch.setattr(torch.cuda, name, self._recording(name, getattr(torch.cuda, name)))
+        for name in ("init", "_lazy_init", "set_device", "get_device_properties", "synchronize"):
+            monkeypatch.setattr(torch.cuda, name, self._recording(name, lambda *a, **k: None))
+        return self
+
+    def _recording(self, name, fn):
+        def call(*args, **kwargs):
+            self.contexts.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.timeout(120)
+def test_the_launcher_reads_the_gpus_memory_without_a_cuda_context_of_its_own(monkeypatch):
+    """``fp8rl run``'s memory check asks a child process; the launcher, which then waits on torchrun for the
+    whole campaign, makes no call that creates a CUDA context (it would hold 0.3-0.6 GB of rank 0's GPU)."""
+    import typer
+    from conftest import micro_config
+
+    from flows.cli_campaign import check_memory_fit
+
+    cuda = RecordingCuda(count=1, total=80 * GIB).install(monkeypatch)
+    _child_standin(monkeypatch, 1, 80)
+    big = micro_config("device=cuda", "model.hidden_size=16384", "model.intermediate_size=65536", "model.num_layers=12")
+    with pytest.raises(typer.Exit) as err:
+        check_memory_fit(big, 1)
+    assert err.value.exit_code == 2
+    check_memory_fit(micro_config("device=cuda"), 1)  # the tiny model fits
+    assert cuda.contexts == []
