@@ -131,6 +131,31 @@ def sqnr_db(ref, x) -> float:
     return math.inf if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise)
 
 
+NEEDS_TORCH = (2, 11)  # every section: torchao 0.18's float8 training and ``torch._scaled_mm``
+
+
+def torch_too_old() -> str | None:
+    """Why this torch cannot run the check (older than :data:`NEEDS_TORCH`), or None."""
+    import torch
+
+    have = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    need = ".".join(map(str, NEEDS_TORCH))
+    return None if have >= NEEDS_TORCH else f"needs torch >= {need}, this is torch {torch.__version__}"
+
+
+def blockwise_missing() -> str | None:
+    """Why torchao's blockwise GEMM cannot run on this torch, or None: it calls
+    ``F.scaled_mm(..., scale_recipe_a=...)``, a signature of torch 2.13."""
+    import inspect
+
+    import torch
+
+    fn = getattr(torch.nn.functional, "scaled_mm", None)
+    if fn is not None and "scale_recipe_a" in inspect.signature(fn).parameters:
+        return None
+    return f"torchao's blockwise GEMM calls F.scaled_mm(..., scale_recipe_a=...), which torch {torch.__version__} lacks"
+
+
 def model_config(name: str, *, layers: int, vocab: int = 1024):
     """A transformers config of ``name``'s decoder shape with ``layers`` layers and a small vocabulary."""
     from transformers import Qwen2Config, Qwen3Config
@@ -186,12 +211,19 @@ def section_throughput(
     convert: Callable | None = None,
 ) -> None:
     """``convert(model, mode)``: the FP8 conversion (default: real kernels only, no emulation)."""
-    import torch
+    from gpu_check.phases import phase
 
-    from fp8rl_core.precision.conversion import convert_for_training
+    with phase("import", emit):
+        import torch
 
+        from fp8rl_core.precision.conversion import convert_for_training
+
+    real = convert is None
     convert = convert or (lambda model, mode: convert_for_training(model, mode, emulate=False))
     emit(f"[1] train step, {layers} decoder layers, eager, time(bf16) / time(fp8): >1 = FP8 faster")
+    lacking = blockwise_missing() if real else None
+    if lacking:
+        emit(f"    fp8_blockwise: SKIP - {lacking}")
     for name in models or MODELS:
         for tokens in tokens_list:
             if time.monotonic() > deadline:
@@ -199,12 +231,15 @@ def section_throughput(
                 return
             cells, base = [], None
             for mode in ("bf16", *RECIPES):
+                if mode == "fp8_blockwise" and lacking:
+                    continue
                 torch.manual_seed(0)
                 config = models[name] if isinstance(models, dict) else model_config(name, layers=layers)
                 model = build(config, device)
                 try:
-                    report = convert(model, mode) if mode != "bf16" else None
-                    t = time_train_step(model, tokens, iters=iters, warmup=warmup)
+                    with phase(f"{name} {tokens} tokens {mode}", None):  # the cell's line says its time
+                        report = convert(model, mode) if mode != "bf16" else None
+                        t = time_train_step(model, tokens, iters=iters, warmup=warmup)
                     if mode == "bf16":
                         base = t
                         cells.append(f"bf16 {t * 1e3:.0f} ms")
@@ -231,10 +266,14 @@ def section_sqnr(
 ) -> None:
     """``convert_real(model, mode)``: the "real" side's conversion (default: real kernels, no emulation),
     on ``real_device``; the other side is always the project's emulation on the CPU."""
-    import torch
+    from gpu_check.phases import phase
 
-    from fp8rl_core.precision.conversion import convert_for_training
+    with phase("import", emit):
+        import torch
 
+        from fp8rl_core.precision.conversion import convert_for_training
+
+    lacking = blockwise_missing() if convert_real is None else None
     convert_real = convert_real or (lambda model, mode: convert_for_training(model, mode, emulate=False))
     emit(
         f"[2] one forward of a {label} decoder layer ({tokens} tokens): real FP8 kernels (GPU) vs CPU emulation, "
@@ -251,14 +290,18 @@ def section_sqnr(
         if time.monotonic() > deadline:
             emit(f"    {mode}: skipped (section budget reached)")
             continue
+        if mode == "fp8_blockwise" and lacking:
+            emit(f"    {mode}: SKIP - {lacking}")
+            continue
         real = build(config, real_device).eval()
         real.load_state_dict(state)
         emu = build(config, "cpu").eval()
         emu.load_state_dict(state)
         try:
-            convert_real(real, mode)
-            convert_for_training(emu, mode, emulate=True)
-            with torch.no_grad():
+            with phase(mode, None):
+                convert_real(real, mode)
+                convert_for_training(emu, mode, emulate=True)
+            with torch.no_grad(), phase(f"{mode} forward", None):
                 with torch.autocast(real_device, dtype=torch.bfloat16):
                     y_real = real.model(inputs_embeds=x.to(real_device)).last_hidden_state.float().cpu()
                 with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -277,11 +320,14 @@ def section_sqnr(
 def section_rollout(
     seqs: int = 4, length: int = 256, *, config=None, device: str = "cuda", label: str = "Qwen3-8B"
 ) -> None:
-    import copy
+    from gpu_check.phases import phase
 
-    import torch
+    with phase("import", emit):
+        import copy
 
-    from fp8rl_core.precision.rollout import convert_for_rollout
+        import torch
+
+        from fp8rl_core.precision.rollout import convert_for_rollout
 
     config = config or model_config("Qwen3-8B", layers=2, vocab=32768)
     emit(
@@ -297,7 +343,8 @@ def section_rollout(
             out = model(input_ids=ids).logits.float().log_softmax(-1)
         return out[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]  # log-prob of each next token
 
-    results = {"bf16": logp(copy.deepcopy(base).to(torch.bfloat16), autocast=False)}
+    with phase("bf16 forward", emit):
+        results = {"bf16": logp(copy.deepcopy(base).to(torch.bfloat16), autocast=False)}
     try:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
 
@@ -414,6 +461,9 @@ def run_one_section(name: str, seconds: float, cpu: bool = False) -> int:
     if name not in sections:
         print(f"gpu-check: unknown section {name!r}; valid: {', '.join(sections)}", file=sys.stderr)
         return 2
+    from gpu_check import phases
+
+    phases.reset()
     deadline = time.monotonic() + seconds
     with alarm_at(seconds):
         try:
@@ -427,14 +477,22 @@ def run_one_section(name: str, seconds: float, cpu: bool = False) -> int:
                 emit("    " + bound_blockwise_autotune())
             sections[name](deadline)
         except BudgetExceeded:
+            emit(f"    {name}: {_where_stopped(phases.stopped_in(), seconds)}")
             return STOPPED_EXIT
         except Exception as err:
             if time.monotonic() < deadline:
                 raise
             # the alarm rang inside code that turned it into another error (an import half done, say)
-            emit(f"    {name}: interrupted at its deadline ({type(err).__name__}: {str(err)[:100]})")
+            emit(f"    {name}: interrupted at its deadline ({type(err).__name__}: {str(err)[:100]}); "
+                 + _where_stopped(phases.stopped_in(), seconds))
             return STOPPED_EXIT
     return 0
+
+
+def _where_stopped(where: tuple[str, float] | None, seconds: float) -> str:
+    if where is None:
+        return f"its {seconds:.0f} s ran out outside every phase"
+    return f"its {seconds:.0f} s ran out in phase {where[0]} ({where[1]:.1f} s into it)"
 
 
 def in_own_process(name: str, cpu: bool = False, status: dict | None = None) -> Callable[[float], None]:
@@ -480,16 +538,65 @@ def rehearse(total_s: float | None = None, budgets: dict[str, float] | None = No
     return rehearsal_status(status, budgets)
 
 
+USAGE = "usage: gpu_check/main.py [--cpu] [--total SECONDS] [--budget SECTION=SECONDS ...]"
+
+
+def parse_budgets(
+    argv: list[str], environ: dict[str, str], total_s: float, budgets: dict[str, float]
+) -> tuple[float, dict[str, float]]:
+    """The total and the sections' budgets from ``--total S`` / ``--budget [4]=S`` (repeatable; ``4=S`` too)
+    and the ``GPU_CHECK_TOTAL_S`` / ``GPU_CHECK_BUDGETS`` ("[4]=120,[5]=150") variables, flags last; a
+    budget of a section that does not exist, or not a positive number, raises ``ValueError`` in one line."""
+    budgets = dict(budgets)
+    items = [("--total", environ["GPU_CHECK_TOTAL_S"])] if environ.get("GPU_CHECK_TOTAL_S") else []
+    items += [("--budget", b) for b in environ.get("GPU_CHECK_BUDGETS", "").split(",") if b.strip()]
+    args = list(argv)
+    while args:
+        flag = args.pop(0)
+        if flag not in ("--total", "--budget") or not args:
+            raise ValueError(f"unknown or incomplete argument {flag!r}; {USAGE}")
+        items.append((flag, args.pop(0)))
+    for flag, value in items:
+        key, _, seconds = value.partition("=") if flag == "--budget" else ("", "", value)
+        try:
+            secs = float(seconds)
+        except ValueError:
+            secs = -1.0
+        if not secs > 0:
+            raise ValueError(f"{flag} {value}: seconds must be a positive number")
+        if flag == "--total":
+            total_s = secs
+            continue
+        tag = key.strip() if key.strip().startswith("[") else f"[{key.strip()}]"
+        names = [n for n in budgets if n.split()[0] == tag]
+        if not names:
+            raise ValueError(f"--budget {value}: no section {tag}; sections: {', '.join(budgets)}")
+        budgets[names[0]] = secs
+    return total_s, budgets
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
+
     argv = list(argv or [])
     cpu = "--cpu" in argv
     argv = [a for a in argv if a != "--cpu"]
     if argv[:1] == ["--section"] and len(argv) == 4 and argv[2] == "--seconds":
         return run_one_section(argv[1], float(argv[3]), cpu=cpu)
     if cpu:
-        return rehearse()
-    if argv:
-        print(f"gpu-check: unknown arguments {argv}; usage: gpu_check/main.py [--cpu]", file=sys.stderr)
+        add_paths()
+        from gpu_check.cpu_mode import CPU_SECTION_BUDGETS_S, CPU_TOTAL_BUDGET_S
+
+        try:
+            total_s, budgets = parse_budgets(argv, dict(os.environ), CPU_TOTAL_BUDGET_S, CPU_SECTION_BUDGETS_S)
+        except ValueError as err:
+            print(f"gpu-check: {err}", file=sys.stderr)
+            return 2
+        return rehearse(total_s, budgets)
+    try:
+        total_s, budgets = parse_budgets(argv, dict(os.environ), TOTAL_BUDGET_S, SECTION_BUDGETS_S)
+    except ValueError as err:
+        print(f"gpu-check: {err}", file=sys.stderr)
         return 2
     start = time.monotonic()
     wheels = add_paths()
@@ -504,6 +611,10 @@ def main(argv: list[str] | None = None) -> int:
             f"GPU machine."
         )
         return 0
+    old_torch = torch_too_old()
+    if old_torch:
+        emit(f"gpu-check: SKIP - {old_torch}; nothing measured")
+        return 2
     try:
         import torchao
 
@@ -515,7 +626,11 @@ def main(argv: list[str] | None = None) -> int:
         f"gpu-check: {name}, CUDA capability {torch.cuda.get_device_capability()}, torch {torch.__version__}, {ao}, "
         f"wheels: {[Path(w).name for w in wheels] or 'none'}"
     )
-    run_all(start, TOTAL_BUDGET_S, SECTION_BUDGETS_S)
+    lacking = blockwise_missing()
+    shares = ", ".join(f"{n.split()[0]} {b:.0f} s" for n, b in budgets.items())
+    blockwise = f"; fp8_blockwise skips: {lacking}" if lacking else ""
+    emit(f"gpu-check: budgets {total_s:.0f} s in all, {shares}{blockwise}")
+    run_all(start, total_s, budgets)
     return 0
 
 

@@ -151,17 +151,22 @@ def _one_mode(emit: Callable[[str], None], mode: str, device, batch, *, build=_m
     policy, ``convert(model, mode)`` converts it (on the GPU: real kernels, no emulation)."""
     import torch
 
-    from fp8rl_core.precision.conversion import convert_for_training
-    from gpu_check.step_config import load_step_config
-    from stages.trainer.forward import policy_logprobs
-    from stages.trainer.optimizer import make_optimizer
+    from gpu_check.phases import phase
+
+    with phase(f"{mode} import", emit):
+        from fp8rl_core.precision.conversion import convert_for_training
+        from gpu_check.step_config import load_step_config
+        from stages.trainer.forward import policy_logprobs
+        from stages.trainer.optimizer import make_optimizer
 
     cfg = load_step_config(mode)
-    model = build(device)
-    report = convert(model, mode)
-    choice = compile_as_configured(model, cfg, device, report)
-    opt, sched = make_optimizer(model, cfg)
-    res, cal, sec = step_and_calibrate(model, opt, sched, batch, cfg)
+    with phase(f"{mode} build and convert", emit):
+        model = build(device)
+        report = convert(model, mode)
+        choice = compile_as_configured(model, cfg, device, report)
+        opt, sched = make_optimizer(model, cfg)
+    with phase(f"{mode} step{' (first: compiling)' if choice.enabled else ''}", emit):
+        res, cal, sec = step_and_calibrate(model, opt, sched, batch, cfg)
     t = res.timings
     emit(
         f"train_step {mode}: backend {report.backend}, {len(report.converted)} FP8 linears, "
@@ -174,12 +179,13 @@ def _one_mode(emit: Callable[[str], None], mode: str, device, batch, *, build=_m
         f"update {t['update_s']:.2f}; calibration {t['calibration_s']:.2f}), "
         f"{_peak(device)}"
     )
-    emu = build(device)  # emulation vs kernel on the same weights and tokens
-    emu.load_state_dict(model.state_dict())
-    convert_for_training(emu, mode, emulate=True, backend="emulated")
-    with torch.no_grad():
-        lp_k, _ = policy_logprobs(model, batch.input_ids, batch.attention_mask, mode=mode, micro_batch_size=8)
-        lp_e, _ = policy_logprobs(emu, batch.input_ids, batch.attention_mask, mode=mode, micro_batch_size=8)
+    with phase(f"{mode} emulation vs kernel", emit):
+        emu = build(device)  # emulation vs kernel on the same weights and tokens
+        emu.load_state_dict(model.state_dict())
+        convert_for_training(emu, mode, emulate=True, backend="emulated")
+        with torch.no_grad():
+            lp_k, _ = policy_logprobs(model, batch.input_ids, batch.attention_mask, mode=mode, micro_batch_size=8)
+            lp_e, _ = policy_logprobs(emu, batch.input_ids, batch.attention_mask, mode=mode, micro_batch_size=8)
     d = (lp_k - lp_e).abs()[batch.response_mask > 0]
     emit(f"train_step {mode}: emulation vs kernel |dlogp| mean {float(d.mean()):.2e} max {float(d.max()):.2e}")
 

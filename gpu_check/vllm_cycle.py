@@ -161,9 +161,12 @@ def run(
     """The cycle on ``device`` (``"cpu"`` with small ``shapes``: this code on vLLM's CPU build, which has no
     sleep mode); returns its figures (None where vLLM does not import). ``skip_layers``: the layers each
     partial sync leaves stale, one at a time (default: the last)."""
+    from gpu_check.phases import phase
+
     shapes = shapes or QWEN3_06B
     try:
-        import vllm
+        with phase("import vllm", emit):
+            import vllm
     except Exception as err:  # noqa: BLE001 - any failure to import means no real engine here
         emit(f"[5] vLLM cycle: SKIP (import vllm failed: {type(err).__name__}: {str(err)[:160]})")
         return None
@@ -176,7 +179,8 @@ def run(
     t0 = time.perf_counter()
     on_gpu = device != "cpu"
     # built before the trainer's weights reach the GPU (vLLM's start-up check wants the memory free)
-    engine = _engine(model, tok, folder, sleep=on_gpu, memory=0.35 if on_gpu else 0.1)
+    with phase("engine start", emit):
+        engine = _engine(model, tok, folder, sleep=on_gpu, memory=0.35 if on_gpu else 0.1)
     client = type(engine.llm.llm_engine.engine_core).__name__
     emit(f"    engine built in {time.perf_counter() - t0:.1f} s (client {client})")
     skip = skip_layers if skip_layers is not None else (shapes["num_hidden_layers"] - 1,)
@@ -188,25 +192,31 @@ def run(
 
 def _cycle(engine, model, device: str, emit: Callable[[str], None], skip: tuple[int, ...]) -> dict:
     """Rollout, train step, sync, rollout; the synced engine judged against the trainer (see the module)."""
+    from gpu_check.phases import phase
     from stages.engines.weight_transfer import bf16_sync_tolerance
 
     model.to(device)
-    engine.load_weights(model)  # step 0: the engine takes the trainer's weights (first sync is verified)
+    with phase("first sync", emit):
+        engine.load_weights(model)  # step 0: the engine takes the trainer's weights (first sync is verified)
     gen = dict(n=4, temperature=1.0, top_p=1.0, max_new_tokens=32)
-    batch = engine.generate([FIXED[0][:8], FIXED[1][:8]], seed=0, **gen)
-    before = _engine_logprobs(engine, FIXED)
+    with phase("first generate (JIT)", emit):
+        batch = engine.generate([FIXED[0][:8], FIXED[1][:8]], seed=0, **gen)
+        before = _engine_logprobs(engine, FIXED)
     engine.sleep()
     old = {layer: {n: p.detach().clone() for n, p in _layer_params(model, layer).items()} for layer in skip}
-    _train_step(model, device)
-    t1 = time.perf_counter()
-    engine.load_weights(model)
-    sync_s = time.perf_counter() - t1
-    engine.generate([FIXED[0][:8]], seed=1, **gen)
-    after = _engine_logprobs(engine, FIXED)
-    trainer, exact = _trainer_logprobs(model, FIXED, device)
-    tol = bf16_sync_tolerance(trainer, exact)
-    gap, stale = _gap(after, trainer), _gap(before, trainer)
-    partial = {layer: _gap_with_stale_layer(engine, model, old[layer], trainer) for layer in skip}
+    with phase("train step", emit):
+        _train_step(model, device)
+    with phase("sync", emit):
+        t1 = time.perf_counter()
+        engine.load_weights(model)
+        sync_s = time.perf_counter() - t1
+    with phase("check", emit):
+        engine.generate([FIXED[0][:8]], seed=1, **gen)
+        after = _engine_logprobs(engine, FIXED)
+        trainer, exact = _trainer_logprobs(model, FIXED, device)
+        tol = bf16_sync_tolerance(trainer, exact)
+        gap, stale = _gap(after, trainer), _gap(before, trainer)
+        partial = {layer: _gap_with_stale_layer(engine, model, old[layer], trainer) for layer in skip}
     verdict = "PASS" if gap <= tol < stale and all(g > tol for g in partial.values()) else "FAIL"
     emit(f"    rollout {batch.generated_tokens} tokens; sync {sync_s * 1e3:.0f} ms; events {engine.events}")
     emit(
@@ -215,7 +225,20 @@ def _cycle(engine, model, device: str, emit: Callable[[str], None], skip: tuple[
         + "; ".join(f"layer {k} left stale {g:.4f} off" for k, g in partial.items())
         + f" -> {verdict}"
     )
+    emit("    " + sync_margin(gap, tol, [stale, *partial.values()]))
     return {"gap": gap, "tolerance": tol, "stale": stale, "partial": partial, "verdict": verdict}
+
+
+def sync_margin(gap: float, tolerance: float, stale_gaps: list[float]) -> str:
+    """How far the synced engine's gap is from the tolerance, and the tolerance from the nearest stale gap:
+    a pass by a hair reads differently from a pass by a mile."""
+    nearest = min(stale_gaps) if stale_gaps else float("nan")
+    under = tolerance / gap if gap > 0 else float("inf")
+    over = nearest / tolerance if tolerance > 0 else float("inf")
+    return (
+        f"sync margin: gap {gap:.4f}, tolerance {tolerance:.4f} ({under:.1f}x the gap), nearest stale gap "
+        f"{nearest:.4f} ({over:.1f}x the tolerance)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

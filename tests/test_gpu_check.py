@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -76,6 +77,17 @@ def test_real_scaled_mm_rollout_linear_matches_the_emulation_on_cpu():
     assert use_scaled_mm(emu) == sum(1 for n, _ in emu.named_modules() if n.endswith("_proj"))
 
 
+class PhaseLines(list):
+    """A section's printed lines, its phase-time lines (``    phase import: 0.1 s``) kept apart in ``phases``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phases: list[str] = []
+
+    def append(self, line: str) -> None:
+        (self.phases if line.startswith("    phase ") else super()).append(line)
+
+
 def test_sections_run_end_to_end_on_a_tiny_config_on_cpu(monkeypatch):
     """The GPU sections' code paths, on CPU with a tiny Qwen3: FP8 cells fail cleanly (no FP8 kernels here)."""
     import time
@@ -92,7 +104,7 @@ def test_sections_run_end_to_end_on_a_tiny_config_on_cpu(monkeypatch):
         vocab_size=256,
         tie_word_embeddings=False,
     )
-    lines = []
+    lines = PhaseLines()
     monkeypatch.setattr(gpu_check, "emit", lines.append)
     gpu_check.section_throughput(
         time.monotonic() + 60, iters=1, warmup=0, models={"tiny": tiny}, tokens_list=(32,), device="cpu"
@@ -103,6 +115,7 @@ def test_sections_run_end_to_end_on_a_tiny_config_on_cpu(monkeypatch):
     gpu_check.section_rollout(seqs=2, length=8, config=tiny, device="cpu")
     text = "\n".join(lines)
     assert "emulated fp8_per_tensor" in text and "real _scaled_mm" in text and "real kernel vs emulation" in text
+    assert [p.split(":")[0] for p in lines.phases] == ["    phase import", "    phase import", "    phase bf16 forward"]
     lines.clear()  # past its deadline a section says so and stops; a failing recipe is one line
     gpu_check.section_throughput(time.monotonic() - 1, models={"tiny": tiny}, tokens_list=(32,), device="cpu")
     assert lines[1:] == ["    (time budget reached; remaining shapes skipped)"]
@@ -367,10 +380,65 @@ def test_the_gpu_entry_refuses_unknown_arguments_and_a_missing_torch_in_one_line
 
     assert gpu_check.main(["--fast"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["gpu-check: unknown arguments ['--fast']; usage: gpu_check/main.py [--cpu]"]
+    assert err == [f"gpu-check: unknown or incomplete argument '--fast'; {gpu_check.USAGE}"]
     lines = []
     monkeypatch.setattr(gpu_check, "emit", lines.append)
     monkeypatch.setattr(gpu_check, "add_paths", lambda: [])
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
     assert gpu_check.main([]) == 2
     assert lines == ["gpu-check: torch is not installed; it needs torch >= 2.11, transformers and pyarrow"]
+
+
+def test_budgets_come_from_flags_and_the_environment_and_a_bad_one_is_one_line(capsys):
+    total, budgets = gpu_check.parse_budgets(
+        ["--budget", "[4]=120", "--total", "400"], {"GPU_CHECK_BUDGETS": "5=150,[1]=30", "GPU_CHECK_TOTAL_S": "350"},
+        gpu_check.TOTAL_BUDGET_S, gpu_check.SECTION_BUDGETS_S,
+    )
+    assert total == 400.0  # the flag after the variable
+    assert budgets["[4] trainer step"] == 120.0 and budgets["[5] vLLM cycle"] == 150.0
+    assert budgets["[1] train-step throughput"] == 30.0 and budgets["[2] kernel vs emulation SQNR"] == 25.0
+    assert gpu_check.SECTION_BUDGETS_S["[4] trainer step"] == 90.0  # the defaults are not changed
+    for bad, needle in ((["--budget", "[9]=3"], "no section [9]"), (["--total", "-1"], "positive"),
+                        (["--budget"], "incomplete"), (["--budget", "[4]=soon"], "positive")):
+        assert gpu_check.main(bad) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+
+
+def test_a_section_stopped_at_its_deadline_names_the_phase_it_was_in(capsys, monkeypatch):
+    from gpu_check.phases import phase
+    from gpu_check.section_process import STOPPED_EXIT
+
+    def slow_engine(deadline):
+        with phase("import"):
+            pass
+        with phase("engine start"):
+            time.sleep(10)  # an engine that is still loading at the deadline
+
+    monkeypatch.setitem(gpu_check.SECTIONS, "[9] stand-in", slow_engine)
+    assert gpu_check.run_one_section("[9] stand-in", 0.5) == STOPPED_EXIT
+    out = capsys.readouterr().out
+    assert "    phase import: 0.0 s" in out
+    assert "[9] stand-in: its 0 s ran out in phase engine start (0." in out, out
+
+
+def test_the_sync_margin_says_how_close_the_gap_and_the_stale_gaps_are():
+    from gpu_check.vllm_cycle import sync_margin
+
+    assert sync_margin(0.01, 0.02, [0.5, 0.3]) == (
+        "sync margin: gap 0.0100, tolerance 0.0200 (2.0x the gap), nearest stale gap 0.3000 (15.0x the tolerance)"
+    )
+
+
+def test_the_torch_each_section_needs_is_checked(monkeypatch):
+    import torch
+
+    assert gpu_check.blockwise_missing() is None and gpu_check.torch_too_old() is None  # torch 2.13 here
+
+    def scaled_mm(mat_a, mat_b, scale_a, scale_b, bias=None, output_dtype=None):  # an older signature
+        raise AssertionError
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", scaled_mm)
+    assert "scale_recipe_a" in gpu_check.blockwise_missing()
+    monkeypatch.setattr(torch, "__version__", "2.10.1+cu128")
+    assert gpu_check.torch_too_old() == "needs torch >= 2.11, this is torch 2.10.1+cu128"
