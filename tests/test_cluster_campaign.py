@@ -6,13 +6,14 @@ the first node's ``NodeAddr`` (127.0.0.1: the node names n1 and n2 do not resolv
 
 - a 2-node job gives tables bit-identical to the 2-rank single-machine run
   (``benchmarks/compare_runs.py``'s compare, every table);
-- one node's torchrun agent SIGKILLed in step 2's train: ``srun --kill-on-bad-exit`` ends the job,
-  the supervisor records the failed attempt and resubmits with ``--resume``; the resumed run's
-  tables equal the uninterrupted one's, so no prompt was skipped or repeated;
-- a 2-node x 2-rank job (rank differs from local rank on the second node) whose ranks are all
-  SIGSTOPped: no stage limit can fire in a stopped rank and torchrun sees live workers, so the
-  supervisor's heartbeat (``timeouts.heartbeat_s``) is what fires; the job is cancelled, reported
-  ended by Slurm, resubmitted, and completes;
+- faults, one after the other in one run: one node's torchrun agent SIGKILLed in step 2's train
+  (``srun --kill-on-bad-exit`` ends the job: FAILED), then the resubmitted job's ranks SIGSTOPped
+  (no stage limit can fire in a stopped rank and torchrun sees live workers, so the supervisor's
+  heartbeat, ``timeouts.heartbeat_s``, is what fires: cancelled), then the third job completes; the
+  tables equal the uninterrupted run's, so no prompt was skipped or repeated;
+- a 2-node x 2-rank job places local ranks 0 and 1 on each node and job ranks 0-3 (rank and local
+  rank differ on one node); SIGTERM to ``fp8rl submit`` cancels it and records the attempt;
+- bad input that needs the scheduler to see (more nodes than the partition has) is one line;
 - after each: no Slurm job and no process of the run left.
 
 Without ``slurm-wlm`` and ``munge`` (or not as root) the module skips with one line.
@@ -51,7 +52,7 @@ EXTRA = [  # as tests/test_spmd_campaign.py: 2 generation blocks of 4 prompts, o
 ]
 TWO_BY_TWO = ["cluster.gpus_per_node=2", "algorithm.micro_batch_size=4", "rollout.generation_batch_size=8"]
 # stage limits far above the micro stages' 1-2 s; the heartbeat above them and above a job's start on a
-# busy 2-core machine (4 ranks importing torch and Prefect: up to ~40 s before the first ledger write)
+# busy 2-core machine (imports of torch and Prefect, the rendezvous: up to ~40 s before the first ledger write)
 SHORT_LIMITS = [f"timeouts.{s}_s=20" for s in ("rollout", "score", "train", "calibrate", "evaluate", "checkpoint")]
 SHORT_LIMITS += ["timeouts.process_group_s=25", "timeouts.heartbeat_s=60"]
 
@@ -168,9 +169,11 @@ def _same_tables(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def reference(scratch) -> Path:
-    """The 2-rank single-machine run (torchrun --standalone), as tests/test_spmd_campaign.py makes it."""
+    """The 2-rank single-machine run (torchrun --standalone), as tests/test_spmd_campaign.py makes it, here
+    through ``fp8rl submit --backend local`` (which is ``fp8rl run --nproc-per-node 2``)."""
     run_dir = scratch / "local" / "two-ranks"
-    cmd = [sys.executable, "-m", "flows.cli", "run", "tiny-cpu", "--nproc-per-node", "2", "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "flows.cli", "submit", "tiny-cpu", "--backend", "local", "--gpus-per-node", "2"]
+    cmd += ["--run-dir", str(run_dir)]
     r = subprocess.run(cmd + _sets(), env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                        timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -191,46 +194,66 @@ def test_a_two_node_job_equals_the_two_rank_run_on_one_machine(cluster, referenc
     _nothing_left(cluster, run_dir)
 
 
+def _ranks(run_dir: Path, *, not_of_job: str | None = None) -> list[tuple[int, dict]]:
+    """(pid, environment) of the run's ranks (flows.spmd under torchrun), those of ``not_of_job`` left out."""
+    return [
+        (p, env)
+        for p, cmd, env in _processes_of(run_dir)
+        if "-m flows.spmd" in cmd and "torchrun" not in cmd and env.get("SLURM_JOB_ID") != not_of_job
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_one_nodes_task_killed_mid_step_is_resubmitted_and_resumes_to_the_same_tables(cluster, reference, scratch):
-    run_dir = scratch / "shared" / "killed"
-    with _supervised(cluster, run_dir) as proc:
+def test_a_killed_node_then_stopped_ranks_are_resubmitted_and_resume_to_the_same_tables(cluster, reference, scratch):
+    """Attempt 1: one node's torchrun agent SIGKILLed in step 2's train (srun ends the job: FAILED). Attempt 2:
+    both ranks SIGSTOPped as they start (no rank can fire a stage limit, torchrun sees live workers: the
+    heartbeat fires; cancelled). Attempt 3 resumes and completes with the uninterrupted run's tables."""
+    run_dir = scratch / "shared" / "faults"
+    with _supervised(cluster, run_dir, *SHORT_LIMITS) as proc:
         _wait_for(proc, run_dir, 2, "train", "running")
         agents = [(p, env) for p, cmd, env in _processes_of(run_dir) if cmd.split()[1:3] == ["-m", "flows.torchrun"]]
-        n2 = [p for p, env in agents if env.get("SLURMD_NODENAME") == "n2"]
+        n2 = [(p, env) for p, env in agents if env.get("SLURMD_NODENAME") == "n2"]
         assert len(agents) == 2 and len(n2) == 1, [(p, env.get("SLURMD_NODENAME")) for p, env in agents]
-        os.kill(n2[0], signal.SIGKILL)
+        os.kill(n2[0][0], signal.SIGKILL)
+        first_job = n2[0][1]["SLURM_JOB_ID"]
+        deadline = time.monotonic() + 300
+        while len(_ranks(run_dir, not_of_job=first_job)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stopped = _ranks(run_dir, not_of_job=first_job)
+        assert len(stopped) == 2, stopped
+        for p, _ in stopped:
+            os.kill(p, signal.SIGSTOP)
         code, out = _finish(proc)
     assert code == 0, out[-3000:]
-    first, second = _attempts(run_dir)
-    assert first["state"] == "FAILED" and first["exit_reason"].startswith("job FAILED"), first
-    assert (second["exit_reason"], second["resumed_from_step"]) == ("completed", 2), second
-    assert first["job_id"] != second["job_id"] and first["ended_at"] <= second["submitted_at"]
+    killed, hung, done = _attempts(run_dir)
+    assert killed["state"] == "FAILED" and killed["exit_reason"].startswith("job FAILED"), killed
+    assert hung["state"] == "CANCELLED" and hung["exit_reason"].startswith("heartbeat missed"), hung  # what fired
+    assert (done["exit_reason"], done["resumed_from_step"], hung["resumed_from_step"]) == ("completed", 2, 2), done
+    assert len({killed["job_id"], hung["job_id"], done["job_id"]}) == 3
+    assert killed["ended_at"] <= hung["submitted_at"] and hung["ended_at"] <= done["submitted_at"]
     _same_tables(reference, run_dir)  # every prompt of every step once: the same rollouts, bit for bit
     _nothing_left(cluster, run_dir)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_stopped_ranks_of_a_two_by_two_job_miss_the_heartbeat_and_the_job_is_resubmitted(cluster, scratch):
-    run_dir = scratch / "shared" / "stopped"
-    with _supervised(cluster, run_dir, *TWO_BY_TWO, *SHORT_LIMITS) as proc:
-        _wait_for(proc, run_dir, 1, "rollout", "done")
-        ranks = [(p, env) for p, cmd, env in _processes_of(run_dir) if "-m flows.spmd" in cmd and "torchrun" not in cmd]
-        placed = sorted((e["SLURMD_NODENAME"], e["LOCAL_RANK"], e["RANK"]) for _, e in ranks)
+@pytest.mark.timeout(600)
+def test_a_two_by_two_job_places_ranks_per_node_and_a_stopped_supervisor_cancels_it(cluster, scratch):
+    """2 nodes x 2 ranks: each node runs local ranks 0 and 1, the job ranks 0-3 (so rank and local rank
+    differ on one node). SIGTERM to ``fp8rl submit`` (a user's Ctrl-C or kill) cancels the job, records
+    the attempt as interrupted, and leaves nothing running."""
+    run_dir = scratch / "shared" / "two-by-two"
+    with _supervised(cluster, run_dir, *TWO_BY_TWO) as proc:
+        _wait_for(proc, run_dir, 0, "evaluate", "running")
+        placed = sorted((e["SLURMD_NODENAME"], e["LOCAL_RANK"], e["RANK"]) for _, e in _ranks(run_dir))
         assert [(n, lr) for n, lr, _ in placed] == [("n1", "0"), ("n1", "1"), ("n2", "0"), ("n2", "1")], placed
-        assert sorted(r for _, _, r in placed) == ["0", "1", "2", "3"], placed  # two ranks' local rank differs
-        for p, _ in ranks:
-            os.kill(p, signal.SIGSTOP)
-        code, out = _finish(proc)
-    assert code == 0, out[-3000:]
-    first, second = _attempts(run_dir)
-    assert first["exit_reason"].startswith("heartbeat missed"), first  # the mechanism that fired
-    assert first["state"] == "CANCELLED", first
-    assert (second["exit_reason"], second["resumed_from_step"]) == ("completed", 1), second
-    per_step = "SELECT step, count(DISTINCT sample_id) AS n FROM rollouts GROUP BY step ORDER BY step"
-    assert query(connect(run_dir), per_step).to_pylist() == [{"step": 1, "n": 32}, {"step": 2, "n": 32}]
+        assert sorted(r for _, _, r in placed) == ["0", "1", "2", "3"], placed
+        assert {e["WORLD_SIZE"] for _, e in _ranks(run_dir)} == {"4"}
+        proc.terminate()
+        code, out = _finish(proc, timeout=120)
+    assert code == 143, out[-3000:]
+    [a] = _attempts(run_dir)
+    assert a["state"] == "CANCELLED" and a["exit_reason"].startswith("interrupted"), a
     _nothing_left(cluster, run_dir)
 
 

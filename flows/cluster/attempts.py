@@ -9,6 +9,7 @@ step of the ledger's last finished stage when it was submitted; None for a fresh
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,12 +44,13 @@ def resumed_from(run_dir: Path) -> int | None:
     return None if last is None else last[0]
 
 
-def record(run_dir: Path, attempt: JobAttempt) -> None:
+def record(run_dir: Path, attempt: JobAttempt, *, locked: bool = True) -> None:
     """Append ``attempt`` to the ledger and to ``run.json``'s ``job_attempts``, under the run's lock
-    (the job has ended: nothing else writes the run now)."""
+    (the job has ended: nothing else writes the run now). ``locked=False``: the job may still be ending
+    (the supervisor was stopped); the ledger's own append lock still orders the record."""
     import json
 
-    with lock.run_lock(run_dir):
+    with lock.run_lock(run_dir) if locked else contextlib.nullcontext():
         Ledger(run_dir).job_attempt(asdict(attempt))
         data = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))
         update_run_info(run_dir, job_attempts=[*(data.get("job_attempts") or []), asdict(attempt)])

@@ -25,6 +25,7 @@ directory is on a network file system (``docs/cluster.md``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -35,11 +36,12 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 
 from flows.cluster import slurm
-from flows.cluster.attempts import COMPLETED, JobAttempt, record, resumed_from
+from flows.cluster.attempts import COMPLETED, JobAttempt, record, recorded, resumed_from
 from flows.cluster.slurm_script import JOB_DIR, RESULT_FILE, render
 from flows.configuration import load_config
 
 END_WAIT_S = 300.0  # how long a cancelled job may take to be reported ended before the supervisor gives up
+INTERRUPT_WAIT_S = 5.0  # the same when the supervisor itself was stopped (flows.shutdown ends it within 8 s)
 
 
 class JobsFailed(RuntimeError):
@@ -136,7 +138,8 @@ def _state(job_id: str, tries: int = 5) -> slurm.JobState:
 
 
 def end_job(job_id: str, *, wait_s: float = END_WAIT_S) -> slurm.JobState:
-    """Cancel ``job_id`` (harmless when it has ended) and wait until the scheduler reports it ended."""
+    """Cancel ``job_id`` (harmless when it has ended) and wait up to ``wait_s`` until the scheduler reports
+    it ended; its last state either way."""
     try:
         slurm.cancel(job_id)
     except slurm.SlurmError:
@@ -144,11 +147,16 @@ def end_job(job_id: str, *, wait_s: float = END_WAIT_S) -> slurm.JobState:
     deadline = time.monotonic() + wait_s
     while True:
         st = _state(job_id)
-        if st.ended and st.state != "COMPLETING":
+        if (st.ended and st.state != "COMPLETING") or time.monotonic() > deadline:
             return st
-        if time.monotonic() > deadline:
-            raise JobsFailed(f"job {job_id} was cancelled but is still {st.state} after {wait_s:g} s; see squeue")
-        time.sleep(1.0)
+        time.sleep(0.5)
+
+
+def _ended(job_id: str) -> slurm.JobState:
+    st = end_job(job_id)
+    if not st.ended:
+        raise JobsFailed(f"job {job_id} was cancelled but is still {st.state} after {END_WAIT_S:g} s; see squeue")
+    return st
 
 
 @flow(name="fp8rl-cluster-supervisor", log_prints=False)
@@ -159,7 +167,8 @@ def supervise_flow(run_dir: str, user_api_url: str | None = None) -> dict:
     log = get_run_logger()
     env = job_environment(user_api_url)
     reason = "no attempt"
-    for attempt in range(1, cfg.retries.job + 2):
+    first = len(recorded(run_dir)) + 1  # a resubmitted run (fp8rl submit RUN_DIR) numbers on
+    for attempt in range(first, first + cfg.retries.job + 1):
         start_step = resumed_from(run_dir)
         script = write_script(run_dir, attempt, resume=start_step is not None)
         (run_dir / RESULT_FILE).unlink(missing_ok=True)
@@ -169,11 +178,14 @@ def supervise_flow(run_dir: str, user_api_url: str | None = None) -> dict:
         try:
             st, reason = watch_job(run_dir, job_id, heartbeat_s=cfg.timeouts.heartbeat_s, poll_s=cfg.cluster.poll_s)
         except BaseException:  # interrupted: the job goes with the supervisor, the run stays resumable
-            st, reason = end_job(job_id), "interrupted: the supervisor was stopped; the job was cancelled"
-            _record(run_dir, attempt, job_id, st, reason, start_step, submitted)
+            # (within the seconds a signal leaves this process: the record keeps Slurm's state then, e.g. RUNNING)
+            st = end_job(job_id, wait_s=INTERRUPT_WAIT_S)
+            reason = "interrupted: the supervisor was stopped; the job was cancelled"
+            with contextlib.suppress(Exception):  # the interruption is what this process reports
+                _record(run_dir, attempt, job_id, st, reason, start_step, submitted, locked=st.ended)
             raise
         if reason != COMPLETED:
-            ended = end_job(job_id)
+            ended = _ended(job_id)
             st = slurm.JobState(ended.state, ended.exit_code, ended.nodes or st.nodes)
         _record(run_dir, attempt, job_id, st, reason, start_step, submitted)
         if reason == COMPLETED:
@@ -182,8 +194,9 @@ def supervise_flow(run_dir: str, user_api_url: str | None = None) -> dict:
     raise JobsFailed(f"{cfg.retries.job + 1} job attempt(s) failed, the last: {reason}")
 
 
-def _record(run_dir, attempt, job_id, st, reason, start_step, submitted) -> None:
+def _record(run_dir, attempt, job_id, st, reason, start_step, submitted, *, locked: bool = True) -> None:
     record(
         run_dir,
         JobAttempt(attempt, "slurm", job_id, st.nodes, st.state, reason, start_step, submitted, _now()),
+        locked=locked,
     )
