@@ -79,6 +79,18 @@ def test_a_set_rendezvous_host_replaces_the_lookup(submit, tmp_path):
     assert "RDZV_HOST=10.0.0.7" in r.stdout and "RDZV_PORT=29611" in r.stdout and "scontrol" not in r.stdout
 
 
+def test_a_run_directory_is_resubmitted_with_its_own_config_to_resume(submit, tmp_path):
+    from flows.configuration import dump_config, load_config
+    from storage.layout import create_run
+
+    create_run(tmp_path, "r1", config=dump_config(load_config("tiny-cpu", ["cluster.nodes=2"])))
+    r = submit(str(tmp_path / "r1"), "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "#SBATCH --nodes=2\n" in r.stdout and f"RUN_DIR={tmp_path / 'r1'}\n" in r.stdout
+    assert r.stdout.split("# memory plan")[0].rstrip().endswith("--resume")
+    _refused(submit(str(tmp_path / "r1"), "--nodes", "3", "--dry-run"), "its own config")
+
+
 def _refused(r: SimpleNamespace, *words: str) -> None:
     assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
     lines = r.stderr.strip().splitlines()

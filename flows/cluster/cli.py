@@ -70,7 +70,8 @@ def _dry_run(cfg, backend_name: str, run_dir: Path) -> None:
     else:
         from flows.cluster.slurm_script import render
 
-        typer.echo(render(cfg, run_dir, python=sys.executable, workdir=project_root(), resume=False))
+        resume = (run_dir / "run.json").is_file()  # a run resubmitted: its job resumes
+        typer.echo(render(cfg, run_dir, python=sys.executable, workdir=project_root(), resume=resume))
     from flows.plan import format_plan, memory_plan
 
     gpus = cfg.cluster.nodes * cfg.cluster.gpus_per_node
