@@ -91,6 +91,17 @@ def test_a_run_directory_is_resubmitted_with_its_own_config_to_resume(submit, tm
     _refused(submit(str(tmp_path / "r1"), "--nodes", "3", "--dry-run"), "its own config")
 
 
+def test_the_heartbeat_must_outlast_every_stage_limit():
+    from flows.configuration import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"heartbeat_s=3000 must exceed the longest stage limit, timeouts.rollout_s"):
+        load_config("tiny-cpu", ["timeouts.heartbeat_s=3000"])
+    with pytest.raises(ConfigError, match=r"retries.job"):
+        load_config("tiny-cpu", ["retries.job=-1"])
+    cfg = load_config("qwen2.5-32b-grpo")
+    assert cfg.timeouts.heartbeat_s > max(cfg.timeouts.stage_s(s) for s in ("rollout", "evaluate", "train"))
+
+
 def _refused(r: SimpleNamespace, *words: str) -> None:
     assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
     lines = r.stderr.strip().splitlines()
