@@ -380,7 +380,9 @@ def test_the_gpu_entry_refuses_unknown_arguments_and_a_missing_torch_in_one_line
 
     assert gpu_check.main(["--fast"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"gpu-check: unknown or incomplete argument '--fast'; {gpu_check.USAGE}"]
+    from gpu_check.settings import USAGE
+
+    assert err == [f"gpu-check: unknown or incomplete argument '--fast'; {USAGE}"]
     lines = []
     monkeypatch.setattr(gpu_check, "emit", lines.append)
     monkeypatch.setattr(gpu_check, "add_paths", lambda: [])
