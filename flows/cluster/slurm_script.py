@@ -18,7 +18,10 @@ what runs, and the script can be submitted with ``sbatch`` alone. What it does:
   agents of an earlier one.
 
 The ranks run :mod:`flows.spmd` on the run directory, which the submitter created on the
-shared path before submitting; ``--resume`` is added from the second attempt on.
+shared path before submitting; ``--resume`` is added once the ledger holds a finished stage.
+Without ``PREFECT_API_URL`` rank 0 starts Prefect's temporary server, whose SQLite database
+goes to the node's own disk (``$TMPDIR``), not to a home directory shared over the network
+with the supervisor's own temporary server.
 """
 
 from __future__ import annotations
@@ -88,6 +91,8 @@ def render(cfg: CampaignConfig, run_dir: Path, *, python: str, workdir: Path, re
         f"RDZV_PORT={c.rendezvous_port}",
         *host,
         'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"',
+        "# no Prefect server given: rank 0 starts Prefect's temporary one, its database on the node's own disk",
+        '[ -n "${PREFECT_API_URL:-}" ] || export PREFECT_HOME="${TMPDIR:-/tmp}/fp8rl-prefect-$SLURM_JOB_ID"',
         'echo "fp8rl job $SLURM_JOB_ID on $SLURM_JOB_NODELIST: rendezvous $RDZV_HOST:$RDZV_PORT"',
         "# one torchrun agent per node; a task that fails ends the job's other tasks (--kill-on-bad-exit)",
         f"srun --kill-on-bad-exit=1 --nodes={c.nodes} --ntasks-per-node=1 \\",

@@ -105,7 +105,7 @@ def watch_job(run_dir: Path, job_id: str, *, heartbeat_s: float, poll_s: float) 
 
     The reason is ``completed``, ``job <STATE> (exit <code>)`` or ``heartbeat missed: ...``."""
     log = get_run_logger()
-    mark, beat, running = _ledger_mark(run_dir), None, False
+    mark, beat, seen_running = _ledger_mark(run_dir), None, False
     while True:
         st = _state(job_id)
         if st.ended:
@@ -113,13 +113,16 @@ def watch_job(run_dir: Path, job_id: str, *, heartbeat_s: float, poll_s: float) 
                 return st, COMPLETED
             return st, f"job {st.state} (exit {st.exit_code or '?'})"
         now = time.monotonic()
-        if st.running and not running:
-            running, beat = True, now
-            log.info(f"job {job_id} runs on {st.nodes}")
         new = _ledger_mark(run_dir)
-        if new != mark:
-            mark, beat = new, now
-        if running and now - beat > heartbeat_s:
+        if not st.running:  # queued, or suspended by the scheduler: nothing is counted
+            beat = None
+        elif beat is None or new != mark:
+            beat = now
+            if not seen_running:
+                seen_running = True
+                log.info(f"job {job_id} runs on {st.nodes}")
+        mark = new
+        if beat is not None and now - beat > heartbeat_s:
             log.warning(f"job {job_id}: the ledger was silent for {now - beat:.0f} s; cancelling it")
             return st, f"heartbeat missed: ledger silent for {now - beat:.0f} s (timeouts.heartbeat_s={heartbeat_s:g})"
         time.sleep(poll_s)
