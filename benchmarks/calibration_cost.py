@@ -28,7 +28,7 @@ import torch
 
 from fp8rl_core.calibration.calibrated_clipping import calibrate
 from fp8rl_core.config.method import CalibrationConfig
-from fp8rl_core.objective.losses import policy_loss
+from fp8rl_core.objective.losses import LossSpec, policy_loss
 
 T = 1024  # response length of the loss benchmark's [B, T] layout
 
@@ -79,7 +79,7 @@ def main() -> None:
         adv2, mask2 = adv[: b * T].view(b, T), mask[: b * T].view(b, T)
 
         def loss_step() -> None:
-            loss, _ = policy_loss(logp, old, adv2, mask2, lower=0.8, upper=1.28)
+            loss, _ = policy_loss(logp, old, adv2, mask2, LossSpec(lower=0.8, upper=1.28))
             loss.backward()
             logp.grad = None
 

@@ -9,7 +9,7 @@ import torch
 
 from fp8rl_core.calibration.bapo import bapo_bounds, bapo_search, bapo_sums, step_clip_stats, summarize_updates
 from fp8rl_core.config.method import BapoConfig
-from fp8rl_core.objective.losses import policy_loss
+from fp8rl_core.objective.losses import LossSpec, policy_loss
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -179,5 +179,5 @@ def test_summary_and_step_stats():
     r = torch.exp(logp - old)
     assert stats["clipfrac_lower"] == pytest.approx(float(((adv < 0) & (r < lo)).float().mean()))
     assert stats["clipfrac_upper"] == pytest.approx(float(((adv > 0) & (r > hi)).float().mean()))
-    _, whole = policy_loss(logp, old, adv, mask, lower=0.7, upper=1.2)
+    _, whole = policy_loss(logp, old, adv, mask, LossSpec(lower=0.7, upper=1.2))
     assert stats["ppo_kl"] == pytest.approx(whole["ppo_kl"]) and stats["ratio_max"] == pytest.approx(whole["ratio_max"])

@@ -11,6 +11,7 @@ take are refused when the config loads.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -105,8 +106,9 @@ def _recording_ppo(monkeypatch) -> list[dict]:
     """Every call of the registered ppo loss, recorded: its inputs and the loss it returned."""
     calls, ppo = [], losses.POLICY_LOSSES.get("ppo")
 
-    def record(logp, old_logp, advantages, mask, **kw):
-        loss, metrics = ppo(logp, old_logp, advantages, mask, **kw)
+    def record(logp, old_logp, advantages, mask, spec):
+        loss, metrics = ppo(logp, old_logp, advantages, mask, spec)
+        kw = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
         calls.append(dict(logp=logp.detach(), old=old_logp, adv=advantages, mask=mask, loss=float(loss.detach()), **kw))
         return loss, metrics
 

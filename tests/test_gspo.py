@@ -17,7 +17,7 @@ from fp8rl_core.objective.gspo import (
     sequence_calibration_inputs,
     sequence_ratio,
 )
-from fp8rl_core.objective.losses import POLICY_LOSSES
+from fp8rl_core.objective.losses import POLICY_LOSSES, LossSpec
 
 pytestmark = pytest.mark.timeout(30)
 L, H = 1 - GSPO_EPS_LOW, 1 + GSPO_EPS_HIGH
@@ -46,7 +46,7 @@ def test_loss_hand_values_clipped_and_unclipped():
     lp = torch.tensor([[0.001, 0.001], [-0.002, -0.002], [0.0, 0.0002]], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0], [1.0, 1.0]], dtype=torch.float64)
     mask = torch.ones(3, 2, dtype=torch.bool)
-    loss, m = gspo_loss(lp, old, adv, mask, lower=L, upper=H, agg="seq-mean-token-mean")
+    loss, m = gspo_loss(lp, old, adv, mask, LossSpec(lower=L, upper=H, agg="seq-mean-token-mean"))
     s2 = math.exp(0.0001)
     assert float(loss.detach()) == pytest.approx((-H + L - s2) / 3, abs=1e-12)
     loss.backward()
@@ -68,7 +68,7 @@ def test_gspo_token_equals_sequence_level_objective_and_gradient():
     mask[0, 3:] = False
     mask[4, 1:] = False
     lp = lp0.clone().requires_grad_(True)
-    loss, _ = gspo_loss(lp, old, adv, mask, lower=L, upper=H, agg="seq-mean-token-mean")
+    loss, _ = gspo_loss(lp, old, adv, mask, LossSpec(lower=L, upper=H, agg="seq-mean-token-mean"))
     loss.backward()
     lp_ref = lp0.clone().requires_grad_(True)
     total = 0.0

@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from fp8rl_core.objective.losses import AGGREGATIONS, POLICY_LOSSES, aggregate, cispo_loss, policy_loss, tis_weights
+from fp8rl_core.objective.losses import (
+    AGGREGATIONS,
+    POLICY_LOSSES,
+    LossSpec,
+    aggregate,
+    cispo_loss,
+    policy_loss,
+    tis_weights,
+)
 
 AGGS = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -23,7 +31,7 @@ def _five_tokens():
 
 def test_ppo_hand_computed():
     logp, old, adv, mask, ratio = _five_tokens()
-    loss, m = policy_loss(logp, old, adv, mask, lower=0.8, upper=1.28, dual_clip=3.0)
+    loss, m = policy_loss(logp, old, adv, mask, LossSpec(lower=0.8, upper=1.28, dual_clip=3.0))
     # upper clip -1.28, lower clip 0.8, dual clip 3, unclipped 1.1 and -1.0
     assert loss.item() == pytest.approx((-1.28 + 0.8 + 3.0 + 1.1 - 1.0) / 5, rel=1e-12)
     loss.backward()
@@ -46,14 +54,14 @@ def test_tis_weights_hand_computed_and_detached():
     assert not w.requires_grad
     logp, old64, adv, mask, _ = _five_tokens()
     isw = torch.tensor([[0.5, 1.0, 1.0, 2.0, 1.5]], dtype=torch.float64)
-    loss, m = policy_loss(logp, old64, adv, mask, lower=0.8, upper=1.28, is_weights=isw)
+    loss, m = policy_loss(logp, old64, adv, mask, LossSpec(lower=0.8, upper=1.28, is_weights=isw))
     assert loss.item() == pytest.approx((-1.28 * 0.5 + 0.8 + 3.0 + 1.1 * 2.0 - 1.0 * 1.5) / 5, rel=1e-12)
     assert m["is_weight_mean"] == pytest.approx(6.0 / 5)
 
 
 def test_cispo_hand_computed():
     logp, old, adv, mask, ratio = _five_tokens()
-    loss, m = cispo_loss(logp, old, adv, mask, lower=0.0, upper=1.28)
+    loss, m = cispo_loss(logp, old, adv, mask, LossSpec(lower=0.0, upper=1.28))
     weight = torch.clamp(ratio, 0.0, 1.28)
     expected = (-weight * adv * logp.detach()).sum() / 5
     assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
@@ -81,11 +89,11 @@ def test_unknown_agg_and_bad_inputs():
     with pytest.raises(
         KeyError, match="valid: seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm, token-mean"
     ):
-        policy_loss(logp, old, adv, mask, lower=0.8, upper=1.28, agg="token_mean")
+        policy_loss(logp, old, adv, mask, LossSpec(lower=0.8, upper=1.28, agg="token_mean"))
     with pytest.raises(ValueError, match="one shape"):
-        policy_loss(logp, old[:, :3], adv, mask, lower=0.8, upper=1.28)
+        policy_loss(logp, old[:, :3], adv, mask, LossSpec(lower=0.8, upper=1.28))
     with pytest.raises(ValueError, match="lower <= upper"):
-        policy_loss(logp, old, adv, mask, lower=1.3, upper=1.28)
+        policy_loss(logp, old, adv, mask, LossSpec(lower=1.3, upper=1.28))
     assert POLICY_LOSSES.names() == ["cispo", "gspo", "ppo"]  # gspo: objective.gspo, registered with the losses
     assert AGGREGATIONS.names() == sorted(AGGS)
 
@@ -148,7 +156,7 @@ def test_vectorized_matches_loop(seed, loss_name):
     lower, upper = (0.8, 1.28) if loss_name == "ppo" else (0.0, 1.5)
     logp, old, adv, mask, isw = _random_batch(seed)
     loss, _ = POLICY_LOSSES.get(loss_name)(
-        logp, old, adv, mask, lower=lower, upper=upper, dual_clip=3.0, is_weights=isw, agg=agg
+        logp, old, adv, mask, LossSpec(lower=lower, upper=upper, dual_clip=3.0, is_weights=isw, agg=agg)
     )
     loss.backward()
     value, grad = _loop_reference(logp.detach(), old, adv, mask, isw, lower, upper, 3.0, agg, loss_name)
@@ -163,7 +171,7 @@ def test_clipfrac_is_sum_of_sides_when_no_zero_advantage(seed):
     logp = (old + torch.randn(16, 32, generator=gen) * 0.4).requires_grad_()
     adv = torch.randn(16, 32, generator=gen)
     mask = torch.rand(16, 32, generator=gen) < 0.9
-    loss, m = policy_loss(logp, old, adv, mask, lower=0.8, upper=1.28)
+    loss, m = policy_loss(logp, old, adv, mask, LossSpec(lower=0.8, upper=1.28))
     assert m["clipfrac_lower"] > 0 and m["clipfrac_upper"] > 0
     # pg_clipfrac is verl's [pg2 > pg1], computed independently of the two sides
     assert m["pg_clipfrac"] == pytest.approx(m["clipfrac_lower"] + m["clipfrac_upper"], abs=1e-12)
@@ -188,7 +196,7 @@ def test_micro_batches_sum_to_mini_batch(agg, loss_name):
     adv = torch.randn(8, 10, generator=gen, dtype=torch.float64)
     mask = torch.rand(8, 10, generator=gen) < 0.7
     fn = POLICY_LOSSES.get(loss_name)
-    full, _ = fn(logp, old, adv, mask, lower=0.8, upper=1.28, agg=agg)
+    full, _ = fn(logp, old, adv, mask, LossSpec(lower=0.8, upper=1.28, agg=agg))
     (g_full,) = torch.autograd.grad(full, logp)
     total = torch.zeros((), dtype=torch.float64)
     for rows in (slice(0, 3), slice(3, 8)):
@@ -197,11 +205,11 @@ def test_micro_batches_sum_to_mini_batch(agg, loss_name):
             old[rows],
             adv[rows],
             mask[rows],
-            lower=0.8,
+            LossSpec(lower=0.8,
             upper=1.28,
             agg=agg,
             global_token_count=float(mask.sum()),
-            global_seq_count=8.0,
+            global_seq_count=8.0),
         )
         total = total + part
     (g_acc,) = torch.autograd.grad(total, logp)
@@ -223,12 +231,13 @@ def test_nan_padding_reaches_neither_loss_nor_grad(loss_name):
         torch.where(pad, nan, old),
         torch.where(pad, nan, adv),
         mask,
-        lower=0.8,
+        LossSpec(lower=0.8,
         upper=1.28,
-        is_weights=torch.where(pad, nan, isw),
+        is_weights=torch.where(pad, nan, isw)),
     )
     loss.backward()
-    ref, _ = POLICY_LOSSES.get(loss_name)(logp.detach(), old, adv, mask, lower=0.8, upper=1.28, is_weights=isw)
+    spec = LossSpec(lower=0.8, upper=1.28, is_weights=isw)
+    ref, _ = POLICY_LOSSES.get(loss_name)(logp.detach(), old, adv, mask, spec)
     assert math.isfinite(loss.item()) and torch.isfinite(logp_nan.grad).all()
     assert (logp_nan.grad[pad] == 0).all()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
@@ -237,7 +246,7 @@ def test_nan_padding_reaches_neither_loss_nor_grad(loss_name):
 
 def test_empty_mask():
     logp, old, adv, mask, _ = _five_tokens()
-    loss, m = policy_loss(logp, old, adv, torch.zeros_like(mask), lower=0.8, upper=1.28)
+    loss, m = policy_loss(logp, old, adv, torch.zeros_like(mask), LossSpec(lower=0.8, upper=1.28))
     assert loss.item() == 0.0
     assert m["clipfrac"] == 0.0 and m["n_tokens"] == 0.0 and math.isnan(m["ratio_mean"])
 
@@ -253,7 +262,7 @@ def test_cispo_gradient_hand_derived_three_tokens():
     logp = torch.log(torch.tensor([[0.5, 0.3, 0.4]], dtype=torch.float64)).requires_grad_(True)
     old = torch.log(torch.tensor([[0.25, 0.5, 0.4]], dtype=torch.float64))  # r = 2.0 (capped), 0.6 (kept), 1.0
     adv = torch.tensor([[1.0, -2.0, 0.5]], dtype=torch.float64)
-    loss, m = cispo_loss(logp, old, adv, torch.ones(1, 3, dtype=torch.bool), lower=lower, upper=upper)
+    loss, m = cispo_loss(logp, old, adv, torch.ones(1, 3, dtype=torch.bool), LossSpec(lower=lower, upper=upper))
     # loss = -(1.2*1*log .5 + 0.6*(-2)*log .3 + 1*0.5*log .4) / 3
     expected = -(1.2 * math.log(0.5) - 1.2 * math.log(0.3) + 0.5 * math.log(0.4)) / 3
     assert loss.item() == pytest.approx(expected, rel=1e-12)

@@ -17,7 +17,7 @@ import torch
 
 from fp8rl_core.calibration.bapo import UpdateBoundsRule
 from fp8rl_core.calibration.clip_modes import CLIP_MODES, UPDATE_BOUNDS, per_update_rule
-from fp8rl_core.objective.losses import LOSS_BOUNDS
+from fp8rl_core.objective.losses import LOSS_BOUNDS, LossSpec
 from fp8rl_core.registered import CALIBRATION_UNITS, LOSS_STATISTICS, POLICY_LOSSES
 from stages.trainer.batch import split_rows
 from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE
@@ -98,10 +98,10 @@ def test_micro_batch_pass_sums_to_the_mini_batchs_loss_and_records_epoch_zero():
         old.old8[real],
         old.adv_tok[real],
         old.mask[real],
-        lower=0.8,
+        LossSpec(lower=0.8,
         upper=1.28,
         is_weights=old.is_w[real],
-        global_token_count=float(old.mask[real].sum()),
+        global_token_count=float(old.mask[real].sum())),
     )
     # token-mean over the global token count: the micro-batches' losses add up to the mini-batch's
     assert done.loss == pytest.approx(float(whole.detach()), abs=1e-5)

@@ -266,22 +266,15 @@ def step_clip_stats(
     """The step's clip statistics (``policy_loss`` metrics) when every mini-batch had its
     own bounds: each row measured at its mini-batch's bounds, shares weighted by tokens.
     ``minibatch``: ``[N]`` mini-batch index of each row; ``bounds``: index -> (L, H)."""
-    from fp8rl_core.objective.losses import policy_loss
+    from fp8rl_core.objective.losses import LossSpec, policy_loss
 
     parts: list[dict[str, float]] = []
     for k, (lo, hi) in sorted(bounds.items()):
         rows = minibatch == k
+        weights = None if is_weights is None else is_weights[rows]
+        spec = LossSpec(lower=lo, upper=hi, dual_clip=dual_clip, is_weights=weights)
         with torch.no_grad():
-            _, m = policy_loss(
-                logp[rows],
-                old_logp[rows],
-                advantages[rows],
-                mask[rows],
-                lower=lo,
-                upper=hi,
-                dual_clip=dual_clip,
-                is_weights=None if is_weights is None else is_weights[rows],
-            )
+            _, m = policy_loss(logp[rows], old_logp[rows], advantages[rows], mask[rows], spec)
         parts.append(m)
     n = sum(p["n_tokens"] for p in parts)
     out: dict[str, float] = {"n_tokens": float(n)}

@@ -50,6 +50,7 @@ from fp8rl_core.objective.losses import (
     LOSS_BOUNDS,
     LOSS_STATISTICS,
     POLICY_LOSSES,
+    LossSpec,
     _add_common_metrics,
     _check_inputs,
     _no_decision,
@@ -98,24 +99,16 @@ def gspo_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    *,
-    lower: float,
-    upper: float,
-    dual_clip: float = 3.0,
-    is_weights: torch.Tensor | None = None,
-    agg: str = "seq-mean-token-mean",
-    global_token_count: float | None = None,
-    global_seq_count: float | None = None,
-    norm_len: float | None = None,
-    clip_decision: torch.Tensor | None = None,
+    spec: LossSpec,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GSPO(-token) loss; arguments and return as ``fp8rl_core.objective.losses.policy_loss`` (no clip
-    decision from outside: its clipping is the sequence's)."""
-    _no_decision("gspo", clip_decision)
+    """GSPO(-token) loss; arguments and return as ``fp8rl_core.objective.losses.policy_loss`` (its default
+    aggregation ``seq-mean-token-mean``; no clip decision from outside: its clipping is the sequence's)."""
+    _no_decision("gspo", spec.clip_decision)
+    lower, upper, dual_clip, agg = spec.lower, spec.upper, spec.dual_clip, spec.aggregation("seq-mean-token-mean")
     AGGREGATIONS.get(agg)
-    _check_inputs(logp, old_logp, advantages, mask, is_weights, lower, upper)
+    _check_inputs(logp, old_logp, advantages, mask, spec.is_weights, lower, upper)
     m = mask.bool()
-    lp, old, a, w = _sanitize(logp, old_logp, advantages, m, is_weights)
+    lp, old, a, w = _sanitize(logp, old_logp, advantages, m, spec.is_weights)
     seq_lr = sequence_log_ratio(lp.detach(), old, m)  # [B]
     s = torch.exp(torch.clamp(seq_lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B]
     s_tok = s.detach()[:, None] * torch.exp(lp - lp.detach())  # [B, T]: value s_i, gradient of its own logp
@@ -124,9 +117,7 @@ def gspo_loss(
     loss_mat = torch.maximum(pg1, pg2)
     if w is not None:
         loss_mat = loss_mat * w
-    loss = aggregate(
-        loss_mat, m, agg, global_token_count=global_token_count, global_seq_count=global_seq_count, norm_len=norm_len
-    )
+    loss = aggregate(loss_mat, m, agg, **spec.counts())
     with torch.no_grad():
         s_b = s[:, None].expand_as(lp)
         metrics = clip_metrics(s_b, (lp.detach() - old), a, m, lower=lower, upper=upper, dual_clip=dual_clip)

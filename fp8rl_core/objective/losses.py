@@ -73,6 +73,7 @@ selected away with ``torch.where``, never multiplied by 0.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -89,6 +90,7 @@ __all__ = [
     "clip_metrics",
     "importance_ratio",
     "LOSS_BOUNDS",
+    "LossSpec",
     "loss_bounds",
     "policy_loss",
     "ppo_token_losses",
@@ -98,23 +100,42 @@ __all__ = [
 LOG_RATIO_CLAMP = 20.0
 
 
+@dataclass(frozen=True)
+class LossSpec:
+    """What a policy loss takes beyond the four ``[B, T]`` tensors (log pi_theta, log pi_old, advantages,
+    mask): one object for every loss of :data:`POLICY_LOSSES`.
+
+    ``lower``/``upper``: the ratio clip bounds L and H (e.g. 0.8, 1.28, or calibrated; CISPO: the
+    truncation of its detached IS weight); ``dual_clip``: c > 1 for A < 0; ``is_weights``: optional
+    ``[B, T]`` TIS weights (detached); ``agg`` (None: the loss's own default, ``token-mean``, GSPO
+    ``seq-mean-token-mean``), ``global_token_count``, ``global_seq_count``, ``norm_len``: see
+    :func:`aggregate`; ``clip_decision``: optional ``[B, T]`` codes of :func:`clip_decisions` taken on
+    another ratio (the oracle clip mode; the PPO loss only), None: decided on this ratio.
+    """
+
+    lower: float
+    upper: float
+    dual_clip: float = 3.0
+    is_weights: torch.Tensor | None = None
+    agg: str | None = None
+    global_token_count: float | None = None
+    global_seq_count: float | None = None
+    norm_len: float | None = None
+    clip_decision: torch.Tensor | None = None
+
+    def aggregation(self, default: str) -> str:
+        return default if self.agg is None else self.agg
+
+    def counts(self) -> dict[str, float | None]:
+        """The keyword arguments of :func:`aggregate` beyond the mode."""
+        return dict(
+            global_token_count=self.global_token_count, global_seq_count=self.global_seq_count, norm_len=self.norm_len
+        )
+
+
 class PolicyLoss(Protocol):
     def __call__(
-        self,
-        logp: torch.Tensor,
-        old_logp: torch.Tensor,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        *,
-        lower: float,
-        upper: float,
-        dual_clip: float = 3.0,
-        is_weights: torch.Tensor | None = None,
-        agg: str = "token-mean",
-        global_token_count: float | None = None,
-        global_seq_count: float | None = None,
-        norm_len: float | None = None,
-        clip_decision: torch.Tensor | None = None,
+        self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, spec: LossSpec
     ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
@@ -366,16 +387,7 @@ def policy_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    *,
-    lower: float,
-    upper: float,
-    dual_clip: float = 3.0,
-    is_weights: torch.Tensor | None = None,
-    agg: str = "token-mean",
-    global_token_count: float | None = None,
-    global_seq_count: float | None = None,
-    norm_len: float | None = None,
-    clip_decision: torch.Tensor | None = None,
+    spec: LossSpec,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clip loss with dual clip (docs/method.md, "Ratio and policy loss").
 
@@ -384,30 +396,26 @@ def policy_loss(
         old_logp: ``[B, T]`` log pi_old (treated as a constant).
         advantages: ``[B, T]`` per-token advantages.
         mask: ``[B, T]`` bool/0-1 valid response tokens.
-        lower, upper: ratio clip bounds L and H (e.g. 0.8, 1.28, or calibrated).
-        dual_clip: c > 1, the dual-clip constant for A < 0.
-        is_weights: optional ``[B, T]`` TIS weights (detached here).
-        agg, global_token_count, global_seq_count, norm_len: see ``aggregate``.
-        clip_decision: optional ``[B, T]`` codes of ``clip_decisions`` taken on another ratio
-            (the oracle clip mode); None: decided on this ratio (standard).
+        spec: the bounds, dual clip, TIS weights, aggregation and outside clip decisions (:class:`LossSpec`).
     Returns:
         ``(loss, metrics)``: 0-dim differentiable tensor (dtype of ``logp``) and
         the ``clip_metrics`` dict (of this ratio) plus ``loss`` (and ``is_weight_mean``).
     """
+    lower, upper, dual_clip, agg = spec.lower, spec.upper, spec.dual_clip, spec.aggregation("token-mean")
     AGGREGATIONS.get(agg)  # fail fast on a typo, before any compute
-    _check_inputs(logp, old_logp, advantages, mask, is_weights, lower, upper)
+    _check_inputs(logp, old_logp, advantages, mask, spec.is_weights, lower, upper)
     if dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     m = mask.bool()
-    lp, old, a, w = _sanitize(logp, old_logp, advantages, m, is_weights)
+    lp, old, a, w = _sanitize(logp, old_logp, advantages, m, spec.is_weights)
     log_ratio = lp - old  # [B, T]
     ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
-    loss_mat = ppo_token_losses(ratio, a, lower=lower, upper=upper, dual_clip=dual_clip, clip_decision=clip_decision)
+    loss_mat = ppo_token_losses(
+        ratio, a, lower=lower, upper=upper, dual_clip=dual_clip, clip_decision=spec.clip_decision
+    )
     if w is not None:
         loss_mat = loss_mat * w
-    loss = aggregate(
-        loss_mat, m, agg, global_token_count=global_token_count, global_seq_count=global_seq_count, norm_len=norm_len
-    )
+    loss = aggregate(loss_mat, m, agg, **spec.counts())
     metrics = clip_metrics(ratio.detach(), log_ratio.detach(), a, m, lower=lower, upper=upper, dual_clip=dual_clip)
     _add_common_metrics(metrics, loss, w)
     return loss, metrics
@@ -419,31 +427,23 @@ def cispo_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    *,
-    lower: float,
-    upper: float,
-    dual_clip: float = 3.0,
-    is_weights: torch.Tensor | None = None,
-    agg: str = "token-mean",
-    global_token_count: float | None = None,
-    global_seq_count: float | None = None,
-    norm_len: float | None = None,
-    clip_decision: torch.Tensor | None = None,
+    spec: LossSpec,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO (MiniMax-M1): ``loss = -sg(clamp(r, lower, upper)) * A * logp``.
 
-    Same signature, shapes and metrics as ``policy_loss``; here ``lower`` and
+    Same signature, shapes and metrics as ``policy_loss``; here the spec's ``lower`` and
     ``upper`` truncate the detached IS weight (every token keeps a gradient),
     and ``dual_clip`` is only used by the ``dualclip_frac`` metric. The clip
     shares report how many tokens had their weight truncated, by sign, with the
     same definitions as for PPO so the two are comparable in the tables. It takes no clip decision
-    from outside (``clip_decision`` must be None): it never drops a token.
+    from outside (the spec's ``clip_decision`` must be None): it never drops a token.
     """
-    _no_decision("cispo", clip_decision)
+    _no_decision("cispo", spec.clip_decision)
+    lower, upper, agg = spec.lower, spec.upper, spec.aggregation("token-mean")
     AGGREGATIONS.get(agg)
-    _check_inputs(logp, old_logp, advantages, mask, is_weights, lower, upper)
+    _check_inputs(logp, old_logp, advantages, mask, spec.is_weights, lower, upper)
     m = mask.bool()
-    lp, old, a, w = _sanitize(logp, old_logp, advantages, m, is_weights)
+    lp, old, a, w = _sanitize(logp, old_logp, advantages, m, spec.is_weights)
     with torch.no_grad():
         log_ratio = lp.detach() - old
         ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
@@ -451,10 +451,8 @@ def cispo_loss(
         if w is not None:
             weight = weight * w
     loss_mat = -weight * a * lp  # [B, T]
-    loss = aggregate(
-        loss_mat, m, agg, global_token_count=global_token_count, global_seq_count=global_seq_count, norm_len=norm_len
-    )
-    metrics = clip_metrics(ratio, log_ratio, a, m, lower=lower, upper=upper, dual_clip=dual_clip)
+    loss = aggregate(loss_mat, m, agg, **spec.counts())
+    metrics = clip_metrics(ratio, log_ratio, a, m, lower=lower, upper=upper, dual_clip=spec.dual_clip)
     _add_common_metrics(metrics, loss, w)
     return loss, metrics
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from fp8rl_core.objective.corrections import step_weights
-from fp8rl_core.objective.losses import clip_decisions, importance_ratio, loss_bounds
+from fp8rl_core.objective.losses import LossSpec, clip_decisions, importance_ratio, loss_bounds
 from fp8rl_core.registered import POLICY_LOSSES
 from stages.trainer.forward import no_grad_logprobs, policy_logprobs
 from stages.trainer.old_logp import OldPolicy
@@ -136,11 +136,7 @@ def micro_batch_pass(
                                   with_entropy=True, trim=rows.trim, centering=center)
         if adopt_old:
             old = adopt_first_forward(step, old, r, lp)
-        loss, _ = loss_fn(
-            lp,
-            old.old8[r],
-            old.adv_tok[r],
-            old.mask[r],
+        spec = LossSpec(
             lower=bounds[0],
             upper=bounds[1],
             dual_clip=a.dual_clip,
@@ -151,6 +147,7 @@ def micro_batch_pass(
             norm_len=float(cfg.rollout.max_new_tokens),
             clip_decision=_decision_of(decisions, i, r),
         )
+        loss, _ = loss_fn(lp, old.old8[r], old.adv_tok[r], old.mask[r], spec)
         if a.entropy_coef > 0:
             loss = loss - a.entropy_coef * (ent * old.mask[r]).sum() / max(tokens, 1.0)
         (loss * float(collective.world_size)).backward()  # FSDP/DDP average gradients over ranks: undo it

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fp8rl_core.objective.losses import CLIP_DUAL, CLIP_LOWER, CLIP_UPPER
+from fp8rl_core.objective.losses import CLIP_DUAL, CLIP_LOWER, CLIP_UPPER, LossSpec
 from fp8rl_core.registered import LOSS_STATISTICS
 from stages.trainer.batch import TrainBatch
 from stages.trainer.minibatch import MinibatchUpdate
@@ -153,17 +153,8 @@ def step_metrics(batch: TrainBatch, logp8, old8, entropy, is_w, cfg: CampaignCon
     adv_tok = batch.advantages.float()[:, None] * mask
     with torch.no_grad():
         stats_fn = LOSS_STATISTICS.get(a.loss)  # the loss's own clip statistics (gspo: sequence ratios)
-        _, stats = stats_fn(
-            logp8,
-            old8,
-            adv_tok,
-            mask,
-            lower=bounds[0],
-            upper=bounds[1],
-            dual_clip=a.dual_clip,
-            is_weights=is_w,
-            agg="token-mean",
-        )
+        spec = LossSpec(lower=bounds[0], upper=bounds[1], dual_clip=a.dual_clip, is_weights=is_w, agg="token-mean")
+        _, stats = stats_fn(logp8, old8, adv_tok, mask, spec)
     ntok = float(mask.sum().clamp_min(1.0))
     m: dict[str, float] = {k: float(v) for k, v in stats.items()}
     m.update(
