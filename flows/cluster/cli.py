@@ -191,7 +191,6 @@ def submit(
 
         if cfg.cluster.nodes > 1:
             raise fail(f"--backend local runs on this machine alone; cluster.nodes={cfg.cluster.nodes} needs slurm")
-
         if (run_dir / "run.json").is_file():
             return resume(run_dir, None, None, None, [], cfg.cluster.gpus_per_node, False)
         return run(config, [*set_, *([f"cluster.gpus_per_node={gpus_per_node}"] if gpus_per_node else [])],
