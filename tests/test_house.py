@@ -247,22 +247,14 @@ def _module_of(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_imports(path: Path, known: set[str]) -> set[str]:
-    """Project modules ``path`` imports, eagerly or lazily (``if TYPE_CHECKING:`` blocks left out)."""
+def _project_imports(path: Path, known: set[str]) -> set[str]:
+    """Project modules ``path`` imports: eagerly, lazily, or for annotations only (``if TYPE_CHECKING:``):
+    a module that names another's type depends on it as much as one that calls it."""
     tree = ast.parse(path.read_text(), str(path))
-    skip = {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for body in node.body
-        for n in ast.walk(body)
-    }
     me = _module_of(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -281,10 +273,10 @@ def _runtime_imports(path: Path, known: set[str]) -> set[str]:
     return out
 
 
-def test_no_import_circle_between_files_lazy_imports_included() -> None:
+def test_no_import_circle_between_files_lazy_and_type_only_imports_included() -> None:
     files = {_module_of(f): f for f in _sources(SOURCE_DIRS)}
     known = set(files)
-    graph = {m: {d for d in _runtime_imports(f, known) if files[d].name != "__init__.py"} for m, f in files.items()}
+    graph = {m: {d for d in _project_imports(f, known) if files[d].name != "__init__.py"} for m, f in files.items()}
     circles, state = [], {}
 
     def visit(m: str, path: list[str]) -> None:

@@ -1,4 +1,4 @@
-"""A weight's grid made once per generation or no-grad pass (``portable_math.reuse_weight_grids``) gives
+"""A weight's grid made once per generation (``portable_math.reuse_weight_grids``) gives
 the bits of making it at every GEMM, and is made again whenever the weight may have changed."""
 
 from __future__ import annotations

@@ -16,16 +16,11 @@ Padding tokens do enter a tensorwise activation amax, as they would on the GPU.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
 from fp8rl_core.config.precision_kinds import PRECISION_MODES
-from fp8rl_core.cpu_numerics.portable_math import reuse_weight_grids
 from fp8rl_core.objective.logprobs import master_logprobs
-
-if TYPE_CHECKING:  # annotations only
-    from stages.trainer.batch import TrainBatch
 
 
 def token_multiple(mode: str) -> int:
@@ -110,14 +105,20 @@ def policy_logprobs(
 
 
 def no_grad_logprobs(
-    model: torch.nn.Module, x: TrainBatch, micros: list[torch.Tensor], mode: str, *, shadow: bool, trim: bool
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    micros: list[torch.Tensor],
+    mode: str,
+    *,
+    shadow: bool,
+    trim: bool,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`policy_logprobs` without grad of each non-empty micro-batch ``r`` (row indices of ``x``),
-    one at a time: ``[(r, [len(r), T] float32)]``. The weights do not change between them: under the
-    portable CPU numerics each weight is put on its grid once for the whole pass."""
-    with torch.no_grad(), reuse_weight_grids():
+    """:func:`policy_logprobs` without grad of each non-empty micro-batch ``r`` (row indices of the
+    ``[N, T]`` ``input_ids`` and ``attention_mask``), one at a time: ``[(r, [len(r), T] float32)]``."""
+    with torch.no_grad():
         return [
-            (r, policy_logprobs(model, x.input_ids[r], x.attention_mask[r], mode=mode, shadow=shadow, trim=trim)[0])
+            (r, policy_logprobs(model, input_ids[r], attention_mask[r], mode=mode, shadow=shadow, trim=trim)[0])
             for r in micros
             if r.numel()
         ]

@@ -186,8 +186,9 @@ def minibatch_update(step: TrainStep, old: OldPolicy, k: int) -> MinibatchUpdate
     theta16, seconds = [], 0.0
     if shadow_now or step.decides_on_bf16:
         t0 = time.perf_counter()
-        theta16 = no_grad_logprobs(step.model, rows.local, rows.shadowed[k], cfg.precision.train, shadow=True,
-                                   trim=rows.trim)
+        x = rows.local
+        theta16 = no_grad_logprobs(step.model, x.input_ids, x.attention_mask, rows.shadowed[k], cfg.precision.train,
+                                   shadow=True, trim=rows.trim)
         seconds = time.perf_counter() - t0
     lower, upper = step.bounds
     picked = None

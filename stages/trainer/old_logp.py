@@ -94,8 +94,9 @@ def old_logprobs(step: TrainStep) -> OldPolicy:
     seconds = {}
     t0 = time.perf_counter()
     old8 = torch.zeros(x.input_ids.shape, dtype=torch.float32, device=mask.device)
-    for r, lp in no_grad_logprobs(step.model, x, first[1:] if reuse else first, mode, shadow=False,
-                                  trim=rows.trim):
+    firsts = first[1:] if reuse else first
+    ids, am = x.input_ids, x.attention_mask
+    for r, lp in no_grad_logprobs(step.model, ids, am, firsts, mode, shadow=False, trim=rows.trim):
         old8[r] = lp
     seconds["old_logp_s"] = time.perf_counter() - t0
     old16 = None
@@ -103,7 +104,8 @@ def old_logprobs(step: TrainStep) -> OldPolicy:
         t0 = time.perf_counter()
         old16 = torch.full_like(old8, float("nan") if rows.sub is not None else 0.0)
         shadowed = [s for k in range(rows.per_epoch) for s in rows.shadowed[k]]
-        for r, lp in no_grad_logprobs(step.model, x, shadowed, mode, shadow=True, trim=rows.trim):
+        for r, lp in no_grad_logprobs(step.model, x.input_ids, x.attention_mask, shadowed, mode, shadow=True,
+                                      trim=rows.trim):
             old16[r] = lp
         seconds["shadow_s" if step.shadow else "bf16_decision_s"] = time.perf_counter() - t0
     is_w = None if reuse else step_weights(old8, x.rollout_logp, mask, cfg.algorithm, step.thresholds)
