@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 import slurm_cluster
 from conftest import MICRO_OVERRIDES
+from shared_prefect import free_port
 
 from storage.catalog import connect, query
 
@@ -91,7 +92,7 @@ def _env(cluster) -> dict:
 def _submit(cluster, run_dir: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "flows.cli", "submit", "tiny-cpu", "--backend", "slurm", "--run-dir", str(run_dir)]
     cmd += _sets(f"cluster.shared_path={run_dir.parent}", "cluster.nodes=2", "cluster.request_gpus=false",
-                 "cluster.poll_s=0.5", *extra)  # fmt: skip
+                 "cluster.poll_s=0.5", f"cluster.rendezvous_port={free_port()}", *extra)  # fmt: skip
     return subprocess.Popen(cmd, env=_env(cluster), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -204,6 +205,8 @@ def test_a_two_node_job_equals_the_two_rank_run_on_one_machine(cluster, referenc
     [a] = _attempts(run_dir)
     assert (a["attempt"], a["state"], a["exit_reason"], a["nodes"]) == (1, "COMPLETED", "completed", "n[1-2]")
     assert a["resumed_from_step"] is None
+    [log] = (run_dir / "cluster").glob("job-*.out")  # the rendezvous host: n1's NodeAddr, looked up in the job
+    assert f"fp8rl job {a['job_id']} on n[1-2]: rendezvous 127.0.0.1:" in log.read_text()
     _nothing_left(cluster, run_dir)
 
 
