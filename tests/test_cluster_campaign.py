@@ -169,29 +169,16 @@ def _same_tables(a: Path, b: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(scratch):
+def reference(scratch) -> Path:
     """The 2-rank single-machine run (torchrun --standalone), as tests/test_spmd_campaign.py makes it, here
-    through ``fp8rl submit --backend local`` (which is ``fp8rl run --nproc-per-node 2``). Started here and
-    awaited where first compared, so it runs beside the first cluster job; a callable giving its directory."""
+    through ``fp8rl submit --backend local`` (which is ``fp8rl run --nproc-per-node 2``)."""
     run_dir = scratch / "local" / "two-ranks"
     cmd = [sys.executable, "-m", "flows.cli", "submit", "tiny-cpu", "--backend", "local", "--gpus-per-node", "2"]
-    cmd += ["--run-dir", str(run_dir), *_sets()]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-
-    ended: list = []
-
-    def done() -> Path:
-        if not ended:
-            ended.append(_finish(proc, timeout=600))
-        code, out = ended[0]
-        assert code == 0, out[-3000:]
-        return run_dir
-
-    yield done
-    if proc.poll() is None:  # a test failed before it was awaited
-        proc.terminate()
-        _finish(proc, timeout=60)
+    cmd += ["--run-dir", str(run_dir)]
+    r = subprocess.run(cmd + _sets(), env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run_dir
 
 
 @pytest.mark.slow
@@ -201,7 +188,7 @@ def test_a_two_node_job_equals_the_two_rank_run_on_one_machine(cluster, referenc
     with _supervised(cluster, run_dir) as proc:
         code, out = _finish(proc)
     assert code == 0, out[-3000:]
-    _same_tables(reference(), run_dir)
+    _same_tables(reference, run_dir)
     [a] = _attempts(run_dir)
     assert (a["attempt"], a["state"], a["exit_reason"], a["nodes"]) == (1, "COMPLETED", "completed", "n[1-2]")
     assert a["resumed_from_step"] is None
@@ -248,7 +235,7 @@ def test_a_killed_node_then_stopped_ranks_are_resubmitted_and_resume_to_the_same
     assert (done["exit_reason"], done["resumed_from_step"], hung["resumed_from_step"]) == ("completed", 2, 2), done
     assert len({killed["job_id"], hung["job_id"], done["job_id"]}) == 3
     assert killed["ended_at"] <= hung["submitted_at"] and hung["ended_at"] <= done["submitted_at"]
-    _same_tables(reference(), run_dir)  # every prompt of every step once: the same rollouts, bit for bit
+    _same_tables(reference, run_dir)  # every prompt of every step once: the same rollouts, bit for bit
     _nothing_left(cluster, run_dir)
 
 
