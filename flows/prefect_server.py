@@ -37,6 +37,7 @@ database and the ports, before the run's directory exists.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -104,6 +105,35 @@ def _new_log() -> Path:
     return log
 
 
+class LockWaitedOut(ServerUnavailable):
+    """Another process's server was still starting in this home at the start-up limit."""
+
+
+@contextlib.contextmanager
+def one_start_at_a_time(log: Path, deadline: float, limit_s: float):
+    """Hold the Prefect home's start-up lock while a server starts: a first start migrates the home's
+    database, and two servers migrating one database at once fail (Alembic's version row, a column
+    added twice), as two campaigns started together in one home would. Waits at most to ``deadline``."""
+    import fcntl
+
+    with open(log.parent / "temporary-server.start.lock", "a") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise LockWaitedOut(
+                        f"Prefect's temporary server waited {limit_s:.0f} s for another process's server to "
+                        f"start in {log.parent} (the start-up limit, {STARTUP_LIMIT_ENV})"
+                    ) from None
+                time.sleep(0.1)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _wait_healthy(server, deadline: float, limit_s: float) -> int | None:
     """None once ``server`` answers its health check; its process's exit code if that exits first; past
     ``deadline`` (``limit_s`` after the start) the server is stopped and :class:`ServerUnavailable` raised."""
@@ -167,20 +197,25 @@ def _server_class():
             limit_s = float(timeout or startup_limit_s())
             deadline = time.monotonic() + limit_s
             atexit.register(self.stop)
-            for _ in range(PORT_TRIES):
-                try:
-                    self.port = self.find_available_port()
-                except ServerUnavailable:
-                    if self.server_process is None:  # nothing started: nothing to read in a log
-                        self.log.unlink(missing_ok=True)
-                    raise
-                self.running = True
-                self.server_process = self._run_uvicorn_command()
-                code = _wait_healthy(self, deadline, limit_s)
-                if code is None:
-                    return
-                if "address already in use" not in self.log.read_text(errors="replace").lower():
-                    self._fail(f"exited at start-up ({exit_status(code)}): {log_cause(self.log)}")
+            try:
+                with one_start_at_a_time(self.log, deadline, limit_s):
+                    for _ in range(PORT_TRIES):
+                        try:
+                            self.port = self.find_available_port()
+                        except ServerUnavailable:
+                            if self.server_process is None:  # nothing started: nothing to read in a log
+                                self.log.unlink(missing_ok=True)
+                            raise
+                        self.running = True
+                        self.server_process = self._run_uvicorn_command()
+                        code = _wait_healthy(self, deadline, limit_s)
+                        if code is None:
+                            return
+                        if "address already in use" not in self.log.read_text(errors="replace").lower():
+                            self._fail(f"exited at start-up ({exit_status(code)}): {log_cause(self.log)}")
+            except LockWaitedOut:
+                self.log.unlink(missing_ok=True)  # nothing started: nothing to read in a log
+                raise
             self._fail(f"found its port taken at each of {PORT_TRIES} starts (ports: {PORTS_ENV})")
 
         def _fail(self, what: str) -> None:

@@ -91,6 +91,26 @@ def exit_now(end: RunEnded) -> None:
     os._exit(end.code)
 
 
+def end_process(code: int) -> None:
+    """Exit with ``code`` once the interpreter's own exit work is done (non-daemon threads joined,
+    ``atexit`` handlers run, streams flushed), but without its teardown.
+
+    During teardown any thread that takes the GIL back (a daemon thread between two torch ops, a
+    process group's C++ thread dropping a tensor) is unwound out of C++ code and the process aborts
+    (std::terminate, SIGABRT): a rank that had finished its campaign would be reported failed and
+    torchrun would end its peers. Skipping teardown loses nothing: the run's files are closed."""
+    import atexit
+
+    threading._shutdown()  # what the interpreter does first at exit: wait for the non-daemon threads
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def exit_code(signum: int) -> int:
     """The shell's convention for a process ended by ``signum``: 128 + its number."""
     return 128 + signum

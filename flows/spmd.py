@@ -82,9 +82,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from flows.shutdown import RunEnded, exit_now
+    from flows.shutdown import RunEnded, end_process, exit_now
 
     try:
-        raise SystemExit(main())
+        code = main()
     except RunEnded as end:
         exit_now(end)
+    except SystemExit as end:  # argparse's usage errors and the like
+        code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
+        if not isinstance(end.code, (int, type(None))):
+            sys.stderr.write(f"{end.code}\n")
+    except BaseException:  # a failed rank: its traceback, then exit 1 (torchrun says which rank)
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    end_process(code)  # a rank never aborts in the interpreter's teardown (flows.shutdown.end_process)

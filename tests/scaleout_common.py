@@ -5,6 +5,8 @@ their own, so no two groups of the suite can meet by accident."""
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import pytest
@@ -59,6 +61,16 @@ def rendezvous() -> str:
     import tempfile
 
     return f"file://{tempfile.mkdtemp(prefix='fp8rl-store-')}/store"
+
+
+def leave_rank() -> None:
+    """End a rank started by ``torch.multiprocessing.spawn`` (which exits through the interpreter's
+    teardown) without that teardown: gloo's threads, and any thread that takes the GIL back then,
+    abort the process (std::terminate, SIGABRT) one time in many. Call it once the rank's work is done
+    and its results are written; a rank that raised is left to spawn's own error path."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ranks(fn, args: tuple, timeout: float = 180.0, nprocs: int = 2) -> None:

@@ -34,6 +34,7 @@ from fp8rl_core.config.method import AlgorithmConfig, PrecisionConfig
 from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.config.pipeline import BenchmarkEval, RolloutConfig
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
+from tests.scaleout_common import leave_rank
 
 PROMPTS = [[1, 40, 41], [1, 50], [1, 60, 61, 62], [1, 70], [1, 80, 81], [1, 90, 91, 92]]
 ROLLOUT = dict(
@@ -114,6 +115,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
     finally:
         engine.close()
         dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.fixture(scope="module")

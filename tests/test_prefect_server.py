@@ -15,6 +15,7 @@ every port of the server's range taken       refused before the run directory ex
                                              them taken later says so and starts nothing
 a server that never answers (the start-up    one line (cause, log, resume command), exit 2, nothing left
 limit) or exits at start-up
+two starts at once in one home               they take turns: the second waits while the first starts
 a server killed mid-run                      one line within seconds, exit 2, nothing left; the resume
                                              gives the uninterrupted run's tables
 ============================================ ============================================================
@@ -339,6 +340,40 @@ def test_a_server_that_exits_at_start_up_says_why_at_once_and_leaves_nothing(tmp
     assert Path(said.split("its log: ")[1]).parent == tmp_path / "home"
     assert server.server_process is None and not server.running
     assert _with_in_environ(url) == []
+
+
+def test_two_starts_in_one_home_take_turns(tmp_path, own_env):
+    """Two campaigns started together in one Prefect home started two servers that migrated the home's
+    database at once, and one failed (Alembic's version row, or a column added twice). A start now waits
+    while another process's server is starting in the same home, then starts."""
+    import fcntl
+
+    from flows.child_guard import SERVER_MARK
+    from flows.shutdown import descendants
+
+    home = tmp_path / "home"
+    home.mkdir()
+    code = "from flows import prefect_server as p; s = p.start(); print('up', flush=True); p.stop(s)"
+    env = without_server(dict(os.environ, PREFECT_HOME=str(home)))
+    with open(home / "temporary-server.start.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process's server is starting in this home
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        deadline = time.monotonic() + 10  # a server's process starts within 2-3 s of the command
+        while time.monotonic() < deadline and proc.poll() is None:
+            servers = [p for p in descendants(proc.pid) if SERVER_MARK.encode() in _cmdline(p)]
+            assert servers == [], "a second server started while another was starting in its home"
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0 and out.split() == ["up"], err[-2000:]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _server_of(cmd: Command, marker: Path, timeout: float = 600) -> int:

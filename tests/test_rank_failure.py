@@ -29,6 +29,7 @@ from conftest import MICRO_OVERRIDES
 
 from flows.configuration import ConfigError, load_config
 from storage.catalog import connect, query
+from tests.scaleout_common import leave_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,7 +84,7 @@ def _group_rank(rank: int, port: int, out_dir: str) -> None:
         Path(out_dir, "rank1").write_text("up")
         while not Path(out_dir, "rank0").exists():
             time.sleep(0.1)
-        _leave()
+        leave_rank()
     start = time.perf_counter()
     try:
         dist.broadcast_object_list([1], src=1)
@@ -91,15 +92,7 @@ def _group_rank(rank: int, port: int, out_dir: str) -> None:
     except Exception as err:  # gloo: the collective timed out
         outcome = type(err).__name__
     Path(out_dir, "rank0").write_text(f"{outcome} {time.perf_counter() - start:.1f}")
-    _leave()
-
-
-def _leave() -> None:
-    """End a rank of a group that a timed-out collective left broken without tearing the group down:
-    gloo's threads, still joinable at interpreter exit, can abort the process (SIGABRT)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_rank()
 
 
 @pytest.mark.timeout(120)

@@ -9,7 +9,8 @@ parts has exactly the 1-process rows; step metrics and calibrated bounds agree
 (step 1 equal up to the gradient reduction's float rounding, see
 tests/test_train_scaleout.py for the derivation of the tolerances); a 2-rank run
 SIGKILLed during train and resumed on 2 ranks ends with the same weights and
-tables as the uninterrupted 2-rank run. Overlong shaping is on so that the
+tables as the uninterrupted 2-rank run; a rank whose daemon thread is busy
+with torch at exit still ends cleanly. Overlong shaping is on so that the
 barely-bootstrapped micro model still gets non-zero advantages.
 """
 
@@ -131,3 +132,21 @@ def test_sigkill_of_a_two_rank_run_during_train_then_resume_equals_the_uninterru
     assert _rows(one, keys) == _rows(runs["one"], keys)
     step1 = q.replace(" ORDER BY", " WHERE step = 1 ORDER BY")
     assert _rows(one, step1) == _rows(runs["one"], step1)  # the same rows as the 1-process run, bit for bit
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_whose_library_thread_is_busy_at_exit_still_ends_cleanly(runs, tmp_path):
+    """A daemon thread running torch ops when a rank ends (as a library's background thread may) used to
+    abort the finished rank in the interpreter's teardown (SIGABRT): torchrun then reported the finished
+    run as failed. Resuming a finished 2-rank run is the cheapest way through a rank's whole end."""
+    d = tmp_path / "finished"
+    shutil.copytree(runs["one"], d)
+    site = str(Path(__file__).parent / "busy_thread_site")
+    env = dict(os.environ, OMP_NUM_THREADS="1", FP8RL_TEST_BUSY_THREAD="flows.spmd")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")]))
+    r = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "resume", str(d), "--nproc-per-node", "2"],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "terminate called" not in r.stderr

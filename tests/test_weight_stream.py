@@ -28,7 +28,7 @@ from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.tasks.tiny_model import build_tiny_model
 from stages.engines import weight_transfer as wt
-from tests.scaleout_common import rendezvous
+from tests.scaleout_common import leave_rank, rendezvous
 
 
 def test_stream_is_lazy_bf16_per_parameter_without_the_tied_head():
@@ -76,6 +76,7 @@ def _rank_main(rank: int, store: str, out_dir: str) -> None:
         dist.barrier()  # no rank tears down while its peer is still inside a collective
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.mark.timeout(240)
