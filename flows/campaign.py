@@ -53,7 +53,7 @@ from fp8rl_core.config.campaign import CampaignConfig
 from fp8rl_core.config.stage_kinds import STAGES, Ranks, StageSpec
 from stages.checkpoint import restore_latest
 from stages.context import RunEnv, TrainState
-from stages.dag import StepContext, binding, runs_at
+from stages.dag import StepContext, binding, stage_runs
 from stages.result import StageResult
 from stages.rollout import sync_engine
 from stages.runtime.deadline import end_rank, stage_deadline
@@ -209,11 +209,10 @@ def run_step(
     calibrate, checkpoint: the weights must be rebuilt); one that does not gives back what
     its record holds (rollout, score: the sampler position; evaluate: the scores). Every rank
     runs this loop; rank 0 reads the ledger and tells the others."""
-    done, info = _done_stages(env, step)
     ctx = StepContext(last_eval=dict(last_eval or {}))
-    for spec in STAGES:
-        if not runs_at(spec, env.cfg, step, ctx):
-            continue
+    ledger: dict[int, tuple[set, dict]] = {}  # what the ledger holds at each step a stage runs for
+    for spec, at in stage_runs(env.cfg, step, ctx):  # at: step, or a later one for the rollout side
+        done, info = ledger[at] if at in ledger else ledger.setdefault(at, _done_stages(env, at))
         bound = binding(spec)
         if spec.name in done and not spec.replays:
             state = bound.recorded(ctx, state, info[spec.name]) if bound.recorded else state
@@ -221,11 +220,11 @@ def run_step(
         if spec.syncs_engine:
             sync_engine(env, state, before_stage=True)
         kw = {"log": _logger()} if spec.ranks is Ranks.TOGETHER else {}
-        with stage_deadline(spec.name, step, env.cfg.timeouts.stage_s(spec.name), rank=env.rank):
-            out, state = _RANK_POLICY[spec.ranks](_ranked(spec), env, state, step, **kw, **bound.inputs(ctx))
+        with stage_deadline(spec.name, at, env.cfg.timeouts.stage_s(spec.name), rank=env.rank):
+            out, state = _RANK_POLICY[spec.ranks](_ranked(spec), env, state, at, **kw, **bound.inputs(ctx))
         bound.took(ctx, out)
         if env.is_main and spec.name in _REPORTS:
-            _REPORTS[spec.name](env, step, out, progress)
+            _REPORTS[spec.name](env, at, out, progress)
     return ctx.trained, state, ctx.last_eval
 
 

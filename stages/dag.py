@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from fp8rl_core.config.campaign import CampaignConfig
 from fp8rl_core.config.stage_kinds import STAGES, StageSpec, When
@@ -29,7 +29,7 @@ from fp8rl_core.registry import Registry
 from stages.context import TrainState, is_checkpoint_step, is_eval_step
 from stages.result import StageResult
 
-__all__ = ["BINDINGS", "StageBinding", "StepContext", "bind_stage", "binding", "runs_at"]
+__all__ = ["BINDINGS", "StageBinding", "StepContext", "bind_stage", "binding", "runs_at", "stage_runs"]
 
 
 @dataclass
@@ -86,6 +86,34 @@ def runs_at(spec: StageSpec, cfg: CampaignConfig, step: int, ctx: StepContext) -
     if spec.when is When.EVAL:
         return is_eval_step(cfg, step)
     return is_checkpoint_step(cfg, step)
+
+
+def stage_runs(cfg: CampaignConfig, step: int, ctx: StepContext) -> Iterator[tuple[StageSpec, int]]:
+    """The stage runs of ``step`` in order: ``(stage, the step it runs for)``. Lazily, so that a shadow
+    stage reads the train stage's answer.
+
+    With ``rollout.max_staleness`` k ≥ 1 the rollout side's stages (``ahead``) run, one step after
+    another, for every step of ``step … step + k`` (within the run): the runner skips the ones the
+    ledger already has, so an uninterrupted run generates step + k's rows here, step 1 generates
+    steps 1 … 1 + k, and a run whose later rows were set aside generates them again."""
+    specs = list(STAGES)
+    k = cfg.rollout.max_staleness
+    i = 0
+    while i < len(specs):
+        spec = specs[i]
+        if not (spec.ahead and k):
+            if runs_at(spec, cfg, step, ctx):
+                yield spec, step
+            i += 1
+            continue
+        group = []
+        while i < len(specs) and specs[i].ahead:
+            group.append(specs[i])
+            i += 1
+        for at in range(step, min(step + k, cfg.steps) + 1):
+            for s in group:
+                if runs_at(s, cfg, step, ctx) and runs_at(s, cfg, at, ctx):
+                    yield s, at
 
 
 # --------------------------------------------------------------------------- the bindings

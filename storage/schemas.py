@@ -75,7 +75,12 @@ ROLLOUTS = TableSpec(
         ),
         Column("response_length", pa.int32(), "Number of response tokens."),
         Column("finish_reason", pa.string(), "'stop' (EOS / stop string) or 'length' (hit the max length)."),
-        Column("policy_version", pa.int64(), "Step of the weights that generated it (off-policy lag = step − this)."),
+        Column(
+            "policy_version",
+            pa.int64(),
+            "The policy version (the step whose update the weights hold) that sampled it; its lag is "
+            "step − 1 − this: 0 in lockstep, rollout.max_staleness with it (less in the first steps).",
+        ),
         Column("precision", pa.string(), "Rollout precision: 'bf16', 'fp8_per_tensor', 'fp8_per_block'."),
         Column(
             "top_token_ids",

@@ -28,6 +28,7 @@ NAMED = (
     "guard-events",
     "noise-sources",
     "bound-estimates",
+    "behaviour-by-lag",
 )
 
 

@@ -137,7 +137,27 @@ class CampaignConfig(Section):
         refused = clip_mode_refusals(self)  # what the clip mode's record cannot run with
         if refused:
             raise ValueError("; ".join(refused))
+        self._staleness_fits()
         return self
+
+    def _staleness_fits(self) -> None:
+        """``rollout.max_staleness`` needs the behaviour weight, and a rollout side that can run beside training."""
+        k, r = self.rollout.max_staleness, self.rollout
+        if not k:
+            return
+        if not self.algorithm.tis:
+            raise ValueError(
+                f"rollout.max_staleness={k} trains on rows sampled {k} policy version{'s' * (k > 1)} back: the behaviour weight "
+                "pi_old/mu (algorithm.tis) is what corrects them; set algorithm.tis: true or rollout.max_staleness: 0"
+            )
+        engine = ENGINE_KINDS.get(r.engine)
+        process = r.vllm_process if engine.weight_syncs else engine.processes[0]
+        if process == "trainer" and (self.device.startswith("cuda") or engine.weights_on_device):
+            raise ValueError(
+                f"rollout.max_staleness={k} overlaps rollout with training, but rollout.engine {r.engine} runs in "
+                "the trainer's process and shares its GPU (colocated), so it cannot overlap: give the engine a "
+                "process and GPUs of its own (rollout.vllm_process: separate) or set rollout.max_staleness: 0"
+            )
 
 
 def _family(mode: str) -> str | None:

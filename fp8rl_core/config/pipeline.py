@@ -23,6 +23,13 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off).")
     max_new_tokens: int = Field(24, ge=1, description="Response length cap (tokens).")
     generation_batch_size: int = Field(512, ge=1, description="Sequences generated at once by the transformers engine.")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="Policy versions between sampling and training (lag): step t trains on rows sampled by "
+        "version t - 1 - max_staleness, so the rollout of step t + max_staleness runs beside step t's training "
+        "(the first max_staleness steps' rows come from version 0). 0: lockstep. Needs algorithm.tis.",
+    )
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vLLM: share of GPU memory (colocated with training)."
     )

@@ -29,6 +29,10 @@ checkpoint   all       2       checkpoint yes     no    on OSError
 * **limit_s**: the stage's default time limit, the default of ``timeouts.<name>_s``
   (a stage without such a field runs under this limit).
 * **rerun**: ``fp8rl rerun --stage <name>`` can recompute the stage from persisted inputs.
+* **ahead**: a stage of the rollout side. With ``rollout.max_staleness`` k ≥ 1, step t
+  runs it for step t + k (step 1 for steps 1 … 1 + k, and for any step in t … t + k
+  whose record is missing), before step t trains: step t then trains on rows sampled by
+  policy version t − 1 − k. With k = 0 it runs for step t, as every other stage.
 
 Plain data (no torch, no pydantic, no Prefect), so that ``fp8rl --help``, the CLI's
 stage choices and the config's time limits read it without the heavy imports. The
@@ -78,6 +82,7 @@ class StageSpec:
     rerun: bool = False
     waits_for_go: bool = False  # peers enter the body only after rank 0's go (its attempt opened)
     refill_rounds: bool = False  # DAPO's refill rounds run inside it, in the ledger as rollout1, rollout2, ...
+    ahead: bool = False  # the rollout side: runs for step + rollout.max_staleness (see StageSpec's docs)
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -138,12 +143,12 @@ STAGES = StageTable(
     (
         StageSpec(
             "rollout", Ranks.TOGETHER, 2, When.STEP, replays=False, syncs_engine=True,
-            reads=(), writes=("rollouts",), limit_s=3600.0, waits_for_go=True,
+            reads=(), writes=("rollouts",), limit_s=3600.0, waits_for_go=True, ahead=True,
         ),
         StageSpec(
             "score", Ranks.TOGETHER, 2, When.STEP, replays=False, syncs_engine=True,
             reads=("rollouts",), writes=("scores", "rollouts"), limit_s=3600.0, rerun=True, waits_for_go=True,
-            refill_rounds=True,
+            refill_rounds=True, ahead=True,
         ),
         StageSpec(
             "train", Ranks.ALL, 0, When.STEP, replays=True, syncs_engine=False,

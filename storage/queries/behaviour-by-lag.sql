@@ -1,0 +1,26 @@
+-- name: behaviour-by-lag
+-- description: The behaviour weight pi_old/mu by lag (step - 1 - policy_version): how far the rows a step trains on sit from the policy that trains them.
+--
+-- One row per run and lag. The lag is 0 in lockstep and rollout.max_staleness
+-- with it (less in the first steps). The behaviour weight of a token is
+-- pi_old / mu: the proximal policy (recomputed by the trainer before the
+-- update, in the training precision) over the engine's own log-prob of the
+-- sampled token. It holds both the staleness and the rollout mismatch, and it
+-- is what algorithm.tis truncates; the PPO clip acts on pi_theta / pi_old.
+--   tokens              token_stats rows (every token on shadow steps, a sample
+--                       of algorithm.token_stats_sample otherwise)
+--   mean_log_weight     mean of log pi_old - log mu
+--   mean_abs_log_weight mean of its magnitude
+--   weight_above_2      share of tokens whose weight exceeds 2 (token TIS's default cap)
+SELECT
+    t.run_id,
+    t.step - 1 - r.policy_version AS lag,
+    count(DISTINCT t.step) AS steps,
+    count(*) AS tokens,
+    avg(t.old_logp_fp8 - r.rollout_logp[t.position + 1]) AS mean_log_weight,
+    avg(abs(t.old_logp_fp8 - r.rollout_logp[t.position + 1])) AS mean_abs_log_weight,
+    avg(CASE WHEN t.old_logp_fp8 - r.rollout_logp[t.position + 1] > ln(2) THEN 1.0 ELSE 0.0 END) AS weight_above_2
+FROM token_stats t
+JOIN rollouts r USING (run_id, variant, step, sample_id)
+GROUP BY t.run_id, lag
+ORDER BY t.run_id, lag;

@@ -1,0 +1,128 @@
+"""``rollout.max_staleness``: a fixed lag between the policy that samples and the policy that trains.
+
+With k ≥ 1 step t trains on rows sampled by policy version t − 1 − k; the rollout
+side's stages run for step t + k before step t trains (``stages.dag.stage_runs``),
+one step after another, so the schedule is deterministic and resumable:
+
+* the schedule: k = 0 is the lockstep table order; k = 1 runs step 1's and 2's rollout
+  side at step 1, then step t + 1's at step t;
+* the refusals, each one line: no behaviour weight (``algorithm.tis: false``), an engine
+  colocated with training on a GPU;
+* a 3-step k = 1 campaign: every row's lag is exactly k after the first step, two runs are
+  identical, a SIGKILL during step 3's rollout (run beside step 2's training) then a resume
+  gives the uninterrupted run's tables, and the named query reads the behaviour weight by lag.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import MICRO_OVERRIDES
+
+from flows.configuration import ConfigError, load_config
+from storage.catalog import connect, query
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from compare_runs import KEYS, compare  # noqa: E402
+
+LAGGED = [*MICRO_OVERRIDES, "threads=1", "rollout.max_staleness=1", "checkpoint.interval=1"]
+
+
+def _schedule(cfg, step: int, shadow: bool = False) -> list[tuple[str, int]]:
+    from stages.dag import StepContext, stage_runs
+    from stages.result import StageResult
+
+    ctx = StepContext(trained=StageResult(shadow=shadow))
+    return [(spec.name, at) for spec, at in stage_runs(cfg, step, ctx)]
+
+
+def test_the_schedule_runs_the_rollout_side_k_steps_ahead():
+    lockstep = load_config("tiny-cpu", [*MICRO_OVERRIDES, "steps=4"])
+    assert _schedule(lockstep, 1) == [("rollout", 1), ("score", 1), ("train", 1)]
+    assert _schedule(lockstep, 0) == [("evaluate", 0)]
+    lagged = load_config("tiny-cpu", [*LAGGED, "steps=4"])
+    assert _schedule(lagged, 0) == [("evaluate", 0)]
+    assert _schedule(lagged, 1)[:5] == [("rollout", 1), ("score", 1), ("rollout", 2), ("score", 2), ("train", 1)]
+    # step t offers t … t + 1 (the runner skips what the ledger has); nothing past the last step
+    assert _schedule(lagged, 3, shadow=True)[:5] == [("rollout", 3), ("score", 3), ("rollout", 4), ("score", 4), ("train", 3)]
+    assert _schedule(lagged, 3, shadow=True)[5] == ("calibrate", 3)
+    assert [s for s in _schedule(lagged, 4) if s[0] in ("rollout", "score")] == [("rollout", 4), ("score", 4)]
+
+
+@pytest.mark.parametrize(
+    ("sets", "says"),
+    [
+        (["rollout.max_staleness=2", "algorithm.tis=false"], "rollout.max_staleness=2 trains on rows sampled 2 policy versions back"),
+        (["rollout.max_staleness=1", "device=cuda"], "runs in the trainer's process and shares its GPU (colocated)"),
+    ],
+)  # fmt: skip
+def test_a_lag_without_its_correction_or_with_a_colocated_gpu_engine_is_refused_in_one_line(sets, says):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny-cpu", sets)
+    assert says in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+def test_a_colocated_gpu_preset_with_a_lag_is_refused():
+    with pytest.raises(ConfigError, match="cannot overlap"):
+        load_config("qwen3-8b-grpo-deepscaler", ["rollout.max_staleness=1"])
+
+
+def _run(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "flows.cli", *args]
+    if args[0] == "run":
+        cmd += ["tiny-cpu", "--run-dir", str(run_dir)]
+        for o in LAGGED:
+            cmd += ["--set", o]
+    e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def lagged(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("lag") / "a"
+    r = _run(d, "run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d
+
+
+def _same_tables(a: Path, b: Path) -> None:
+    for table in KEYS:
+        assert compare(a, b, table) == [], table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_every_row_is_sampled_k_versions_back_and_the_query_reads_the_weight_by_lag(lagged):
+    rows = query(connect(lagged), "SELECT DISTINCT step, policy_version FROM rollouts ORDER BY step").to_pylist()
+    assert [(r["step"], r["policy_version"]) for r in rows] == [(1, 0), (2, 0), (3, 1)]  # lag 0, 1, 1
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "query", str(lagged), "--named", "behaviour-by-lag",
+                          "--format", "json"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert '"lag": 0' in out.stdout and '"lag": 1' in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_lagged_runs_are_identical(lagged, tmp_path):
+    r = _run(tmp_path / "b", "run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    _same_tables(lagged, tmp_path / "b")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkill_during_the_overlapped_rollout_then_resume_equals_the_uninterrupted_run(lagged, tmp_path):
+    d = tmp_path / "killed"
+    r = _run(d, "run", env={"FP8RL_FAULT": "rollout@3:start=kill"})  # step 3's rows, sampled at step 2
+    assert r.returncode != 0
+    done = query(connect(d), "SELECT step, stage FROM ledger WHERE status = 'done' ORDER BY step").to_pylist()
+    assert {"step": 2, "stage": "score"} in done and {"step": 2, "stage": "train"} not in done
+    r = _run(d, "resume", str(d))
+    assert r.returncode == 0, r.stderr[-3000:]
+    trains = query(connect(d), "SELECT step FROM ledger WHERE stage = 'train' ORDER BY step").to_pylist()
+    assert [t["step"] for t in trains] == [1, 2, 3]  # resumed from step 1's checkpoint, its sampler past step 2's rows
+    _same_tables(lagged, d)
