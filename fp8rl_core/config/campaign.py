@@ -147,8 +147,9 @@ class CampaignConfig(Section):
             return
         if not self.algorithm.tis:
             raise ValueError(
-                f"rollout.max_staleness={k} trains on rows sampled {k} policy version{'s' * (k > 1)} back: the behaviour weight "
-                "pi_old/mu (algorithm.tis) is what corrects them; set algorithm.tis: true or rollout.max_staleness: 0"
+                f"rollout.max_staleness={k} trains on rows sampled {k} policy version{'s' * (k > 1)} back: the "
+                "behaviour weight pi_old/mu (algorithm.tis) is what corrects them; set algorithm.tis: true or "
+                "rollout.max_staleness: 0"
             )
         engine = ENGINE_KINDS.get(r.engine)
         process = r.vllm_process if engine.weight_syncs else engine.processes[0]
