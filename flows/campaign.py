@@ -56,6 +56,7 @@ from stages.context import RunEnv, TrainState
 from stages.dag import StepContext, binding, stage_runs
 from stages.result import StageResult
 from stages.rollout import sync_engine
+from stages.rollout_side import RolloutSide, overlaps, rollout_worker
 from stages.runtime.deadline import end_rank, stage_deadline
 from stages.runtime.rank_outcome import GO, EarlyOutcome, RankedStage, after_go, on_all, on_main, on_ranks
 from stages.runtime.stage_comm import TRANSIENT, TransientStageError, broadcast, is_transient  # noqa: F401 (re-exported)
@@ -211,12 +212,13 @@ def run_step(
     runs this loop; rank 0 reads the ledger and tells the others."""
     ctx = StepContext(last_eval=dict(last_eval or {}))
     ledger: dict[int, tuple[set, dict]] = {}  # what the ledger holds at each step a stage runs for
-    for spec, at in stage_runs(env.cfg, step, ctx):  # at: step, or a later one for the rollout side
+    side = RolloutSide(env) if overlaps(env) else None  # the rollout side of a later step, beside training
+
+    def run(state: TrainState, spec: StageSpec, at: int, ctx: StepContext = ctx) -> TrainState:
         done, info = ledger[at] if at in ledger else ledger.setdefault(at, _done_stages(env, at))
         bound = binding(spec)
         if spec.name in done and not spec.replays:
-            state = bound.recorded(ctx, state, info[spec.name]) if bound.recorded else state
-            continue
+            return bound.recorded(ctx, state, info[spec.name]) if bound.recorded else state
         if spec.syncs_engine:
             sync_engine(env, state, before_stage=True)
         kw = {"log": _logger()} if spec.ranks is Ranks.TOGETHER else {}
@@ -225,6 +227,22 @@ def run_step(
         bound.took(ctx, out)
         if env.is_main and spec.name in _REPORTS:
             _REPORTS[spec.name](env, at, out, progress)
+        return state
+
+    def run_beside(state: TrainState, spec: StageSpec, at: int) -> TrainState:
+        return run(state, spec, at, StepContext())  # the side's timings are its ledger records'
+
+    for spec, at in stage_runs(env.cfg, step, ctx):  # at: step, or a later one for the rollout side
+        if side is not None and spec.ahead and at > step:
+            side.queue(spec, at)
+            continue
+        if side is not None and spec.beside_rollout:
+            side.start(state, run_beside)
+        elif side is not None:
+            state = side.join(state, run_beside)
+        state = run(state, spec, at)
+    if side is not None:
+        state = side.join(state, run_beside)
     return ctx.trained, state, ctx.last_eval
 
 
@@ -298,6 +316,7 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
         gemm = gemm_choice(cfg, env.device)  # precision.cpu_bf16_gemm: auto resolved here, recorded in run.json
         if env.is_main:
             record_cpu_numerics(run_dir, gemm)
+        env = rollout_worker(env, gemm.kind)  # rollout.max_staleness >= 1 on a CPU: the engine in a worker
         with cpu_bf16_gemm(gemm.kind, env.device):  # the whole loop's thread, backward included
             if resume and env.is_main:
                 recover_pending(env)  # a rollback a crash interrupted

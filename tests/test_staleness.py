@@ -8,9 +8,11 @@ one step after another, so the schedule is deterministic and resumable:
   side at step 1, then step t + 1's at step t;
 * the refusals, each one line: no behaviour weight (``algorithm.tis: false``), an engine
   colocated with training on a GPU;
-* a 3-step k = 1 campaign: every row's lag is exactly k after the first step, two runs are
-  identical, a SIGKILL during step 3's rollout (run beside step 2's training) then a resume
-  gives the uninterrupted run's tables, and the named query reads the behaviour weight by lag.
+* a 3-step k = 1 campaign, its rollout side in a worker process beside training: every row's
+  lag is exactly k after the first step; two runs are identical, and equal to the same
+  schedule run in lockstep order; a SIGKILL during step 3's rollout (beside step 2's
+  training) then a resume gives the uninterrupted run's tables; the named query reads the
+  behaviour weight by lag.
 """
 
 from __future__ import annotations
@@ -72,11 +74,12 @@ def test_a_colocated_gpu_preset_with_a_lag_is_refused():
 
 
 def _run(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "flows.cli", *args]
+    cmd = [sys.executable, "-m", "flows.cli", args[0]]
     if args[0] == "run":
         cmd += ["tiny-cpu", "--run-dir", str(run_dir)]
         for o in LAGGED:
             cmd += ["--set", o]
+    cmd += args[1:]
     e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=600)
 
@@ -107,10 +110,15 @@ def test_every_row_is_sampled_k_versions_back_and_the_query_reads_the_weight_by_
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_lagged_runs_are_identical(lagged, tmp_path):
+def test_two_lagged_runs_are_identical_and_equal_the_lockstep_order(lagged, tmp_path):
+    """The overlapped run (the engine in a worker, the rollout side in a thread beside training) twice, and
+    the same schedule run in lockstep order in one thread (rollout.overlap: false)."""
     r = _run(tmp_path / "b", "run")
     assert r.returncode == 0, r.stderr[-3000:]
     _same_tables(lagged, tmp_path / "b")
+    r = _run(tmp_path / "c", "run", "--set", "rollout.overlap=false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    _same_tables(lagged, tmp_path / "c")
 
 
 @pytest.mark.slow
@@ -123,6 +131,6 @@ def test_sigkill_during_the_overlapped_rollout_then_resume_equals_the_uninterrup
     assert {"step": 2, "stage": "score"} in done and {"step": 2, "stage": "train"} not in done
     r = _run(d, "resume", str(d))
     assert r.returncode == 0, r.stderr[-3000:]
-    trains = query(connect(d), "SELECT step FROM ledger WHERE stage = 'train' ORDER BY step").to_pylist()
-    assert [t["step"] for t in trains] == [1, 2, 3]  # resumed from step 1's checkpoint, its sampler past step 2's rows
+    trains = query(connect(d), "SELECT step FROM ledger WHERE stage = 'train' AND status = 'done' ORDER BY step")
+    assert trains.column("step").to_pylist() == [1, 2, 3]  # from step 1's checkpoint: its sampler past step 2's rows
     _same_tables(lagged, d)

@@ -30,6 +30,12 @@ class RolloutConfig(Section):
         "version t - 1 - max_staleness, so the rollout of step t + max_staleness runs beside step t's training "
         "(the first max_staleness steps' rows come from version 0). 0: lockstep. Needs algorithm.tis.",
     )
+    overlap: bool = Field(
+        True,
+        description="With max_staleness >= 1, a CPU run in one process runs its rollout side (the transformers "
+        "engine in a worker process) beside training; false keeps lockstep order. The tables are the same "
+        "either way at threads: 1.",
+    )
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vLLM: share of GPU memory (colocated with training)."
     )

@@ -33,6 +33,9 @@ checkpoint   all       2       checkpoint yes     no    on OSError
   runs it for step t + k (step 1 for steps 1 … 1 + k, and for any step in t … t + k
   whose record is missing), before step t trains: step t then trains on rows sampled by
   policy version t − 1 − k. With k = 0 it runs for step t, as every other stage.
+* **beside_rollout**: the stage may run while the rollout side works for a later step
+  in a thread of the step (``stages/rollout_side.py``): it neither generates nor reads
+  the sampler (train, calibrate). The step waits for the rollout side before any other.
 
 Plain data (no torch, no pydantic, no Prefect), so that ``fp8rl --help``, the CLI's
 stage choices and the config's time limits read it without the heavy imports. The
@@ -83,6 +86,7 @@ class StageSpec:
     waits_for_go: bool = False  # peers enter the body only after rank 0's go (its attempt opened)
     refill_rounds: bool = False  # DAPO's refill rounds run inside it, in the ledger as rollout1, rollout2, ...
     ahead: bool = False  # the rollout side: runs for step + rollout.max_staleness (see StageSpec's docs)
+    beside_rollout: bool = False  # may run while the rollout side works for a later step (stages.rollout_side)
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -152,11 +156,11 @@ STAGES = StageTable(
         ),
         StageSpec(
             "train", Ranks.ALL, 0, When.STEP, replays=True, syncs_engine=False,
-            reads=("rollouts", "scores"), writes=("steps", "token_stats"), limit_s=3600.0,
+            reads=("rollouts", "scores"), writes=("steps", "token_stats"), limit_s=3600.0, beside_rollout=True,
         ),
         StageSpec(
             "calibrate", Ranks.MAIN, 1, When.SHADOW, replays=True, syncs_engine=False,
-            reads=("token_stats", "rollouts"), writes=("bounds",), limit_s=1800.0, rerun=True,
+            reads=("token_stats", "rollouts"), writes=("bounds",), limit_s=1800.0, rerun=True, beside_rollout=True,
         ),
         StageSpec(
             "evaluate", Ranks.TOGETHER, 2, When.EVAL, replays=False, syncs_engine=True,

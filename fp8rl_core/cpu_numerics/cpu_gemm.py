@@ -140,6 +140,13 @@ def active_cpu_gemm_mode() -> Bf16GemmsInFp32 | None:
     return modes[-1] if modes else None
 
 
+def active_cpu_gemm() -> str:
+    """The ``cpu_bf16_gemm`` kind open on this thread (``native`` when none): what a thread that works for
+    this one opens, so that both compute alike (a mode does not cross threads)."""
+    mode = active_cpu_gemm_mode()
+    return "native" if mode is None else "portable" if isinstance(mode, PortableNumerics) else "fp32"
+
+
 def fp32_gemms_active() -> bool:
     """Whether a :class:`Bf16GemmsInFp32` mode handles this thread's GEMMs (a ``cpu_bf16_gemm("fp32")``
     context is open here)."""
