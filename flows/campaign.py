@@ -202,23 +202,43 @@ def _done_stages(env: RunEnv, step: int) -> tuple[set, dict]:
 
 
 def run_step(
-    env: RunEnv, state: TrainState, step: int, progress: Progress, last_eval: dict | None = None
+    env: RunEnv,
+    state: TrainState,
+    step: int,
+    progress: Progress,
+    last_eval: dict | None = None,
+    *,
+    runs: list[tuple[StageSpec, int]] | None = None,
 ) -> tuple[StageResult, TrainState, dict]:
     """All stages of one step, the stage table in order; returns ``(train result, new state, latest eval)``.
 
     A stage the ledger marks done is not redone unless it replays after a restore (train,
     calibrate, checkpoint: the weights must be rebuilt); one that does not gives back what
     its record holds (rollout, score: the sampler position; evaluate: the scores). Every rank
-    runs this loop; rank 0 reads the ledger and tells the others."""
+    runs this loop; rank 0 reads the ledger and tells the others.
+
+    With ``rollout.max_staleness`` k ≥ 1 the rollout side's stages run for later steps too
+    (:func:`stages.dag.stage_runs`); where the rollout side overlaps (:mod:`stages.rollout_side`) those
+    for a later step than this one are handed to a :class:`RolloutSide`, which runs them through this
+    function (``runs``: the stage runs to make instead of the table's) in a thread beside training."""
     ctx = StepContext(last_eval=dict(last_eval or {}))
     ledger: dict[int, tuple[set, dict]] = {}  # what the ledger holds at each step a stage runs for
-    side = RolloutSide(env) if overlaps(env) else None  # the rollout side of a later step, beside training
+    side = RolloutSide(env) if runs is None and overlaps(env) else None  # a later step's rollout, beside training
 
-    def run(state: TrainState, spec: StageSpec, at: int, ctx: StepContext = ctx) -> TrainState:
+    def beside(state: TrainState, queued: list[tuple[StageSpec, int]]) -> TrainState:
+        return run_step(env, state, step, progress, runs=queued)[1]  # its timings are its ledger records'
+
+    for spec, at in stage_runs(env.cfg, step, ctx) if runs is None else runs:  # at: step, or a later one
+        if side is not None and spec.ahead and at > step:
+            side.queue(spec, at)
+            continue
+        if side is not None:
+            state = side.start(state, beside) if spec.beside_rollout else side.join(state, beside)
         done, info = ledger[at] if at in ledger else ledger.setdefault(at, _done_stages(env, at))
         bound = binding(spec)
         if spec.name in done and not spec.replays:
-            return bound.recorded(ctx, state, info[spec.name]) if bound.recorded else state
+            state = bound.recorded(ctx, state, info[spec.name]) if bound.recorded else state
+            continue
         if spec.syncs_engine:
             sync_engine(env, state, before_stage=True)
         kw = {"log": _logger()} if spec.ranks is Ranks.TOGETHER else {}
@@ -227,22 +247,8 @@ def run_step(
         bound.took(ctx, out)
         if env.is_main and spec.name in _REPORTS:
             _REPORTS[spec.name](env, at, out, progress)
-        return state
-
-    def run_beside(state: TrainState, spec: StageSpec, at: int) -> TrainState:
-        return run(state, spec, at, StepContext())  # the side's timings are its ledger records'
-
-    for spec, at in stage_runs(env.cfg, step, ctx):  # at: step, or a later one for the rollout side
-        if side is not None and spec.ahead and at > step:
-            side.queue(spec, at)
-            continue
-        if side is not None and spec.beside_rollout:
-            side.start(state, run_beside)
-        elif side is not None:
-            state = side.join(state, run_beside)
-        state = run(state, spec, at)
     if side is not None:
-        state = side.join(state, run_beside)
+        state = side.join(state, beside)
     return ctx.trained, state, ctx.last_eval
 
 

@@ -63,7 +63,7 @@ def rollout_worker(env: RunEnv, gemm: str) -> RunEnv:
     return dataclasses.replace(env, engine=WorkerEngine(env.engine, gemm=gemm, threads=1))
 
 
-StageRun = Callable[[TrainState, StageSpec, int], TrainState]
+StageRuns = Callable[[TrainState, list[tuple[StageSpec, int]]], TrainState]  # the step's runner, given its runs
 
 
 class RolloutSide:
@@ -78,10 +78,11 @@ class RolloutSide:
     def queue(self, spec: StageSpec, at: int) -> None:
         self.queued.append((spec, at))
 
-    def start(self, state: TrainState, run: StageRun) -> None:
-        """Push the policy to the engine (a copy, taken now), then run the queued stage runs in a thread."""
+    def start(self, state: TrainState, run: StageRuns) -> TrainState:
+        """Push the policy to the engine (a copy, taken now), then run the queued stage runs in a thread;
+        ``state`` back, unchanged."""
         if self._thread is not None or not self.queued:
-            return
+            return state
         engine = self.env.engine
         if engine.policy_version != state.policy_version:
             engine.sync_policy(state.policy, state.policy_version)
@@ -92,16 +93,16 @@ class RolloutSide:
             side_state = state
             try:
                 with cpu_bf16_gemm(gemm, self.env.device):
-                    for spec, at in runs:
-                        side_state = run(side_state, spec, at)
+                    side_state = run(side_state, runs)
                 self._out["state"] = side_state
             except BaseException as err:  # raised in the step's thread by join()
                 self._out["error"] = err
 
         self._thread = threading.Thread(target=context.run, args=(side,), name="fp8rl-rollout-side", daemon=True)
         self._thread.start()
+        return state
 
-    def join(self, state: TrainState, run: StageRun) -> TrainState:
+    def join(self, state: TrainState, run: StageRuns) -> TrainState:
         """Wait for the side (started first if it was not); ``state`` with the side's sampler. A no-op
         when nothing was queued."""
         if self._thread is None:

@@ -12,6 +12,7 @@ import typer
 from typer.testing import CliRunner
 
 from flows.cli_storage import register
+from storage.catalog import connect, query
 from storage.layout import create_run
 from storage.ledger import Ledger
 from storage.queries import get_query, list_queries
@@ -77,6 +78,17 @@ def campaign(tmp_path_factory) -> Path:
                     "standard_upper": 1.28,
                 },
                 stage="train",
+            )
+            w.write(
+                "rollouts",
+                step,
+                {
+                    "sample_id": np.arange(8, dtype=np.int32),
+                    "prompt_id": [f"p{i // 4}" for i in range(8)],
+                    "rollout_logp": [list(logp[i * (n // 8) : (i + 1) * (n // 8)] + 0.05) for i in range(8)],
+                    "policy_version": np.full(8, max(step - 2, 0)),  # rollout.max_staleness: 1
+                },
+                stage="rollout",
             )
             w.write(
                 "steps",
@@ -204,7 +216,7 @@ def test_params_and_output_formats(app, campaign: Path, tmp_path: Path) -> None:
         (["{root}", "SELEC * FROM steps"], "SQL syntax error"),
         (["{root}", "SELECT * FROM stepz"], "stepz does not exist"),
         (["{root}", "SELECT no_such_column FROM steps"], "no_such_column"),
-        (["{root}", "--named", "nope"], "unknown named query 'nope'; known: bound-estimates, calibration-history"),
+        (["{root}", "--named", "nope"], "unknown named query 'nope'; known: behaviour-by-lag, bound-estimates"),
         (["{root}", "-n", "entropy-bins", "-p", "bins=3"], "has no parameter 'bins'"),
         (["{root}", "SELECT 1", "--out", "x.txt"], "extension must be one of"),
         (["{root}"], "missing SQL"),
@@ -265,3 +277,23 @@ def test_main_cli_app_has_the_commands() -> None:
     assert result.exit_code == 0 and "calibration-history" in result.output
     result = CliRunner().invoke(app, ["doctor", "--help"])
     assert result.exit_code == 0
+
+
+def test_behaviour_by_lag_equals_a_python_reference(app, campaign: Path) -> None:
+    """The query's behaviour weight log(pi_old/mu) per lag, recomputed token by token from the two tables."""
+    rows = json.loads(invoke(app, "query", campaign, "-n", "behaviour-by-lag", "-f", "json").stdout)
+    want: dict[tuple[str, int], list[float]] = {}
+    for run in ("bf16", "fp8"):
+        tok = query(connect(campaign / run), "SELECT step, sample_id, position, old_logp_fp8 FROM token_stats")
+        ro = query(connect(campaign / run), "SELECT step, sample_id, rollout_logp, policy_version FROM rollouts")
+        mu = {(r["step"], r["sample_id"]): (r["rollout_logp"], r["policy_version"]) for r in ro.to_pylist()}
+        for t in tok.to_pylist():
+            logps, version = mu[(t["step"], t["sample_id"])]
+            want.setdefault((run, t["step"] - 1 - version), []).append(t["old_logp_fp8"] - logps[t["position"]])
+    assert [(r["run_id"], r["lag"]) for r in rows] == sorted(want)
+    for r in rows:
+        w = np.asarray(want[(r["run_id"], r["lag"])], dtype=np.float64)
+        assert r["tokens"] == len(w)
+        assert r["mean_log_weight"] == pytest.approx(w.mean(), abs=1e-6)
+        assert r["mean_abs_log_weight"] == pytest.approx(np.abs(w).mean(), abs=1e-6)
+        assert r["weight_above_2"] == pytest.approx((w > np.log(2)).mean(), abs=1e-12)

@@ -61,7 +61,7 @@ class WorkerEngine(RolloutEngine):
             env = dict(os.environ, FP8RL_ENGINE_WORKER_KEY=key.hex())
             self._proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
             self._conn: Connection | None = _accept(listener, self._proc)
-        self._call("start", engine, gemm, threads)
+        self._call("start", _without_local_hooks(engine), gemm, threads)
 
     # the engine interface
     def generate(self, prompt_ids: list[list[int]], **kw: Any) -> RolloutBatch:
@@ -102,6 +102,23 @@ class WorkerEngine(RolloutEngine):
         if not ok:
             raise WorkerError(f"the engine worker failed {what}: {value}")
         return value
+
+
+def _without_local_hooks(engine: RolloutEngine) -> RolloutEngine:
+    """``engine`` with the module hooks that cannot leave this process removed from its model copy: the
+    training hooks the copy took from the policy (activation checkpointing's input hook, a closure), which
+    do nothing in the engine's inference-mode forwards."""
+    model = getattr(engine, "model", None)
+    if model is None:
+        return engine
+    for module in model.modules():
+        for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks):
+            for key, hook in list(hooks.items()):
+                try:
+                    pickle.dumps(hook)
+                except (AttributeError, TypeError, pickle.PicklingError):
+                    del hooks[key]
+    return engine
 
 
 def _send(conn: Connection, obj: Any) -> None:
