@@ -322,7 +322,7 @@ def campaign_loop(run_dir: str, resume: bool = False, stop_after_step: int | Non
         gemm = gemm_choice(cfg, env.device)  # precision.cpu_bf16_gemm: auto resolved here, recorded in run.json
         if env.is_main:
             record_cpu_numerics(run_dir, gemm)
-        env = rollout_worker(env, gemm.kind)  # rollout.max_staleness >= 1 on a CPU: the engine in a worker
+        env = rollout_worker(env, state, gemm.kind)  # rollout.max_staleness >= 1 on a CPU: the engine in a worker
         with cpu_bf16_gemm(gemm.kind, env.device):  # the whole loop's thread, backward included
             if resume and env.is_main:
                 recover_pending(env)  # a rollback a crash interrupted

@@ -214,6 +214,25 @@ def _throughput(shares: list[dict[int, RolloutBatch]]) -> tuple[int, float]:
     return tokens, tokens / wall if wall > 0 else float("inf")
 
 
+def sampling_train_logp(env: RunEnv, state: TrainState, rows: pa.Table) -> pa.Array | None:
+    """``rollouts.train_logp`` of ``rows``: the trainer's log-prob of every response token in the training
+    precision, with the weights that sampled them (``rollout.max_staleness`` ≥ 1, one process; None
+    otherwise). An engine that holds a copy of the trainer's policy (the rollout side's worker) computes it
+    there, beside training; else the trainer's own policy, which still holds the sampling version."""
+    if not env.cfg.rollout.max_staleness or env.world_size > 1:
+        return None
+    from stages.trainer.forward import response_logprobs
+
+    prompts, responses = rows.column("prompt_token_ids").to_pylist(), rows.column("response_token_ids").to_pylist()
+    pad = env.tokenizer.pad_token_id
+    kw = {"mode": env.cfg.precision.train, "micro_batch_size": env.cfg.algorithm.micro_batch_size, "pad_id": pad}
+    if env.engine.holds_trainer_copy:
+        lps = env.engine.train_logprobs(prompts, responses, **kw)
+    else:
+        lps = response_logprobs(state.policy, prompts, responses, **kw)
+    return pa.array(lps, pa.list_(pa.float32()))
+
+
 def run_rollout(
     env: RunEnv, state: TrainState, step: int, *, attempt: int = 0, round_: int = 0, first_sample_id: int = 0
 ) -> tuple[StageResult, TrainState]:
@@ -240,6 +259,9 @@ def run_rollout(
         rows = rows_from_batches(
             env, state, plan, _merge_shares(shares), round_=round_, first_sample_id=first_sample_id
         )
+        train_logp = sampling_train_logp(env, state, rows)
+        if train_logp is not None:
+            rows = rows.append_column("train_logp", train_logp)
         stage = "rollout" if round_ == 0 else f"rollout{round_}"
         path = env.writer.write("rollouts", step, rows, stage=stage, attempt=attempt, variant=env.variant)
         tokens, per_second = _throughput(shares)

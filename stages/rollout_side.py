@@ -44,7 +44,7 @@ def overlaps(env: RunEnv) -> bool:
     return env.cfg.rollout.max_staleness > 0 and env.world_size == 1 and isinstance(env.engine, WorkerEngine)
 
 
-def rollout_worker(env: RunEnv, gemm: str) -> RunEnv:
+def rollout_worker(env: RunEnv, state: TrainState, gemm: str) -> RunEnv:
     """``env`` with its transformers engine moved to a worker process, for a CPU run in one process with
     ``rollout.max_staleness`` ≥ 1; ``env`` unchanged otherwise. The trainer keeps the run's threads less
     one, the worker one (on two cores: one each)."""
@@ -60,7 +60,7 @@ def rollout_worker(env: RunEnv, gemm: str) -> RunEnv:
         return env
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, threads - 1))
-    return dataclasses.replace(env, engine=WorkerEngine(env.engine, gemm=gemm, threads=1))
+    return dataclasses.replace(env, engine=WorkerEngine(env.engine, gemm=gemm, threads=1, trainer=state.policy))
 
 
 StageRuns = Callable[[TrainState, list[tuple[StageSpec, int]]], TrainState]  # the step's runner, given its runs

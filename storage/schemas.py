@@ -95,6 +95,15 @@ ROLLOUTS = TableSpec(
             "Per response token: the log-probs of top_token_ids under the rollout engine (nats).",
             encoding="plain",
         ),
+        Column(
+            "train_logp",
+            pa.list_(_F32),
+            "Per response token: log-prob under the trainer's policy in the training precision with the weights "
+            "that sampled it, computed right after sampling (nats); with token_stats.old_logp_fp8 and rollout_logp "
+            "it splits the behaviour weight into lag and rollout mismatch. NULL without rollout.max_staleness, "
+            "under several ranks, and in runs written before.",
+            encoding="plain",
+        ),
     ),
 )
 

@@ -86,6 +86,7 @@ def campaign(tmp_path_factory) -> Path:
                     "sample_id": np.arange(8, dtype=np.int32),
                     "prompt_id": [f"p{i // 4}" for i in range(8)],
                     "rollout_logp": [list(logp[i * (n // 8) : (i + 1) * (n // 8)] + 0.05) for i in range(8)],
+                    "train_logp": [list(logp[i * (n // 8) : (i + 1) * (n // 8)] + 0.03) for i in range(8)],
                     "policy_version": np.full(8, max(step - 2, 0)),  # rollout.max_staleness: 1
                 },
                 stage="rollout",
@@ -280,20 +281,30 @@ def test_main_cli_app_has_the_commands() -> None:
 
 
 def test_behaviour_by_lag_equals_a_python_reference(app, campaign: Path) -> None:
-    """The query's behaviour weight log(pi_old/mu) per lag, recomputed token by token from the two tables."""
+    """The query's behaviour weight log(pi_old/mu) per lag and its two parts (lag, rollout mismatch),
+    recomputed token by token from the two tables."""
     rows = json.loads(invoke(app, "query", campaign, "-n", "behaviour-by-lag", "-f", "json").stdout)
     want: dict[tuple[str, int], list[float]] = {}
     for run in ("bf16", "fp8"):
         tok = query(connect(campaign / run), "SELECT step, sample_id, position, old_logp_fp8 FROM token_stats")
-        ro = query(connect(campaign / run), "SELECT step, sample_id, rollout_logp, policy_version FROM rollouts")
-        mu = {(r["step"], r["sample_id"]): (r["rollout_logp"], r["policy_version"]) for r in ro.to_pylist()}
+        cols = "step, sample_id, rollout_logp, train_logp, policy_version"
+        ro = query(connect(campaign / run), f"SELECT {cols} FROM rollouts")
+        mu = {(r["step"], r["sample_id"]): r for r in ro.to_pylist()}
         for t in tok.to_pylist():
-            logps, version = mu[(t["step"], t["sample_id"])]
-            want.setdefault((run, t["step"] - 1 - version), []).append(t["old_logp_fp8"] - logps[t["position"]])
+            r = mu[(t["step"], t["sample_id"])]
+            behaviour = r["rollout_logp"][t["position"]]
+            at_sampling = r["train_logp"][t["position"]]
+            parts = (t["old_logp_fp8"] - behaviour, t["old_logp_fp8"] - at_sampling, at_sampling - behaviour)
+            want.setdefault((run, t["step"] - 1 - r["policy_version"]), []).append(parts)
     assert [(r["run_id"], r["lag"]) for r in rows] == sorted(want)
     for r in rows:
-        w = np.asarray(want[(r["run_id"], r["lag"])], dtype=np.float64)
-        assert r["tokens"] == len(w)
+        w, lag, mismatch = np.asarray(want[(r["run_id"], r["lag"])], dtype=np.float64).T
+        assert r["tokens"] == r["split_tokens"] == len(w)
         assert r["mean_log_weight"] == pytest.approx(w.mean(), abs=1e-6)
         assert r["mean_abs_log_weight"] == pytest.approx(np.abs(w).mean(), abs=1e-6)
         assert r["weight_above_2"] == pytest.approx((w > np.log(2)).mean(), abs=1e-12)
+        assert r["mean_lag_part"] == pytest.approx(lag.mean(), abs=1e-6)
+        assert r["mean_mismatch_part"] == pytest.approx(mismatch.mean(), abs=1e-6)
+        assert r["mean_abs_lag_part"] == pytest.approx(np.abs(lag).mean(), abs=1e-6)
+        assert r["mean_abs_mismatch_part"] == pytest.approx(np.abs(mismatch).mean(), abs=1e-6)
+        assert r["mean_lag_part"] + r["mean_mismatch_part"] == pytest.approx(r["mean_log_weight"], abs=1e-6)

@@ -226,6 +226,7 @@ class RolloutEngine(abc.ABC):
     name: str = "abstract"
     policy_version: int | None = None
     last_sleep_memory_gib: tuple[float, float] | None = None
+    holds_trainer_copy: bool = False  # computes the trainer's log-probs at its own weights (train_logprobs)
 
     @property
     def weights_discarded(self) -> bool:

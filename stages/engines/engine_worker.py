@@ -10,7 +10,9 @@ messages over a local socket:
 * **Weights** go over as the trainer's full fp32 state at each push (``sync_policy``),
   copied when sent, so the trainer may update its own weights at once; the worker
   loads them with the in-process engine's own ``sync_rollout_weights``: the same
-  inference copy, bit for bit.
+  inference copy, bit for bit. It also holds a copy of the trainer's policy (in the
+  training precision), loaded with the same state: :meth:`WorkerEngine.train_logprobs`
+  gives the trainer's log-probs of the rows it sampled, at the sampling weights.
 * **Generation** is the engine's own ``generate`` in the worker. The worker runs
   under the run's CPU GEMM mode (``precision.cpu_bf16_gemm``) and on its own thread
   count, so its samples equal those of the in-process engine on as many threads.
@@ -25,6 +27,7 @@ or the step's own), never both at once.
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import signal
@@ -51,7 +54,9 @@ class WorkerError(RuntimeError):
 class WorkerEngine(RolloutEngine):
     """``engine`` (built in this process) moved into a worker process; see the module docstring."""
 
-    def __init__(self, engine: RolloutEngine, *, gemm: str, threads: int = 1) -> None:
+    holds_trainer_copy = True
+
+    def __init__(self, engine: RolloutEngine, *, gemm: str, threads: int = 1, trainer: torch.nn.Module) -> None:
         self.name = engine.name
         self.policy_version = engine.policy_version
         self._lock = threading.Lock()
@@ -61,11 +66,16 @@ class WorkerEngine(RolloutEngine):
             env = dict(os.environ, FP8RL_ENGINE_WORKER_KEY=key.hex())
             self._proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
             self._conn: Connection | None = _accept(listener, self._proc)
-        self._call("start", _without_local_hooks(engine), gemm, threads)
+        self._call("start", _without_local_hooks(engine), _without_local_hooks(trainer), gemm, threads)
 
     # the engine interface
     def generate(self, prompt_ids: list[list[int]], **kw: Any) -> RolloutBatch:
         return self._call("generate", prompt_ids, kw)
+
+    def train_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], **kw: Any) -> list:
+        """:func:`stages.trainer.forward.response_logprobs` on the worker's copy of the trainer's policy, at the
+        weights of the last push (the version that sampled), while the trainer's own weights move on."""
+        return self._call("train_logprobs", prompt_ids, response_ids, kw)
 
     def load_weights(self, train_model: torch.nn.Module) -> None:
         from stages.engines.hf_engine import full_view
@@ -104,13 +114,16 @@ class WorkerEngine(RolloutEngine):
         return value
 
 
-def _without_local_hooks(engine: RolloutEngine) -> RolloutEngine:
-    """``engine`` with the module hooks that cannot leave this process removed from its model copy: the
-    training hooks the copy took from the policy (activation checkpointing's input hook, a closure), which
-    do nothing in the engine's inference-mode forwards."""
-    model = getattr(engine, "model", None)
+def _without_local_hooks(obj: Any) -> Any:
+    """``obj`` (an engine, or the trainer's policy) with the module hooks that cannot leave this process
+    removed from its model: training hooks (activation checkpointing's input hook, a closure), which do
+    nothing in the worker's no-grad forwards."""
+    if isinstance(obj, torch.nn.Module):
+        obj = model = copy.deepcopy(obj)  # the trainer keeps its own hooks
+    else:
+        model = getattr(obj, "model", None)  # the engine's own copy, which the worker replaces
     if model is None:
-        return engine
+        return obj
     for module in model.modules():
         for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks):
             for key, hook in list(hooks.items()):
@@ -118,7 +131,7 @@ def _without_local_hooks(engine: RolloutEngine) -> RolloutEngine:
                     pickle.dumps(hook)
                 except (AttributeError, TypeError, pickle.PicklingError):
                     del hooks[key]
-    return engine
+    return obj
 
 
 def _send(conn: Connection, obj: Any) -> None:
@@ -157,8 +170,9 @@ def _serve(conn: Connection) -> None:
     from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from fp8rl_core.precision.rollout import sync_rollout_weights
     from stages.engines.hf_engine import _FullStateView
+    from stages.trainer.forward import response_logprobs
 
-    engine = None
+    engine = trainer = None
     gemm_mode = None
     try:
         while True:
@@ -168,14 +182,18 @@ def _serve(conn: Connection) -> None:
                 return
             try:
                 if what == "start":
-                    engine, gemm, threads = args
+                    engine, trainer, gemm, threads = args
                     torch.set_num_threads(threads)
                     gemm_mode = cpu_bf16_gemm(gemm, torch.device("cpu"))
                     gemm_mode.__enter__()  # for the worker's life, as the campaign loop holds it for its own
                     value = None
                 elif what == "weights":
                     sync_rollout_weights(engine._require_model(), _FullStateView(args[0]))
+                    trainer.load_state_dict(args[0])
                     value = None
+                elif what == "train_logprobs":
+                    prompt_ids, response_ids, kw = args
+                    value = response_logprobs(trainer, prompt_ids, response_ids, **kw)
                 elif what == "generate":
                     prompt_ids, kw = args
                     value = engine.generate(prompt_ids, **kw)

@@ -122,3 +122,31 @@ def no_grad_logprobs(
             for r in micros
             if r.numel()
         ]
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    *,
+    mode: str,
+    micro_batch_size: int | None,
+    pad_id: int,
+) -> list[list[float]]:
+    """Per response token, its log-prob under ``model`` in ``mode``, without grad: the rows laid out as the
+    train stage lays them (prompt then response, right-padded), through :func:`policy_logprobs`. What the
+    rollout side records of the trainer's policy with the weights that sampled a row (``rollouts.train_logp``)."""
+    n = len(prompt_ids)
+    if n == 0:
+        return []
+    width = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    am = torch.zeros((n, width), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        am[i, : len(p) + len(r)] = 1
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        lp, _ = policy_logprobs(model, ids.to(device), am.to(device), mode=mode, micro_batch_size=micro_batch_size)
+    lp = lp.float().cpu()
+    return [lp[i, len(p) : len(p) + len(r)].tolist() for i, (p, r) in enumerate(zip(prompt_ids, response_ids))]

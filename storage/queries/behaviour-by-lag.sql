@@ -12,6 +12,13 @@
 --   mean_log_weight     mean of log pi_old - log mu
 --   mean_abs_log_weight mean of its magnitude
 --   weight_above_2      share of tokens whose weight exceeds 2 (token TIS's default cap)
+-- and its two parts, where the rows carry rollouts.train_logp (the trainer's
+-- log-prob in the training precision at the weights that sampled the row:
+-- rollout.max_staleness >= 1, one process):
+--   mean_lag_part       mean of log pi_tr(v_t) - log pi_tr(v_s): the policy moved (0 at lag 0)
+--   mean_mismatch_part  mean of log pi_tr(v_s) - log mu(v_s): trainer against engine, same weights
+--   mean_abs_lag_part, mean_abs_mismatch_part   their magnitudes
+--   split_tokens        tokens with both parts
 SELECT
     t.run_id,
     t.step - 1 - r.policy_version AS lag,
@@ -19,7 +26,12 @@ SELECT
     count(*) AS tokens,
     avg(t.old_logp_fp8 - r.rollout_logp[t.position + 1]) AS mean_log_weight,
     avg(abs(t.old_logp_fp8 - r.rollout_logp[t.position + 1])) AS mean_abs_log_weight,
-    avg(CASE WHEN t.old_logp_fp8 - r.rollout_logp[t.position + 1] > ln(2) THEN 1.0 ELSE 0.0 END) AS weight_above_2
+    avg(CASE WHEN t.old_logp_fp8 - r.rollout_logp[t.position + 1] > ln(2) THEN 1.0 ELSE 0.0 END) AS weight_above_2,
+    avg(t.old_logp_fp8 - r.train_logp[t.position + 1]) AS mean_lag_part,
+    avg(r.train_logp[t.position + 1] - r.rollout_logp[t.position + 1]) AS mean_mismatch_part,
+    avg(abs(t.old_logp_fp8 - r.train_logp[t.position + 1])) AS mean_abs_lag_part,
+    avg(abs(r.train_logp[t.position + 1] - r.rollout_logp[t.position + 1])) AS mean_abs_mismatch_part,
+    count(r.train_logp[t.position + 1]) AS split_tokens
 FROM token_stats t
 JOIN rollouts r USING (run_id, variant, step, sample_id)
 GROUP BY t.run_id, lag
