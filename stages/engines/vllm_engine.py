@@ -62,6 +62,8 @@ from stages.engines.vllm_options import (
     check_engine_options,
     env_set,
     import_vllm,
+    job_unique_cpu_shm,
+    remove_cpu_shm,
     request_cpu_amx,
     spmd_llm_options,
 )
@@ -187,6 +189,7 @@ class VLLMEngine(RolloutEngine):
                      "IPC handles)")
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         request_cpu_amx()
+        job_unique_cpu_shm()
         # one rank: vLLM's InprocClient, chosen when the engine is built (external_launcher does it for torchrun)
         with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if self.in_process and world_size == 1 else None):
             llm = self._vllm.LLM(**kwargs)
@@ -303,6 +306,7 @@ class VLLMEngine(RolloutEngine):
                     log.debug("vLLM shutdown step failed", exc_info=True)
         del llm
         gc.collect()
+        remove_cpu_shm()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if self._tmpdir is not None:

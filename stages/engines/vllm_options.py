@@ -167,6 +167,46 @@ def request_cpu_amx() -> None:
         torch.cpu._init_amx()
 
 
+SHM_SEGMENTS: list[str] = []  # the CPU communicator's shared-memory names this process made (job_unique_cpu_shm)
+
+
+def job_unique_cpu_shm() -> None:
+    """On vLLM's CPU build: name the tensor-parallel group's shared memory after this torchrun job.
+
+    vLLM names it from its distributed init method, which under the external launcher is
+    ``env://`` for every job: every TP group of ranks 0-1 on a machine asks for the same
+    ``/dev/shm`` segments, and vLLM never removes them. A second TP job on the machine, at
+    the same time or after one whose segments stayed, failed to start (``create shm in
+    SHMManager failed. errno: 17``). The job's id (``TORCHELASTIC_RUN_ID``, the same on
+    all its ranks) goes into the name; :func:`remove_cpu_shm` removes this rank's segment
+    when its engine closes. A no-op where vLLM has no CPU communicator."""
+    try:
+        from vllm.distributed.device_communicators import cpu_communicator
+    except ImportError:
+        return
+    shm = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    if shm is None or getattr(shm.make_group_name, "fp8rl_job", None) is not None:
+        return
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
+    vllm_name = shm.make_group_name
+
+    def make_group_name(communicator: Any) -> str:
+        name = f"fp8rl-{job}-{vllm_name(communicator).lstrip('/')}"
+        SHM_SEGMENTS.append(f"{name}_{communicator.rank}")
+        return name
+
+    make_group_name.fp8rl_job = job
+    shm.make_group_name = staticmethod(make_group_name)
+
+
+def remove_cpu_shm() -> None:
+    """Remove the shared-memory segments this process's TP group made (its peers keep their mappings)."""
+    from pathlib import Path
+
+    while SHM_SEGMENTS:
+        (Path("/dev/shm") / SHM_SEGMENTS.pop()).unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def env_set(name: str, value: str | None):
     """``os.environ[name] = value`` for the block (``None``: unchanged), then as it was."""
