@@ -13,7 +13,7 @@ one step after another, so the schedule is deterministic and resumable:
   schedule run in lockstep order; a SIGKILL during step 3's rollout (beside step 2's
   training) then a resume gives the uninterrupted run's tables; the named query reads the
   behaviour weight by lag and splits it into lag and rollout mismatch (the lag part exactly 0
-  at lag 0);
+  at lag 0, with rowwise FP8 training);
 * the trainer's log-probs the rollout side records (``rollouts.train_logp``) on a hand-built
   batch are the train stage's pi_old on the same rows, bit for bit, at the right positions.
 """
@@ -37,7 +37,11 @@ from storage.catalog import connect, query
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from compare_runs import KEYS, compare  # noqa: E402
 
-LAGGED = [*MICRO_OVERRIDES, "threads=1", "rollout.max_staleness=1", "checkpoint.interval=1"]
+LAGGED = [
+    *MICRO_OVERRIDES, "threads=1", "rollout.max_staleness=1", "checkpoint.interval=1", "precision.train=fp8_rowwise",
+    # overlong shaping: the barely-bootstrapped micro policy's groups get non-zero advantages, so it moves
+    "algorithm.overlong_shaping=true", "algorithm.overlong_max_len=12", "algorithm.overlong_cache_len=8",
+]  # fmt: skip
 
 
 def _schedule(cfg, step: int, shadow: bool = False) -> list[tuple[str, int]]:
@@ -113,7 +117,7 @@ def test_every_row_is_sampled_k_versions_back_and_the_query_reads_the_weight_by_
     assert out.returncode == 0, out.stderr
     by_lag = {r["lag"]: r for r in json.loads(out.stdout)}
     assert sorted(by_lag) == [0, 1] and all(r["split_tokens"] == r["tokens"] > 0 for r in by_lag.values())
-    # at lag 0 the trainer's log-prob at the sampling weights is pi_old itself: the lag part is exactly 0
+    # at lag 0 the trainer's log-prob at the sampling weights is pi_old itself (rowwise scales: per token)
     assert by_lag[0]["mean_abs_lag_part"] == 0.0 and by_lag[1]["mean_abs_lag_part"] > 0.0
     assert by_lag[0]["mean_abs_mismatch_part"] > 0.0  # the engine's rounding, not the trainer's
 
@@ -152,3 +156,31 @@ def test_the_rollout_sides_trainer_log_probs_are_the_train_stages_on_the_same_ro
             logits = plain(torch.tensor([p + r])).logits[0].float()
         ref = [torch.log_softmax(logits[len(p) + j - 1], -1)[tok].item() for j, tok in enumerate(r)]
         assert np.allclose(lp, ref, atol=0.05), (lp, ref)  # BF16 casts of the weights: ~1e-2 nats here
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_lagged_runs_are_identical_and_equal_the_lockstep_order(lagged, tmp_path):
+    """The overlapped run (the engine in a worker, the rollout side in a thread beside training) twice, and
+    the same schedule run in lockstep order in one thread (rollout.overlap: false)."""
+    r = _run(tmp_path / "b", "run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    _same_tables(lagged, tmp_path / "b")
+    r = _run(tmp_path / "c", "run", "--set", "rollout.overlap=false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    _same_tables(lagged, tmp_path / "c")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkill_during_the_overlapped_rollout_then_resume_equals_the_uninterrupted_run(lagged, tmp_path):
+    d = tmp_path / "killed"
+    r = _run(d, "run", env={"FP8RL_FAULT": "rollout@3:start=kill"})  # step 3's rows, sampled at step 2
+    assert r.returncode != 0
+    done = query(connect(d), "SELECT step, stage FROM ledger WHERE status = 'done' ORDER BY step").to_pylist()
+    assert {"step": 2, "stage": "score"} in done and {"step": 2, "stage": "train"} not in done
+    r = _run(d, "resume", str(d))
+    assert r.returncode == 0, r.stderr[-3000:]
+    trains = query(connect(d), "SELECT step FROM ledger WHERE stage = 'train' AND status = 'done' ORDER BY step")
+    assert trains.column("step").to_pylist() == [1, 2, 3]  # from step 1's checkpoint: its sampler past step 2's rows
+    _same_tables(lagged, d)
