@@ -62,7 +62,8 @@ def _faults(mode: str) -> int:
 
 def test_freed_tensors_reuse_their_pages():
     kept, default = _faults("keep"), _faults("default")
-    # default glibc: fresh pages for the temporaries again and again (58,000-75,000 faults measured);
-    # kept: the heap hands freed blocks out again (3,600 measured)
+    # default glibc: fresh pages for the temporaries again and again (50,000-75,000 faults measured on an idle
+    # machine, 23,800 once under a full suite's load); kept: the heap hands freed blocks out again (2,900-4,200
+    # idle, 9,900 in that same loaded run)
     assert default > 20_000
-    assert kept < default / 4
+    assert kept < default / 2

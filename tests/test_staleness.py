@@ -14,6 +14,7 @@ one step after another, so the schedule is deterministic and resumable:
   training) then a resume gives the uninterrupted run's tables; the named query reads the
   behaviour weight by lag and splits it into lag and rollout mismatch (the lag part exactly 0
   at lag 0, with rowwise FP8 training);
+* under torchrun (2 ranks) the same schedule in lockstep order: the one-process run's rows;
 * the trainer's log-probs the rollout side records (``rollouts.train_logp``) on a hand-built
   batch are the train stage's pi_old on the same rows, bit for bit, at the right positions.
 """
@@ -41,6 +42,7 @@ LAGGED = [
     *MICRO_OVERRIDES, "threads=1", "rollout.max_staleness=1", "checkpoint.interval=1", "precision.train=fp8_rowwise",
     # overlong shaping: the barely-bootstrapped micro policy's groups get non-zero advantages, so it moves
     "algorithm.overlong_shaping=true", "algorithm.overlong_max_len=12", "algorithm.overlong_cache_len=8",
+    "rollout.generation_batch_size=16",  # 2 generation blocks a step: one per rank under torchrun
 ]  # fmt: skip
 
 
@@ -184,3 +186,20 @@ def test_sigkill_during_the_overlapped_rollout_then_resume_equals_the_uninterrup
     trains = query(connect(d), "SELECT step FROM ledger WHERE stage = 'train' AND status = 'done' ORDER BY step")
     assert trains.column("step").to_pylist() == [1, 2, 3]  # from step 1's checkpoint: its sampler past step 2's rows
     _same_tables(lagged, d)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_ranks_keep_the_lockstep_order_and_sample_the_same_rows(lagged, tmp_path):
+    """Under torchrun the rollout side does not overlap (its gathers would interleave with FSDP's
+    collectives): the same schedule in lockstep order gives the one-process run's rows and token stats,
+    without the trainer's log-probs at the sampling weights (a sharded forward the rollout side cannot
+    start alone)."""
+    d = tmp_path / "two-ranks"
+    r = _run(d, "run", "--nproc-per-node", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = "SELECT step, sample_id, response_token_ids, rollout_logp, policy_version FROM rollouts ORDER BY 1, 2"
+    assert query(connect(d), rows).to_pylist() == query(connect(lagged), rows).to_pylist()
+    computed = query(connect(d), "SELECT count(*) AS n FROM rollouts WHERE train_logp IS NOT NULL")
+    assert computed.column("n").to_pylist() == [0]
+    assert compare(lagged, d, "token_stats") == [] and compare(lagged, d, "scores") == []
