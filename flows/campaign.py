@@ -232,9 +232,13 @@ def run_step(
         if side is not None and spec.ahead and at > step:
             side.queue(spec, at)
             continue
-        if side is not None:
-            state = side.start(state, beside) if spec.beside_rollout else side.join(state, beside)
-        done, info = ledger[at] if at in ledger else ledger.setdefault(at, _done_stages(env, at))
+        if side is not None and spec.beside_rollout:
+            side.start(state, beside)
+        elif side is not None:
+            state = side.join(state, beside)
+        if at not in ledger:
+            ledger[at] = _done_stages(env, at)
+        done, info = ledger[at]
         bound = binding(spec)
         if spec.name in done and not spec.replays:
             state = bound.recorded(ctx, state, info[spec.name]) if bound.recorded else state

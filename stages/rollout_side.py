@@ -39,9 +39,7 @@ __all__ = ["RolloutSide", "overlaps", "rollout_worker"]
 
 def overlaps(env: RunEnv) -> bool:
     """Whether this run's rollout side runs beside its training (see the module docstring)."""
-    from stages.engines.engine_worker import WorkerEngine
-
-    return env.cfg.rollout.max_staleness > 0 and env.world_size == 1 and isinstance(env.engine, WorkerEngine)
+    return env.cfg.rollout.max_staleness > 0 and env.world_size == 1 and env.engine.holds_trainer_copy
 
 
 def rollout_worker(env: RunEnv, state: TrainState, gemm: str) -> RunEnv:
@@ -78,11 +76,10 @@ class RolloutSide:
     def queue(self, spec: StageSpec, at: int) -> None:
         self.queued.append((spec, at))
 
-    def start(self, state: TrainState, run: StageRuns) -> TrainState:
-        """Push the policy to the engine (a copy, taken now), then run the queued stage runs in a thread;
-        ``state`` back, unchanged."""
+    def start(self, state: TrainState, run: StageRuns) -> None:
+        """Push the policy to the engine (a copy, taken now), then run the queued stage runs in a thread."""
         if self._thread is not None or not self.queued:
-            return state
+            return
         engine = self.env.engine
         if engine.policy_version != state.policy_version:
             engine.sync_policy(state.policy, state.policy_version)
@@ -100,7 +97,6 @@ class RolloutSide:
 
         self._thread = threading.Thread(target=context.run, args=(side,), name="fp8rl-rollout-side", daemon=True)
         self._thread.start()
-        return state
 
     def join(self, state: TrainState, run: StageRuns) -> TrainState:
         """Wait for the side (started first if it was not); ``state`` with the side's sampler. A no-op

@@ -80,8 +80,8 @@ class WorkerEngine(RolloutEngine):
     def load_weights(self, train_model: torch.nn.Module) -> None:
         from stages.engines.hf_engine import full_view
 
-        state = {name: t.detach().to("cpu", copy=True) for name, t in full_view(train_model).state_dict().items()}
-        self._call("weights", state)
+        state = {name: t.detach().cpu() for name, t in full_view(train_model).state_dict().items()}
+        self._call("weights", state)  # pickled, so copied, before this returns
 
     def close(self) -> None:
         if self._conn is None:
