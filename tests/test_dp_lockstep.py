@@ -37,10 +37,10 @@ from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 from tests.scaleout_common import leave_rank
 
 PROMPTS = [[1, 40, 41], [1, 50], [1, 60, 61, 62], [1, 70], [1, 80, 81], [1, 90, 91, 92]]
-ROLLOUT = dict(
+ROLLOUT = dict(  # the replicas of the trainer's processes (external launcher); no sync runs here
     engine="vllm",
-    vllm_process="separate",
-    weight_sync="path",
+    vllm_process="trainer",
+    weight_sync="tensors",
     verify_sync="never",
     sleep_between_steps=False,
     samples_per_prompt=2,

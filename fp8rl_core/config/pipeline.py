@@ -65,7 +65,8 @@ class RolloutConfig(Section):
         "trainer's process (colocated; "
         "vLLM's in-process client or "
         "external launcher) or in vLLM's "
-        "own engine process.",
+        "own engine process (under torchrun: "
+        "a whole engine per rank, on its GPU).",
     )
     weight_format: Literal["bf16", "native_fp8"] = Field(
         "bf16",
@@ -103,6 +104,15 @@ class RolloutConfig(Section):
         if v not in ENGINE_KINDS:
             raise ValueError(f"unknown rollout engine {v!r}; valid: {', '.join(ENGINE_KINDS.names())}")
         return v
+
+    @model_validator(mode="after")
+    def _separate_engine_per_rank(self) -> "RolloutConfig":
+        if self.vllm_process == "separate" and self.data_parallel == "shared_tp":
+            raise ValueError(
+                "rollout.data_parallel: shared_tp spreads one engine over the trainer's ranks, inside their "
+                "processes; with rollout.vllm_process: separate every rank owns a whole engine: use per_rank"
+            )
+        return self
 
     @model_validator(mode="after")
     def _sync_fits_process(self) -> "RolloutConfig":

@@ -39,6 +39,7 @@ close.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -63,6 +64,7 @@ from stages.engines.vllm_options import (
     env_set,
     import_vllm,
     job_unique_cpu_shm,
+    own_engine_environment,
     remove_cpu_shm,
     request_cpu_amx,
     spmd_llm_options,
@@ -181,7 +183,8 @@ class VLLMEngine(RolloutEngine):
 
     def _build_llm(self, kwargs: dict[str, Any], llm_options: dict[str, Any] | None) -> Any:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
-        spmd = spmd_llm_options(self.config, rank=int(os.environ.get("RANK", 0)), world_size=world_size)
+        spmd = spmd_llm_options(self.config, rank=int(os.environ.get("RANK", 0)), world_size=world_size,
+                                in_process=self.in_process)
         kwargs.update({k: v for k, v in spmd.items() if k not in (llm_options or {})})
         if self.weight_sync == "ipc" and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
             # vLLM unpickles IPC handles only with this flag; it must be set before the engine process starts.
@@ -190,9 +193,15 @@ class VLLMEngine(RolloutEngine):
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         request_cpu_amx()
         job_unique_cpu_shm()
-        # one rank: vLLM's InprocClient, chosen when the engine is built (external_launcher does it for torchrun)
-        with env_set("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if self.in_process and world_size == 1 else None):
+        # in the trainer's process: vLLM's InprocClient with one rank (external_launcher does it for torchrun);
+        # in its own processes: an engine of its own per rank, started outside the torchrun job
+        multiprocessing = None if self.in_process and world_size > 1 else "0" if self.in_process else "1"
+        own = contextlib.nullcontext() if self.in_process else own_engine_environment(
+            world_size=world_size, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+            tensor_parallel_size=int(kwargs.get("tensor_parallel_size", 1)), cuda=torch.cuda.is_available())
+        with own, env_set("VLLM_ENABLE_V1_MULTIPROCESSING", multiprocessing):
             llm = self._vllm.LLM(**kwargs)
+        log.info("vLLM engine core: %s", "in this process" if self.in_process else "in vLLM's own process")
         if self.weight_sync == "ipc":
             llm.init_weight_transfer_engine({"init_info": {"packed": False}})
         return llm

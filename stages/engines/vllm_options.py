@@ -23,8 +23,10 @@
   (``vllm/config/parallel.py`` turns multiprocessing off), with the layout of
   :func:`spmd_llm_options`. ``vllm_process: separate`` keeps vLLM's own engine
   process, for the transports that cross a process boundary (``ipc``, ``nccl``,
-  ``path``); :func:`check_engine_options` refuses a transport that does not fit
-  where the engine runs, in one line, before vLLM is imported.
+  ``path``); under torchrun every rank then starts a whole engine of its own,
+  outside the job (:func:`own_engine_environment`). :func:`check_engine_options`
+  refuses a transport that does not fit where the engine runs, in one line, before
+  vLLM is imported.
 """
 
 from __future__ import annotations
@@ -113,8 +115,10 @@ def build_llm_kwargs(
     return kwargs
 
 
-def spmd_llm_options(config: RolloutConfig, *, rank: int, world_size: int) -> dict[str, Any]:
-    """``LLM`` options for one rank of a ``torchrun`` job (``world_size > 1``); ``{}`` otherwise.
+def spmd_llm_options(config: RolloutConfig, *, rank: int, world_size: int, in_process: bool = True) -> dict[str, Any]:
+    """``LLM`` options for one rank of a ``torchrun`` job (``world_size > 1``); ``{}`` otherwise, and ``{}``
+    for an engine in its own processes (``in_process=False``): each rank's engine is then a whole vLLM
+    of its own (its own engine core, its own tensor-parallel workers), not a part of the torchrun job.
 
     Both layouts use vLLM's ``distributed_executor_backend="external_launcher"``
     (``vllm/config/parallel.py``): every torchrun rank runs its part of the
@@ -131,7 +135,7 @@ def spmd_llm_options(config: RolloutConfig, *, rank: int, world_size: int) -> di
       ``tensor_parallel_size = world_size``; every rank must then submit the
       same prompts (rank 0's), for policies too large for one GPU.
     """
-    if world_size <= 1:
+    if world_size <= 1 or not in_process:
         return {}
     if config.data_parallel == "shared_tp":
         return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": world_size,
@@ -141,6 +145,52 @@ def spmd_llm_options(config: RolloutConfig, *, rank: int, world_size: int) -> di
         raise ValueError(f"rollout.tensor_parallel_size={tp} does not divide the torchrun world size {world_size}")
     return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": tp,
             "data_parallel_size": world_size // tp}
+
+
+TORCHRUN_VARIABLES: tuple[str, ...] = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+)
+"""What torchrun sets for a rank; an engine in its own processes must not see them (it is not a rank)."""
+
+
+@contextlib.contextmanager
+def own_engine_environment(*, world_size: int, local_rank: int, tensor_parallel_size: int, cuda: bool):
+    """The environment a ``vllm_process: separate`` engine starts in, under torchrun; nothing changes
+    for one rank.
+
+    vLLM copies the environment into the engine-core process it starts inside ``LLM(...)``. Under
+    torchrun that environment says *rank r of W*, and vLLM reads it in places
+    (``LOCAL_RANK`` for the device of a split group, ``RANK`` for a data-parallel rank under the
+    external launcher); the engine is not one of the job's ranks, so torchrun's variables are hidden
+    while it starts. On a GPU the engine belongs on its rank's device: ``CUDA_VISIBLE_DEVICES`` is
+    narrowed to that one device (vLLM's own process then sees it as ``cuda:0``), so ``W`` ranks get
+    ``W`` engines on ``W`` GPUs, each beside its trainer rank. Its workers could not share one GPU
+    tensor-parallel, so ``tensor_parallel_size > 1`` is refused there in one line."""
+    if world_size <= 1:
+        yield
+        return
+    if cuda and tensor_parallel_size > 1:
+        raise ValueError(
+            f"rollout.vllm_process: separate under {world_size} ranks gives each rank an engine on its own GPU; "
+            f"rollout.tensor_parallel_size={tensor_parallel_size} would put {tensor_parallel_size} workers on it: "
+            "use tensor_parallel_size 1, or vllm_process: trainer (the ranks form the tensor-parallel group)"
+        )
+    saved = {name: os.environ.pop(name) for name in TORCHRUN_VARIABLES if name in os.environ}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cuda:
+        torch.cuda.init()  # this process's own view of the devices is fixed before the variable narrows
+        devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices[local_rank]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+        if cuda:
+            if visible is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
 
 def check_process_and_sync(in_process: bool, weight_sync: str) -> None:

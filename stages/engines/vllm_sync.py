@@ -33,7 +33,8 @@ in 0.32 and 0.33). The transports, registered by name in :data:`TRANSPORTS`:
 - ``"path"`` (fallback, any layout): the policy's weights as **bf16**
   safetensors in a temporary folder of our own (``fp8rl-weights-*``, never named
   after the model), then ``collective_rpc("reload_weights", kwargs={"weights_path":
-  folder})``, which reads every ``*.safetensors`` there.
+  folder})``, which reads every ``*.safetensors`` there. Under several ranks it is
+  written once per node (by local rank 0) and read by every rank's engine.
 
 With ``rollout.weight_format: native_fp8`` the payload is the FP8 values and
 scales on the engine's grid (:mod:`stages.engines.native_fp8`; ``tensors`` or
@@ -58,12 +59,15 @@ from __future__ import annotations
 import abc
 import contextlib
 import importlib
+import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fp8rl_core.config.campaign import RolloutConfig
@@ -146,27 +150,65 @@ class TensorsTransport(Transport):
             llm.apply_model(repack_tied_head)
 
 
+def _ranks() -> tuple[int, int]:
+    """``(rank, world size)`` of the trainer's job (``(0, 1)`` outside torch.distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def node_key() -> str:
+    """Which machine this rank runs on: the host name and torchrun's node rank (several agents may share a host)."""
+    return f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
+
+
 @register_transport("path")
 class PathTransport(Transport):
-    """Safetensors in a folder of our own, read back by the engine's ``reload_weights``."""
+    """Safetensors in a folder of our own, read back by the engine's ``reload_weights``.
+
+    Under several ranks each node writes the weights once: its local rank 0 writes them while
+    the others only join the gathers (each parameter's all-gather is a collective), then every
+    rank's engine reads the same folder after a barrier. The folder is made by the writer at the
+    first sync and its name shared with the node's ranks (one object all-gather); the writer
+    removes it at ``close``."""
 
     def __init__(self, options: TransportOptions) -> None:
         super().__init__(options)
         self.folder: str | None = None
+        self.writer = True
+
+    def _share_folder(self) -> None:
+        rank, world = _ranks()
+        self.writer = int(os.environ.get("LOCAL_RANK", rank)) == 0
+        mine = tempfile.mkdtemp(prefix="fp8rl-weights-") if self.writer else None
+        if world == 1:
+            self.folder = mine
+            return
+        entries: list[Any] = [None] * world
+        dist.all_gather_object(entries, (node_key(), mine))
+        folders = [folder for key, folder in entries if key == node_key() and folder is not None]
+        if len(folders) != 1:
+            raise RuntimeError(f"weight sync (path): {len(folders)} ranks of node {node_key()} claim local rank 0")
+        self.folder = folders[0]
 
     def send(self, llm: Any, train_model: nn.Module, check_names: NameCheck) -> None:
-        weights = list(_payload(self.options, train_model, "cpu"))
-        check_names([name for name, _ in weights])
         if self.folder is None:
-            self.folder = tempfile.mkdtemp(prefix="fp8rl-weights-")
-        write = wt.write_safetensors if self.options.native_fp8 else wt.write_bf16_safetensors
-        write(weights, self.folder)
+            self._share_folder()
+        if self.writer:
+            weights = list(_payload(self.options, train_model, "cpu"))
+            check_names([name for name, _ in weights])
+            write = wt.write_safetensors if self.options.native_fp8 else wt.write_bf16_safetensors
+            write(weights, self.folder)
+        else:  # the gathers are collectives: join them, keep nothing
+            check_names([name for name, _ in _payload(self.options, train_model, None)])
+        if _ranks()[1] > 1:
+            dist.barrier()  # the node's file is complete before any engine reads it
         llm.collective_rpc("reload_weights", kwargs={"weights_path": self.folder})
 
     def close(self) -> None:
-        if self.folder is not None:
+        if self.folder is not None and self.writer:
             shutil.rmtree(self.folder, ignore_errors=True)
-            self.folder = None
+        self.folder = None
 
 
 @register_transport("ipc")

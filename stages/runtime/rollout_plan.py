@@ -17,7 +17,9 @@ engines that exist, and every rank of one engine submits the same requests:
 * vLLM ``per_rank``: ``W / TP`` replicas; ranks ``e*TP .. e*TP + TP - 1`` are the
   tensor-parallel group of replica ``e`` (vLLM's external launcher takes the
   data-parallel rank as ``rank // TP``);
-* vLLM ``shared_tp``: one engine over all ``W`` ranks.
+* vLLM ``shared_tp``: one engine over all ``W`` ranks;
+* vLLM in its own processes (``vllm_process: separate``): one per rank, whatever its
+  tensor-parallel size (its workers are its own, not torchrun ranks).
 
 **Two ways to cut the blocks.**
 
@@ -88,6 +90,8 @@ def engine_layout(rollout: Any, world_size: int) -> EngineLayout:
         return EngineLayout(world_size)
     if world_size == 1:
         return EngineLayout(1, 1, balanced=True)
+    if rollout.vllm_process == "separate":  # each rank's engine is a whole vLLM in its own processes
+        return EngineLayout(world_size, 1, balanced=True)
     if rollout.data_parallel == "shared_tp":
         return EngineLayout(1, world_size, balanced=True)
     tp = rollout.tensor_parallel_size
