@@ -1,6 +1,7 @@
 """``fp8rl plan``: the command. It measures (:mod:`flows.plan_measured`) and prints the
 arithmetic of :mod:`flows.plan` beside it, or the arithmetic alone (``--analytic``); then
-the generation work per rollout engine (:mod:`flows.plan_work`)."""
+the generation work per rollout engine (:mod:`flows.plan_work`). With ``--rollout-gpus R``
+it plans a split placement instead (:mod:`flows.plan_split`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,15 @@ def register(app) -> None:
         set_: list[str] = typer.Option([], "--set", help="Override a config value (repeatable)."),
         prompt_tokens: int = typer.Option(1024, "--prompt-tokens", min=1, help="Prompt length cap, tokens."),
         analytic: bool = typer.Option(False, "--analytic", help="Arithmetic only (seconds): skip the measurement."),
+        rollout_gpus: int = typer.Option(
+            0, "--rollout-gpus", min=0,
+            help="A split placement: the rollout engine on this many other GPUs (memory per GPU, expected step time).",
+        ),
+        gpu_kind: str = typer.Option("h100", "--gpu-kind", help="Peak rates for the expected step time: h100 or h200."),
+        response_fill: float = typer.Option(
+            1.0, "--response-fill",
+            help="Split placement: mean response length as a share of max_new_tokens (1: all at the budget).",
+        ),
     ) -> None:
         """Per-GPU memory plan of a campaign under FSDP2, measured on fake tensors; says whether it fits."""
         from flows.cli import fail
@@ -26,6 +36,17 @@ def register(app) -> None:
 
         try:
             cfg = load_config(config, set_)
+            if rollout_gpus:
+                from flows.plan_split import GPU_RATES, format_split, split_plan
+
+                if gpu_kind not in GPU_RATES:
+                    raise ValueError(f"--gpu-kind must be one of {', '.join(GPU_RATES)}, got {gpu_kind!r}")
+                rates = GPU_RATES[gpu_kind]
+                split = split_plan(cfg, gpus=gpus, rollout_gpus=rollout_gpus, gpu_memory_gib=gpu_memory,
+                                   prompt_tokens=prompt_tokens, rates=rates, response_fill=response_fill)
+                typer.echo(format_split(cfg, split, gpus=gpus, rollout_gpus=rollout_gpus, gpu_memory_gib=gpu_memory,
+                                        rates=rates, response_fill=response_fill))
+                return
             p = memory_plan(cfg, gpus=gpus, gpu_memory_gib=gpu_memory, prompt_tokens=prompt_tokens)
             work = format_work_balance(cfg, gpus=gpus)
         except (ConfigError, ValueError) as err:

@@ -217,10 +217,13 @@ def _throughput(shares: list[dict[int, RolloutBatch]]) -> tuple[int, float]:
 def sampling_train_logp(env: RunEnv, state: TrainState, rows: pa.Table) -> pa.Array | None:
     """``rollouts.train_logp`` of ``rows``: the trainer's log-prob of every response token in the training
     precision, with the weights that sampled them (``rollout.max_staleness`` ≥ 1, one process; None
-    otherwise). An engine that holds a copy of the trainer's policy (the rollout side's worker) computes it
+    otherwise, and for an engine that generates apart, vLLM's own process or a server, which holds no
+    trainer weights). An engine that holds a copy of the trainer's policy (the rollout side's worker) computes it
     there, beside training; else the trainer's own policy, which still holds the sampling version."""
     if not env.cfg.rollout.max_staleness or env.world_size > 1:
         return None
+    if getattr(env.engine, "computes_apart", False) and not env.engine.holds_trainer_copy:
+        return None  # its rows may be sampled while the trainer updates: no trainer weights of their version here
     from stages.trainer.forward import response_logprobs
 
     prompts, responses = rows.column("prompt_token_ids").to_pylist(), rows.column("response_token_ids").to_pylist()

@@ -18,7 +18,9 @@ engine and the sampler). Both orders give the same tables:
 
 The side overlaps only when the engine computes in a process of its own
 (:func:`overlaps`): the transformers engine moved to a worker
-(:mod:`stages.engines.engine_worker`, a CPU run in one process). Under several ranks
+(:mod:`stages.engines.engine_worker`, a CPU run in one process), or vLLM in its own
+engine process or behind a server (``computes_apart``), whose weights the push
+replaces while the trainer holds still. Under several ranks
 the rollout side's gathers and broadcasts would interleave with FSDP's collectives
 on the process group, so a multi-rank run keeps the lockstep order.
 """
@@ -39,7 +41,9 @@ __all__ = ["RolloutSide", "overlaps", "rollout_worker"]
 
 def overlaps(env: RunEnv) -> bool:
     """Whether this run's rollout side runs beside its training (see the module docstring)."""
-    return env.cfg.rollout.max_staleness > 0 and env.world_size == 1 and env.engine.holds_trainer_copy
+    r, engine = env.cfg.rollout, env.engine
+    apart = engine.holds_trainer_copy or getattr(engine, "computes_apart", False)
+    return r.max_staleness > 0 and r.overlap and env.world_size == 1 and apart
 
 
 def rollout_worker(env: RunEnv, state: TrainState, gemm: str) -> RunEnv:

@@ -221,18 +221,23 @@ def test_two_ranks_as_one_tensor_parallel_engine(runs):
     assert evaluated == [{"step": 0, "n": 13 * 2}, {"step": 2, "n": 13 * 2}]
 
 
-def test_two_ranks_each_with_an_engine_in_its_own_processes(runs):
-    """``rollout.vllm_process: separate`` on two ranks: each rank's engine is a whole vLLM with an engine
-    core process of its own (vLLM prefixes that process's log lines ``(EngineCore pid=…)``), not a part
-    of the torchrun job, and a ``path`` sync is written once on the node. One step: the step-0
-    evaluation and step 1's rows are sampled by the base policy, so they equal the in-process 2-rank
-    run's; the step-1 evaluation follows a verified sync (every layer reloaded, or the run fails)."""
+def test_two_ranks_each_with_an_engine_in_its_own_processes_one_step_stale(runs):
+    """``rollout.vllm_process: separate`` on two ranks, with ``rollout.max_staleness: 1``: each rank's
+    engine is a whole vLLM with an engine-core process of its own (vLLM prefixes that process's log
+    lines ``(EngineCore pid=…)``), not a part of the torchrun job; a ``path`` sync is written once on
+    the node; step 2 trains on rows the base policy sampled (lag 1; several ranks keep the lockstep
+    order). The step-0 evaluation and step 1's rows are the base policy's, so they equal the in-process
+    2-rank run's; the step-2 evaluation follows a verified sync (every layer reloaded, or the run fails)."""
     separate = runs[1].parent / "separate"
-    r = run_campaign(separate, 2, "steps=1", "rollout.vllm_process=separate", "rollout.weight_sync=path")
+    r = run_campaign(separate, 2, "steps=2", "rollout.max_staleness=1", "rollout.vllm_process=separate",
+                     "rollout.weight_sync=path")
     assert r.returncode == 0, f"2-rank campaign with vLLM in its own processes failed:\n{r.stderr[-4000:]}"
     cores = set(re.findall(r"\(EngineCore pid=(\d+)\)", r.stdout + r.stderr))
     assert len(cores) == 2, f"expected two engine-core processes, one per rank; saw {sorted(cores)}"
     for q in ("SELECT step, sample_id, prompt_token_ids, response_token_ids FROM rollouts WHERE step = 1 ORDER BY ALL",
               "SELECT benchmark, problem_id, sample_index, response, correct FROM evals WHERE step = 0 ORDER BY ALL"):
         assert rows(separate, q) == rows(runs[2], q)
-    assert [x["step"] for x in rows(separate, "SELECT DISTINCT step FROM evals ORDER BY step")] == [0, 1]
+    versions = rows(separate, "SELECT step, min(policy_version) AS lo, max(policy_version) AS hi, count(*) AS n "
+                              "FROM rollouts GROUP BY step ORDER BY step")
+    assert versions == [{"step": 1, "lo": 0, "hi": 0, "n": 32}, {"step": 2, "lo": 0, "hi": 0, "n": 32}]
+    assert [x["step"] for x in rows(separate, "SELECT DISTINCT step FROM evals ORDER BY step")] == [0, 2]

@@ -20,7 +20,7 @@ from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.tasks.tiny_model import build_tiny_model
 from stages.engines import vllm_options as vo
 from stages.engines import vllm_sync as vs
-from tests.scaleout_common import leave_rank, rendezvous, spawn_ranks
+from tests.scaleout_common import leave_rank, rendezvous
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,7 +121,9 @@ def _path_rank(rank: int, store: str, out_dir: str) -> None:
 
 def test_a_path_sync_is_written_once_per_node_and_read_by_every_ranks_engine(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    spawn_ranks(_path_rank, (rendezvous(), str(tmp_path)))
+    import torch.multiprocessing as tmp
+
+    tmp.spawn(_path_rank, args=(rendezvous(), str(tmp_path)), nprocs=2, join=True)  # fresh interpreters
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     params = len([n for n in build_tiny_model(ModelConfig()).state_dict() if n != "lm_head.weight"])
     assert ranks[0]["writes"] == [params, params], "local rank 0 writes the whole model at every sync"
@@ -129,3 +131,25 @@ def test_a_path_sync_is_written_once_per_node_and_read_by_every_ranks_engine(tmp
     assert ranks[0]["read"] == ranks[1]["read"] and len(set(ranks[0]["read"])) == 1
     assert ranks[0]["names"] == ranks[1]["names"] == params, "every rank checks the names it joined the gathers of"
     assert not ranks[0]["left"], "the writer removes the node's folder when the engine closes"
+
+
+def test_the_rollout_side_overlaps_training_when_the_engine_generates_apart():
+    """vLLM in its own engine process (or behind a server) generates apart from the trainer: with
+    ``max_staleness`` ≥ 1 its rollout side runs beside training, in one process only, and ``train_logp`` is
+    NULL there (the rows may be sampled while the trainer updates, so no trainer weights of their version
+    are at hand)."""
+    from types import SimpleNamespace
+
+    from stages.rollout import sampling_train_logp
+    from stages.rollout_side import overlaps
+
+    def env(k=1, overlap=True, world=1, apart=True, copy=False):
+        rollout = SimpleNamespace(max_staleness=k, overlap=overlap)
+        engine = SimpleNamespace(holds_trainer_copy=copy, computes_apart=apart)
+        return SimpleNamespace(cfg=SimpleNamespace(rollout=rollout), engine=engine, world_size=world)
+
+    assert overlaps(env())
+    assert not overlaps(env(k=0)) and not overlaps(env(overlap=False)) and not overlaps(env(world=2))
+    assert not overlaps(env(apart=False)), "an engine in the trainer's process cannot generate beside training"
+    assert overlaps(env(apart=False, copy=True))  # the transformers engine moved to a worker
+    assert sampling_train_logp(env(), state=None, rows=None) is None

@@ -227,6 +227,7 @@ class RolloutEngine(abc.ABC):
     policy_version: int | None = None
     last_sleep_memory_gib: tuple[float, float] | None = None
     holds_trainer_copy: bool = False  # computes the trainer's log-probs at its own weights (train_logprobs)
+    computes_apart: bool = False  # generates in processes of its own (vLLM's engine process, a server)
 
     @property
     def weights_discarded(self) -> bool:

@@ -231,6 +231,7 @@ class VLLMHTTPEngine(RolloutEngine):
         self.eos_ids = frozenset(int(e) for e in eos if e is not None)
         self._sender: Any | None = None
         self._closed = False
+        self.computes_apart = True  # the server generates
 
     def generate(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed, seeds=None, top_k=0) -> RolloutBatch:
         if self._closed:

@@ -152,6 +152,7 @@ class VLLMEngine(RolloutEngine):
         self.precision_mode = precision.rollout
         self.sleep_level = sleep_level
         self.in_process = in_process
+        self.computes_apart = not in_process  # its engine core computes in a process of its own
         self.release_cache = release_cache or release_trainer_cache
         self.verify_sync = verify_sync
         self.native_fp8 = config.weight_format == "native_fp8"
