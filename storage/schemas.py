@@ -101,7 +101,8 @@ ROLLOUTS = TableSpec(
             "Per response token: log-prob under the trainer's policy in the training precision with the weights "
             "that sampled it, computed right after sampling (nats); with token_stats.old_logp_fp8 and rollout_logp "
             "it splits the behaviour weight into lag and rollout mismatch. NULL without rollout.max_staleness, "
-            "under several ranks, and in runs written before.",
+            "under several ranks, with an engine that generates apart (vLLM's own process, a server), and in "
+            "runs written before.",
             encoding="plain",
         ),
     ),
