@@ -100,6 +100,7 @@ def campaign(tmp_path_factory) -> Path:
                     "ratio_noise_nmae": 0.004,
                     "tis_weight_nmae": 0.01,
                     "rollout_bf16_prob_nmae": 0.02,
+                    "overclipped_share": 0.01 * step + (gain / 100) if step % 2 else None,  # shadow steps 1, 3
                 },
                 stage="train",
             )
@@ -308,3 +309,15 @@ def test_behaviour_by_lag_equals_a_python_reference(app, campaign: Path) -> None
         assert r["mean_abs_lag_part"] == pytest.approx(np.abs(lag).mean(), abs=1e-6)
         assert r["mean_abs_mismatch_part"] == pytest.approx(np.abs(mismatch).mean(), abs=1e-6)
         assert r["mean_lag_part"] + r["mean_mismatch_part"] == pytest.approx(r["mean_log_weight"], abs=1e-6)
+    shadow: dict[tuple[str, int], list[float]] = {}
+    for run in ("bf16", "fp8"):
+        lags = {x["step"]: x["step"] - 1 - x["policy_version"] for x in
+                query(connect(campaign / run), "SELECT step, policy_version FROM rollouts").to_pylist()}
+        for x in query(connect(campaign / run), "SELECT step, overclipped_share FROM steps").to_pylist():
+            if x["overclipped_share"] is not None:
+                shadow.setdefault((run, lags[x["step"]]), []).append(x["overclipped_share"])
+    assert shadow, "the fixture campaign has no shadow step: the over-clipped share goes unchecked"
+    for r in rows:
+        got = shadow.get((r["run_id"], r["lag"]), [])
+        assert r["shadow_steps"] == len(got)
+        assert r["overclipped_share"] == (pytest.approx(np.mean(got), abs=1e-12) if got else None)

@@ -19,6 +19,10 @@
 --   mean_mismatch_part  mean of log pi_tr(v_s) - log mu(v_s): trainer against engine, same weights
 --   mean_abs_lag_part, mean_abs_mismatch_part   their magnitudes
 --   split_tokens        tokens with both parts
+-- and, from the steps table, the clipping FP8 noise decides at that lag:
+--   shadow_steps        shadow (calibration) steps at that lag
+--   overclipped_share   mean over them of the share of A<0 tokens FP8 clips and BF16 would not
+WITH weights AS (
 SELECT
     t.run_id,
     t.step - 1 - r.policy_version AS lag,
@@ -35,4 +39,18 @@ SELECT
 FROM token_stats t
 JOIN rollouts r USING (run_id, variant, step, sample_id)
 GROUP BY t.run_id, lag
-ORDER BY t.run_id, lag;
+),
+step_lag AS (
+    SELECT run_id, variant, step, min(step - 1 - policy_version) AS lag FROM rollouts GROUP BY ALL
+),
+shadow AS (
+    SELECT s.run_id, l.lag, count(*) AS shadow_steps, avg(s.overclipped_share) AS overclipped_share
+    FROM steps s
+    JOIN step_lag l USING (run_id, variant, step)
+    WHERE s.overclipped_share IS NOT NULL
+    GROUP BY s.run_id, l.lag
+)
+SELECT w.*, coalesce(h.shadow_steps, 0) AS shadow_steps, h.overclipped_share
+FROM weights w
+LEFT JOIN shadow h USING (run_id, lag)
+ORDER BY w.run_id, w.lag;
