@@ -18,8 +18,8 @@ are testable without a GPU "up to the handles they produce":
   rebuild_cuda_tensor args}`` handle per tensor, pickled and base64-encoded
   (``ipc_handles_pickled``) because raw handles hold Python types that vLLM's
   msgpack refuses (``stages.engines.vllm_wire``).
-* :func:`nccl_trainer_init_kwargs` — vLLM's ``NCCLTrainerInitInfo`` for a
-  trainer that is rank 0 beside ``TP`` inference workers.
+* :func:`nccl_trainer_init_kwargs` — vLLM's ``NCCLTrainerInitInfo`` for one
+  trainer rank beside the engine's inference workers (rank 0 sends).
 * :func:`write_bf16_safetensors` — the path fallback's file, written atomically.
 * :func:`unreloaded_parameters` — which processed linear-layer parameters a
   sync left at their zeroed checksum (vLLM's ``reset_weights`` +
@@ -40,8 +40,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-
-from fp8rl_core.config.pipeline import RolloutConfig
 
 
 def _is_tied(model: nn.Module) -> bool:
@@ -234,13 +232,14 @@ def ipc_update_info(
     return info, keep
 
 
-def nccl_trainer_init_kwargs(config: RolloutConfig, *, master_address: str, master_port: int) -> dict[str, Any]:
-    """Keyword arguments of vLLM's ``NCCLTrainerInitInfo``: the trainer is rank 0 of ``1 + TP`` ranks."""
+def nccl_trainer_init_kwargs(*, rank: int, master_address: str, master_port: int, workers: int) -> dict[str, Any]:
+    """Keyword arguments of vLLM's ``NCCLTrainerInitInfo`` for trainer rank ``rank``: the group is the
+    trainer's sender (rank 0) and ``workers`` inference workers; a rank other than 0 does not join it."""
     return {
-        "rank": 0,
+        "rank": int(rank),
         "master_address": master_address,
         "master_port": int(master_port),
-        "world_size": 1 + config.tensor_parallel_size,
+        "world_size": 1 + int(workers),
     }
 
 
