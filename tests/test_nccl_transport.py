@@ -277,6 +277,8 @@ def test_several_trainer_ranks_each_with_a_vllm_engine_synced_by_nccl_are_refuse
 
     with pytest.raises(ValueError, match="one sender"):  # and the engine, made some other way
         check_engine_options("processed", 1, "nccl", "first", False, NcclRendezvous("h", 1, 1, rank=1, world_size=2))
+    with pytest.raises(ValueError, match="NCCL cannot group a process with itself"):  # in the trainer's process
+        check_engine_options("processed", 1, "nccl", "first", True, NcclRendezvous("h", 1, 1))
 
 
 def test_the_http_engine_pauses_sends_and_resumes_on_rank_0_only(standin, monkeypatch):

@@ -72,7 +72,7 @@ from fp8rl_core.config.campaign import RolloutConfig
 from fp8rl_core.registry import Registry
 from stages.engines import native_fp8
 from stages.engines import weight_transfer as wt
-from stages.engines.nccl_sync import NcclRendezvous
+from stages.engines.nccl_sync import LLMWeightSyncClient, NcclRendezvous, NcclSender
 
 NameCheck = Callable[[list[str]], None]
 
@@ -202,8 +202,6 @@ class NcclTransport(Transport):
         self.sender: Any | None = None
 
     def send(self, llm: Any, train_model: nn.Module, check_names: NameCheck) -> None:
-        from stages.engines.nccl_sync import LLMWeightSyncClient, NcclSender
-
         if self.sender is None:
             self.sender = NcclSender(self.options.nccl_master, LLMWeightSyncClient(llm))
         self.sender.send(train_model, check_names)
