@@ -331,3 +331,17 @@ def test_a_null_port_is_picked_by_rank_0_and_told_to_the_others(monkeypatch):
     llm = _LLM()
     LLMWeightSyncClient(llm).finish_weight_update("v3")
     assert llm.calls == [("finish", "v3")]
+
+
+def test_the_memory_plan_counts_vllms_packed_buffers_for_the_nccl_sync():
+    from flows.plan import ARCHITECTURES, total_params
+    from stages.engines import weight_transfer as wt
+
+    a = ARCHITECTURES["Qwen/Qwen3-8B"]
+    sizes = dict(largest_param=a.vocab * a.hidden, largest_layer=2 * a.hidden * a.intermediate, total=total_params(a))
+    nccl = wt.sync_peak_bytes(**sizes, world_size=8, weight_sync="nccl", quantized=True)
+    chunk = wt.PACKED_BUFFER_BYTES + 2 * a.vocab * a.hidden  # a buffer's worth, then the tensor that crosses it
+    assert nccl == 2 * -(-a.vocab * a.hidden // 8) + 3 * chunk  # one in flight, the next's tensors, their copy
+    tiny = wt.sync_peak_bytes(largest_param=10, largest_layer=10, total=100, world_size=1, weight_sync="nccl",
+                              quantized=False)  # fmt: skip
+    assert tiny == 2 * 10 + 2 * 2 * 100  # one chunk: the model's bf16 tensors and their packed copy

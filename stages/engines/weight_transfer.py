@@ -104,6 +104,12 @@ def largest_fused_layer(numels: dict[str, int]) -> int:
     return best
 
 
+PACKED_BUFFER_BYTES = 1 << 30
+PACKED_BUFFERS = 2
+"""vLLM's packed NCCL transfer (``DEFAULT_PACKED_BUFFER_SIZE_BYTES``, ``DEFAULT_PACKED_NUM_BUFFERS``), which the
+NCCL sync uses."""
+
+
 def sync_peak_bytes(
     *, largest_param: int, largest_layer: int, total: int, world_size: int, weight_sync: str, quantized: bool
 ) -> int:
@@ -112,7 +118,12 @@ def sync_peak_bytes(
     * ``tensors`` (in-process, streamed): one full bf16 parameter and its bf16
       shard; with an FP8 rollout vLLM also materializes one (fused) layer in bf16
       before re-quantizing it.
-    * ``nccl``: vLLM's trainer engine broadcasts parameter by parameter, as above.
+    * ``nccl``: vLLM's trainer engine packs the bf16 parameters into chunks of
+      :data:`PACKED_BUFFER_BYTES` (plus the tensor that crosses it) and broadcasts
+      each while packing the next (``packed_nccl_broadcast_producer``, its default
+      two buffers): the chunk in flight, the tensors of the next and their packed
+      copy; one chunk fewer when the whole model fits in one. (The engine's own
+      re-quantization happens on its GPUs, not here.)
     * ``path``: gathered one parameter at a time, kept on the host (the device
       holds one parameter); the engine reads the file layer by layer.
     * ``ipc``: every bf16 copy stays on the device until the engine has copied it.
@@ -121,9 +132,11 @@ def sync_peak_bytes(
     shard = -(-largest_param // max(world_size, 1))
     one = 2 * (largest_param + shard)
     layer = 2 * largest_layer if quantized else 0
+    chunk = min(2 * total, PACKED_BUFFER_BYTES + 2 * largest_param)
+    in_flight = min(-(-2 * total // PACKED_BUFFER_BYTES), PACKED_BUFFERS) - 1
     per_sync = {
         "tensors": one + layer,
-        "nccl": one + layer,
+        "nccl": 2 * shard + (in_flight + 2) * chunk,
         "path": one + layer,
         "ipc": 2 * total + 2 * shard + layer,
         "full_fp32": 4 * total + layer,
