@@ -173,24 +173,25 @@ def test_real_server_generates_seeded_samples_with_logprobs_and_stops(server):
             assert short.finish_reason == "stop"
 
 
-def test_the_stages_sync_the_trainers_weights_to_the_server_by_nccl_with_one_sender(server, tmp_path):
-    """rollout, score, train, rollout with ``engine: vllm_http`` (the rendezvous from the config's defaults):
-    the trainer (in ``.venv-vllm``: vLLM's trainer engine) sends bf16 over the NCCL stand-in, and the
-    server's log-probs after the second sync are the trainer's new weights', not the served ones'."""
-    result = nccl_checks("http", tmp_path, server.url, str(server.model_dir))
-    lp = result["logprobs"]
-    assert lp["gap_trained"] <= lp["tolerance"] < lp["trainer_moved"] / 4, lp
-    assert lp["gap_base"] > 4 * lp["tolerance"], lp
-    sent = sum(result["wire"].values())
-    assert sent == result["syncs"] * 2 * result["sent_numel_per_sync"], result  # bf16: 2 bytes per element
-
-
 def test_killed_server_is_retried_until_it_is_back_and_gives_the_same_samples(server):
     before = make(server.url).generate(PROMPTS, **GEN)
     server.kill()
     server.start()  # back on the same port after its start-up (tens of seconds); the client retries meanwhile
     after = make(server.url, retries=9, backoff=0.5).generate(PROMPTS, **GEN)  # up to ~4 min of retries
     assert _ids(after) == _ids(before)
+
+
+def test_the_stages_sync_the_trainers_weights_to_the_server_by_nccl_with_one_sender(server, tmp_path):
+    """rollout, score, train, rollout with ``engine: vllm_http`` (the rendezvous from the config's defaults):
+    the trainer (in ``.venv-vllm``: vLLM's trainer engine) sends bf16 over the NCCL stand-in, and the
+    server's log-probs after the second sync are the trainer's new weights', not the served ones'. It runs
+    after the tests that compare the server with itself across a restart: it changes the served weights."""
+    result = nccl_checks("http", tmp_path, server.url, str(server.model_dir))
+    lp = result["logprobs"]
+    assert lp["gap_trained"] <= lp["tolerance"] < lp["trainer_moved"] / 4, lp
+    assert lp["gap_base"] > 4 * lp["tolerance"], lp
+    sent = sum(result["wire"].values())
+    assert sent == result["syncs"] * 2 * result["sent_numel_per_sync"], result  # bf16: 2 bytes per element
 
 
 def test_server_that_stays_down_gives_one_clear_error(server):
