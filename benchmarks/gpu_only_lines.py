@@ -66,6 +66,7 @@ CUDA_ONLY = {
     "stages/trainer/distributed.py::after_optimizer_step": "float8 scale precomputation for FSDP2",
     "stages/engines/vllm_sync.py::IpcTransport": "CUDA IPC handles of the trainer's GPU tensors",
     "stages/engines/vllm_sync.py::NcclTransport": "NCCL broadcast to an engine's GPU workers",
+    "stages/engines/nccl_sync.py": "vLLM's NCCL weight transfer (on CPU: a gloo stand-in of its communicator)",
     "stages/engines/weight_transfer.py::cuda_ipc_handle": "CUDA IPC",
     "stages/engines/weight_transfer.py::current_gpu_uuid": "CUDA IPC",
     "stages/engines/weight_transfer.py::ipc_update_info": "CUDA IPC",

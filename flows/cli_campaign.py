@@ -70,6 +70,7 @@ def preflight(cfg: CampaignConfig, nproc_per_node: int = 1) -> None:
 
         try:
             check_world_size(cfg, nproc_per_node)
+            _check_one_sender(cfg, nproc_per_node)
         except ValueError as err:
             raise _fail(str(err))
 
@@ -81,6 +82,17 @@ def preflight(cfg: CampaignConfig, nproc_per_node: int = 1) -> None:
         check_benchmarks(cfg)
     except (FileNotFoundError, ValueError, OSError, KeyError) as err:
         raise _fail(f"evaluation data: {str(err).strip(chr(39))}")
+
+
+def _check_one_sender(cfg: CampaignConfig, nproc_per_node: int) -> None:
+    """A vLLM engine per rank synced by NCCL would make every rank the sender of a group of its own: refused
+    (the engine would refuse it at its start; here it is one line before the run directory exists)."""
+    from fp8rl_core.config.engine_kinds import ENGINE_KINDS
+    from stages.engines.vllm_options import SEVERAL_SENDERS
+
+    r = cfg.rollout
+    if r.weight_sync == "nccl" and ENGINE_KINDS.get(r.engine).fixed_sync is None:
+        raise ValueError(SEVERAL_SENDERS.format(ranks=nproc_per_node))
 
 
 def _warn_clip_mode_cost(cfg: CampaignConfig) -> None:

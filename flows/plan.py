@@ -113,8 +113,9 @@ class Plan:
 
 
 def _sync_peak(cfg: CampaignConfig, a: Arch, params: int, gpus: int) -> float:
-    """Extra device bytes of one weight sync to a vLLM engine (0 for the transformers engine)."""
-    if not ENGINE_KINDS.get(cfg.rollout.engine).weights_on_device:
+    """Extra device bytes of one weight sync to a vLLM engine (0 for the transformers engine); an NCCL sync
+    (``vllm_http`` included) holds vLLM's packed buffers on the trainer's GPU."""
+    if not (ENGINE_KINDS.get(cfg.rollout.engine).weights_on_device or cfg.rollout.syncs_by_nccl):
         return 0.0
     from stages.engines.weight_transfer import sync_peak_bytes
 
@@ -126,10 +127,15 @@ def _sync_peak(cfg: CampaignConfig, a: Arch, params: int, gpus: int) -> float:
             largest_layer=layer,
             total=params,
             world_size=gpus,
-            weight_sync=cfg.rollout.weight_sync,
+            weight_sync=_sync_name(cfg),
             quantized=PRECISION_MODES.get(cfg.precision.rollout).quantized,
         )
     )
+
+
+def _sync_name(cfg: CampaignConfig) -> str:
+    """The weight transfer a run uses: rollout.weight_sync, or the engine's only one (vllm_http: nccl)."""
+    return ENGINE_KINDS.get(cfg.rollout.engine).fixed_sync or cfg.rollout.weight_sync
 
 
 def engine_weight_bytes(cfg: CampaignConfig, params: int) -> float:
@@ -181,7 +187,7 @@ def memory_plan(
         ),
         ("logits (bf16) + one fp32 vocab chunk", logits),
         engine_row,
-        (f"weight sync peak (vLLM, {cfg.rollout.weight_sync})", _sync_peak(cfg, a, p, gpus)),
+        (f"weight sync peak (vLLM, {_sync_name(cfg)})", _sync_peak(cfg, a, p, gpus)),
     ]
     rows = [(k, v / GiB) for k, v in rows]
     total = sum(v for _, v in rows)

@@ -10,9 +10,9 @@ on the rollout GPUs while step t trains.
 **Memory per GPU.**
 
 * A training GPU holds what :func:`flows.plan.memory_plan` counts without the
-  engine (no engine copy, no reservation); rank 0 also holds the NCCL sender's
-  peak, one bf16 parameter gathered plus vLLM's packed broadcast buffers
-  (``NCCL_PACKED_BUFFERS`` x ``NCCL_PACKED_BUFFER_BYTES``).
+  engine (no engine copy, no reservation), with the NCCL sync's peak
+  (:func:`stages.engines.weight_transfer.sync_peak_bytes`: vLLM's packed broadcast
+  buffers on the sender).
 * A rollout GPU holds its engine's reservation: ``rollout.gpu_memory_utilization``
   of the GPU, of which the weights are ``bytes_per_weight x P / TP`` and the rest
   is KV cache (or the weights and ``rollout.kv_cache_gib``, vLLM's per-GPU KV
@@ -26,8 +26,9 @@ not a measurement: an estimate to choose ``R`` against ``N`` with, not a promise
   holds; each decode step reads the weights and the live KV cache from memory or
   computes ``2 P`` FLOPs per sequence, whichever takes longer; the prefill computes
   ``2 P`` FLOPs per prompt token. vLLM's paged KV cache holds what sequences have
-  written, so an engine decodes as many at once as fit at their mean length. Every response is counted at its full budget (an
-  upper bound), or at ``--response-fill`` of it.
+  written, so an engine decodes as many at once as fit at their mean length. Every
+  response is counted at its full budget (an upper bound), or at ``--response-fill``
+  of it.
 * training: ``(6 + 2 + 2c) P`` FLOPs per token and epoch (forward and backward; the
   π_old forward; ``c`` = 1 with activation checkpointing) over ``N`` GPUs at the
   training precision's matmul rate times ``train_mfu``.
@@ -41,13 +42,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from flows.plan import GiB, arch_of, memory_plan, total_params
 from fp8rl_core.config.campaign import CampaignConfig
 from fp8rl_core.config.precision_kinds import PRECISION_MODES
-from flows.plan import GiB, arch_of, memory_plan, total_params
-
-NCCL_PACKED_BUFFER_BYTES = 1 << 30
-NCCL_PACKED_BUFFERS = 2
-"""vLLM 0.32's packed NCCL broadcast: ``DEFAULT_PACKED_BUFFER_SIZE_BYTES`` x ``DEFAULT_PACKED_NUM_BUFFERS``."""
 
 
 @dataclass(frozen=True)
@@ -135,9 +132,7 @@ def split_plan(
     r, alg = cfg.rollout, cfg.algorithm
     train = memory_plan(cfg, gpus=gpus, gpu_memory_gib=gpu_memory_gib, prompt_tokens=prompt_tokens,
                         headroom=headroom)
-    train_rows = [(k, v) for k, v in train.rows if "engine" not in k and "weight sync" not in k]
-    sender = (2 * a.vocab * a.hidden + NCCL_PACKED_BUFFERS * NCCL_PACKED_BUFFER_BYTES) / GiB
-    train_rows.append(("weight sync sender (rank 0: one bf16 parameter + packed buffers)", sender))
+    train_rows = [(k, v) for k, v in train.rows if "engine" not in k]  # the sync's peak stays
 
     tp = r.tensor_parallel_size
     weights = p * PRECISION_MODES.get(cfg.precision.rollout).bytes_per_weight

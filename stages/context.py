@@ -261,11 +261,20 @@ def _load_policy(cfg: CampaignConfig, base: Path) -> tuple[torch.nn.Module, Any]
 
 
 def _make_rollout_engine(
-    cfg: CampaignConfig, policy: torch.nn.Module, tokenizer: Any, base: Path
+    cfg: CampaignConfig, policy: torch.nn.Module, tokenizer: Any, base: Path, *, rank: int = 0, world_size: int = 1,
+    group: Any = None,
 ) -> RolloutEngineProtocol:
+    """The run's engine; an engine synced by NCCL gets the rendezvous (a null port: rank 0 picks one and tells
+    the other ranks, a collective) and this trainer rank's place in it."""
     from stages.engines import make_engine
 
-    engine_opts = {"model_path": str(base)} if ENGINE_KINDS.get(cfg.rollout.engine).loads_from_path else {}
+    engine_opts: dict[str, Any] = {}
+    if ENGINE_KINDS.get(cfg.rollout.engine).loads_from_path:
+        engine_opts["model_path"] = str(base)
+    if cfg.rollout.syncs_by_nccl:
+        from stages.engines.nccl_sync import resolve_rendezvous
+
+        engine_opts["nccl_master"] = resolve_rendezvous(cfg.rollout, rank=rank, world_size=world_size, group=group)
     return make_engine(
         cfg.rollout.engine,
         model=policy,
@@ -313,7 +322,8 @@ def open_run(
     # vLLM loads its own copy from disk: it is built before any trainer weight reaches the device (its start-up
     # check wants utilization x total free), and under torchrun the policy is sharded straight from the host
     own_copy = ENGINE_KINDS.get(cfg.rollout.engine).builds_before_policy
-    engine = _make_rollout_engine(cfg, policy, tokenizer, base) if own_copy else None
+    ranks = {"rank": rank, "world_size": world_size, "group": group}
+    engine = _make_rollout_engine(cfg, policy, tokenizer, base, **ranks) if own_copy else None
     if engine is None:  # the transformers engine copies the converted, unsharded policy where it trains
         policy.to(device)
     report = convert_for_training(
@@ -333,7 +343,7 @@ def open_run(
     if cfg.algorithm.activation_checkpointing:
         _checkpoint_activations(policy)
     if engine is None:
-        engine = _make_rollout_engine(cfg, policy, tokenizer, base)
+        engine = _make_rollout_engine(cfg, policy, tokenizer, base, **ranks)
     if compiled.enabled:  # after activation checkpointing and the engine's copy, before fully_shard (torchtitan)
         compile_decoder_blocks(policy)
     if world_size > 1:

@@ -173,6 +173,7 @@ _LONG_FIRST = (  # measured 2026-12-03 (seconds of test time per file, both work
     "test_spmd_campaign",  # ~165
     "test_vllm_http_real",  # ~150
     "test_rank_failure",  # ~100
+    "test_nccl_sync",  # ~90: vLLM's NCCL engines on the gloo stand-in
     "test_torchao_campaign",
     "test_golden_tables",
     "test_guard",

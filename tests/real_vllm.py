@@ -22,6 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ROOT / "tests" / "vllm_real_checks.py"
+SITE = ROOT / "tests" / "vllm_site"  # sitecustomize.py: AMX permission, and the NCCL stand-in when asked for
 
 
 def vllm_python() -> Path:
@@ -71,10 +72,30 @@ def run_checks(kind: str, out_dir: Path, *, timeout: float = 600.0, extra: list[
     return result
 
 
+def nccl_checks(kind: str, out_dir: Path, *extra: str, timeout: float = 600.0) -> dict:
+    """``tests/nccl_sync_checks.py KIND OUT_DIR ...`` in the vLLM venv with the NCCL stand-in in every process
+    (``FP8RL_TEST_NCCL_STANDIN=1``, ``tests/vllm_site`` on the path); its JSON result (fails the test on error)."""
+    env = dict(
+        os.environ, PYTHONPATH=f"{ROOT}:{SITE}", FP8RL_TEST_NCCL_STANDIN="1", FP8RL_MAX_THREADS="1",
+        OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false",
+    )  # fmt: skip
+    proc = subprocess.run(
+        [str(vllm_python()), str(ROOT / "tests" / "nccl_sync_checks.py"), kind, str(out_dir), *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    result_file = out_dir / "result.json"
+    if not result_file.exists():
+        pytest.fail(f"nccl {kind} checks wrote no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    result = json.loads(result_file.read_text())
+    if "error" in result:
+        pytest.fail(f"nccl {kind} checks failed in the vLLM venv:\n{result['error']}\n{proc.stderr[-2000:]}")
+    return result
+
+
 def require_vllm() -> None:
     reason = skip_reason()
     if reason is not None:
         pytest.skip(reason)
 
 
-__all__ = ["require_vllm", "run_checks", "skip_reason", "vllm_python"]
+__all__ = ["SITE", "nccl_checks", "require_vllm", "run_checks", "skip_reason", "vllm_python"]

@@ -205,7 +205,7 @@ def test_the_nccl_sync_without_a_rendezvous_is_refused_when_the_engine_is_made()
 
     with pytest.raises(ValueError, match=r"nccl_master=\(address, port\)"):
         check_engine_options(
-            logprobs_mode="processed", sleep_level=0, weight_sync="nccl", verify_sync="first", in_process=True,
+            logprobs_mode="processed", sleep_level=0, weight_sync="nccl", verify_sync="first", in_process=False,
             nccl_master=None,
         )  # fmt: skip
 

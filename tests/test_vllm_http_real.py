@@ -5,7 +5,9 @@ restarted once); the client is the project's own engine in this process — it
 needs no vLLM. Checks: samples, log-probs and seeds from the real server, the
 stop tokens sent as ``stop_token_ids`` and honoured; a killed server is retried
 until it is back (same samples as before, same seeds); a server that stays down
-gives one clear error.
+gives one clear error; the NCCL weight sync of the stages to the server (started with
+``--weight-transfer-config '{"backend": "nccl"}'``, vLLM's dev-mode RL routes and the
+gloo stand-in for NCCL, ``tests/vllm_site/fp8rl_nccl_standin.py``).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from fp8rl_core.config.method import PrecisionConfig
 from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
-from tests.real_vllm import ROOT, require_vllm, vllm_python
+from tests.real_vllm import ROOT, SITE, nccl_checks, require_vllm, vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PROMPTS = [[1, 40, 41, 42], [1, 60, 61]]
+SERVED = ModelConfig(seed=3, tie_word_embeddings=False)  # untied: see tests/nccl_sync_checks.py's untied_policy
 GEN = dict(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=7)
 
 
@@ -76,9 +79,13 @@ class Server:
             "0",
             "--logprobs-mode",
             "processed_logprobs",
+            "--weight-transfer-config",  # the RL routes' NCCL backend; its data plane is the gloo stand-in here
+            '{"backend": "nccl"}',
         ]
-        site = ROOT / "tests" / "vllm_site"  # AMX permission in every server process (its sitecustomize.py)
-        env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONPATH=f"{site}:{ROOT}")
+        # AMX permission and the NCCL stand-in in every server process (sitecustomize.py); the RL routes
+        # (/pause, /init_weight_transfer_engine, ...) are served in vLLM's dev mode only
+        env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONPATH=f"{SITE}:{ROOT}",
+                   VLLM_SERVER_DEV_MODE="1", FP8RL_TEST_NCCL_STANDIN="1")
         self.proc = subprocess.Popen(
             cmd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
@@ -106,7 +113,7 @@ class Server:
 def server(tmp_path_factory):
     require_vllm()
     folder = tmp_path_factory.mktemp("served-policy")
-    build_tiny_model(ModelConfig(seed=3)).save_pretrained(folder)
+    build_tiny_model(SERVED).save_pretrained(folder)
     build_tokenizer().save_pretrained(folder)
     srv = Server(folder, _free_port(), folder / "serve.log").start()
     try:
@@ -119,7 +126,7 @@ def server(tmp_path_factory):
 def make(url: str, *, retries: int = 2, backoff: float = 0.5, extra_stop: int | None = None):
     from stages.engines.http_engine import VLLMHTTPEngine
 
-    policy = build_tiny_model(ModelConfig(seed=3))
+    policy = build_tiny_model(SERVED)
     if extra_stop is not None:  # what apply_stop_tokens adds for a chat template's end-of-turn
         policy.generation_config.eos_token_id = [policy.generation_config.eos_token_id, extra_stop]
     cfg = RolloutConfig(engine="vllm_http", server_url=url, server_timeout_s=60.0, server_retries=retries)
@@ -172,6 +179,19 @@ def test_killed_server_is_retried_until_it_is_back_and_gives_the_same_samples(se
     server.start()  # back on the same port after its start-up (tens of seconds); the client retries meanwhile
     after = make(server.url, retries=9, backoff=0.5).generate(PROMPTS, **GEN)  # up to ~4 min of retries
     assert _ids(after) == _ids(before)
+
+
+def test_the_stages_sync_the_trainers_weights_to_the_server_by_nccl_with_one_sender(server, tmp_path):
+    """rollout, score, train, rollout with ``engine: vllm_http`` (the rendezvous from the config's defaults):
+    the trainer (in ``.venv-vllm``: vLLM's trainer engine) sends bf16 over the NCCL stand-in, and the
+    server's log-probs after the second sync are the trainer's new weights', not the served ones'. It runs
+    after the tests that compare the server with itself across a restart: it changes the served weights."""
+    result = nccl_checks("http", tmp_path, server.url, str(server.model_dir))
+    lp = result["logprobs"]
+    assert lp["gap_trained"] <= lp["tolerance"] < lp["trainer_moved"] / 4, lp
+    assert lp["gap_base"] > 4 * lp["tolerance"], lp
+    sent = sum(result["wire"].values())
+    assert sent == result["syncs"] * 2 * result["sent_numel_per_sync"], result  # bf16: 2 bytes per element
 
 
 def test_server_that_stays_down_gives_one_clear_error(server):

@@ -68,9 +68,9 @@ def test_ipc_update_info_keeps_order_and_metadata():
     assert pickle.loads(base64.b64decode(info["ipc_handles_pickled"])) == [{"GPU-x": ("h", 2)}, {"GPU-x": ("h", 4)}]
     with pytest.raises(ValueError, match="CUDA IPC needs CUDA tensors"):
         wt.cuda_ipc_handle(torch.zeros(2))
-    assert wt.nccl_trainer_init_kwargs(
-        RolloutConfig(tensor_parallel_size=2), master_address="10.0.0.1", master_port=29555
-    ) == {"rank": 0, "master_address": "10.0.0.1", "master_port": 29555, "world_size": 3}
+    assert wt.nccl_trainer_init_kwargs(rank=1, master_address="10.0.0.1", master_port=29555, workers=2) == {
+        "rank": 1, "master_address": "10.0.0.1", "master_port": 29555, "world_size": 3
+    }  # fmt: skip
     zeroed = {
         "l.qkv_proj.weight": "0",
         "l.qkv_proj.weight_scale": "0",

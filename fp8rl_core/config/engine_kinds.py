@@ -29,7 +29,10 @@ vllm_http        yes           no         no        no      server              
   engine per rank.
 * **processes**: where the engine may live: the trainer's process, its own engine-core
   process (``separate``), or a server of its own; ``weight_syncs`` gives, per process
-  the config chooses with ``rollout.vllm_process``, the weight transfers that reach it.
+  the config chooses with ``rollout.vllm_process``, the weight transfers that reach it (NCCL
+  only to another process: it cannot group a process with itself); ``fixed_sync`` the one
+  transfer of an engine that has no choice (``vllm_http``: NCCL from the trainer to the
+  server's workers).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class EngineKind:
     rollout_precisions: tuple[str, ...] | None  # None: every registered rollout precision
     tensor_parallel: bool = False  # one engine may span several ranks (rollout.tensor_parallel_size, DP layouts)
     weight_syncs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # rollout.vllm_process -> syncs
+    fixed_sync: str | None = None  # the one weight transfer of an engine that has no choice (rollout.weight_sync aside)
 
     def serves(self, precision: str) -> bool:
         return self.rollout_precisions is None or precision in self.rollout_precisions
@@ -69,9 +73,9 @@ ENGINE_KINDS.register("vllm")(
     EngineKind(
         "stages.engines.vllm_engine", True, True, True, True, ("trainer", "separate"), _FP8_AND_BF16,
         tensor_parallel=True,
-        weight_syncs={"trainer": ("tensors", "nccl", "path"), "separate": ("ipc", "nccl", "path")},
+        weight_syncs={"trainer": ("tensors", "path"), "separate": ("ipc", "nccl", "path")},
     )
 )  # fmt: skip
 ENGINE_KINDS.register("vllm_http")(
-    EngineKind("stages.engines.http_engine", True, False, False, False, ("server",), None)
+    EngineKind("stages.engines.http_engine", True, False, False, False, ("server",), None, fixed_sync="nccl")
 )

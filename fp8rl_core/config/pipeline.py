@@ -11,6 +11,34 @@ from fp8rl_core.config.model import DatasetRef
 from fp8rl_core.config.section import Section
 
 
+class WeightSyncRendezvous(Section):
+    """Where the trainer and vLLM's workers meet for ``weight_sync: nccl`` (vLLM's ``NCCLTrainerInitInfo``).
+
+    The NCCL group has ``1 + group`` ranks: the trainer's sender is rank 0 (trainer rank 0; the
+    other trainer ranks only take part in the per-parameter all-gathers), the engine's workers
+    ranks 1..group."""
+
+    host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="The trainer's address as the engine's workers reach it (trainer rank 0 listens there for "
+        "the TCP rendezvous; loopback only serves an engine on the same machine).",
+    )
+    port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="The TCP rendezvous port on host; null: a free port chosen at start-up by trainer rank 0 "
+        "(and told to the other ranks).",
+    )
+    group: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM workers that join the transfer group: the engine's tensor x data parallel degree; null: "
+        "rollout.tensor_parallel_size. The group then has 1 + group ranks.",
+    )
+
+
 class RolloutConfig(Section):
     engine: str = Field(
         "transformers",
@@ -77,7 +105,14 @@ class RolloutConfig(Section):
     weight_sync: Literal["tensors", "ipc", "nccl", "path"] = Field(
         "tensors",
         description="vLLM: weight transfer to the engine: bf16 tensors streamed per parameter (in-process "
-        "engine), CUDA IPC handles or NCCL broadcast (engine in another process), or bf16 safetensors files.",
+        "engine), CUDA IPC handles or NCCL broadcast (engine in another process), or bf16 safetensors files. "
+        "The vllm_http engine always syncs by NCCL (tensors, the default, or nccl).",
+    )
+    weight_sync_rendezvous: WeightSyncRendezvous | None = Field(
+        None,
+        description="weight_sync nccl (and the vllm_http engine): where the trainer and the engine's workers meet "
+        "(host, port, group); null: all their defaults. Set with any other weight sync it is refused at load, "
+        "as a setting that would do nothing.",
     )
     verify_sync: Literal["first", "always", "never"] = Field(
         "first",
@@ -105,6 +140,11 @@ class RolloutConfig(Section):
             raise ValueError(f"unknown rollout engine {v!r}; valid: {', '.join(ENGINE_KINDS.names())}")
         return v
 
+    @property
+    def syncs_by_nccl(self) -> bool:
+        """The weights reach the engine by vLLM's NCCL transfer (``weight_sync: nccl``, or the vllm_http engine)."""
+        return "nccl" in (self.weight_sync, ENGINE_KINDS.get(self.engine).fixed_sync)
+
     @model_validator(mode="after")
     def _separate_engine_per_rank(self) -> "RolloutConfig":
         if self.vllm_process == "separate" and self.data_parallel == "shared_tp":
@@ -116,9 +156,30 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _sync_fits_process(self) -> "RolloutConfig":
-        reach = ENGINE_KINDS.get(self.engine).weight_syncs.get(self.vllm_process)
+        self._rendezvous_fits()
+        kind = ENGINE_KINDS.get(self.engine)
+        if kind.fixed_sync is not None and self.weight_sync not in ("tensors", kind.fixed_sync):  # tensors: default
+            raise ValueError(
+                f"rollout.weight_sync: {self.weight_sync} does not reach the {self.engine} engine: it receives the "
+                f"trainer's weights by {kind.fixed_sync} only (weight_sync: {kind.fixed_sync})"
+            )
+        if not kind.weight_syncs:
+            if self.weight_sync == "nccl" and kind.fixed_sync is None:
+                raise ValueError(
+                    f"rollout.weight_sync: nccl is for a vLLM engine in another process, but the {self.engine} "
+                    "engine copies the policy in the trainer's process: use rollout.engine: vllm with "
+                    "vllm_process: separate, or vllm_http"
+                )
+            return self
+        reach = kind.weight_syncs.get(self.vllm_process)
         if reach is None or self.weight_sync in reach:
             return self
+        if self.weight_sync == "nccl":
+            raise ValueError(
+                f"rollout.weight_sync: nccl broadcasts from the trainer to the engine's workers in other processes, "
+                f"but the {self.engine} engine runs in the trainer's process (rollout.vllm_process: trainer), where "
+                "NCCL cannot group a process with itself: use vllm_process: separate, or weight_sync: tensors"
+            )
         if self.weight_sync == "ipc":
             raise ValueError(
                 f"rollout.weight_sync: ipc hands CUDA IPC handles to another process, but the {self.engine} engine "
@@ -128,6 +189,22 @@ class RolloutConfig(Section):
             f"rollout.weight_sync: {self.weight_sync} needs rollout.vllm_process: trainer; "
             f"for vLLM's own process use {', '.join(reach[:-1])} or {reach[-1]}"
         )
+
+    def _rendezvous_fits(self) -> None:
+        r = self.weight_sync_rendezvous
+        if r is None:
+            return
+        if not self.syncs_by_nccl:
+            raise ValueError(
+                f"rollout.weight_sync_rendezvous is set but rollout.weight_sync is {self.weight_sync}: the rendezvous "
+                "is for weight_sync: nccl (or the vllm_http engine); remove it or set weight_sync: nccl"
+            )
+        own_engine = ENGINE_KINDS.get(self.engine).fixed_sync is None  # its workers are the engine this run builds
+        if own_engine and r.group is not None and r.group != self.tensor_parallel_size:
+            raise ValueError(
+                f"rollout.weight_sync_rendezvous.group={r.group}, but the {self.engine} engine's workers are its "
+                f"rollout.tensor_parallel_size={self.tensor_parallel_size}: leave group null or make them equal"
+            )
 
 
 class BenchmarkEval(Section):

@@ -1,7 +1,11 @@
 """Disaggregated rollout: an engine that talks to a running ``vllm serve`` over HTTP.
 
-**Status: tested against a loopback server that speaks the same API
-(tests/test_http_engine.py); not yet run against a real ``vllm serve``.**
+**Status: generation, seeds, stop tokens and retries run against a real ``vllm
+serve`` (vLLM's CPU build, tests/test_vllm_http_real.py) and a loopback server that
+speaks the same API (tests/test_http_engine.py); the NCCL weight sync runs against
+the real server too, with vLLM's own transfer engines on both sides and a gloo
+stand-in for its NCCL communicator (tests/vllm_site/fp8rl_nccl_standin.py). Nothing
+here has run on a GPU.**
 
 * **Generation** (vLLM 0.33's OpenAI-compatible ``POST /v1/completions``,
   ``entrypoints/openai/completion/protocol.py``): one request per prompt with
@@ -25,18 +29,22 @@
   clients.py``): the control plane is HTTP — ``/pause?mode=wait``,
   ``/init_weight_transfer_engine``, ``/start_weight_update``,
   ``/update_weights``, ``/finish_weight_update``, ``/resume`` (the server needs
-  ``--weight-transfer-config '{"backend": "nccl"}'``) — and the data plane is an
-  NCCL broadcast from the trainer (rank 0) to the server's workers, driven by
-  vLLM's own ``NCCLTrainerWeightTransferEngine`` (so vLLM must be importable on
-  the trainer for ``load_weights``). :class:`HTTPWeightSyncClient` is that
-  control plane, the four-method protocol vLLM's trainer engines call.
+  ``--weight-transfer-config '{"backend": "nccl"}'`` and ``VLLM_SERVER_DEV_MODE=1``,
+  without which vLLM serves no RL route) — and the data plane is an NCCL
+  broadcast from trainer rank 0 to the server's workers, driven by vLLM's own
+  ``NCCLTrainerWeightTransferEngine`` (so vLLM must be importable on the trainer
+  for ``load_weights``) through :class:`~stages.engines.nccl_sync.NcclSender`: bf16,
+  one parameter gathered at a time, rendezvoused at
+  ``rollout.weight_sync_rendezvous``. Every trainer rank calls ``load_weights``;
+  rank 0 alone pauses and resumes the server and sends, the others gather with it
+  and then wait for it. :class:`HTTPWeightSyncClient` is that control plane, the
+  four-method protocol vLLM's trainer engines call.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import http.client
-import importlib
 import json
 import socket
 import time
@@ -57,8 +65,9 @@ from stages.engines.base import (
     truncate_at_eos,
     validate_generate_args,
 )
+from stages.engines.nccl_sync import NcclRendezvous, NcclSender, as_rendezvous
 from stages.engines.vllm_sampling import request_seed
-from stages.engines.weight_transfer import nccl_trainer_init_kwargs
+from stages.engines.vllm_sync import SentNames
 
 
 class ServerError(RuntimeError):
@@ -197,7 +206,9 @@ class VLLMHTTPEngine(RolloutEngine):
             ``server_timeout_s``, ``server_retries``).
         served_model: the ``model`` field of requests (the server's ``--served-model-name``).
         max_concurrency: requests in flight at once.
-        nccl_master: ``(address, port)`` the server's workers reach the trainer at, for ``load_weights``.
+        nccl_master: where the server's workers reach the trainer for ``load_weights``, and this trainer
+            rank (:class:`~stages.engines.nccl_sync.NcclRendezvous`; ``(address, port)``: one trainer rank
+            beside ``tensor_parallel_size`` workers).
         backoff: first retry delay in seconds (doubles per retry).
     """
 
@@ -210,7 +221,7 @@ class VLLMHTTPEngine(RolloutEngine):
         config: RolloutConfig,
         served_model: str = "policy",
         max_concurrency: int = 16,
-        nccl_master: tuple[str, int] | None = None,
+        nccl_master: NcclRendezvous | tuple[str, int] | None = None,
         backoff: float = 0.5,
     ) -> None:
         if not config.server_url:
@@ -219,7 +230,8 @@ class VLLMHTTPEngine(RolloutEngine):
         self.precision_mode = precision.rollout
         self.served_model = served_model
         self.max_concurrency = max_concurrency
-        self.nccl_master = nccl_master
+        self.nccl_master = as_rendezvous(nccl_master, config)
+        self.sent_names = SentNames()
         self.http = HTTPClient(
             config.server_url, timeout=config.server_timeout_s, retries=config.server_retries, backoff=backoff
         )
@@ -268,26 +280,27 @@ class VLLMHTTPEngine(RolloutEngine):
             precision=self.precision_mode,
         )
 
-    def load_weights(self, train_model: nn.Module) -> None:  # pragma: no cover - needs vLLM, NCCL and a server
+    def load_weights(self, train_model: nn.Module) -> None:
+        """Every trainer rank calls it: rank 0 pauses the server, sends (the other ranks gather with it),
+        resumes it; then all ranks wait for rank 0 (:meth:`~stages.engines.nccl_sync.NcclSender.barrier`)."""
         if self.nccl_master is None:
             raise ValueError(
                 "vllm_http load_weights needs nccl_master=(address, port) reachable from the server's workers"
             )
         if self._sender is None:
-            nccl = importlib.import_module("vllm.distributed.weight_transfer.nccl_engine")
-            base = importlib.import_module("vllm.distributed.weight_transfer.base")
-            address, port = self.nccl_master
-            info = nccl.NCCLTrainerInitInfo(
-                **nccl_trainer_init_kwargs(self.config, master_address=address, master_port=port)
-            )
-            self._sender = nccl.NCCLTrainerWeightTransferEngine.trainer_init(
-                info, client=self.weights, source=base.ModuleSource(train_model)
-            )
-        self.weights.pause()
+            self._sender = NcclSender(self.nccl_master, self.weights)
+        sender = self._sender
+        if sender.is_sender:
+            self.weights.pause()
         try:
-            self._sender.send_weights()
+            sender.send(train_model, self.sent_names)
         finally:
-            self.weights.resume()
+            if sender.is_sender:
+                self.weights.resume()
+        sender.barrier()
 
     def close(self) -> None:
         self._closed = True
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.close()

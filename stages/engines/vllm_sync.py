@@ -27,9 +27,12 @@ in 0.32 and 0.33). The transports, registered by name in :data:`TRANSPORTS`:
   sets for the engine process it starts. The bf16 copies stay alive until
   ``finish_weight_update`` returns.
 - ``"nccl"`` (vLLM on other GPUs): vLLM's own
-  ``NCCLTrainerWeightTransferEngine`` over ``ModuleSource(policy)``; the trainer
-  is NCCL rank 0 of a ``1 + tensor_parallel_size`` group rendezvoused at
-  ``nccl_master`` (address, port).
+  ``NCCLTrainerWeightTransferEngine`` over a bf16 source of the policy, one
+  parameter gathered at a time (:mod:`stages.engines.nccl_sync`), driven through
+  the ``LLM`` (:class:`~stages.engines.nccl_sync.LLMWeightSyncClient`); the
+  trainer's rank 0 is NCCL rank 0 of a ``1 + workers`` group rendezvoused at
+  ``rollout.weight_sync_rendezvous``. It runs on a CPU in the tests with vLLM's
+  real engines and a gloo stand-in for NCCL; it has not run on a GPU.
 - ``"path"`` (fallback, any layout): the policy's weights as **bf16**
   safetensors in a temporary folder of our own (``fp8rl-weights-*``, never named
   after the model), then ``collective_rpc("reload_weights", kwargs={"weights_path":
@@ -58,7 +61,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import importlib
 import os
 import shutil
 import socket
@@ -74,6 +76,7 @@ from fp8rl_core.config.campaign import RolloutConfig
 from fp8rl_core.registry import Registry
 from stages.engines import native_fp8
 from stages.engines import weight_transfer as wt
+from stages.engines.nccl_sync import LLMWeightSyncClient, NcclRendezvous, NcclSender
 
 NameCheck = Callable[[list[str]], None]
 
@@ -84,7 +87,7 @@ class TransportOptions:
 
     ``ipc_handle_fn`` / ``gpu_uuid``: how IPC handles are made and keyed (default: CUDA's
     ``reduce_tensor`` and the current GPU's UUID; the CPU tests inject their own).
-    ``nccl_master``: ``(address, port)`` of the NCCL rendezvous (``nccl`` only).
+    ``nccl_master``: the NCCL rendezvous and this trainer rank (``nccl`` only).
     """
 
     config: RolloutConfig
@@ -92,7 +95,7 @@ class TransportOptions:
     native_fp8: bool = False
     ipc_handle_fn: Callable[[torch.Tensor], Any] = wt.cuda_ipc_handle
     gpu_uuid: str | None = None
-    nccl_master: tuple[str, int] | None = None
+    nccl_master: NcclRendezvous | None = None
 
 
 class Transport(abc.ABC):
@@ -233,30 +236,23 @@ class IpcTransport(Transport):
 
 
 @register_transport("nccl")
-class NcclTransport(Transport):  # pragma: no cover - needs GPUs and vLLM
-    """vLLM's NCCL weight-transfer engine; the trainer is rank 0 of the group."""
+class NcclTransport(Transport):
+    """vLLM's NCCL weight-transfer engine, driven through the ``LLM`` (:mod:`stages.engines.nccl_sync`)."""
 
     def __init__(self, options: TransportOptions) -> None:
         super().__init__(options)
         self.sender: Any | None = None
 
     def send(self, llm: Any, train_model: nn.Module, check_names: NameCheck) -> None:
-        check_names([name for name, _ in wt.trainer_weights(train_model)])
         if self.sender is None:
-            nccl = importlib.import_module("vllm.distributed.weight_transfer.nccl_engine")
-            base = importlib.import_module("vllm.distributed.weight_transfer.base")
-            address, port = self.options.nccl_master  # type: ignore[misc]
-            kw = wt.nccl_trainer_init_kwargs(self.options.config, master_address=address, master_port=port)
-            self.sender = nccl.NCCLTrainerWeightTransferEngine.trainer_init(
-                nccl.NCCLTrainerInitInfo(**kw), client=llm, source=base.ModuleSource(train_model)
-            )
-        self.sender.send_weights()
+            self.sender = NcclSender(self.options.nccl_master, LLMWeightSyncClient(llm))
+        self.sender.send(train_model, check_names)
+        self.sender.barrier()
 
     def close(self) -> None:
         sender, self.sender = self.sender, None
-        stop = getattr(sender, "shutdown", None)
-        if stop is not None:
-            stop()
+        if sender is not None:
+            sender.close()
 
 
 class SentNames:

@@ -18,8 +18,8 @@ are testable without a GPU "up to the handles they produce":
   rebuild_cuda_tensor args}`` handle per tensor, pickled and base64-encoded
   (``ipc_handles_pickled``) because raw handles hold Python types that vLLM's
   msgpack refuses (``stages.engines.vllm_wire``).
-* :func:`nccl_trainer_init_kwargs` — vLLM's ``NCCLTrainerInitInfo`` for a
-  trainer that is rank 0 beside ``TP`` inference workers.
+* :func:`nccl_trainer_init_kwargs` — vLLM's ``NCCLTrainerInitInfo`` for one
+  trainer rank beside the engine's inference workers (rank 0 sends).
 * :func:`write_bf16_safetensors` — the path fallback's file, written atomically.
 * :func:`unreloaded_parameters` — which processed linear-layer parameters a
   sync left at their zeroed checksum (vLLM's ``reset_weights`` +
@@ -40,8 +40,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-
-from fp8rl_core.config.pipeline import RolloutConfig
 
 
 def _is_tied(model: nn.Module) -> bool:
@@ -106,6 +104,12 @@ def largest_fused_layer(numels: dict[str, int]) -> int:
     return best
 
 
+PACKED_BUFFER_BYTES = 1 << 30
+PACKED_BUFFERS = 2
+"""vLLM's packed NCCL transfer (``DEFAULT_PACKED_BUFFER_SIZE_BYTES``, ``DEFAULT_PACKED_NUM_BUFFERS``), which the
+NCCL sync uses."""
+
+
 def sync_peak_bytes(
     *, largest_param: int, largest_layer: int, total: int, world_size: int, weight_sync: str, quantized: bool
 ) -> int:
@@ -114,7 +118,12 @@ def sync_peak_bytes(
     * ``tensors`` (in-process, streamed): one full bf16 parameter and its bf16
       shard; with an FP8 rollout vLLM also materializes one (fused) layer in bf16
       before re-quantizing it.
-    * ``nccl``: vLLM's trainer engine broadcasts parameter by parameter, as above.
+    * ``nccl``: vLLM's trainer engine packs the bf16 parameters into chunks of
+      :data:`PACKED_BUFFER_BYTES` (plus the tensor that crosses it) and broadcasts
+      each while packing the next (``packed_nccl_broadcast_producer``, its default
+      two buffers): the chunk in flight, the tensors of the next and their packed
+      copy; one chunk fewer when the whole model fits in one. (The engine's own
+      re-quantization happens on its GPUs, not here.)
     * ``path``: gathered one parameter at a time, kept on the host (the device
       holds one parameter); the engine reads the file layer by layer.
     * ``ipc``: every bf16 copy stays on the device until the engine has copied it.
@@ -123,9 +132,11 @@ def sync_peak_bytes(
     shard = -(-largest_param // max(world_size, 1))
     one = 2 * (largest_param + shard)
     layer = 2 * largest_layer if quantized else 0
+    chunk = min(2 * total, PACKED_BUFFER_BYTES + 2 * largest_param)
+    in_flight = min(-(-2 * total // PACKED_BUFFER_BYTES), PACKED_BUFFERS) - 1
     per_sync = {
         "tensors": one + layer,
-        "nccl": one + layer,
+        "nccl": 2 * shard + (in_flight + 2) * chunk,
         "path": one + layer,
         "ipc": 2 * total + 2 * shard + layer,
         "full_fp32": 4 * total + layer,
@@ -234,13 +245,14 @@ def ipc_update_info(
     return info, keep
 
 
-def nccl_trainer_init_kwargs(config: RolloutConfig, *, master_address: str, master_port: int) -> dict[str, Any]:
-    """Keyword arguments of vLLM's ``NCCLTrainerInitInfo``: the trainer is rank 0 of ``1 + TP`` ranks."""
+def nccl_trainer_init_kwargs(*, rank: int, master_address: str, master_port: int, workers: int) -> dict[str, Any]:
+    """Keyword arguments of vLLM's ``NCCLTrainerInitInfo`` for trainer rank ``rank``: the group is the
+    trainer's sender (rank 0) and ``workers`` inference workers; a rank other than 0 does not join it."""
     return {
-        "rank": 0,
+        "rank": int(rank),
         "master_address": master_address,
         "master_port": int(master_port),
-        "world_size": 1 + config.tensor_parallel_size,
+        "world_size": 1 + int(workers),
     }
 
 
