@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from flows.plan import GiB, arch_of, memory_plan, total_params
 from fp8rl_core.config.campaign import CampaignConfig
+from fp8rl_core.config.engine_kinds import ENGINE_KINDS
 from fp8rl_core.config.precision_kinds import PRECISION_MODES
 
 
@@ -98,7 +99,9 @@ class SplitPlan:
 def check_split(cfg: CampaignConfig, rollout_gpus: int) -> None:
     """Refuse, in one line, a config whose engine cannot run on other GPUs than the trainer's."""
     r = cfg.rollout
-    if r.engine == "vllm_http" or (r.engine == "vllm" and r.vllm_process == "separate"):
+    kind = ENGINE_KINDS.get(r.engine)
+    process = r.vllm_process if kind.weight_syncs else kind.processes[0]  # where the engine computes
+    if process in ("separate", "server"):
         if r.weight_sync != "nccl":
             raise ValueError(f"--rollout-gpus {rollout_gpus}: an engine on other GPUs takes its weights over NCCL; "
                              f"set rollout.weight_sync: nccl (not {r.weight_sync})")
@@ -108,7 +111,7 @@ def check_split(cfg: CampaignConfig, rollout_gpus: int) -> None:
         return
     raise ValueError(f"--rollout-gpus {rollout_gpus}: a split placement needs the engine in processes of its own "
                      f"on other GPUs: rollout.engine: vllm_http, or vllm with vllm_process: separate "
-                     f"(this config: {r.engine}, {r.vllm_process})")
+                     f"(this config: {r.engine}, in the {process} process)")
 
 
 def split_plan(

@@ -41,9 +41,10 @@ __all__ = ["RolloutSide", "overlaps", "rollout_worker"]
 
 def overlaps(env: RunEnv) -> bool:
     """Whether this run's rollout side runs beside its training (see the module docstring)."""
-    r, engine = env.cfg.rollout, env.engine
-    apart = engine.holds_trainer_copy or getattr(engine, "computes_apart", False)
-    return r.max_staleness > 0 and r.overlap and env.world_size == 1 and apart
+    r = env.cfg.rollout
+    if not (r.max_staleness > 0 and r.overlap and env.world_size == 1):
+        return False
+    return env.engine.holds_trainer_copy or getattr(env.engine, "computes_apart", False)
 
 
 def rollout_worker(env: RunEnv, state: TrainState, gemm: str) -> RunEnv:

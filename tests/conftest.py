@@ -171,8 +171,10 @@ _LONG_FIRST = (  # measured 2026-12-03 (seconds of test time per file, both work
     "test_campaign",  # ~390
     "test_signals",  # ~330: Prefect's temporary server on purpose
     "test_spmd_campaign",  # ~165
+    "test_cluster_campaign",  # ~200: Slurm on localhost (measured 2026-12-06)
     "test_vllm_http_real",  # ~150
     "test_rank_failure",  # ~100
+    "test_staleness",  # ~90 (measured 2026-12-06)
     "test_nccl_sync",  # ~90: vLLM's NCCL engines on the gloo stand-in
     "test_torchao_campaign",
     "test_golden_tables",
