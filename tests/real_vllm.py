@@ -63,13 +63,7 @@ def run_checks(kind: str, out_dir: Path, *, timeout: float = 600.0, extra: list[
         text=True,
         timeout=timeout,
     )
-    result_file = out_dir / "result.json"
-    if not result_file.exists():
-        pytest.fail(f"{kind} checks wrote no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    result = json.loads(result_file.read_text())
-    if "error" in result:
-        pytest.fail(f"{kind} checks failed in the vLLM venv:\n{result['error']}\n{proc.stderr[-2000:]}")
-    return result
+    return _result(kind, out_dir, proc)
 
 
 def nccl_checks(kind: str, out_dir: Path, *extra: str, timeout: float = 600.0) -> dict:
@@ -83,12 +77,17 @@ def nccl_checks(kind: str, out_dir: Path, *extra: str, timeout: float = 600.0) -
         [str(vllm_python()), str(ROOT / "tests" / "nccl_sync_checks.py"), kind, str(out_dir), *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
+    return _result(f"nccl {kind}", out_dir, proc)
+
+
+def _result(what: str, out_dir: Path, proc: subprocess.CompletedProcess) -> dict:
+    """The checks' ``result.json`` (fails the test, with the process's stderr, when it is missing or says error)."""
     result_file = out_dir / "result.json"
     if not result_file.exists():
-        pytest.fail(f"nccl {kind} checks wrote no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        pytest.fail(f"{what} checks wrote no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     result = json.loads(result_file.read_text())
     if "error" in result:
-        pytest.fail(f"nccl {kind} checks failed in the vLLM venv:\n{result['error']}\n{proc.stderr[-2000:]}")
+        pytest.fail(f"{what} checks failed in the vLLM venv:\n{result['error']}\n{proc.stderr[-2000:]}")
     return result
 
 
