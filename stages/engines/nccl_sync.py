@@ -107,13 +107,7 @@ def as_rendezvous(master: NcclRendezvous | tuple[str, int] | None, config: Rollo
 def weight_metadata(train_model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     """``(HF name, global shape)`` of what :func:`~stages.engines.weight_transfer.stream_trainer_weights` yields,
     in its order, without gathering: a sharded ``DTensor`` reports its global shape."""
-    tied = wt._is_tied(train_model)
-    out = []
-    for name, tensor in train_model.state_dict().items():
-        name = name.replace("_orig_mod.", "")
-        if not (tied and name == "lm_head.weight"):
-            out.append((name, tuple(tensor.shape)))
-    return out
+    return [(name, tuple(tensor.shape)) for name, tensor in wt.sent_state(train_model)]
 
 
 @functools.cache

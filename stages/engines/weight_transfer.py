@@ -66,13 +66,18 @@ def stream_trainer_weights(
     (vLLM ties it to the embedding). Under FSDP2 every rank must consume the
     whole iterator, in step (each sharded parameter is one all-gather).
     """
-    tied = _is_tied(train_model)
-    for name, tensor in train_model.state_dict().items():
-        name = name.replace("_orig_mod.", "")
-        if tied and name == "lm_head.weight":
-            continue
+    for name, tensor in sent_state(train_model):
         full = full_parameter(tensor, dtype)
         yield name, (full if device is None else full.to(device)).contiguous()
+
+
+def sent_state(train_model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(HF name, state tensor)`` of every entry a sync sends, in layer order, nothing gathered: the
+    ``_orig_mod.`` prefix stripped, a tied ``lm_head.weight`` left out. A sharded ``DTensor`` entry
+    knows its global shape and element count."""
+    tied = _is_tied(train_model)
+    named = ((name.replace("_orig_mod.", ""), t) for name, t in train_model.state_dict().items())
+    return [(name, t) for name, t in named if not (tied and name == "lm_head.weight")]
 
 
 def trainer_weights(train_model: nn.Module, device: str | torch.device = "cpu") -> list[tuple[str, torch.Tensor]]:
@@ -82,8 +87,7 @@ def trainer_weights(train_model: nn.Module, device: str | torch.device = "cpu") 
 
 def parameter_numels(train_model: nn.Module) -> dict[str, int]:
     """Full (unsharded) element count of every parameter the sync sends."""
-    tied = _is_tied(train_model)
-    return {n: t.numel() for n, t in train_model.state_dict().items() if not (tied and n.endswith("lm_head.weight"))}
+    return {name: t.numel() for name, t in sent_state(train_model)}
 
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
