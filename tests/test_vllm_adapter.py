@@ -181,6 +181,7 @@ def test_llm_kwargs_map_our_config(rollout, quantization):
         "enable_sleep_mode": False,
         "seed": 5,
         "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": "stages.engines.vllm_worker_extension.FP8RLWorkerExtension",
         "max_model_len": 512,
         "enforce_eager": True,
     }
@@ -389,7 +390,8 @@ def test_colocated_step_cycle_sleep_reload_generate(policy, tokenizer, fake_vllm
     calls = engine.llm.calls
     assert calls[1:3] == [("sleep", 2), ("wake_up", ["weights"])]
     assert calls[3][:2] == ("collective_rpc", "reload_weights") and set(calls[3][2]) == {"weights_path"}
-    assert calls[4:] == [("wake_up", ["kv_cache"]), ("reset_prefix_cache",)]
+    assert calls[4][:2] == ("collective_rpc", "fp8rl_repack_tied_head")  # tied head: re-processed after the reload
+    assert calls[5:] == [("wake_up", ["kv_cache"]), ("reset_prefix_cache",)]
     assert engine.events == ["generate", "sleep:2", "wake:weights", "sync", "release_cache", "wake:kv_cache"]
     after = engine.generate([[1, 5]], n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=0)
     assert after.samples != before.samples  # the fake's outputs depend on the weights version
@@ -401,7 +403,9 @@ def test_wake_up_and_non_colocated_sleep(policy, tokenizer, fake_vllm):
     engine.wake_up()
     assert engine.llm.calls == [("sleep", 1), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]
     engine.load_weights(policy)  # awake: no wake_up calls
-    assert [c[0] for c in engine.llm.calls[3:]] == ["collective_rpc", "reset_prefix_cache"]
+    assert [c[:2] for c in engine.llm.calls[3:]] == [("collective_rpc", "reload_weights"),
+                                                     ("collective_rpc", "fp8rl_repack_tied_head"),
+                                                     ("reset_prefix_cache",)]
     separate = make(policy, tokenizer, fake_vllm, sleep=False)
     separate.sleep()
     separate.wake_up()

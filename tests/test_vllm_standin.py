@@ -252,9 +252,10 @@ def test_campaign_steps_sleep_after_rollout_and_wake_before_sync(tmp_path, monke
         # the frontend's calls to vLLM, in order, around step 2's weight update
         calls = [c for c in engine.llm.calls if c[0] in ("sleep", "wake_up", "collective_rpc", "generate")]
         k = calls.index(("sleep", 1))
-        assert calls[k + 1 : k + 5] == [
+        assert calls[k + 1 : k + 6] == [
             ("wake_up", ["weights"]),
             ("collective_rpc", "reload_weights"),
+            ("collective_rpc", "fp8rl_repack_tied_head"),  # a method of our worker extension, by name
             ("wake_up", ["kv_cache"]),
             ("generate", cfg.rollout.prompts_per_step),
         ]

@@ -73,6 +73,7 @@ import torch
 from tests.vllm_standin_core import engine_core_main
 
 _LLM_KWARGS = {
+    "worker_extension_cls",
     "model",
     "tokenizer",
     "dtype",

@@ -70,6 +70,7 @@ class Worker:
             self.params.pop("lm_head.weight", None)
         self.quantization = kwargs.get("quantization")
         self.transfer = (kwargs.get("weight_transfer_config") or {}).get("backend")
+        self.extension = kwargs.get("worker_extension_cls")  # vLLM mixes its methods into the worker class
         self.transfer_init: dict | None = None
         self.update_active = False
         self.warnings: list[str] = []
@@ -82,6 +83,22 @@ class Worker:
             "processed" if kwargs.get("logprobs_mode", "raw_logprobs") == "processed_logprobs" else "raw"
         )
         self._engine = None
+
+    def rpc_method(self, method: str):
+        """``collective_rpc(method)``: the worker's own method, or one of ``worker_extension_cls`` bound to it."""
+        if hasattr(self, method):
+            return getattr(self, method)
+        if self.extension:
+            import importlib
+
+            module, _, name = self.extension.rpartition(".")
+            cls = getattr(importlib.import_module(module), name)
+            if hasattr(cls, method):
+                return getattr(cls, method).__get__(self)
+        raise AttributeError(f"the worker has no method {method!r} (worker_extension_cls={self.extension!r})")
+
+    def get_model(self):
+        return self.hf
 
     # vLLM's model.load_weights: params by name, copy_ each loaded tensor
     def load_weights(self, weights) -> set[str]:
@@ -309,7 +326,7 @@ class EngineCore:
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None) -> list:
         if "weights" in self.asleep and method in ("reload_weights", "update_weights", "start_weight_update"):
             raise RuntimeError(f"{method} on sleeping weights: wake_up(tags=['weights']) first")
-        result = getattr(self.worker, method)(*args, **(kwargs or {}))
+        result = self.worker.rpc_method(method)(*args, **(kwargs or {}))
         if method in ("reload_weights", "finish_weight_update"):
             self.weights_discarded = False
         return [result]

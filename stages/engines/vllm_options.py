@@ -42,6 +42,7 @@ from fp8rl_core.config.method import PrecisionConfig
 from fp8rl_core.config.pipeline import RolloutConfig
 from stages.engines import native_fp8
 from stages.engines.base import LOGPROBS_MODES, LogprobsMode
+from stages.engines.vllm_worker_extension import WORKER_EXTENSION
 
 VLLM_QUANTIZATION: dict[str, str | None] = {
     "bf16": None,
@@ -97,6 +98,7 @@ def build_llm_kwargs(
         "enable_sleep_mode": config.sleep_between_steps,
         "seed": seed,
         "logprobs_mode": VLLM_LOGPROBS_MODE[logprobs_mode],
+        "worker_extension_cls": WORKER_EXTENSION,  # methods of ours on the workers, called by name
     }
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len

@@ -149,8 +149,6 @@ class TensorsTransport(Transport):
 
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
         check_names(names)
-        if wt._is_tied(train_model):
-            llm.apply_model(repack_tied_head)
 
 
 def _ranks() -> tuple[int, int]:
@@ -290,20 +288,3 @@ def verified_reload(llm: Any, *, verify: bool, transport: str):
             f"weight sync ({transport}) left {len(stale)} vLLM parameters un-reloaded (still zero after "
             f"reset_weights): {stale[:6]}; a layer whose weights did not all arrive is not re-quantized"
         )
-
-
-def repack_tied_head(model: nn.Module) -> None:
-    """Re-process vLLM's ``lm_head`` after a reload when it is tied to the embedding.
-
-    The tied head shares the embedding's parameter but is never sent (vLLM's
-    Qwen3 ``load_weights`` skips ``lm_head.*`` when tied), so the layerwise reload
-    does not re-process it. On the CPU backend its processing packs a private
-    copy of the weight for oneDNN (``UnquantizedEmbeddingMethod.
-    process_weights_after_loading`` -> ``dispatch_cpu_unquantized_gemm``): the
-    logits would keep the old embedding (found with the real CPU engine). On a
-    GPU the call re-runs a no-op.
-    """
-    head = getattr(model, "lm_head", None)
-    method = getattr(head, "quant_method", None)
-    if head is not None and hasattr(method, "process_weights_after_loading"):
-        method.process_weights_after_loading(head)
