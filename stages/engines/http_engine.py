@@ -46,6 +46,7 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import logging
 import socket
 import time
 import urllib.error
@@ -56,6 +57,7 @@ from torch import nn
 
 from fp8rl_core.config.method import PrecisionConfig
 from fp8rl_core.config.pipeline import RolloutConfig
+from stages.engines import weight_transfer as wt
 from stages.engines.base import (
     FinishReason,
     RolloutBatch,
@@ -68,6 +70,9 @@ from stages.engines.base import (
 from stages.engines.nccl_sync import NcclRendezvous, NcclSender, as_rendezvous
 from stages.engines.vllm_sampling import request_seed
 from stages.engines.vllm_sync import SentNames
+from stages.engines.vllm_worker_extension import REPACK_TIED_HEAD, WORKER_EXTENSION
+
+log = logging.getLogger(__name__)
 
 
 class ServerError(RuntimeError):
@@ -138,6 +143,16 @@ class HTTPWeightSyncClient:
 
     def resume(self) -> None:
         self.client.post("resume")
+
+    def repack_tied_head(self) -> bool:
+        """``/collective_rpc`` of our worker extension's ``fp8rl_repack_tied_head`` (vLLM's dev-mode route);
+        False when the server was started without ``--worker-extension-cls`` (asked once, not retried)."""
+        once = HTTPClient(self.client.base_url, timeout=self.client.timeout, retries=0)
+        try:
+            once.post("collective_rpc", {"method": REPACK_TIED_HEAD})
+        except ServerError:
+            return False
+        return True
 
 
 def completion_request(
@@ -242,6 +257,7 @@ class VLLMHTTPEngine(RolloutEngine):
         eos.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
         self.eos_ids = frozenset(int(e) for e in eos if e is not None)
         self._sender: Any | None = None
+        self._repacks: bool | None = None  # does the server have our worker extension (None: not asked yet)
         self._closed = False
         self.computes_apart = True  # the server generates
 
@@ -294,10 +310,22 @@ class VLLMHTTPEngine(RolloutEngine):
             self.weights.pause()
         try:
             sender.send(train_model, self.sent_names)
+            if sender.is_sender and wt._is_tied(train_model) and self._repacks is not False:
+                self._repack_tied_head()
         finally:
             if sender.is_sender:
                 self.weights.resume()
         sender.barrier()
+
+    def _repack_tied_head(self) -> None:
+        """vLLM's CPU build keeps a private copy of a tied head that a weight update leaves stale
+        (:func:`~stages.engines.vllm_worker_extension.repack_tied_head`); a GPU needs nothing. A server
+        without our worker extension is told once, in the log, and not asked again."""
+        self._repacks = self.weights.repack_tied_head()
+        if not self._repacks:
+            log.warning("the server at %s has no fp8rl worker extension: on vLLM's CPU build its tied lm_head "
+                        "keeps the weights it started with (start vllm serve with --worker-extension-cls %s; a "
+                        "GPU server needs nothing)", self.config.server_url, WORKER_EXTENSION)
 
     def close(self) -> None:
         self._closed = True
