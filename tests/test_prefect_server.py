@@ -421,3 +421,41 @@ def test_a_server_killed_mid_run_stops_it_in_one_line_and_the_resume_gives_the_u
     assert resumed.finish() == 0, resumed.stderr()[-3000:]
     for table in KEYS:
         assert compare(ref, run, table) == [], f"{table} differs from the uninterrupted run"
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_process_below_a_killed_command_is_stopped_by_its_watcher(tmp_path):
+    """vLLM's engine core (``vllm_process: separate``) is a process of its own, grandchild or deeper of the
+    ``fp8rl`` command, titled ``VLLM::EngineCore``; it does not notice its client's death. A command killed
+    with SIGKILL cannot stop it: the command's watcher (:mod:`flows.child_guard`) does, as it does the
+    temporary Prefect server. Here the engine is a process under that title two levels below a command
+    that only starts the watcher."""
+    from flows.child_guard import ENGINE_MARK
+
+    pid_file = tmp_path / "engine.pid"
+    code = (
+        "import subprocess, sys, time\n"
+        "from flows import child_guard\n"
+        "child_guard.start()\n"
+        # a helper that starts the engine and waits: the engine is the command's grandchild
+        f"subprocess.Popen(['bash', '-c', 'exec -a VLLM::EngineCore sleep 300 & echo $! > {pid_file}; wait'])\n"
+        "time.sleep(300)\n"
+    )
+    cmd = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        deadline = time.monotonic() + 20
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert time.monotonic() < deadline and cmd.poll() is None, "the stand-in engine never started"
+            time.sleep(0.1)
+        engine = int(pid_file.read_text())
+        assert ENGINE_MARK.encode() in _cmdline(engine)
+        time.sleep(1.5)  # the watcher notes what is below the command twice a second
+        os.kill(cmd.pid, signal.SIGKILL)
+        cmd.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while ENGINE_MARK.encode() in _cmdline(engine):
+            assert time.monotonic() < deadline, "the engine outlived the killed command by 10 s"
+            time.sleep(0.1)
+    finally:
+        if cmd.poll() is None:
+            cmd.kill()
