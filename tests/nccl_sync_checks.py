@@ -1,6 +1,6 @@
 """``weight_sync: nccl`` with vLLM's real transfer engines on a CPU, run in ``.venv-vllm`` by tests/test_nccl_sync.py.
 
-``python tests/nccl_sync_checks.py KIND OUT_DIR [SERVER_URL SERVED_FOLDER]`` writes ``OUT_DIR/result.json``.
+``python tests/nccl_sync_checks.py ranks OUT_DIR`` writes ``OUT_DIR/result.json``.
 Every process involved runs with ``FP8RL_TEST_NCCL_STANDIN=1`` and ``tests/vllm_site`` on
 its path: vLLM's NCCL communicator is the gloo stand-in
 (``tests/vllm_site/fp8rl_nccl_standin.py``), everything else is vLLM's code —
@@ -13,15 +13,9 @@ worker, the packed producer and consumer, the TCP rendezvous.
   trainer endpoint and who called the server, what the worker holds after each sync, one
   stream pass per rank per sync, the bytes on the wire, and that rank 1 left its sync only
   after rank 0 had resumed the server.
-* ``separate``: the stages (rollout, score, train, rollout) with ``rollout.engine: vllm``,
-  ``vllm_process: separate``, ``weight_sync: nccl``: vLLM's ``LLM`` with its own engine-core
-  process; after the second sync its log-probs are compared with the trainer's.
-* ``http``: the same with ``rollout.engine: vllm_http`` against ``SERVER_URL`` (a ``vllm
-  serve`` of ``SERVED_FOLDER`` with ``--weight-transfer-config '{"backend": "nccl"}'``).
 
-The stages' policy is moved by hand after its training step (a random policy scores 0
-everywhere: no advantage, no update), so that the engine's log-probs after the second sync
-tell the trainer's new weights from the base policy's.
+The campaigns (``fp8rl run``) that sync by NCCL, to an engine in its own process and to a
+``vllm serve``, are in tests/test_vllm_campaign.py and tests/test_vllm_http_real.py.
 
 vLLM spawns helper processes: the entry point is guarded by ``__main__``.
 """
@@ -247,115 +241,14 @@ def run_ranks(out_dir: Path) -> dict:
     return result
 
 
-# ------------------------------------------------------------------ a vLLM engine, the stages
-def trainer_reference(base: Path, policy):
-    """The base model's architecture holding the trainer's bf16 weights (what a correct sync sends)."""
-    from fp8rl_core.tasks.tiny_model import load_policy
-    from stages.engines import weight_transfer as wt
-
-    ref, _ = load_policy(base)
-    missing, unexpected = ref.load_state_dict({n: t.float() for n, t in wt.trainer_weights(policy)}, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    return ref
-
-
-def logprob_gaps(engine, policy, base_model, base: Path) -> dict:
-    """The engine's sampled-token log-probs against the trainer's (after its update) and the base policy's."""
-    from vllm_real_checks import bf16_logprob_tolerance, gap, trainer_bf16_logprobs
-
-    batch = engine.generate(PROMPTS, **GEN)
-    rows = [PROMPTS[s.prompt_index] + s.response_ids for s in batch.samples]
-    engine_lp = [s.response_logprobs for s in batch.samples]
-
-    def tail(model):
-        lp, zmax = trainer_bf16_logprobs(model, rows)
-        return [t[len(PROMPTS[s.prompt_index]) - 1 :] for t, s in zip(lp, batch.samples)], zmax
-
-    trained, zmax = tail(trainer_reference(base, policy))
-    old, _ = tail(base_model)
-    return {
-        "gap_trained": gap(engine_lp, trained),
-        "gap_base": gap(engine_lp, old),
-        "trainer_moved": gap(trained, old),
-        "tolerance": bf16_logprob_tolerance(zmax, 2 * base_model.config.num_hidden_layers),
-        "tokens": sum(len(x) for x in engine_lp),
-    }
-
-
-def run_engine_stages(out_dir: Path, overrides: list[str], base: Path | None = None) -> dict:
-    import torch
-
-    from flows.configuration import dump_config, load_config
-    from fp8rl_core.tasks.tiny_model import build_tokenizer, load_policy
-    from stages.context import open_run
-    from stages.engines import weight_transfer as wt
-    from stages.rollout import run_rollout
-    from stages.score import run_score
-    from stages.train import run_train
-    from storage.layout import create_run
-
-    torch.manual_seed(0)
-    if base is None:
-        base = out_dir / "base"
-        untied_policy().save_pretrained(base)
-        build_tokenizer().save_pretrained(base)
-    cfg = load_config("tiny-cpu", [
-        f"model.path={base}", "steps=2", "threads=1", "precision.train=bf16", "precision.rollout=bf16",
-        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=6",
-        "rollout.sleep_between_steps=false", "rollout.enforce_eager=true", "rollout.kv_cache_gib=0.0625",
-        "rollout.gpu_memory_utilization=0.1", "algorithm.ppo_mini_batch_size=4", "algorithm.micro_batch_size=4",
-        "calibration.interval=2", *overrides,
-    ])  # fmt: skip
-    create_run(out_dir, "r", config=dump_config(cfg))
-    env, state = open_run(cfg, out_dir / "r")
-    result: dict = {"engine": type(env.engine).__name__}
-    try:
-        _, state = run_rollout(env, state, 1)  # the first sync (the base policy), then generation
-        _, state = run_score(env, state, 1)
-        _, state = run_train(env, state, 1)
-        with torch.no_grad():  # a random policy scores 0 everywhere (no advantage, no update): move it visibly
-            gen = torch.Generator().manual_seed(1)
-            for p in state.policy.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
-        t0 = time.perf_counter()
-        run_rollout(env, state, 2)  # the second sync: step 1's update
-        result["sync_and_rollout_s"] = time.perf_counter() - t0
-        base_model, _ = load_policy(base)
-        result["logprobs"] = logprob_gaps(env.engine, state.policy, base_model, base)
-        result["sent_numel_per_sync"] = sum(t.numel() for _, t in wt.trainer_weights(state.policy))
-        result["wire"] = sent_bytes(out_dir, os.getpid())
-        result["syncs"] = 2
-    finally:
-        env.close()
-    return result
-
-
-def untied_policy():
-    """The tiny policy with its head untied: vLLM's CPU build keeps a private oneDNN copy of a tied head
-    that a weight update does not re-pack (``stages.engines.vllm_sync.repack_tied_head``; a GPU has no such
-    copy), and no route of a server reaches it. (The ``ranks`` check sends a tied policy: its names leave
-    the head out.)"""
-    from fp8rl_core.config.model import ModelConfig
-    from fp8rl_core.tasks.tiny_model import build_tiny_model
-
-    return build_tiny_model(ModelConfig(seed=3, tie_word_embeddings=False))
-
-
 def main(argv: list[str]) -> int:
     kind, out_dir = argv[1], Path(argv[2])
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ["FP8RL_TEST_NCCL_WIRE"] = str(wire_file(out_dir))
     try:
-        if kind == "ranks":
-            result = run_ranks(out_dir)
-        elif kind == "separate":
-            result = run_engine_stages(
-                out_dir, ["rollout.engine=vllm", "rollout.vllm_process=separate", "rollout.weight_sync=nccl"]
-            )
-        else:
-            result = run_engine_stages(
-                out_dir, ["rollout.engine=vllm_http", f"rollout.server_url={argv[3]}"], base=Path(argv[4])
-            )
+        if kind != "ranks":
+            raise ValueError(f"unknown check {kind!r} (only 'ranks')")
+        result = run_ranks(out_dir)
     except Exception:
         result = {"error": traceback.format_exc()}
     (out_dir / "result.json").write_text(json.dumps(result, indent=1))

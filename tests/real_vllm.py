@@ -91,10 +91,19 @@ def _result(what: str, out_dir: Path, proc: subprocess.CompletedProcess) -> dict
     return result
 
 
+def pinned_before_torch() -> dict[str, str]:
+    """The CPU-numerics variables ``fp8rl`` pins (``fp8rl_core.host.cpu_env``), for a process whose
+    ``sitecustomize.py`` (tests/vllm_site) imports torch before ``fp8rl`` could pin them: ATen reads them
+    once, at import."""
+    from fp8rl_core.host.cpu_env import PINNED_ENV
+
+    return {k: os.environ.get(k, v) for k, v in PINNED_ENV.items()}
+
+
 def require_vllm() -> None:
     reason = skip_reason()
     if reason is not None:
         pytest.skip(reason)
 
 
-__all__ = ["SITE", "nccl_checks", "require_vllm", "run_checks", "skip_reason", "vllm_python"]
+__all__ = ["SITE", "nccl_checks", "pinned_before_torch", "require_vllm", "run_checks", "skip_reason", "vllm_python"]

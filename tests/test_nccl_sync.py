@@ -5,15 +5,14 @@ Each test runs ``tests/nccl_sync_checks.py`` in the vLLM venv with
 vLLM's ``NCCLTrainerWeightTransferEngine`` and ``NCCLWeightTransferEngine``, the packed
 producer and consumer and the TCP rendezvous are vLLM's; only ``PyNcclCommunicator``
 and the CUDA stream calls on its path are the stand-in's
-(``tests/vllm_site/fp8rl_nccl_standin.py``). The ``vllm_http`` engine's sync to a real
-``vllm serve`` is in tests/test_vllm_http_real.py (it reuses that module's server).
+(``tests/vllm_site/fp8rl_nccl_standin.py``). Whole campaigns that sync by NCCL are in
+tests/test_vllm_http_real.py (to a real ``vllm serve``) and tests/test_vllm_campaign.py (to
+vLLM's ``LLM`` with its own engine-core process, killed and resumed).
 
 * two trainer ranks (FSDP2, gloo): one sender (rank 0 opens the endpoint and talks to the
   engine, rank 1 only gathers), one stream pass per sync, the worker holds the trainer's
   bf16 weights bit for bit after each sync, 2 bytes per element on the wire, and rank 1
-  leaves a sync only once rank 0 has resumed the server; the stand-in's NCCL rules;
-* the stages (rollout, score, train, rollout) with ``engine: vllm``, ``vllm_process:
-  separate``: the engine's log-probs after the second sync are the trainer's.
+  leaves a sync only once rank 0 has resumed the server; the stand-in's NCCL rules.
 """
 
 from __future__ import annotations
@@ -52,11 +51,3 @@ def test_several_trainer_ranks_have_one_sender_and_send_bf16_once_per_sync(tmp_p
         assert "not contiguous" in said[2] and "disagree" in said[3] and "disagree" in said[4]
         assert "out of range" in said[5] and "destroyed communicator" in said[6]
 
-
-def test_the_stages_sync_a_separate_vllm_engine_by_nccl(tmp_path):
-    result = nccl_checks("separate", tmp_path)
-    assert result["engine"] == "VLLMEngine"
-    lp = result["logprobs"]
-    assert lp["gap_trained"] <= lp["tolerance"] < lp["trainer_moved"] / 4, lp
-    assert lp["gap_base"] > 4 * lp["tolerance"], lp
-    assert sum(result["wire"].values()) == result["syncs"] * 2 * result["sent_numel_per_sync"], result

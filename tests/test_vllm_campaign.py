@@ -30,6 +30,7 @@ machine the two runs came out bit-identical (2026-12-03).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -39,7 +40,7 @@ import numpy as np
 import pytest
 import shared_prefect
 
-from tests.real_vllm import ROOT, require_vllm, skip_reason, vllm_python
+from tests.real_vllm import ROOT, SITE, pinned_before_torch, require_vllm, skip_reason, vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(2400)]
 
@@ -50,10 +51,12 @@ RANK_COLUMNS = {"world_size"}  # what the rank count is allowed to change
 
 
 def run_campaign(
-    run_dir: Path, nproc: int, *extra: str, resume: bool = False, fault: str | None = None
+    run_dir: Path, nproc: int, *extra: str, resume: bool = False, fault: str | None = None,
+    nccl_wire: Path | None = None,
 ) -> subprocess.CompletedProcess:
     """``fp8rl run`` of the rehearsal preset in the vLLM venv (``extra``: ``--set`` overrides; ``resume``:
-    ``fp8rl resume`` of that run; ``fault``: an ``FP8RL_FAULT`` test hook, armed by the suite)."""
+    ``fp8rl resume`` of that run; ``fault``: an ``FP8RL_FAULT`` test hook, armed by the suite;
+    ``nccl_wire``: the gloo stand-in for NCCL in every process, logging what it broadcasts there)."""
     sets = [x for o in extra for x in ("--set", o)]
     env = dict(shared_prefect.without_server(os.environ), PYTHONPATH=str(ROOT), FP8RL_MAX_THREADS="1",
                OMP_NUM_THREADS="1",
@@ -67,6 +70,9 @@ def run_campaign(
         env["PREFECT_API_URL"] = _PREFECT["url"]
     if fault:
         env["FP8RL_FAULT"] = fault
+    if nccl_wire is not None:  # tests/vllm_site: the stand-in in the trainer and in vLLM's engine processes
+        env.update(PYTHONPATH=f"{SITE}:{ROOT}", FP8RL_TEST_NCCL_STANDIN="1", FP8RL_TEST_NCCL_WIRE=str(nccl_wire),
+                   **pinned_before_torch())
     cmd = [str(vllm_python()), "-m", "flows.cli", "run", PRESET, "--run-dir", str(run_dir), *sets]
     if resume:
         cmd = [str(vllm_python()), "-m", "flows.cli", "resume", str(run_dir)]
@@ -104,6 +110,16 @@ def runs(tmp_path_factory) -> dict[int, Path]:
         r = run_campaign(out[nproc], nproc)
         assert r.returncode == 0, f"{nproc}-rank campaign through vLLM failed:\n{r.stderr[-4000:]}"
     return out
+
+
+def sent_numel(run_dir: Path) -> int:
+    """Elements a weight sync sends of the run's policy (its last checkpoint's): the tied head left out."""
+    from fp8rl_core.tasks.tiny_model import load_policy
+    from stages.engines import weight_transfer as wt
+
+    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    policy, _ = load_policy(last / "model")
+    return sum(t.numel() for _, t in wt.trainer_weights(policy))
 
 
 def rows(run_dir: Path, sql: str) -> list[dict]:
@@ -185,15 +201,28 @@ def test_the_comparison_fails_when_the_seed_is_shifted_by_one(runs):
 
 
 def test_a_run_killed_mid_step_resumes_to_the_uninterrupted_tables(runs):
-    """SIGKILL inside step 2's update (the trainer and its vLLM engine die together), then ``fp8rl
-    resume`` through vLLM: the tables of the uninterrupted 1-rank run."""
-    killed = runs[1].parent / "killed"
-    r = run_campaign(killed, 1, fault="train@2:mb1=kill")
+    """SIGKILL inside step 2's update, then ``fp8rl resume``: the tables of the uninterrupted 1-rank run.
+    This run keeps vLLM in an engine-core process of its own (``vllm_process: separate``) and syncs it
+    by NCCL (vLLM's trainer and worker transfer engines over the gloo stand-in, the rendezvous from the
+    config's defaults): the engine's process outlives the killed trainer by nothing, the resumed run
+    starts a new one, and every sync sends bf16 from the trainer alone. The engine then holds exactly
+    what the in-process engine is given (the tied head re-processed by our worker extension), so every
+    sample, log-prob and table equals the uninterrupted run's."""
+    killed, wire = runs[1].parent / "killed", runs[1].parent / "killed-wire.jsonl"
+    separate_nccl = ("rollout.vllm_process=separate", "rollout.weight_sync=nccl")
+    r = run_campaign(killed, 1, *separate_nccl, fault="train@2:mb1=kill", nccl_wire=wire)
     assert r.returncode != 0, "the fault hook did not end the run"
-    r = run_campaign(killed, 1, resume=True)
+    assert "EngineCore" in r.stdout + r.stderr, "vLLM's engine did not run in a process of its own"
+    r = run_campaign(killed, 1, resume=True, nccl_wire=wire)
     assert r.returncode == 0, f"resume through vLLM failed:\n{r.stderr[-4000:]}"
     bad = [c for t in TABLES for c in table_differences(runs[1], killed, t, FLOAT_TOL)]
-    assert not bad, f"killed and resumed vs uninterrupted, through vLLM: {bad}"
+    assert not bad, f"killed and resumed (vLLM apart, NCCL sync) vs uninterrupted (in-process): {bad}"
+    sent = [json.loads(line) for line in wire.read_text().splitlines()]
+    senders = {(x["pid"], x["rank"]) for x in sent if x["rank"] == 0}
+    assert len(senders) == 2 and {x["src"] for x in sent} == {0}, senders  # one sender per run (killed, resumed)
+    per_sync = 2 * sent_numel(killed)  # bf16: 2 bytes per element of the trainer's state, tied head left out
+    received = [x["bytes"] for x in sent if x["rank"] != 0]
+    assert sum(received) % per_sync == 0 and sum(received) >= 3 * per_sync, (sum(received), per_sync)
 
 
 
