@@ -18,10 +18,11 @@ import pyarrow as pa
 
 from fp8rl_core.config.campaign import CampaignConfig
 from fp8rl_core.config.pipeline import BenchmarkEval
-from stages.context import RunEnv, TrainState, step_seed
+from stages.context import RunEnv, TrainState
 from stages.data.prompts import PromptItem, data_dir
 from stages.engines.base import RolloutBatch, RolloutSample
 from stages.result import StageResult
+from stages.runtime.seeds import step_seed
 
 if TYPE_CHECKING:
     from stages.data.benchmarks import LoadReport

@@ -24,9 +24,10 @@ import torch
 from fp8rl_core.calibration.shadow_metrics import shadow_metrics as shadow_noise
 from fp8rl_core.objective.losses import importance_ratio
 from fp8rl_core.signals.failure_signals import garbled_shares
-from stages.context import RunEnv, TrainState, step_seed
+from stages.context import RunEnv, TrainState
 from stages.result import StageResult
 from stages.runtime.io import read_step
+from stages.runtime.seeds import step_seed
 from stages.schedule.shadow import drift_metrics, shadow_plan
 from stages.trainer.batch import TrainBatch
 from stages.trainer.forward import token_multiple

@@ -15,11 +15,17 @@ from stages.data.code_benchmarks import (
     CODE_SOURCES,
     _eurus,
     _taco_apps,
-    grade_code_responses,
     load_code_benchmark,
     records_to_set,
 )
-from stages.grade.code import CodeGradingConfig, extract_code, get_sandbox, grade_code_batch, grade_program
+from stages.grade.code import (
+    CodeGradingConfig,
+    extract_code,
+    get_sandbox,
+    grade_code_batch,
+    grade_code_responses,
+    grade_program,
+)
 from stages.grade.code_tests import parse_tests
 from stages.grade.sandbox import probe_isolation
 from stages.grade.stdio_match import outputs_match

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.data.code_benchmarks import CODE_SOURCES, grade_code_responses, records_to_set
-from stages.grade.code import grade_program
+from stages.data.code_benchmarks import CODE_SOURCES, records_to_set
+from stages.grade.code import grade_code_responses, grade_program
 from stages.grade.code_tests import parse_tests
 from stages.grade.functional import functional_run
 from stages.grade.sandbox import Sandbox, probe_isolation

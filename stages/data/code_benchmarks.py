@@ -4,7 +4,7 @@ Every source becomes :class:`stages.data.benchmarks.BenchmarkProblem` records wh
 ``answer`` is a *grading spec*: JSON ``{"style": "program"|"expression",
 "tests": <tests as parse_tests reads them>}`` — so the rollout, score and
 evaluate stages carry it in ``reference_answer`` like a math gold answer, and
-the ``"code"`` / ``"code_expr"`` verifiers (:func:`grade_code_responses`) run it.
+the ``"code"`` / ``"code_expr"`` verifiers (:func:`stages.grade.code.grade_code_responses`) run it.
 A stdin/stdout problem whose statement accepts answers in any letter case
 (:func:`stages.grade.stdio_match.statement_allows_any_case`) carries ``"any_case": true``;
 every other comparison is case-exact.
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -46,9 +46,7 @@ from stages.data.benchmarks import (
     no_data_folder,
     resolve_data_dir,
 )
-from stages.grade.code import CodeGradingConfig, extract_code, grade_code_batch
 from stages.grade.code_tests import parse_tests
-from stages.grade.result import GradeResult
 from stages.grade.stdio_match import statement_allows_any_case
 
 log = logging.getLogger(__name__)
@@ -196,49 +194,3 @@ def _load_hf(name: str, src: CodeSource, limit: int | None, code: CodeConfig) ->
 
 def verifier_of(name: str) -> str:
     return "code_expr" if name == "code_tiny" else "code"
-
-
-# ----------------------------------------------------------------- the verifiers
-def grading_config(code: CodeConfig | None) -> CodeGradingConfig:
-    c = code or CodeConfig()
-    return CodeGradingConfig(
-        per_test_s=c.per_test_s,
-        per_sample_s=c.per_sample_s,
-        batch_wall_s=c.batch_wall_s,
-        max_sandboxes=c.max_sandboxes,
-        memory_mb=c.memory_mb,
-        output_bytes=c.output_bytes,
-        nproc=c.nproc,
-        allow_unisolated=c.allow_unisolated,
-    )
-
-
-def grade_code_responses(
-    ids: Sequence[str], responses: Sequence[str], specs: Sequence[str], verifier: str, code: CodeConfig | None = None
-) -> list[GradeResult]:
-    """Grade responses against grading specs in the sandbox: correct = every test passed;
-    ``fraction`` = share passed; ``extracted`` = the program run (``None``: no code)."""
-    codes: list[str | None] = []
-    tests = []
-    extracted: list[str | None] = []
-    for resp, spec in zip(responses, specs):
-        s = json.loads(spec)
-        tests.append(replace(parse_tests(s["tests"]), case_insensitive=bool(s.get("any_case"))))
-        if verifier == "code_expr" or s.get("style") == "expression":
-            expr = code_task.extract_expression(resp)
-            extracted.append(expr)
-            codes.append(code_task.program_for(expr) if expr is not None else None)
-        else:
-            prog = extract_code(resp)
-            extracted.append(prog)
-            codes.append(prog)
-    grades = grade_code_batch(list(ids), codes, tests, grading_config(code))
-    out = []
-    for g, ex in zip(grades, extracted):
-        status = (
-            "no_answer"
-            if g.status == "no_code"
-            else ("timeout" if g.status == "deadline" else ("error" if g.status != "ok" else "ok"))
-        )
-        out.append(GradeResult(g.id, g.correct, ex, status, g.seconds, g.detail, fraction=g.fraction))
-    return out

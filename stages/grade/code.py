@@ -56,16 +56,20 @@ The modules: :mod:`stages.grade.code_tests` (parsing tests),
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Sequence
 
-from stages.grade.code_tests import CodeTests
+from fp8rl_core.config.model import CodeConfig
+from fp8rl_core.tasks import code as code_task
+from stages.grade.code_tests import CodeTests, parse_tests
 from stages.grade.functional import functional_case_passes, functional_run, read_records
+from stages.grade.result import GradeResult
 from stages.grade.sandbox import Sandbox
 from stages.grade.sandbox_limits import SandboxLimits
 from stages.grade.stdio_match import outputs_match
@@ -239,3 +243,49 @@ def grade_code_batch(
         return [one(i) for i in range(len(ids))]
     with ThreadPoolExecutor(max_workers=cfg.max_sandboxes, thread_name_prefix="fp8rl-sandbox") as pool:
         return list(pool.map(one, range(len(ids))))
+
+
+# ----------------------------------------------------------------- the "code" and "code_expr" verifiers
+def grading_config(code: CodeConfig | None) -> CodeGradingConfig:
+    c = code or CodeConfig()
+    return CodeGradingConfig(
+        per_test_s=c.per_test_s,
+        per_sample_s=c.per_sample_s,
+        batch_wall_s=c.batch_wall_s,
+        max_sandboxes=c.max_sandboxes,
+        memory_mb=c.memory_mb,
+        output_bytes=c.output_bytes,
+        nproc=c.nproc,
+        allow_unisolated=c.allow_unisolated,
+    )
+
+
+def grade_code_responses(
+    ids: Sequence[str], responses: Sequence[str], specs: Sequence[str], verifier: str, code: CodeConfig | None = None
+) -> list[GradeResult]:
+    """Grade responses against grading specs in the sandbox: correct = every test passed;
+    ``fraction`` = share passed; ``extracted`` = the program run (``None``: no code)."""
+    codes: list[str | None] = []
+    tests = []
+    extracted: list[str | None] = []
+    for resp, spec in zip(responses, specs):
+        s = json.loads(spec)
+        tests.append(replace(parse_tests(s["tests"]), case_insensitive=bool(s.get("any_case"))))
+        if verifier == "code_expr" or s.get("style") == "expression":
+            expr = code_task.extract_expression(resp)
+            extracted.append(expr)
+            codes.append(code_task.program_for(expr) if expr is not None else None)
+        else:
+            prog = extract_code(resp)
+            extracted.append(prog)
+            codes.append(prog)
+    grades = grade_code_batch(list(ids), codes, tests, grading_config(code))
+    out = []
+    for g, ex in zip(grades, extracted):
+        status = (
+            "no_answer"
+            if g.status == "no_code"
+            else ("timeout" if g.status == "deadline" else ("error" if g.status != "ok" else "ok"))
+        )
+        out.append(GradeResult(g.id, g.correct, ex, status, g.seconds, g.detail, fraction=g.fraction))
+    return out

@@ -236,8 +236,8 @@ def grade_batch(
     """
     if not len(ids) == len(responses) == len(golds):
         raise ValueError(f"grade_batch: {len(ids)} ids, {len(responses)} responses, {len(golds)} golds")
-    if verifier in ("code", "code_expr"):  # model-written programs: run in the sandbox (stages.data.code_benchmarks)
-        from stages.data.code_benchmarks import grade_code_responses
+    if verifier in ("code", "code_expr"):  # model-written programs: run in the sandbox (stages.grade.code)
+        from stages.grade.code import grade_code_responses
 
         return grade_code_responses(ids, responses, golds, verifier, code_config)
     resolve_verifier(verifier)  # unknown name -> KeyError listing the valid ones, before any work

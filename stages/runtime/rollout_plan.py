@@ -7,7 +7,7 @@ rank); an evaluation has its benchmarks' problems. Generation is cut into
 ``B * G <= generation_batch_size`` sequences), with the prompts stable-sorted
 by token length (the transformers engine's own bucketing, so a block's prompts
 keep their order inside the engine). Every prompt carries its own seed
-(``seeds=``), :func:`stages.context.rollout_seed` of its global index; a block
+(``seeds=``), :func:`stages.runtime.seeds.rollout_seed` of its global index; a block
 carries the first one as its call seed.
 
 **Engines** (:class:`EngineLayout`, :func:`engine_layout`). Requests go to the
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8rl_core.config.engine_kinds import ENGINE_KINDS
-from stages.context import rollout_seed
+from stages.runtime.seeds import rollout_seed
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ def balanced_blocks(
 ) -> tuple[list[GenerationBlock], list[int]]:
     """Blocks balanced over the engines by expected tokens, starting from the engines' ``loads``.
 
-    ``seeding``: ``(seed, step, round)`` of :func:`stages.context.rollout_seed`. Blocks are
+    ``seeding``: ``(seed, step, round)`` of :func:`stages.runtime.seeds.rollout_seed`. Blocks are
     numbered call by call (engine 0's first call, engine 1's first call, ...). Returns the blocks
     and the engines' loads after them."""
     order = _sorted_prompts(prompt_lengths)

@@ -28,8 +28,9 @@ import torch
 from fp8rl_core.calibration.drift import Schedule, negative_ratios, thin
 from fp8rl_core.calibration.subsample import choose_size, sample_sequences
 from fp8rl_core.objective.losses import importance_ratio
-from stages.context import RunEnv, TrainState, step_seed
+from stages.context import RunEnv, TrainState
 from stages.runtime.io import read_step
+from stages.runtime.seeds import step_seed
 
 _REFERENCE: dict[tuple[str, str, int], torch.Tensor] = {}
 
@@ -138,7 +139,6 @@ def subsample_columns(cols: dict[str, np.ndarray], sample_ids: np.ndarray, cfg, 
     Full shadow: every row, the bound columns say m = N and error 0.
     """
     from fp8rl_core.calibration.subsample import bootstrap_lower_error, lower_error_bound
-    from stages.context import step_seed
 
     has16 = np.isfinite(cols["logp_bf16"]) & np.isfinite(cols["old_logp_bf16"])
     adv = cols["advantage"]
