@@ -100,6 +100,11 @@ class Client:
         self._worker("finish_weight_update")
         time.sleep(0.5)  # a slow engine: no trainer rank may go on before the server is back
 
+    def repack_tied_head(self) -> bool:
+        """A server started with our worker extension (``/collective_rpc``): the tied policy's head, re-processed."""
+        self._worker("repack_tied_head")
+        return True
+
     def pause(self):
         self._worker("pause")
 

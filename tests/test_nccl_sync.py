@@ -35,7 +35,7 @@ def test_several_trainer_ranks_have_one_sender_and_send_bf16_once_per_sync(tmp_p
     assert r0["port"] == r1["port"] > 0  # rank 0 picked it, rank 1 was told
     assert (r0["opened"], r1["opened"]) == ([0], [])  # only rank 0 opened the trainer endpoint
     assert r0["is_sender"] and not r1["is_sender"] and r1["client_calls"] == []  # rank 1 never talked to the server
-    one_sync = ["pause", "start_weight_update", "update_weights", "finish_weight_update", "resume"]
+    one_sync = ["pause", "start_weight_update", "update_weights", "finish_weight_update", "repack_tied_head", "resume"]
     assert r0["client_calls"] == one_sync[:1] + ["init_weight_transfer_engine"] + one_sync[1:] + one_sync
     assert r0["init_info"]["world_size"] == 2 and r0["init_info"]["rank_offset"] == 1
     assert r0["held_equal"] == [True, True]  # what the worker loaded: the trainer's bf16 weights, bit for bit

