@@ -149,3 +149,25 @@ def test_hanging_item_scores_zero_and_does_not_block(caplog):
         assert again[0].correct  # the pool replaced its killed worker
     finally:
         pool.close()
+
+
+def test_the_code_verifiers_are_marked_sandboxed_and_are_never_called():
+    from fp8rl_core.tasks.verifiers import is_sandboxed
+
+    assert [n for n in sorted(VERIFIERS.names()) if is_sandboxed(n)] == ["code", "code_expr"]
+    assert not is_sandboxed("tests.test_verifiers:test_registry_names")  # an importable verifier runs as given
+    with pytest.raises(RuntimeError, match="graded in the sandbox"):
+        VERIFIERS.get("code")("print(1)", "{}")
+
+
+def test_the_pool_sends_a_verifier_marked_sandboxed_to_the_sandbox(monkeypatch):
+    """The mark decides, not the name: a verifier registered as sandboxed under another name is graded by
+    the sandbox's batch grader."""
+    from fp8rl_core.tasks.verifiers import SandboxedVerifier
+    from stages.grade import code, pool
+
+    monkeypatch.setitem(VERIFIERS._items, "code_planted", SandboxedVerifier("code_planted"))
+    seen = []
+    monkeypatch.setattr(code, "grade_code_responses", lambda ids, *a, **k: seen.append(list(ids)) or [])
+    pool.grade_batch(["a"], ["print(1)"], ["{}"], verifier="code_planted")
+    assert seen == [["a"]]

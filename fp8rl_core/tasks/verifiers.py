@@ -1,6 +1,6 @@
 """Reward functions: final-answer extraction and equivalence checking.
 
-Two verifiers, registered by name in :data:`VERIFIERS`:
+Four verifiers, registered by name in :data:`VERIFIERS`:
 
 ``"math"`` — :func:`math_equal`, for real benchmarks and math training sets.
     1. *Extract* the final answer from the response (:func:`extract_final_answer`),
@@ -26,6 +26,10 @@ Two verifiers, registered by name in :data:`VERIFIERS`:
 
 ``"synthetic"`` — :func:`fp8rl_core.tasks.synthetic.exact_verify`: a pure string check of the
     synthetic task's answer, cheap enough to run inline.
+
+``"code"``, ``"code_expr"`` — :class:`SandboxedVerifier`: the response's program (or a
+    program built from its expression) runs against the problem's tests in the sandbox,
+    in batches (``stages.grade.code``); marked ``sandboxed``, never called as a function.
 
 A verifier is ``(response: str, gold: str) -> bool``.
 """
@@ -186,6 +190,30 @@ def math_equal(response: str, gold: str, *, timeout_s: int | None = 5) -> bool:
 
 
 VERIFIERS.register("synthetic")(exact_verify)
+
+
+class SandboxedVerifier:
+    """A verifier that runs the response's program: graded in the sandbox, in batches
+    (``stages.grade.code.grade_code_responses``), never called as a function."""
+
+    sandboxed = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, response: str, gold: str) -> bool:
+        raise RuntimeError(f"verifier {self.name!r} runs the response's program: it is graded in the sandbox "
+                           "(stages.grade.code.grade_code_responses), not called")
+
+
+for _name in ("code", "code_expr"):  # a whole program; a program built from one expression
+    VERIFIERS.register(_name)(SandboxedVerifier(_name))
+
+
+def is_sandboxed(name: str) -> bool:
+    """Does the verifier ``name`` run the response's program (graded in the sandbox)? An importable
+    ``module:function`` verifier never does."""
+    return ":" not in name and name in VERIFIERS and bool(getattr(VERIFIERS.get(name), "sandboxed", False))
 
 
 def get_verifier(name: str) -> Verifier:

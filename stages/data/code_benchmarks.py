@@ -51,7 +51,6 @@ from stages.grade.stdio_match import statement_allows_any_case
 
 log = logging.getLogger(__name__)
 
-CODE_VERIFIERS = frozenset({"code", "code_expr"})
 SHIPPED_DIR = "code_rl_rllm"
 
 

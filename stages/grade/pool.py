@@ -37,7 +37,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Callable, Sequence
 
-from fp8rl_core.tasks.verifiers import extract_for, get_verifier, math_equal
+from fp8rl_core.tasks.verifiers import extract_for, get_verifier, is_sandboxed, math_equal
 from stages.grade.result import GradeResult, Status  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ def grade_batch(
     """
     if not len(ids) == len(responses) == len(golds):
         raise ValueError(f"grade_batch: {len(ids)} ids, {len(responses)} responses, {len(golds)} golds")
-    if verifier in ("code", "code_expr"):  # model-written programs: run in the sandbox (stages.grade.code)
+    if is_sandboxed(verifier):  # model-written programs: run in the sandbox (stages.grade.code)
         from stages.grade.code import grade_code_responses
 
         return grade_code_responses(ids, responses, golds, verifier, code_config)
