@@ -56,6 +56,8 @@ DEFAULT_TESTS = (
     "tests/test_http_engine.py",
     "tests/test_cuda_queries.py",
     "tests/test_nccl_transport.py",
+    "tests/test_vllm_separate.py",
+    "tests/test_plan_split.py",
 )
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"  # where gpu_check/vllm_cycle.py runs on vLLM's CPU build
 GUARD = re.compile(r"cuda|nccl|\bipc\b|get_device_capability|is_sm_at_least")

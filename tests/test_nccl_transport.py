@@ -311,6 +311,41 @@ def test_the_http_engine_pauses_sends_and_resumes_on_rank_0_only(standin, monkey
         )
 
 
+@pytest.mark.parametrize("extension", [True, False])
+def test_a_tied_policy_has_the_server_reprocess_its_head_before_it_resumes(standin, extension, caplog):
+    """vLLM's CPU build keeps a private copy of a tied head that an update leaves stale: after each sync of
+    a tied policy rank 0 asks the server for our worker extension's method, before the server resumes. A
+    server without the extension (``False``) is named once in the log and not asked again."""
+    import logging
+    from types import SimpleNamespace
+
+    from fp8rl_core.config.method import PrecisionConfig
+    from fp8rl_core.config.pipeline import RolloutConfig
+    from stages.engines.http_engine import VLLMHTTPEngine
+    from stages.engines.nccl_sync import NcclRendezvous
+
+    class Server(_Client):
+        def repack_tied_head(self) -> bool:
+            self.calls.append(("repack_tied_head", None))
+            return extension
+
+    tied = nn.Linear(2, 2)
+    tied.config = SimpleNamespace(tie_word_embeddings=True)
+    cfg = RolloutConfig(engine="vllm_http", server_url="http://127.0.0.1:9")
+    engine = VLLMHTTPEngine(model=tied, tokenizer=None, precision=PrecisionConfig(), config=cfg,
+                            nccl_master=NcclRendezvous("h", 1, 1))
+    engine.weights = server = Server()
+    with caplog.at_level(logging.WARNING, logger="stages.engines.http_engine"):
+        engine.load_weights(tied)
+        engine.load_weights(tied)
+    engine.close()
+    calls = [c for c, _ in server.calls]
+    assert calls.count("repack_tied_head") == (2 if extension else 1)
+    assert calls.index("repack_tied_head") == calls.index("finish_weight_update") + 1 == calls.index("resume") - 1
+    warned = [r.getMessage() for r in caplog.records if "worker extension" in r.getMessage()]
+    assert len(warned) == (0 if extension else 1) and all("--worker-extension-cls" in w for w in warned)
+
+
 def test_a_null_port_is_picked_by_rank_0_and_told_to_the_others(monkeypatch):
     import torch.distributed as dist
 
