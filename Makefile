@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install $(PIP_Q) torch==2.13.0
 	$(BIN)/pip install $(PIP_Q) -c constraints.txt -e '.[test]'
+	$(BIN)/python -m fp8rl_core.cpu_numerics.exact_kernels
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -43,8 +43,15 @@ def describe(choice: GemmChoice, threads: int | None = None) -> dict:
     intra-op threads; default: this process's current count)."""
     import torch
 
+    from fp8rl_core.cpu_numerics import exact_kernels
+
+    kernels = {}
+    if choice.kind == "portable":  # the same bits either way; the compiled kernels are faster
+        exact_kernels.ops()
+        kernels = {"exact_gemm_kernels": exact_kernels.status()}
     return {
         "bf16_gemm": asdict(choice),
+        **kernels,
         "cpu": cpu_model(),
         "torch": torch.__version__,
         "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -58,6 +65,8 @@ def summary_line(record: dict) -> str:
     g = record["bf16_gemm"]
     env = [f"{k}={v or 'unset'}" for k, v in record["env"].items() if k != "ATEN_CPU_CAPABILITY"]
     parts = [f"bf16 gemm {g['kind']} ({g['setting']}: {g['reason']})", f"ATen {record['aten_cpu_capability']}"]
+    if "exact_gemm_kernels" in record:
+        parts.insert(1, f"exact GEMM kernels {record['exact_gemm_kernels']}")
     return "cpu numerics: " + "; ".join([*parts, *env, f"{record['threads']} thread(s)", record["cpu"]])
 
 

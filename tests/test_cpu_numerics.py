@@ -101,3 +101,14 @@ def test_run_json_records_the_choice_and_keeps_its_fields(tmp_path):
     line = summary_line(record)
     assert line.startswith("cpu numerics: bf16 gemm fp32 (fp32: configured); ATen ") and "; ;" not in line
     assert line.endswith(f"thread(s); {record['cpu']}")
+
+
+def test_a_portable_run_says_whether_its_exact_gemm_kernels_are_compiled(tmp_path):
+    from fp8rl_core.cpu_numerics import exact_kernels
+
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": "r"}))
+    record = record_cpu_numerics(tmp_path, resolve_cpu_bf16_gemm("portable", 128))
+    assert record["exact_gemm_kernels"] == exact_kernels.status()
+    assert f"; exact GEMM kernels {exact_kernels.status()}; ATen " in summary_line(record)
+    fp32 = record_cpu_numerics(tmp_path, resolve_cpu_bf16_gemm("fp32", 128))
+    assert "exact_gemm_kernels" not in fp32 and "exact GEMM" not in summary_line(fp32)

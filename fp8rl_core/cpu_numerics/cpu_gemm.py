@@ -186,6 +186,8 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.mm`` for the emulated low-precision linears: inside a ``cpu_bf16_gemm("fp32")``
     context a BF16 x BF16 product on CPU is an FP32 GEMM rounded once to BF16; else torch.mm."""
     if _OPEN[0] and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16 and a.device.type == "cpu":
+        if _PORTABLE_OPEN[0]:  # the exact GEMM reads BF16 operands and rounds its output to BF16 itself
+            return portable_math.exact_matmul(a, b, 1, to_bf16=True)
         return _fp32_mm(a.float(), b.float()).to(torch.bfloat16)
     return torch.mm(a, b)
 
@@ -215,6 +217,8 @@ def mm_rounded(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Te
     if dtype != torch.bfloat16 or (a.dtype != torch.float32 and b.dtype != torch.float32):
         return mm(a, b)
     if _OPEN[0] and a.device.type == "cpu":
+        if _PORTABLE_OPEN[0]:
+            return portable_math.exact_matmul(a, b, 1, to_bf16=True)
         return _fp32_mm(a.float(), b.float()).to(torch.bfloat16)
     return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16))
 

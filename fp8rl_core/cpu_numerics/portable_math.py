@@ -39,6 +39,8 @@ from collections.abc import Iterator
 
 import torch
 
+from fp8rl_core.cpu_numerics import exact_kernels
+
 GRID_BITS = 19  # bits of each operand kept on a grid level (integers of magnitude <= 2**19)
 EXACT_CHUNK = 1 << (53 - 2 * GRID_BITS - 2)  # inner-dimension chunk whose integer sums stay below 2**53 (8192)
 _LOG2E = 1.4426950408889634  # log2(e), the nearest float64
@@ -53,11 +55,24 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return ((e.to(torch.int32).clamp(-126, 127) + 127) << 23).view(torch.float32)
 
 
-def _levels(x: torch.Tensor, dim: int, levels: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``x`` (float32) on ``levels`` grid levels of ``GRID_BITS`` bits per slice along ``dim``:
-    ``x ≈ (l[0] + l[1] / 2**GRID_BITS) / up`` with integer-valued float64 ``l[i]``; ``up`` (float32,
-    powers of two) keeps ``dim`` with size 1. Every step is exact in float32: the scaling is by a
-    power of two, and a value minus its rounding is representable."""
+_OPERAND_DTYPES = (torch.float32, torch.bfloat16)  # what the grid reads as it is (others are made float32)
+
+
+def _levels(
+    x: torch.Tensor, dim: int, levels: int, bf16: bool = False
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``x`` on ``levels`` grid levels of ``GRID_BITS`` bits per slice along ``dim`` (-1: each row,
+    -2: each column): ``x ≈ (l[0] + l[1] / 2**GRID_BITS) / up`` with integer-valued float64 ``l[i]``;
+    ``up`` (float32, powers of two) keeps ``dim`` with size 1. ``bf16``: the grid of ``x``'s BF16 value
+    (the BF16 rule's operand). Every step is exact in float32: the scaling is by a power of two, and a
+    value minus its rounding is representable. The compiled kernel (:mod:`exact_kernels`) computes the
+    same values in one pass where it runs."""
+    if x.dtype not in _OPERAND_DTYPES:
+        x = x.float()
+    kernels = exact_kernels.ops()
+    if kernels is not None and x.dim() >= 2 and x.device.type == "cpu":
+        return _levels_compiled(kernels, x, dim, levels, bf16)
+    x = x.to(torch.bfloat16).float() if bf16 or x.dtype == torch.bfloat16 else x
     _, e = torch.frexp(x.abs().amax(dim=dim, keepdim=True))  # largest |x| < 2**e (e = 0 for an all-zero slice)
     up = _pow2(GRID_BITS - e)
     scaled = x * up
@@ -66,6 +81,20 @@ def _levels(x: torch.Tensor, dim: int, levels: int) -> tuple[list[torch.Tensor],
     if levels > 1:
         out.append(_f64(torch.round((scaled - ints) * float(1 << GRID_BITS))))
     return out, up
+
+
+def _levels_compiled(kernels, x: torch.Tensor, dim: int, levels: int, bf16: bool):
+    """:func:`_levels` by ``fp8rl_exact::grid`` on ``[batch, rows, cols]``; a 2-D operand held transposed
+    (a weight's ``.T``) is read in its own layout, along the other axis, and its levels handed back
+    transposed (the BLAS takes either layout)."""
+    axis = 2 if dim in (-1, x.dim() - 1) else 1
+    to_bf16 = bf16 and x.dtype == torch.float32
+    if x.dim() == 2 and not x.is_contiguous() and x.mT.is_contiguous():
+        up, *grid = kernels.grid(x.mT.unsqueeze(0), 3 - axis, levels, to_bf16)
+        return [lv[0].mT for lv in grid], up[0].mT
+    shape = x.shape
+    up, *grid = kernels.grid(x.reshape(-1, shape[-2], shape[-1]), axis, levels, to_bf16)
+    return [lv.view(shape) for lv in grid], up.view(*shape[:-2], *up.shape[1:])
 
 
 def _f64(x: torch.Tensor) -> torch.Tensor:
@@ -83,22 +112,39 @@ def _int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _finish(out: torch.Tensor, ua: torch.Tensor, ub: torch.Tensor, to_bf16: bool) -> torch.Tensor:
+    """The float64 sums rounded once to float32, then divided by the two scales (rounding commutes
+    with powers of two barring underflow), and rounded on to BF16 when ``to_bf16``."""
+    kernels = exact_kernels.ops()
+    if kernels is None or out.dim() < 2:
+        res = out.float().div_(ua).div_(ub)
+        return res.to(torch.bfloat16) if to_bf16 else res
+    batch, (m, n) = out.shape[:-2], out.shape[-2:]
+    ua = ua.expand(*batch, m, 1).reshape(-1, m, 1)
+    ub = ub.expand(*batch, 1, n).reshape(-1, 1, n)
+    return kernels.finish(out.reshape(-1, m, n), ua, ub, to_bf16).view(out.shape)
+
+
 def exact_matmul_values(
-    a: torch.Tensor, b: torch.Tensor, levels: int = 2, b_grid: tuple[list[torch.Tensor], torch.Tensor] | None = None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    levels: int = 2,
+    b_grid: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+    to_bf16: bool = False,
 ) -> torch.Tensor:
-    """``a @ b`` (CPU, float operands, ``a``: [..., m, k], ``b``: [..., k, n]) as float32, the
-    same bits on every CPU (module docstring). ``levels=1`` for operands that hold BF16 values
-    (one grid level: every bit of a BF16 value down to 2**-11 of its row's largest), 2 for
-    float32 ones. ``b_grid``: ``b``'s grid levels (:func:`weight_grid`), when already made.
-    No autograd: see :func:`exact_matmul`."""
-    la, ua = _levels(a.float(), -1, levels)
-    lb, ub = b_grid if b_grid is not None else _levels(b.float(), -2, levels)
+    """``a @ b`` (CPU, float operands, ``a``: [..., m, k], ``b``: [..., k, n]) as float32 (BF16 when
+    ``to_bf16``: the float32 result's BF16 rounding), the same bits on every CPU (module docstring).
+    ``levels=1`` for operands that hold BF16 values (one grid level: every bit of a BF16 value down to
+    2**-11 of its row's largest), 2 for float32 ones. BF16 or float32 operands are read as they are
+    (no copy); others are made float32. ``b_grid``: ``b``'s grid levels (:func:`weight_grid`), when
+    already made. No autograd: see :func:`exact_matmul`."""
+    la, ua = _levels(a, -1, levels)
+    lb, ub = b_grid if b_grid is not None else _levels(b, -2, levels)
     out = _int_matmul(la[0], lb[0])
     if levels > 1:  # the second level, added in a fixed order
         low = _int_matmul(la[0], lb[1]) + _int_matmul(la[1], lb[0])
         out = out + low / float(1 << GRID_BITS)
-    # one rounding to float32, then the powers of two (rounding commutes with them barring underflow)
-    return out.float().div_(ua).div_(ub)
+    return _finish(out, ua, ub, to_bf16)
 
 
 # --------------------------------------------------------------------------- a weight's grid, made once
@@ -118,7 +164,7 @@ class _WeightGrids:
         self.hits = 0
         self.made = 0
 
-    def get(self, weight: torch.Tensor, levels: int, operand) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    def get(self, weight: torch.Tensor, levels: int) -> tuple[list[torch.Tensor], torch.Tensor] | None:
         if self.depth == 0 or weight.requires_grad and torch.is_grad_enabled():
             return None
         try:
@@ -130,7 +176,7 @@ class _WeightGrids:
         if entry is not None and entry[0] is weight and entry[1] == stamp:
             self.hits += 1
             return entry[2]
-        grid = _levels(operand(weight).transpose(-1, -2).float(), -2, levels)
+        grid = _levels(weight.transpose(-1, -2), -2, levels, bf16=levels == 1)
         self.store[key] = (weight, stamp, grid)
         self.made += 1
         return grid
@@ -153,19 +199,19 @@ def reuse_weight_grids() -> Iterator[_WeightGrids]:
             _WEIGHT_GRIDS.store.clear()
 
 
-def weight_grid(weight: torch.Tensor, levels: int, operand) -> tuple[list[torch.Tensor], torch.Tensor] | None:
-    """``weight``ᵀ's grid levels for ``x @ weight.T`` (``operand``: the rule's operand of ``weight``, e.g.
-    its BF16 value), reused within :func:`reuse_weight_grids`; None outside it or where the GEMM needs
-    the weight's gradient."""
-    return _WEIGHT_GRIDS.get(weight, levels, operand)
+def weight_grid(weight: torch.Tensor, levels: int) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """``weight``ᵀ's grid levels for ``x @ weight.T`` (``levels`` 1: of its BF16 value, the BF16 rule's
+    operand), reused within :func:`reuse_weight_grids`; None outside it or where the GEMM needs the
+    weight's gradient."""
+    return _WEIGHT_GRIDS.get(weight, levels)
 
 
 class _ExactMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, levels: int) -> torch.Tensor:
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, levels: int, to_bf16: bool) -> torch.Tensor:
         ctx.save_for_backward(a, b)
         ctx.levels = levels
-        return exact_matmul_values(a, b, levels)
+        return exact_matmul_values(a, b, levels, to_bf16=to_bf16)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -177,21 +223,27 @@ class _ExactMatmul(torch.autograd.Function):
             ga = ga.sum_to_size(a.shape)
         if gb is not None and gb.shape != b.shape:
             gb = gb.sum_to_size(b.shape)
-        return ga, gb, None
+        return ga, gb, None, None
 
 
-def exact_matmul(a: torch.Tensor, b: torch.Tensor, levels: int = 2) -> torch.Tensor:
+def exact_matmul(a: torch.Tensor, b: torch.Tensor, levels: int = 2, to_bf16: bool = False) -> torch.Tensor:
     """:func:`exact_matmul_values` with gradients (computed by the same exact GEMM, with the same
     ``levels``: 1 under the BF16 rule, whose gradients are BF16 values too). A 1-D operand is
-    promoted as ``torch.matmul`` does."""
+    promoted as ``torch.matmul`` does. ``to_bf16``: the result rounded on to BF16 in the same pass
+    (the BF16 rule's output), as ``.to(torch.bfloat16)`` of the float32 result gives."""
     if a.dim() == 1:
-        return exact_matmul(a.unsqueeze(0), b, levels).squeeze(-2)
+        return exact_matmul(a.unsqueeze(0), b, levels, to_bf16).squeeze(-2)
     if b.dim() == 1:
-        return exact_matmul(a, b.unsqueeze(-1), levels).squeeze(-1)
+        return exact_matmul(a, b.unsqueeze(-1), levels, to_bf16).squeeze(-1)
     if a.dim() > 2 and b.dim() == 2:  # one GEMM over every row (its weight gradient then sums all rows in one)
-        out = _ExactMatmul.apply(a.reshape(-1, a.shape[-1]).float(), b.float(), levels)
+        out = _ExactMatmul.apply(_operand(a.reshape(-1, a.shape[-1])), _operand(b), levels, to_bf16)
         return out.reshape(*a.shape[:-1], b.shape[-1])
-    return _ExactMatmul.apply(a.float(), b.float(), levels)
+    return _ExactMatmul.apply(_operand(a), _operand(b), levels, to_bf16)
+
+
+def _operand(t: torch.Tensor) -> torch.Tensor:
+    """A GEMM operand as the grid reads it: BF16 and float32 as they are, anything else as float32."""
+    return t if t.dtype in _OPERAND_DTYPES else t.float()
 
 
 # --------------------------------------------------------------------------- transcendentals

@@ -33,12 +33,23 @@ from fp8rl_core.cpu_numerics.bf16_rule import Bf16GemmsInFp32
 
 
 def _linear(levels, input, weight, bias=None):
-    out = pm.exact_matmul(input, weight.transpose(-1, -2), levels)
-    return out if bias is None else out + bias
+    if bias is None:  # under the BF16 rule the output's BF16 rounding is fused into the GEMM's last pass
+        return pm.exact_matmul(input, weight.transpose(-1, -2), levels, to_bf16=levels == 1)
+    return pm.exact_matmul(input, weight.transpose(-1, -2), levels) + bias.float()
 
 
 def _same(t):
     return t
+
+
+def _rule_operand(a):
+    """An operand of the BF16 rule as the exact GEMM reads it: its BF16 value, held as BF16 (one
+    conversion; a float32 tensor marked as holding BF16 values is taken as it is). Non-operand
+    tensors (a bias, ``addmm``'s input, an attention mask) are used as ``.float()`` of it: the BF16
+    value in float32, as :func:`bf16_rule._bf16_operand` gives."""
+    if isinstance(a, torch.Tensor) and a.is_floating_point() and not getattr(a, bf16_rule._BF16_EXACT, False):
+        return a.to(torch.bfloat16)
+    return a
 
 
 def _linear_reusing_grid(impl, levels, operand, args, kwargs):
@@ -48,12 +59,12 @@ def _linear_reusing_grid(impl, levels, operand, args, kwargs):
         return None
     if args[0].requires_grad and torch.is_grad_enabled():
         return None
-    grid = pm.weight_grid(args[1], levels, operand)
+    grid = pm.weight_grid(args[1], levels)
     if grid is None:
         return None
-    x, bias = operand(args[0]), (operand(args[2]) if len(args) > 2 and args[2] is not None else None)
+    x, bias = operand(args[0]), (operand(args[2]).float() if len(args) > 2 and args[2] is not None else None)
     flat = x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x
-    out = pm.exact_matmul_values(flat, None, levels, b_grid=grid)
+    out = pm.exact_matmul_values(flat, None, levels, b_grid=grid, to_bf16=levels == 1 and bias is None)
     out = out.reshape(*x.shape[:-1], out.shape[-1]) if x.dim() != 2 else out
     return out if bias is None else out + bias
 
@@ -62,11 +73,12 @@ def _addmm(levels, input, mat1, mat2, *, beta=1, alpha=1):
     out = pm.exact_matmul(mat1, mat2, levels)
     if alpha != 1:
         out = out * alpha
+    input = input.float()
     return out if beta == 0 else (input if beta == 1 else input * beta) + out
 
 
 def _matmul(levels, a, b):
-    return pm.exact_matmul(a, b, levels)
+    return pm.exact_matmul(a, b, levels, to_bf16=levels == 1)
 
 
 def _sdpa(levels, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -82,13 +94,13 @@ def _sdpa(levels, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     if is_causal:
         attn_mask = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool).tril()
     if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
+        if attn_mask.dtype == torch.bool:  # (a float mask is the BF16 rule's BF16 value: added in float32)
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
-            scores = scores + attn_mask
+            scores = scores + attn_mask.float()
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # nothing to attend to: zeros, not NaN
     probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    return pm.exact_matmul(probs.to(torch.bfloat16).float() if levels == 1 else probs, value, levels)
+    return pm.exact_matmul(probs.to(torch.bfloat16) if levels == 1 else probs, value, levels, to_bf16=levels == 1)
 
 
 _GEMM_IMPL = {
@@ -261,7 +273,7 @@ class PortableNumerics(Bf16GemmsInFp32):
             return None
         if self._takes(args, kwargs):  # the BF16 rule: BF16 operands, the output rounded to BF16
             self.calls += 1
-            operand = bf16_rule._bf16_operand
+            operand = _rule_operand
             with torch.autocast("cpu", enabled=False):
                 out = _linear_reusing_grid(impl, 1, operand, args, kwargs)
                 if out is None:

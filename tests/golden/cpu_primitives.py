@@ -91,7 +91,39 @@ def _gemm_primitives() -> dict[str, Callable]:
         "sdpa causal fp32 fwd+bwd": lambda: _grads(
             lambda a, b_, c: F.scaled_dot_product_attention(a, b_, c, is_causal=True), q, k, v
         ),
+        "exact GEMM grid (rows, columns; 1 and 2 levels; BF16 operand)": _grid_primitive,
+        "exact GEMM output rounding (float32, BF16)": _finish_primitive,
     }
+
+
+def _grid_primitive():
+    """The exact GEMM's operand grid (the compiled kernel where it runs) on values spanning every exponent."""
+    import torch
+
+    from fp8rl_core.cpu_numerics import portable_math as pm
+
+    x = _gen(11, 40, 96) * torch.exp2(_gen(12, 40, 96, scale=12.0).round())
+    x[0] = 0.0
+    x[1, :8] = 1e-41
+    out = []
+    for operand, bf16 in ((x, True), (x, False), (x.bfloat16(), False), (x.t().contiguous().t(), True)):
+        for dim in (-1, -2):
+            for levels in (1, 2):
+                grid, up = pm._levels(operand, dim, levels, bf16)
+                out += [*grid, up]
+    return out
+
+
+def _finish_primitive():
+    """The exact GEMM's last pass: float64 sums rounded to float32, divided by the scales, to BF16."""
+    import torch
+
+    from fp8rl_core.cpu_numerics import portable_math as pm
+
+    sums = (_gen(13, 3, 30, 50).double() * 2.0**45).round()
+    ua = torch.exp2(_gen(14, 3, 30, 1, scale=40.0).round().clamp(-126, 127))
+    ub = torch.exp2(_gen(15, 1, 1, 50, scale=40.0).round().clamp(-126, 127))
+    return pm._finish(sums, ua, ub, False), pm._finish(sums, ua, ub, True)
 
 
 def _math_primitives() -> dict[str, Callable]:
@@ -279,7 +311,7 @@ NO_ARITHMETIC = frozenset(
         "fill_ zero_ _to_copy to detach detach_ lift_fresh set_ new_empty new_zeros new_ones ones_like "
         "zeros_like empty_like full_like constant_pad_nd eq ne lt le gt ge isin nonzero _local_scalar_dense "
         "item is_nonzero abs neg split unbind flip roll embedding slice_backward select_backward unfold "
-        "as_strided permute contiguous narrow split_with_sizes scalar_tensor arange resolve_conj resolve_neg "
+        "as_strided permute mT contiguous narrow split_with_sizes scalar_tensor arange resolve_conj resolve_neg "
         "maximum minimum max min amax amin aminmax clamp clamp_ clamp_min clamp_min_ clamp_max clamp_max_ "
         "argmax argmin sort topk isnan isinf isfinite logical_not logical_and logical_or any all count_nonzero "
         "masked_select repeat repeat_interleave tril triu empty_strided _unique2 bucketize searchsorted "
