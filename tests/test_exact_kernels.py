@@ -1,7 +1,7 @@
 """The compiled kernels of the exact GEMM (``fp8rl_core/cpu_numerics/csrc/exact_gemm.cpp``) give the
 tensor-by-tensor path's bits: the grid of every operand, the output's rounding, and whole GEMMs with
-their gradients, on values chosen to hit every edge (zeros of both signs, subnormals, ties, rows whose
-largest value is tiny or huge, infinities, BF16 rounding carries)."""
+their gradients, on values chosen to hit every edge (zeros of both signs, subnormal operands and
+products, ties, rows whose largest value is tiny or huge, infinities, BF16 rounding carries)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ def _edge_values(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
     flat[6, :2] = torch.tensor([float("inf"), 1.0])
     flat[7, :3] = torch.tensor([1.0, 1.00390625, 1.01171875])  # BF16 ties and carries
     flat[8, :2] = torch.tensor([2.0**-126, 2.0**-149])
+    flat[9, :4] = torch.tensor([2.0**30, 1e-42, -1e-45, -1e-40])  # scaled down: subnormal and signed-zero products
+    flat[10, ::3] = -1e-44  # subnormal operands among normal ones (a gradient's tail)
     return x
 
 

@@ -72,6 +72,23 @@ inline float round_even(float s) {
   return from_bits(r | (to_bits(s) & 0x80000000u));
 }
 
+// x * u rounded to float32, as a float32 multiplication gives it: the product in float64 is exact (a
+// 24-bit significand times a power of two), so its one rounding to float32 is that result. Taken through
+// float64 because a float32 multiplication with a subnormal operand costs a microcode assist on x86 (~100x
+// a normal one), and gradients hold many subnormals. ``u64`` is the scale built as a float64 from its bits,
+// so the compiler cannot narrow the product back to a float32 multiplication.
+inline float scaled(float x, double u64) {
+  return static_cast<float>(static_cast<double>(x) * u64);
+}
+
+inline double as_f64(float u) {  // a power of two 2**k, k in [-126, 127], rebuilt as float64 from its bits
+  const int64_t k = static_cast<int64_t>((to_bits(u) >> 23) & 0xFFu) - 127;
+  const uint64_t bits = static_cast<uint64_t>(k + 1023) << 52;
+  double d;
+  std::memcpy(&d, &bits, sizeof d);
+  return d;
+}
+
 template <bool ToBf16>
 inline float load(const float* p, int64_t i) {
   return ToBf16 ? bf16_value(p[i]) : p[i];
@@ -95,9 +112,10 @@ void grid_kernel(const T* xp, int64_t B, int64_t R, int64_t C, int64_t axis, flo
           m = a > m ? a : m;
         }
         const float u = scale_of(m);
+        const double u64 = as_f64(u);
         upp[row] = u;
         for (int64_t c = 0; c < C; ++c) {
-          const float s = load<ToBf16>(xp, base + c) * u;
+          const float s = scaled(load<ToBf16>(xp, base + c), u64);
           const float r = round_even(s);
           p0[base + c] = static_cast<double>(r);
           if (TwoLevels) p1[base + c] = static_cast<double>(round_even((s - r) * high));
@@ -109,6 +127,7 @@ void grid_kernel(const T* xp, int64_t B, int64_t R, int64_t C, int64_t axis, flo
   // along each column
   at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
     std::vector<uint32_t> m(C);
+    std::vector<double> ub64(C);
     for (int64_t b = lo; b < hi; ++b) {
       const int64_t base = b * R * C;
       std::fill(m.begin(), m.end(), 0u);
@@ -118,11 +137,14 @@ void grid_kernel(const T* xp, int64_t B, int64_t R, int64_t C, int64_t axis, flo
           m[c] = a > m[c] ? a : m[c];
         }
       float* ub = upp + b * C;
-      for (int64_t c = 0; c < C; ++c) ub[c] = scale_of(m[c]);
+      for (int64_t c = 0; c < C; ++c) {
+        ub[c] = scale_of(m[c]);
+        ub64[c] = as_f64(ub[c]);
+      }
       for (int64_t r = 0; r < R; ++r)
         for (int64_t c = 0; c < C; ++c) {
           const int64_t i = base + r * C + c;
-          const float s = load<ToBf16>(xp, i) * ub[c];
+          const float s = scaled(load<ToBf16>(xp, i), ub64[c]);
           const float q = round_even(s);
           p0[i] = static_cast<double>(q);
           if (TwoLevels) p1[i] = static_cast<double>(round_even((s - q) * high));
