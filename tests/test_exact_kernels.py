@@ -1,4 +1,4 @@
-"""The compiled kernels of the exact GEMM (``fp8rl_core/cpu_numerics/csrc/exact_gemm.cpp``) give the
+"""The compiled kernels of the exact GEMM (``fp8rl_core/cpu_numerics/exact_gemm.cpp``) give the
 tensor-by-tensor path's bits: the grid of every operand, the output's rounding, and whole GEMMs with
 their gradients, on values chosen to hit every edge (zeros of both signs, subnormal operands and
 products, ties, rows whose largest value is tiny or huge, infinities, BF16 rounding carries)."""

@@ -1,6 +1,6 @@
 """Compiled kernels for the exact GEMM's grid and output: the same bits as the tensor-by-tensor path, in one pass.
 
-``csrc/exact_gemm.cpp`` holds two operators, ``torch.ops.fp8rl_exact.grid`` (an operand's BF16 value, the
+``exact_gemm.cpp`` holds two operators, ``torch.ops.fp8rl_exact.grid`` (an operand's BF16 value, the
 largest magnitude of each row or column, the scale, the grid integers as float64) and
 ``torch.ops.fp8rl_exact.finish`` (the float64 sums rounded to float32, divided by the two scales, optionally
 rounded on to BF16). Each does what :mod:`fp8rl_core.cpu_numerics.portable_math` does with a dozen ATen
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "exact_gemm.cpp"
+SOURCE = Path(__file__).resolve().parent / "exact_gemm.cpp"
 CFLAGS = ("-O3", "-mavx2", "-mno-fma", "-ffp-contract=off", "-fno-fast-math", "-std=c++17")
 ENV_SWITCH = "FP8RL_EXACT_KERNELS"  # "0": the tensor path only
 
