@@ -117,3 +117,23 @@ def test_the_kernels_do_what_the_switch_says(kernels):
     assert exact_kernels.build_dir().is_dir()
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         kernels.grid(torch.zeros(1, 2, 2, dtype=torch.float64), 2, 1, False)
+
+
+@pytest.mark.parametrize("shape", [(5, 64), (2, 5, 64)])
+def test_a_gemm_under_the_bf16_rule_returns_a_new_tensor_callers_may_write_in_place(shape):
+    """A BF16 GEMM's output is a tensor of its own: a view (of the exact GEMM's output) would make
+    FSDP warn on a module's output and autograd refuse an in-place op on it."""
+    import torch.nn.functional as F
+
+    from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    w = torch.randn(48, 64, generator=g, requires_grad=True)
+    v = torch.randn(64, generator=g, requires_grad=True)
+    with cpu_bf16_gemm("portable"), torch.autocast("cpu", dtype=torch.bfloat16):
+        for y in (F.linear(x, w), x @ w.t(), torch.matmul(x, v)):
+            assert y.dtype == torch.bfloat16 and not y._is_view()
+            y.mul_(2.0)  # an in-place op on a view of a custom Function's output raises here
+            y.float().sum().backward()
+    assert x.grad is not None and w.grad is not None and v.grad is not None

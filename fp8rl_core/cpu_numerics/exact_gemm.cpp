@@ -190,17 +190,18 @@ std::vector<at::Tensor> grid(const at::Tensor& x_in, int64_t axis, int64_t level
   return out;
 }
 
-// out: [batch, m, n] float64; ua: [batch, m, 1] and ub: [batch, 1, n] float32 powers of two.
-// float32(out) / ua / ub, as float32, or rounded on to BF16 when to_bf16.
+// out: [..., m, n] float64; ua: [..., m, 1] and ub: [..., 1, n] float32 powers of two (the batch dimensions
+// expanded). float32(out) / ua / ub, as float32, or rounded on to BF16 when to_bf16, in out's shape: a new
+// tensor, not a view (a module's output that is a view limits what autograd lets callers do in place).
 at::Tensor finish(const at::Tensor& out_in, const at::Tensor& ua_in, const at::Tensor& ub_in, bool to_bf16) {
-  TORCH_CHECK(out_in.device().is_cpu() && out_in.scalar_type() == at::kDouble && out_in.dim() == 3,
-              "fp8rl_exact::finish: [batch, m, n] float64 on the CPU");
+  TORCH_CHECK(out_in.device().is_cpu() && out_in.scalar_type() == at::kDouble && out_in.dim() >= 2,
+              "fp8rl_exact::finish: [..., m, n] float64 on the CPU");
   const at::Tensor out = out_in.contiguous(), ua = ua_in.contiguous(), ub = ub_in.contiguous();
-  const int64_t B = out.size(0), M = out.size(1), N = out.size(2);
+  const int64_t M = out.size(-2), N = out.size(-1), B = M * N == 0 ? 0 : out.numel() / (M * N);
   TORCH_CHECK(ua.scalar_type() == at::kFloat && ub.scalar_type() == at::kFloat && ua.numel() == B * M &&
                   ub.numel() == B * N,
-              "fp8rl_exact::finish: float32 scales [batch, m, 1] and [batch, 1, n]");
-  at::Tensor res = at::empty({B, M, N}, out.options().dtype(to_bf16 ? at::kBFloat16 : at::kFloat));
+              "fp8rl_exact::finish: float32 scales [..., m, 1] and [..., 1, n]");
+  at::Tensor res = at::empty(out.sizes(), out.options().dtype(to_bf16 ? at::kBFloat16 : at::kFloat));
   const double* op = out.data_ptr<double>();
   const float* pa = ua.data_ptr<float>();
   const float* pb = ub.data_ptr<float>();

@@ -114,15 +114,14 @@ def _int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _finish(out: torch.Tensor, ua: torch.Tensor, ub: torch.Tensor, to_bf16: bool) -> torch.Tensor:
     """The float64 sums rounded once to float32, then divided by the two scales (rounding commutes
-    with powers of two barring underflow), and rounded on to BF16 when ``to_bf16``."""
+    with powers of two barring underflow), and rounded on to BF16 when ``to_bf16``. A new tensor in
+    ``out``'s shape (not a view)."""
     kernels = exact_kernels.ops()
     if kernels is None or out.dim() < 2:
         res = out.float().div_(ua).div_(ub)
         return res.to(torch.bfloat16) if to_bf16 else res
     batch, (m, n) = out.shape[:-2], out.shape[-2:]
-    ua = ua.expand(*batch, m, 1).reshape(-1, m, 1)
-    ub = ub.expand(*batch, 1, n).reshape(-1, 1, n)
-    return kernels.finish(out.reshape(-1, m, n), ua, ub, to_bf16).view(out.shape)
+    return kernels.finish(out, ua.expand(*batch, m, 1), ub.expand(*batch, 1, n), to_bf16)
 
 
 def exact_matmul_values(
@@ -218,7 +217,12 @@ class _ExactMatmul(torch.autograd.Function):
         a, b = ctx.saved_tensors
         n = ctx.levels
         ga = exact_matmul_values(grad, b.transpose(-1, -2), n) if ctx.needs_input_grad[0] else None
-        gb = exact_matmul_values(a.transpose(-1, -2), grad, n) if ctx.needs_input_grad[1] else None
+        gb = None
+        if ctx.needs_input_grad[1]:
+            rows, g = a, grad
+            if a.dim() > 2 and b.dim() == 2:  # a weight's gradient: one GEMM over every row, summed exactly
+                rows, g = a.reshape(-1, a.shape[-1]), grad.reshape(-1, grad.shape[-1])
+            gb = exact_matmul_values(rows.transpose(-1, -2), g, n)
         if ga is not None and ga.shape != a.shape:
             ga = ga.sum_to_size(a.shape)
         if gb is not None and gb.shape != b.shape:
@@ -235,9 +239,8 @@ def exact_matmul(a: torch.Tensor, b: torch.Tensor, levels: int = 2, to_bf16: boo
         return exact_matmul(a.unsqueeze(0), b, levels, to_bf16).squeeze(-2)
     if b.dim() == 1:
         return exact_matmul(a, b.unsqueeze(-1), levels, to_bf16).squeeze(-1)
-    if a.dim() > 2 and b.dim() == 2:  # one GEMM over every row (its weight gradient then sums all rows in one)
-        out = _ExactMatmul.apply(_operand(a.reshape(-1, a.shape[-1])), _operand(b), levels, to_bf16)
-        return out.reshape(*a.shape[:-1], b.shape[-1])
+    # [..., m, k] @ [k, n] is one GEMM over every row, and its weight gradient sums all rows in one
+    # (backward); the output is a new tensor, not a view, as a BF16 GEMM's is
     return _ExactMatmul.apply(_operand(a), _operand(b), levels, to_bf16)
 
 

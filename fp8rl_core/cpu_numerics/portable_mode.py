@@ -63,9 +63,7 @@ def _linear_reusing_grid(impl, levels, operand, args, kwargs):
     if grid is None:
         return None
     x, bias = operand(args[0]), (operand(args[2]).float() if len(args) > 2 and args[2] is not None else None)
-    flat = x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x
-    out = pm.exact_matmul_values(flat, None, levels, b_grid=grid, to_bf16=levels == 1 and bias is None)
-    out = out.reshape(*x.shape[:-1], out.shape[-1]) if x.dim() != 2 else out
+    out = pm.exact_matmul_values(x, None, levels, b_grid=grid, to_bf16=levels == 1 and bias is None)
     return out if bias is None else out + bias
 
 
@@ -278,6 +276,8 @@ class PortableNumerics(Bf16GemmsInFp32):
                 out = _linear_reusing_grid(impl, 1, operand, args, kwargs)
                 if out is None:
                     out = impl(1, *map(operand, args), **{k: operand(v) for k, v in kwargs.items()})
+            if out.dtype == torch.bfloat16 and out._is_view():  # (a 1-D operand's squeeze) a new tensor, as
+                return out.clone()  # the BF16 rounding's copy gives: callers may write it in place
             return out.to(torch.bfloat16)
         floats = [t.dtype for t in tensors if t.is_floating_point()]
         if floats and all(d == torch.float32 for d in floats) and not torch.is_autocast_enabled("cpu"):
