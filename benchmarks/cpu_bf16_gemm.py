@@ -80,21 +80,15 @@ def main() -> None:
 
 def model_steps(reps: int, batch: int = 32, tokens: int = 60) -> None:
     """A stress-world micro-batch (32 sequences x 60 tokens) forward + backward, native vs fp32 GEMMs."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from fp8rl_core.precision.autocast import autocast_context
     from fp8rl_core.precision.conversion import convert_for_training
+    from fp8rl_core.tasks.tiny_config import tiny_qwen3_config
 
-    cfg = Qwen3Config(
-        vocab_size=64,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=32,
-        intermediate_size=384,
-        max_position_embeddings=256,
+    cfg = tiny_qwen3_config(
+        vocab_size=64, tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None
     )
     ids = torch.randint(0, 64, (batch, tokens), generator=torch.Generator().manual_seed(0))
     print(f"\nstress-world policy, {batch} x {tokens} tokens, forward + backward (s)")

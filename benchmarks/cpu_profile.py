@@ -118,14 +118,14 @@ def _campaign(cfg, warmup: int, steps: int) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from flows.configuration import dump_config
-    from flows.cpu_numerics import gemm_choice
+    from flows.campaign.configuration import dump_config
+    from flows.campaign.cpu_numerics import gemm_choice
     from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.score import run_score
     from stages.train import run_train
-    from storage.layout import create_run
+    from storage.run.layout import create_run
 
     stages = (run_rollout, run_score, run_train)
     with tempfile.TemporaryDirectory(prefix="cpu-profile-") as tmp:
@@ -211,7 +211,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.what == "bootstrap":
         return _bootstrap(args.steps)
-    from flows.configuration import load_config
+    from flows.campaign.configuration import load_config
 
     n = args.warmup + args.steps + 1
     if args.what == "peer":

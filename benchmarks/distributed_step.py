@@ -25,7 +25,7 @@ def _setup(rows: int, mode: str):
     from fp8rl_core.config.model import ModelConfig
     from fp8rl_core.precision.conversion import convert_for_training
     from fp8rl_core.tasks.tiny_model import build_tiny_model
-    from stages.trainer.batch import TrainBatch
+    from stages.trainer.types import TrainBatch
 
     cfg = CampaignConfig.model_validate(
         {
@@ -56,15 +56,15 @@ def _setup(rows: int, mode: str):
 def _time_steps(model, cfg, batch, repeats, collective=None) -> float:
     from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE
     from stages.trainer.optimizer import make_optimizer
-    from stages.trainer.update import policy_update
+    from stages.trainer.update import UpdateSpec, policy_update
 
     opt, sched = make_optimizer(model, cfg)
-    kw = dict(bounds=(0.8, 1.28), shadow=False, collective=collective or SINGLE_PROCESS_COLLECTIVE)
-    policy_update(model, opt, sched, batch, cfg, seed=0, **kw)  # warm-up
+    kw = dict(collective=collective or SINGLE_PROCESS_COLLECTIVE)
+    policy_update(model, opt, sched, batch, cfg, UpdateSpec(bounds=(0.8, 1.28), shadow=False, seed=0), **kw)  # warm-up
     best = float("inf")
     for i in range(repeats):
         t0 = time.perf_counter()
-        policy_update(model, opt, sched, batch, cfg, seed=i + 1, **kw)
+        policy_update(model, opt, sched, batch, cfg, UpdateSpec(bounds=(0.8, 1.28), shadow=False, seed=i + 1), **kw)
         best = min(best, time.perf_counter() - t0)
     return best
 

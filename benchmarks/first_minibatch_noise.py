@@ -34,8 +34,8 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     args = ap.parse_args()
 
-    from flows.configuration import dump_config, load_config
-    from flows.prefect_env import quiet_third_party
+    from flows.campaign.configuration import dump_config, load_config
+    from flows.orchestration.env import quiet_third_party
 
     quiet_third_party()
     from stages.context import open_run
@@ -43,7 +43,7 @@ def main() -> None:
     from stages.runtime.io import read_step
     from stages.score import run_score
     from stages.train import run_train
-    from storage.layout import create_run
+    from storage.run.layout import create_run
 
     root = Path(tempfile.mkdtemp(prefix="fp8rl-noise-"))
     print(f"{'mode':<16}{'mean |r8-1|':>13}{'max |r8-1|':>12}{'mean |r16-1|':>14}{'share r8<L':>12}{'tokens':>8}")

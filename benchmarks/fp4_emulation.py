@@ -67,7 +67,7 @@ def compare(other_cls, fmt: str, rounds: int) -> None:
     from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from fp8rl_core.precision.conversion import convert_for_training, fp4_linear
     from fp8rl_core.tasks.tiny_model import build_tiny_model
-    from stages.trainer.forward import policy_logprobs
+    from stages.trainer.forward import ForwardSpec, policy_logprobs
 
     torch.set_num_threads(1)
     model = build_tiny_model(ModelConfig(num_layers=2, intermediate_size=384))
@@ -83,7 +83,7 @@ def compare(other_cls, fmt: str, rounds: int) -> None:
         for m in linears:
             m.__class__ = cls
         state.generator.set_state(start)
-        lp, _ = policy_logprobs(model, ids, mask, mode=fmt, with_entropy=True)
+        lp, _ = policy_logprobs(model, ids, mask, ForwardSpec(fmt, with_entropy=True))
         lp.sum().backward()
         grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad()

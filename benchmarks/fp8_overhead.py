@@ -32,11 +32,12 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402  (after fp8rl_core: quiet torchao)
+from transformers import Qwen3ForCausalLM  # noqa: E402  (after fp8rl_core: quiet torchao)
 
 from fp8rl_core.precision.autocast import autocast_context
 from fp8rl_core.precision.conversion import convert_for_training
 from fp8rl_core.precision.rollout import convert_for_rollout
+from fp8rl_core.tasks.tiny_config import tiny_qwen3_config
 
 TRAIN_MODES = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")
 ROLLOUT_MODES = ("bf16", "fp8_per_tensor", "fp8_per_block")
@@ -48,20 +49,7 @@ GOAL = 1.5
 
 
 def tiny_model(seed: int = 0) -> Qwen3ForCausalLM:
-    cfg = Qwen3Config(
-        vocab_size=32,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=32,
-        intermediate_size=384,
-        tie_word_embeddings=True,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
+    cfg = tiny_qwen3_config(vocab_size=32, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(cfg)
 

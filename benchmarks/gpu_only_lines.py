@@ -4,7 +4,7 @@
 
 1. Runs a subset of the suite (:data:`DEFAULT_TESTS`: the tests that drive the GPU
    paths on CPU, listed below), then the GPU check's vLLM section on vLLM's CPU build in
-   ``.venv-vllm`` as ``tests/test_gpu_check_vllm.py`` runs it (that venv needs coverage.py
+   ``.venv-vllm`` as ``tests/gpu_check/test_gpu_check_vllm.py`` runs it (that venv needs coverage.py
    too; without it the script says so and counts the section as not executed), under
    coverage.py, subprocesses included
    (``patch = subprocess``: the GPU check's section processes and torchrun),
@@ -44,20 +44,20 @@ SOURCES = ("fp8rl_core", "stages", "flows", "storage", "gpu_check")
 # The tests that drive GPU paths on the CPU: the GPU check and its rehearsal, torchao's float8 modules under
 # FSDP2, the FP8 backends and device discipline, block compilation, the weight transfer and vLLM's stand-ins.
 DEFAULT_TESTS = (
-    "tests/test_gpu_check.py",
-    "tests/test_gpu_check_cpu.py",
-    "tests/test_torchao_fsdp.py",
-    "tests/test_gradient_lifetime.py",
-    "tests/test_native_fp8.py",
-    "tests/test_device_discipline.py",
-    "tests/test_block_compile.py",
-    "tests/test_weight_stream.py",
-    "tests/test_vllm_standin.py",
-    "tests/test_http_engine.py",
-    "tests/test_cuda_queries.py",
-    "tests/test_nccl_transport.py",
-    "tests/test_vllm_separate.py",
-    "tests/test_plan_split.py",
+    "tests/gpu_check/test_gpu_check.py",
+    "tests/gpu_check/test_gpu_check_cpu.py",
+    "tests/stages/trainer/test_torchao_fsdp.py",
+    "tests/stages/trainer/test_gradient_lifetime.py",
+    "tests/stages/engines/test_native_fp8.py",
+    "tests/fp8rl_core/host/test_device_discipline.py",
+    "tests/stages/trainer/test_block_compile.py",
+    "tests/stages/engines/test_weight_stream.py",
+    "tests/stages/engines/test_vllm_standin.py",
+    "tests/stages/engines/test_http_engine.py",
+    "tests/flows/plan/test_cuda_queries.py",
+    "tests/stages/engines/test_nccl_transport.py",
+    "tests/stages/engines/test_vllm_separate.py",
+    "tests/flows/plan/test_plan_split.py",
 )
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"  # where gpu_check/vllm_cycle.py runs on vLLM's CPU build
 GUARD = re.compile(r"cuda|nccl|\bipc\b|get_device_capability|is_sm_at_least")
@@ -194,7 +194,7 @@ def run_suite(tests: list[str], work: Path) -> tuple[Path, int]:
 
 
 def run_vllm_section(rc: Path, work: Path, env: dict) -> str:
-    """The GPU check's vLLM section as ``tests/test_gpu_check_vllm.py`` runs it (vLLM's CPU build, the
+    """The GPU check's vLLM section as ``tests/gpu_check/test_gpu_check_vllm.py`` runs it (vLLM's CPU build, the
     28-layer narrow Qwen3), under coverage in the vLLM venv, into the same data; returns what happened."""
     if not VLLM_PY.exists():
         return "no .venv-vllm (`make venv-vllm`): gpu_check/vllm_cycle.py is counted as not executed"

@@ -36,12 +36,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import storage.catalog as catalog  # noqa: E402
-from storage.catalog import connect, query, set_params  # noqa: E402
-from storage.checkpoint_verify import verify_checkpoint  # noqa: E402
-from storage.layout import RunLayout, read_run_info, scan_parts  # noqa: E402
+import storage.queries.catalog as catalog  # noqa: E402
+from storage.checkpoints.verify import verify_checkpoint  # noqa: E402
 from storage.queries import get_query  # noqa: E402
-from storage.schemas import STORED_TABLES  # noqa: E402
+from storage.queries.catalog import connect, query, set_params  # noqa: E402
+from storage.run.layout import RunLayout, read_run_info, scan_parts  # noqa: E402
+from storage.tables.schemas import STORED_TABLES  # noqa: E402
 
 
 def _median(fn, repeats: int) -> float:
@@ -59,7 +59,7 @@ def checkpoint_cost(base: Path, gb: float, repeats: int) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     from stages.checkpoint import hashing_dcp_writer
-    from storage.checkpoints import save_checkpoint
+    from storage.checkpoints.store import save_checkpoint
 
     n = int(gb * 2**30 / 4 / 3)  # weights + two Adam moments, float32
     state = {"model": {"w": torch.randn(n)}, "optim": {"exp_avg": torch.randn(n), "exp_avg_sq": torch.rand(n)}}

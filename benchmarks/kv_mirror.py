@@ -48,12 +48,12 @@ def _outputs(batch) -> list:
 
 
 def run(preset: str, overrides: list[str], rounds: int) -> dict[bool, list[float]]:
-    from flows.configuration import dump_config, load_config
-    from flows.cpu_numerics import gemm_choice
+    from flows.campaign.configuration import dump_config, load_config
+    from flows.campaign.cpu_numerics import gemm_choice
     from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from stages.context import open_run
     from stages.rollout import run_rollout
-    from storage.layout import create_run
+    from storage.run.layout import create_run
 
     cfg = load_config(preset, overrides)
     times: dict[bool, list[float]] = {False: [], True: []}

@@ -41,8 +41,8 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     args = ap.parse_args()
 
-    from flows.configuration import dump_config, load_config
-    from flows.prefect_env import quiet_third_party
+    from flows.campaign.configuration import dump_config, load_config
+    from flows.orchestration.env import quiet_third_party
 
     quiet_third_party()
     from stages.calibrate import run_calibrate
@@ -50,7 +50,7 @@ def main() -> None:
     from stages.rollout import run_rollout
     from stages.score import run_score
     from stages.train import run_train
-    from storage.layout import create_run
+    from storage.run.layout import create_run
 
     root = Path(tempfile.mkdtemp(prefix="fp8rl-lpnoise-"))
     print(f"preset {args.preset}, {args.steps} steps per format, shadow pass every step; means over steps")

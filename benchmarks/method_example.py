@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8rl_core.calibration.calibrated_clipping import calibrate
+from fp8rl_core.calibration.calibrated_clipping import StandardClip, calibrate
 from fp8rl_core.config.method import CalibrationConfig
 from fp8rl_core.signals.diagnostics import nmae
 
@@ -32,7 +32,7 @@ def main() -> None:
     r8 = torch.exp(torch.clamp(logp8 - old8, -20, 20))
     adv = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
     mask = torch.ones(n, dtype=torch.bool)
-    res = calibrate(r8, r16, adv, mask, eps_low=0.2, eps_high=0.28, config=CalibrationConfig())
+    res = calibrate(r8, r16, adv, mask, standard=StandardClip(0.2, 0.28), config=CalibrationConfig())
     prob, ratio = nmae(logp8.exp(), logp16.exp(), mask), nmae(r8, r16, mask)
     print(f"probability NMAE {prob:.4f}, ratio NMAE {ratio:.4f}, amplification {ratio / prob:.2f}")
     print(

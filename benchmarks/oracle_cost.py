@@ -35,15 +35,15 @@ def main() -> None:
     from fp8rl_core.host.cpu_env import pin_cpu_numerics
 
     pin_cpu_numerics()  # before torch, as `fp8rl run` does
-    from flows.configuration import dump_config, load_config
-    from flows.prefect_env import quiet_third_party
+    from flows.campaign.configuration import dump_config, load_config
+    from flows.orchestration.env import quiet_third_party
     from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.runtime.io import read_step
     from stages.score import run_score
     from stages.train import build_batch
-    from stages.trainer.update import policy_update
-    from storage.layout import create_run
+    from stages.trainer.update import UpdateSpec, policy_update
+    from storage.run.layout import create_run
 
     quiet_third_party()
     cfg = load_config(args.preset, ["calibration.mode=standard", *args.sets])
@@ -71,8 +71,8 @@ def main() -> None:
                 for x, sd in zip((state.policy, state.optimizer, state.scheduler), start):
                     x.load_state_dict(copy.deepcopy(sd))
                 t0 = time.process_time()
-                policy_update(state.policy, state.optimizer, state.scheduler, batch, mcfg, bounds=bounds,
-                              shadow=False, seed=step)  # fmt: skip
+                spec = UpdateSpec(bounds=bounds, shadow=False, seed=step)
+                policy_update(state.policy, state.optimizer, state.scheduler, batch, mcfg, spec)
                 train[mode].append(time.process_time() - t0)
                 if mode == "standard":
                     after = [copy.deepcopy(x.state_dict()) for x in (state.policy, state.optimizer, state.scheduler)]

@@ -53,7 +53,7 @@ def spread_lengths(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
 def make_batch(prompts: list[int], responses: list[int], vocab: int, seed: int = 0):
     import torch
 
-    from stages.trainer.batch import TrainBatch
+    from stages.trainer.types import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     n, t = len(prompts), max(p + r for p, r in zip(prompts, responses))
@@ -91,14 +91,14 @@ def time_step(cfg, batch, seed: int) -> float:
     from fp8rl_core.precision.conversion import convert_for_training
     from fp8rl_core.tasks.tiny_model import build_tiny_model
     from stages.trainer.optimizer import make_optimizer
-    from stages.trainer.update import policy_update
+    from stages.trainer.update import UpdateSpec, policy_update
 
     torch.manual_seed(0)
     model = build_tiny_model(cfg.model)
     convert_for_training(model, cfg.precision.train)
     opt, sched = make_optimizer(model, cfg)
     t0 = time.perf_counter()
-    policy_update(model, opt, sched, batch, cfg, bounds=(0.8, 1.28), shadow=False, seed=seed)
+    policy_update(model, opt, sched, batch, cfg, UpdateSpec(bounds=(0.8, 1.28), shadow=False, seed=seed))
     return time.perf_counter() - t0
 
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from flows.configuration import load_config
+    from flows.campaign.configuration import load_config
     from fp8rl_core.tasks.tiny_model import VOCAB_SIZE
 
     torch.set_num_threads(1)

@@ -81,14 +81,14 @@ def _fp8rl_overrides(precision: str, steps: int) -> list[str]:
 
 def fp8rl_steps(precision: str, steps: int, warmup: int) -> list[tuple[float, float]]:
     """(wall, CPU) seconds of fp8rl steps ``warmup + 1 .. warmup + steps`` (rollout + score + train)."""
-    from flows.configuration import dump_config, load_config
-    from flows.cpu_numerics import gemm_choice
+    from flows.campaign.configuration import dump_config, load_config
+    from flows.campaign.cpu_numerics import gemm_choice
     from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.score import run_score
     from stages.train import run_train
-    from storage.layout import create_run
+    from storage.run.layout import create_run
 
     extra = [o for o in os.environ.get("PEER_FP8RL_SET", "").split(";") if o]  # --fp8rl-set, passed to the children
     cfg = load_config("tiny-cpu", _fp8rl_overrides(precision, warmup + steps) + extra)

@@ -75,7 +75,7 @@ def measure(preset: str, overrides: list[str], steps: int, root: Path, name: str
     step); the noise over their tokens."""
     import torch
 
-    from flows.configuration import dump_config, load_config
+    from flows.campaign.configuration import dump_config, load_config
     from fp8rl_core.objective.losses import importance_ratio
     from fp8rl_core.signals.diagnostics import noise_amplification, over_clipped_mask
     from stages.context import open_run
@@ -83,7 +83,7 @@ def measure(preset: str, overrides: list[str], steps: int, root: Path, name: str
     from stages.runtime.io import read_step
     from stages.score import run_score
     from stages.train import run_train
-    from storage.layout import create_run
+    from storage.run.layout import create_run
 
     cfg = load_config(preset, [*COMMON, f"steps={steps}", *overrides])
     create_run(root, name, config=dump_config(cfg))
@@ -127,7 +127,7 @@ def main() -> None:
     from fp8rl_core.host.cpu_env import pin_cpu_numerics
 
     pin_cpu_numerics()  # before torch, as `fp8rl run` does
-    from flows.prefect_env import quiet_third_party
+    from flows.orchestration.env import quiet_third_party
 
     quiet_third_party()
     root, out = Path(tempfile.mkdtemp(prefix="fp8rl-regime-")), {}

@@ -52,14 +52,15 @@ def measure_step(env, state, step: int, cfg) -> dict[str, torch.Tensor]:
     from fp8rl_core.precision.rollout import convert_for_rollout
     from stages.runtime.io import read_step
     from stages.train import build_batch
-    from stages.trainer.forward import policy_logprobs
+    from stages.trainer.forward import ForwardSpec, policy_logprobs
 
     batch = build_batch(read_step(env, "rollouts", step), read_step(env, "scores", step), env.tokenizer.pad_token_id)
     ids, am = batch.input_ids.to(env.device), batch.attention_mask.to(env.device)
     mb = cfg.algorithm.micro_batch_size
     with torch.no_grad():
-        trainer = policy_logprobs(state.policy, ids, am, mode=cfg.precision.train, micro_batch_size=mb)[0]
-        bf16 = policy_logprobs(state.policy, ids, am, mode=cfg.precision.train, shadow=True, micro_batch_size=mb)[0]
+        mode = cfg.precision.train
+        trainer = policy_logprobs(state.policy, ids, am, ForwardSpec(mode, micro_batch_size=mb))[0]
+        bf16 = policy_logprobs(state.policy, ids, am, ForwardSpec(mode, shadow=True, micro_batch_size=mb))[0]
         grid = sequence_logprobs(
             env.engine.model, ids, am, mode=cfg.precision.rollout, micro_batch_size=mb, with_entropy=False
         )[0]
@@ -80,15 +81,15 @@ def measure_step(env, state, step: int, cfg) -> dict[str, torch.Tensor]:
 
 def run_arm(mode: str, weight_format: str, args) -> list[dict[str, torch.Tensor]]:
     """``args.steps`` RL steps of the preset in ``mode`` with ``weight_format``; the per-step measurements."""
-    from flows.configuration import dump_config, load_config
-    from flows.cpu_numerics import gemm_choice
+    from flows.campaign.configuration import dump_config, load_config
+    from flows.campaign.cpu_numerics import gemm_choice
     from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from stages.calibrate import run_calibrate
     from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.score import run_score
     from stages.train import run_train
-    from storage.layout import create_run
+    from storage.run.layout import create_run
 
     train, rollout = MODES[mode]
     overrides = [

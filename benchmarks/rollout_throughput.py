@@ -49,7 +49,7 @@ from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.precision.autocast import autocast_context
 from fp8rl_core.tasks.tiny_model import build_tiny_model
-from stages.engines import TransformersEngine, make_engine
+from stages.engines import SamplingRequest, TransformersEngine, make_engine
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -117,6 +117,7 @@ def _vllm_engine(policy: torch.nn.Module, args: argparse.Namespace):
     import tempfile
 
     from fp8rl_core.tasks.tiny_model import build_tokenizer
+    from stages.engines.vllm_options import VLLMSettings
 
     folder = tempfile.mkdtemp(prefix="fp8rl-bench-vllm-")
     policy.save_pretrained(folder)
@@ -129,18 +130,20 @@ def _vllm_engine(policy: torch.nn.Module, args: argparse.Namespace):
         precision=PrecisionConfig(rollout="bf16"),
         config=cfg,
         model_path=folder,
-        max_model_len=args.prompt_len[1] + args.max_new_tokens + 8,
-        # above the batch: a split prefill of a seeded request crashes the CPU sampler (docs/vllm.md)
-        llm_options={"enforce_eager": True, "max_num_batched_tokens": 16384},
+        settings=VLLMSettings(
+            max_model_len=args.prompt_len[1] + args.max_new_tokens + 8,
+            # above the batch: a split prefill of a seeded request crashes the CPU sampler (docs/vllm.md)
+            llm_options={"enforce_eager": True, "max_num_batched_tokens": 16384},
+        ),
     )
 
 
 def _train_step(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: int, width: int) -> int:
     """One forward + backward + AdamW step of the trainer's BF16 path over ``rows x width`` tokens."""
-    from stages.trainer.forward import policy_logprobs
+    from stages.trainer.forward import ForwardSpec, policy_logprobs
 
     ids = torch.randint(4, policy.config.vocab_size, (rows, width))
-    lp, _ = policy_logprobs(policy, ids, torch.ones_like(ids), mode="bf16")
+    lp, _ = policy_logprobs(policy, ids, torch.ones_like(ids), ForwardSpec("bf16"))
     (-lp.mean()).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -160,7 +163,9 @@ def vllm_report(args: argparse.Namespace) -> None:
     prompts = random_prompts(args.prompts, *args.prompt_len, vocab=policy.config.vocab_size, seed=args.seed)
     seeds = list(range(len(prompts)))
     engine = _vllm_engine(policy, args)
-    gen = dict(n=args.n, temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens)
+    request = SamplingRequest(
+        n=args.n, temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed, seeds=seeds
+    )
 
     def bare() -> int:
         sps = [
@@ -181,7 +186,7 @@ def vllm_report(args: argparse.Namespace) -> None:
 
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
     variants: dict[str, Callable[[], int]] = {
-        "vllm engine": lambda: engine.generate(prompts, seed=args.seed, seeds=seeds, **gen).generated_tokens,
+        "vllm engine": lambda: engine.generate(prompts, request).generated_tokens,
         "bare LLM.generate": bare,
         "train step": lambda: _train_step(policy, optimizer, rows=32, width=40),
         "weight sync": lambda: engine.load_weights(policy) or 1,
@@ -242,9 +247,9 @@ def main() -> None:
         )
 
     bf16 = engine("bf16")
-    gen_args = dict(n=args.n, temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens)
+    request = SamplingRequest(n=args.n, temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
     variants: dict[str, Callable[[], int]] = {
-        "engine bf16": lambda: bf16.generate(prompts, seed=args.seed, **gen_args).generated_tokens,
+        "engine bf16": lambda: bf16.generate(prompts, request).generated_tokens,
         "bare generate bf16": lambda: bare_generate_tokens(
             bf16.model, prompts, n=args.n, max_new_tokens=args.max_new_tokens, batch=args.batch, seed=args.seed
         ),
@@ -253,7 +258,7 @@ def main() -> None:
         for mode in ("fp8_per_tensor", "fp8_per_block"):
             eng = engine(mode)
             variants[f"engine {mode}"] = lambda eng=eng: (
-                eng.generate(prompts, seed=args.seed, **gen_args).generated_tokens
+                eng.generate(prompts, request).generated_tokens
             )
 
     names = list(variants)

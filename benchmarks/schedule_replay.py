@@ -40,15 +40,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fp8rl_core.calibration.calibrated_clipping import CalibratorState, calibrate  # noqa: E402
+from fp8rl_core.calibration.calibrated_clipping import CalibratorState, StandardClip, calibrate  # noqa: E402
 from fp8rl_core.calibration.drift import Schedule, StepTokens, negative_ratios, replay  # noqa: E402
 from fp8rl_core.calibration.estimators import LOWER_ESTIMATORS  # noqa: E402
 from fp8rl_core.objective.losses import importance_ratio  # noqa: E402
 
 
 def load_records(run_dir: Path) -> tuple[list[StepTokens], dict[int, tuple[float, float]], object]:
-    from flows.configuration import load_config
-    from storage.catalog import connect, query
+    from flows.campaign.configuration import load_config
+    from storage.queries.catalog import connect, query
 
     cfg = load_config(run_dir / "config.yaml")
     con = connect(run_dir)
@@ -100,11 +100,9 @@ def replay_estimator(
                 rec.r16,
                 rec.advantages,
                 rec.mask,
-                eps_low=eps_low,
-                eps_high=eps_high,
+                standard=StandardClip(eps_low, eps_high, dual_clip),
                 config=config,
                 previous=state,
-                dual_clip=dual_clip,
             )
             state = state.updated(res, rec.step)
             spent += int(rec.mask.sum())

@@ -53,7 +53,7 @@ def finished_cells(sweep_dir: Path) -> dict[str, dict[int, str]]:
 
 def load(sweep_dir: Path, runs: list[str]):
     """Evaluation outcomes and step metrics of ``runs`` through the catalog (DuckDB)."""
-    from storage.catalog import connect, query
+    from storage.queries.catalog import connect, query
 
     con = connect(sweep_dir, runs=runs)
     evals = query(
@@ -71,7 +71,7 @@ def load(sweep_dir: Path, runs: list[str]):
 
 def per_run(evals: list[dict], steps: list[dict]) -> dict[str, dict]:
     """run id -> second-half eval, outcomes by (step, problem, sample), clip shares, surges."""
-    from flows.sweep_choice import second_half
+    from flows.sweep.choice import second_half
     from fp8rl_core.signals.failure_signals import surge_onsets
 
     out: dict[str, dict] = defaultdict(lambda: {"outcomes": {}, "acc": defaultdict(list), "steps": []})

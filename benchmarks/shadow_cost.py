@@ -40,15 +40,15 @@ def main() -> None:
 
     import torch
 
-    from flows.configuration import dump_config, load_config
+    from flows.campaign.configuration import dump_config, load_config
     from fp8rl_core.calibration.subsample import choose_size, sample_sequences
     from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.runtime.io import read_step
     from stages.score import run_score
     from stages.train import build_batch
-    from stages.trainer.update import policy_update
-    from storage.layout import create_run
+    from stages.trainer.update import UpdateSpec, policy_update
+    from storage.run.layout import create_run
 
     cfg = load_config("tiny-cpu", args.sets)
     tmp = Path(tempfile.mkdtemp(prefix="shadow-cost-"))
@@ -78,10 +78,12 @@ def main() -> None:
                     state.scheduler,
                     batch,
                     cfg,
-                    bounds=state.calibrator.bounds,
-                    shadow=kind != "none",
-                    seed=step,
-                    shadow_rows=keep if kind == "sub" else None,
+                    UpdateSpec(
+                        bounds=state.calibrator.bounds,
+                        shadow=kind != "none",
+                        seed=step,
+                        shadow_rows=keep if kind == "sub" else None,
+                    ),
                 )
                 train_s = time.perf_counter() - t0
                 shadow_s = res.timings.get("shadow_s", 0.0)

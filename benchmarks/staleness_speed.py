@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 def loop_seconds(run_dir: Path) -> tuple[float, dict[str, float]]:
     """(wall seconds from the first stage of step 1 to the last record's end, stage seconds summed by stage)."""
-    from storage.catalog import connect, query
+    from storage.queries.catalog import connect, query
 
     con = connect(run_dir)
     span = query(

@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from flows.prefect_env import configure_prefect_env
+from flows.orchestration.env import configure_prefect_env
 
 configure_prefect_env()
 
@@ -41,12 +41,12 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     args = ap.parse_args()
 
-    import storage.checkpoints as ckpt_mod
-    import storage.ledger as ledger_mod
-    import storage.writer as writer_mod
-    from flows.configuration import dump_config, load_config
-    from storage.catalog import connect, query
-    from storage.layout import create_run
+    import storage.checkpoints.store as ckpt_mod
+    import storage.ledger.events as ledger_mod
+    import storage.parts.writer as writer_mod
+    from flows.campaign.configuration import dump_config, load_config
+    from storage.queries.catalog import connect, query
+    from storage.run.layout import create_run
 
     spent: dict[str, float] = defaultdict(float)
 
@@ -69,7 +69,7 @@ def main() -> None:
 
     cfg = load_config("tiny-cpu", [f"steps={args.steps}", *args.overrides])
     if cfg.trackers:
-        import flows.trackers as trk
+        import flows.report.trackers as trk
 
         trk.Trackers.on_write = timed("tracker_tee", trk.Trackers.on_write)
         trk.Trackers.close = timed("tracker_close", trk.Trackers.close)
@@ -80,7 +80,7 @@ def main() -> None:
     create_run(root, "bench", config=dump_config(cfg))
     run_dir = root / "bench"
 
-    from flows.campaign import campaign_flow
+    from flows.campaign.flow import campaign_flow
     from stages.context import base_model_dir
 
     base_model_dir(cfg, root)  # bootstrap (cached) outside the measured loop

@@ -18,7 +18,7 @@ Prints the path (one line per stop, ``↩`` marking a return) and the three coun
 from another checkout's root with that checkout first on the path to walk its code alike.
 
 ``--from run_step`` counts instead the **hops** from the step's runner
-(``flows/campaign.py:run_step``) to each stage function (``stages/<stage>.py:run_<stage>``):
+(``flows/campaign/flow.py:run_step``) to each stage function (``stages/<stage>.py:run_<stage>``):
 a two-step micro campaign runs as ``fp8rl run`` runs it (its Prefect flow, a temporary
 Prefect server), and the first time each stage function is entered the frames between
 ``run_step`` and it that live in this repository are listed; each is a hop, the stage
@@ -133,12 +133,12 @@ class PathWalk:
 def walk(stage_name: str, overrides: list[str], *, leaves: bool) -> PathWalk:
     """Run step 1 of the micro campaign up to ``stage_name`` and walk that stage's call."""
     import stages
-    from flows.configuration import dump_config, load_config
+    from flows.campaign.configuration import dump_config, load_config
     from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.score import run_score
     from stages.train import run_train
-    from storage.layout import create_run
+    from storage.run.layout import create_run
 
     order = {"rollout": run_rollout, "score": run_score, "train": run_train}
     cfg = load_config("tiny-cpu", MICRO + overrides)
@@ -170,9 +170,9 @@ def hops_from_run_step(overrides: list[str]) -> dict[str, list[str]]:
     import threading
 
     import stages
-    from flows.campaign import campaign_flow
-    from flows.configuration import dump_config, load_config
-    from storage.layout import create_run
+    from flows.campaign.configuration import dump_config, load_config
+    from flows.campaign.flow import campaign_flow
+    from storage.run.layout import create_run
 
     root = Path(stages.__file__).resolve().parent.parent
     targets = {f"stages/{s}.py:run_{s}": s for s in STAGE_FILES}

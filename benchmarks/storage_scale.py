@@ -8,7 +8,7 @@ queries over all rows (the shipped named queries calibration-history,
 clip-shares-by-sign, entropy-bins) plus the catalog's connect time. Goals on a
 2-core machine: >= 2M rows/s, each query <= 1 s, <= 20 bytes/row.
 
-Then the cost of DuckDB's check of every part (``storage.catalog``): what it
+Then the cost of DuckDB's check of every part (``storage.queries.catalog``): what it
 takes DuckDB to read every listed footer (the views are built on those reads,
 so a healthy run pays nothing more), what checking each part alone would cost,
 and connect plus the three queries with one ``token_stats`` part damaged so
@@ -42,10 +42,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from storage.catalog import connect, query, set_params  # noqa: E402
-from storage.layout import create_run  # noqa: E402
+from storage.parts.writer import TableWriter  # noqa: E402
 from storage.queries import get_query  # noqa: E402
-from storage.writer import TableWriter  # noqa: E402
+from storage.queries.catalog import connect, query, set_params  # noqa: E402
+from storage.run.layout import create_run  # noqa: E402
 
 QUERIES = ("calibration-history", "clip-shares-by-sign", "entropy-bins")
 
@@ -140,10 +140,10 @@ def part_check_cost(root: Path, repeats: int) -> None:
     """DuckDB's check of every part: healthy, per part, and with one part only DuckDB finds damaged."""
     import duckdb
 
-    from storage.catalog import problems
-    from storage.layout import RunLayout, scan_parts
-    from storage.part_checks import footer_problem, forget_verdicts
-    from storage.schemas import STORED_TABLES
+    from storage.parts.checks import footer_problem, forget_verdicts
+    from storage.queries.catalog import problems
+    from storage.run.layout import RunLayout, scan_parts
+    from storage.tables.schemas import STORED_TABLES
 
     parts = [str(p.path) for t in STORED_TABLES for p in scan_parts(RunLayout(root / "bench"), t, "bench")]
     listing = "[" + ", ".join(f"'{p}'" for p in parts) + "]"

@@ -50,15 +50,15 @@ def main() -> None:
 
 
 def run_steps(steps: int, overrides: list[str]) -> None:
-    from flows.configuration import dump_config, load_config
-    from flows.cpu_numerics import gemm_choice
+    from flows.campaign.configuration import dump_config, load_config
+    from flows.campaign.cpu_numerics import gemm_choice
     from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from stages.calibrate import run_calibrate
     from stages.context import open_run
     from stages.rollout import run_rollout
     from stages.score import run_score
     from stages.train import run_train
-    from storage.layout import create_run
+    from storage.run.layout import create_run
 
     cfg = load_config("stress-cpu", overrides)
     with tempfile.TemporaryDirectory(prefix="stress-step-") as tmp:

@@ -21,9 +21,9 @@ from fp8rl_core.config.campaign import CampaignConfig
 from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.precision.conversion import convert_for_training
 from fp8rl_core.tasks.tiny_model import build_tiny_model
-from stages.trainer.batch import TrainBatch
 from stages.trainer.optimizer import make_optimizer
-from stages.trainer.update import policy_update
+from stages.trainer.types import TrainBatch
+from stages.trainer.update import UpdateSpec, policy_update
 mini, micro = int(sys.argv[1]), int(sys.argv[2])
 torch.manual_seed(0); torch.set_num_threads(1)
 cfg = CampaignConfig.model_validate({"rollout": {"prompts_per_step": 64, "samples_per_prompt": 8},
@@ -36,7 +36,7 @@ ids = torch.randint(4, 120, (n, p + r)); am = torch.ones_like(ids)
 rm = torch.zeros(n, p + r); rm[:, p:] = 1
 batch = TrainBatch(ids, am, rm, torch.full((n, p + r), -1.0) * rm, torch.randn(n), torch.arange(n))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-policy_update(model, opt, sched, batch, cfg, bounds=(0.8, 1.28), shadow=True, seed=0)
+policy_update(model, opt, sched, batch, cfg, UpdateSpec(bounds=(0.8, 1.28), shadow=True, seed=0))
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"mini": mini, "micro": micro, "peak_mb": (after - before) / 1024}))
 """

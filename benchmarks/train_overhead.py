@@ -33,10 +33,10 @@ def main() -> None:
     from fp8rl_core.precision.autocast import autocast_context
     from fp8rl_core.precision.conversion import convert_for_training
     from fp8rl_core.tasks.tiny_model import build_tiny_model
-    from stages.trainer.batch import TrainBatch
     from stages.trainer.forward import pad_to_contract, token_multiple
     from stages.trainer.optimizer import make_optimizer
-    from stages.trainer.update import policy_update
+    from stages.trainer.types import TrainBatch
+    from stages.trainer.update import UpdateSpec, policy_update
 
     cfg = CampaignConfig.model_validate(
         {
@@ -68,7 +68,7 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
 
     def stage() -> None:
-        policy_update(model, opt, sched, batch, cfg, bounds=(0.8, 1.28), shadow=False, seed=0)
+        policy_update(model, opt, sched, batch, cfg, UpdateSpec(bounds=(0.8, 1.28), shadow=False, seed=0))
 
     bare(), stage()  # warm-up
     t_bare, t_stage = [], []

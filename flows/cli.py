@@ -18,7 +18,7 @@ try:  # recent typer vendors click
 except ImportError:  # pragma: no cover - older typer on top of click
     from click.exceptions import UsageError
 
-from flows.cli_common import fail
+from flows.commands.common import fail
 
 app = typer.Typer(
     name="fp8rl",
@@ -30,11 +30,11 @@ app = typer.Typer(
 
 # Modules contributing commands, in help order.
 _COMMAND_MODULES = (
-    "flows.cli_campaign",  # run, resume, rerun
-    "flows.cli_deploy",  # deploy
-    "flows.cli_storage",  # query, doctor
-    "flows.cli_report",  # report, sweep
-    "flows.cli_plan",  # plan
+    "flows.commands.run",  # run, resume, rerun
+    "flows.commands.deploy",  # deploy
+    "flows.commands.storage",  # query, doctor
+    "flows.commands.report",  # report, sweep
+    "flows.commands.plan",  # plan
     "flows.cluster.cli",  # submit
 )
 
@@ -61,7 +61,7 @@ def show_config(
     set_: list[str] = typer.Option([], "--set", help="Override, e.g. calibration.interval=10 (repeatable)."),
 ) -> None:
     """Print the resolved configuration of a preset (after overrides)."""
-    from flows.configuration import ConfigError, dump_config, load_config
+    from flows.campaign.configuration import ConfigError, dump_config, load_config
 
     try:
         cfg = load_config(preset, set_)
@@ -80,11 +80,11 @@ def main(argv: list[str] | None = None) -> None:
 
     pin_cpu_numerics()  # before torch: the same numbers on every x86-64 CPU (fp8rl_core/host/cpu_env.py)
     keep_freed_memory()  # freed tensors' memory reused, not returned to the kernel (fp8rl_core/host/cpu_malloc.py)
-    from flows.shutdown import RunEnded, exit_now
+    from flows.process.shutdown import RunEnded, exit_now
 
     try:
         code = app(args=argv, prog_name="fp8rl", standalone_mode=False)
-    except RunEnded as end:  # SIGINT / SIGTERM: every process of the run ended (flows.shutdown)
+    except RunEnded as end:  # SIGINT / SIGTERM: every process of the run ended (flows.process.shutdown)
         exit_now(end)
     except UsageError as err:
         message = " ".join(err.format_message().replace("Value error, ", "").split())

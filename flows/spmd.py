@@ -2,7 +2,7 @@
 
 ``fp8rl run CONFIG --nproc-per-node N`` creates the run directory, then starts
 ``torchrun --standalone --nproc-per-node N -m flows.spmd RUN_DIR``
-(:func:`flows.run_process.launch`); for several nodes, ``fp8rl submit`` renders a
+(:func:`flows.campaign.launch.launch`); for several nodes, ``fp8rl submit`` renders a
 Slurm job that starts the same module under one agent per node
 (:mod:`flows.cluster.slurm_script`), or start it on each node by hand with a
 rendezvous endpoint::
@@ -10,15 +10,15 @@ rendezvous endpoint::
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 -m flows.spmd RUN_DIR [--resume]
 
-Every rank runs :func:`flows.campaign.run_campaign`; rank 0 runs it inside the
+Every rank runs :func:`flows.campaign.flow.run_campaign`; rank 0 runs it inside the
 Prefect flow and writes the result summary (``--result``) for the launcher.
 torchrun stops every rank when one fails, so a failure (or SIGKILL) acts on all
 ranks together, and ``fp8rl resume RUN_DIR --nproc-per-node N`` continues from
 the newest checkpoint on any number of ranks.
 
-``fp8rl`` starts torchrun as :mod:`flows.torchrun` in a session of its own and
+``fp8rl`` starts torchrun as :mod:`flows.process.torchrun` in a session of its own and
 forwards SIGINT and SIGTERM to it; torchrun forwards them to each rank's
-process group, and each rank ends by :mod:`flows.shutdown`'s path, quietly
+process group, and each rank ends by :mod:`flows.process.shutdown`'s path, quietly
 (the launcher prints the one line). A rank whose torchrun agent dies, however it
 dies (a cluster job's task SIGKILLed, its node's agent lost), gets SIGTERM from the
 kernel and ends by the same path (:func:`end_with_agent`): no rank outlives its
@@ -33,8 +33,8 @@ import os
 import sys
 from pathlib import Path
 
-# A signal's way through the ranks (flows.shutdown): a rank ends within RANK_DEADLINE_S; the launcher
-# (flows.run_process.launch) waits a little longer for torchrun: all of it inside the 10 s a run has to end.
+# A signal's way through the ranks (flows.process.shutdown): a rank ends within RANK_DEADLINE_S; the launcher
+# (flows.campaign.launch.launch) waits a little longer for torchrun: all of it inside the 10 s a run has to end.
 RANK_DEADLINE_S = 6.0
 
 
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
 
     def body(start_server) -> dict:
-        from flows.campaign import run_campaign
-        from flows.prefect_env import quiet_console_failures
+        from flows.campaign.flow import run_campaign
+        from flows.orchestration.env import quiet_console_failures
 
         if rank0:  # rank 0 runs the Prefect flow: its temporary server, in a session of its own
             start_server()
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_campaign(args.run_dir, resume=args.resume, stop_after_step=args.stop_after_step)
 
-    from flows.run_process import until_signal
+    from flows.campaign.launch import until_signal
 
     # a signal (forwarded by torchrun) ends this rank quietly: the launcher says the one line
     out = until_signal(body, resume=None, deadline_s=RANK_DEADLINE_S)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from flows.shutdown import RunEnded, end_process, exit_now
+    from flows.process.shutdown import RunEnded, end_process, exit_now
 
     try:
         code = main()
@@ -97,4 +97,4 @@ if __name__ == "__main__":
 
         traceback.print_exc()
         code = 1
-    end_process(code)  # a rank never aborts in the interpreter's teardown (flows.shutdown.end_process)
+    end_process(code)  # a rank never aborts in the interpreter's teardown (flows.process.shutdown.end_process)

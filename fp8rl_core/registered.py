@@ -6,7 +6,7 @@ this module imports each once, so a reader of a registry sees every loss and
 no module imports another only for its side effect of registering. The config
 (``fp8rl_core.config``) names registry entries as plain strings;
 :func:`unknown_names` is where those names meet the registries (called where
-configs are loaded, ``flows.configuration``), so the registries stay the one list.
+configs are loaded, ``flows.campaign.configuration``), so the registries stay the one list.
 """
 
 from __future__ import annotations

@@ -77,9 +77,11 @@ def strict_shapes() -> None:
 
 
 def tiny_config(**overrides):
-    from transformers import Qwen3Config
+    """A config of :data:`TINY` shapes, untied, with transformers' context length and no special tokens."""
+    from fp8rl_core.tasks.tiny_config import tiny_qwen3_config
 
-    return Qwen3Config(**{**TINY, "tie_word_embeddings": False, **overrides})
+    hf_defaults = dict(max_position_embeddings=32768, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return tiny_qwen3_config(**{**TINY, **hf_defaults, "tie_word_embeddings": False, **overrides})
 
 
 def tiny_policy(device):

@@ -58,7 +58,7 @@ def _model(device):
 def _batch(device, n=32, p=96, r=160, vocab=150000):
     import torch
 
-    from stages.trainer.batch import TrainBatch
+    from stages.trainer.types import TrainBatch
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(10, vocab, (n, p + r), generator=g)
@@ -81,16 +81,16 @@ def step_and_calibrate(model, optimizer, scheduler, batch, cfg) -> tuple[Any, An
     """
     import torch
 
-    from fp8rl_core.calibration.calibrated_clipping import CalibratorState, calibrate
+    from fp8rl_core.calibration.calibrated_clipping import CalibratorState, StandardClip, calibrate
     from fp8rl_core.objective.losses import importance_ratio
-    from stages.trainer.update import policy_update
+    from stages.trainer.update import UpdateSpec, policy_update
 
     a = cfg.algorithm
     sync = torch.cuda.synchronize if batch.input_ids.is_cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
     res = policy_update(
-        model, optimizer, scheduler, batch, cfg, bounds=(1 - a.eps_low, 1 + a.eps_high), shadow=True, seed=0
+        model, optimizer, scheduler, batch, cfg, UpdateSpec(bounds=(1 - a.eps_low, 1 + a.eps_high), shadow=True, seed=0)
     )
     sync()
     t1 = time.perf_counter()
@@ -104,11 +104,9 @@ def step_and_calibrate(model, optimizer, scheduler, batch, cfg) -> tuple[Any, An
         r16,
         adv,
         m,
-        eps_low=a.eps_low,
-        eps_high=a.eps_high,
+        standard=StandardClip(a.eps_low, a.eps_high, a.dual_clip),
         config=cfg.calibration,
         previous=prev,
-        dual_clip=a.dual_clip,
     )
     res.timings["calibration_s"] = time.perf_counter() - t1
     return res, cal, t1 - t0
@@ -156,7 +154,7 @@ def _one_mode(emit: Callable[[str], None], mode: str, device, batch, *, build=_m
     with phase(f"{mode} import", emit):
         from fp8rl_core.precision.conversion import convert_for_training
         from gpu_check.step_config import load_step_config
-        from stages.trainer.forward import policy_logprobs
+        from stages.trainer.forward import ForwardSpec, policy_logprobs
         from stages.trainer.optimizer import make_optimizer
 
     cfg = load_step_config(mode)
@@ -184,8 +182,9 @@ def _one_mode(emit: Callable[[str], None], mode: str, device, batch, *, build=_m
         emu.load_state_dict(model.state_dict())
         convert_for_training(emu, mode, emulate=True, backend="emulated")
         with torch.no_grad():
-            lp_k, _ = policy_logprobs(model, batch.input_ids, batch.attention_mask, mode=mode, micro_batch_size=8)
-            lp_e, _ = policy_logprobs(emu, batch.input_ids, batch.attention_mask, mode=mode, micro_batch_size=8)
+            spec = ForwardSpec(mode, micro_batch_size=8)
+            lp_k, _ = policy_logprobs(model, batch.input_ids, batch.attention_mask, spec)
+            lp_e, _ = policy_logprobs(emu, batch.input_ids, batch.attention_mask, spec)
     d = (lp_k - lp_e).abs()[batch.response_mask > 0]
     emit(f"train_step {mode}: emulation vs kernel |dlogp| mean {float(d.mean()):.2e} max {float(d.max()):.2e}")
 

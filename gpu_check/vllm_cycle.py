@@ -50,14 +50,13 @@ NARROW_28 = dict(
 
 def _policy(folder: str, shapes: dict):
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
+    from fp8rl_core.tasks.tiny_config import tiny_qwen3_config
     from fp8rl_core.tasks.tiny_model import build_tokenizer
 
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(
-        Qwen3Config(**shapes, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    ).float()
+    model = Qwen3ForCausalLM(tiny_qwen3_config(**shapes, max_position_embeddings=1024)).float()
     model.save_pretrained(folder)
     tok = build_tokenizer(folder)  # ids < 128; the engine never detokenizes
     return model, tok
@@ -67,6 +66,7 @@ def _engine(model, tok, folder: str, *, sleep: bool, memory: float):
     from fp8rl_core.config.method import PrecisionConfig
     from fp8rl_core.config.pipeline import RolloutConfig
     from stages.engines import make_engine
+    from stages.engines.vllm_options import VLLMSettings
 
     cfg = RolloutConfig(
         engine="vllm",
@@ -83,8 +83,7 @@ def _engine(model, tok, folder: str, *, sleep: bool, memory: float):
         precision=PrecisionConfig(rollout="bf16"),
         config=cfg,
         model_path=folder,
-        max_model_len=512,
-        llm_options={"enforce_eager": True},
+        settings=VLLMSettings(max_model_len=512, llm_options={"enforce_eager": True}),
     )
 
 
@@ -93,13 +92,13 @@ def _trainer_logprobs(model, rows, device: str) -> tuple[list[list[float]], list
     of the fp32 masters under autocast, as it trains) and the float32 forward (exact to 2^-24)."""
     import torch
 
-    from stages.trainer.forward import policy_logprobs
+    from stages.trainer.forward import ForwardSpec, policy_logprobs
 
     bf16, fp32 = [], []
     with torch.no_grad():
         for r in rows:
             t = torch.tensor([r], device=device)  # [1, T]
-            lp, _ = policy_logprobs(model, t, torch.ones_like(t), mode="bf16")
+            lp, _ = policy_logprobs(model, t, torch.ones_like(t), ForwardSpec("bf16"))
             bf16.append(lp[0, 1:].tolist())
             logits = model(input_ids=t).logits.float()[0, :-1]  # [T-1, V], no autocast: float32
             fp32.append(logits.log_softmax(-1).gather(-1, t[0, 1:, None])[:, 0].tolist())
@@ -119,11 +118,11 @@ def _gap(a, b) -> float:
 def _train_step(model, device: str) -> None:
     import torch
 
-    from stages.trainer.forward import policy_logprobs
+    from stages.trainer.forward import ForwardSpec, policy_logprobs
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # a large step: the sync must visibly move the engine
     ids = torch.tensor(FIXED[:1], device=device)
-    lp, _ = policy_logprobs(model, ids, torch.ones_like(ids), mode="bf16")
+    lp, _ = policy_logprobs(model, ids, torch.ones_like(ids), ForwardSpec("bf16"))
     (-lp.mean()).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -193,6 +192,7 @@ def run(
 def _cycle(engine, model, device: str, emit: Callable[[str], None], skip: tuple[int, ...]) -> dict:
     """Rollout, train step, sync, rollout; the synced engine judged against the trainer (see the module)."""
     from gpu_check.phases import phase
+    from stages.engines import SamplingRequest
     from stages.engines.weight_transfer import bf16_sync_tolerance
 
     model.to(device)
@@ -200,7 +200,7 @@ def _cycle(engine, model, device: str, emit: Callable[[str], None], skip: tuple[
         engine.load_weights(model)  # step 0: the engine takes the trainer's weights (first sync is verified)
     gen = dict(n=4, temperature=1.0, top_p=1.0, max_new_tokens=32)
     with phase("first generate (JIT)", emit):
-        batch = engine.generate([FIXED[0][:8], FIXED[1][:8]], seed=0, **gen)
+        batch = engine.generate([FIXED[0][:8], FIXED[1][:8]], SamplingRequest(seed=0, **gen))
         before = _engine_logprobs(engine, FIXED)
     engine.sleep()
     old = {layer: {n: p.detach().clone() for n, p in _layer_params(model, layer).items()} for layer in skip}
@@ -211,7 +211,7 @@ def _cycle(engine, model, device: str, emit: Callable[[str], None], skip: tuple[
         engine.load_weights(model)
         sync_s = time.perf_counter() - t1
     with phase("check", emit):
-        engine.generate([FIXED[0][:8]], seed=1, **gen)
+        engine.generate([FIXED[0][:8]], SamplingRequest(seed=1, **gen))
         after = _engine_logprobs(engine, FIXED)
         trainer, exact = _trainer_logprobs(model, FIXED, device)
         tol = bf16_sync_tolerance(trainer, exact)

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from fp8rl_core.calibration.calibrated_clipping import calibrate
+from fp8rl_core.calibration.calibrated_clipping import StandardClip, calibrate
 from fp8rl_core.objective.losses import importance_ratio
 from fp8rl_core.registered import CALIBRATION_UNITS
 from stages.context import RunEnv, TrainState
@@ -116,11 +116,9 @@ def run_calibrate(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0
         r16,
         adv,
         mask,
-        eps_low=cfg.algorithm.eps_low,
-        eps_high=cfg.algorithm.eps_high,
+        standard=StandardClip(cfg.algorithm.eps_low, cfg.algorithm.eps_high, cfg.algorithm.dual_clip),
         config=cal_cfg,
         previous=state.calibrator,
-        dual_clip=cfg.algorithm.dual_clip,
         weights=weights,
     )
     row = {

@@ -5,7 +5,7 @@ Model and optimizer state go through ``torch.distributed.checkpoint`` (DCP) into
 temporary folder, hashing each file as it is written; rank 0 gathers the sizes
 and hashes into the checkpoint's manifest and renames the folder into place
 with the checkpoint), and loading reshards, so a checkpoint written by W ranks restores on any number of ranks
-(one process included). The rest goes through :mod:`storage.checkpoints` into
+(one process included). The rest goes through :mod:`storage.checkpoints.store` into
 ``checkpoints/step_<n>/`` (written last, atomically, by rank 0; its manifest is
 what makes the checkpoint complete): the policy as a ``from_pretrained`` folder
 (safetensors; under FSDP2 the full state is gathered first), LR-schedule state,
@@ -29,10 +29,10 @@ from stages.context import RunEnv, TrainState
 from stages.data.prompts import SamplerState
 from stages.result import StageResult
 from storage import faults
-from storage.checkpoint_format import DCP_DIR, HashingStream, new_dcp_tmp_dir
-from storage.checkpoint_retention import apply_retention
-from storage.checkpoint_verify import list_checkpoints
-from storage.checkpoints import load_checkpoint, save_checkpoint
+from storage.checkpoints.format import DCP_DIR, HashingStream, new_dcp_tmp_dir
+from storage.checkpoints.retention import apply_retention
+from storage.checkpoints.store import CheckpointState, load_checkpoint, save_checkpoint
+from storage.checkpoints.verify import list_checkpoints
 
 
 def hashing_dcp_writer(path: Path):
@@ -138,17 +138,19 @@ def run_checkpoint(
             model=model,
             tokenizer=env.tokenizer,
             optimizer=None,
-            sampler_state=state.sampler.to_dict(),
-            calibrator_state=state.calibrator.to_dict(),
-            config=cfg.model_dump(mode="json"),
-            metrics=metrics or {},
-            extra={
-                "scheduler": state.scheduler.state_dict(),
-                "policy_version": state.policy_version,
-                "dcp": f"{DCP_DIR}/step_{int(step)}",
-                "world_size": env.world_size,
-                "fp4_rng": fp4_rng_state(state.policy),
-            },
+            state=CheckpointState(
+                sampler_state=state.sampler.to_dict(),
+                calibrator_state=state.calibrator.to_dict(),
+                config=cfg.model_dump(mode="json"),
+                metrics=metrics or {},
+                extra={
+                    "scheduler": state.scheduler.state_dict(),
+                    "policy_version": state.policy_version,
+                    "dcp": f"{DCP_DIR}/step_{int(step)}",
+                    "world_size": env.world_size,
+                    "fp4_rng": fp4_rng_state(state.policy),
+                },
+            ),
             dcp=(tmp_dcp, dcp_files),
         )
         removed = apply_retention(
@@ -209,7 +211,7 @@ def restore_latest(env: RunEnv, state: TrainState, *, before_step: int | None = 
 
     Returns ``(first step to run, restored state, eval scores recorded at that step)``."""
     from stages.runtime.stage_comm import broadcast
-    from storage.checkpoint_verify import latest_complete
+    from storage.checkpoints.verify import latest_complete
 
     at_most = None if before_step is None else before_step - 1
     path = broadcast(env, latest_complete(env.run_dir, at_most=at_most) if env.is_main else None)

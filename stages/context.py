@@ -16,8 +16,8 @@ A stage is a plain function over explicit inputs::
   table writer, ledger, tokenizer, rollout engine, prompt source, variant, and
   where the process sits (rank, world size, device, process group). Frozen.
 
-:func:`open_run` builds both, once per process. ``flows.rerun`` builds the same types (a policy-free state for score and
-calibrate re-runs).
+:func:`open_run` builds both, once per process. ``flows.campaign.rerun`` builds the same types (a policy-free
+state for score and calibrate re-runs).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from fp8rl_core.config.precision_kinds import PRECISION_MODES
 from fp8rl_core.tasks.kinds import TASK_KINDS
 from fp8rl_core.tasks.verifiers import answer_parser
 from stages.data.prompts import PromptSource, SamplerState, make_source
-from storage.layout import RunLayout, read_run_info
-from storage.ledger import Ledger
-from storage.writer import TableWriter
+from storage.ledger.events import Ledger
+from storage.parts.writer import TableWriter
+from storage.run.layout import RunLayout, read_run_info
 
 if TYPE_CHECKING:
     from stages.engines.base import RolloutEngineProtocol
@@ -194,7 +194,7 @@ def state_layer_precision(
     compiled (``compiled``: a ``CompileChoice``): one console line and ``run.json``'s ``layer_precision``
     (rank 0). Returns the summary (``fp8rl_core.precision.layers``)."""
     from fp8rl_core.precision.layers import layer_precision, precision_line
-    from storage.layout import update_run_info
+    from storage.run.layout import update_run_info
 
     summary = layer_precision(policy, report)
     if compiled is not None:
@@ -209,7 +209,7 @@ def _state_sharding(run_dir: Path, policy: torch.nn.Module, world_size: int) -> 
     """How this launch trains, in ``run.json``'s ``sharding`` (a resume on another rank count rewrites it):
     the rank count and whether FSDP2 all-gathers torchao's float8 weights as float8."""
     from stages.trainer.distributed import uses_fsdp_float8
-    from storage.layout import update_run_info
+    from storage.run.layout import update_run_info
 
     update_run_info(run_dir, sharding={"ranks": world_size, "float8_all_gather": uses_fsdp_float8(policy)})
 

@@ -3,7 +3,7 @@
 :data:`fp8rl_core.config.stage_kinds.STAGES` says what each stage is (its rank policy,
 retries, when it runs, whether it replays, whether it syncs the engine, its tables and
 time limit); this module binds each name to its stage function and to the three
-things a step's runner (``flows/campaign.py:run_step``) needs of it besides:
+things a step's runner (``flows/campaign/flow.py:run_step``) needs of it besides:
 
 * ``inputs`` — the keyword arguments the stage takes from earlier stages of the step
   (train: the rollout and score times; checkpoint: the latest evaluation);

@@ -20,7 +20,7 @@ from fp8rl_core.config.campaign import CampaignConfig
 from fp8rl_core.config.pipeline import BenchmarkEval
 from stages.context import RunEnv, TrainState
 from stages.data.prompts import PromptItem, data_dir
-from stages.engines.base import RolloutBatch, RolloutSample
+from stages.engines.base import RolloutBatch, RolloutSample, SamplingRequest
 from stages.result import StageResult
 from stages.runtime.seeds import step_seed
 
@@ -127,28 +127,17 @@ def eval_blocks(
 def generate_eval_share(
     env: RunEnv, state: TrainState, prompt_ids: list[list[int]], blocks: list, bench: BenchmarkEval
 ) -> dict[int, RolloutBatch]:
-    """This rank's engine's blocks of a benchmark (``{block index: batch}``), padded to the busiest
-    engine's call count; every rank of a tensor-parallel group submits the same blocks."""
-    from stages.rollout import sync_engine
-    from stages.runtime.rollout_plan import blocks_of_rank, calls_per_rank, engine_layout, padding_calls
+    """This rank's engine's blocks of a benchmark (``{block index: batch}``), through the rollout's
+    generation path (:func:`stages.rollout.generate_blocks`: padded to the busiest engine's call count;
+    every rank of a tensor-parallel group submits the same blocks)."""
+    from stages.rollout import generate_blocks
+    from stages.runtime.rollout_plan import engine_layout
 
-    sync_engine(env, state)
+    request = SamplingRequest(
+        n=bench.k, temperature=bench.temperature, top_p=bench.top_p, max_new_tokens=bench.max_new_tokens, seed=0
+    )  # seed: each block's own
     layout = engine_layout(env.cfg.rollout, env.world_size)
-    mine = blocks_of_rank(blocks, env.rank, layout)
-    out = {}
-    for block in mine:
-        out[block.index] = env.engine.generate(
-            [prompt_ids[p] for p in block.prompts],
-            n=bench.k,
-            temperature=bench.temperature,
-            top_p=bench.top_p,
-            max_new_tokens=bench.max_new_tokens,
-            seed=block.seed,
-            seeds=list(block.prompt_seeds),
-        )
-    if blocks:
-        padding_calls(env.engine, prompt_ids[blocks[0].prompts[0]], calls_per_rank(blocks, layout) - len(mine))
-    return out
+    return generate_blocks(env, state, prompt_ids, blocks, rank=env.rank, lanes=layout, request=request)
 
 
 def merged_batch(blocks: list, shares: list[dict[int, RolloutBatch]], num_prompts: int, k: int) -> RolloutBatch:

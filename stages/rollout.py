@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
 from stages.context import RunEnv, TrainState
 from stages.data.prompt_format import encode_prompts
 from stages.data.prompts import PromptItem, draw_prompts
-from stages.engines.base import RolloutBatch, RolloutSample
+from stages.engines.base import RolloutBatch, RolloutSample, SamplingRequest
 from stages.result import StageResult
 from stages.runtime.rollout_plan import (
     EngineLayout,
@@ -103,35 +103,49 @@ def plan_rollout(env: RunEnv, state: TrainState, step: int, items: list[PromptIt
     return RolloutPlan(items, prompt_ids, blocks)
 
 
+def generate_blocks(
+    env: RunEnv,
+    state: TrainState,
+    prompt_ids: list[list[int]],
+    blocks: list[GenerationBlock],
+    *,
+    rank: int,
+    lanes: int | EngineLayout,
+    request: SamplingRequest,
+) -> dict[int, RolloutBatch]:
+    """Generate the blocks of ``rank``, one ``engine.generate`` call each: ``{block index: batch}``. The
+    rollout's and the evaluation's generation path. Every call asks for ``request`` with the block's
+    seeds in place of its ``seed`` and ``seeds``.
+
+    The engine takes the trainer's weights first (:func:`sync_engine`). Every rank of a
+    tensor-parallel group submits the same blocks; a rank with fewer blocks than the busiest
+    lane pads with discarded calls (:func:`stages.runtime.rollout_plan.padding_calls`), so every
+    rank calls the engine equally often."""
+    sync_engine(env, state)
+    out = {}
+    mine = blocks_of_rank(blocks, rank, lanes)
+    for block in mine:
+        seeded = replace(request, seed=block.seed, seeds=list(block.prompt_seeds))
+        out[block.index] = env.engine.generate([prompt_ids[p] for p in block.prompts], seeded)
+    if blocks:
+        padding_calls(env.engine, prompt_ids[blocks[0].prompts[0]], calls_per_rank(blocks, lanes) - len(mine))
+    return out
+
+
 def generate_share(
     env: RunEnv, state: TrainState, plan: RolloutPlan, *, rank: int, lanes: int | EngineLayout
 ) -> dict[int, RolloutBatch]:
-    """Generate the blocks of ``rank`` (one ``engine.generate`` call each): ``{block index: batch}``.
-
-    A rank with fewer blocks than the busiest lane pads with discarded calls
-    (:func:`stages.runtime.rollout_plan.padding_calls`), so every rank calls the engine
-    equally often."""
+    """Generate the rollout blocks of ``rank`` (:func:`generate_blocks`): ``{block index: batch}``."""
     r = env.cfg.rollout
-    sync_engine(env, state)
-    out = {}
-    mine = blocks_of_rank(plan.blocks, rank, lanes)
-    k = env.cfg.algorithm.score_centering_k
-    top = {"top_k": k} if k else {}  # score centering: the engine's top-k log-probs of every token
-    for block in mine:
-        out[block.index] = env.engine.generate(
-            [plan.prompt_ids[p] for p in block.prompts],
-            n=r.samples_per_prompt,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            max_new_tokens=r.max_new_tokens,
-            seed=block.seed,
-            seeds=list(block.prompt_seeds),
-            **top,
-        )
-    if plan.blocks:
-        first = plan.prompt_ids[plan.blocks[0].prompts[0]]
-        padding_calls(env.engine, first, calls_per_rank(plan.blocks, lanes) - len(mine))
-    return out
+    request = SamplingRequest(
+        n=r.samples_per_prompt,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        seed=0,  # each block's own
+        top_k=env.cfg.algorithm.score_centering_k or 0,  # score centering: the engine's top-k log-probs of every token
+    )
+    return generate_blocks(env, state, plan.prompt_ids, plan.blocks, rank=rank, lanes=lanes, request=request)
 
 
 def _global_groups(plan: RolloutPlan, batches: dict[int, RolloutBatch]) -> list[list[RolloutSample]]:

@@ -2,7 +2,7 @@
 
 With ``rollout.max_staleness`` k ≥ 1 (``stages.dag.stage_runs``) a step runs the
 rollout side's stages for step t + k before training step t, in lockstep order; the
-step's runner (``flows/campaign.py``) can instead hand the ones for a later step
+step's runner (``flows/campaign/flow.py``) can instead hand the ones for a later step
 than its own to a :class:`RolloutSide`, which runs them in a thread of the step
 while the trainer runs the stages the table marks ``beside_rollout`` (train,
 calibrate), and is joined before any other (evaluate and checkpoint read the

@@ -29,10 +29,9 @@ from stages.result import StageResult
 from stages.runtime.io import read_step
 from stages.runtime.seeds import step_seed
 from stages.schedule.shadow import drift_metrics, shadow_plan
-from stages.trainer.batch import TrainBatch
 from stages.trainer.forward import token_multiple
-from stages.trainer.step_stats import UpdateResult
-from stages.trainer.update import policy_update
+from stages.trainer.types import TrainBatch, UpdateResult
+from stages.trainer.update import UpdateSpec, policy_update
 from storage import faults
 
 
@@ -172,11 +171,9 @@ def run_train(env: RunEnv, state: TrainState, step: int, *, attempt: int = 0,
     bounds = (state.calibrator.lower, state.calibrator.upper)  # in force this step
     standard = (1.0 - cfg.algorithm.eps_low, 1.0 + cfg.algorithm.eps_high)
     with faults.lr_surge(state.optimizer, state.scheduler, step, attempt):  # inert unless a test injects a surge
-        res = policy_update(
-            state.policy, state.optimizer, state.scheduler, batch, cfg, bounds=bounds, shadow=shadow,
-            seed=step_seed(cfg.seed, step, 7), collective=env.collective,
-            shadow_rows=shadow_rows, correction_thresholds=state.calibrator.correction,
-        )
+        spec = UpdateSpec(bounds=bounds, shadow=shadow, seed=step_seed(cfg.seed, step, 7), shadow_rows=shadow_rows,
+                          correction_thresholds=state.calibrator.correction)
+        res = policy_update(state.policy, state.optimizer, state.scheduler, batch, cfg, spec, collective=env.collective)
     state = dataclasses.replace(state, policy_version=step)
     # per-token rows: each rank writes the rows it trained, as its own part file
     tok = token_rows(batch, res, bounds=bounds, standard=standard,

@@ -1,20 +1,14 @@
-"""fp8rl storage: what a campaign persists, and the SQL view of it.
+"""fp8rl storage: what a campaign persists, and the SQL view of it, in rooms.
 
-- ``storage.schemas``     the tables, column by column (pyarrow schemas)
-- ``storage.table_spec``  columns, table specs, the schema version, names that go into paths
-- ``storage.clip_flags``  token_stats' derived ratios and clip flags
-- ``storage.layout``      the run directory: paths, run.json, finding runs, live files
-- ``storage.writer``      ``TableWriter``: atomic Parquet parts; retries set older parts aside
-- ``storage.part_checks`` is a Parquet part what it claims to be (magic, footer identity, pages)
-- ``storage.catalog``     ``connect(root)``: DuckDB views over the live parts of every run
-- ``storage.ledger``      ``Ledger``: stage start/finish/failure, the truth for resume
-- ``storage.ledger_records`` how the ledger's events fold into stage records
-- ``storage.checkpoints`` model/optimizer/RNG/sampler/calibrator state, atomic with a manifest
-- ``storage.checkpoint_format``, ``storage.checkpoint_verify``, ``storage.checkpoint_retention``
-                          a checkpoint's files; is it complete; which ones to keep
-- ``storage.doctor``      checks of a run directory (``fp8rl doctor``)
-- ``storage.queries``     named SQL queries shipped with the project (``fp8rl query --named``)
+- ``storage/tables/``       the tables column by column (``schemas``), their specs (``spec``), the derived clip flags
+- ``storage/run/``          the run directory (``layout``), the run's identity, its one-writer ``lock``
+- ``storage/ledger/``       ``Ledger`` (``events``): stage start/finish/failure, the truth for resume; ``records``
+- ``storage/checkpoints/``  ``store``: model/optimizer/RNG/sampler/calibrator state, atomic with a manifest;
+                            ``format``, ``verify``, ``retention``: a checkpoint's files, is it complete, which to keep
+- ``storage/parts/``        ``TableWriter`` (``writer``): atomic Parquet parts; ``checks``: is a part what it claims
+- ``storage/queries/``      ``connect(root)`` (``catalog``): DuckDB views over every run; the named SQL queries
+- beside the rooms: ``errors`` and ``faults`` (below them all), ``doctor`` (above them: ``fp8rl doctor``)
 
 Nothing here imports Prefect or the other fp8rl packages; torch only inside
-``storage.checkpoints`` functions.
+``storage.checkpoints.store`` functions.
 """

@@ -42,12 +42,15 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from storage.checkpoint_format import DCP_DIR
-from storage.checkpoint_retention import pruned_checkpoints
-from storage.checkpoint_verify import list_checkpoints, verify_checkpoint
+from storage.checkpoints.format import DCP_DIR
+from storage.checkpoints.retention import pruned_checkpoints
+from storage.checkpoints.verify import list_checkpoints, verify_checkpoint
 from storage.errors import DuplicateRun, NotARunDirectory, SchemaVersionError, StorageError
-from storage.identity import config_file_drift, no_uid_warning
-from storage.layout import (
+from storage.ledger.events import Ledger
+from storage.ledger.records import DONE
+from storage.parts.checks import data_problem, footer_problem
+from storage.run.identity import config_file_drift, no_uid_warning
+from storage.run.layout import (
     META_RUN_ID,
     META_RUN_UID,
     META_STEP,
@@ -61,11 +64,8 @@ from storage.layout import (
     read_run_info,
     scan_parts,
 )
-from storage.ledger import Ledger
-from storage.ledger_records import DONE
-from storage.part_checks import data_problem, footer_problem
-from storage.schemas import STORED_TABLES
-from storage.table_spec import META_TABLE, META_VERSION, check_schema_version
+from storage.tables.schemas import STORED_TABLES
+from storage.tables.spec import META_TABLE, META_VERSION, check_schema_version
 
 ERROR, WARNING = "error", "warning"
 

@@ -4,6 +4,11 @@ Prefect settings must be in the environment before Prefect is imported, so they
 are set at collection time. The micro campaign is the tiny default shrunk to
 seconds per step: a barely-bootstrapped model (its accuracy is not the point
 here), 8 prompts x 4 samples, two mini-batches of two micro-batches.
+
+Beside them, what several test files share: the micro campaign opened in this process
+(:func:`open_micro_run`) or run as an ``fp8rl`` command (:func:`micro_args`, :class:`CliProcess`),
+a run's rows and weights, the sessions and tagged processes a command leaves, the engines'
+tokenizer, policy and prompts.
 """
 
 from __future__ import annotations
@@ -11,12 +16,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parent.parent
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="fp8rl-tests-"))  # removed at the end of the session
 os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect"))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -51,7 +59,7 @@ MICRO_OVERRIDES = [
 
 
 def micro_config(*extra: str):
-    from flows.configuration import load_config
+    from flows.campaign.configuration import load_config
 
     return load_config("tiny-cpu", MICRO_OVERRIDES + list(extra))
 
@@ -73,6 +81,26 @@ def peaked_policy():
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny policy's character-level tokenizer, one per test module."""
+    from fp8rl_core.tasks.tiny_model import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def policy():
+    """The :func:`peaked_policy`, one per test module (a module may define its own ``policy``)."""
+    return peaked_policy()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    """Four prompts of unequal lengths (left padding must not change anything)."""
+    return [tokenizer.encode(t) for t in ("12+7=", "3*4=", "a", "100-58=")]
+
+
 class StageRun:
     """The explicit (environment, state) pair of a run, the state threaded through stage calls:
     ``run(run_train, step)`` calls ``run_train(env, state, step)`` and keeps the new state."""
@@ -86,6 +114,111 @@ class StageRun:
 
     def close(self):
         self.env.close()
+
+
+def open_micro_run(root: Path, cfg, name: str = "r"):
+    """Create run ``name`` under ``root`` with ``cfg`` and open it in this process: its (environment, state)."""
+    from flows.campaign.configuration import dump_config
+    from stages.context import open_run
+    from storage.run.layout import create_run
+
+    create_run(root, name, config=dump_config(cfg))
+    return open_run(cfg, Path(root) / name)
+
+
+def run_rows(run_dir: Path, sql: str) -> list[dict]:
+    """The rows ``sql`` reads from a run's tables (through ``storage.queries.catalog``)."""
+    from storage.queries.catalog import connect, query
+
+    return query(connect(run_dir), sql).to_pylist()
+
+
+def last_checkpoint_weights(run_dir: Path) -> dict:
+    """The model weights (name -> tensor) of a run's latest checkpoint."""
+    from safetensors.torch import load_file
+
+    ck = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name[5:]))[-1]
+    return load_file(str(next((ck / "model").glob("*.safetensors"))))
+
+
+def set_args(*overrides: str) -> list[str]:
+    """The ``--set`` flags of ``overrides``, in order."""
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def micro_args(*extra: str) -> list[str]:
+    """The ``--set`` flags of the micro campaign (:data:`MICRO_OVERRIDES`), then of ``extra``."""
+    return set_args(*MICRO_OVERRIDES, *extra)
+
+
+def default_sigint() -> None:  # pragma: no cover - runs in the child
+    """In a child (``preexec_fn``): SIGINT acts as at a terminal (a test runner or a background job may ignore it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def kill_session(pid: int) -> None:
+    """SIGKILL the session ``pid`` leads (orphans of a killed run included), if anything of it is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+class CliProcess:
+    """``python -m flows.cli ARGS`` from the repository root in a session of its own, its stderr in a file
+    (orphans of a killed run would hold pipes open); :meth:`finish` leaves nothing of it running."""
+
+    finish_s = 600.0  # how long :meth:`finish` waits by default
+
+    def __init__(self, args: list[str], env: dict[str, str], *, stdout=subprocess.DEVNULL, sigint: bool = False):
+        """``sigint``: SIGINT acts in the child as at a terminal (:func:`default_sigint`)."""
+        self.err = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=stdout,
+            stderr=self.err,
+            text=True,
+            start_new_session=True,
+            preexec_fn=default_sigint if sigint else None,
+        )
+
+    def finish(self, timeout: float | None = None) -> int:
+        """The exit code (waiting ``timeout``, default :attr:`finish_s`); then SIGKILL what is left of the session."""
+        try:
+            return self.proc.wait(timeout=self.finish_s if timeout is None else timeout)
+        finally:
+            kill_session(self.proc.pid)  # nothing should be left; never leave it to the suite
+
+    def stderr(self) -> str:
+        self.err.seek(0)
+        return self.err.read()
+
+
+def tagged_pids(var: str, tag: str) -> list[int]:
+    """The processes whose environment holds ``var=tag``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if f"{var}={tag}".encode() in (d / "environ").read_bytes().split(b"\0"):
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+def app_with(register):
+    """A Typer app with one command module's commands (``register``), exceptions plain."""
+    import typer
+
+    app = typer.Typer(pretty_exceptions_enable=False)
+
+    @app.callback()
+    def _root() -> None:
+        """test app"""
+
+    register(app)
+    return app
 
 
 _PREFECT_SERVER: list = []  # this worker's shared Prefect server (tests/shared_prefect.py), once started
@@ -110,7 +243,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     """The CPU the suite ran on, last: the golden tables and the primitive hashes are checked on it."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    from flows.cpu_numerics import cpu_model
+    from flows.campaign.cpu_numerics import cpu_model
 
     flags = set()
     with contextlib.suppress(OSError):
@@ -148,6 +281,21 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+BENCHMARK_SIZES = {  # the shipped benchmarks' published test splits, in problems
+    "aime24": 30,
+    "aime25": 30,
+    "amc23": 40,
+    "math500": 500,
+    "minerva_math": 272,
+    "olympiadbench": 675,
+    "gsm8k": 1319,
+}
+DATA_DIR = os.environ.get("FP8RL_DATA_DIR")  # the folder of benchmark files, where this machine has it
+needs_data = pytest.mark.skipif(
+    not DATA_DIR or not Path(DATA_DIR).is_dir(), reason="FP8RL_DATA_DIR is not set to the folder of benchmark files"
+)
 
 
 @pytest.fixture
@@ -206,6 +354,6 @@ def micro_run(tmp_path: Path) -> Path:
     """A run directory made by the micro config (config.yaml + run.json), with a few table rows."""
     from integrity_helpers import run_with_rows
 
-    from flows.configuration import dump_config
+    from flows.campaign.configuration import dump_config
 
     return run_with_rows(tmp_path / "runs", "micro", config=dump_config(micro_config()))

@@ -1,18 +1,21 @@
-"""What the integrity and one-line-error tests share: the CLI run in-process, the one-line check, a
-run directory with a few rows made by the storage API (no campaign)."""
+"""What the integrity, storage and one-line-error tests share: the CLI run in-process, the one-line check, a
+run directory with a few rows made by the storage API (no campaign), a part as an older writer left it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
 from flows.cli import app
-from storage.layout import create_run
-from storage.ledger import Ledger
-from storage.writer import TableWriter
+from storage.ledger.events import Ledger
+from storage.parts.writer import TableWriter
+from storage.run.layout import create_run
 
 
 def cli(*args) -> "object":
@@ -40,6 +43,19 @@ def run_with_rows(root: Path, run_id: str, steps: int = 2, config: str | None = 
         with led.stage(s, "train") as rec:
             rec.outputs.append(str(w.write("steps", s, {"reward_mean": 0.1 * s}, stage="train")))
     return run
+
+
+def write_old_part(run_dir: Path, table: str, stage: str, old: pa.Table) -> Path:
+    """Write ``old`` as step 1's part of ``table`` in run ``r1`` of ``run_dir``, as a writer of schema version 1
+    (before today's columns) left it: a part of this run, stamped with its uid."""
+    uid = json.loads((run_dir / "run.json").read_text())["uid"]
+    old = old.replace_schema_metadata(
+        {b"fp8rl.schema_version": b"1", b"fp8rl.table": table.encode(), b"fp8rl.run_uid": uid.encode()}
+    )
+    dest = run_dir / "tables" / table / "run=r1" / "step=1" / f"part-{stage}-0-00000000000000000000-main.parquet"
+    dest.parent.mkdir(parents=True)
+    pq.write_table(old, dest)
+    return dest
 
 
 def mount_tmpfs(where: Path, size: str, *extra: str) -> bool:

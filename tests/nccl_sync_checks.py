@@ -1,4 +1,4 @@
-"""``weight_sync: nccl`` with vLLM's real transfer engines on a CPU, run in ``.venv-vllm`` by tests/test_nccl_sync.py.
+"""``weight_sync: nccl`` with vLLM's real transfer engines on a CPU, run in ``.venv-vllm`` by tests/stages/engines/test_nccl_sync.py.
 
 ``python tests/nccl_sync_checks.py ranks OUT_DIR`` writes ``OUT_DIR/result.json``.
 Every process involved runs with ``FP8RL_TEST_NCCL_STANDIN=1`` and ``tests/vllm_site`` on
@@ -15,7 +15,7 @@ worker, the packed producer and consumer, the TCP rendezvous.
   after rank 0 had resumed the server.
 
 The campaigns (``fp8rl run``) that sync by NCCL, to an engine in its own process and to a
-``vllm serve``, are in tests/test_vllm_campaign.py and tests/test_vllm_http_real.py.
+``vllm serve``, are in tests/flows/campaign/test_vllm_campaign.py and tests/stages/engines/test_vllm_http_real.py.
 
 vLLM spawns helper processes: the entry point is guarded by ``__main__``.
 """

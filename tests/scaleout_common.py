@@ -16,7 +16,7 @@ from fp8rl_core.config.campaign import CampaignConfig
 from fp8rl_core.config.model import ModelConfig
 from fp8rl_core.precision.conversion import convert_for_training
 from fp8rl_core.tasks.tiny_model import build_tiny_model
-from stages.trainer.batch import TrainBatch
+from stages.trainer.types import TrainBatch
 
 SMALL = ModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=256)
 
@@ -33,16 +33,34 @@ def small_cfg(mode: str = "fp8_rowwise", calibration: str | None = None, **algo)
     return CampaignConfig.model_validate(c)
 
 
-def small_batch(n=16, p=7, r=6, seed=0) -> TrainBatch:
-    g = torch.Generator().manual_seed(seed)
-    t = p + r
-    ids = torch.randint(4, 60, (n, t), generator=g)
-    lengths = torch.randint(2, r + 1, (n,), generator=g)
+def ragged_masks(lengths: torch.Tensor, p: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attention mask, response mask), both [n, t], of rows of ``p`` prompt tokens and ``lengths`` response tokens."""
+    n = len(lengths)
     am = torch.zeros(n, t, dtype=torch.long)
     rm = torch.zeros(n, t)
     for i, ln in enumerate(lengths.tolist()):
         am[i, : p + ln] = 1
         rm[i, p : p + ln] = 1
+    return am, rm
+
+
+def ragged_batch(n: int, p: int, r: int, *, vocab: int = 60, seed: int = 0) -> TrainBatch:
+    """``n`` rows of ``p`` prompt tokens and 2 to ``r`` response tokens (ids in [4, vocab)), random old
+    log-probs and advantages; drawn in that order: lengths, ids, old log-probs, advantages."""
+    g = torch.Generator().manual_seed(seed)
+    t = p + r
+    lengths = torch.randint(2, r + 1, (n,), generator=g)
+    am, rm = ragged_masks(lengths, p, t)
+    ids = torch.randint(4, vocab, (n, t), generator=g) * am
+    return TrainBatch(ids, am, rm, -torch.rand(n, t, generator=g) * rm, torch.randn(n, generator=g), torch.arange(n))
+
+
+def small_batch(n=16, p=7, r=6, seed=0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    t = p + r
+    ids = torch.randint(4, 60, (n, t), generator=g)
+    lengths = torch.randint(2, r + 1, (n,), generator=g)
+    am, rm = ragged_masks(lengths, p, t)
     ids = ids * am
     adv = torch.randn(n, generator=g)
     return TrainBatch(ids, am, rm, -torch.rand(n, t, generator=g) * rm, adv, torch.arange(n))

@@ -1,7 +1,7 @@
 """A Prefect API server for the campaigns a test worker starts as processes.
 
 Without ``PREFECT_API_URL`` every ``fp8rl run`` starts Prefect's temporary server
-(``flows.prefect_server``): about 12 s of wall time and 7 s of CPU a run on a 2-core
+(``flows.orchestration.server``): about 12 s of wall time and 7 s of CPU a run on a 2-core
 machine, half of a micro campaign. The suite starts one ``prefect server start`` per
 worker instead (its own ``PREFECT_HOME``, a free port on 127.0.0.1) and exports
 ``PREFECT_API_URL``, so the campaigns the tests start report to it, as a user's

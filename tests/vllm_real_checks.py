@@ -3,7 +3,7 @@
 ``python tests/vllm_real_checks.py engine OUT_DIR`` builds ONE engine — the
 project's own :class:`~stages.engines.vllm_engine.VLLMEngine` (BF16, in the
 trainer's process) on a random-init tiny policy — runs every check of
-tests/test_vllm_real.py against it and writes ``OUT_DIR/result.json``. The
+tests/stages/engines/test_vllm_real.py against it and writes ``OUT_DIR/result.json``. The
 pytest side (the project's main venv, where vLLM is not installed) only
 starts this process and asserts on the figures; one engine start per test
 module keeps the real-vLLM tests within their budget.
@@ -42,6 +42,7 @@ def make_engine(model, tok, folder: Path):
     from fp8rl_core.config.method import PrecisionConfig
     from fp8rl_core.config.pipeline import RolloutConfig
     from stages.engines import make_engine as make
+    from stages.engines.vllm_options import VLLMSettings
 
     cfg = RolloutConfig(engine="vllm", sleep_between_steps=False, gpu_memory_utilization=0.1, verify_sync="first")
     return make(
@@ -51,8 +52,7 @@ def make_engine(model, tok, folder: Path):
         precision=PrecisionConfig(rollout="bf16"),
         config=cfg,
         model_path=str(folder),
-        max_model_len=128,
-        llm_options={"enforce_eager": True},
+        settings=VLLMSettings(max_model_len=128, llm_options={"enforce_eager": True}),
     )
 
 
@@ -60,11 +60,18 @@ PROMPTS = [[1, 40, 41, 42], [1, 60, 61], [1, 70, 71, 72, 73, 74]]
 GEN = dict(n=3, temperature=1.0, top_p=1.0, max_new_tokens=12)
 
 
+def request(seeds: list[int], top_k: int = 0):
+    """The checks' ``SamplingRequest``: ``GEN`` with per-prompt ``seeds``."""
+    from stages.engines import SamplingRequest
+
+    return SamplingRequest(seed=0, seeds=seeds, top_k=top_k, **GEN)
+
+
 def check_seeds(engine) -> dict:
-    a = engine.generate(PROMPTS, seed=0, seeds=[11, 12, 13], **GEN)
-    b = engine.generate(PROMPTS, seed=0, seeds=[11, 12, 13], **GEN)
-    c = engine.generate(PROMPTS, seed=0, seeds=[21, 22, 23], **GEN)
-    alone = engine.generate([PROMPTS[1]], seed=0, seeds=[12], **GEN)
+    a = engine.generate(PROMPTS, request([11, 12, 13]))
+    b = engine.generate(PROMPTS, request([11, 12, 13]))
+    c = engine.generate(PROMPTS, request([21, 22, 23]))
+    alone = engine.generate([PROMPTS[1]], request([12]))
     ids = lambda batch: [s.response_ids for s in batch.samples]  # noqa: E731
     return {
         "repeat_identical": ids(a) == ids(b)
@@ -80,7 +87,7 @@ def trainer_bf16_logprobs(model, rows: list[list[int]]):
     """The trainer's BF16 log-probs (autocast over fp32 masters) and its largest |logit|."""
     import torch
 
-    from stages.trainer.forward import policy_logprobs
+    from stages.trainer.forward import ForwardSpec, policy_logprobs
 
     width = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -89,7 +96,7 @@ def trainer_bf16_logprobs(model, rows: list[list[int]]):
         ids[i, : len(r)] = torch.tensor(r)
         mask[i, : len(r)] = 1
     with torch.no_grad():
-        lp, _ = policy_logprobs(model, ids, mask, mode="bf16")
+        lp, _ = policy_logprobs(model, ids, mask, ForwardSpec("bf16"))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             zmax = float(model(input_ids=ids, attention_mask=mask).logits.float().abs().max())
     return [lp[i, 1 : len(r)].tolist() for i, r in enumerate(rows)], zmax
@@ -108,7 +115,7 @@ def gap(a: list[list[float]], b: list[list[float]]) -> float:
 
 def check_logprobs(engine, model) -> dict:
     """Sampled-token log-probs against the trainer's BF16 recomputation of the same sequences."""
-    batch = engine.generate(PROMPTS, seed=0, seeds=[5, 6, 7], **GEN)
+    batch = engine.generate(PROMPTS, request([5, 6, 7]))
     rows = [PROMPTS[s.prompt_index] + s.response_ids for s in batch.samples]
     trainer, zmax = trainer_bf16_logprobs(model, rows)
     tail = [t[len(PROMPTS[s.prompt_index]) - 1 :] for t, s in zip(trainer, batch.samples)]
@@ -118,10 +125,10 @@ def check_logprobs(engine, model) -> dict:
 
 
 def check_top_k(engine) -> dict:
-    """``generate(top_k=4)``: the same samples and log-probs as without; per token, four ids most likely
+    """A request with ``top_k=4``: the same samples and log-probs as without; per token, four ids most likely
     first, the sampled token's log-prob among them when it ranks in the four, never above the first."""
-    plain = engine.generate(PROMPTS, seed=0, seeds=[31, 32, 33], **GEN)
-    top = engine.generate(PROMPTS, seed=0, seeds=[31, 32, 33], top_k=4, **GEN)
+    plain = engine.generate(PROMPTS, request([31, 32, 33]))
+    top = engine.generate(PROMPTS, request([31, 32, 33], top_k=4))
     tokens = [(t, lp, ids, lps) for s in top.samples
               for t, lp, ids, lps in zip(s.response_ids, s.response_logprobs, s.top_ids, s.top_logprobs)]
     return {
@@ -138,7 +145,7 @@ def check_top_k(engine) -> dict:
 
 def check_stops(engine) -> dict:
     """EOS and an end-of-turn stop token: vLLM itself stops there (its raw output ends at the token)."""
-    free = engine.generate(PROMPTS, seed=0, seeds=[31, 32, 33], **GEN)
+    free = engine.generate(PROMPTS, request([31, 32, 33]))
     long = [s for s in free.samples if s.finish_reason == "length"]
     stop_tok = long[0].response_ids[3] if long else 3
     raw: list = []
@@ -146,7 +153,7 @@ def check_stops(engine) -> dict:
     engine.llm.generate = lambda *a, **k: raw.extend(out := real_generate(*a, **k)) or out
     engine.eos_ids = frozenset(engine.eos_ids | {stop_tok})  # what apply_stop_tokens adds for a chat template
     try:
-        cut = engine.generate(PROMPTS, seed=0, seeds=[31, 32, 33], **GEN)
+        cut = engine.generate(PROMPTS, request([31, 32, 33]))
     finally:
         engine.llm.generate = real_generate
         engine.eos_ids = frozenset(engine.eos_ids - {stop_tok})
@@ -171,11 +178,11 @@ def train_step(model) -> None:
     """One AdamW step raising the log-likelihood of a fixed text (the trainer's BF16 forward)."""
     import torch
 
-    from stages.trainer.forward import policy_logprobs
+    from stages.trainer.forward import ForwardSpec, policy_logprobs
 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
     ids = torch.tensor([[1] + list(range(40, 60))])
-    lp, _ = policy_logprobs(model, ids, torch.ones_like(ids), mode="bf16")
+    lp, _ = policy_logprobs(model, ids, torch.ones_like(ids), ForwardSpec("bf16"))
     (-lp.mean()).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

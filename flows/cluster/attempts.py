@@ -13,9 +13,9 @@ import contextlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from storage import lock
-from storage.layout import RUN_FILE, update_run_info
-from storage.ledger import Ledger
+from storage.ledger.events import Ledger
+from storage.run import lock
+from storage.run.layout import RUN_FILE, update_run_info
 
 
 @dataclass(frozen=True)

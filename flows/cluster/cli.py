@@ -16,8 +16,8 @@ from pathlib import Path
 
 import typer
 
-from flows.cli_common import fail, io_errors
-from flows.configuration import ConfigError, dump_config, load_config
+from flows.campaign.configuration import ConfigError, dump_config, load_config
+from flows.commands.common import fail, io_errors
 
 
 def _load(config: str, set_: list[str], nodes: int | None, gpus_per_node: int | None):
@@ -72,7 +72,7 @@ def _dry_run(cfg, backend_name: str, run_dir: Path) -> None:
 
         resume = (run_dir / "run.json").is_file()  # a run resubmitted: its job resumes
         typer.echo(render(cfg, run_dir, python=sys.executable, workdir=project_root(), resume=resume))
-    from flows.plan import format_plan, memory_plan
+    from flows.plan.memory import format_plan, memory_plan
 
     gpus = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     typer.echo(f"# memory plan: {cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} GPU(s) = {gpus} GPU(s)")
@@ -118,10 +118,10 @@ def _check_inputs(cfg) -> None:
 
 def _create(cfg, run_dir: Path) -> None:
     """The run directory, made once on the shared path before the job is submitted."""
-    from flows.cli_campaign import check_new_run_dir
-    from storage import lock
+    from flows.commands.run import check_new_run_dir
     from storage.errors import StorageError
-    from storage.layout import create_run
+    from storage.run import lock
+    from storage.run.layout import create_run
 
     run_dir = check_new_run_dir(run_dir, None)
     with io_errors(run_dir):
@@ -134,13 +134,13 @@ def _create(cfg, run_dir: Path) -> None:
 
 
 def _supervise(run_dir: Path) -> dict:
+    from flows.campaign.launch import until_signal
     from flows.cluster.supervise import JobsFailed, supervise_flow
-    from flows.run_process import until_signal
 
     user_api = os.environ.get("PREFECT_API_URL")
 
     def body(start_server) -> dict:
-        from flows.prefect_env import quiet_console_failures
+        from flows.orchestration.env import quiet_console_failures
 
         start_server()
         quiet_console_failures()
@@ -187,7 +187,7 @@ def submit(
     if not kind.submits:
         raise fail(kind.why_not)
     if kind.name == "local":
-        from flows.cli_campaign import resume, run
+        from flows.commands.run import resume, run
 
         if cfg.cluster.nodes > 1:
             raise fail(f"--backend local runs on this machine alone; cluster.nodes={cfg.cluster.nodes} needs slurm")

@@ -27,7 +27,7 @@ def render(cfg: CampaignConfig, run_dir: Path, *, python: str, workdir: Path) ->
     host = c.rendezvous_host or f"{name}-0.{name}"
     shared = c.shared_path or str(run_dir.parent)
     command = " ".join(
-        [shlex.quote(python), "-m flows.torchrun", f"--nnodes={c.nodes}", f"--nproc-per-node={c.gpus_per_node}",
+        [shlex.quote(python), "-m flows.process.torchrun", f"--nnodes={c.nodes}", f"--nproc-per-node={c.gpus_per_node}",
          "--node-rank=$JOB_COMPLETION_INDEX", "--max-restarts=0", "--rdzv-backend=c10d",
          f"--rdzv-endpoint={host}:{c.rendezvous_port}", f"--rdzv-id={name}", "-m flows.spmd",
          shlex.quote(str(run_dir)), f"--result={shlex.quote(str(run_dir / RESULT_FILE))}"]

@@ -5,7 +5,7 @@ submitit): every line is what a user would write by hand, so ``--dry-run`` shows
 what runs, and the script can be submitted with ``sbatch`` alone. What it does:
 
 - ``srun --kill-on-bad-exit=1`` starts one task per node, each a ``torchrun`` agent
-  (:mod:`flows.torchrun`) with ``--nproc-per-node`` ranks. A task that dies (its node
+  (:mod:`flows.process.torchrun`) with ``--nproc-per-node`` ranks. A task that dies (its node
   lost, its agent killed) makes Slurm end the job's other tasks at once, instead of
   leaving their ranks in a collective until ``timeouts.process_group_s``;
 - ``--max-restarts 0``: torchrun does not restart a failed worker group in place; the
@@ -70,7 +70,7 @@ def render(cfg: CampaignConfig, run_dir: Path, *, python: str, workdir: Path, re
         ]
     torchrun = [
         q(python),
-        "-m flows.torchrun",
+        "-m flows.process.torchrun",
         f"--nnodes={c.nodes}",
         f"--nproc-per-node={c.gpus_per_node}",
         "--max-restarts=0",

@@ -35,13 +35,13 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
+from flows.campaign.configuration import load_config
 from flows.cluster import slurm
 from flows.cluster.attempts import COMPLETED, JobAttempt, record, recorded, resumed_from
 from flows.cluster.slurm_script import JOB_DIR, RESULT_FILE, render
-from flows.configuration import load_config
 
 END_WAIT_S = 300.0  # how long a cancelled job may take to be reported ended before the supervisor gives up
-INTERRUPT_WAIT_S = 5.0  # the same when the supervisor itself was stopped (flows.shutdown ends it within 8 s)
+INTERRUPT_WAIT_S = 5.0  # the same when the supervisor itself was stopped (flows.process.shutdown ends it within 8 s)
 
 
 class JobsFailed(RuntimeError):

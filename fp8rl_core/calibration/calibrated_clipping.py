@@ -107,10 +107,20 @@ if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pyd
 __all__ = [
     "CalibrationResult",
     "CalibratorState",
+    "StandardClip",
     "balance",
     "calibrate",
     "pos_neg_contrib",
 ]
+
+
+@dataclass(frozen=True)
+class StandardClip:
+    """The loss's standard clip, BF16's reference: bounds ``(1 - eps_low, 1 + eps_high)`` and the dual clip."""
+
+    eps_low: float  # the standard PPO lower epsilon (``algorithm.eps_low``)
+    eps_high: float  # the standard PPO upper epsilon (``algorithm.eps_high``)
+    dual_clip: float = 3.0  # c of the loss (``algorithm.dual_clip``); Neg ignores r > c
 
 
 @dataclass(frozen=True)
@@ -236,11 +246,9 @@ def calibrate(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    eps_low: float,
-    eps_high: float,
+    standard: StandardClip,
     config: CalibrationConfig,
     previous: tuple[float, float] | CalibratorState | None = None,
-    dual_clip: float = 3.0,
     weights: torch.Tensor | None = None,
 ) -> CalibrationResult:
     """Choose the clip bounds for the next steps (mode ``config.mode``).
@@ -250,16 +258,16 @@ def calibrate(
             ratios of the training forward (FP8) and of the BF16 shadow pass, on
             all tokens of the calibration step's mini-batches.
         advantages: ``[N]`` per-token advantages; ``mask``: ``[N]`` bool/0-1.
-        eps_low, eps_high: the standard PPO epsilons (BF16 reference bounds).
+        standard: the standard PPO epsilons (BF16 reference bounds) and the loss's dual clip.
         config: the ``CalibrationConfig``; its ``mode`` picks a ``CLIP_MODES`` entry.
         previous: bounds in force, as ``(L, H)`` or a ``CalibratorState``;
             None = ``initial_bounds``.
-        dual_clip: c of the loss (``algorithm.dual_clip``); Neg ignores r > c.
         weights: ``[N]`` TIS weights; required by, and only used with,
             ``config.tis_weighted_balance`` (Pos/Neg sum r * |A| * w).
     Returns:
         A ``CalibrationResult`` of Python scalars.
     """
+    eps_low, eps_high, dual_clip = standard.eps_low, standard.eps_high, standard.dual_clip
     mode_fn = CLIP_MODES.get(config.mode)
     prev = _resolve_previous(previous, eps_low, eps_high, config)
     if config.tis_weighted_balance and weights is None:

@@ -56,7 +56,7 @@ from typing import Callable, Iterable, Literal, Sequence
 
 import torch
 
-from fp8rl_core.calibration.calibrated_clipping import CalibratorState, calibrate
+from fp8rl_core.calibration.calibrated_clipping import CalibratorState, StandardClip, calibrate
 from fp8rl_core.config.method import CalibrationConfig
 
 __all__ = [
@@ -263,11 +263,9 @@ def replay(
                 rec.r16,
                 rec.advantages,
                 rec.mask,
-                eps_low=eps_low,
-                eps_high=eps_high,
+                standard=StandardClip(eps_low, eps_high, dual_clip),
                 config=config,
                 previous=state,
-                dual_clip=dual_clip,
             )
             state = state.updated(res, rec.step)
             ref = thin(neg)

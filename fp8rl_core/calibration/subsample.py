@@ -51,6 +51,7 @@ import torch
 
 __all__ = [
     "GRID",
+    "BootstrapSpec",
     "bootstrap_lower_error",
     "SubsampleBound",
     "choose_size",
@@ -174,31 +175,37 @@ def lower_error_bound(
     return SubsampleBound(m, n, e, width, delta)
 
 
+@dataclass(frozen=True)
+class BootstrapSpec:
+    """What :func:`bootstrap_lower_error` states its error for: a subset of ``m`` of ``n_total`` sequences."""
+
+    threshold: float  # 1 - eps_low: BF16's lower bound
+    delta: float  # failure probability: the bound is the (1 - delta) quantile
+    m: int  # sequences in the subset (m = n_total gives 0)
+    n_total: int  # sequences of the batch
+    resamples: int = 200
+
+
 def bootstrap_lower_error(
     r8_neg: torch.Tensor,
     r16_neg: torch.Tensor,
     seq_neg: torch.Tensor,
+    spec: BootstrapSpec,
     *,
-    threshold: float,
-    delta: float,
-    m: int,
-    n_total: int,
-    resamples: int = 200,
     generator: torch.Generator | None = None,
 ) -> float:
     """Bootstrap over the subset's sequences: the (1 - delta) quantile of |L* - L_S|.
 
     ``r8_neg, r16_neg``: the subset's A<0 tokens' ratios; ``seq_neg``: their
-    sequence ids; ``threshold`` = 1 - eps_low. Each resample draws the subset's
-    A<0 sequences with replacement (multiplicities w_s), forms alpha* = the
-    w-weighted share of r16 < threshold and L* = the w-weighted quantile rule
-    of r8 at alpha*. No finite-population shrinkage (it under-covered at
-    m = N/2 in our checks): sampling without replacement makes this
-    conservative (``m``, ``n_total``: sequences; m = N gives 0). Tighter
-    than ``lower_error_bound`` but approximate: its coverage is checked
-    empirically (tests/test_subsample.py), not guaranteed.
+    sequence ids. Each resample draws the subset's A<0 sequences with replacement
+    (multiplicities w_s), forms alpha* = the w-weighted share of r16 < threshold and
+    L* = the w-weighted quantile rule of r8 at alpha*. No finite-population shrinkage
+    (it under-covered at m = N/2 in our checks): sampling without replacement makes
+    this conservative. Tighter than ``lower_error_bound`` but approximate: its
+    coverage is checked empirically (tests/fp8rl_core/calibration/test_subsample.py), not guaranteed.
     """
-    if r8_neg.numel() == 0 or m >= n_total:
+    threshold, delta, resamples = spec.threshold, spec.delta, spec.resamples
+    if r8_neg.numel() == 0 or spec.m >= spec.n_total:
         return 0.0
     _, inv = torch.unique(seq_neg, return_inverse=True)
     k_seq = int(inv.max()) + 1

@@ -4,7 +4,7 @@ Every knob of a run is a field here, with its default and a description; nothing
 is read with ``dict.get(key, default)`` at a call site. Models are frozen and
 ``extra="forbid"``, so a typo in a YAML preset is an error that names the key.
 Loading from YAML files (which touches the filesystem) lives in
-``flows.configuration``; this module is pure pydantic.
+``flows.campaign.configuration``; this module is pure pydantic.
 
 The defaults follow docs/method.md and the paper (Chen et al. 2026);
 values the paper does not give are marked "our choice".

@@ -285,7 +285,7 @@ class TrackingConfig(Section):
 
 
 class GuardConfig(Section):
-    """A monitor over the step rows that rolls a campaign back (fp8rl_core.signals.guard, flows.guard)."""
+    """A monitor over the step rows that rolls a campaign back (fp8rl_core.signals.guard, flows.campaign.guard)."""
 
     enabled: bool = Field(
         True, description="Watch every step; on a trip restore the last good checkpoint and apply the remedy."

@@ -40,7 +40,7 @@ checkpoint   all       2       checkpoint yes     no    on OSError
 Plain data (no torch, no pydantic, no Prefect), so that ``fp8rl --help``, the CLI's
 stage choices and the config's time limits read it without the heavy imports. The
 stage functions are bound in ``stages/dag.py``; the flow's runner is
-``flows/campaign.py``. A new stage is a row here, its function, and its binding.
+``flows/campaign/flow.py``. A new stage is a row here, its function, and its binding.
 """
 
 from __future__ import annotations

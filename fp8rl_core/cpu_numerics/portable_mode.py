@@ -14,7 +14,7 @@ and replaces every call whose bits a library chooses by the CPU (``fp8rl_core.cp
   computed by the same functions.
 
 What it leaves to torch: tensors off the CPU, other dtypes (a BF16 ``exp`` is ATen's own
-code), tensor subclasses, calls with ``out=``. ``tests/test_cpu_portable.py`` lists the ATen
+code), tensor subclasses, calls with ``out=``. ``tests/fp8rl_core/cpu_numerics/test_cpu_portable.py`` lists the ATen
 ops a short campaign dispatches and fails on one that reaches a CPU-dependent library.
 """
 

@@ -95,11 +95,7 @@ LOSS_BOUNDS.register("gspo")(lambda lower, upper, algorithm: (lower, upper))
 @LOSS_STATISTICS.register("gspo")  # clip statistics on sequence ratios
 @POLICY_LOSSES.register("gspo")
 def gspo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    spec: LossSpec,
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, spec: LossSpec
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO(-token) loss; arguments and return as ``fp8rl_core.objective.losses.policy_loss`` (its default
     aggregation ``seq-mean-token-mean``; no clip decision from outside: its clipping is the sequence's)."""

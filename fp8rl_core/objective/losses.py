@@ -383,11 +383,7 @@ def clip_metrics(
 
 @POLICY_LOSSES.register("ppo")
 def policy_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    spec: LossSpec,
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, spec: LossSpec
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clip loss with dual clip (docs/method.md, "Ratio and policy loss").
 
@@ -423,11 +419,7 @@ def policy_loss(
 
 @POLICY_LOSSES.register("cispo")
 def cispo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    spec: LossSpec,
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, spec: LossSpec
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO (MiniMax-M1): ``loss = -sg(clamp(r, lower, upper)) * A * logp``.
 

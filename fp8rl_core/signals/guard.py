@@ -1,7 +1,7 @@
 """The guard's detectors: entropy surge, garbled surge, reward collapse, non-finite updates.
 
 Pure functions over the sequence of step rows (``steps`` table values, in step
-order); the campaign hook (``flows.guard``) acts on a trip: restore the last
+order); the campaign hook (``flows.campaign.guard``) acts on a trip: restore the last
 good checkpoint on all ranks, record why in the ledger, continue with a remedy.
 
 Surge (docs/method.md, "Failure signals"): step s starts a surge of a series x when x_s and
@@ -98,52 +98,22 @@ def check(rows: Sequence[Mapping[str, float]], cfg, *, at_last: bool = False) ->
     def series(key: str) -> list[float]:
         return [float("nan") if r.get(key) is None else float(r[key]) for r in rows]
 
+    # (trip, step column, surge_start's thresholds, the line naming the value v at the first bad step s)
+    watched = (
+        ("entropy_surge", "entropy_mean", dict(factor=cfg.surge_factor, floor=cfg.entropy_floor),
+         lambda v, s: f"entropy {v:.3f} > {cfg.surge_factor} x median of the {cfg.window} steps before step {s}"),
+        ("garbled_surge", "garbled_share", dict(factor=cfg.surge_factor, floor=cfg.garbled_floor),
+         lambda v, s: f"garbled share {v:.3f} > {cfg.surge_factor} x median before step {s}"),
+        ("reward_collapse", "reward_mean",
+         dict(factor=cfg.reward_collapse_factor, below=True, ref_min=cfg.reward_min),
+         lambda v, s: f"reward {v:.3f} < {cfg.reward_collapse_factor} x median before step {s}"),
+    )
     found: list[Trip] = []
-    ent = series("entropy_mean")
-    s = surge_start(
-        ent, factor=cfg.surge_factor, window=cfg.window, persist=cfg.persist, floor=cfg.entropy_floor, only_last=at_last
-    )
-    if s is not None:
-        found.append(
-            Trip(
-                "entropy_surge",
-                steps[s + cfg.persist - 1],
-                steps[s],
-                f"entropy {ent[s]:.3f} > {cfg.surge_factor} x median of the {cfg.window} steps before step {steps[s]}",
-            )
-        )
-    gar = series("garbled_share")
-    s = surge_start(
-        gar, factor=cfg.surge_factor, window=cfg.window, persist=cfg.persist, floor=cfg.garbled_floor, only_last=at_last
-    )
-    if s is not None:
-        found.append(
-            Trip(
-                "garbled_surge",
-                steps[s + cfg.persist - 1],
-                steps[s],
-                f"garbled share {gar[s]:.3f} > {cfg.surge_factor} x median before step {steps[s]}",
-            )
-        )
-    rew = series("reward_mean")
-    s = surge_start(
-        rew,
-        factor=cfg.reward_collapse_factor,
-        window=cfg.window,
-        persist=cfg.persist,
-        below=True,
-        ref_min=cfg.reward_min,
-        only_last=at_last,
-    )
-    if s is not None:
-        found.append(
-            Trip(
-                "reward_collapse",
-                steps[s + cfg.persist - 1],
-                steps[s],
-                f"reward {rew[s]:.3f} < {cfg.reward_collapse_factor} x median before step {steps[s]}",
-            )
-        )
+    for name, column, thresholds, line in watched:
+        values = series(column)
+        s = surge_start(values, window=cfg.window, persist=cfg.persist, only_last=at_last, **thresholds)
+        if s is not None:
+            found.append(Trip(name, steps[s + cfg.persist - 1], steps[s], line(values[s], steps[s])))
     return min(found, key=lambda t: (t.detected_step, t.first_bad_step)) if found else None
 
 

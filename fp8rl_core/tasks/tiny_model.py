@@ -35,9 +35,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, processors
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 from fp8rl_core.config.model import ModelConfig
+from fp8rl_core.tasks.tiny_config import tiny_qwen3_config
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -91,7 +92,7 @@ def build_tiny_model(cfg: ModelConfig, vocab_size: int = VOCAB_SIZE) -> Qwen3For
     """
     if cfg.path is not None:
         raise ValueError(f"model.path={cfg.path!r} is set: load it with load_policy(), not build_tiny_model()")
-    config = Qwen3Config(
+    config = tiny_qwen3_config(  # its special-token ids are the tokenizer's (a test holds them equal)
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -101,10 +102,6 @@ def build_tiny_model(cfg: ModelConfig, vocab_size: int = VOCAB_SIZE) -> Qwen3For
         head_dim=cfg.hidden_size // cfg.num_heads,
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings,
-        pad_token_id=SPECIAL_TOKENS.index(PAD),
-        bos_token_id=SPECIAL_TOKENS.index(BOS),
-        eos_token_id=SPECIAL_TOKENS.index(EOS),
-        use_cache=True,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)

@@ -29,7 +29,15 @@ from fp8rl_core.config.model import BootstrapConfig, ModelConfig, TaskConfig
 from fp8rl_core.tasks import code as code_task
 from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
 from stages.bootstrap.integrity import verified_entry
-from stages.bootstrap.math import META_FILE, _sft_step, _threads, default_cache_root, publish_checkpoint, sole_builder
+from stages.bootstrap.math import (
+    META_FILE,
+    _sft_step,
+    _threads,
+    default_cache_root,
+    policy_stats,
+    publish_checkpoint,
+    sole_builder,
+)
 
 log = logging.getLogger(__name__)
 CODE_BOOTSTRAP_VERSION = "code-1"
@@ -125,16 +133,7 @@ def train_code_policy(
             step += 1
         train_s = time.perf_counter() - t0
         acc = measure_accuracy(model, tokenizer, task_cfg, eval_size, seed=boot_cfg.seed)
-    stats = {
-        "base_accuracy_sampled": acc["sampled"],
-        "base_accuracy_greedy": acc["greedy"],
-        "eval_size": eval_size,
-        "switch_step": switch_step,
-        "total_steps": step,
-        "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
-        "train_seconds": round(train_s, 2),
-    }
-    return model, tokenizer, stats
+    return model, tokenizer, policy_stats(acc, eval_size, switch_step, step, losses, train_s)
 
 
 def bootstrap_code(

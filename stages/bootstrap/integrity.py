@@ -96,7 +96,7 @@ def check_base_policy(run_dir: str | Path, entry: Path, *, record: bool) -> None
     """Check the cache entry a run opens (:func:`verified_entry`) and compare it with the one the run
     recorded (``run.json``'s ``base_policy``); record it on the run's first start (``record``: this
     process writes run.json). Raises :class:`BasePolicyChanged`."""
-    from storage.layout import RUN_FILE, update_run_info
+    from storage.run.layout import RUN_FILE, update_run_info
 
     digest = verified_entry(entry)
     data = json.loads((Path(run_dir) / RUN_FILE).read_text(encoding="utf-8"))
@@ -114,7 +114,7 @@ def check_base_policy(run_dir: str | Path, entry: Path, *, record: bool) -> None
 def base_policy_problems(root: str | Path) -> list[tuple[str, str, str]]:
     """``(severity, path, message)`` for each run under ``root`` whose recorded base policy is missing
     (a warning: a resume rebuilds it and compares) or hashes otherwise now (an error)."""
-    from storage.layout import RUN_FILE, find_runs
+    from storage.run.layout import RUN_FILE, find_runs
 
     out = []
     for info in find_runs(root):

@@ -218,6 +218,22 @@ def _sft_step(model, opt, ids: torch.Tensor, labels: torch.Tensor, lr: float) ->
     return loss.item()
 
 
+def policy_stats(
+    acc: dict[str, float], eval_size: int, switch_step: int, steps: int, losses: list[float], train_s: float
+) -> dict:
+    """What ``meta.json`` records of a bootstrapped policy: its accuracy, where the teacher switched, the loss."""
+    return {
+        "base_accuracy_sampled": acc["sampled"],
+        "base_accuracy_greedy": acc["greedy"],
+        "eval_size": eval_size,
+        "switch_step": switch_step,
+        "total_steps": steps,
+        "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
+        "train_seconds": round(train_s, 2),
+    }
+
+
+
 def train_policy(
     model_cfg: ModelConfig,
     task_cfg: TaskConfig,
@@ -268,14 +284,7 @@ def train_policy(
         t1 = time.perf_counter()
         acc = measure_accuracy(model, tokenizer, task_cfg, eval_size, seed=boot_cfg.seed)
         eval_s = time.perf_counter() - t1
-    stats = {
-        "base_accuracy_sampled": acc["sampled"],
-        "base_accuracy_greedy": acc["greedy"],
-        "eval_size": eval_size,
-        "switch_step": switch_step,
-        "total_steps": step,
-        "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
-        "train_seconds": round(train_s, 2),
+    stats = policy_stats(acc, eval_size, switch_step, step, losses, train_s) | {
         "eval_seconds": round(eval_s, 2),
         "seconds_per_step": round(train_s / max(1, step), 4),
     }

@@ -59,7 +59,7 @@ class RolloutSample:
     ``response_ids`` holds the generated tokens only (no prompt, no padding),
     ending with the EOS token when ``finish_reason == "stop"``;
     ``response_logprobs[t]`` is the log-prob of ``response_ids[t]`` (same length).
-    ``top_ids[t]`` / ``top_logprobs[t]`` (``generate(top_k=K)``; else None): the ``K``
+    ``top_ids[t]`` / ``top_logprobs[t]`` (``SamplingRequest.top_k = K``; else None): the ``K``
     most likely tokens of the distribution ``response_ids[t]`` was drawn from and
     their log-probs (the same kind as ``response_logprobs``), most likely first.
     """
@@ -147,31 +147,51 @@ class RolloutBatch:
         return ids, logp, mask
 
 
-def validate_generate_args(
-    prompt_ids: list[list[int]],
-    *,
-    n: int,
-    temperature: float,
-    top_p: float,
-    max_new_tokens: int,
-    seeds: list[int] | None = None,
-) -> None:
+@dataclass(frozen=True)
+class SamplingRequest:
+    """What one ``generate`` call asks for besides its prompts.
+
+    ``n`` samples per prompt in group layout (``[P * n]``), drawn at ``temperature`` (0: greedy)
+    within the nucleus ``top_p``, each at most ``max_new_tokens`` long; deterministic given ``seed``.
+
+    ``top_k > 0`` also returns, per response token, the ``top_k`` most likely tokens of the
+    distribution it was sampled from and their log-probs (``RolloutSample.top_ids`` /
+    ``top_logprobs``: what score centering needs); an engine that cannot says so in one line.
+
+    ``seeds`` (``[P]``, optional) seeds each prompt's group on its own, so a
+    prompt's samples do not depend on which other prompts share the call; an
+    engine that samples a whole call from one stream (transformers) says so
+    and uses ``seed`` alone (``stages.runtime.rollout_plan`` then keeps calls the same
+    on any number of ranks).
+    """
+
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+    seeds: list[int] | None = None
+    top_k: int = 0
+
+
+def validate_generate_args(prompt_ids: list[list[int]], request: SamplingRequest) -> None:
     """Reject malformed ``generate`` arguments with a message naming the culprit."""
     if not prompt_ids:
         raise ValueError("generate: prompt_ids is empty; pass at least one prompt")
+    seeds = request.seeds
     if seeds is not None and len(seeds) != len(prompt_ids):
         raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids)} prompts; pass one seed per prompt")
     for i, p in enumerate(prompt_ids):
         if len(p) == 0:
             raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
-    if n < 1:
-        raise ValueError(f"generate: n must be >= 1, got {n}")
-    if temperature < 0:
-        raise ValueError(f"generate: temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"generate: top_p must be in (0, 1], got {top_p}")
-    if max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if request.n < 1:
+        raise ValueError(f"generate: n must be >= 1, got {request.n}")
+    if request.temperature < 0:
+        raise ValueError(f"generate: temperature must be >= 0 (0 = greedy), got {request.temperature}")
+    if not 0.0 < request.top_p <= 1.0:
+        raise ValueError(f"generate: top_p must be in (0, 1], got {request.top_p}")
+    if request.max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be >= 1, got {request.max_new_tokens}")
 
 
 def truncate_at_eos(token_ids: list[int], eos_ids: frozenset[int]) -> tuple[list[int], FinishReason]:
@@ -199,8 +219,7 @@ class RolloutEngineProtocol(Protocol):
     @property
     def weights_discarded(self) -> bool: ...
 
-    def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, top_p: float,
-                 max_new_tokens: int, seed: int, seeds: list[int] | None = None, top_k: int = 0) -> RolloutBatch: ...
+    def generate(self, prompt_ids: list[list[int]], request: SamplingRequest) -> RolloutBatch: ...
 
     def load_weights(self, train_model: torch.nn.Module) -> None: ...
 
@@ -240,29 +259,9 @@ class RolloutEngine(abc.ABC):
         self.policy_version = version
 
     @abc.abstractmethod
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        *,
-        n: int,
-        temperature: float,
-        top_p: float,
-        max_new_tokens: int,
-        seed: int,
-        seeds: list[int] | None = None,
-        top_k: int = 0,
-    ) -> RolloutBatch:
-        """``n`` samples per prompt in group layout (``[P * n]``); deterministic given ``seed``.
-
-        ``top_k > 0`` also returns, per response token, the ``top_k`` most likely tokens of the
-        distribution it was sampled from and their log-probs (``RolloutSample.top_ids`` /
-        ``top_logprobs``: what score centering needs); an engine that cannot says so in one line.
-
-        ``seeds`` (``[P]``, optional) seeds each prompt's group on its own, so a
-        prompt's samples do not depend on which other prompts share the call; an
-        engine that samples a whole call from one stream (transformers) says so
-        and uses ``seed`` alone (``stages.runtime.rollout_plan`` then keeps calls the same
-        on any number of ranks)."""
+    def generate(self, prompt_ids: list[list[int]], request: SamplingRequest) -> RolloutBatch:
+        """``request.n`` samples per prompt in group layout (``[P * n]``), as :class:`SamplingRequest`
+        describes; deterministic given its seeds."""
 
     @abc.abstractmethod
     def load_weights(self, train_model: torch.nn.Module) -> None:

@@ -1,7 +1,7 @@
 """The transformers engine in a process of its own: the rollout side of an overlapped CPU campaign.
 
 With ``rollout.max_staleness`` k ≥ 1 step t + k's rollout runs while step t trains
-(``flows/campaign.py``). On a CPU both are compute: in one process they would share
+(``flows/campaign/flow.py``). On a CPU both are compute: in one process they would share
 one interpreter and one set of cores. :class:`WorkerEngine` keeps the engine (a
 :class:`~stages.engines.hf_engine.TransformersEngine`, built in the trainer's process
 exactly as without a worker) in a child process and answers the engine interface by
@@ -17,7 +17,7 @@ messages over a local socket:
   under the run's CPU GEMM mode (``precision.cpu_bf16_gemm``) and on its own thread
   count, so its samples equal those of the in-process engine on as many threads.
 * **Processes.** The worker ends with its parent (``PR_SET_PDEATHSIG``), ignores the
-  terminal's SIGINT (the run ends it, :mod:`flows.shutdown`), and is ended by
+  terminal's SIGINT (the run ends it, :mod:`flows.process.shutdown`), and is ended by
   :meth:`close`. An error in the worker is raised in the caller as a
   :class:`WorkerError` with the worker's traceback; a worker that died is one line.
 
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from stages.engines.base import RolloutBatch, RolloutEngine
+from stages.engines.base import RolloutBatch, RolloutEngine, SamplingRequest
 
 __all__ = ["WorkerEngine", "WorkerError"]
 
@@ -69,8 +69,8 @@ class WorkerEngine(RolloutEngine):
         self._call("start", _without_local_hooks(engine), _without_local_hooks(trainer), gemm, threads)
 
     # the engine interface
-    def generate(self, prompt_ids: list[list[int]], **kw: Any) -> RolloutBatch:
-        return self._call("generate", prompt_ids, kw)
+    def generate(self, prompt_ids: list[list[int]], request: SamplingRequest) -> RolloutBatch:
+        return self._call("generate", prompt_ids, request)
 
     def train_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], **kw: Any) -> list:
         """:func:`stages.trainer.forward.response_logprobs` on the worker's copy of the trainer's policy, at the
@@ -195,8 +195,8 @@ def _serve(conn: Connection) -> None:
                     prompt_ids, response_ids, kw = args
                     value = response_logprobs(trainer, prompt_ids, response_ids, **kw)
                 elif what == "generate":
-                    prompt_ids, kw = args
-                    value = engine.generate(prompt_ids, **kw)
+                    prompt_ids, request = args
+                    value = engine.generate(prompt_ids, request)
                 elif what == "close":
                     _send(conn, (True, None))
                     return
@@ -225,4 +225,4 @@ def main(address: str) -> None:
 if __name__ == "__main__":  # the trainer's pinned CPU numerics reach it in the environment
     main(sys.argv[1])
     sys.stdout.flush()
-    os._exit(0)  # no teardown: see flows.shutdown.end_process
+    os._exit(0)  # no teardown: see flows.process.shutdown.end_process

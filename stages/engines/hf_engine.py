@@ -79,6 +79,7 @@ from stages.engines.base import (
     RolloutBatch,
     RolloutEngine,
     RolloutSample,
+    SamplingRequest,
     register_engine,
     validate_generate_args,
 )
@@ -213,25 +214,13 @@ class TransformersEngine(RolloutEngine):
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     # ------------------------------------------------------------------ API
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        *,
-        n: int,
-        temperature: float,
-        top_p: float,
-        max_new_tokens: int,
-        seed: int,
-        seeds: list[int] | None = None,
-        top_k: int = 0,
-    ) -> RolloutBatch:
-        """Samples of the whole call come from one generator seeded by ``seed``; per-prompt
+    def generate(self, prompt_ids: list[list[int]], request: SamplingRequest) -> RolloutBatch:
+        """Samples of the whole call come from one generator seeded by ``request.seed``; per-prompt
         ``seeds`` are checked and otherwise not used (one stream per call is what makes a
         call's samples reproducible: ``stages.runtime.rollout_plan`` keeps calls rank-independent)."""
         model = self._require_model()
-        validate_generate_args(
-            prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seeds=seeds
-        )
+        validate_generate_args(prompt_ids, request)
+        n, max_new_tokens = request.n, request.max_new_tokens
         longest = max(len(p) for p in prompt_ids)
         if self.max_positions is not None and longest + max_new_tokens > self.max_positions:
             raise ValueError(
@@ -240,7 +229,7 @@ class TransformersEngine(RolloutEngine):
             )
         start = time.perf_counter()
         device = next(model.parameters()).device
-        generator = torch.Generator(device=device).manual_seed(seed)
+        generator = torch.Generator(device=device).manual_seed(request.seed)
         # Bucket by prompt length (stable), generate in chunks, then restore group layout.
         by_length = sorted(range(len(prompt_ids)), key=lambda p: len(prompt_ids[p]))
         rows = [(p, i) for p in by_length for i in range(n)]
@@ -254,12 +243,12 @@ class TransformersEngine(RolloutEngine):
                 part = rows[lo : lo + chunk]
                 outs = self._generate_chunk(
                     [prompt_ids[p] for p, _ in part],
-                    temperature=temperature,
-                    top_p=top_p,
+                    temperature=request.temperature,
+                    top_p=request.top_p,
                     max_new_tokens=max_new_tokens,
                     generator=generator,
                     device=device,
-                    top_k=top_k,
+                    top_k=request.top_k,
                 )
                 for (p, i), (ids, logps, reason, top) in zip(part, outs):
                     results[(p, i)] = RolloutSample(p, i, ids, logps, reason, *top)

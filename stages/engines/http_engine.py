@@ -1,8 +1,8 @@
 """Disaggregated rollout: an engine that talks to a running ``vllm serve`` over HTTP.
 
 **Status: generation, seeds, stop tokens and retries run against a real ``vllm
-serve`` (vLLM's CPU build, tests/test_vllm_http_real.py) and a loopback server that
-speaks the same API (tests/test_http_engine.py); the NCCL weight sync runs against
+serve`` (vLLM's CPU build, tests/stages/engines/test_vllm_http_real.py) and a loopback server that
+speaks the same API (tests/stages/engines/test_http_engine.py); the NCCL weight sync runs against
 the real server too, with vLLM's own transfer engines on both sides and a gloo
 stand-in for its NCCL communicator (tests/vllm_site/fp8rl_nccl_standin.py). Nothing
 here has run on a GPU.**
@@ -63,6 +63,7 @@ from stages.engines.base import (
     RolloutBatch,
     RolloutEngine,
     RolloutSample,
+    SamplingRequest,
     register_engine,
     truncate_at_eos,
     validate_generate_args,
@@ -261,15 +262,14 @@ class VLLMHTTPEngine(RolloutEngine):
         self._closed = False
         self.computes_apart = True  # the server generates
 
-    def generate(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed, seeds=None, top_k=0) -> RolloutBatch:
+    def generate(self, prompt_ids: list[list[int]], request: SamplingRequest) -> RolloutBatch:
         if self._closed:
             raise RuntimeError("this VLLMHTTPEngine was closed")
-        if top_k:
+        if request.top_k:
             raise ValueError("the vllm_http engine does not request top-k log-probs (score centering needs them): "
                              "use rollout.engine transformers or vllm")
-        validate_generate_args(
-            prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seeds=seeds
-        )
+        validate_generate_args(prompt_ids, request)
+        n = request.n
         start = time.perf_counter()
 
         def one(p: int) -> list[RolloutSample]:
@@ -277,10 +277,10 @@ class VLLMHTTPEngine(RolloutEngine):
                 prompt_ids[p],
                 model=self.served_model,
                 n=n,
-                temperature=temperature,
-                top_p=top_p,
-                max_tokens=max_new_tokens,
-                seed=request_seed(seed, seeds, p, n),
+                temperature=request.temperature,
+                top_p=request.top_p,
+                max_tokens=request.max_new_tokens,
+                seed=request_seed(request.seed, request.seeds, p, n),
                 stop_token_ids=sorted(self.eos_ids),
             )
             return samples_from_completion(self.http.post("v1/completions", body), p=p, n=n, eos_ids=self.eos_ids)

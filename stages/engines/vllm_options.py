@@ -32,9 +32,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -60,6 +62,57 @@ SLEEP_WAKE_ORDER: dict[int, list[list[str]]] = {
     0: [["scheduling"]], 1: [["weights"], ["kv_cache"]], 2: [["weights"], ["kv_cache"]],
 }
 """``wake_up`` tag lists, in order, that undo ``sleep(level)``; weights come back before the KV cache."""
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """How a :class:`~stages.engines.vllm_engine.VLLMEngine` builds ``vllm.LLM`` and syncs its weights.
+
+    logprobs_mode: ``"processed"`` (default) or ``"raw"``.
+    seed: the engine seed passed to ``LLM`` (per-request seeds come from ``generate``).
+    max_model_len: context cap for the KV cache (``None``: the model's).
+    llm_options: extra ``LLM`` keyword arguments (e.g. ``enforce_eager=True``).
+    sleep_level: ``llm.sleep`` level (``None``: ``config.sleep_level``).
+    weight_sync: ``"tensors"`` (in-process), ``"ipc"``, ``"nccl"`` or ``"path"`` (``None``: ``config.weight_sync``).
+    verify_sync: ``"first"``, ``"always"`` or ``"never"`` (``None``: ``config.verify_sync``).
+    in_process: run vLLM's engine core in this process (``None``: ``config.vllm_process == "trainer"``).
+    """
+
+    logprobs_mode: LogprobsMode = "processed"
+    seed: int = 0
+    max_model_len: int | None = None
+    llm_options: dict[str, Any] | None = None
+    sleep_level: int | None = None
+    weight_sync: str | None = None
+    verify_sync: str | None = None
+    in_process: bool | None = None
+
+    def for_config(self, config: RolloutConfig) -> "VLLMSettings":
+        """These settings with every ``None`` taken from ``config``."""
+        return dataclasses.replace(
+            self,
+            sleep_level=config.sleep_level if self.sleep_level is None else self.sleep_level,
+            weight_sync=config.weight_sync if self.weight_sync is None else self.weight_sync,
+            verify_sync=config.verify_sync if self.verify_sync is None else self.verify_sync,
+            in_process=config.vllm_process == "trainer" if self.in_process is None else self.in_process,
+        )
+
+
+@dataclass(frozen=True)
+class VLLMHooks:
+    """What a :class:`~stages.engines.vllm_engine.VLLMEngine` uses in place of the real thing (the CPU tests).
+
+    vllm_module: the ``vllm`` module (``None``: ``import vllm``).
+    ipc_handle_fn / gpu_uuid: how IPC handles are made and keyed (``None``: CUDA's ``reduce_tensor``
+        and the current GPU's UUID).
+    release_cache: what gives the trainer's cached memory back before vLLM wakes its KV cache
+        (``None``: garbage collection and ``torch.cuda.empty_cache``).
+    """
+
+    vllm_module: Any | None = None
+    ipc_handle_fn: Callable[[torch.Tensor], Any] | None = None
+    gpu_uuid: str | None = None
+    release_cache: Callable[[], None] | None = None
 
 
 def import_vllm() -> Any:

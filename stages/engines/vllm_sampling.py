@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.engines.base import FinishReason, RolloutBatch, RolloutSample, truncate_at_eos
+from stages.engines.base import FinishReason, RolloutBatch, RolloutSample, SamplingRequest, truncate_at_eos
 
 
 def prompt_seed(seed: int, prompt_index: int, n: int) -> int:
@@ -37,18 +37,18 @@ def request_seed(seed: int, seeds: list[int] | None, prompt_index: int, n: int) 
     return prompt_seed(seeds[prompt_index], 0, n)
 
 
-def sampling_params(vllm: Any, num_prompts: int, *, n: int, temperature: float, top_p: float, max_new_tokens: int,
-                    seed: int, seeds: list[int] | None, stop_ids: list[int], top_k: int = 0) -> list[Any]:
-    """One ``vllm.SamplingParams`` per prompt (``[P]``), each seeded by :func:`request_seed`; ``top_k``
+def sampling_params(vllm: Any, num_prompts: int, request: SamplingRequest, *, stop_ids: list[int]) -> list[Any]:
+    """One ``vllm.SamplingParams`` per prompt (``[P]``), each seeded by :func:`request_seed`; ``request.top_k``
     log-probs per position besides the sampled token's (``logprobs=top_k``)."""
+    n = request.n
     return [
         vllm.SamplingParams(
             n=n,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_new_tokens,
-            seed=request_seed(seed, seeds, p, n),
-            logprobs=top_k,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            max_tokens=request.max_new_tokens,
+            seed=request_seed(request.seed, request.seeds, p, n),
+            logprobs=request.top_k,
             detokenize=False,
             stop_token_ids=stop_ids,
         )

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from storage.layout import RunLayout, read_run_info
-from storage.writer import read_step_rows
+from storage.parts.writer import read_step_rows
+from storage.run.layout import RunLayout, read_run_info
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ rank); an evaluation has its benchmarks' problems. Generation is cut into
 ``B * G <= generation_batch_size`` sequences), with the prompts stable-sorted
 by token length (the transformers engine's own bucketing, so a block's prompts
 keep their order inside the engine). Every prompt carries its own seed
-(``seeds=``), :func:`stages.runtime.seeds.rollout_seed` of its global index; a block
+(``SamplingRequest.seeds``), :func:`stages.runtime.seeds.rollout_seed` of its global index; a block
 carries the first one as its call seed.
 
 **Engines** (:class:`EngineLayout`, :func:`engine_layout`). Requests go to the
@@ -218,5 +218,8 @@ def engine_token_loads(blocks: list[GenerationBlock], engines: int, tokens_per_p
 
 def padding_calls(engine: Any, prompt: list[int], count: int) -> None:
     """``count`` discarded one-token ``generate`` calls, so this rank keeps step with the busiest one."""
+    from stages.engines.base import SamplingRequest
+
+    request = SamplingRequest(n=1, temperature=1.0, top_p=1.0, max_new_tokens=1, seed=0)
     for _ in range(count):
-        engine.generate([prompt], n=1, temperature=1.0, top_p=1.0, max_new_tokens=1, seed=0)
+        engine.generate([prompt], request)

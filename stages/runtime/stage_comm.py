@@ -14,7 +14,7 @@ would hang the job, so a stage's local work runs inside one of two helpers:
 An error is *transient* (worth a retry) when :func:`is_transient` says so; a
 :class:`PeerStageError` carries the failing rank's verdict, so rank 0 retries
 a peer's I/O hiccup and gives up on a peer's bug, and all ranks follow
-(``flows.campaign`` broadcasts the outcome of each attempt). In one process
+(``flows.campaign.flow`` broadcasts the outcome of each attempt). In one process
 :data:`SINGLE_PROCESS_COMM` makes every collective the identity and errors propagate unchanged.
 """
 

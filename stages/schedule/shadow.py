@@ -47,7 +47,7 @@ def _previous_signal(env: RunEnv, step: int) -> float | None:
 
 
 def guard_records(env: RunEnv) -> list:
-    """Live ``guard`` ledger records that finished (each one rollback, ``flows.guard``)."""
+    """Live ``guard`` ledger records that finished (each one rollback, ``flows.campaign.guard``)."""
     return [r for r in env.ledger.records(variant=env.variant) if r.stage == "guard" and r.status == "done"]
 
 
@@ -138,7 +138,7 @@ def subsample_columns(cols: dict[str, np.ndarray], sample_ids: np.ndarray, cfg, 
 
     Full shadow: every row, the bound columns say m = N and error 0.
     """
-    from fp8rl_core.calibration.subsample import bootstrap_lower_error, lower_error_bound
+    from fp8rl_core.calibration.subsample import BootstrapSpec, bootstrap_lower_error, lower_error_bound
 
     has16 = np.isfinite(cols["logp_bf16"]) & np.isfinite(cols["old_logp_bf16"])
     adv = cols["advantage"]
@@ -167,10 +167,7 @@ def subsample_columns(cols: dict[str, np.ndarray], sample_ids: np.ndarray, cfg, 
         r8[sel],
         r16[sel],
         torch.from_numpy(inv)[sel],
-        threshold=thr,
-        delta=delta,
-        m=m,
-        n_total=n,
+        BootstrapSpec(threshold=thr, delta=delta, m=m, n_total=n),
         generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 10)),
     )
     out.update(alpha_level_error=b.level_error, lower_error_bound=b.lower_error_bound, lower_error_bootstrap=boot)

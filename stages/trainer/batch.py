@@ -29,7 +29,6 @@ denominators and every calibration statistic, are the same as without.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,49 +36,10 @@ import torch
 from fp8rl_core.config.clip_mode_kinds import CLIP_MODE_KINDS
 from stages.trainer.collective import Collective
 from stages.trainer.forward import padded_width, token_multiple
+from stages.trainer.types import StepRows, TrainBatch
 
 if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
     from fp8rl_core.config.campaign import CampaignConfig
-
-
-@dataclass
-class TrainBatch:
-    """A step's batch as padded tensors (right padding)."""
-
-    input_ids: torch.Tensor  # [N, T] long: prompt + response + pad
-    attention_mask: torch.Tensor  # [N, T] long: 1 on prompt and response tokens
-    response_mask: torch.Tensor  # [N, T] float: 1 on response tokens (incl. EOS)
-    rollout_logp: torch.Tensor  # [N, T] float32: engine log-probs at response positions
-    advantages: torch.Tensor  # [N] float32: per-sequence advantage
-    sample_ids: torch.Tensor  # [N] long: sample_id in the rollouts table
-    # score centering (algorithm.score_centering_k = K), else None: at response positions, the rollout
-    # engine's K most likely tokens and their probabilities renormalized over the K (0 elsewhere)
-    center_ids: torch.Tensor | None = None  # [N, T, K] long
-    center_mu: torch.Tensor | None = None  # [N, T, K] float32
-
-    @property
-    def size(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def centering(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None if self.center_ids is None else (self.center_ids, self.center_mu)
-
-    def _map(self, fn) -> "TrainBatch":
-        return TrainBatch(*(None if t is None else fn(t) for t in (
-            self.input_ids, self.attention_mask, self.response_mask, self.rollout_logp, self.advantages,
-            self.sample_ids, self.center_ids, self.center_mu,
-        )))
-
-    def to(self, device: torch.device | str) -> "TrainBatch":
-        return self._map(lambda t: t.to(device))
-
-    def cpu(self) -> "TrainBatch":
-        """The batch on the host (its tensors themselves when they are there already)."""
-        return self._map(lambda t: t.cpu())
-
-    def rows(self, idx: torch.Tensor) -> "TrainBatch":
-        return self._map(lambda t: t[idx])
 
 
 def _micro_slices(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -251,35 +211,6 @@ def local_rows(
 def pad_micros(micros: list[torch.Tensor], depth: int, pad: torch.Tensor | None) -> list[torch.Tensor]:
     """``micros`` topped up to ``depth`` micro-batches with the padding micro-batch ``pad`` (None: as is)."""
     return micros if pad is None else micros + [pad] * (depth - len(micros))
-
-
-@dataclass(frozen=True)
-class StepRows:
-    """This rank's share of a step's global batch: its rows, its micro-batches, its padding row.
-
-    ``plan`` (every epoch's mini-batches, each a list of this rank's micro-batches
-    of *global* row indices) comes from :func:`stages.trainer.batch.minibatch_plan`;
-    ``local`` holds this rank's rows (plus the padding row under several ranks) on the device.
-    The micro-batches of mini-batch ``k`` as *local* row indices (on the host) are read, not
-    computed: ``real[k]`` (this rank's), ``padded[k]`` (topped up with padding micro-batches
-    to every rank's count) and ``shadowed[k]`` (the rows of each of ``padded[k]`` with shadow
-    passes; under several ranks never empty: the padding row instead).
-    """
-
-    n: int  # rows of the global batch
-    batch: TrainBatch  # the global batch, on the host (where the step's statistics are computed)
-    plan: list[list[torch.Tensor]]
-    per_epoch: int  # mini-batches per epoch
-    mine: torch.Tensor  # [n_r] global rows this rank trains (sorted)
-    local: TrainBatch  # [n_r (+1 padding row), T] on the device
-    local_global: torch.Tensor  # [n_r (+1)] global row of each local row
-    pad: torch.Tensor | None  # [1] local index of the padding row (None in one process)
-    where: torch.Tensor  # [N] global row -> local row (-1: another rank's)
-    sub: torch.Tensor | None  # [n_r (+1)] bool rows with shadow passes (None: all), on the host like the row indices
-    real: list[list[torch.Tensor]]
-    padded: list[list[torch.Tensor]]
-    shadowed: list[list[torch.Tensor]]
-    trim: bool = False  # token-budget micro-batches: each forward cut to its micro-batch's longest row
 
 
 def _shadowed(r: torch.Tensor, sub: torch.Tensor | None, pad: torch.Tensor | None) -> torch.Tensor:

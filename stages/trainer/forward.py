@@ -16,6 +16,7 @@ Padding tokens do enter a tensorwise activation amax, as they would on the GPU.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -59,33 +60,40 @@ def _widen3(x: torch.Tensor, t: int) -> torch.Tensor:
     return x if x.shape[1] == t else torch.nn.functional.pad(x, (0, 0, 0, t - x.shape[1]))
 
 
+@dataclass(frozen=True)
+class ForwardSpec:
+    """How :func:`policy_logprobs` runs a forward: the precision mode, the pass, what it returns, its micro-batches."""
+
+    mode: str  # the precision mode (``precision.train``)
+    shadow: bool = False  # the BF16 shadow pass: same master weights, FP8 linears bypassed
+    with_entropy: bool = False  # the per-token entropy beside the log-probs
+    micro_batch_size: int | None = None  # rows a micro-batch (None: all at once)
+    # each micro-batch cut to its own longest row before the kernel padding (token-budget micro-batches),
+    # its outputs padded back with zeros
+    trim: bool = False
+
+
 def policy_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
+    spec: ForwardSpec,
     *,
-    mode: str,
-    shadow: bool = False,
-    with_entropy: bool = False,
-    micro_batch_size: int | None = None,
-    trim: bool = False,
     centering: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of ``model`` over ``[N, T]``: the step's one forward path.
 
-    Micro-batches of ``micro_batch_size`` rows (None: all at once), each padded to
-    ``mode``'s kernel contract; ``shadow`` runs the BF16 shadow pass (same master
-    weights, FP8 linears bypassed). Every forward computes on the bf16 casts of the
+    Micro-batches of ``spec.micro_batch_size`` rows, each padded to ``spec.mode``'s kernel
+    contract (:class:`ForwardSpec`). Every forward computes on the bf16 casts of the
     fp32 masters, as FSDP2's all-gather hands them over (``bf16_parameters``), so
-    one process and N ranks compute alike. ``trim``: each micro-batch is cut to its own
-    longest row before the kernel padding (token-budget micro-batches), its outputs padded
-    back with zeros. Differentiable when grad is enabled. Returns float32 ``[N, T]``
+    one process and N ranks compute alike. Differentiable when grad is enabled. Returns float32 ``[N, T]``
     (padding columns removed). ``centering``: ``(ids, mu)`` ``[N, T, K]`` of score centering
     (:func:`fp8rl_core.objective.logprobs.center_scores`; the values stay, the gradient is centered).
     """
+    shadow, with_entropy, trim = spec.shadow, spec.with_entropy, spec.trim
     n, t = input_ids.shape
-    step = n if micro_batch_size is None else micro_batch_size
-    run_mode = "bf16" if shadow else mode
+    step = n if spec.micro_batch_size is None else spec.micro_batch_size
+    run_mode = "bf16" if shadow else spec.mode
     multiple = token_multiple(run_mode)
     lps, ents = [], []
     for s in range(0, n, max(step, 1)):
@@ -109,19 +117,12 @@ def no_grad_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     micros: list[torch.Tensor],
-    mode: str,
-    *,
-    shadow: bool,
-    trim: bool,
+    spec: ForwardSpec,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`policy_logprobs` without grad of each non-empty micro-batch ``r`` (row indices of the
     ``[N, T]`` ``input_ids`` and ``attention_mask``), one at a time: ``[(r, [len(r), T] float32)]``."""
     with torch.no_grad():
-        return [
-            (r, policy_logprobs(model, input_ids[r], attention_mask[r], mode=mode, shadow=shadow, trim=trim)[0])
-            for r in micros
-            if r.numel()
-        ]
+        return [(r, policy_logprobs(model, input_ids[r], attention_mask[r], spec)[0]) for r in micros if r.numel()]
 
 
 def response_logprobs(
@@ -147,6 +148,7 @@ def response_logprobs(
         am[i, : len(p) + len(r)] = 1
     device = next(model.parameters()).device
     with torch.no_grad():
-        lp, _ = policy_logprobs(model, ids.to(device), am.to(device), mode=mode, micro_batch_size=micro_batch_size)
+        spec = ForwardSpec(mode, micro_batch_size=micro_batch_size)
+        lp, _ = policy_logprobs(model, ids.to(device), am.to(device), spec)
     lp = lp.float().cpu()
     return [lp[i, len(p) : len(p) + len(r)].tolist() for i, (p, r) in enumerate(zip(prompt_ids, response_ids))]

@@ -147,7 +147,7 @@ def measure_step(
     from fp8rl_core.precision.conversion import convert_for_training
     from fp8rl_core.precision.fp8_operands import gpu_sized_chunks
     from stages.trainer.distributed import shard_policy
-    from stages.trainer.forward import policy_logprobs, token_multiple
+    from stages.trainer.forward import ForwardSpec, policy_logprobs, token_multiple
 
     fields = {k: v for k, v in hf_config.to_dict().items() if k != "layer_types"}  # per-layer list: rebuilt
     cfg = hf_config.__class__.from_dict({**fields, "num_hidden_layers": layers})
@@ -167,7 +167,7 @@ def measure_step(
             tracker = FSDPMemTracker(model, opt)
             tracker.track_inputs((ids, am))
             with tracker:
-                lp, _ = policy_logprobs(model, ids, am, mode=mode, with_entropy=True)
+                lp, _ = policy_logprobs(model, ids, am, ForwardSpec(mode, with_entropy=True))
                 out.phases["forward"] = _snapshot(tracker)
                 _reset_peak(tracker)
                 lp.sum().backward()

@@ -16,14 +16,15 @@ Per mini-batch ``k`` (docs/method.md, "Ratio and policy loss", "Precision modes"
 4. the optimizer step (:func:`stages.trainer.optimizer.optimizer_step`): a non-finite loss
    or gradient skips it (recorded), leaving the policy as it was.
 
-Each returns what it computed (:class:`MicroBatchPass`, :class:`MinibatchUpdate`); the step's
-records are put together from those by :mod:`stages.trainer.step_stats`.
+Each returns what it computed (:class:`stages.trainer.types.MicroBatchPass`,
+:class:`stages.trainer.types.MinibatchUpdate`); the step's records are put together from
+those by :mod:`stages.trainer.step_stats`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,10 +32,9 @@ import torch
 from fp8rl_core.objective.corrections import step_weights
 from fp8rl_core.objective.losses import LossSpec, clip_decisions, importance_ratio, loss_bounds
 from fp8rl_core.registered import POLICY_LOSSES
-from stages.trainer.forward import no_grad_logprobs, policy_logprobs
-from stages.trainer.old_logp import OldPolicy
-from stages.trainer.optimizer import OptimizerStep, optimizer_step
-from stages.trainer.step import TrainStep
+from stages.trainer.forward import ForwardSpec, no_grad_logprobs, policy_logprobs
+from stages.trainer.optimizer import optimizer_step
+from stages.trainer.types import MicroBatchPass, MinibatchUpdate, OldPolicy, TrainStep
 
 
 def maybe_fault(stage: str, point: int) -> None:
@@ -51,8 +51,8 @@ def update_bounds(step: TrainStep, old: OldPolicy, micros: list[torch.Tensor]) -
     with torch.no_grad():
         cur = [
             importance_ratio(
-                policy_logprobs(step.model, x.input_ids[r], x.attention_mask[r], mode=cfg.precision.train,
-                                trim=step.rows.trim)[0],
+                policy_logprobs(step.model, x.input_ids[r], x.attention_mask[r],
+                                ForwardSpec(cfg.precision.train, trim=step.rows.trim))[0],
                 old.old8[r],
             )
             for r in micros
@@ -99,15 +99,6 @@ def _decision_of(decisions: list[tuple[torch.Tensor, torch.Tensor]], i: int, r: 
     return codes
 
 
-@dataclass(frozen=True)
-class MicroBatchPass:
-    """A mini-batch's forward and backward, gradients accumulated on the weights."""
-
-    loss: float  # summed over the micro-batches and the ranks
-    records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # epoch 0: (local rows, π_θ, entropy)
-    old: OldPolicy  # π_old after the pass (mini-batch 0 may give its own)
-
-
 def micro_batch_pass(
     step: TrainStep, old: OldPolicy, k: int, bounds: tuple[float, float], *, adopt_old: bool = False,
     decisions: list[tuple[torch.Tensor, torch.Tensor]] = (),
@@ -132,8 +123,8 @@ def micro_batch_pass(
     total, records = 0.0, []
     for i, r in enumerate(rows.padded[k]):
         center = None if x.center_ids is None else (x.center_ids[r], x.center_mu[r])
-        lp, ent = policy_logprobs(step.model, x.input_ids[r], x.attention_mask[r], mode=cfg.precision.train,
-                                  with_entropy=True, trim=rows.trim, centering=center)
+        lp, ent = policy_logprobs(step.model, x.input_ids[r], x.attention_mask[r],
+                                  ForwardSpec(cfg.precision.train, with_entropy=True, trim=rows.trim), centering=center)
         if adopt_old:
             old = adopt_first_forward(step, old, r, lp)
         spec = LossSpec(
@@ -157,23 +148,6 @@ def micro_batch_pass(
     return MicroBatchPass(collective.sum(total), records, old)
 
 
-@dataclass(frozen=True)
-class MinibatchUpdate:
-    """What one optimizer update of a step returns besides the new weights."""
-
-    k: int  # the update's index (epoch-major)
-    epoch: int
-    index: int  # its mini-batch's index within the epoch
-    optimizer: OptimizerStep  # the summed loss, the grad norm, skipped or not
-    bounds: Any  # the per-update clip mode's result (``.lower``, ``.upper``); None without one
-    records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # epoch 0: (local rows, π_θ, entropy)
-    shadow: list[tuple[torch.Tensor, torch.Tensor]]  # epoch 0 of shadow steps: (local rows, BF16 π_θ)
-    old: OldPolicy  # π_old after the update
-    shadow_s: float  # seconds of the BF16 shadow forward
-    decisions: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (local rows, BF16 clip codes)
-    decision_s: float = 0.0  # seconds of the BF16 forward the clip decisions took beyond the shadow pass
-
-
 def minibatch_update(step: TrainStep, old: OldPolicy, k: int) -> MinibatchUpdate:
     """Update ``k``: the BF16 shadow of π_θ (epoch 0 of shadow steps; every update where the clip mode
     decides on the BF16 ratio), the clip mode's per-update bounds if it has them, the micro-batches'
@@ -187,8 +161,8 @@ def minibatch_update(step: TrainStep, old: OldPolicy, k: int) -> MinibatchUpdate
     if shadow_now or step.decides_on_bf16:
         t0 = time.perf_counter()
         x = rows.local
-        theta16 = no_grad_logprobs(step.model, x.input_ids, x.attention_mask, rows.shadowed[k], cfg.precision.train,
-                                   shadow=True, trim=rows.trim)
+        theta16 = no_grad_logprobs(step.model, x.input_ids, x.attention_mask, rows.shadowed[k],
+                                   ForwardSpec(cfg.precision.train, shadow=True, trim=rows.trim))
         seconds = time.perf_counter() - t0
     lower, upper = step.bounds
     picked = None

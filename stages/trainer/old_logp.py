@@ -22,7 +22,7 @@ Reused only where the values are bit-identical to the no-grad pass's:
   have to keep every graph alive until the last one's π_old is known);
 * the same kernels: on CPU the forward's kernels do not depend on grad mode (checked bit
   for bit in BF16, FP8 tensorwise/rowwise and NVFP4, with either BF16 GEMM path:
-  ``tests/test_old_logp_reuse.py``); on CUDA that is not verified, so the pass stays;
+  ``tests/stages/trainer/test_old_logp_reuse.py``); on CUDA that is not verified, so the pass stays;
 * nothing reads π_old before the forward: BAPO picks its bounds from the current ratios
   before the loss, so it keeps the pass; one process (several ranks pad micro-batches).
 
@@ -32,13 +32,12 @@ TIS weights are computed from the complete π_old tensor, as before, right after
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
 from fp8rl_core.objective.corrections import step_weights
-from stages.trainer.forward import no_grad_logprobs
-from stages.trainer.step import TrainStep
+from stages.trainer.forward import ForwardSpec, no_grad_logprobs
+from stages.trainer.types import OldPolicy, TrainStep
 
 
 def first_forward_is_old(
@@ -56,19 +55,6 @@ def apart_micro_batches(n_rows: int, size: int) -> list[torch.Tensor]:
     """π_old batched apart from π_θ (``algorithm.old_logp_micro_batch_size``): this rank's ``n_rows``
     rows in sample order, ``size`` at a time, as verl's log-prob pass batches them."""
     return [torch.arange(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
-
-
-@dataclass(frozen=True)
-class OldPolicy:
-    """π_old of one rank's rows (``[n_r (+1), T]``, float32) and what the update reads beside it."""
-
-    mask: torch.Tensor  # response mask
-    adv_tok: torch.Tensor  # advantage on every response token
-    old8: torch.Tensor  # π_old, training precision
-    old16: torch.Tensor | None  # π_old, BF16 shadow (shadow steps and BF16 clip decisions; NaN on rows without)
-    is_w: torch.Tensor | None  # TIS weights (None until mini-batch 0 gives its π_old, when it does)
-    reuse_first: bool  # mini-batch 0's grad forward gives its π_old (:func:`first_forward_is_old`)
-    seconds: dict[str, float]  # old_logp_s, shadow_s
 
 
 def old_logprobs(step: TrainStep) -> OldPolicy:
@@ -96,7 +82,7 @@ def old_logprobs(step: TrainStep) -> OldPolicy:
     old8 = torch.zeros(x.input_ids.shape, dtype=torch.float32, device=mask.device)
     firsts = first[1:] if reuse else first
     ids, am = x.input_ids, x.attention_mask
-    for r, lp in no_grad_logprobs(step.model, ids, am, firsts, mode, shadow=False, trim=rows.trim):
+    for r, lp in no_grad_logprobs(step.model, ids, am, firsts, ForwardSpec(mode, trim=rows.trim)):
         old8[r] = lp
     seconds["old_logp_s"] = time.perf_counter() - t0
     old16 = None
@@ -104,8 +90,8 @@ def old_logprobs(step: TrainStep) -> OldPolicy:
         t0 = time.perf_counter()
         old16 = torch.full_like(old8, float("nan") if rows.sub is not None else 0.0)
         shadowed = [s for k in range(rows.per_epoch) for s in rows.shadowed[k]]
-        for r, lp in no_grad_logprobs(step.model, x.input_ids, x.attention_mask, shadowed, mode, shadow=True,
-                                      trim=rows.trim):
+        for r, lp in no_grad_logprobs(step.model, x.input_ids, x.attention_mask, shadowed,
+                                      ForwardSpec(mode, shadow=True, trim=rows.trim)):
             old16[r] = lp
         seconds["shadow_s" if step.shadow else "bf16_decision_s"] = time.perf_counter() - t0
     is_w = None if reuse else step_weights(old8, x.rollout_logp, mask, cfg.algorithm, step.thresholds)

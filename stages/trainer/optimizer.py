@@ -8,10 +8,11 @@ norm is not finite; then the update is skipped (and recorded), leaving the weigh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from stages.trainer.types import OptimizerStep
 
 if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
     from fp8rl_core.config.campaign import CampaignConfig
@@ -30,15 +31,6 @@ def make_optimizer(
     opt = torch.optim.AdamW(params, lr=a.lr, betas=a.betas, weight_decay=a.weight_decay, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(a.warmup_steps))
     return opt, sched
-
-
-@dataclass(frozen=True)
-class OptimizerStep:
-    """What one optimizer step leaves besides the weights."""
-
-    loss: float  # the mini-batch's loss, summed over ranks
-    grad_norm: float  # before clipping
-    skipped: bool  # the loss or the gradient norm was not finite: no step
 
 
 def optimizer_step(model, optimizer, scheduler, loss: float, grad_clip: float, world_size: int) -> OptimizerStep:

@@ -8,38 +8,16 @@ W ranks report alike.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from fp8rl_core.objective.losses import CLIP_DUAL, CLIP_LOWER, CLIP_UPPER, LossSpec
 from fp8rl_core.registered import LOSS_STATISTICS
-from stages.trainer.batch import TrainBatch
-from stages.trainer.minibatch import MinibatchUpdate
-from stages.trainer.old_logp import OldPolicy
-from stages.trainer.step import TrainStep
+from stages.trainer.types import MinibatchUpdate, OldPolicy, TrainBatch, TrainStep, UpdateResult
 
 if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
     from fp8rl_core.config.campaign import CampaignConfig
-
-
-@dataclass(frozen=True)
-class UpdateResult:
-    """Per-token arrays ([N, T], float32, on CPU, valid where response_mask) and step scalars."""
-
-    metrics: dict[str, float]
-    logp_fp8: torch.Tensor
-    old_logp_fp8: torch.Tensor
-    logp_bf16: torch.Tensor | None
-    old_logp_bf16: torch.Tensor | None
-    entropy: torch.Tensor
-    tis_weight: torch.Tensor | None
-    minibatch: torch.Tensor  # [N] int: index of the row's mini-batch in epoch 0
-    skipped_updates: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-    rows: torch.Tensor | None = None  # global rows this rank trained (its share of the per-token tables)
-    row_bounds: torch.Tensor | None = None  # [N, 2] (L, H) of each row's epoch-0 update (bounds per update: BAPO)
 
 
 def epoch0_records(step: TrainStep, old: OldPolicy, updates: list[MinibatchUpdate]) -> dict[str, torch.Tensor | None]:

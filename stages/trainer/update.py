@@ -25,8 +25,9 @@ token's clip decision is taken on that BF16 ratio and handed to the loss.
 
 :func:`policy_update` reads top to bottom. It splits the rows
 (:func:`stages.trainer.batch.split_rows`: the plan and this rank's rows) and builds the
-step's frozen context once (:class:`stages.trainer.step.TrainStep`); each phase then takes
-the context and what the phase before it returned, and returns its own values:
+step's frozen context once (:class:`stages.trainer.types.TrainStep`); each phase then takes
+the context and what the phase before it returned, and returns its own values
+(:mod:`stages.trainer.types`):
 :func:`stages.trainer.old_logp.old_logprobs` (steps 1-2),
 :func:`stages.trainer.minibatch.minibatch_update` per mini-batch (steps 3-5) and
 :func:`stages.trainer.step_stats.gather_step_stats` (the step's statistics over every
@@ -42,21 +43,35 @@ and every batch statistic is global (:mod:`stages.trainer.batch`,
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from fp8rl_core.calibration.clip_modes import per_update_rule
 from fp8rl_core.config.clip_mode_kinds import CLIP_MODE_KINDS
-from stages.trainer.batch import TrainBatch, split_rows
+from stages.trainer.batch import split_rows
 from stages.trainer.collective import SINGLE_PROCESS_COLLECTIVE, Collective
-from stages.trainer.minibatch import MinibatchUpdate, minibatch_update
+from stages.trainer.minibatch import minibatch_update
 from stages.trainer.old_logp import old_logprobs
-from stages.trainer.step import TrainStep
-from stages.trainer.step_stats import UpdateResult, gather_step_stats
+from stages.trainer.step_stats import gather_step_stats
+from stages.trainer.types import MinibatchUpdate, TrainBatch, TrainStep, UpdateResult
 
 if TYPE_CHECKING:  # annotations only: the trainer's numerics import without pydantic (the GPU script)
     from fp8rl_core.config.campaign import CampaignConfig
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """What one step's update is asked for, beside the model, the optimizer, the batch and the config."""
+
+    bounds: tuple[float, float]  # (L, H) ratio clip bounds in force
+    shadow: bool  # the BF16 shadow forwards run this step
+    seed: int  # fixes the mini-batch shuffle (deterministic per step)
+    # shadow only these sequences (subsampled shadow passes, ``fp8rl_core.calibration.subsample``); the BF16
+    # log-probs of the other rows are NaN. None: every row
+    shadow_rows: torch.Tensor | None = None  # [N] bool over the global batch
+    correction_thresholds: tuple[float, float] | None = None  # the mismatch correction's, in force (None: configured)
 
 
 def policy_update(
@@ -65,33 +80,23 @@ def policy_update(
     scheduler: torch.optim.lr_scheduler.LambdaLR,
     batch: TrainBatch,
     cfg: CampaignConfig,
+    spec: UpdateSpec,
     *,
-    bounds: tuple[float, float],
-    shadow: bool,
-    seed: int,
     collective: Collective = SINGLE_PROCESS_COLLECTIVE,
-    shadow_rows: torch.Tensor | None = None,
-    correction_thresholds: tuple[float, float] | None = None,
 ) -> UpdateResult:
-    """Run ``ppo_epochs`` passes of mini-batch updates over ``batch`` (the *global* batch).
+    """Run ``ppo_epochs`` passes of mini-batch updates over ``batch`` (the *global* batch), as ``spec`` asks.
 
-    ``bounds`` = (L, H) ratio clip bounds in force; ``shadow`` turns on the BF16
-    shadow forwards; ``seed`` fixes the mini-batch shuffle (deterministic per step).
     Under several ranks each rank passes the same global batch and trains on its
     share of every mini-batch (:func:`stages.trainer.batch.minibatch_plan`), topped
     up with padding micro-batches so that every rank runs as many forwards and backwards
     (a partial last mini-batch; see :mod:`stages.trainer.batch`); the returned per-token
     arrays and metrics are global and identical on every rank.
-    ``shadow_rows`` (``[N]`` bool over the global batch, optional): shadow only
-    these sequences (subsampled shadow passes, ``fp8rl_core.calibration.subsample``); the
-    BF16 log-probs of the other rows are NaN. ``correction_thresholds``: the mismatch
-    correction's calibrated thresholds in force (None: the configured ones).
     """
-    rows = split_rows(batch, cfg, seed, collective, next(model.parameters()).device, shadow_rows)
+    rows = split_rows(batch, cfg, spec.seed, collective, next(model.parameters()).device, spec.shadow_rows)
     model.train()
     rule = per_update_rule(cfg.calibration.mode)  # None unless the clip mode picks bounds per update
     step = TrainStep(
-        model, optimizer, scheduler, cfg, collective, rows, bounds, shadow, rule, correction_thresholds,
+        model, optimizer, scheduler, cfg, collective, rows, spec.bounds, spec.shadow, rule, spec.correction_thresholds,
         decides_on_bf16=CLIP_MODE_KINDS.get(cfg.calibration.mode).decides_on_bf16,
     )
     old = old_logprobs(step)  # 1. π_old (+ BF16 shadow)
@@ -101,7 +106,7 @@ def policy_update(
         updates.append(minibatch_update(step, old, k))
         old = updates[-1].old
     timings = dict(old.seconds)
-    if shadow:
+    if spec.shadow:
         for u in updates:
             timings["shadow_s"] += u.shadow_s
     if step.decides_on_bf16:  # the BF16 forwards the clip decisions took beyond the shadow passes

@@ -1,7 +1,7 @@
 -- name: guard-events
 -- description: Every guard trip: what tripped, where, the checkpoint it rolled back to and the remedy.
 --
--- One row per live `guard` ledger record (flows.guard). The record sits at the
+-- One row per live `guard` ledger record (flows.campaign.guard). The record sits at the
 -- step of the restored checkpoint (rollback) or at the detection step (stop).
 --   kind            entropy_surge | garbled_surge | reward_collapse | non_finite
 --   detected_step   the step whose row completed the detection

@@ -8,7 +8,7 @@ Run in a fresh process (the CPU-numerics variable must be set before torch loads
 Each line is one primitive (a GEMM under the BF16 rule, attention, a transcendental, the tiny
 model's forward and backward, the optimizer step, sampling, ...) computed as the default
 campaign computes it (``precision.cpu_bf16_gemm: portable``, ATen's AVX2 kernels, the preset's
-2 threads) and the hash of its outputs. ``tests/test_cpu_portable.py`` compares them with
+2 threads) and the hash of its outputs. ``tests/fp8rl_core/cpu_numerics/test_cpu_portable.py`` compares them with
 ``cpu_primitive_hashes.txt``: a CPU whose numbers differ fails naming the primitives, and a
 2-step campaign that dispatches an arithmetic ATen op no primitive here covers fails too.
 """
@@ -243,7 +243,7 @@ def run(record: Callable | None = None) -> list[str]:
 
 def cpu_description() -> str:
     """The CPU's model, family/model numbers and the vector extensions that decide kernels."""
-    from flows.cpu_numerics import cpu_model
+    from flows.campaign.cpu_numerics import cpu_model
 
     try:
         info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]

@@ -8,7 +8,7 @@ Run as a script, in a fresh process, because the CPU-numerics variables
     PYTHONPATH=$PWD .venv/bin/python tests/golden/micro_campaign.py --write  # regenerate the committed JSON
 
 Regenerate (and commit the JSON) only after a deliberate change of the default numerics;
-``tests/test_golden_tables.py`` says what it guards.
+``tests/flows/campaign/test_golden_tables.py`` says what it guards.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def _digest(values) -> str:
 
 def run_micro(root: Path) -> dict:
     """Run the micro campaign's stages in order under ``root``; return its key table values."""
-    from flows.configuration import dump_config, load_config
-    from flows.cpu_numerics import describe, gemm_choice
+    from flows.campaign.configuration import dump_config, load_config
+    from flows.campaign.cpu_numerics import describe, gemm_choice
     from fp8rl_core.cpu_numerics.cpu_gemm import cpu_bf16_gemm
     from stages.calibrate import run_calibrate
     from stages.context import is_eval_step, open_run
@@ -72,8 +72,8 @@ def run_micro(root: Path) -> dict:
     from stages.rollout import run_rollout
     from stages.score import run_score
     from stages.train import run_train
-    from storage.catalog import connect, query
-    from storage.layout import create_run
+    from storage.queries.catalog import connect, query
+    from storage.run.layout import create_run
 
     cfg = load_config("tiny-cpu", OVERRIDES)
     create_run(root, "golden", config=dump_config(cfg))

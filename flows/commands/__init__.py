@@ -1,0 +1,1 @@
+"""The fp8rl commands, one module per group; flows/cli.py registers them."""

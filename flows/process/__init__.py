@@ -1,0 +1,1 @@
+"""Process plumbing every run shares: the shutdown path, the child guard, torchrun as fp8rl starts it."""

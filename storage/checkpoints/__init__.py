@@ -1,0 +1,1 @@
+"""Checkpoints: saving, loading, verifying and retaining them."""

@@ -1,0 +1,1 @@
+"""The stage ledger: which stage of which step started, finished or failed."""

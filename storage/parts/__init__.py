@@ -1,0 +1,1 @@
+"""Parquet parts: written atomically, one per stage attempt, and checked cheaply."""

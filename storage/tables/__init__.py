@@ -1,0 +1,1 @@
+"""The tables of a campaign: their specs, schemas and derived columns."""
