@@ -1,4 +1,5 @@
-"""``weight_sync: nccl`` with vLLM's real transfer engines on a CPU, run in ``.venv-vllm`` by tests/stages/engines/test_nccl_sync.py.
+"""``weight_sync: nccl`` with vLLM's real transfer engines on a CPU, run in ``.venv-vllm`` by
+tests/stages/engines/test_nccl_sync.py.
 
 ``python tests/nccl_sync_checks.py ranks OUT_DIR`` writes ``OUT_DIR/result.json``.
 Every process involved runs with ``FP8RL_TEST_NCCL_STANDIN=1`` and ``tests/vllm_site`` on

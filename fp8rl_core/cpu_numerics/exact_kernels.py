@@ -5,7 +5,8 @@ largest magnitude of each row or column, the scale, the grid integers as float64
 ``torch.ops.fp8rl_exact.finish`` (the float64 sums rounded to float32, divided by the two scales, optionally
 rounded on to BF16). Each does what :mod:`fp8rl_core.cpu_numerics.portable_math` does with a dozen ATen
 calls, with the same IEEE operations on the same operands, so its outputs are the same bits by
-construction (``tests/fp8rl_core/cpu_numerics/test_exact_kernels.py`` checks them against the tensor path, edge values included).
+construction (``tests/fp8rl_core/cpu_numerics/test_exact_kernels.py`` checks them against the tensor path, edge
+values included).
 
 They are built once per machine with the C++ compiler PyTorch's extensions use (``g++``), into
 ``$XDG_CACHE_HOME/fp8rl/kernels`` (``~/.cache/fp8rl/kernels``); ``make`` builds them when it sets up the

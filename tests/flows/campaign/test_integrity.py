@@ -56,7 +56,8 @@ def test_a_copied_run_is_not_counted_twice(tmp_path: Path) -> None:
 
 
 _HOLD = (
-    "import sys, time; from storage.run import lock; lock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)"
+    "import sys, time; from storage.run import lock; lock.acquire(sys.argv[1]); print('held', flush=True); "
+    "time.sleep(120)"
 )
 
 

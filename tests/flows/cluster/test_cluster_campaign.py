@@ -167,8 +167,8 @@ def _same_tables(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def reference(scratch) -> Path:
-    """The 2-rank single-machine run (torchrun --standalone), as tests/flows/campaign/test_spmd_campaign.py makes it, here
-    through ``fp8rl submit --backend local`` (which is ``fp8rl run --nproc-per-node 2``)."""
+    """The 2-rank single-machine run (torchrun --standalone), as tests/flows/campaign/test_spmd_campaign.py makes it,
+    here through ``fp8rl submit --backend local`` (which is ``fp8rl run --nproc-per-node 2``)."""
     run_dir = scratch / "local" / "two-ranks"
     cmd = [sys.executable, "-m", "flows.cli", "submit", "tiny-cpu", "--backend", "local", "--gpus-per-node", "2"]
     cmd += ["--run-dir", str(run_dir)]

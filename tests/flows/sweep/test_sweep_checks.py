@@ -225,11 +225,12 @@ def test_sweep_files_are_read_by_the_strict_loader(tmp_path: Path, text: str, ne
 def fake_flow(monkeypatch):
     """``fp8rl sweep`` in-process with the fake campaign and without Prefect (whose start and shutdown
     path the signals case covers): the cells it ran."""
+    from test_sweep import FakeCampaign
+
     import flows.campaign.launch
     import flows.orchestration.env
     import flows.sweep.runner
     from flows.sweep.runner import run_sweep_file
-    from test_sweep import FakeCampaign
 
     fake = FakeCampaign()
     monkeypatch.setattr(flows.campaign.launch, "until_signal", lambda body, resume: body(lambda: None))

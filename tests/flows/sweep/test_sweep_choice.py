@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from test_sweep import FakeCampaign
 from typer.testing import CliRunner
 
 from flows.campaign.configuration import ConfigError, load_config
@@ -18,7 +19,6 @@ from flows.commands.report import register
 from flows.sweep.choice import ChoiceSpec, choice_path, pick, second_half
 from flows.sweep.runner import run_sweep_file
 from flows.sweep.spec import load_sweep
-from test_sweep import FakeCampaign
 
 pytestmark = pytest.mark.timeout(600)
 

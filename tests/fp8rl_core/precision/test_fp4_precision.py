@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from test_precision import LINEARS_PER_LAYER, tiny_config, toy_batch, train_steps
 from torch import nn
 from transformers import Qwen3ForCausalLM
 
@@ -22,7 +23,6 @@ from fp8rl_core.precision.fp4_linear import (
     load_fp4_rng_state,
 )
 from fp8rl_core.precision.rollout import ROLLOUT_PRECISIONS, convert_for_rollout
-from test_precision import LINEARS_PER_LAYER, tiny_config, toy_batch, train_steps
 
 pytestmark = pytest.mark.timeout(120)
 FP4_MODES = ["nvfp4", "mxfp4"]

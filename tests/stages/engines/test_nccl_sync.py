@@ -6,7 +6,8 @@ vLLM's ``NCCLTrainerWeightTransferEngine`` and ``NCCLWeightTransferEngine``, the
 producer and consumer and the TCP rendezvous are vLLM's; only ``PyNcclCommunicator``
 and the CUDA stream calls on its path are the stand-in's
 (``tests/vllm_site/fp8rl_nccl_standin.py``). Whole campaigns that sync by NCCL are in
-tests/stages/engines/test_vllm_http_real.py (to a real ``vllm serve``) and tests/flows/campaign/test_vllm_campaign.py (to
+tests/stages/engines/test_vllm_http_real.py (to a real ``vllm serve``) and
+tests/flows/campaign/test_vllm_campaign.py (to
 vLLM's ``LLM`` with its own engine-core process, killed and resumed).
 
 * two trainer ranks (FSDP2, gloo): one sender (rank 0 opens the endpoint and talks to the

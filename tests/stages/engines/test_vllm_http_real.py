@@ -91,7 +91,7 @@ class Server:
         # (/pause, /init_weight_transfer_engine, ...) are served in vLLM's dev mode only
         env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONPATH=f"{SITE}:{ROOT}",
                    VLLM_SERVER_DEV_MODE="1", FP8RL_TEST_NCCL_STANDIN="1",
-                   TORCHINDUCTOR_VEC_ISA_OK="1")  # no ISA probe per process (tests/flows/campaign/test_vllm_campaign.py)
+                   TORCHINDUCTOR_VEC_ISA_OK="1")  # no ISA probe per process (test_vllm_campaign.py)
         self.proc = subprocess.Popen(
             cmd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
