@@ -51,6 +51,7 @@ from torch import nn
 
 from fp8rl_core.cpu_numerics import cpu_gemm
 from fp8rl_core.precision.fp4 import HADAMARD_SIZE, FP4Format, fake_quantize_fp4, random_hadamard, random_signs
+from fp8rl_core.precision.fp8_linear import compute_dtype
 
 
 @dataclass(frozen=True)
@@ -165,12 +166,6 @@ class _Fp4LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
-
-
 class Fp4TrainingLinear(nn.Linear):
     """``nn.Linear`` training with emulated FP4 matmuls; same parameters and state_dict keys."""
 
@@ -185,7 +180,7 @@ class Fp4TrainingLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Fp4LinearFunction.apply(x, self.weight, self.bias, self.recipe, _compute_dtype(x), self.fp4_state)
+        return _Fp4LinearFunction.apply(x, self.weight, self.bias, self.recipe, compute_dtype(x), self.fp4_state)
 
     def extra_repr(self) -> str:
         r = self.recipe

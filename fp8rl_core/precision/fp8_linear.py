@@ -218,7 +218,7 @@ def check_token_multiple(granularity: str, tokens: int, *, where: str = "") -> N
         )
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The autocast dtype under autocast (BF16: what nn.Linear would output), else x's own dtype."""
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
@@ -243,7 +243,7 @@ class Fp8TrainingLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [*, K] -> [*, N]
         cache = getattr(self, "input_cache", None)
-        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self.recipe, _compute_dtype(x), cache)
+        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self.recipe, compute_dtype(x), cache)
 
     def extra_repr(self) -> str:
         r = self.recipe

@@ -27,7 +27,7 @@ import torch
 
 from fp8rl_core.config.model import BootstrapConfig, ModelConfig, TaskConfig
 from fp8rl_core.tasks import code as code_task
-from fp8rl_core.tasks.tiny_model import build_tiny_model, build_tokenizer
+from fp8rl_core.tasks.tiny_model import build_tokenizer
 from stages.bootstrap.integrity import verified_entry
 from stages.bootstrap.math import (
     META_FILE,
@@ -36,6 +36,7 @@ from stages.bootstrap.math import (
     default_cache_root,
     policy_stats,
     publish_checkpoint,
+    seeded_policy,
     sole_builder,
 )
 
@@ -111,10 +112,7 @@ def train_code_policy(
     slip = boot_cfg.carry_drop
     max_clean = max(0, boot_cfg.steps - boot_cfg.noisy_steps)
     with _threads(boot_cfg.threads), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(boot_cfg.seed)
-        model = build_tiny_model(model_cfg, len(vocab))
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=boot_cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        model, opt = seeded_policy(model_cfg, boot_cfg, len(vocab))
         rng = random.Random(f"fp8rl-code-bootstrap:{boot_cfg.seed}")
         t0, losses, ema, step = time.perf_counter(), [], None, 0
         while step < max_clean:

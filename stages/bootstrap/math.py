@@ -218,6 +218,14 @@ def _sft_step(model, opt, ids: torch.Tensor, labels: torch.Tensor, lr: float) ->
     return loss.item()
 
 
+def seeded_policy(model_cfg: ModelConfig, boot_cfg: BootstrapConfig, vocab_size: int) -> tuple:
+    """The tiny policy at the bootstrap's seed, in train mode, and its AdamW (what both bootstraps start from)."""
+    torch.manual_seed(boot_cfg.seed)
+    model = build_tiny_model(model_cfg, vocab_size)
+    model.train()
+    return model, torch.optim.AdamW(model.parameters(), lr=boot_cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
 def policy_stats(
     acc: dict[str, float], eval_size: int, switch_step: int, steps: int, losses: list[float], train_s: float
 ) -> dict:
@@ -256,10 +264,7 @@ def train_policy(
     # and the same bootstrapped weights on every x86-64 CPU
     bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
     with _threads(boot_cfg.threads), torch.random.fork_rng(devices=[]), cpu_bf16_gemm("portable"), bf16:
-        torch.manual_seed(boot_cfg.seed)
-        model = build_tiny_model(model_cfg, len(vocab))
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=boot_cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        model, opt = seeded_policy(model_cfg, boot_cfg, len(vocab))
         rng = random.Random(f"fp8rl-bootstrap-noise:{boot_cfg.seed}")
         t0, losses, ema, step = time.perf_counter(), [], None, 0
         while step < max_clean:  # phase 1: exact teacher

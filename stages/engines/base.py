@@ -35,6 +35,7 @@ from __future__ import annotations
 import abc
 import importlib
 import inspect
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -247,6 +248,17 @@ class RolloutEngine(abc.ABC):
     last_sleep_memory_gib: tuple[float, float] | None = None
     holds_trainer_copy: bool = False  # computes the trainer's log-probs at its own weights (train_logprobs)
     computes_apart: bool = False  # generates in processes of its own (vLLM's engine process, a server)
+
+    def batch(self, samples: list[RolloutSample], num_prompts: int, n: int, start: float) -> RolloutBatch:
+        """``samples`` (group layout) as this engine's batch, timed from ``start`` (``time.perf_counter()``)."""
+        return RolloutBatch(
+            samples=samples,
+            num_prompts=num_prompts,
+            n=n,
+            wall_seconds=time.perf_counter() - start,
+            engine=self.name,
+            precision=self.precision_mode,
+        )
 
     @property
     def weights_discarded(self) -> bool:

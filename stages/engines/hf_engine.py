@@ -253,14 +253,7 @@ class TransformersEngine(RolloutEngine):
                 for (p, i), (ids, logps, reason, top) in zip(part, outs):
                     results[(p, i)] = RolloutSample(p, i, ids, logps, reason, *top)
         samples = [results[(p, i)] for p in range(len(prompt_ids)) for i in range(n)]
-        return RolloutBatch(
-            samples=samples,
-            num_prompts=len(prompt_ids),
-            n=n,
-            wall_seconds=time.perf_counter() - start,
-            engine=self.name,
-            precision=self.precision_mode,
-        )
+        return self.batch(samples, len(prompt_ids), n, start)
 
     def load_weights(self, train_model: nn.Module) -> None:
         """Copy the trainer's weights in; an FSDP2-sharded trainer is gathered parameter by parameter

@@ -287,14 +287,7 @@ class VLLMHTTPEngine(RolloutEngine):
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(prompt_ids))) as pool:
             groups = list(pool.map(one, range(len(prompt_ids))))
-        return RolloutBatch(
-            samples=[s for g in groups for s in g],
-            num_prompts=len(prompt_ids),
-            n=n,
-            wall_seconds=time.perf_counter() - start,
-            engine=self.name,
-            precision=self.precision_mode,
-        )
+        return self.batch([s for g in groups for s in g], len(prompt_ids), n, start)
 
     def load_weights(self, train_model: nn.Module) -> None:
         """Every trainer rank calls it: rank 0 pauses the server, sends (the other ranks gather with it),

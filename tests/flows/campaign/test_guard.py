@@ -178,7 +178,7 @@ def test_guard_trips_once_rolls_back_and_finishes(tmp_path, monkeypatch):
 
 _CHILD = """
 import sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{here!r}, {tests!r}]
 from flows.process import child_guard
 child_guard.start()  # Prefect's temporary server dies with this process, even on SIGKILL
 import stages.train as train_mod
@@ -199,11 +199,11 @@ def _child(run_dir, mode: str, env: dict) -> int:
 
     from conftest import kill_session
 
-    tests = str(Path(__file__).resolve().parents[2])
+    here, tests = str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])
     full = {k: v for k, v in os.environ.items() if not k.startswith("FP8RL_FAULT")} | env
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD.format(tests=tests), str(run_dir), mode],
+            [sys.executable, "-c", _CHILD.format(here=here, tests=tests), str(run_dir), mode],
             cwd=str(Path(tests).parent),
             env=full,
             stdout=out,
