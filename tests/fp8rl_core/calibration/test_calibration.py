@@ -272,15 +272,8 @@ def test_degenerate_no_contributing_negatives_keeps_previous_upper():
     r8 = torch.tensor([3.5, 4.0, 1.0, 1.1], dtype=torch.float64)
     r16 = torch.tensor([0.9, 1.0, 1.0, 1.1], dtype=torch.float64)
     adv = torch.tensor([-1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
-    res = calibrate(
-        r8,
-        r16,
-        adv,
-        torch.ones(4, dtype=torch.bool),
-        standard=STANDARD,
-        config=CalibrationConfig(),
-        previous=(0.8, 1.4),
-    )
+    ones = torch.ones(4, dtype=torch.bool)
+    res = calibrate(r8, r16, adv, ones, standard=STANDARD, config=CalibrationConfig(), previous=(0.8, 1.4))
     assert res.status == "no_contributing_negatives"
     assert res.raw_upper == 1.4 and res.upper == 1.4  # the old code set raw H to upper_min (1.0) -> H = 1.35
 
@@ -290,15 +283,8 @@ def test_degenerate_no_contributing_negatives_in_bf16_keeps_previous_upper():
     r8 = torch.tensor([0.85, 0.9, 1.0, 1.1], dtype=torch.float64)
     r16 = torch.tensor([0.5, 0.6, 1.0, 1.1], dtype=torch.float64)
     adv = torch.tensor([-1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
-    res = calibrate(
-        r8,
-        r16,
-        adv,
-        torch.ones(4, dtype=torch.bool),
-        standard=STANDARD,
-        config=CalibrationConfig(),
-        previous=(0.8, 1.3),
-    )
+    ones = torch.ones(4, dtype=torch.bool)
+    res = calibrate(r8, r16, adv, ones, standard=STANDARD, config=CalibrationConfig(), previous=(0.8, 1.3))
     assert math.isinf(res.target_balance)
     assert res.status == "no_contributing_negatives_bf16" and res.raw_upper == 1.3 and res.upper == 1.3
 
