@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fp8rl_core.calibration.calibrated_clipping import CalibratorState, StandardClip, calibrate  # noqa: E402
+from fp8rl_core.calibration.calibrated_clipping import CalibratorState, StandardClip  # noqa: E402
 from fp8rl_core.calibration.drift import Schedule, StepTokens, negative_ratios, replay  # noqa: E402
 from fp8rl_core.calibration.estimators import LOWER_ESTIMATORS  # noqa: E402
 from fp8rl_core.objective.losses import importance_ratio  # noqa: E402
@@ -95,16 +95,7 @@ def replay_estimator(
             errors.append(abs(d))
             bias.append(d)
         if sched.calibrates(rec.step, state.last_step, None):
-            res = calibrate(
-                rec.r8,
-                rec.r16,
-                rec.advantages,
-                rec.mask,
-                standard=StandardClip(eps_low, eps_high, dual_clip),
-                config=config,
-                previous=state,
-            )
-            state = state.updated(res, rec.step)
+            state, res = rec.calibrated(state, StandardClip(eps_low, eps_high, dual_clip), config)
             spent += int(rec.mask.sum())
             per_estimate.append(res.shadow_tokens)
             raw.append(res.raw_lower)

@@ -33,6 +33,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from gpu_check.shapes import QWEN3_06B
+
 MODES = (("fp8_tensorwise", (8, 9)), ("fp8_rowwise", (8, 9)), ("fp8_blockwise", (9, 0)))
 
 
@@ -41,17 +43,7 @@ def _model(device):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
+    cfg = Qwen3Config(**dict(QWEN3_06B, num_hidden_layers=24, max_position_embeddings=4096))  # ~0.5 B parameters
     return Qwen3ForCausalLM(cfg).to(device=device, dtype=torch.float32)
 
 

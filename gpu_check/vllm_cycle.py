@@ -30,20 +30,17 @@ import time
 from pathlib import Path
 from typing import Callable
 
-QWEN3_06B = dict(
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-)
+from gpu_check.shapes import QWEN3_06B
+
 FIXED = [[1] + list(range(40, 100)), [1] + list(range(200, 230)) * 2]
 # Qwen3-0.6B's depth at a narrow width: the section's code on vLLM's CPU build (``--cpu``) in minutes
 NARROW_28 = dict(
-    QWEN3_06B, hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    QWEN3_06B,
+    hidden_size=128,
+    intermediate_size=384,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
     vocab_size=1024,
 )
 
@@ -256,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     skip = None if args.skip_layers is None else tuple(int(x) for x in args.skip_layers.split(","))
     try:
-        result = run(print, device="cpu" if args.cpu else "cuda", shapes=NARROW_28 if args.cpu else None,
-                     skip_layers=skip)
+        result = run(
+            print, device="cpu" if args.cpu else "cuda", shapes=NARROW_28 if args.cpu else None, skip_layers=skip
+        )
         result = result if result is not None else {"error": "vLLM does not import here"}
     except Exception as err:  # noqa: BLE001 - reported in the figures
         result = {"error": f"{type(err).__name__}: {err}"}

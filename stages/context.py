@@ -250,7 +250,13 @@ def _load_policy(cfg: CampaignConfig, base: Path) -> tuple[torch.nn.Module, Any]
 
 
 def _make_rollout_engine(
-    cfg: CampaignConfig, policy: torch.nn.Module, tokenizer: Any, base: Path, *, rank: int = 0, world_size: int = 1,
+    cfg: CampaignConfig,
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    base: Path,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
     group: Any = None,
 ) -> RolloutEngineProtocol:
     """The run's engine; an engine synced by NCCL gets the rendezvous (a null port: rank 0 picks one and tells
@@ -344,23 +350,27 @@ def open_run(
     if rank == 0:
         _state_sharding(run_dir, policy, world_size)
     optimizer, scheduler = make_optimizer(policy, cfg)
-    env = RunEnv(
-        cfg=cfg,
-        run_dir=run_dir,
-        writer=TableWriter(run_dir, row_group_size=cfg.storage.row_group_size),
-        ledger=Ledger(run_dir),
+    env = _run_env(
+        cfg,
+        run_dir,
+        TableWriter(run_dir, row_group_size=cfg.storage.row_group_size),
         tokenizer=tokenizer,
         engine=engine,
-        source=make_source(cfg.task),
         variant=variant,
         base_model_dir=base,
-        rank=rank,
-        world_size=world_size,
         device=device,
-        group=group,
+        **ranks,
     )
     state = TrainState(policy=policy, optimizer=optimizer, scheduler=scheduler, calibrator=initial_calibrator(cfg))
     return env, state
+
+
+def _run_env(cfg: CampaignConfig, run_dir: Path, writer: TableWriter, **fields: Any) -> RunEnv:
+    """The :class:`RunEnv` of ``run_dir`` writing through ``writer``, with the run's ledger and the task's prompt
+    source; ``fields``: the rest of its fields."""
+    return RunEnv(
+        cfg=cfg, run_dir=run_dir, writer=writer, ledger=Ledger(run_dir), source=make_source(cfg.task), **fields
+    )
 
 
 def open_storage_only(
@@ -368,16 +378,7 @@ def open_storage_only(
 ) -> tuple[RunEnv, TrainState]:
     """Environment and state without a policy or engine (re-scoring, re-calibrating)."""
     run_dir = Path(run_dir)
-    env = RunEnv(
-        cfg=cfg,
-        run_dir=run_dir,
-        writer=TableWriter(run_dir),
-        ledger=Ledger(run_dir),
-        tokenizer=None,
-        engine=None,
-        source=make_source(cfg.task),
-        variant=variant,
-        input_variant=input_variant,
+    env = _run_env(
+        cfg, run_dir, TableWriter(run_dir), tokenizer=None, engine=None, variant=variant, input_variant=input_variant
     )
     return env, TrainState(policy=None, optimizer=None, scheduler=None, calibrator=initial_calibrator(cfg))
-

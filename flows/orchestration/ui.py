@@ -28,22 +28,13 @@ from typing import Any
 
 import pyarrow as pa
 
+from storage.tables.schemas import BOUNDS_HEADLINE
+
 log = logging.getLogger("fp8rl.ui")
 
 _KEYS = {"run_id", "step", "variant", "mode", "benchmark", "metric", "k"}
 _CLIP = ("clipfrac", "dualclip", "lower_bound", "upper_bound")
-BOUNDS_COLUMNS = (
-    "step",
-    "mode",
-    "alpha",
-    "raw_lower",
-    "raw_upper",
-    "lower",
-    "upper",
-    "target_balance",
-    "balance_before",
-    "balance_after",
-)
+BOUNDS_COLUMNS = ("step", *BOUNDS_HEADLINE)
 
 
 def artifact_key(run_id: str) -> str:

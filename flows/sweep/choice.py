@@ -41,6 +41,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from fp8rl_core.config.section import known_name
 from storage.run.layout import write_text_atomic
 
 RULES = ("best-second-half-eval",)
@@ -66,9 +67,7 @@ class ChoiceSpec(BaseModel):
     @field_validator("rule")
     @classmethod
     def _rule(cls, v: str) -> str:
-        if v not in RULES:
-            raise ValueError(f"unknown rule {v!r}; rules: {', '.join(RULES)}")
-        return v
+        return known_name(v, "rule", RULES)
 
     _seeds = field_validator("seeds")(classmethod(lambda cls, seeds: distinct_seeds(seeds)))
 

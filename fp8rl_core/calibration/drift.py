@@ -56,7 +56,7 @@ from typing import Callable, Iterable, Literal, Sequence
 
 import torch
 
-from fp8rl_core.calibration.calibrated_clipping import CalibratorState, StandardClip, calibrate
+from fp8rl_core.calibration.calibrated_clipping import CalibrationResult, CalibratorState, StandardClip, calibrate
 from fp8rl_core.config.method import CalibrationConfig
 
 __all__ = [
@@ -209,6 +209,13 @@ class StepTokens:
     advantages: torch.Tensor
     mask: torch.Tensor
 
+    def calibrated(
+        self, state: CalibratorState, standard: StandardClip, config: CalibrationConfig
+    ) -> tuple[CalibratorState, CalibrationResult]:
+        """A calibration on this step's tokens from ``state``: the state after it, and its result."""
+        res = calibrate(self.r8, self.r16, self.advantages, self.mask, standard=standard, config=config, previous=state)
+        return state.updated(res, self.step), res
+
 
 @dataclass
 class ReplayResult:
@@ -258,16 +265,7 @@ def replay(
         cal = schedule.calibrates(rec.step, state.last_step, prev_signal)
         neg = negative_ratios(rec.r8, rec.advantages, rec.mask)
         if cal:
-            res = calibrate(
-                rec.r8,
-                rec.r16,
-                rec.advantages,
-                rec.mask,
-                standard=StandardClip(eps_low, eps_high, dual_clip),
-                config=config,
-                previous=state,
-            )
-            state = state.updated(res, rec.step)
+            state, _ = rec.calibrated(state, StandardClip(eps_low, eps_high, dual_clip), config)
             ref = thin(neg)
         signal = 0.0 if cal else schedule.measure(neg, ref, state)  # as the live train stage records it
         prev_signal = signal

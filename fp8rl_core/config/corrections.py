@@ -10,6 +10,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fp8rl_core.config.correction_kinds import CORRECTIONS, DEFAULT_CORRECTION, thresholds
+from fp8rl_core.config.section import known_name
 
 __all__ = ["CorrectionConfig"]
 
@@ -51,9 +52,7 @@ class CorrectionConfig(BaseModel):
 
     @model_validator(mode="after")
     def _known(self) -> "CorrectionConfig":
-        if self.mode not in CORRECTIONS:
-            valid = ", ".join(CORRECTIONS.names())
-            raise ValueError(f"mode: unknown mismatch correction {self.mode!r}; valid: {valid}")
+        known_name(self.mode, CORRECTIONS.kind, CORRECTIONS.names(), key="mode")
         kind = CORRECTIONS.get(self.mode)
         if self.lower is not None and not kind.has_lower:
             raise ValueError(f"lower: correction {self.mode} truncates from above only; it has no lower threshold")

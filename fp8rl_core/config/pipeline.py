@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from fp8rl_core.config.engine_kinds import ENGINE_KINDS
 from fp8rl_core.config.model import DatasetRef
-from fp8rl_core.config.section import Section
+from fp8rl_core.config.section import Section, known_name
 
 
 class WeightSyncRendezvous(Section):
@@ -136,9 +136,7 @@ class RolloutConfig(Section):
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, v: str) -> str:
-        if v not in ENGINE_KINDS:
-            raise ValueError(f"unknown rollout engine {v!r}; valid: {', '.join(ENGINE_KINDS.names())}")
-        return v
+        return known_name(v, ENGINE_KINDS.kind, ENGINE_KINDS.names())
 
     @property
     def syncs_by_nccl(self) -> bool:

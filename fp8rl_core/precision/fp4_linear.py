@@ -51,7 +51,7 @@ from torch import nn
 
 from fp8rl_core.cpu_numerics import cpu_gemm
 from fp8rl_core.precision.fp4 import HADAMARD_SIZE, FP4Format, fake_quantize_fp4, random_hadamard, random_signs
-from fp8rl_core.precision.fp8_linear import compute_dtype
+from fp8rl_core.precision.fp8_linear import RolloutLinear, compute_dtype
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ def load_fp4_rng_state(model: nn.Module, state: dict | None) -> None:
         st.load_state_dict(state)
 
 
-class Fp4RolloutLinear(nn.Module):
+class Fp4RolloutLinear(RolloutLinear):
     """Inference linear with emulated W4A4 numerics (NVFP4 or MXFP4, 1 x b blocks along K).
 
     ``refresh_weight`` quantizes the weight once per sync; activations are
@@ -227,14 +227,8 @@ class Fp4RolloutLinear(nn.Module):
         self.register_buffer("weight_values", torch.empty(0), persistent=False)  # [N, K] dequantized FP4 weight
         self.register_buffer("bias", None, persistent=False)
 
-    @torch.no_grad()
-    def refresh_weight(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16
-    ) -> None:
-        if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
-        self.weight_values = fake_quantize_fp4(weight.detach(), self.fmt, "row").to(dtype)
-        self.bias = None if bias is None else bias.detach().to(dtype)
+    def _quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        self.weight_values = fake_quantize_fp4(weight, self.fmt, "row").to(dtype)
         self._weight_f32 = None  # the float32 copy the FP32 GEMMs multiply with, made at first use
 
     def _gemm_weight(self, dtype: torch.dtype) -> torch.Tensor:

@@ -258,7 +258,36 @@ class Fp8TrainingLinear(nn.Linear):
 # ---------------------------------------------------------------------------
 
 
-class Fp8RolloutLinear(nn.Module):
+class RolloutLinear(nn.Module):
+    """What the emulated inference linears share (``Fp8RolloutLinear``, ``fp4_linear.Fp4RolloutLinear``).
+
+    ``refresh_weight`` takes a weight [N, K] in master precision once per sync, checks
+    its shape, quantizes it (the subclass's ``_quantize_weight``, into non-persistent
+    buffers) and keeps the bias [N] in the compute dtype.
+    """
+
+    in_features: int
+    out_features: int
+
+    @torch.no_grad()
+    def refresh_weight(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16
+    ) -> None:
+        """Quantize ``weight`` [N, K] (master precision) for the next forwards; ``bias`` [N] kept in ``dtype``."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
+        self._quantize_weight(weight.detach(), dtype)
+        self._set_bias(bias, dtype)
+
+    def _quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        """Store the quantized ``weight`` [N, K] (detached) for forwards in ``dtype``."""
+        raise NotImplementedError
+
+    def _set_bias(self, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.bias = None if bias is None else bias.detach().to(dtype)
+
+
+class Fp8RolloutLinear(RolloutLinear):
     """Inference linear with vLLM-style online FP8 W8A8 numerics (e4m3).
 
     scheme ``"per_tensor"``: weight one scale, activations one scale per token;
@@ -282,20 +311,13 @@ class Fp8RolloutLinear(nn.Module):
         self._by_dtype: dict[torch.dtype, torch.Tensor] = {}
         self.input_cache: SharedInputCache | None = None  # set by precision.convert_for_rollout
 
-    @torch.no_grad()
-    def refresh_weight(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16
-    ) -> None:
-        """Quantize ``weight`` [N, K] (master precision) for the next forwards; ``bias`` [N] kept in ``dtype``."""
-        if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
+    def _quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         layout = "tensor" if self.scheme == "per_tensor" else "block"
         values, post = quantize_operand(
-            weight.detach(), E4M3, layout, pow2=False, compute_dtype=dtype, block=self.block, rule="vllm"
+            weight, E4M3, layout, pow2=False, compute_dtype=dtype, block=self.block, rule="vllm"
         )
         self.weight_values = values
         self.weight_post = post if post is not None else torch.empty(0, device=values.device)
-        self.bias = None if bias is None else bias.detach().to(dtype)
         self._by_dtype = {dtype: values}
         if self.input_cache is not None:
             self.input_cache.clear()
@@ -334,7 +356,7 @@ class Fp8RolloutLinear(nn.Module):
             mod.weight_values = values[row : row + mod.out_features]
             row += mod.out_features
             mod.weight_post = post if post is not None else torch.empty(0, device=values.device)
-            mod.bias = None if bias is None else bias.detach().to(dtype)
+            mod._set_bias(bias, dtype)
             mod._by_dtype = {dtype: mod.weight_values}
             if mod.input_cache is not None:
                 mod.input_cache.clear()

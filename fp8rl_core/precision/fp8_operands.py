@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from dataclasses import dataclass
 from typing import Iterator, Literal
 
 import torch
@@ -157,17 +158,35 @@ def _round_in_place_(
     return y
 
 
-def _round_chunked(
-    g: torch.Tensor,
-    layout: Layout,
-    fmt: FP8Format,
-    *,
-    pow2: bool,
-    dequantize: bool,
-    out_dtype: torch.dtype,
-    rule: str = "torchao",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8-round the grouped view g group by group; returns (values in out_dtype, qscale).
+@dataclass(frozen=True)
+class RoundSpec:
+    """How ``_round_chunked`` / ``_round_whole`` round an operand's scaling groups.
+
+    ``layout``: the groups (see ``_grouped``); ``fmt``: the FP8 grid; ``pow2``: power-of-two
+    scales; ``dequantize``: divide the rounded values back by their scale; ``out_dtype``: the
+    values' dtype; ``rule``: whose scale arithmetic (``fp8.amax_to_qscale``).
+    """
+
+    layout: Layout
+    fmt: FP8Format
+    pow2: bool
+    dequantize: bool
+    out_dtype: torch.dtype
+    rule: str = "torchao"
+
+    def qscale(self, amax: torch.Tensor) -> torch.Tensor:
+        """The quantization scale of groups with this amax."""
+        return amax_to_qscale(amax, self.fmt, round_scales_to_power_of_2=self.pow2, rule=self.rule)
+
+    def round_(self, y: torch.Tensor, qscale: torch.Tensor, bits: torch.Tensor | None = None) -> torch.Tensor:
+        """``_round_in_place_`` of float32 y with these settings."""
+        return _round_in_place_(
+            y, qscale, self.fmt, pow2=self.pow2, dequantize=self.dequantize, bits=bits, rule=self.rule
+        )
+
+
+def _round_chunked(g: torch.Tensor, spec: RoundSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8-round the grouped view g group by group; returns (values in spec.out_dtype, qscale).
 
     Walks the leading dim in cache-sized chunks with two reused float32
     buffers, so the 6-8 elementwise passes (and the per-group amax) run at cache
@@ -178,15 +197,14 @@ def _round_chunked(
     chunk = _chunk_elems(g.device)
     rows = max(1, min(g.shape[0], chunk // max(1, g[0].numel())))
     if rows == g.shape[0]:
-        return _round_whole(g, layout, fmt, pow2=pow2, dequantize=dequantize, out_dtype=out_dtype, rule=rule)
-    out = torch.empty(g.shape, dtype=out_dtype, device=g.device)
+        return _round_whole(g, spec)
+    out = torch.empty(g.shape, dtype=spec.out_dtype, device=g.device)
     y_buf = torch.empty((rows, *g.shape[1:]), dtype=torch.float32, device=g.device)
     bits_buf = torch.empty(y_buf.shape, dtype=torch.int32, device=g.device)
-    group_dims = _GROUP_DIMS[layout]
+    group_dims = _GROUP_DIMS[spec.layout]
     qscale = None
     if group_dims is None:
-        amax = _prepass_amax(g, layout, rows, y_buf)
-        qscale = amax_to_qscale(amax, fmt, round_scales_to_power_of_2=pow2, rule=rule)
+        qscale = spec.qscale(_prepass_amax(g, spec.layout, rows, y_buf))
     else:
         scale_shape = list(g.shape)
         for d in group_dims:
@@ -201,34 +219,24 @@ def _round_chunked(
         else:  # groups live inside the chunk: amax while it is in cache
             amax = torch.abs(y, out=bits.view(torch.float32)).amax(dim=group_dims, keepdim=True)
             qs = qscale_all[r0 : r0 + n]
-            qs.copy_(amax_to_qscale(amax, fmt, round_scales_to_power_of_2=pow2, rule=rule))
-        _round_in_place_(y, qs, fmt, pow2=pow2, dequantize=dequantize, bits=bits, rule=rule)
+            qs.copy_(spec.qscale(amax))
+        spec.round_(y, qs, bits=bits)
         out[r0 : r0 + n].copy_(y)
     return out, (qscale if group_dims is None else qscale_all)
 
 
-def _round_whole(
-    g: torch.Tensor,
-    layout: Layout,
-    fmt: FP8Format,
-    *,
-    pow2: bool,
-    dequantize: bool,
-    out_dtype: torch.dtype,
-    rule: str = "torchao",
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _round_whole(g: torch.Tensor, spec: RoundSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """``_round_chunked`` for an operand that fits one chunk (decode steps, weights): the
     same arithmetic with no buffers or slicing, since per-op overhead dominates there."""
     y = g.to(torch.float32, copy=True)
-    group_dims = _GROUP_DIMS[layout]
-    if layout == "tensor":
+    if spec.layout == "tensor":
         lo, hi = torch.aminmax(y)
         amax = torch.maximum(-lo, hi)
     else:
-        amax = y.abs().amax(dim=group_dims or (0,), keepdim=True)
-    qscale = amax_to_qscale(amax, fmt, round_scales_to_power_of_2=pow2, rule=rule)
-    _round_in_place_(y, qscale, fmt, pow2=pow2, dequantize=dequantize, rule=rule)
-    return y.to(out_dtype), qscale
+        amax = y.abs().amax(dim=_GROUP_DIMS[spec.layout] or (0,), keepdim=True)
+    qscale = spec.qscale(amax)
+    spec.round_(y, qscale)
+    return y.to(spec.out_dtype), qscale
 
 
 def quantize_operand(
@@ -256,8 +264,9 @@ def quantize_operand(
     tiled = g.dim() == 4
     # pow2: dividing by the scale is exact, so dequantized values stay exact in BF16
     dequant = tiled or pow2 or dequantize
+    spec = RoundSpec(layout, fmt, pow2=pow2, dequantize=dequant, out_dtype=compute_dtype, rule=rule)
     with _on_calling_thread(t.device):
-        y, qscale = _round_chunked(g, layout, fmt, pow2=pow2, dequantize=dequant, out_dtype=compute_dtype, rule=rule)
+        y, qscale = _round_chunked(g, spec)
     if tiled:
         y = y.reshape(y.shape[0] * y.shape[1], y.shape[2] * y.shape[3])[: t.shape[0], : t.shape[1]]
     return y, (None if dequant else qscale.reciprocal())

@@ -35,10 +35,18 @@ Splits: a hash of ``(difficulty, operands)`` as in ``fp8rl_core.tasks.synthetic`
 
 from __future__ import annotations
 
-import hashlib
 import random
 
-from fp8rl_core.tasks.synthetic import ANSWER_MARKER, Problem, exact_verify, extract_answer
+from fp8rl_core.tasks.synthetic import (
+    ANSWER_MARKER,
+    Draw,
+    Problem,
+    draw_in_split,
+    exact_verify,
+    extract_answer,
+    hashed_split,
+    level_of,
+)
 
 __all__ = [
     "LEVELS",
@@ -58,20 +66,15 @@ __all__ = [
 
 LEVELS: dict[int, int] = {0: 4, 1: 6, 2: 8, 3: 11}  # difficulty -> digits per operand
 CELL = 9  # characters per column cell: "a+b+c=tu;"
-TEST_SHARE_DENOM = 10
 SPLITS = ("train", "test")
 
 
 def _digits(difficulty: int) -> int:
-    try:
-        return LEVELS[difficulty]
-    except KeyError:
-        raise ValueError(f"unknown stress difficulty {difficulty}; valid: {sorted(LEVELS)}") from None
+    return level_of(LEVELS, difficulty, "stress")
 
 
 def split_of(operands: tuple[int, ...], difficulty: int) -> str:
-    digest = hashlib.blake2b(f"stress:{difficulty}:{operands}".encode(), digest_size=8).digest()
-    return "test" if int.from_bytes(digest, "little") % TEST_SHARE_DENOM == 0 else "train"
+    return hashed_split(f"stress:{difficulty}:{operands}")
 
 
 def _column_digits(x: int, n: int) -> list[int]:
@@ -124,16 +127,12 @@ def carry_in_columns(operands: tuple[int, int], n: int) -> list[int]:
 
 def make_problem(index: int, split: str, difficulty: int, seed: int) -> Problem:
     """Problem ``index`` of ``split``: deterministic in all four arguments."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; valid: {SPLITS}")
-    if index < 0:
-        raise ValueError(f"problem index must be >= 0, got {index}")
     n = _digits(difficulty)
-    rng = random.Random(f"fp8rl-stress:{seed}:{difficulty}:{split}:{index}")
-    while True:
-        operands = (rng.randrange(10**n), rng.randrange(10**n))
-        if split_of(operands, difficulty) == split:
-            break
+    operands = draw_in_split(
+        Draw("stress", index, split, difficulty, seed),
+        lambda rng: (rng.randrange(10**n), rng.randrange(10**n)),
+        split_of,
+    )
     solution, answer = chain(operands, n)
     return Problem(
         id=f"str-d{difficulty}-s{seed}-{split}-{index}",

@@ -57,10 +57,12 @@ import hashlib
 import random
 import re
 from dataclasses import dataclass
+from typing import Callable, Mapping, TypeVar
 
 ANSWER_MARKER = "#"
 TEST_SHARE_DENOM = 10  # one operand tuple in 10 belongs to the test split
 SPLITS = ("train", "test")
+_L = TypeVar("_L")
 
 
 @dataclass(frozen=True)
@@ -90,17 +92,56 @@ class Problem:
     operands: tuple[int, ...]
 
 
-def _level(difficulty: int) -> Level:
+def level_of(levels: Mapping[int, _L], difficulty: int, task: str) -> _L:
+    """``levels[difficulty]``; an unknown difficulty is one line naming the valid ones."""
     try:
-        return LEVELS[difficulty]
+        return levels[difficulty]
     except KeyError:
-        raise ValueError(f"unknown synthetic difficulty {difficulty}; valid: {sorted(LEVELS)}") from None
+        raise ValueError(f"unknown {task} difficulty {difficulty}; valid: {sorted(levels)}") from None
+
+
+def hashed_split(key: str) -> str:
+    """``'test'`` for one key in :data:`TEST_SHARE_DENOM`, else ``'train'``: a pure function of the key."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return "test" if int.from_bytes(digest, "little") % TEST_SHARE_DENOM == 0 else "train"
+
+
+@dataclass(frozen=True)
+class Draw:
+    """Which problem to draw: the task's name, the problem's index and split, the level, the seed."""
+
+    task: str
+    index: int
+    split: str
+    difficulty: int
+    seed: int
+
+
+def draw_in_split(
+    d: Draw,
+    operands: Callable[[random.Random], tuple[int, ...]],
+    split_fn: Callable[[tuple[int, ...], int], str],
+) -> tuple[int, ...]:
+    """Problem ``d.index``'s operands: ``operands`` drawn from a stream seeded with ``(task, seed,
+    difficulty, split, index)`` until ``split_fn`` puts them in ``d.split`` (the other split's are rejected)."""
+    if d.split not in SPLITS:
+        raise ValueError(f"unknown split {d.split!r}; valid: {SPLITS}")
+    if d.index < 0:
+        raise ValueError(f"problem index must be >= 0, got {d.index}")
+    rng = random.Random(f"fp8rl-{d.task}:{d.seed}:{d.difficulty}:{d.split}:{d.index}")
+    while True:
+        drawn = operands(rng)
+        if split_fn(drawn, d.difficulty) == d.split:
+            return drawn
+
+
+def _level(difficulty: int) -> Level:
+    return level_of(LEVELS, difficulty, "synthetic")
 
 
 def split_of(operands: tuple[int, ...], difficulty: int) -> str:
     """``'test'`` or ``'train'``: a pure function of the problem, never of the seed."""
-    digest = hashlib.blake2b(f"{difficulty}:{operands}".encode(), digest_size=8).digest()
-    return "test" if int.from_bytes(digest, "little") % TEST_SHARE_DENOM == 0 else "train"
+    return hashed_split(f"{difficulty}:{operands}")
 
 
 def format_prompt(operands: tuple[int, ...], difficulty: int) -> str:
@@ -155,16 +196,12 @@ def make_problem(index: int, split: str, difficulty: int, seed: int) -> Problem:
     ``(seed, difficulty, split, index)``; a draw of the other split is rejected.
     Different indices may give the same operands (small levels repeat often).
     """
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; valid: {SPLITS}")
-    if index < 0:
-        raise ValueError(f"problem index must be >= 0, got {index}")
     lv = _level(difficulty)
-    rng = random.Random(f"fp8rl-synthetic:{seed}:{difficulty}:{split}:{index}")
-    while True:
-        operands = tuple(rng.randrange(10**lv.digits) for _ in range(lv.n_operands))
-        if split_of(operands, difficulty) == split:
-            break
+    operands = draw_in_split(
+        Draw("synthetic", index, split, difficulty, seed),
+        lambda rng: tuple(rng.randrange(10**lv.digits) for _ in range(lv.n_operands)),
+        split_of,
+    )
     work, answer = column_work(operands, lv.digits)
     return Problem(
         id=f"syn-d{difficulty}-s{seed}-{split}-{index}",

@@ -37,7 +37,7 @@ import importlib
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, runtime_checkable
 
 import torch
 
@@ -233,21 +233,48 @@ class RolloutEngineProtocol(Protocol):
     def close(self) -> None: ...
 
 
+class EngineInputs(TypedDict):
+    """What every registered engine is built from, as keyword arguments beside its own options.
+
+    ``model``: the trainer's policy; ``tokenizer``; ``precision``
+    (:class:`~fp8rl_core.config.method.PrecisionConfig`; its ``rollout`` field selects
+    bf16 / ``fp8_per_tensor`` / ``fp8_per_block``); ``config``
+    (:class:`~fp8rl_core.config.pipeline.RolloutConfig`). An engine's ``__init__`` takes them as
+    ``**inputs: Unpack[EngineInputs]`` and reads them with :meth:`RolloutEngine._take_inputs`.
+    """
+
+    model: torch.nn.Module
+    tokenizer: Any
+    precision: PrecisionConfig
+    config: RolloutConfig
+
+
 class RolloutEngine(abc.ABC):
     """Generates grouped samples from the current policy; see the module docstring.
 
-    Subclasses are constructed with keyword arguments ``model`` (the trainer's
-    policy, an ``nn.Module``), ``tokenizer``, ``precision``
-    (:class:`~fp8rl_core.config.method.PrecisionConfig`; its ``rollout`` field selects
-    bf16 / ``fp8_per_tensor`` / ``fp8_per_block``) and ``config``
-    (:class:`~fp8rl_core.config.pipeline.RolloutConfig`), plus engine-specific options.
+    Subclasses are constructed with the keyword arguments of :class:`EngineInputs`
+    (``model``, ``tokenizer``, ``precision``, ``config``), plus engine-specific options.
     """
 
     name: str = "abstract"
+    config: RolloutConfig
+    precision_mode: str  # precision.rollout
     policy_version: int | None = None
     last_sleep_memory_gib: tuple[float, float] | None = None
     holds_trainer_copy: bool = False  # computes the trainer's log-probs at its own weights (train_logprobs)
     computes_apart: bool = False  # generates in processes of its own (vLLM's engine process, a server)
+
+    def _take_inputs(self, inputs: EngineInputs) -> tuple[torch.nn.Module, Any, PrecisionConfig, RolloutConfig]:
+        """``(model, tokenizer, precision, config)`` from an engine's ``**inputs``, keeping ``config`` and
+        ``precision_mode``; a missing or unknown keyword is a ``TypeError``, as for a named parameter."""
+        given, needed = set(inputs), EngineInputs.__required_keys__
+        if given != needed:
+            wrong = (("missing", needed - given), ("unexpected", given - needed))
+            what = "; ".join(f"{kind} keyword arguments {sorted(names)}" for kind, names in wrong if names)
+            raise TypeError(f"{type(self).__name__}(): {what}")
+        self.config = inputs["config"]
+        self.precision_mode = inputs["precision"].rollout
+        return inputs["model"], inputs["tokenizer"], inputs["precision"], inputs["config"]
 
     def batch(self, samples: list[RolloutSample], num_prompts: int, n: int, start: float) -> RolloutBatch:
         """``samples`` (group layout) as this engine's batch, timed from ``start`` (``time.perf_counter()``)."""

@@ -61,20 +61,19 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-from fp8rl_core.config.method import PrecisionConfig
-from fp8rl_core.config.pipeline import RolloutConfig
 from fp8rl_core.cpu_numerics.cpu_gemm import fp32_gemms_active
 from fp8rl_core.cpu_numerics.portable_math import reuse_weight_grids
 from fp8rl_core.precision.autocast import autocast_context
 from fp8rl_core.precision.rollout import convert_for_rollout, sync_rollout_weights
 from stages.engines.base import (
     LOGPROBS_MODES,
+    EngineInputs,
     LogprobsMode,
     RolloutBatch,
     RolloutEngine,
@@ -85,6 +84,9 @@ from stages.engines.base import (
 )
 from stages.engines.kv_mirror import MirroredKVCache
 from stages.engines.weight_transfer import full_parameter
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 def _token_id_set(*values: Any) -> frozenset[int]:
@@ -182,19 +184,15 @@ class TransformersEngine(RolloutEngine):
     def __init__(
         self,
         *,
-        model: nn.Module,
-        tokenizer: Any,
-        precision: PrecisionConfig,
-        config: RolloutConfig,
         logprobs_mode: LogprobsMode = "processed",
         copy_dtype: torch.dtype = torch.float32,
         bf16_autocast: bool = True,
         kv_mirror: bool = True,
+        **inputs: Unpack[EngineInputs],
     ) -> None:
+        model, tokenizer, precision, config = self._take_inputs(inputs)
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
-        self.config = config
-        self.precision_mode = precision.rollout
         self.logprobs_mode: LogprobsMode = logprobs_mode
         self.bf16_autocast = bf16_autocast
         self.kv_mirror = kv_mirror

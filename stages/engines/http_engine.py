@@ -51,14 +51,13 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from fp8rl_core.config.method import PrecisionConfig
-from fp8rl_core.config.pipeline import RolloutConfig
 from stages.engines import weight_transfer as wt
 from stages.engines.base import (
+    EngineInputs,
     FinishReason,
     RolloutBatch,
     RolloutEngine,
@@ -72,6 +71,9 @@ from stages.engines.nccl_sync import NcclRendezvous, NcclSender, as_rendezvous
 from stages.engines.vllm_sampling import request_seed
 from stages.engines.vllm_sync import SentNames
 from stages.engines.vllm_worker_extension import REPACK_TIED_HEAD, WORKER_EXTENSION
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger(__name__)
 
@@ -231,19 +233,15 @@ class VLLMHTTPEngine(RolloutEngine):
     def __init__(
         self,
         *,
-        model: nn.Module,
-        tokenizer: Any,
-        precision: PrecisionConfig,
-        config: RolloutConfig,
         served_model: str = "policy",
         max_concurrency: int = 16,
         nccl_master: NcclRendezvous | tuple[str, int] | None = None,
         backoff: float = 0.5,
+        **inputs: Unpack[EngineInputs],
     ) -> None:
+        model, tokenizer, _, config = self._take_inputs(inputs)
         if not config.server_url:
             raise ValueError("rollout.engine=vllm_http needs rollout.server_url (the `vllm serve` base URL)")
-        self.config = config
-        self.precision_mode = precision.rollout
         self.served_model = served_model
         self.max_concurrency = max_concurrency
         self.nccl_master = as_rendezvous(nccl_master, config)

@@ -45,7 +45,7 @@ from fp8rl_core.config.precision_kinds import PRECISION_MODES
 from fp8rl_core.precision.conversion import _output_embedding_names
 from fp8rl_core.precision.fp8 import E4M3
 from fp8rl_core.precision.fp8_linear import Fp8RolloutLinear
-from fp8rl_core.precision.fp8_operands import _grouped, _round_whole, quantize_operand
+from fp8rl_core.precision.fp8_operands import RoundSpec, _grouped, _round_whole, quantize_operand
 from fp8rl_core.precision.rollout import FP8_ROLLOUT_MODES, FUSED_PROJECTIONS
 from stages.engines.weight_transfer import _is_tied, full_parameter
 
@@ -103,12 +103,7 @@ def quantize_fused(
                 )
         raw, qscale = _round_whole(
             _grouped(fused, "block", block),
-            "block",
-            E4M3,
-            pow2=False,
-            dequantize=False,
-            out_dtype=torch.float32,
-            rule="vllm",
+            RoundSpec("block", E4M3, pow2=False, dequantize=False, out_dtype=torch.float32, rule="vllm"),
         )  # raw [R/b, b, C/b, b], qscale [R/b, 1, C/b, 1]
         r, c = fused.shape
         fp8 = raw.reshape(raw.shape[0] * block, raw.shape[2] * block)[:r, :c].to(torch.float8_e4m3fn)

@@ -49,15 +49,21 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from fp8rl_core.config.campaign import PrecisionConfig, RolloutConfig
 from stages.engines import native_fp8
 from stages.engines import weight_transfer as wt
-from stages.engines.base import RolloutBatch, RolloutEngine, SamplingRequest, register_engine, validate_generate_args
+from stages.engines.base import (
+    EngineInputs,
+    RolloutBatch,
+    RolloutEngine,
+    SamplingRequest,
+    register_engine,
+    validate_generate_args,
+)
 from stages.engines.nccl_sync import NcclRendezvous, as_rendezvous
 from stages.engines.vllm_options import (
     SLEEP_WAKE_ORDER,
@@ -77,6 +83,9 @@ from stages.engines.vllm_options import (
 from stages.engines.vllm_sampling import batch_from_request_outputs, sampling_params
 from stages.engines.vllm_sync import SentNames, TransportOptions, make_transport, verified_reload
 from stages.engines.vllm_worker_extension import REPACK_TIED_HEAD
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger(__name__)
 
@@ -124,23 +133,19 @@ class VLLMEngine(RolloutEngine):
     def __init__(
         self,
         *,
-        model: nn.Module,
-        tokenizer: Any,
-        precision: PrecisionConfig,
-        config: RolloutConfig,
         model_path: str | Path | None = None,
         nccl_master: NcclRendezvous | tuple[str, int] | None = None,
         settings: VLLMSettings | None = None,
         hooks: VLLMHooks | None = None,
+        **inputs: Unpack[EngineInputs],
     ) -> None:
+        model, tokenizer, precision, config = self._take_inputs(inputs)
         opts = (settings or VLLMSettings()).for_config(config)
         hooks = hooks or VLLMHooks()
         nccl_master = as_rendezvous(nccl_master, config)
         check_engine_options(opts.logprobs_mode, opts.sleep_level, opts.weight_sync, opts.verify_sync,
                              opts.in_process, nccl_master)
         self._vllm = hooks.vllm_module if hooks.vllm_module is not None else import_vllm()
-        self.config = config
-        self.precision_mode = precision.rollout
         self.sleep_level = opts.sleep_level
         self.in_process = opts.in_process
         self.computes_apart = not opts.in_process  # its engine core computes in a process of its own

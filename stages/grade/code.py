@@ -53,7 +53,6 @@ The modules: :mod:`stages.grade.code_tests` (parsing tests),
 (grading a response and a batch).
 """
 
-
 from __future__ import annotations
 
 import json
@@ -62,7 +61,7 @@ import re
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Literal, Sequence
 
 from fp8rl_core.config.model import CodeConfig
@@ -86,8 +85,6 @@ def extract_code(response: str) -> str | None:
         return None
     code = blocks[-1].strip("\n")
     return code if code.strip() else None
-
-
 
 
 @dataclass(frozen=True)
@@ -247,17 +244,10 @@ def grade_code_batch(
 
 # ----------------------------------------------------------------- the "code" and "code_expr" verifiers
 def grading_config(code: CodeConfig | None) -> CodeGradingConfig:
+    """The grading limits of ``code`` (defaults: :class:`CodeConfig`'s): each field of
+    :class:`CodeGradingConfig` takes the value of the section's field of that name."""
     c = code or CodeConfig()
-    return CodeGradingConfig(
-        per_test_s=c.per_test_s,
-        per_sample_s=c.per_sample_s,
-        batch_wall_s=c.batch_wall_s,
-        max_sandboxes=c.max_sandboxes,
-        memory_mb=c.memory_mb,
-        output_bytes=c.output_bytes,
-        nproc=c.nproc,
-        allow_unisolated=c.allow_unisolated,
-    )
+    return CodeGradingConfig(**{f.name: getattr(c, f.name) for f in fields(CodeGradingConfig)})
 
 
 def grade_code_responses(

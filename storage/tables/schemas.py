@@ -362,6 +362,10 @@ BOUNDS = TableSpec(
     ),
 )
 
+_BOUNDS_NAMES = [c.name for c in BOUNDS.columns]
+BOUNDS_HEADLINE = tuple(_BOUNDS_NAMES[_BOUNDS_NAMES.index("mode") : _BOUNDS_NAMES.index("balance_after") + 1])
+"""The calibration's own columns, ``mode`` through ``balance_after``: what a summary shows first."""
+
 EVALS = TableSpec(
     "evals",
     "One row per evaluated sample: benchmark problem, sample index, correctness.",

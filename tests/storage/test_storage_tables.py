@@ -16,7 +16,7 @@ from storage.errors import NotARunDirectory, SchemaError, SchemaVersionError, Un
 from storage.parts.writer import TableWriter, read_table, rows_to_table, steps_from
 from storage.queries.catalog import connect, problems, query
 from storage.run.layout import create_run, parse_part_name
-from storage.tables.schemas import STORED_TABLES, TABLES
+from storage.tables.schemas import BOUNDS_HEADLINE, STORED_TABLES, TABLES
 from storage.tables.spec import MAIN_VARIANT, SCHEMA_VERSION
 
 # The column contract of docs/method.md: saved queries rely on these names.
@@ -197,6 +197,7 @@ def test_contract_columns_exist_even_without_data(tmp_path: Path) -> None:
         have = [r[0] for r in con.sql(f"DESCRIBE {table}").fetchall()]
         assert set(cols) <= set(have), (table, set(cols) - set(have))
         assert con.sql(f"SELECT count(*) FROM {table}").fetchall() == [(0,)]
+    assert set(BOUNDS_HEADLINE) <= set(CONTRACT["bounds"])  # the summaries show contract columns only
     types = dict((r[0], r[1]) for r in con.sql("DESCRIBE eval_scores").fetchall())
     assert types["step"] == "BIGINT" and types["value"] == "DOUBLE" and types["k"] == "INTEGER"
 

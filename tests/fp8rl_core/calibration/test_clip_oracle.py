@@ -101,7 +101,6 @@ def test_the_oracle_clips_exactly_the_tokens_the_bf16_ratios_and_bounds_clip_in_
     assert seen["epochs"] == {0, 1}
 
 
-
 def _recording_ppo(monkeypatch) -> list[dict]:
     """Every call of the registered ppo loss, recorded: its inputs and the loss it returned."""
     calls, ppo = [], losses.POLICY_LOSSES.get("ppo")
@@ -144,8 +143,14 @@ def test_the_per_token_loss_on_unclipped_tokens_is_the_fp8_standard_runs(monkeyp
     for s_call, o_call in zip(std_calls, oracle_calls[:n_std]):  # the first update: the same weights
         assert torch.equal(s_call["logp"], o_call["logp"]) and torch.equal(s_call["old"], o_call["old"])
         valid = s_call["mask"] > 0
-        std_codes = losses.clip_decisions(torch.exp(s_call["logp"] - s_call["old"]), s_call["adv"], s_call["mask"],
-                                          lower=s_call["lower"], upper=s_call["upper"], dual_clip=s_call["dual_clip"])
+        std_codes = losses.clip_decisions(
+            torch.exp(s_call["logp"] - s_call["old"]),
+            s_call["adv"],
+            s_call["mask"],
+            lower=s_call["lower"],
+            upper=s_call["upper"],
+            dual_clip=s_call["dual_clip"],
+        )
         both = valid & (std_codes == 0) & (o_call["clip_decision"] == 0)
         assert torch.equal(_token_losses(o_call, True)[both], _token_losses(s_call, False)[both])
         compared += int(both.sum())

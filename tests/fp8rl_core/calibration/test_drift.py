@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fp8rl_core.calibration.calibrated_clipping import StandardClip, calibrate
+from fp8rl_core.calibration.calibrated_clipping import calibrate
 from fp8rl_core.calibration.drift import (
     Schedule,
     StepTokens,
@@ -18,9 +18,8 @@ from fp8rl_core.calibration.drift import (
     replay,
 )
 from fp8rl_core.config.method import CalibrationConfig
+from tests.calibration_common import EPS_HIGH, EPS_LOW, STANDARD
 
-EPS_LOW, EPS_HIGH = 0.2, 0.28
-STANDARD = StandardClip(EPS_LOW, EPS_HIGH)  # the standard PPO clip, BF16's reference
 pytestmark = pytest.mark.timeout(60)
 
 

@@ -11,12 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from fp8rl_core.calibration.calibrated_clipping import CalibratorState, StandardClip, calibrate
+from fp8rl_core.calibration.calibrated_clipping import CalibratorState, calibrate
 from fp8rl_core.calibration.estimators import LOWER_ESTIMATORS, betainc, harrell_davis, hd_interval
 from fp8rl_core.config.method import CalibrationConfig
-
-EPS_LOW, EPS_HIGH = 0.2, 0.28
-STANDARD = StandardClip(EPS_LOW, EPS_HIGH)  # the standard PPO clip, BF16's reference
+from tests.calibration_common import EPS_HIGH, EPS_LOW, STANDARD
 
 
 def _step_batch(gen: torch.Generator, n: int = 300, spread: float = 0.15):

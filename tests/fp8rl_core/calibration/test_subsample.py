@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8rl_core.calibration.calibrated_clipping import StandardClip, calibrate
+from fp8rl_core.calibration.calibrated_clipping import calibrate
 from fp8rl_core.calibration.subsample import (
     BootstrapSpec,
     bootstrap_lower_error,
@@ -16,9 +16,8 @@ from fp8rl_core.calibration.subsample import (
     sample_sequences,
 )
 from fp8rl_core.config.method import CalibrationConfig
+from tests.calibration_common import EPS_LOW, STANDARD
 
-EPS_LOW, EPS_HIGH = 0.2, 0.28
-STANDARD = StandardClip(EPS_LOW, EPS_HIGH)  # the standard PPO clip, BF16's reference
 pytestmark = pytest.mark.timeout(90)
 
 
