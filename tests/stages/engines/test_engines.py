@@ -79,6 +79,14 @@ def test_registry_knows_both_engines_and_rejects_unknown(policy, tokenizer):
         make_engine("sglang", model=policy, tokenizer=tokenizer, precision=PrecisionConfig(), config=RolloutConfig())
 
 
+def test_a_misspelled_or_missing_engine_input_is_a_type_error(policy, tokenizer):
+    """The engines take their common inputs as ``**inputs``: a wrong keyword still fails, by name."""
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['logprob_mode'\]"):
+        make(policy, tokenizer, logprob_mode="raw")
+    with pytest.raises(TypeError, match=r"missing keyword arguments \['config'\]"):
+        TransformersEngine(model=policy, tokenizer=tokenizer, precision=PrecisionConfig())
+
+
 def test_batch_is_in_group_layout_and_well_formed(policy, tokenizer, prompts):
     batch = generate(make(policy, tokenizer), prompts, n=4, max_new_tokens=10)
     assert (batch.num_prompts, batch.n, len(batch.samples)) == (4, 4, 16)
