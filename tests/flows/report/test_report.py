@@ -240,8 +240,7 @@ def _refs(index: Path) -> _Refs:
 # --------------------------------------------------------------------------- the report
 
 
-def test_builds_fast_with_every_figure_drawn(report) -> None:
-    assert report.seconds < 30
+def test_every_figure_is_drawn(report) -> None:
     assert [f.figure.name for f in report.figures] == [f.name for f in FIGURES]
     for f in report.figures:  # these runs have every table: every figure must be drawn
         assert f.png is not None, f"{f.figure.name}: {f.note}"
