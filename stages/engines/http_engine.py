@@ -79,7 +79,12 @@ log = logging.getLogger(__name__)
 
 
 class ServerError(RuntimeError):
-    """The vLLM server did not answer usefully after every retry."""
+    """The vLLM server did not answer usefully after every retry; ``status`` is the HTTP status of the last
+    answer (``None`` when the last try got none: a timeout, a refused or dropped connection)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 _RETRYABLE = (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError)
@@ -97,7 +102,7 @@ class HTTPClient:
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         url = f"{self.base_url}/{path.lstrip('/')}"
         data = json.dumps(body if body is not None else {}).encode()
-        last = ""
+        last, status = "", None
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
@@ -111,14 +116,16 @@ class HTTPClient:
             except urllib.error.HTTPError as err:
                 detail = err.read()[:200].decode(errors="replace")
                 if err.code < 500:
-                    raise ServerError(f"POST {url}: HTTP {err.code} {detail}") from None
-                last = f"HTTP {err.code} {detail}"
+                    raise ServerError(f"POST {url}: HTTP {err.code} {detail}", err.code) from None
+                last, status = f"HTTP {err.code} {detail}", err.code
             except _RETRYABLE as err:
                 reason = getattr(err, "reason", err)
-                last = f"{type(reason).__name__}: {reason}"
+                last, status = f"{type(reason).__name__}: {reason}", None
             except json.JSONDecodeError as err:
-                last = f"unreadable JSON answer ({err})"
-        raise ServerError(f"POST {url} failed {self.retries + 1} times (timeout {self.timeout}s); last error: {last}")
+                last, status = f"unreadable JSON answer ({err})", None
+        raise ServerError(
+            f"POST {url} failed {self.retries + 1} times (timeout {self.timeout}s); last error: {last}", status
+        )
 
 
 class HTTPWeightSyncClient:
@@ -148,12 +155,16 @@ class HTTPWeightSyncClient:
         self.client.post("resume")
 
     def repack_tied_head(self) -> bool:
-        """``/collective_rpc`` of our worker extension's ``fp8rl_repack_tied_head`` (vLLM's dev-mode route);
-        False when the server was started without ``--worker-extension-cls`` (asked once, not retried)."""
-        once = HTTPClient(self.client.base_url, timeout=self.client.timeout, retries=0)
+        """``/collective_rpc`` of our worker extension's ``fp8rl_repack_tied_head`` (vLLM's dev-mode route),
+        with the client's retries. False when the server answers that it cannot: no such route (a server not
+        in dev mode, HTTP 4xx), or an error on every try (its workers have no such method: a server started
+        without ``--worker-extension-cls``). A server that does not answer at all raises
+        :class:`ServerError`, as any other request does: the stage fails and is retried."""
         try:
-            once.post("collective_rpc", {"method": REPACK_TIED_HEAD})
-        except ServerError:
+            self.client.post("collective_rpc", {"method": REPACK_TIED_HEAD})
+        except ServerError as err:
+            if err.status is None:
+                raise
             return False
         return True
 

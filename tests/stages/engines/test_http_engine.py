@@ -196,6 +196,22 @@ def test_client_errors_are_not_retried_and_urls_are_checked(server):
         )
 
 
+def test_the_tied_head_repack_is_not_given_up_on_one_failed_request(policy, server):
+    """vLLM's CPU build needs the repack after every weight update; a transient failure must not turn it off
+    for the rest of the run, and a server that does not answer fails the step instead of being read as one
+    without the worker extension."""
+    engine = make(policy, server.url, timeout=0.3, retries=2)
+    server.fail = ("500", 1)  # one bad answer: the retry gets through
+    assert engine.weights.repack_tied_head() is True
+    assert [p for p, _ in server.requests] == ["/collective_rpc"] * 2
+    server.fail = ("500", 3)  # an error on every try: the workers have no such method
+    assert engine.weights.repack_tied_head() is False
+    for mode in ("timeout", "drop"):  # no answer at all
+        server.fail = (mode, 3)
+        with pytest.raises(ServerError, match="collective_rpc failed 3 times"):
+            engine.weights.repack_tied_head()
+
+
 def test_weight_push_control_plane_uses_vllms_rl_routes(policy, server):
     engine = make(policy, server.url)
     w = engine.weights
