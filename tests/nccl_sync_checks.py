@@ -32,7 +32,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, 40, 41, 42], [1, 60, 61], [1, 70, 71, 72, 73, 74]]
-GEN = dict(n=2, temperature=1.0, top_p=1.0, max_new_tokens=10, seed=0)
 
 
 def wire_file(out_dir: Path) -> Path:
