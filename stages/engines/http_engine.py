@@ -312,7 +312,7 @@ class VLLMHTTPEngine(RolloutEngine):
             self.weights.pause()
         try:
             sender.send(train_model, self.sent_names)
-            if sender.is_sender and wt._is_tied(train_model) and self._repacks is not False:
+            if sender.is_sender and wt.is_tied(train_model) and self._repacks is not False:
                 self._repack_tied_head()
         finally:
             if sender.is_sender:

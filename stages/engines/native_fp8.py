@@ -47,7 +47,7 @@ from fp8rl_core.precision.fp8 import E4M3
 from fp8rl_core.precision.fp8_linear import Fp8RolloutLinear
 from fp8rl_core.precision.fp8_operands import RoundSpec, _grouped, _round_whole, quantize_operand
 from fp8rl_core.precision.rollout import FP8_ROLLOUT_MODES, FUSED_PROJECTIONS
-from stages.engines.weight_transfer import _is_tied, full_parameter
+from stages.engines.weight_transfer import full_parameter, is_tied
 
 BLOCK = 128
 
@@ -125,7 +125,7 @@ def stream_native_fp8_weights(
     state = train_model.state_dict()
     groups = quantized_groups(train_model)
     group_of = {f"{name}.weight": g for g in groups for name in g}
-    tied, sent = _is_tied(train_model), set()
+    tied, sent = is_tied(train_model), set()
     scale = SCALE_NAME.get(_granularity(mode))
     for key, tensor in state.items():
         name = key.replace("_orig_mod.", "")

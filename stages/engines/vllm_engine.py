@@ -245,7 +245,7 @@ class VLLMEngine(RolloutEngine):
         verify = self.verify_sync == "always" or (self.verify_sync == "first" and self._syncs == 0)
         with verified_reload(llm, verify=verify, transport=self.weight_sync):
             self.transport.send(llm, train_model, self.sent_names)
-            if wt._is_tied(train_model):  # every transport: the CPU backend's private copy of a tied head
+            if wt.is_tied(train_model):  # every transport: the CPU backend's private copy of a tied head
                 llm.collective_rpc(REPACK_TIED_HEAD)
             self.events.append("sync")
         if order[1:]:  # the trainer's cached blocks go back before vLLM takes its KV cache again

@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 
-def _is_tied(model: nn.Module) -> bool:
+def is_tied(model: nn.Module) -> bool:
+    """Whether ``model``'s output embedding shares the input embedding's weight (``tie_word_embeddings``)."""
     return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
 
 
@@ -75,7 +76,7 @@ def sent_state(train_model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(HF name, state tensor)`` of every entry a sync sends, in layer order, nothing gathered: the
     ``_orig_mod.`` prefix stripped, a tied ``lm_head.weight`` left out. A sharded ``DTensor`` entry
     knows its global shape and element count."""
-    tied = _is_tied(train_model)
+    tied = is_tied(train_model)
     named = ((name.replace("_orig_mod.", ""), t) for name, t in train_model.state_dict().items())
     return [(name, t) for name, t in named if not (tied and name == "lm_head.weight")]
 
