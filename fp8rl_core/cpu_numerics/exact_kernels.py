@@ -11,7 +11,9 @@ values included).
 They are built once per machine with the C++ compiler PyTorch's extensions use (``g++``), into
 ``$XDG_CACHE_HOME/fp8rl/kernels`` (``~/.cache/fp8rl/kernels``); ``make`` builds them when it sets up the
 venv, and the first portable GEMM of a process loads them (building them first if they are missing;
-processes that start together wait for one build). Where they cannot be built (no compiler, not
+processes that start together wait for one build). A build happens in a staging folder and the
+library is published under its final name by an atomic rename, so a process never loads a library
+another one is still writing. Where they cannot be built (no compiler, not
 x86-64 with AVX2) or ``FP8RL_EXACT_KERNELS=0`` is set, the tensor path runs instead: the same numbers,
 slower. Compiled with AVX2 (the portable numerics' floor: ATen runs its AVX2 kernels) and without FMA
 contraction or fast-math, so every operation is the one written.
@@ -25,6 +27,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -41,13 +44,7 @@ _STATE: dict[str, object] = {"ops": None, "tried": False, "why": "not loaded yet
 
 
 def _cpu_has_avx2() -> bool:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx2" in flags
+    return platform.machine().lower() in ("x86_64", "amd64") and torch.cpu._is_avx2_supported()
 
 
 def build_dir() -> Path:
@@ -58,23 +55,37 @@ def build_dir() -> Path:
     return Path(base) / "fp8rl" / "kernels" / f"exact_gemm-{key[:12]}"
 
 
+LIBRARY = "fp8rl_exact_gemm.so"
+STAGING = "staging"  # the build's own folder inside build_dir(): ninja's files and the library as it is linked
+
+
 def _load():
     where = build_dir()
-    built = where / "fp8rl_exact_gemm.so"
+    built = where / LIBRARY
     if built.is_file():  # the folder's name is the source's, flags' and torch's hash: this very build
         torch.ops.load_library(str(built))
         return torch.ops.fp8rl_exact
     from torch.utils.cpp_extension import load  # (a quarter of a second to import: only to build)
 
-    where.mkdir(parents=True, exist_ok=True)
+    staging = where / STAGING
+    staging.mkdir(parents=True, exist_ok=True)
     path = os.environ.get("PATH", "")
     os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + path  # the venv's ninja, not activated
-    try:
+    try:  # torch's lock on the staging folder makes processes that start together wait for one build
         load(name="fp8rl_exact_gemm", sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
-             build_directory=str(where), is_python_module=False, verbose=False)
+             build_directory=str(staging), is_python_module=False, verbose=False)
     finally:
         os.environ["PATH"] = path
+    _publish(staging / LIBRARY, built)
     return torch.ops.fp8rl_exact
+
+
+def _publish(library: Path, final: Path) -> None:
+    """Copy the linked ``library`` to ``final`` under a name of this process's, then rename it into place:
+    another process finds either no library at ``final`` or a whole one."""
+    part = final.with_name(f".{final.name}.{os.getpid()}.part")
+    shutil.copyfile(library, part)
+    os.replace(part, final)
 
 
 def ops():

@@ -5,6 +5,8 @@ products, ties, rows whose largest value is tiny or huge, infinities, BF16 round
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -137,3 +139,29 @@ def test_a_gemm_under_the_bf16_rule_returns_a_new_tensor_callers_may_write_in_pl
             y.mul_(2.0)  # an in-place op on a view of a custom Function's output raises here
             y.float().sum().backward()
     assert x.grad is not None and w.grad is not None and v.grad is not None
+
+
+def test_a_build_never_leaves_a_library_being_written_where_other_processes_load_it(kernels, tmp_path, monkeypatch):
+    """While the library is compiled and linked, the name other processes load (``build_dir()/LIBRARY``,
+    which they take as a finished build) holds nothing; afterwards it holds the whole library. A linker
+    writing straight into that name let a process that started a moment later load half a file."""
+    import shutil
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    real = exact_kernels.build_dir() / "fp8rl_exact_gemm.so"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    final = exact_kernels.build_dir() / "fp8rl_exact_gemm.so"
+    seen = {}
+
+    def linking(name, sources, build_directory, **kwargs):  # the linker, halfway and then done
+        out = Path(build_directory) / "fp8rl_exact_gemm.so"
+        out.write_bytes(real.read_bytes()[:4096])
+        seen["final while linking"] = final.exists()
+        shutil.copyfile(real, out)
+
+    monkeypatch.setattr(cpp_extension, "load", linking)
+    exact_kernels._load()
+    assert seen == {"final while linking": False}
+    assert final.read_bytes() == real.read_bytes()
+    assert [p.name for p in final.parent.iterdir() if p.name.endswith(".part")] == []
