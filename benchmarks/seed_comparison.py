@@ -17,6 +17,10 @@ the campaign's own surge rule). Per pair of settings, over the seeds both finish
   a policy: a lower bound on the true p).
 
     python benchmarks/seed_comparison.py runs/sweeps/stress-seeds [--baseline bf16.standard]
+    python benchmarks/seed_comparison.py [SWEEP_DIR] --archive benchmarks/results/regime-seeds.jsonl
+
+``--archive``: cells archived by ``benchmarks/cell_archive.py`` (run on other days or machines) join
+the sweep directory's own.
 
 Its last line is the calibrated cell's mean gap to the baseline and its sign-flip p-value.
 """
@@ -35,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CELL = re.compile(r"^(?P<setting>.+)\.s(?P<seed>\d+)$")
 
+from benchmarks.cell_archive import ARCHIVE_PREFIX, as_rows, read_archive, same_content  # noqa: E402
+
 
 def finished_cells(sweep_dir: Path) -> dict[str, dict[int, str]]:
     """setting -> {seed: run id} of the cells with a finished marker (a pilot's cells left out: their
@@ -49,6 +55,23 @@ def finished_cells(sweep_dir: Path) -> dict[str, dict[int, str]]:
         if run and (sweep_dir / run).is_dir():
             out[m["setting"]][int(m["seed"])] = run
     return dict(out)
+
+
+def archived_cells(archives: list[Path], live: dict[str, dict[int, str]]) -> dict[str, dict]:
+    """cell id -> archived line, for the cells of ``archives`` that ``live`` (a sweep directory's
+    finished cells) does not have; a cell in two archives must be the same in both."""
+    out: dict[str, dict] = {}
+    for path in archives:
+        if not path.is_file():
+            raise SystemExit(f"seed_comparison: {path}: no such archive")
+        for cell, line in read_archive(path).items():
+            m = CELL.match(cell)
+            if not m or m["setting"].startswith("pilot-") or int(m["seed"]) in live.get(m["setting"], {}):
+                continue
+            if cell in out and same_content(out[cell], line):
+                raise SystemExit(f"seed_comparison: {cell} differs between archives ({path})")
+            out[cell] = line
+    return out
 
 
 def load(sweep_dir: Path, runs: list[str]):
@@ -128,17 +151,30 @@ def compare(a: dict[int, str], b: dict[int, str], runs: dict[str, dict]) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sweep_dir", type=Path)
+    ap.add_argument("sweep_dir", type=Path, nargs="?", help="a sweep directory (optional with --archive)")
     ap.add_argument("--baseline", default="bf16.standard")
+    ap.add_argument(
+        "--archive", type=Path, action="append", default=[],
+        help="cells archived by benchmarks/cell_archive.py (repeatable); the sweep directory's own cells win",
+    )  # fmt: skip
     args = ap.parse_args()
-    cells = finished_cells(args.sweep_dir)
+    cells = finished_cells(args.sweep_dir) if args.sweep_dir and (args.sweep_dir / "_cells").is_dir() else {}
+    archived = archived_cells(args.archive, cells)
+    for cell in archived:
+        m = CELL.match(cell)
+        cells.setdefault(m["setting"], {})[int(m["seed"])] = ARCHIVE_PREFIX + cell
     if not cells:
-        ap.error(f"{args.sweep_dir}: no finished cells (no _cells/<cell>.json markers)")
-    all_runs = sorted({r for by_seed in cells.values() for r in by_seed.values()})
+        ap.error(f"{args.sweep_dir}: no finished cells (no _cells/<cell>.json markers, nothing archived)")
+    live = sorted({r for by_seed in cells.values() for r in by_seed.values() if not r.startswith(ARCHIVE_PREFIX)})
     # a setting whose every seed reads another setting's runs (twins: the same configs) is that setting
     first = {x: next(y for y in sorted(cells) if cells[y] == cells[x]) for x in cells}
     same = {x: y for x, y in first.items() if y != x}
-    runs = per_run(*load(args.sweep_dir, all_runs))
+    evals, steps = load(args.sweep_dir, live) if live else ([], [])
+    for line in archived.values():
+        e, s = as_rows(line)
+        evals += e
+        steps += s
+    runs = per_run(evals, steps)
     print("| setting | seeds | 2nd-half eval % (mean, min-max) | A<0 lower-clip FP8 ÷ BF16 | over-clipped % | surges |")
     print("|---|---:|---:|---:|---:|---|")
     for setting, by_seed in sorted(cells.items()):
