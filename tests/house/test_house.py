@@ -439,7 +439,7 @@ PACKAGES = ("fp8rl_core", "stages", "flows", "storage", "gpu_check")
 DOTTED_PATH = r"(?<![\w./-])(?:" + "|".join(PACKAGES) + r")(?:\.[A-Za-z_]\w*)+(?::[A-Za-z_]\w*)?"
 FILE_PATH = (
     r"(?<![\w./-])((?:" + "|".join((*PACKAGES, "benchmarks", "tests", "configs", "docs")) + r")"
-    r"/[\w./-]*\.(?:py|yaml|md|sql|json))(?::([A-Za-z_]\w*))?"
+    r"/[\w./-]*\.(?:py|yaml|md|sql|jsonl|json))(?::([A-Za-z_]\w*))?"
 )
 PLACEHOLDER_PATHS = {"configs/x.yaml"}  # "configs/x.yaml" in usage text stands for any preset
 
