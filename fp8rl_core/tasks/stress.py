@@ -66,7 +66,6 @@ __all__ = [
 
 LEVELS: dict[int, int] = {0: 4, 1: 6, 2: 8, 3: 11}  # difficulty -> digits per operand
 CELL = 9  # characters per column cell: "a+b+c=tu;"
-SPLITS = ("train", "test")
 
 
 def _digits(difficulty: int) -> int:
