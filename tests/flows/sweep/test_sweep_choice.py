@@ -174,7 +174,8 @@ def test_the_regime_sweep_fixes_its_rule_before_the_seeds_and_varies_only_what_i
     assert {c.config.algorithm.correction.mode for c in pilot} == {
         "token-tis", "seq-tis", "token-mis", "seq-mis", "icepop", "geo-mask"
     }  # fmt: skip
-    assert len(waiting_cell_ids(spec, {})) == 14 and len(cells) == 12 + 21 + 8 * 2  # + the 2-seed screen
+    # + the 2-seed screen of eight settings, and seeds 2-6 of the three it chose (oracle, old-together, blockwise)
+    assert len(waiting_cell_ids(spec, {})) == 14 and len(cells) == 12 + 21 + 8 * 2 + 3 * 5
     for c in cells:
         same = c.config.model_copy(
             update={"seed": preset.seed, "precision": preset.precision, "calibration": preset.calibration,
