@@ -239,6 +239,9 @@ SCREEN = ("fp8-rollout-only", "fp8-train-only", "fp8-old-together", "fp8-old-tog
           "fp8-rowwise", "fp8-blockwise", "fp8-geo-mask-calibrated")  # fmt: skip
 
 
+CHOSEN = ("fp8-oracle", "fp8-old-together", "fp8-blockwise")  # the screen's choice: seven seeds
+
+
 @pytest.mark.timeout(60)
 def test_the_screen_runs_its_settings_on_two_seeds_beside_the_seven_seed_cells() -> None:
     from flows.sweep.spec import load_sweep
@@ -247,8 +250,10 @@ def test_the_screen_runs_its_settings_on_two_seeds_beside_the_seven_seed_cells()
     ids = {c.id: c for c in cells}
     for label in ("bf16", "fp8-standard", "fp8-calibrated"):  # the comparison's cells, under their own ids
         assert {f"{label}.s{s}" for s in range(7)} <= set(ids)
+    assert set(CHOSEN) <= set(SCREEN)
     for label in SCREEN:
-        assert sorted(c.seed for c in cells if c.id.startswith(f"{label}.")) == [0, 1], label
+        seeds = list(range(7)) if label in CHOSEN else [0, 1]
+        assert sorted(c.seed for c in cells if c.id.startswith(f"{label}.")) == seeds, label
     oracle, standard = ids["fp8-oracle.s0"].config, ids["fp8-standard.s0"].config
     assert oracle.calibration.mode == "oracle" and oracle.algorithm == standard.algorithm
     assert ids["fp8-old-together.s1"].config.algorithm.old_logp_micro_batch_size is None
