@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gpu_check import main as gpu_check
+from gpu_check import sections
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,7 +23,7 @@ def test_cpu_only_machine_gets_one_clear_line_and_exit_0(capsys, monkeypatch):
 
 
 def test_shapes_and_sqnr():
-    c = gpu_check.model_config("Qwen2.5-32B", layers=2)
+    c = sections.model_config("Qwen2.5-32B", layers=2)
     assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers) == (
         5120,
         27648,
@@ -30,11 +31,11 @@ def test_shapes_and_sqnr():
         8,
         2,
     )
-    c = gpu_check.model_config("Qwen3-14B", layers=1)
+    c = sections.model_config("Qwen3-14B", layers=1)
     assert (c.model_type, c.hidden_size, c.head_dim) == ("qwen3", 5120, 128)
     x = torch.randn(1000)
-    assert gpu_check.sqnr_db(x, x) == math.inf
-    assert gpu_check.sqnr_db(x, x + 0.01 * x) == pytest.approx(40.0, abs=1e-4)
+    assert sections.sqnr_db(x, x) == math.inf
+    assert sections.sqnr_db(x, x + 0.01 * x) == pytest.approx(40.0, abs=1e-4)
 
 
 def test_carried_wheels_go_on_sys_path(tmp_path, monkeypatch):
@@ -96,30 +97,30 @@ def test_sections_run_end_to_end_on_a_tiny_config_on_cpu(monkeypatch):
 
     tiny = tiny_config(num_key_value_heads=2, num_hidden_layers=1)
     lines = PhaseLines()
-    monkeypatch.setattr(gpu_check, "emit", lines.append)
-    gpu_check.section_throughput(
+    monkeypatch.setattr(sections, "emit", lines.append)
+    sections.section_throughput(
         time.monotonic() + 60, iters=1, warmup=0, models={"tiny": tiny}, tokens_list=(32,), device="cpu"
     )
     row = lines[-1]
     assert row.startswith("    tiny") and "bf16" in row and row.count("FAILED") == 3  # emulate=False needs CUDA
     lines.clear()
-    gpu_check.section_rollout(seqs=2, length=8, config=tiny, device="cpu")
+    sections.section_rollout(seqs=2, length=8, config=tiny, device="cpu")
     text = "\n".join(lines)
     assert "emulated fp8_per_tensor" in text and "real _scaled_mm" in text and "real kernel vs emulation" in text
     assert [p.split(":")[0] for p in lines.phases] == ["    phase import", "    phase import", "    phase bf16 forward"]
     lines.clear()  # past its deadline a section says so and stops; a failing recipe is one line
-    gpu_check.section_throughput(time.monotonic() - 1, models={"tiny": tiny}, tokens_list=(32,), device="cpu")
+    sections.section_throughput(time.monotonic() - 1, models={"tiny": tiny}, tokens_list=(32,), device="cpu")
     assert lines[1:] == ["    (time budget reached; remaining shapes skipped)"]
     lines.clear()
-    gpu_check.section_sqnr(time.monotonic() - 1, tokens=8, config=tiny, real_device="cpu", label="tiny")
-    assert lines[1:] == [f"    {m}: skipped (section budget reached)" for m in gpu_check.RECIPES]
+    sections.section_sqnr(time.monotonic() - 1, tokens=8, config=tiny, real_device="cpu", label="tiny")
+    assert lines[1:] == [f"    {m}: skipped (section budget reached)" for m in sections.RECIPES]
 
     def no_kernel(model, mode):
         raise RuntimeError(f"no {mode} kernel")
 
     lines.clear()
-    gpu_check.section_sqnr(tokens=8, config=tiny, real_device="cpu", convert_real=no_kernel, label="tiny")
-    assert lines[1:] == [f"    {m}: FAILED (RuntimeError: no {m} kernel)" for m in gpu_check.RECIPES]
+    sections.section_sqnr(tokens=8, config=tiny, real_device="cpu", convert_real=no_kernel, label="tiny")
+    assert lines[1:] == [f"    {m}: FAILED (RuntimeError: no {m} kernel)" for m in sections.RECIPES]
 
 
 def test_vllm_section_skips_with_the_reason_where_vllm_does_not_import(monkeypatch):

@@ -177,8 +177,7 @@ def test_the_gpu_check_entry_names_the_device_then_runs_every_section_under_the_
 
 @pytest.mark.parametrize("capability, skipped", [((9, 0), []), ((8, 9), ["fp8_blockwise"]), ((8, 0), None)])
 def test_the_train_step_section_runs_the_modes_this_gpus_kernels_allow(monkeypatch, capability, skipped):
-    from gpu_check import main as gpu_check
-    from gpu_check import train_step
+    from gpu_check import sections, train_step
 
     FakeCuda(count=1, capability=capability).install(monkeypatch)
     seen = {}
@@ -189,8 +188,8 @@ def test_the_train_step_section_runs_the_modes_this_gpus_kernels_allow(monkeypat
     monkeypatch.setattr(train_step, "run_modes", run_modes)
     monkeypatch.setattr(train_step, "_batch", lambda device: ("batch on", device))
     lines = []
-    monkeypatch.setattr(gpu_check, "emit", lines.append)
-    gpu_check.section_train_step(deadline=123.0)
+    monkeypatch.setattr(sections, "emit", lines.append)
+    sections.section_train_step(deadline=123.0)
     assert lines[:2] == [
         "[4] sharded trainer step (gpu_check/train_step.py)",
         f"train_step: NVIDIA H200 (stand-in) SM{capability[0]}{capability[1]}, torch {torch.__version__}",
