@@ -12,9 +12,16 @@ show? The rules are the sweep file's, fixed before its cells ran:
 
 Also printed: each quantity's mean over windows of 40 steps, per setting (means over seeds), the
 table behind a reader's curve; the sweep's HTML report (``fp8rl report runs/sweeps/regime-long``)
-draws the per-step curves themselves.
+draws the per-step curves themselves, and ``--png`` draws them as one figure: evaluation, entropy and
+the A<0 lower-clip share against the step, each seed thin and the mean over seeds thick (entropy and
+the clip share as means over a sliding window of 10 steps).
 
     python benchmarks/long_horizon.py runs/sweeps/regime-long [--reference bf16] [--from 40] [--partial]
+        [--png docs/regime-long.png]
+    python benchmarks/long_horizon.py --archive benchmarks/results/regime-long.jsonl   # the archived cells
+
+``--archive``: cells archived by ``benchmarks/cell_archive.py`` (each line holds its per-step metrics
+and every evaluation outcome), alone or beside a sweep directory, whose own cells win.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.seed_comparison import CELL, finished_cells  # noqa: E402
+from benchmarks.cell_archive import ARCHIVE_PREFIX  # noqa: E402
+from benchmarks.seed_comparison import CELL, archived_cells, finished_cells  # noqa: E402
 
 QUANTITIES = {  # name -> (steps column or "eval", scale to print)
     "entropy": ("entropy_mean", 1.0),
@@ -48,12 +56,32 @@ def cells_of(sweep_dir: Path, partial: bool) -> dict[str, dict[int, str]]:
     return cells
 
 
-def series(sweep_dir: Path, runs: list[str]) -> dict[str, dict[str, dict[int, float]]]:
+def archived_series(lines: dict[str, dict]) -> dict[str, dict[str, dict[int, float]]]:
+    """As :func:`series`, for archived cells (run id ``archive:<cell>``)."""
+    out: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    for cell, line in lines.items():
+        run, steps = ARCHIVE_PREFIX + cell, line["steps"]
+        for col, _ in QUANTITIES.values():
+            if col == "eval":
+                continue
+            for step, value in zip(steps["step"], steps[col]):
+                if value is not None:
+                    out[run][col][int(step)] = float(value)
+        for step, flags in line["eval_outcomes"].items():
+            done = [f for f in flags if f != "-"]
+            if done:
+                out[run]["eval"][int(step)] = done.count("1") / len(done)
+    return out
+
+
+def series(sweep_dir: Path | None, runs: list[str]) -> dict[str, dict[str, dict[int, float]]]:
     """run id -> quantity -> {step: value} (evaluation: the mean correctness of the step's evaluation)."""
+    out: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    if sweep_dir is None or not runs:
+        return out
     from storage.queries.catalog import connect, query
 
     con = connect(sweep_dir, runs=runs)
-    out: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     cols = [c for c, _ in QUANTITIES.values() if c != "eval"]
     for row in query(con, f"SELECT run_id, step, {', '.join(cols)} FROM steps WHERE variant = 'main'").to_pylist():
         for c in cols:
@@ -84,18 +112,77 @@ def headroom(evals: dict[int, float]) -> float | None:
     return 100.0 * ((evals[190] + evals[200]) / 2 - (evals[150] + evals[160]) / 2)
 
 
+SMOOTH = 10  # steps in the sliding mean of the per-step curves (the evaluation is drawn as it is)
+
+
+def _smoothed(points: dict[int, float], width: int) -> tuple[list[int], list[float]]:
+    steps = sorted(points)
+    vals = [points[s] for s in steps]
+    if width <= 1:
+        return steps, vals
+    out = [statistics.fmean(vals[max(0, i - width + 1) : i + 1]) for i in range(len(vals))]
+    return steps, out
+
+
+def draw(cells: dict[str, dict[int, str]], data, path: Path, caption: str) -> None:
+    """The per-step curves as one PNG: a panel per quantity, a colour per setting, each seed thin and
+    the mean over the seeds thick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(QUANTITIES), figsize=(5.2 * len(QUANTITIES), 4.0))
+    colours = dict(zip(sorted(cells), ("tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange")))
+    for ax, (name, (col, scale)) in zip(axes, QUANTITIES.items()):
+        width = 1 if col == "eval" else SMOOTH
+        for setting, by_seed in sorted(cells.items()):
+            per_seed = []
+            for run in by_seed.values():
+                pts = {s: scale * v for s, v in data[run][col].items()}
+                if not pts:
+                    continue
+                xs, ys = _smoothed(pts, width)
+                ax.plot(xs, ys, color=colours[setting], linewidth=0.6, alpha=0.35)
+                per_seed.append(dict(zip(xs, ys)))
+            common = sorted(set.intersection(*(set(p) for p in per_seed))) if per_seed else []
+            if common:
+                mean = [statistics.fmean(p[s] for p in per_seed) for s in common]
+                ax.plot(common, mean, color=colours[setting], linewidth=2.0, label=f"{setting} ({len(per_seed)} seeds)")
+        ax.set_title(name + ("" if width == 1 else f" (mean of {width} steps)"))
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.text(0.01, 0.01, caption, fontsize=7, color="0.35")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"\nwrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sweep_dir", type=Path)
+    ap.add_argument("sweep_dir", type=Path, nargs="?", help="a sweep directory (optional with --archive)")
+    ap.add_argument("--archive", type=Path, action="append", default=[],
+                    help="cells archived by benchmarks/cell_archive.py (repeatable)")
     ap.add_argument("--reference", default="bf16")
     ap.add_argument("--from", dest="start", type=int, default=40, help="first step of the drift slopes")
     ap.add_argument("--partial", action="store_true", help="include cells still running")
+    ap.add_argument("--png", type=Path, help="also draw the per-step curves into this PNG")
+    ap.add_argument("--caption", default="", help="a line under the figure (its date and command)")
     args = ap.parse_args()
-    cells = cells_of(args.sweep_dir, args.partial)
+    if args.sweep_dir is None and not args.archive:
+        ap.error("give a sweep directory, --archive FILE, or both")
+    cells = cells_of(args.sweep_dir, args.partial) if args.sweep_dir is not None else {}
+    live = sorted({r for by_seed in cells.values() for r in by_seed.values()})
+    archived = archived_cells(args.archive, cells)
+    for cell in archived:
+        m = CELL.match(cell)
+        cells.setdefault(m["setting"], {})[int(m["seed"])] = ARCHIVE_PREFIX + cell
     if args.reference not in cells:
-        ap.error(f"{args.sweep_dir}: no {args.reference} cell (finished; --partial for running ones)")
-    runs = sorted({r for by_seed in cells.values() for r in by_seed.values()})
-    data = series(args.sweep_dir, runs)
+        ap.error(f"no {args.reference} cell (finished; --partial for running ones)")
+    data = series(args.sweep_dir, live)
+    data.update(archived_series(archived))
 
     print("headroom (eval at 190-200 minus 150-160, points; the rule asks >= 1 on the first seed):")
     for seed, run in sorted(cells[args.reference].items()):
@@ -134,6 +221,10 @@ def main() -> None:
             signs = {v > 0 for v in slopes.values() if v == v and v != 0}
             drift = "yes" if len(slopes) > 1 and len(signs) == 1 and all(v == v for v in slopes.values()) else "no"
             print(f"| {setting} | {name} | {shown} | {drift} |")
+
+    if args.png:
+        said = " ".join([*([str(args.sweep_dir)] if args.sweep_dir else []), *(f"--archive {a}" for a in args.archive)])
+        draw(cells, data, args.png, args.caption or f"python benchmarks/long_horizon.py {said} --png {args.png}")
 
 
 if __name__ == "__main__":
