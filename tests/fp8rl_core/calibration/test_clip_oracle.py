@@ -265,6 +265,20 @@ def test_the_screen_runs_its_settings_on_two_seeds_beside_the_seven_seed_cells()
     assert (geo.mode, geo.calibrate) == ("geo-mask", True)
 
 
+@pytest.mark.timeout(60)
+def test_the_long_horizon_adds_calibrated_and_the_oracle_on_the_same_seeds_and_200_steps() -> None:
+    from flows.sweep.spec import load_sweep
+
+    _, cells = load_sweep("configs/sweeps/regime-long.yaml")  # every cell's config validated
+    by = {c.id: c for c in cells}
+    labels = ("bf16", "fp8-standard", "fp8-calibrated", "fp8-oracle")
+    assert set(by) == {f"{label}.s{s}" for label in labels for s in range(3)}
+    assert all(c.config.steps == 200 and c.config.evaluation.interval == 10 for c in cells)
+    oracle, standard = by["fp8-oracle.s1"].config, by["fp8-standard.s1"].config
+    assert (oracle.calibration.mode, by["fp8-calibrated.s1"].config.calibration.mode) == ("oracle", "calibrated")
+    assert oracle.algorithm == standard.algorithm and oracle.precision == standard.precision
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "extra, needle",
