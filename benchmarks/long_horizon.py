@@ -105,6 +105,14 @@ def slope_per_100(points: dict[int, float]) -> float:
     return 100.0 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else float("nan")
 
 
+def window_means(a: dict[int, float], b: dict[int, float], start: int) -> tuple[float, float] | None:
+    """The means of two series over the steps of the window after ``start`` that both have."""
+    common = [s for s in a if s in b and start < s <= start + WINDOW]
+    if not common:
+        return None
+    return statistics.fmean(a[s] for s in common), statistics.fmean(b[s] for s in common)
+
+
 def headroom(evals: dict[int, float]) -> float | None:
     """Points gained from steps 150-160 to steps 190-200 (None until all four evaluations exist)."""
     if not all(s in evals for s in (150, 160, 190, 200)):
@@ -201,6 +209,27 @@ def main() -> None:
                 vals = [v for r in by_seed.values() for s, v in data[r][col].items() if a < s <= a + WINDOW]
                 row.append(f"{scale * statistics.fmean(vals):.3f}" if vals else "-")
             print(f"| {setting} | {name} | " + " | ".join(row) + " |")
+
+    print(f"\npaired by seed, means over windows of {WINDOW} steps: setting - {args.reference} (and setting / "
+          f"{args.reference}), over the seeds both have:")
+    print("| setting | quantity | seeds | " + " | ".join(f"{a + 1}-{a + WINDOW}" for a in range(0, 200, WINDOW)) + " |")
+    print("|---|---|---:|" + "---:|" * (200 // WINDOW))
+    for setting, by_seed in sorted(cells.items()):
+        if setting == args.reference:
+            continue
+        seeds = sorted(s for s in by_seed if s in cells[args.reference])
+        for name, (col, scale) in QUANTITIES.items():
+            row = []
+            for a in range(0, 200, WINDOW):
+                pairs = [window_means(data[by_seed[s]][col], data[cells[args.reference][s]][col], a) for s in seeds]
+                pairs = [p for p in pairs if p is not None]
+                if not pairs:
+                    row.append("-")
+                    continue
+                mine, ref = statistics.fmean(p[0] for p in pairs), statistics.fmean(p[1] for p in pairs)
+                ratio = f" ({mine / ref:.2f}x)" if ref else ""
+                row.append(f"{scale * (mine - ref):+.3f}{ratio}")
+            print(f"| {setting} | {name} | {len(seeds)} | " + " | ".join(row) + " |")
 
     print(f"\ndrift: slope per 100 steps of setting - {args.reference}, steps {args.start} on, by seed:")
     print("| setting | quantity | slopes by seed | one sign on every seed |")
