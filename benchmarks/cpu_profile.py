@@ -114,7 +114,12 @@ def _print_split(title: str, split: dict[str, float]) -> None:
         print(f"  {kind:<36} {split.get(kind, 0.0):7.3f} s  {100 * split.get(kind, 0.0) / max(total, 1e-12):5.1f} %")
 
 
-def _campaign(cfg, warmup: int, steps: int) -> None:
+def _print_top(prof, top: int) -> None:
+    if top:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+
+
+def _campaign(cfg, warmup: int, steps: int, top: int = 0) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -157,11 +162,12 @@ def _campaign(cfg, warmup: int, steps: int) -> None:
                     if stage is not run_score:
                         _print_split(f"{stage.__name__.removeprefix('run_')} stage, step {step}",
                                      _split(prof, time.perf_counter() - c0))
+                        _print_top(prof, top)
         finally:
             env.close()
 
 
-def _bootstrap(steps: int) -> None:
+def _bootstrap(steps: int, top: int = 0) -> None:
     import random
 
     import torch
@@ -191,6 +197,7 @@ def _bootstrap(steps: int) -> None:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             _sft_step(model, opt, *batches[-1], boot.lr)
         _print_split("bootstrap SFT step", _split(prof, time.perf_counter() - c0))
+        _print_top(prof, top)
 
 
 def main() -> None:
@@ -201,6 +208,7 @@ def main() -> None:
     ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="--what peer")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--top", type=int, default=0, help="also print the N ops of most self time per profiled stage")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from fp8rl_core.host.cpu_env import pin_cpu_numerics
@@ -210,7 +218,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     if args.what == "bootstrap":
-        return _bootstrap(args.steps)
+        return _bootstrap(args.steps, args.top)
     from flows.campaign.configuration import load_config
 
     n = args.warmup + args.steps + 1
@@ -221,7 +229,7 @@ def main() -> None:
         cfg = load_config("tiny-cpu", peer_trl._fp8rl_overrides(args.precision, n) + args.set)
     else:
         cfg = load_config(args.config, [f"steps={n}", "threads=1", *args.set])
-    _campaign(cfg, args.warmup, args.steps)
+    _campaign(cfg, args.warmup, args.steps, args.top)
 
 
 if __name__ == "__main__":
