@@ -266,13 +266,17 @@ def test_the_screen_runs_its_settings_on_two_seeds_beside_the_seven_seed_cells()
 
 
 @pytest.mark.timeout(60)
-def test_the_long_horizon_adds_calibrated_and_the_oracle_on_the_same_seeds_and_200_steps() -> None:
+def test_the_long_horizon_adds_calibrated_the_oracle_and_each_half_of_fp8_on_the_same_seeds_and_200_steps() -> None:
     from flows.sweep.spec import load_sweep
 
     _, cells = load_sweep("configs/sweeps/regime-long.yaml")  # every cell's config validated
     by = {c.id: c for c in cells}
-    labels = ("bf16", "fp8-standard", "fp8-calibrated", "fp8-oracle")
+    labels = ("bf16", "fp8-standard", "fp8-calibrated", "fp8-oracle", "fp8-rollout-only", "fp8-train-only")
     assert set(by) == {f"{label}.s{s}" for label in labels for s in range(3)}
+    rollout_only, train_only = by["fp8-rollout-only.s2"].config.precision, by["fp8-train-only.s2"].config.precision
+    fp8 = by["fp8-standard.s2"].config.precision
+    assert (rollout_only.rollout, rollout_only.train) == (fp8.rollout, "bf16") and fp8.train != "bf16"
+    assert (train_only.rollout, train_only.train) == ("bf16", fp8.train) and fp8.rollout != "bf16"
     assert all(c.config.steps == 200 and c.config.evaluation.interval == 10 for c in cells)
     oracle, standard = by["fp8-oracle.s1"].config, by["fp8-standard.s1"].config
     assert (oracle.calibration.mode, by["fp8-calibrated.s1"].config.calibration.mode) == ("oracle", "calibrated")
