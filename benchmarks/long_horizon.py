@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cell_archive import ARCHIVE_PREFIX  # noqa: E402
+from benchmarks.cell_archive import ARCHIVE_PREFIX, as_rows  # noqa: E402
 from benchmarks.seed_comparison import CELL, archived_cells, finished_cells  # noqa: E402
 
 QUANTITIES = {  # name -> (steps column or "eval", scale to print)
@@ -57,20 +57,22 @@ def cells_of(sweep_dir: Path, partial: bool) -> dict[str, dict[int, str]]:
 
 
 def archived_series(lines: dict[str, dict]) -> dict[str, dict[str, dict[int, float]]]:
-    """As :func:`series`, for archived cells (run id ``archive:<cell>``)."""
+    """As :func:`series`, for archived cells (run id ``archive:<cell>``), read through the archive's own
+    row decoding (:func:`benchmarks.cell_archive.as_rows`)."""
     out: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    cols = [c for c, _ in QUANTITIES.values() if c != "eval"]
     for cell, line in lines.items():
-        run, steps = ARCHIVE_PREFIX + cell, line["steps"]
-        for col, _ in QUANTITIES.values():
-            if col == "eval":
-                continue
-            for step, value in zip(steps["step"], steps[col]):
-                if value is not None:
-                    out[run][col][int(step)] = float(value)
-        for step, flags in line["eval_outcomes"].items():
-            done = [f for f in flags if f != "-"]
-            if done:
-                out[run]["eval"][int(step)] = done.count("1") / len(done)
+        evals, steps = as_rows({**line, "cell": cell})
+        run = ARCHIVE_PREFIX + cell
+        for row in steps:
+            for c in cols:
+                if row.get(c) is not None:
+                    out[run][c][int(row["step"])] = float(row[c])
+        outcomes: dict[int, list[bool]] = defaultdict(list)
+        for row in evals:
+            outcomes[row["step"]].append(row["correct"])
+        for step, flags in outcomes.items():
+            out[run]["eval"][step] = sum(flags) / len(flags)
     return out
 
 
