@@ -17,7 +17,7 @@ the A<0 lower-clip share against the step, each seed thin and the mean over seed
 the clip share as means over a sliding window of 10 steps).
 
     python benchmarks/long_horizon.py runs/sweeps/regime-long [--reference bf16] [--from 40] [--partial]
-        [--png docs/regime-long.png]
+        [--png docs/regime-long.png [--png-settings bf16,fp8-standard]]
     python benchmarks/long_horizon.py --archive benchmarks/results/regime-long.jsonl   # the archived cells
 
 ``--archive``: cells archived by ``benchmarks/cell_archive.py`` (each line holds its per-step metrics
@@ -134,6 +134,33 @@ def _smoothed(points: dict[int, float], width: int) -> tuple[list[int], list[flo
     return steps, out
 
 
+COLOURS = {  # one colour per setting of the sweep file, the same in every figure
+    "bf16": "tab:blue",
+    "fp8-standard": "tab:red",
+    "fp8-calibrated": "tab:green",
+    "fp8-oracle": "tab:purple",
+    "fp8-rollout-only": "tab:orange",
+    "fp8-train-only": "tab:brown",
+}
+OTHER_COLOURS = ("tab:pink", "tab:gray", "tab:olive", "tab:cyan")
+
+
+def colours_of(cells) -> dict[str, object]:
+    """A colour per setting: the sweep's own settings keep theirs, other names take the rest in turn (any
+    number of them: past the named colours, matplotlib's own cycle)."""
+    import matplotlib
+
+    spare = [*OTHER_COLOURS, *matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]]
+    out, i = {}, 0
+    for setting in sorted(cells):
+        if setting in COLOURS:
+            out[setting] = COLOURS[setting]
+        else:
+            out[setting] = spare[i % len(spare)]
+            i += 1
+    return out
+
+
 def draw(cells: dict[str, dict[int, str]], data, path: Path, caption: str) -> None:
     """The per-step curves as one PNG: a panel per quantity, a colour per setting, each seed thin and
     the mean over the seeds thick."""
@@ -143,7 +170,7 @@ def draw(cells: dict[str, dict[int, str]], data, path: Path, caption: str) -> No
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(QUANTITIES), figsize=(5.2 * len(QUANTITIES), 4.0))
-    colours = dict(zip(sorted(cells), ("tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange")))
+    colours = colours_of(cells)
     for ax, (name, (col, scale)) in zip(axes, QUANTITIES.items()):
         width = 1 if col == "eval" else SMOOTH
         for setting, by_seed in sorted(cells.items()):
@@ -180,6 +207,8 @@ def main() -> None:
     ap.add_argument("--partial", action="store_true", help="include cells still running")
     ap.add_argument("--png", type=Path, help="also draw the per-step curves into this PNG")
     ap.add_argument("--caption", default="", help="a line under the figure (its date and command)")
+    ap.add_argument("--png-settings", default="",
+                    help="comma-separated settings to draw (default: every setting; the tables keep them all)")
     args = ap.parse_args()
     if args.sweep_dir is None and not args.archive:
         ap.error("give a sweep directory, --archive FILE, or both")
@@ -254,8 +283,16 @@ def main() -> None:
             print(f"| {setting} | {name} | {shown} | {drift} |")
 
     if args.png:
+        drawn = cells
         said = " ".join([*([str(args.sweep_dir)] if args.sweep_dir else []), *(f"--archive {a}" for a in args.archive)])
-        draw(cells, data, args.png, args.caption or f"python benchmarks/long_horizon.py {said} --png {args.png}")
+        if args.png_settings:
+            wanted = [w.strip() for w in args.png_settings.split(",") if w.strip()]
+            unknown = [w for w in wanted if w not in cells]
+            if unknown:
+                ap.error(f"--png-settings: no cell of {', '.join(unknown)} (the cells hold {', '.join(sorted(cells))})")
+            drawn = {w: cells[w] for w in wanted}
+            said += f" --png-settings {','.join(wanted)}"
+        draw(drawn, data, args.png, args.caption or f"python benchmarks/long_horizon.py {said} --png {args.png}")
 
 
 if __name__ == "__main__":

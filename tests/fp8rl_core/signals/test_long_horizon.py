@@ -60,3 +60,24 @@ def test_the_figure_draws_every_setting_and_seed(lh, tmp_path):
     out = tmp_path / "curves.png"
     lh.draw(cells, data, out, "a caption")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_the_figure_draws_any_number_of_settings_each_in_a_colour_of_its_own(lh, tmp_path):
+    """The sweep file holds six settings, more than a fixed palette of five: each gets a colour, the
+    sweep's own settings the same colour in every figure, whatever else is drawn beside them."""
+    pytest.importorskip("matplotlib")
+    settings = ("bf16", "fp8-calibrated", "fp8-oracle", "fp8-rollout-only", "fp8-standard", "fp8-train-only",
+                "another", "and-one-more")
+    series = {
+        "entropy_mean": {t: 0.3 - 0.001 * t for t in range(1, 31)},
+        "clipfrac_lower": {t: 0.01 for t in range(1, 31)},
+        "eval": {t: 0.1 + 0.01 * t for t in range(0, 31, 10)},
+    }
+    data = {f"archive:{s}.s0": series for s in settings}
+    cells = {s: {0: f"archive:{s}.s0"} for s in settings}
+    colours = lh.colours_of(cells)
+    assert len(set(colours.values())) == len(settings)
+    assert lh.colours_of({"fp8-train-only": {}, "bf16": {}}) == {k: colours[k] for k in ("bf16", "fp8-train-only")}
+    out = tmp_path / "curves.png"
+    lh.draw(cells, data, out, "a caption")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
