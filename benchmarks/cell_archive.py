@@ -34,6 +34,17 @@ WHERE_AND_WHEN = ("commits", "uncommitted_changes", "seconds", "finished_at")  #
 ARCHIVE_PREFIX = "archive:"  # the run id an archived cell takes in a comparison
 
 
+def numerics_of(marker: dict) -> str | None:
+    """The cell's numerics fingerprint, computed from the parts its marker recorded by today's definition
+    (``flows.sweep.runner.fingerprint_of``), so a marker written before that definition changed compares
+    like a new one; the recorded hash where the marker holds no parts."""
+    from flows.sweep.runner import fingerprint_of
+
+    numerics = marker.get("numerics") or {}
+    parts = {k: numerics[k] for k in ("cpu_numerics", "layer_precision", "versions") if k in numerics}
+    return fingerprint_of(parts) if len(parts) == 3 else numerics.get("fingerprint")
+
+
 def cell_line(sweep_dir: Path, cell: str, run: str, marker: dict) -> dict:
     """The archive line of ``cell`` (its run ``run``; ``marker``: its ``_cells`` marker)."""
     from storage.queries.catalog import connect, query
@@ -55,7 +66,7 @@ def cell_line(sweep_dir: Path, cell: str, run: str, marker: dict) -> dict:
         "labels": marker.get("labels"),
         "seed": marker.get("seed"),
         "config_hash": marker.get("config_hash"),
-        "numerics": (marker.get("numerics") or {}).get("fingerprint"),
+        "numerics": numerics_of(marker),
         "commits": marker.get("commits"),
         "uncommitted_changes": marker.get("uncommitted_changes"),
         "seconds": marker.get("seconds"),

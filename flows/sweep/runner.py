@@ -28,8 +28,9 @@ Every cell records the code it ran on: each start or resume appends the commit (
 whether the checkout had uncommitted changes) to ``_cells/<cell>.starts.jsonl`` -- the
 commit when the sweep's process ran its first cell, the code it has loaded -- and the
 marker holds those commits and the run's numerics fingerprint (a hash of ``run.json``'s CPU
-numerics and layer precision with the torch, transformers and torchao versions), so cells
-that ran on different numerics are told apart.
+numerics and layer precision with the torch, transformers and torchao versions, less what cannot
+change a bit: :func:`arithmetic_of`), so cells that ran on different numerics are told apart, and
+cells that ran on the same numerics on different CPUs are not.
 
 A sweep with a ``choose:`` block (:mod:`flows.sweep.choice`) runs the pilot's cells first,
 makes each choice once its pilot has finished, then runs the cells that waited for it.
@@ -136,8 +137,12 @@ def code_identity() -> dict:
 
 def numerics_fingerprint(run_dir: Path) -> dict:
     """A short hash of what decides a run's arithmetic: ``run.json``'s CPU numerics and layer precision,
-    and the versions of torch, transformers and torchao; with the parts it hashed."""
-    import hashlib
+    and the versions of torch, transformers and torchao; with the parts it describes (as recorded).
+
+    Only what changes the bits is hashed (:func:`arithmetic_of`): not the words that explain a choice, and
+    for the ``portable`` GEMMs not the CPU's name nor whether the compiled kernels ran, since those give
+    the same numbers on every x86-64 CPU with AVX2. Two cells of one config then share a fingerprint
+    wherever they ran, and differ where their arithmetic can."""
     from importlib import metadata
 
     from storage.run.layout import RUN_FILE
@@ -151,8 +156,37 @@ def numerics_fingerprint(run_dir: Path) -> dict:
         "layer_precision": info.get("layer_precision"),
         "versions": {p: _version(metadata, p) for p in ("torch", "transformers", "torchao")},
     }
-    digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return {"fingerprint": digest, **parts}
+    return {"fingerprint": fingerprint_of(parts), **parts}
+
+
+def fingerprint_of(parts: dict) -> str:
+    """The 12-hex-digit hash of :func:`arithmetic_of` ``parts``."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(arithmetic_of(parts), sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def arithmetic_of(parts: dict) -> dict:
+    """``parts`` (``cpu_numerics``, ``layer_precision``, ``versions``) without what cannot change a bit:
+    every ``reason`` (the words of an ``auto`` choice, which name the CPU's instructions), the setting that
+    led to a GEMM kind (``auto`` or the kind itself), and where the kind is ``portable`` the CPU's name and
+    ``exact_gemm_kernels`` (the compiled kernels and the tensor path give the same bits)."""
+
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k != "reason"}
+        return value
+
+    out = strip(json.loads(json.dumps(parts, default=str)))
+    cpu = out.get("cpu_numerics")
+    if isinstance(cpu, dict):
+        gemm = cpu.get("bf16_gemm")
+        if isinstance(gemm, dict):
+            gemm.pop("setting", None)
+            if gemm.get("kind") == "portable":
+                cpu.pop("cpu", None)
+                cpu.pop("exact_gemm_kernels", None)
+    return out
 
 
 def _version(metadata, package: str) -> str | None:

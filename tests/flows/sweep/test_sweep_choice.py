@@ -232,3 +232,36 @@ def test_a_twin_whose_counterpart_failed_runs_itself(tmp_path: Path):
     assert [c for c, _ in fake.calls][len(PILOT):] == ["standard.s0", "strongest.s0", "calibrated-strongest.s0"]
     assert "[2/3] strongest.s0: starting" in lines and (out / "strongest.s0").is_dir()
     assert "same_as" not in json.loads((out / "_cells" / "strongest.s0.json").read_text())
+
+
+def _parts(reason: str, cpu: str, kernels: str, *, kind: str = "portable", threads: int = 2) -> dict:
+    """The numerics parts a cell's marker records (``run.json``'s), as two CPUs wrote them on 2026-12-07."""
+    return {
+        "cpu_numerics": {
+            "bf16_gemm": {"setting": "auto", "kind": kind, "reason": reason},
+            "exact_gemm_kernels": kernels, "cpu": cpu, "torch": "2.13.0+cpu", "aten_cpu_capability": "AVX2",
+            "env": {"ATEN_CPU_CAPABILITY": "avx2"}, "threads": threads,
+        },
+        "layer_precision": {
+            "mode": "fp8_tensorwise", "backend": "fp8rl-emulated", "fp8_linears": 14,
+            "compile": {"setting": "auto", "enabled": False, "reason": "cpu: eager is the default off CUDA"},
+        },
+        "versions": {"torch": "2.13.0+cpu", "transformers": "5.25.0", "torchao": "0.18.0"},
+    }  # fmt: skip
+
+
+def test_the_numerics_fingerprint_is_the_same_on_two_cpus_for_the_portable_gemms_and_differs_where_bits_can():
+    """One config's cells ran on an AVX512-BF16 CPU and on an AVX2-only one with the same portable numbers,
+    but the auto choice's reason named each CPU's instructions: the fingerprints must still agree."""
+    from flows.sweep.runner import fingerprint_of
+
+    zen4 = _parts("AVX512-BF16, but hidden size 128 < 256: the CPU-independent exact GEMMs", "AMD EPYC", "compiled")
+    zen3 = _parts("no AMX-BF16/AVX512-BF16: the CPU-independent exact GEMMs", "AMD EPYC", "compiled")
+    xeon = _parts("AMX-BF16, but hidden size 128 < 256: the CPU-independent exact GEMMs", "Intel Xeon", "tensor path")
+    assert fingerprint_of(zen4) == fingerprint_of(zen3) == fingerprint_of(xeon)
+    # what changes bits still changes the fingerprint: the thread count, the GEMM kind, and for a CPU-chosen
+    # kind the CPU itself
+    assert fingerprint_of(_parts("x", "AMD EPYC", "compiled", threads=1)) != fingerprint_of(zen3)
+    native_amd = _parts("AVX512-BF16", "AMD EPYC", "compiled", kind="native")
+    native_intel = _parts("AVX512-BF16", "Intel Xeon", "compiled", kind="native")
+    assert len({fingerprint_of(native_amd), fingerprint_of(native_intel), fingerprint_of(zen3)}) == 3

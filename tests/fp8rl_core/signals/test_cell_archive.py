@@ -63,3 +63,20 @@ def test_the_comparison_takes_archived_cells_where_the_sweep_has_none(sc, tmp_pa
     other.write_text(json.dumps(_line("bf16.s1", {"2": "100"})) + "\n")
     with pytest.raises(SystemExit, match="bf16.s1 differs between archives"):
         sc.archived_cells([archive, other], {})
+
+
+def test_a_marker_s_numerics_are_fingerprinted_from_its_parts_by_today_s_definition(ca):
+    """A cell re-run on another CPU records the auto choice's reason in its own words; the archive line
+    takes the fingerprint from the recorded parts, so the re-export compares equal on the numbers."""
+    from flows.sweep.runner import fingerprint_of
+
+    def marker(reason: str, stored: str) -> dict:
+        parts = {"cpu_numerics": {"bf16_gemm": {"setting": "auto", "kind": "portable", "reason": reason},
+                                  "cpu": "AMD EPYC", "threads": 2},
+                 "layer_precision": {"mode": "bf16"}, "versions": {"torch": "2.13.0+cpu"}}
+        return {"numerics": {"fingerprint": stored, **parts}}
+
+    zen4, zen3 = marker("AVX512-BF16, but hidden size 128 < 256", "1" * 12), marker("no AMX-BF16/AVX512-BF16", "2" * 12)
+    assert ca.numerics_of(zen4) == ca.numerics_of(zen3) == fingerprint_of({k: v for k, v in zen3["numerics"].items()
+                                                                           if k != "fingerprint"})
+    assert ca.numerics_of({"numerics": {"fingerprint": "3" * 12}}) == "3" * 12  # no parts recorded: as stored
