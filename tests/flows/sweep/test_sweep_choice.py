@@ -265,3 +265,18 @@ def test_the_numerics_fingerprint_is_the_same_on_two_cpus_for_the_portable_gemms
     native_amd = _parts("AVX512-BF16", "AMD EPYC", "compiled", kind="native")
     native_intel = _parts("AVX512-BF16", "Intel Xeon", "compiled", kind="native")
     assert len({fingerprint_of(native_amd), fingerprint_of(native_intel), fingerprint_of(zen3)}) == 3
+
+
+def test_two_runs_of_one_config_on_two_cpus_share_the_fingerprint_their_markers_record(tmp_path: Path):
+    """Through the marker's own path: ``run.json`` as each CPU wrote it, read by ``numerics_fingerprint``."""
+    from flows.sweep.runner import numerics_fingerprint
+    from storage.run.layout import RUN_FILE
+
+    prints = []
+    for name, reason in (("zen4", "AVX512-BF16, but hidden size 128 < 256"), ("zen3", "no AMX-BF16/AVX512-BF16")):
+        parts = _parts(reason, "AMD EPYC", "compiled")
+        (tmp_path / name).mkdir()
+        (tmp_path / name / RUN_FILE).write_text(json.dumps({k: parts[k] for k in ("cpu_numerics", "layer_precision")}))
+        prints.append(numerics_fingerprint(tmp_path / name))
+    assert prints[0]["fingerprint"] == prints[1]["fingerprint"]
+    assert prints[0]["cpu_numerics"]["bf16_gemm"]["reason"] != prints[1]["cpu_numerics"]["bf16_gemm"]["reason"]
